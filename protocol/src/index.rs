@@ -1,0 +1,632 @@
+//! The shared hash index (DESIGN §6): open addressing with linear probing in a memfd that
+//! the pool writes and schedulers map read-only.
+//!
+//! ```text
+//!  header                          table 0                      table 1
+//! ┌──────┬───────┬───────┐ ┌─────────────────────────┐ ┌─────────────────────────┐
+//! │ info │ epoch │ stats │ │ slot slot slot ...      │ │ slot slot slot ...      │
+//! └──────┴───────┴───────┘ └─────────────────────────┘ └─────────────────────────┘
+//!                  active table = epoch & 1; rebuilds go into the other one.
+//!  slot (32 B, two per cache line):
+//! ┌───────────┬───────────┬────────────────┬────────────────┬────────────────┐
+//! │ seq (u32) │ state u32 │ key lo (u64)   │ key hi (u64)   │ location (u64) │
+//! └───────────┴───────────┴────────────────┴────────────────┴────────────────┘
+//! ```
+//! One writer (the pool serialises its index updates); any number of readers in other
+//! processes. Each slot is a seqlock: the writer makes `seq` odd, fences, writes the
+//! fields, then publishes an even `seq` with Release. A reader loads `seq` (Acquire),
+//! copies the fields with atomic loads, fences (Acquire) and re-loads `seq`; a change means
+//! a torn copy and the slot is read again. Readers never block: every retry loop is
+//! bounded, and running out of retries is a miss (a recompute), never a wrong hit.
+//!
+//! Rebuild: tombstones slow lookups, so when they pass a threshold the writer copies live
+//! entries into the other table and flips `epoch` (Release). A reader checks that `epoch`
+//! did not change across its lookup and retries if it did, so it never trusts a table that
+//! the writer may have started to reuse.
+
+use crossbeam_utils::CachePadded;
+
+use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
+use crate::{ObjectKey, ProtocolError, MAGIC, PROTOCOL_VERSION};
+
+pub const SLOT_EMPTY: u32 = 0;
+pub const SLOT_FULL: u32 = 1;
+pub const SLOT_TOMBSTONE: u32 = 2;
+
+/// One slot; all words atomics because other processes read them concurrently.
+#[repr(C, align(32))]
+pub struct IndexSlot {
+    pub seq: AtomicU32,
+    pub state: AtomicU32,
+    pub key: [AtomicU64; 2],
+    pub location: AtomicU64,
+}
+#[cfg(not(loom))]
+crate::assert_layout!(IndexSlot, size = 32, align = 32);
+
+#[repr(C)]
+pub struct IndexInfo {
+    pub magic: AtomicU32,
+    pub version: AtomicU32,
+    /// Slots per table (power of two).
+    pub slot_count: AtomicU64,
+    /// Byte offsets of the two tables from the start of the region.
+    pub table_offset: [AtomicU64; 2],
+}
+
+/// Counters the writer maintains for tools (ringtool, metrics).
+#[repr(C)]
+pub struct IndexStats {
+    pub live: AtomicU64,
+    pub tombstones: AtomicU64,
+    pub inserts: AtomicU64,
+    pub removes: AtomicU64,
+    pub rebuilds: AtomicU64,
+}
+
+#[repr(C)]
+pub struct IndexHeader {
+    pub info: CachePadded<IndexInfo>,
+    pub epoch: CachePadded<AtomicU64>,
+    pub stats: CachePadded<IndexStats>,
+}
+#[cfg(not(loom))]
+crate::assert_layout!(IndexHeader, size = 384, align = 128);
+
+/// Where table 0 starts: the header rounded up to a page.
+pub const TABLES_OFFSET: usize = 4096;
+/// Fewest slots a table may have.
+pub const MIN_SLOTS: u64 = 1024;
+/// Largest table accepted from a peer (2^30 slots = 32 GiB per table).
+pub const MAX_SLOTS: u64 = 1 << 30;
+
+/// Slots per table for a pool of `capacity_bytes` holding objects of at least
+/// `min_object_bytes`: twice the most objects that fit, so the load stays under one half.
+pub fn slots_for(capacity_bytes: u64, min_object_bytes: u64) -> u64 {
+    let objects = capacity_bytes / min_object_bytes.max(1);
+    objects.saturating_mul(2).next_power_of_two().clamp(MIN_SLOTS, MAX_SLOTS)
+}
+
+/// Bytes of an index region with `slot_count` slots per table.
+pub fn region_bytes(slot_count: u64) -> usize {
+    TABLES_OFFSET + 2 * slot_count as usize * core::mem::size_of::<IndexSlot>()
+}
+
+/// Retries a reader spends on one slot before calling it a miss (the writer may be
+/// stopped mid-write, SIGSTOP, and must not stall a scheduler).
+const SLOT_RETRIES: u32 = 64;
+/// Retries a reader spends on epoch changes (concurrent rebuilds) before a miss.
+const EPOCH_RETRIES: u32 = 4;
+
+/// Checked view over an index region: header plus two tables.
+#[derive(Clone, Copy)]
+pub struct IndexView<'a> {
+    header: &'a IndexHeader,
+    tables: [&'a [IndexSlot]; 2],
+    mask: u64,
+}
+
+fn home(key: ObjectKey, mask: u64) -> u64 {
+    (key.0 as u64 ^ (key.0 >> 64) as u64) & mask
+}
+
+#[cfg(not(loom))]
+impl<'a> IndexView<'a> {
+    /// Formats a region for `slot_count` slots per table. The region must be zeroed
+    /// (a fresh memfd is).
+    ///
+    /// # Safety
+    /// `mem` valid for reads and writes of `len` bytes for `'a`; no other user until this
+    /// returns.
+    pub unsafe fn init(mem: *mut u8, len: usize, slot_count: u64) -> Result<Self, ProtocolError> {
+        if !slot_count.is_power_of_two() || !(MIN_SLOTS..=MAX_SLOTS).contains(&slot_count) {
+            return Err(ProtocolError::InvalidField { what: "index slot count", value: slot_count });
+        }
+        check_index_region(mem, len, slot_count)?;
+        // SAFETY: aligned, large enough (checked); all fields are atomics.
+        let header = unsafe { &*(mem as *const IndexHeader) };
+        header.info.slot_count.store(slot_count, Ordering::Relaxed);
+        let table_bytes = slot_count * core::mem::size_of::<IndexSlot>() as u64;
+        header.info.table_offset[0].store(TABLES_OFFSET as u64, Ordering::Relaxed);
+        header.info.table_offset[1].store(TABLES_OFFSET as u64 + table_bytes, Ordering::Relaxed);
+        header.info.version.store(PROTOCOL_VERSION, Ordering::Relaxed);
+        header.info.magic.store(MAGIC, Ordering::Release);
+        // SAFETY: same contract.
+        unsafe { Self::attach(mem as *const u8, len) }
+    }
+
+    /// Attaches to a region formatted by [`Self::init`], checking every header field.
+    ///
+    /// # Safety
+    /// `mem` valid for reads of `len` bytes for `'a` (a read-only mapping is fine for
+    /// readers; the writer needs a writable one).
+    pub unsafe fn attach(mem: *const u8, len: usize) -> Result<Self, ProtocolError> {
+        check_index_region(mem, len, 0)?;
+        // SAFETY: aligned and at least a header long.
+        let header = unsafe { &*(mem as *const IndexHeader) };
+        let magic = header.info.magic.load(Ordering::Acquire);
+        if magic != MAGIC {
+            return Err(ProtocolError::BadMagic { what: "index", found: magic, expected: MAGIC });
+        }
+        let version = header.info.version.load(Ordering::Relaxed);
+        if version != PROTOCOL_VERSION {
+            return Err(ProtocolError::VersionMismatch { found: version, expected: PROTOCOL_VERSION });
+        }
+        let slot_count = header.info.slot_count.load(Ordering::Relaxed);
+        if !slot_count.is_power_of_two() || !(MIN_SLOTS..=MAX_SLOTS).contains(&slot_count) {
+            return Err(ProtocolError::InvalidField { what: "index slot count", value: slot_count });
+        }
+        check_index_region(mem, len, slot_count)?;
+        let table_bytes = slot_count as usize * core::mem::size_of::<IndexSlot>();
+        let mut tables: [&[IndexSlot]; 2] = [&[], &[]];
+        for (i, t) in tables.iter_mut().enumerate() {
+            let off = header.info.table_offset[i].load(Ordering::Relaxed);
+            let in_range = (off as usize)
+                .checked_add(table_bytes)
+                .is_some_and(|end| end <= len && off as usize >= core::mem::size_of::<IndexHeader>());
+            if !in_range || off % 32 != 0 {
+                return Err(ProtocolError::InvalidField { what: "index table offset", value: off });
+            }
+            // SAFETY: [off, off + table_bytes) is inside the region and 32-aligned;
+            // IndexSlot is all atomics, valid for any bit pattern.
+            *t = unsafe {
+                core::slice::from_raw_parts(mem.add(off as usize) as *const IndexSlot, slot_count as usize)
+            };
+        }
+        Ok(Self { header, tables, mask: slot_count - 1 })
+    }
+}
+
+#[cfg(not(loom))]
+fn check_index_region(mem: *const u8, len: usize, slot_count: u64) -> Result<(), ProtocolError> {
+    let align = core::mem::align_of::<IndexHeader>();
+    if (mem as usize) % align != 0 {
+        return Err(ProtocolError::Misaligned { align });
+    }
+    let need = if slot_count == 0 { TABLES_OFFSET } else { region_bytes(slot_count) };
+    if len < need {
+        return Err(ProtocolError::RegionTooSmall { need, have: len });
+    }
+    Ok(())
+}
+
+/// Heap-backed index storage for loom models.
+#[cfg(loom)]
+pub struct LoomIndexStorage {
+    pub header: IndexHeader,
+    tables: [Vec<IndexSlot>; 2],
+}
+
+#[cfg(loom)]
+impl LoomIndexStorage {
+    pub fn new(slot_count: u64) -> Self {
+        let z = || AtomicU64::new(0);
+        let header = IndexHeader {
+            info: CachePadded::new(IndexInfo {
+                magic: AtomicU32::new(MAGIC),
+                version: AtomicU32::new(PROTOCOL_VERSION),
+                slot_count: AtomicU64::new(slot_count),
+                table_offset: [z(), z()],
+            }),
+            epoch: CachePadded::new(z()),
+            stats: CachePadded::new(IndexStats { live: z(), tombstones: z(), inserts: z(), removes: z(), rebuilds: z() }),
+        };
+        let table = || {
+            (0..slot_count)
+                .map(|_| IndexSlot {
+                    seq: AtomicU32::new(0),
+                    state: AtomicU32::new(0),
+                    key: [AtomicU64::new(0), AtomicU64::new(0)],
+                    location: AtomicU64::new(0),
+                })
+                .collect()
+        };
+        Self { header, tables: [table(), table()] }
+    }
+
+    pub fn view(&self) -> IndexView<'_> {
+        let n = self.tables[0].len() as u64;
+        IndexView { header: &self.header, tables: [&self.tables[0], &self.tables[1]], mask: n - 1 }
+    }
+}
+
+/// A consistent copy of one slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotCopy {
+    pub state: u32,
+    pub key: ObjectKey,
+    pub location: u64,
+}
+
+/// Index statistics at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexSnapshot {
+    pub slot_count: u64,
+    pub epoch: u64,
+    pub live: u64,
+    pub tombstones: u64,
+    pub inserts: u64,
+    pub removes: u64,
+    pub rebuilds: u64,
+}
+
+impl<'a> IndexView<'a> {
+    pub fn slot_count(&self) -> u64 {
+        self.mask + 1
+    }
+
+    pub fn header(&self) -> &'a IndexHeader {
+        self.header
+    }
+
+    /// Seqlock read of one slot; None when the writer kept it busy for every retry.
+    pub fn read_slot(slot: &IndexSlot) -> Option<SlotCopy> {
+        for _ in 0..SLOT_RETRIES {
+            let s1 = slot.seq.load(Ordering::Acquire);
+            if s1 & 1 == 1 {
+                crate::sync::spin_hint();
+                continue;
+            }
+            let state = slot.state.load(Ordering::Relaxed);
+            let lo = slot.key[0].load(Ordering::Relaxed);
+            let hi = slot.key[1].load(Ordering::Relaxed);
+            let location = slot.location.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if slot.seq.load(Ordering::Relaxed) == s1 {
+                return Some(SlotCopy { state, key: ObjectKey::from_words([lo, hi]), location });
+            }
+            crate::sync::spin_hint();
+        }
+        None
+    }
+
+    /// Location of `key`, or None (absent, or could not be read consistently in time).
+    pub fn lookup(&self, key: ObjectKey) -> Option<u64> {
+        for _ in 0..EPOCH_RETRIES {
+            let epoch = self.header.epoch.load(Ordering::Acquire);
+            let found = self.probe(self.tables[(epoch & 1) as usize], key);
+            fence(Ordering::Acquire);
+            if self.header.epoch.load(Ordering::Relaxed) == epoch {
+                return found;
+            }
+        }
+        None
+    }
+
+    fn probe(&self, table: &[IndexSlot], key: ObjectKey) -> Option<u64> {
+        let mut i = home(key, self.mask);
+        for _ in 0..=self.mask {
+            let copy = Self::read_slot(&table[i as usize])?;
+            match copy.state {
+                SLOT_EMPTY => return None,
+                SLOT_FULL if copy.key == key => return Some(copy.location),
+                _ => {}
+            }
+            i = (i + 1) & self.mask;
+        }
+        None
+    }
+
+    /// Count of leading keys present; stops at the first miss.
+    pub fn match_prefix(&self, keys: &[ObjectKey]) -> usize {
+        keys.iter().take_while(|k| self.lookup(**k).is_some()).count()
+    }
+
+    pub fn snapshot(&self) -> IndexSnapshot {
+        let s = &self.header.stats;
+        IndexSnapshot {
+            slot_count: self.slot_count(),
+            epoch: self.header.epoch.load(Ordering::Acquire),
+            live: s.live.load(Ordering::Relaxed),
+            tombstones: s.tombstones.load(Ordering::Relaxed),
+            inserts: s.inserts.load(Ordering::Relaxed),
+            removes: s.removes.load(Ordering::Relaxed),
+            rebuilds: s.rebuilds.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Probe-length histogram of the active table (bucket i = entries found after i
+    /// probes, last bucket = that many or more), for ringtool.
+    pub fn probe_histogram(&self, buckets: usize) -> Vec<u64> {
+        let mut hist = vec![0u64; buckets.max(1)];
+        let table = self.tables[(self.header.epoch.load(Ordering::Acquire) & 1) as usize];
+        for (i, slot) in table.iter().enumerate() {
+            if let Some(c) = Self::read_slot(slot) {
+                if c.state == SLOT_FULL {
+                    let dist = (i as u64).wrapping_sub(home(c.key, self.mask)) & self.mask;
+                    let last = hist.len() - 1;
+                    hist[(dist as usize).min(last)] += 1;
+                }
+            }
+        }
+        hist
+    }
+}
+
+/// Outcome of [`IndexWriter::insert`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Insert {
+    Inserted,
+    /// First writer wins: the key was there, with this location.
+    Exists(u64),
+}
+
+/// The table is too full even after a rebuild.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("index full: {live} live entries in {slots} slots")]
+pub struct IndexFull {
+    pub live: u64,
+    pub slots: u64,
+}
+
+/// The single writer. Lives in the pool; all updates go through one instance.
+pub struct IndexWriter<'a> {
+    view: IndexView<'a>,
+    epoch: u64,
+    live: u64,
+    tombstones: u64,
+}
+
+impl<'a> IndexWriter<'a> {
+    /// Takes the writer role over a formatted region (the pool formats it itself, so its
+    /// contents are trusted).
+    pub fn new(view: IndexView<'a>) -> Self {
+        let epoch = view.header.epoch.load(Ordering::Relaxed);
+        let live = view.header.stats.live.load(Ordering::Relaxed);
+        let tombstones = view.header.stats.tombstones.load(Ordering::Relaxed);
+        Self { view, epoch, live, tombstones }
+    }
+
+    pub fn view(&self) -> IndexView<'a> {
+        self.view
+    }
+
+    pub fn len(&self) -> u64 {
+        self.live
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.live == 0
+    }
+
+    fn active(&self) -> &'a [IndexSlot] {
+        self.view.tables[(self.epoch & 1) as usize]
+    }
+
+    fn write_slot(slot: &IndexSlot, state: u32, key: ObjectKey, location: u64) {
+        let s = slot.seq.load(Ordering::Relaxed);
+        slot.seq.store(s.wrapping_add(1), Ordering::Relaxed);
+        fence(Ordering::Release);
+        let [lo, hi] = key.to_words();
+        slot.state.store(state, Ordering::Relaxed);
+        slot.key[0].store(lo, Ordering::Relaxed);
+        slot.key[1].store(hi, Ordering::Relaxed);
+        slot.location.store(location, Ordering::Relaxed);
+        slot.seq.store(s.wrapping_add(2), Ordering::Release);
+    }
+
+    // The writer is the only one that changes slots, so it reads them without a seqlock.
+    fn plain_read(slot: &IndexSlot) -> SlotCopy {
+        SlotCopy {
+            state: slot.state.load(Ordering::Relaxed),
+            key: ObjectKey::from_words([slot.key[0].load(Ordering::Relaxed), slot.key[1].load(Ordering::Relaxed)]),
+            location: slot.location.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Slot of `key` in the active table, and the first reusable slot seen on the way.
+    fn find(&self, key: ObjectKey) -> (Option<usize>, Option<usize>) {
+        let table = self.active();
+        let mask = self.view.mask;
+        let mut i = home(key, mask);
+        let mut reusable = None;
+        for _ in 0..=mask {
+            let c = Self::plain_read(&table[i as usize]);
+            match c.state {
+                SLOT_EMPTY => return (None, reusable.or(Some(i as usize))),
+                SLOT_FULL if c.key == key => return (Some(i as usize), None),
+                SLOT_TOMBSTONE if reusable.is_none() => reusable = Some(i as usize),
+                _ => {}
+            }
+            i = (i + 1) & mask;
+        }
+        (None, reusable)
+    }
+
+    pub fn get(&self, key: ObjectKey) -> Option<u64> {
+        self.find(key).0.map(|i| Self::plain_read(&self.active()[i]).location)
+    }
+
+    /// Inserts unless present (first writer wins). Rebuilds first when tombstones or the
+    /// load factor call for it.
+    pub fn insert(&mut self, key: ObjectKey, location: u64) -> Result<Insert, IndexFull> {
+        if let (Some(i), _) = self.find(key) {
+            return Ok(Insert::Exists(Self::plain_read(&self.active()[i]).location));
+        }
+        let slots = self.view.slot_count();
+        if (self.live + 1) * 4 > slots * 3 {
+            return Err(IndexFull { live: self.live, slots });
+        }
+        if (self.live + self.tombstones + 1) * 4 > slots * 3 || self.tombstones * 4 > slots {
+            self.rebuild();
+        }
+        let (_, free) = self.find(key);
+        let i = free.ok_or(IndexFull { live: self.live, slots })?;
+        let slot = &self.active()[i];
+        if slot.state.load(Ordering::Relaxed) == SLOT_TOMBSTONE {
+            self.tombstones -= 1;
+        }
+        Self::write_slot(slot, SLOT_FULL, key, location);
+        self.live += 1;
+        self.view.header.stats.inserts.fetch_add(1, Ordering::Relaxed);
+        self.publish_counts();
+        Ok(Insert::Inserted)
+    }
+
+    /// Removes `key`, leaving a tombstone; returns its location.
+    pub fn remove(&mut self, key: ObjectKey) -> Option<u64> {
+        let i = self.find(key).0?;
+        let slot = &self.active()[i];
+        let location = Self::plain_read(slot).location;
+        Self::write_slot(slot, SLOT_TOMBSTONE, key, 0);
+        self.live -= 1;
+        self.tombstones += 1;
+        self.view.header.stats.removes.fetch_add(1, Ordering::Relaxed);
+        self.publish_counts();
+        Some(location)
+    }
+
+    /// Copies the live entries into the other table and flips the epoch. Readers of the old
+    /// table notice the flip and retry.
+    pub fn rebuild(&mut self) {
+        let target = self.view.tables[((self.epoch + 1) & 1) as usize];
+        for slot in target {
+            if slot.state.load(Ordering::Relaxed) != SLOT_EMPTY {
+                Self::write_slot(slot, SLOT_EMPTY, ObjectKey(0), 0);
+            }
+        }
+        let mask = self.view.mask;
+        for slot in self.active() {
+            let c = Self::plain_read(slot);
+            if c.state != SLOT_FULL {
+                continue;
+            }
+            let mut i = home(c.key, mask);
+            while target[i as usize].state.load(Ordering::Relaxed) != SLOT_EMPTY {
+                i = (i + 1) & mask;
+            }
+            Self::write_slot(&target[i as usize], SLOT_FULL, c.key, c.location);
+        }
+        self.epoch += 1;
+        self.view.header.epoch.store(self.epoch, Ordering::Release);
+        self.tombstones = 0;
+        self.view.header.stats.rebuilds.fetch_add(1, Ordering::Relaxed);
+        self.publish_counts();
+    }
+
+    /// Removes everything (vLLM reset_cache of the whole pool) by flipping to an empty table.
+    pub fn clear(&mut self) {
+        let live: Vec<_> = self.entries().collect();
+        for (k, _) in live {
+            self.remove(k);
+        }
+        self.rebuild();
+    }
+
+    /// Live entries of the active table.
+    pub fn entries(&self) -> impl Iterator<Item = (ObjectKey, u64)> + 'a {
+        self.active().iter().filter_map(|s| {
+            let c = Self::plain_read(s);
+            (c.state == SLOT_FULL).then_some((c.key, c.location))
+        })
+    }
+
+    fn publish_counts(&self) {
+        self.view.header.stats.live.store(self.live, Ordering::Relaxed);
+        self.view.header.stats.tombstones.store(self.tombstones, Ordering::Relaxed);
+    }
+}
+
+#[cfg(all(test, not(loom)))]
+mod tests {
+    use super::*;
+
+    pub(crate) struct Region(Vec<u128>);
+
+    impl Region {
+        fn new(slots: u64) -> Self {
+            Self(vec![0u128; region_bytes(slots) / 16 + 8])
+        }
+        fn ptr(&mut self) -> *mut u8 {
+            // Align to 128 inside the buffer.
+            let p = self.0.as_mut_ptr() as usize;
+            ((p + 127) & !127) as *mut u8
+        }
+    }
+
+    #[test]
+    fn insert_lookup_remove_rebuild() {
+        let mut r = Region::new(MIN_SLOTS);
+        let p = r.ptr();
+        // SAFETY: region outlives the view.
+        let view = unsafe { IndexView::init(p, region_bytes(MIN_SLOTS), MIN_SLOTS) }.unwrap();
+        let mut w = IndexWriter::new(view);
+        for i in 0..500u128 {
+            assert_eq!(w.insert(ObjectKey(i * 7919), i as u64), Ok(Insert::Inserted));
+        }
+        assert_eq!(w.insert(ObjectKey(7919), 99), Ok(Insert::Exists(1)));
+        // SAFETY: as above; a second (reader) view of the same region.
+        let reader = unsafe { IndexView::attach(p, region_bytes(MIN_SLOTS)) }.unwrap();
+        assert_eq!(reader.lookup(ObjectKey(7919 * 3)), Some(3));
+        let keys: Vec<_> = (0..10u128).map(|i| ObjectKey(i * 7919)).collect();
+        assert_eq!(reader.match_prefix(&keys), 10);
+        assert_eq!(w.remove(ObjectKey(7919 * 5)), Some(5));
+        assert_eq!(reader.match_prefix(&keys), 5);
+        assert_eq!(reader.lookup(ObjectKey(7919 * 5)), None);
+        // Churn until a rebuild happens; everything live stays visible.
+        for round in 0..2000u128 {
+            let k = ObjectKey(1_000_000 + round);
+            w.insert(k, 1).unwrap();
+            w.remove(k).unwrap();
+        }
+        let snap = reader.snapshot();
+        assert!(snap.rebuilds > 0, "{snap:?}");
+        assert_eq!(snap.live, 499);
+        assert_eq!(reader.lookup(ObjectKey(7919 * 499)), Some(499));
+        w.clear();
+        assert_eq!(reader.lookup(ObjectKey(7919 * 499)), None);
+        assert_eq!(reader.snapshot().live, 0);
+    }
+
+    #[test]
+    fn full_table_refuses() {
+        let mut r = Region::new(MIN_SLOTS);
+        // SAFETY: region outlives the view.
+        let view = unsafe { IndexView::init(r.ptr(), region_bytes(MIN_SLOTS), MIN_SLOTS) }.unwrap();
+        let mut w = IndexWriter::new(view);
+        let mut n = 0;
+        while w.insert(ObjectKey(n as u128 + 1), 0).is_ok() {
+            n += 1;
+        }
+        assert_eq!(n, 768);
+        assert!(matches!(w.insert(ObjectKey(u128::MAX), 0), Err(IndexFull { live: 768, .. })));
+    }
+
+    #[test]
+    fn malformed_index_regions() {
+        let mut r = Region::new(MIN_SLOTS);
+        let p = r.ptr();
+        let len = region_bytes(MIN_SLOTS);
+        // SAFETY (all below): the region outlives every view.
+        assert!(matches!(unsafe { IndexView::attach(p, len) }, Err(ProtocolError::BadMagic { .. })));
+        assert!(matches!(unsafe { IndexView::init(p, len, 1000) }, Err(ProtocolError::InvalidField { .. })));
+        assert!(matches!(unsafe { IndexView::init(p, 100, MIN_SLOTS) }, Err(ProtocolError::RegionTooSmall { .. })));
+        let view = unsafe { IndexView::init(p, len, MIN_SLOTS) }.unwrap();
+        view.header.info.table_offset[1].store(len as u64, Ordering::Relaxed);
+        assert!(matches!(unsafe { IndexView::attach(p, len) }, Err(ProtocolError::InvalidField { what: "index table offset", .. })));
+        view.header.info.slot_count.store(MIN_SLOTS * 4, Ordering::Relaxed);
+        assert!(matches!(unsafe { IndexView::attach(p, len) }, Err(ProtocolError::RegionTooSmall { .. })));
+    }
+
+    #[test]
+    fn stuck_writer_is_a_miss_not_a_hang() {
+        let mut r = Region::new(MIN_SLOTS);
+        // SAFETY: region outlives the view.
+        let view = unsafe { IndexView::init(r.ptr(), region_bytes(MIN_SLOTS), MIN_SLOTS) }.unwrap();
+        let mut w = IndexWriter::new(view);
+        let k = ObjectKey(42);
+        w.insert(k, 7).unwrap();
+        let i = w.find(k).0.unwrap();
+        // A writer stopped between its two seq stores leaves the slot odd forever.
+        w.active()[i].seq.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(view.lookup(k), None);
+        w.active()[i].seq.fetch_add(1, Ordering::Relaxed);
+        assert_eq!(view.lookup(k), Some(7));
+    }
+
+    #[test]
+    fn sizing() {
+        assert_eq!(slots_for(64 << 30, 64 << 10), 1 << 21);
+        assert_eq!(slots_for(1 << 20, 64 << 10), MIN_SLOTS);
+    }
+}
