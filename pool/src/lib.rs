@@ -1,1 +1,198 @@
-//! placeholder
+//! The UMBP pool (DESIGN §2, §7–§9). A library so that the same code runs as the
+//! standalone `umbp-pool` daemon and embedded inside one engine worker.
+//!
+//! Threads: one control thread (accepts, handshakes on short-lived threads, control
+//! messages, peer liveness), one service thread (drains submission rings of every
+//! attachment, sleeping on their eventfd doorbells when idle), `copy_threads` copy threads,
+//! and one evictor.
+
+mod alloc;
+mod attachment;
+pub mod config;
+mod dram;
+mod evictor;
+mod objects;
+mod poller;
+mod report;
+mod server;
+mod service;
+mod stats;
+mod transfer;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+pub use alloc::PAGE_BYTES;
+pub use config::{parse_fraction, parse_size, ConfigError, PoolConfig};
+pub use objects::ObjectEvent;
+
+use attachment::Attachment;
+use objects::ObjectStore;
+use umbp_ipc::doorbell::Doorbell;
+use umbp_ipc::SharedMemory;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("another pool is already listening at {0}; stop it or choose another --socket")]
+    AddressInUse(PathBuf),
+    #[error("{path}: {message}")]
+    Socket { path: PathBuf, message: String },
+    #[error("DRAM tier: {0}")]
+    Dram(String),
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}
+
+pub(crate) struct PoolInner {
+    pub config: PoolConfig,
+    pub dram: dram::Dram,
+    pub index_mem: Arc<SharedMemory>,
+    pub store: Mutex<ObjectStore>,
+    pub attachments: Mutex<Vec<Arc<Attachment>>>,
+    /// Wakes the service thread when attachments come or go, and at shutdown.
+    pub service_wake: Doorbell,
+    /// Wakes the control thread when a handshake finished, and at shutdown.
+    pub control_wake: Doorbell,
+    pub evict_wake: (Mutex<bool>, Condvar),
+    pub jobs: crossbeam_channel::Sender<transfer::Job>,
+    pub shutdown: AtomicBool,
+    pub counters: stats::Counters,
+    pub next_id: AtomicU32,
+    pub started: Instant,
+    pub uid: u32,
+}
+
+impl PoolInner {
+    pub fn wake_evictor(&self) {
+        let (lock, cv) = &self.evict_wake;
+        *lock.lock().expect("evictor lock") = true;
+        cv.notify_one();
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+}
+
+/// A running pool. Dropping it shuts it down.
+pub struct Pool {
+    inner: Arc<PoolInner>,
+    threads: Vec<JoinHandle<()>>,
+    socket_path: PathBuf,
+}
+
+impl Pool {
+    /// Validates the config, creates DRAM and index, binds the socket and starts serving.
+    pub fn start(config: PoolConfig) -> Result<Pool, PoolError> {
+        config.validate()?;
+        let listener = server::bind(&config.socket_path)?;
+        let dram = dram::Dram::create(&config)?;
+        let slots = umbp_protocol::index::slots_for(config.capacity_bytes, config.min_object_bytes);
+        let index_mem = SharedMemory::create("umbp-index", umbp_protocol::index::region_bytes(slots), false)
+            .map_err(|e| PoolError::Dram(format!("index: {e}")))?;
+        // SAFETY: a fresh zeroed mapping that only this pool writes.
+        unsafe { umbp_protocol::index::IndexView::init(index_mem.as_ptr(), index_mem.len(), slots) }
+            .map_err(|e| PoolError::Dram(format!("index: {e}")))?;
+        // Schedulers map it read-only: no writable mapping can be made from now on.
+        index_mem.seal_read_only().map_err(|e| PoolError::Dram(format!("index: {e}")))?;
+        let index_mem = Arc::new(index_mem);
+        let store = ObjectStore::new(dram.len() as u64, index_mem.clone());
+        let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
+        let socket_path = config.socket_path.clone();
+        let inner = Arc::new(PoolInner {
+            store: Mutex::new(store),
+            dram,
+            index_mem,
+            attachments: Mutex::new(Vec::new()),
+            service_wake: Doorbell::new()?,
+            control_wake: Doorbell::new()?,
+            evict_wake: (Mutex::new(false), Condvar::new()),
+            jobs: jobs_tx,
+            shutdown: AtomicBool::new(false),
+            counters: stats::Counters::default(),
+            next_id: AtomicU32::new(1),
+            started: Instant::now(),
+            uid: rustix::process::getuid().as_raw(),
+            config,
+        });
+        let mut threads = Vec::new();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name.to_string()).spawn(f).map_err(PoolError::Io)
+        };
+        for i in 0..inner.config.copy_threads {
+            let (inner, rx) = (inner.clone(), jobs_rx.clone());
+            threads.push(spawn(&format!("umbp-copy-{i}"), Box::new(move || transfer::run_copy_thread(&inner, rx)))?);
+        }
+        let i2 = inner.clone();
+        threads.push(spawn("umbp-service", Box::new(move || service::run(&i2)))?);
+        let i3 = inner.clone();
+        threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(&i3)))?);
+        let i4 = inner.clone();
+        threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
+        tracing::info!(
+            socket = %socket_path.display(),
+            capacity_bytes = inner.config.capacity_bytes,
+            index_slots = slots,
+            copy_threads = inner.config.copy_threads,
+            "umbp pool listening"
+        );
+        Ok(Pool { inner, threads, socket_path })
+    }
+
+    pub fn socket_path(&self) -> &Path {
+        &self.socket_path
+    }
+
+    /// The state report that ringtool shows (JSON).
+    pub fn report(&self) -> serde_json::Value {
+        report::build(&self.inner)
+    }
+
+    /// Bytes of DRAM handed to objects (published or being written).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.inner.store.lock().expect("store lock").allocated_bytes()
+    }
+
+    pub fn attachment_count(&self) -> usize {
+        self.inner.attachments.lock().expect("attachments lock").len()
+    }
+
+    /// Keys stored or removed since the last call (for KV events).
+    pub fn take_events(&self) -> Vec<ObjectEvent> {
+        self.inner.store.lock().expect("store lock").take_events()
+    }
+
+    /// Stops serving: peers see EOF, in-flight copies finish, the socket file goes.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if self.inner.shutdown.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.inner.service_wake.ring();
+        self.inner.control_wake.ring();
+        self.inner.wake_evictor();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        for a in self.inner.attachments.lock().expect("attachments lock").drain(..) {
+            a.alive.store(false, Ordering::Release);
+            let _ = a.socket.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.socket_path);
+        tracing::info!(socket = %self.socket_path.display(), "umbp pool stopped");
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -29,7 +29,7 @@ impl Opcode {
 
 /// Submission queue entry, worker -> pool. Variable-size data lives in the arena.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Pod, Zeroable, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Pod, Zeroable, PartialEq, Eq)]
 pub struct Sqe {
     pub opcode: u8,
     pub flags: u8,
@@ -51,7 +51,7 @@ assert_layout!(Sqe, size = 64, align = 8);
 
 /// Completion queue entry, pool -> worker.
 #[repr(C)]
-#[derive(Debug, Clone, Copy, Pod, Zeroable, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, Pod, Zeroable, PartialEq, Eq)]
 pub struct Cqe {
     pub user_data: u64,
     /// 0, or a negative [`CqeError`] when the whole submission was rejected.

@@ -1,0 +1,170 @@
+//! One attached peer: its socket (liveness and control), its ring memfd (SQ, CQ, hints,
+//! arena), the memory it registered and its KV layouts.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+
+use umbp_gpu::DeviceRegion;
+use umbp_ipc::doorbell::Doorbell;
+use umbp_ipc::SharedMemory;
+use umbp_protocol::arena::Arena;
+use umbp_protocol::attachment::{AttachmentLayout, Hint};
+use umbp_protocol::entries::{Cqe, Sqe};
+use umbp_protocol::layout::KvLayout;
+use umbp_protocol::ring::{Consumer, Producer, Ring, RingSnapshot};
+use umbp_protocol::wire::Role;
+use umbp_protocol::ProtocolError;
+
+/// Completion side: CQEs that did not fit wait in `overflow` (the pool never blocks on a
+/// slow reaper) and go out in order before newer ones.
+pub struct CompletionQueue {
+    producer: Producer<'static, Cqe>,
+    overflow: VecDeque<Cqe>,
+}
+
+impl CompletionQueue {
+    fn flush(&mut self) -> Result<(), ProtocolError> {
+        let mut pushed = false;
+        while let Some(c) = self.overflow.front() {
+            if !self.producer.try_push(*c)? {
+                break;
+            }
+            self.overflow.pop_front();
+            pushed = true;
+        }
+        if pushed {
+            self.producer.publish_and_wake();
+        }
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+pub struct AttachmentCounters {
+    pub submissions: AtomicU64,
+    pub errors: AtomicU64,
+    pub blocks: AtomicU64,
+}
+
+pub struct Attachment {
+    pub id: u32,
+    pub role: Role,
+    pub pid: u32,
+    pub uid: u32,
+    pub namespace: u128,
+    pub tp_rank: u32,
+    pub tp_size: u32,
+    pub dp_rank: u32,
+    pub socket: UnixStream,
+    pub doorbell: Doorbell,
+    pub alive: AtomicBool,
+    /// Submissions accepted and not yet completed.
+    pub inflight: AtomicU32,
+    pub counters: AttachmentCounters,
+    pub regions: RwLock<HashMap<u32, Arc<dyn DeviceRegion>>>,
+    pub layouts: RwLock<HashMap<u16, Arc<KvLayout>>>,
+    pub layout: AttachmentLayout,
+    pub sq: Mutex<Consumer<'static, Sqe>>,
+    pub cq: Mutex<CompletionQueue>,
+    pub hints: Mutex<Consumer<'static, Hint>>,
+    pub arena: Arena,
+    // Declared last: the rings and the arena point into this mapping.
+    pub ring_mem: Arc<SharedMemory>,
+}
+
+impl Attachment {
+    /// Formats a fresh ring memfd for this peer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn create(
+        id: u32,
+        role: Role,
+        pid: u32,
+        uid: u32,
+        hello: &umbp_protocol::wire::Hello,
+        layout: AttachmentLayout,
+        socket: UnixStream,
+    ) -> std::io::Result<Self> {
+        let ring_mem = SharedMemory::create(&format!("umbp-rings-{id}"), layout.total_bytes, false)
+            .map_err(std::io::Error::other)?;
+        ring_mem.seal_final().map_err(std::io::Error::other)?;
+        let ring_mem = Arc::new(ring_mem);
+        let base = ring_mem.as_ptr();
+        // SAFETY: the three rings and the arena are disjoint page-aligned sections of a
+        // mapping of `total_bytes` (AttachmentLayout); `ring_mem` is kept alive in the
+        // struct for as long as these 'static views exist (field order drops them first).
+        let (sq, cq, hints, arena) = unsafe {
+            let sq = Ring::<Sqe>::init(base.add(layout.sq_offset), layout.sq_bytes(), layout.sq_entries)
+                .map_err(std::io::Error::other)?;
+            let cq = Ring::<Cqe>::init(base.add(layout.cq_offset), layout.cq_bytes(), layout.cq_entries)
+                .map_err(std::io::Error::other)?;
+            let hints = Ring::<Hint>::init(base.add(layout.hint_offset), layout.hint_bytes(), layout.hint_entries)
+                .map_err(std::io::Error::other)?;
+            let arena = Arena::new(base.add(layout.arena_offset), layout.arena_bytes);
+            (sq, cq, hints, arena)
+        };
+        Ok(Self {
+            id,
+            role,
+            pid,
+            uid,
+            namespace: hello.namespace(),
+            tp_rank: hello.tp_rank,
+            tp_size: hello.tp_size,
+            dp_rank: hello.dp_rank,
+            socket,
+            doorbell: Doorbell::new()?,
+            alive: AtomicBool::new(true),
+            inflight: AtomicU32::new(0),
+            counters: AttachmentCounters::default(),
+            regions: RwLock::new(HashMap::new()),
+            layouts: RwLock::new(HashMap::new()),
+            layout,
+            sq: Mutex::new(sq.consumer()),
+            cq: Mutex::new(CompletionQueue { producer: cq.producer(), overflow: VecDeque::new() }),
+            hints: Mutex::new(hints.consumer()),
+            arena,
+            ring_mem,
+        })
+    }
+
+    pub fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Posts a completion, queueing it privately when the CQ is full. A corrupted CQ
+    /// (the peer scribbled on our head word) detaches the peer.
+    pub fn complete(&self, cqe: Cqe) {
+        let mut cq = self.cq.lock().expect("cq lock");
+        cq.overflow.push_back(cqe);
+        if let Err(e) = cq.flush() {
+            tracing::warn!(attachment = self.id, pid = self.pid, "completion ring corrupted: {e}; detaching");
+            self.alive.store(false, Ordering::Release);
+            let _ = self.socket.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
+    /// Retries completions that did not fit earlier.
+    pub fn flush_completions(&self) {
+        let mut cq = self.cq.lock().expect("cq lock");
+        if !cq.overflow.is_empty() {
+            let _ = cq.flush();
+        }
+    }
+
+    pub fn registered_bytes(&self) -> u64 {
+        self.regions.read().expect("regions lock").values().map(|r| r.len()).sum()
+    }
+
+    pub fn ring_snapshots(&self) -> (RingSnapshot, RingSnapshot, RingSnapshot) {
+        let sq = self.sq.lock().expect("sq lock").ring().snapshot();
+        let cq = self.cq.lock().expect("cq lock").producer.ring().snapshot();
+        let hints = self.hints.lock().expect("hints lock").ring().snapshot();
+        (sq, cq, hints)
+    }
+
+    pub fn overflow_len(&self) -> usize {
+        self.cq.lock().expect("cq lock").overflow.len()
+    }
+}

@@ -1,0 +1,85 @@
+//! The pool state report (JSON): what `ringtool dump` shows and tests assert against.
+
+use std::sync::atomic::Ordering;
+
+use umbp_protocol::index::IndexView;
+
+use crate::PoolInner;
+
+fn ring_json(s: umbp_protocol::ring::RingSnapshot) -> serde_json::Value {
+    serde_json::json!({
+        "capacity": s.capacity, "head": s.head, "tail": s.tail,
+        "pending": s.len(), "need_wakeup": s.need_wakeup,
+    })
+}
+
+fn open_fds() -> Option<usize> {
+    std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
+}
+
+pub fn build(inner: &PoolInner) -> serde_json::Value {
+    let (pool, namespaces) = {
+        let store = inner.store.lock().expect("store lock");
+        let namespaces: Vec<_> = store
+            .namespaces()
+            .iter()
+            .map(|(ns, u)| serde_json::json!({ "namespace": format!("{ns:032x}"), "objects": u.objects, "bytes": u.bytes }))
+            .collect();
+        let pool = serde_json::json!({
+            "capacity_bytes": store.capacity_bytes(),
+            "allocated_bytes": store.allocated_bytes(),
+            "objects": store.object_count(),
+            "published_objects": store.published_count(),
+            "pinned_objects": store.pinned_count(),
+            "evictions": store.evictions(),
+            "high_watermark": inner.config.high_watermark,
+            "low_watermark": inner.config.low_watermark,
+        });
+        (pool, namespaces)
+    };
+    // SAFETY: the pool's own index mapping, alive as long as `inner`.
+    let index = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) }.ok().map(|v| {
+        let s = v.snapshot();
+        serde_json::json!({
+            "slots": s.slot_count, "epoch": s.epoch, "live": s.live, "tombstones": s.tombstones,
+            "inserts": s.inserts, "removes": s.removes, "rebuilds": s.rebuilds,
+            "probe_histogram": v.probe_histogram(8),
+        })
+    });
+    let attachments: Vec<_> = inner
+        .attachments
+        .lock()
+        .expect("attachments lock")
+        .iter()
+        .map(|a| {
+            let (sq, cq, hints) = a.ring_snapshots();
+            serde_json::json!({
+                "id": a.id, "pid": a.pid, "uid": a.uid, "role": format!("{:?}", a.role).to_lowercase(),
+                "namespace": format!("{:032x}", a.namespace),
+                "tp_rank": a.tp_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
+                "sq": ring_json(sq), "cq": ring_json(cq), "hints": ring_json(hints),
+                "cq_overflow": a.overflow_len(),
+                "inflight": a.inflight.load(Ordering::Relaxed),
+                "submissions": a.counters.submissions.load(Ordering::Relaxed),
+                "errors": a.counters.errors.load(Ordering::Relaxed),
+                "blocks": a.counters.blocks.load(Ordering::Relaxed),
+                "registered_bytes": a.registered_bytes(),
+                "regions": a.regions.read().expect("regions lock").len(),
+                "layouts": a.layouts.read().expect("layouts lock").keys().collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "protocol_version": umbp_protocol::PROTOCOL_VERSION,
+        "pid": std::process::id(),
+        "socket": inner.config.socket_path.display().to_string(),
+        "uptime_s": inner.started.elapsed().as_secs_f64(),
+        "open_fds": open_fds(),
+        "pool": pool,
+        "namespaces": namespaces,
+        "index": index,
+        "attachments": attachments,
+        "counters": inner.counters.to_json(),
+    })
+}

@@ -1,0 +1,224 @@
+//! The service thread: drains every attachment's submission ring, validates each
+//! submission against private copies, reserves objects and hands copies to the copy
+//! threads. Idle, it arms `need_wakeup` on every ring and sleeps on their doorbells.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use umbp_protocol::attachment::Hint;
+use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
+use umbp_protocol::wire::Role;
+use umbp_protocol::ObjectKey;
+
+use crate::attachment::Attachment;
+use crate::objects::{LoadReservation, StoreReservation};
+use crate::poller::Poller;
+use crate::stats::Counters;
+use crate::transfer::{Job, JobBlock};
+use crate::PoolInner;
+
+/// Submissions taken from one ring before looking at the next (fairness).
+const BATCH: usize = 64;
+/// How long the thread keeps polling after the last work before it sleeps.
+const SPIN: Duration = Duration::from_micros(50);
+const TOKEN_WAKE: u64 = u64::MAX;
+
+pub fn run(inner: &Arc<PoolInner>) {
+    let mut poller = Poller::new().expect("epoll");
+    poller.add(inner.service_wake.fd(), TOKEN_WAKE).expect("epoll add");
+    let mut watched: HashMap<u32, Arc<Attachment>> = HashMap::new();
+    let mut sqes = Vec::with_capacity(BATCH);
+    let mut last_work = Instant::now();
+    let mut last_hints = Instant::now();
+    while !inner.is_shutting_down() {
+        let current = inner.attachments.lock().expect("attachments lock").clone();
+        sync_watch_list(&mut poller, &mut watched, &current);
+        let mut worked = false;
+        for att in &current {
+            if !att.is_alive() {
+                continue;
+            }
+            if att.role == Role::Worker {
+                worked |= drain_submissions(inner, att, &mut sqes);
+                att.flush_completions();
+            }
+        }
+        if last_hints.elapsed() >= Duration::from_millis(5) {
+            drain_hints(inner, &current);
+            last_hints = Instant::now();
+        }
+        if worked {
+            last_work = Instant::now();
+            continue;
+        }
+        if last_work.elapsed() < SPIN {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Arm every ring; sleep only if all are still empty.
+        let mut all_empty = true;
+        for att in current.iter().filter(|a| a.role == Role::Worker && a.is_alive()) {
+            match att.sq.lock().expect("sq lock").prepare_sleep() {
+                Ok(true) => {}
+                Ok(false) => all_empty = false,
+                Err(e) => corrupt(inner, att, e),
+            }
+        }
+        if all_empty {
+            let has_schedulers = current.iter().any(|a| a.role == Role::Scheduler);
+            let timeout = if has_schedulers { Duration::from_millis(10) } else { Duration::from_millis(100) };
+            for token in poller.wait(Some(timeout)) {
+                if token == TOKEN_WAKE {
+                    inner.service_wake.drain();
+                } else if let Some(a) = watched.get(&(token as u32)) {
+                    a.doorbell.drain();
+                }
+            }
+        }
+        for att in current.iter().filter(|a| a.role == Role::Worker) {
+            att.sq.lock().expect("sq lock").finish_sleep();
+        }
+        last_work = Instant::now();
+    }
+}
+
+fn sync_watch_list(poller: &mut Poller, watched: &mut HashMap<u32, Arc<Attachment>>, current: &[Arc<Attachment>]) {
+    watched.retain(|id, a| {
+        let keep = current.iter().any(|c| c.id == *id);
+        if !keep {
+            poller.remove(a.doorbell.fd());
+        }
+        keep
+    });
+    for a in current.iter().filter(|a| a.role == Role::Worker) {
+        if !watched.contains_key(&a.id) {
+            let _ = poller.add(a.doorbell.fd(), a.id as u64);
+            watched.insert(a.id, a.clone());
+        }
+    }
+}
+
+fn corrupt(inner: &PoolInner, att: &Arc<Attachment>, e: umbp_protocol::ProtocolError) {
+    tracing::warn!(attachment = att.id, pid = att.pid, "submission ring corrupted: {e}; detaching");
+    crate::server::detach(inner, att, "detached after ring corruption");
+}
+
+fn drain_submissions(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqes: &mut Vec<Sqe>) -> bool {
+    sqes.clear();
+    let popped = att.sq.lock().expect("sq lock").pop_batch(sqes, BATCH);
+    match popped {
+        Ok(0) => false,
+        Ok(_) => {
+            for sqe in sqes.iter() {
+                handle(inner, att, *sqe);
+            }
+            true
+        }
+        Err(e) => {
+            corrupt(inner, att, e);
+            false
+        }
+    }
+}
+
+fn reject(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError) {
+    Counters::add(&inner.counters.rejected_submissions, 1);
+    att.counters.errors.fetch_add(1, Ordering::Relaxed);
+    att.complete(Cqe { user_data: sqe.user_data, result: -(err as i32), ..Cqe::default() });
+}
+
+/// Validates one submission (a private copy) and starts its copies.
+fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
+    Counters::add(&inner.counters.submissions, 1);
+    att.counters.submissions.fetch_add(1, Ordering::Relaxed);
+    let op = match Opcode::from_u8(sqe.opcode) {
+        Ok(op) => op,
+        Err(_) => return reject(inner, att, &sqe, CqeError::BadOpcode),
+    };
+    if op == Opcode::Nop {
+        return att.complete(Cqe { user_data: sqe.user_data, ..Cqe::default() });
+    }
+    if sqe.count == 0 || sqe.count > MAX_BLOCKS_PER_SQE {
+        return reject(inner, att, &sqe, CqeError::TooManyBlocks);
+    }
+    let Some(layout) = att.layouts.read().expect("layouts lock").get(&sqe.group).cloned() else {
+        return reject(inner, att, &sqe, CqeError::UnknownGroup);
+    };
+    let refs: Vec<BlockRef> = match att.arena.read(sqe.refs_offset, sqe.count as u64) {
+        Ok(r) => r,
+        Err(_) => return reject(inner, att, &sqe, CqeError::ArenaOutOfRange),
+    };
+    if att.arena.check_range::<u8>(sqe.status_offset, sqe.count as u64).is_err() {
+        return reject(inner, att, &sqe, CqeError::ArenaOutOfRange);
+    }
+    // A peer may not have more work in flight than its completion ring holds.
+    if att.inflight.load(Ordering::Acquire) >= att.layout.cq_entries {
+        return reject(inner, att, &sqe, CqeError::Busy);
+    }
+    att.counters.blocks.fetch_add(refs.len() as u64, Ordering::Relaxed);
+    let mut statuses = vec![BlockStatus::Pending; refs.len()];
+    let mut blocks = Vec::with_capacity(refs.len());
+    let size = layout.object_bytes();
+    {
+        let mut store = inner.store.lock().expect("store lock");
+        for (i, r) in refs.iter().enumerate() {
+            if r.block_id >= layout.num_blocks() {
+                statuses[i] = BlockStatus::Invalid;
+                continue;
+            }
+            let key = ObjectKey::from_words(r.key);
+            match op {
+                Opcode::Store => match store.reserve_store(att.namespace, key, size, att.id) {
+                    StoreReservation::Reserved { offset } => blocks.push(JobBlock { index: i, key, block_id: r.block_id, offset }),
+                    StoreReservation::AlreadyPresent => statuses[i] = BlockStatus::AlreadyPresent,
+                    StoreReservation::NoRoom => statuses[i] = BlockStatus::NotStored,
+                },
+                Opcode::Load => match store.reserve_load(key, size) {
+                    LoadReservation::Pinned { offset } => blocks.push(JobBlock { index: i, key, block_id: r.block_id, offset }),
+                    LoadReservation::Missing => statuses[i] = BlockStatus::Missing,
+                    LoadReservation::SizeMismatch { stored } => {
+                        tracing::debug!(attachment = att.id, stored, wanted = size, "object size differs from the loader's layout");
+                        statuses[i] = BlockStatus::Failed;
+                    }
+                },
+                Opcode::Nop => unreachable!(),
+            }
+        }
+        if op == Opcode::Store {
+            let high = (inner.config.capacity_bytes as f64 * inner.config.high_watermark) as u64;
+            if store.allocated_bytes() > high || statuses.contains(&BlockStatus::NotStored) {
+                inner.wake_evictor();
+            }
+        }
+    }
+    att.inflight.fetch_add(1, Ordering::AcqRel);
+    let job = Job { att: att.clone(), sqe, op, layout, blocks, statuses };
+    if job.blocks.is_empty() {
+        crate::transfer::finish(inner, job, &[]);
+    } else if let Err(e) = inner.jobs.send(job) {
+        // Only at shutdown: fail the blocks rather than leak their reservations.
+        crate::transfer::finish_cancelled(inner, e.into_inner());
+    }
+}
+
+/// Touch hints from schedulers: count as use and protect the object for the lease.
+fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
+    let mut hints: Vec<Hint> = Vec::new();
+    for att in current.iter().filter(|a| a.role == Role::Scheduler && a.is_alive()) {
+        let r = att.hints.lock().expect("hints lock").pop_batch(&mut hints, 4096);
+        if let Err(e) = r {
+            corrupt(inner, att, e);
+        }
+    }
+    if hints.is_empty() {
+        return;
+    }
+    Counters::add(&inner.counters.hints, hints.len() as u64);
+    let now = Instant::now();
+    let mut store = inner.store.lock().expect("store lock");
+    for h in hints {
+        store.touch(ObjectKey::from_words(h.key), inner.config.lease, now);
+    }
+}
