@@ -59,6 +59,7 @@ impl SlabAllocator {
         self.allocated_bytes
     }
 
+    #[cfg(test)]
     pub fn free_pages(&self) -> usize {
         self.free_pages.len()
     }

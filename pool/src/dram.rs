@@ -100,7 +100,43 @@ impl Dram {
         self.mem.len()
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.mem.is_empty()
+}
+
+/// Registers DRAM with every GPU driver present, in 1 GiB chunks from the start of the
+/// tier, on a background thread: pinning hundreds of GiB takes minutes. The allocator
+/// hands out only registered pages meanwhile (`page_limit`), so the pool serves from the
+/// registered part at once. Returns the backends and chunk bases to unregister at stop.
+pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<std::thread::JoinHandle<Vec<(std::sync::Arc<dyn umbp_gpu::Backend>, usize)>>> {
+    use umbp_protocol::wire::MemoryKind;
+    let backends: Vec<_> = [MemoryKind::Cuda, MemoryKind::Hip].into_iter().filter_map(|k| umbp_gpu::backend_for(k).ok()).collect();
+    if backends.is_empty() {
+        tracing::debug!("no GPU driver found: DRAM stays unregistered (host backends only)");
+        return None;
     }
+    inner.store.lock().expect("store lock").set_page_limit(0);
+    let inner = inner.clone();
+    let t = std::thread::Builder::new().name("umbp-register".into()).spawn(move || {
+        const CHUNK: usize = 1 << 30;
+        let (base, len) = (inner.dram.base() as usize, inner.dram.len());
+        let started = std::time::Instant::now();
+        let mut done = Vec::new();
+        let mut off = 0;
+        while off < len && !inner.is_shutting_down() {
+            let n = CHUNK.min(len - off);
+            for b in &backends {
+                // SAFETY: a chunk of the DRAM mapping, which outlives the pool's threads;
+                // unregistered in `Pool::stop` after every copy thread has exited.
+                match unsafe { b.register_host_memory((base + off) as *mut u8, n) } {
+                    Ok(()) => done.push((b.clone(), base + off)),
+                    Err(e) => tracing::warn!(offset = off, "registering DRAM with {:?} failed: {e}; copies there will be staged", b.kind()),
+                }
+            }
+            off += n;
+            inner.store.lock().expect("store lock").set_page_limit((off as u64 / crate::PAGE_BYTES) as u32);
+            tracing::info!(registered_bytes = off, total_bytes = len, elapsed_s = started.elapsed().as_secs_f64(), "DRAM registration progress");
+        }
+        inner.store.lock().expect("store lock").set_page_limit(u32::MAX);
+        done
+    });
+    t.ok()
 }

@@ -84,6 +84,7 @@ pub struct Pool {
     inner: Arc<PoolInner>,
     threads: Vec<JoinHandle<()>>,
     socket_path: PathBuf,
+    registration: Option<JoinHandle<Vec<(Arc<dyn umbp_gpu::Backend>, usize)>>>,
 }
 
 impl Pool {
@@ -134,6 +135,7 @@ impl Pool {
         threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(&i3)))?);
         let i4 = inner.clone();
         threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
+        let registration = dram::register_with_gpus(&inner);
         tracing::info!(
             socket = %socket_path.display(),
             capacity_bytes = inner.config.capacity_bytes,
@@ -141,7 +143,7 @@ impl Pool {
             copy_threads = inner.config.copy_threads,
             "umbp pool listening"
         );
-        Ok(Pool { inner, threads, socket_path })
+        Ok(Pool { inner, threads, socket_path, registration })
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -181,6 +183,12 @@ impl Pool {
         self.inner.wake_evictor();
         for t in self.threads.drain(..) {
             let _ = t.join();
+        }
+        if let Some(reg) = self.registration.take() {
+            for (backend, base) in reg.join().unwrap_or_default() {
+                // SAFETY: registered by `register_with_gpus`; every copy thread has exited.
+                let _ = unsafe { backend.unregister_host_memory(base as *mut u8) };
+            }
         }
         for a in self.inner.attachments.lock().expect("attachments lock").drain(..) {
             a.alive.store(false, Ordering::Release);

@@ -281,8 +281,8 @@ impl ObjectStore {
         keys.len() as u64
     }
 
-    /// Objects reserved by `owner` and not finished (a dead attachment's leftovers once
-    /// its jobs have drained; used by tests and leak checks).
+    /// Objects reserved by `owner` and not finished (leak checks).
+    #[cfg(test)]
     pub fn writing_count(&self, owner: u32) -> usize {
         self.objects.values().filter(|o| o.state == ObjectState::Writing { owner }).count()
     }

@@ -1,0 +1,331 @@
+//! `umbp._native`: the Python face of UMBP. Thin wrappers: every blocking call releases
+//! the GIL, every error becomes `UmbpError` with the Rust error's message (which names
+//! the socket path, key or field at fault).
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use umbp_protocol::entries::BlockStatus;
+use umbp_protocol::layout::Segment;
+use umbp_protocol::ObjectKey;
+
+pyo3::create_exception!(_native, UmbpError, pyo3::exceptions::PyRuntimeError, "An error from the UMBP pool or its clients.");
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    UmbpError::new_err(e.to_string())
+}
+
+fn key16(b: &[u8], what: &str) -> PyResult<[u8; 16]> {
+    b.try_into().map_err(|_| PyValueError::new_err(format!("{what} must be 16 bytes, got {}", b.len())))
+}
+
+fn keys_of(keys: Vec<Vec<u8>>) -> PyResult<Vec<ObjectKey>> {
+    keys.iter().map(|k| key16(k, "key").map(ObjectKey::from_bytes)).collect()
+}
+
+/// xxh3-128 key of one block: (namespace, cache group, rank, vLLM block hash bytes).
+#[pyfunction]
+fn object_key<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, block_hash: &[u8]) -> PyResult<Bound<'py, PyBytes>> {
+    let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
+    Ok(PyBytes::new(py, &ObjectKey::derive(ns, group, rank, block_hash).to_bytes()))
+}
+
+/// Keys of many blocks at once (one call per request instead of one per block).
+#[pyfunction]
+fn object_keys<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, block_hashes: Vec<Vec<u8>>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
+    Ok(block_hashes.iter().map(|h| PyBytes::new(py, &ObjectKey::derive(ns, group, rank, h).to_bytes())).collect())
+}
+
+/// 16-byte digest of a canonical description (model, dtype, layout, topology).
+#[pyfunction]
+fn namespace_digest<'py>(py: Python<'py>, text: &str) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &umbp_protocol::key::namespace_digest(text).to_le_bytes())
+}
+
+#[pyfunction]
+fn default_socket_path() -> String {
+    umbp_worker::default_endpoint().display().to_string()
+}
+
+/// Parses `64GiB`-style sizes exactly like umbp-pool does; errors name `key`.
+#[pyfunction]
+fn parse_size(key: &str, value: &str) -> PyResult<u64> {
+    umbp_pool::parse_size(key, value).map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// Routes Rust `tracing` logs to stderr, filtered by RUST_LOG (default warn). Idempotent.
+#[pyfunction]
+fn init_logging() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// A pool running inside this process (embedded mode). It listens on a socket so that
+/// workers and the engine's scheduler (often another process) attach the same way as to
+/// a standalone pool.
+#[pyclass(module = "umbp._native")]
+struct EmbeddedPool {
+    pool: Mutex<Option<umbp_pool::Pool>>,
+    socket_path: String,
+}
+
+#[pymethods]
+impl EmbeddedPool {
+    #[new]
+    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None))]
+    fn new(py: Python<'_>, capacity_bytes: u64, socket_path: Option<String>, high_wm: f64, low_wm: f64, min_object_bytes: Option<u64>) -> PyResult<Self> {
+        let mut cfg = umbp_pool::PoolConfig { capacity_bytes, high_watermark: high_wm, low_watermark: low_wm, ..Default::default() };
+        if let Some(m) = min_object_bytes {
+            cfg.min_object_bytes = m;
+        }
+        cfg.socket_path = match socket_path {
+            Some(p) => PathBuf::from(p),
+            None => {
+                let dir = umbp_ipc_default_dir();
+                dir.join(format!("embedded-{}-{}.sock", std::process::id(), next_embedded_id()))
+            }
+        };
+        let path = cfg.socket_path.display().to_string();
+        let pool = py.detach(|| umbp_pool::Pool::start(cfg)).map_err(err)?;
+        Ok(Self { pool: Mutex::new(Some(pool)), socket_path: path })
+    }
+
+    #[getter]
+    fn socket_path(&self) -> String {
+        self.socket_path.clone()
+    }
+
+    /// The pool's state report as a JSON string.
+    fn report(&self) -> PyResult<String> {
+        let g = self.pool.lock().expect("pool lock");
+        let p = g.as_ref().ok_or_else(|| err("pool is closed"))?;
+        Ok(p.report().to_string())
+    }
+
+    /// Keys stored ("stored") or removed ("removed", evictions included) since the last call.
+    fn take_events<'py>(&self, py: Python<'py>) -> Vec<(String, Bound<'py, PyBytes>)> {
+        let g = self.pool.lock().expect("pool lock");
+        let Some(p) = g.as_ref() else { return Vec::new() };
+        p.take_events()
+            .into_iter()
+            .map(|e| match e {
+                umbp_pool::ObjectEvent::Stored(k) => ("stored".to_string(), PyBytes::new(py, &k.to_bytes())),
+                umbp_pool::ObjectEvent::Removed(k) => ("removed".to_string(), PyBytes::new(py, &k.to_bytes())),
+            })
+            .collect()
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let p = self.pool.lock().expect("pool lock").take();
+        if let Some(p) = p {
+            py.detach(|| p.shutdown());
+        }
+    }
+}
+
+fn umbp_ipc_default_dir() -> PathBuf {
+    let p = PathBuf::from(default_socket_path());
+    p.parent().map(|d| d.to_path_buf()).unwrap_or_else(std::env::temp_dir)
+}
+
+fn next_embedded_id() -> u64 {
+    static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// An engine worker's attachment: register memory and layouts, submit stores and loads,
+/// reap completions. Reconnects to a restarted pool by itself.
+#[pyclass(module = "umbp._native")]
+struct Worker {
+    inner: Mutex<Option<umbp_worker::Worker>>,
+}
+
+impl Worker {
+    fn with<T>(&self, py: Python<'_>, f: impl FnOnce(&mut umbp_worker::Worker) -> Result<T, umbp_worker::WorkerError> + Send) -> PyResult<T>
+    where
+        T: Send,
+    {
+        py.detach(|| {
+            let mut g = self.inner.lock().expect("worker lock");
+            let w = g.as_mut().ok_or(umbp_worker::WorkerError::Invalid("worker is closed".into()))?;
+            f(w)
+        })
+        .map_err(err)
+    }
+}
+
+fn statuses(s: &[BlockStatus]) -> Vec<u8> {
+    s.iter().map(|b| *b as u8).collect()
+}
+
+#[pymethods]
+impl Worker {
+    #[new]
+    #[pyo3(signature = (endpoint, namespace, tp_rank=0, tp_size=1, dp_rank=0, timeout_ms=5000, startup_timeout_ms=10000))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        endpoint: String,
+        namespace: &[u8],
+        tp_rank: u32,
+        tp_size: u32,
+        dp_rank: u32,
+        timeout_ms: u64,
+        startup_timeout_ms: u64,
+    ) -> PyResult<Self> {
+        let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
+        let mut cfg = umbp_worker::WorkerConfig::new(endpoint, ns);
+        cfg.tp_rank = tp_rank;
+        cfg.tp_size = tp_size;
+        cfg.dp_rank = dp_rank;
+        cfg.timeout = Duration::from_millis(timeout_ms);
+        cfg.startup_timeout = Duration::from_millis(startup_timeout_ms);
+        let w = py.detach(|| umbp_worker::Worker::connect(cfg)).map_err(err)?;
+        Ok(Self { inner: Mutex::new(Some(w)) })
+    }
+
+    /// Registers `size` bytes at `ptr` of this process (CPU tensors); returns the alloc id.
+    fn register_host_memory(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<u32> {
+        self.with(py, |w| w.register_memory(umbp_worker::MemorySpec::HostProcess { ptr, len: size }))
+    }
+
+    /// Registers a CUDA device allocation range (exported with an IPC handle).
+    #[pyo3(signature = (ptr, size, device=0))]
+    fn register_cuda_memory(&self, py: Python<'_>, ptr: u64, size: u64, device: i32) -> PyResult<u32> {
+        let _ = device; // the IPC handle identifies the device by UUID
+        self.with(py, |w| w.register_memory(umbp_worker::MemorySpec::Cuda { ptr, len: size }))
+    }
+
+    /// Segments are (alloc_id, offset, block_stride, page_bytes, num_blocks); returns the
+    /// bytes of one object of this group.
+    fn register_layout(&self, py: Python<'_>, group: u16, segments: Vec<(u32, u64, u64, u64, u64)>) -> PyResult<u64> {
+        let segs = segments.into_iter().map(|(a, o, s, p, n)| Segment::new(a, o, s, p, n)).collect();
+        self.with(py, |w| w.register_layout(group, segs))
+    }
+
+    fn store(&self, py: Python<'_>, group: u16, keys: Vec<Vec<u8>>, block_ids: Vec<u64>) -> PyResult<u64> {
+        let blocks = pair(keys, block_ids)?;
+        self.with(py, |w| w.store(group, &blocks)).map(|t| t.0)
+    }
+
+    fn load(&self, py: Python<'_>, group: u16, keys: Vec<Vec<u8>>, block_ids: Vec<u64>) -> PyResult<u64> {
+        let blocks = pair(keys, block_ids)?;
+        self.with(py, |w| w.load(group, &blocks)).map(|t| t.0)
+    }
+
+    /// Finished transfers: [(transfer id, [status per block])]. Never blocks.
+    fn poll(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u8>)>> {
+        self.with(py, |w| Ok(w.poll().into_iter().map(|c| (c.id.0, statuses(&c.statuses))).collect()))
+    }
+
+    /// Waits up to `timeout_ms` for one transfer; None if it is still pending.
+    fn wait(&self, py: Python<'_>, transfer_id: u64, timeout_ms: u64) -> PyResult<Option<Vec<u8>>> {
+        self.with(py, |w| {
+            Ok(w.wait(umbp_worker::TransferId(transfer_id), Duration::from_millis(timeout_ms)).map(|c| statuses(&c.statuses)))
+        })
+    }
+
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.lock().expect("worker lock").as_ref().is_some_and(|w| w.is_connected())
+    }
+
+    #[getter]
+    fn pending(&self) -> usize {
+        self.inner.lock().expect("worker lock").as_ref().map_or(0, |w| w.pending())
+    }
+
+    /// Drops every object of this worker's namespace from the pool.
+    fn reset_namespace(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |w| w.reset_namespace())
+    }
+
+    fn close(&self) {
+        self.inner.lock().expect("worker lock").take();
+    }
+}
+
+fn pair(keys: Vec<Vec<u8>>, block_ids: Vec<u64>) -> PyResult<Vec<(ObjectKey, u64)>> {
+    if keys.len() != block_ids.len() {
+        return Err(PyValueError::new_err(format!("{} keys but {} block ids", keys.len(), block_ids.len())));
+    }
+    Ok(keys_of(keys)?.into_iter().zip(block_ids).collect())
+}
+
+/// The scheduler's read-only view of a pool's index: lookups are shared-memory reads.
+#[pyclass(module = "umbp._native")]
+struct Index {
+    inner: Mutex<umbp_scheduler::IndexClient>,
+}
+
+#[pymethods]
+impl Index {
+    /// With `timeout_ms` > 0 the pool must answer in time (error names the socket);
+    /// with 0 the index attaches lazily whenever the pool is reachable.
+    #[new]
+    #[pyo3(signature = (endpoint, namespace=None, timeout_ms=5000))]
+    fn new(py: Python<'_>, endpoint: String, namespace: Option<&[u8]>, timeout_ms: u64) -> PyResult<Self> {
+        let ns = match namespace {
+            Some(n) => u128::from_le_bytes(key16(n, "namespace")?),
+            None => 0,
+        };
+        let path = PathBuf::from(endpoint);
+        let client = if timeout_ms == 0 {
+            umbp_scheduler::IndexClient::lazy(&path, ns)
+        } else {
+            py.detach(|| umbp_scheduler::IndexClient::connect(&path, ns, Duration::from_millis(timeout_ms))).map_err(err)?
+        };
+        Ok(Self { inner: Mutex::new(client) })
+    }
+
+    /// Number of leading keys present in the pool (stops at the first miss).
+    fn match_prefix(&self, keys: Vec<Vec<u8>>) -> PyResult<usize> {
+        let keys = keys_of(keys)?;
+        Ok(self.inner.lock().expect("index lock").match_prefix(&keys))
+    }
+
+    fn contains(&self, key: &[u8]) -> PyResult<bool> {
+        let k = ObjectKey::from_bytes(key16(key, "key")?);
+        Ok(self.inner.lock().expect("index lock").contains(k))
+    }
+
+    #[getter]
+    fn connected(&self) -> bool {
+        self.inner.lock().expect("index lock").is_attached()
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("PROTOCOL_VERSION", umbp_protocol::PROTOCOL_VERSION)?;
+    m.add("UmbpError", m.py().get_type::<UmbpError>())?;
+    for (name, s) in [
+        ("STATUS_PENDING", BlockStatus::Pending),
+        ("STATUS_STORED", BlockStatus::Stored),
+        ("STATUS_ALREADY_PRESENT", BlockStatus::AlreadyPresent),
+        ("STATUS_NOT_STORED", BlockStatus::NotStored),
+        ("STATUS_LOADED", BlockStatus::Loaded),
+        ("STATUS_MISSING", BlockStatus::Missing),
+        ("STATUS_FAILED", BlockStatus::Failed),
+        ("STATUS_INVALID", BlockStatus::Invalid),
+    ] {
+        m.add(name, s as u8)?;
+    }
+    m.add_function(wrap_pyfunction!(object_key, m)?)?;
+    m.add_function(wrap_pyfunction!(object_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(namespace_digest, m)?)?;
+    m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(init_logging, m)?)?;
+    m.add_class::<EmbeddedPool>()?;
+    m.add_class::<Worker>()?;
+    m.add_class::<Index>()?;
+    Ok(())
+}
