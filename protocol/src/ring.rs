@@ -241,7 +241,11 @@ impl<'a, T: Pod> Ring<'a, T> {
     pub fn consumer(self) -> Consumer<'a, T> {
         let head = self.header.head.load(Ordering::Relaxed);
         let tail = self.header.tail.load(Ordering::Acquire);
-        Consumer { ring: self, head, cached_tail: tail }
+        // Cache the tail only if it is plausible. A corrupt one (more than `capacity` ahead
+        // of the head) is not cached, so the first `available()` re-reads and reports it
+        // instead of handing out `tail - head` garbage entries.
+        let cached_tail = if tail.wrapping_sub(head) > self.capacity { head } else { tail };
+        Consumer { ring: self, head, cached_tail }
     }
 
     /// A snapshot of the shared counters, for tools. Values come from a live peer and may

@@ -1,0 +1,197 @@
+//! `umbp-bench index`: the shared index at production size, read the way a scheduler
+//! reads it, against a std `HashMap` lookup measured in the same run.
+//!
+//! A table sized like the pool sizes it ([`slots_for`]: twice the most objects, a power
+//! of two) lives in a sealed memfd and is filled with `entries` random 128-bit keys (what
+//! xxh3 keys look like). Cases:
+//! * `match_prefix_per_key`: `match_prefix` over `keys` present keys (all hit), time per
+//!   key; baseline: `HashMap::contains_key` over the same keys with the same stop-at-first-
+//!   miss loop.
+//! * `miss`: `lookup` of absent keys, time per lookup; baseline: `HashMap::get` of the
+//!   same keys.
+//!
+//! Each round times the whole key list once; the reported value is the median round
+//! divided by the number of keys. The key lists are small enough to stay in cache after
+//! the first round, so these are warm-cache figures.
+
+use std::collections::HashMap;
+use std::hint::black_box;
+use std::io;
+use std::os::fd::AsFd;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::{Map, Value};
+use umbp_protocol::index::{region_bytes, slots_for, IndexView, IndexWriter};
+use umbp_protocol::ObjectKey;
+
+use super::report::{cpus, Better, Case};
+use super::shm::{sealed_memfd, Mapping};
+
+#[derive(Debug, Clone)]
+pub struct IndexArgs {
+    /// Entries in the table.
+    pub entries: u64,
+    /// Keys per `match_prefix` call (and miss keys per round).
+    pub keys: usize,
+    /// Timed rounds per case.
+    pub iterations: usize,
+    /// Smallest object the pool sizes its table for (the `slots_for` divisor).
+    pub min_object_bytes: u64,
+}
+
+/// splitmix64: deterministic, well-mixed keys without a dependency.
+struct Keys(u64);
+
+impl Keys {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    fn next_key(&mut self) -> ObjectKey {
+        ObjectKey::from_words([self.next_u64(), self.next_u64()])
+    }
+}
+
+fn median_per_key(mut rounds: Vec<u64>, keys: usize) -> f64 {
+    rounds.sort_unstable();
+    rounds[rounds.len() / 2] as f64 / keys as f64
+}
+
+fn time_rounds(iterations: usize, mut f: impl FnMut()) -> Vec<u64> {
+    // One untimed round to warm caches and branch predictors.
+    f();
+    (0..iterations)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_nanos() as u64
+        })
+        .collect()
+}
+
+pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
+    let slots = slots_for(
+        args.entries.saturating_mul(args.min_object_bytes),
+        args.min_object_bytes,
+    );
+    let len = region_bytes(slots);
+    let fd = sealed_memfd("umbp-bench-index", len)?;
+    let map = Mapping::new(fd.as_file().as_fd(), len)?;
+    // SAFETY: the mapping is fresh (zeroed) and outlives the view and writer below.
+    let view = unsafe { IndexView::init(map.ptr(), len, slots) }.map_err(io::Error::other)?;
+    let mut writer = IndexWriter::new(view);
+    let mut hash = HashMap::<u128, u64>::with_capacity(args.entries as usize);
+
+    let bar = ProgressBar::new(args.entries);
+    bar.set_style(ProgressStyle::with_template("fill     [{bar:40}] {pos}/{len} entries").unwrap());
+    let mut gen = Keys(0x0123_4567_89ab_cdef);
+    let stride = (args.entries / args.keys as u64).max(1);
+    let mut present = Vec::with_capacity(args.keys);
+    let fill = Instant::now();
+    for i in 0..args.entries {
+        let k = gen.next_key();
+        let loc = i.wrapping_mul(64 << 10);
+        writer.insert(k, loc).map_err(|e| {
+            io::Error::other(format!("{e} (raise --min-object-bytes or lower --entries)"))
+        })?;
+        hash.insert(k.0, loc);
+        if i % stride == 0 && present.len() < args.keys {
+            present.push(k);
+        }
+        if i % 65536 == 65535 {
+            bar.inc(65536);
+        }
+    }
+    bar.finish_and_clear();
+    let fill_ns_per_insert = fill.elapsed().as_nanos() as f64 / args.entries.max(1) as f64;
+    let mut absent = Vec::with_capacity(args.keys);
+    while absent.len() < args.keys {
+        let k = gen.next_key();
+        if !hash.contains_key(&k.0) {
+            absent.push(k);
+        }
+    }
+    let n = present.len();
+
+    // A scheduler reads through its own (read-only in production) attachment.
+    // SAFETY: the mapping outlives the reader view.
+    let reader = unsafe { IndexView::attach(map.ptr(), len) }.map_err(io::Error::other)?;
+    if reader.match_prefix(&present) != n || absent.iter().any(|k| reader.lookup(*k).is_some()) {
+        return Err(io::Error::other("index does not hold what was inserted"));
+    }
+
+    let idx_prefix = time_rounds(args.iterations, || {
+        black_box(reader.match_prefix(black_box(&present)));
+    });
+    let map_prefix = time_rounds(args.iterations, || {
+        black_box(
+            black_box(&present)
+                .iter()
+                .take_while(|k| hash.contains_key(&k.0))
+                .count(),
+        );
+    });
+    let idx_miss = time_rounds(args.iterations, || {
+        for k in black_box(&absent) {
+            black_box(reader.lookup(*k));
+        }
+    });
+    let map_miss = time_rounds(args.iterations, || {
+        for k in black_box(&absent) {
+            black_box(hash.get(&k.0));
+        }
+    });
+
+    let hist = reader.probe_histogram(64);
+    let mean_probe = hist
+        .iter()
+        .enumerate()
+        .map(|(d, c)| (d as u64 + 1) * c)
+        .sum::<u64>() as f64
+        / hist.iter().sum::<u64>().max(1) as f64;
+    let mut extra = Map::new();
+    extra.insert("entries".into(), Value::from(args.entries));
+    extra.insert("slots".into(), Value::from(slots));
+    extra.insert(
+        "load".into(),
+        Value::from((args.entries as f64 / slots as f64 * 1000.0).round() / 1000.0),
+    );
+    extra.insert("keys".into(), Value::from(n));
+    extra.insert("rounds".into(), Value::from(args.iterations));
+    extra.insert(
+        "mean_probe_slots".into(),
+        Value::from((mean_probe * 1000.0).round() / 1000.0),
+    );
+    extra.insert(
+        "fill_ns_per_insert".into(),
+        Value::from(fill_ns_per_insert.round()),
+    );
+    extra.insert("cpus".into(), Value::from(cpus()));
+    Ok(vec![
+        Case::new(
+            "index",
+            "match_prefix_per_key",
+            median_per_key(idx_prefix, n),
+            "ns",
+            median_per_key(map_prefix, n),
+            "std HashMap lookup (SipHash, private memory)",
+            Better::Lower,
+        )
+        .extras(&extra),
+        Case::new(
+            "index",
+            "miss",
+            median_per_key(idx_miss, n),
+            "ns",
+            median_per_key(map_miss, n),
+            "std HashMap lookup (SipHash, private memory)",
+            Better::Lower,
+        )
+        .extras(&extra),
+    ])
+}

@@ -1,0 +1,7 @@
+//! Benchmarks behind `umbp-bench` (DESIGN §12). Each submodule measures one subsystem and
+//! returns [`report::Case`]s; [`report`] prints them as JSON lines or a table.
+
+pub mod index;
+pub mod report;
+pub mod ring;
+pub mod shm;

@@ -1,0 +1,109 @@
+//! `umbp-bench`: protocol benchmarks with one output convention (DESIGN §12): one JSON
+//! object per case and line with `--json`, a table otherwise. The measuring code lives in
+//! `tools/src/bench/`; this file only parses the command line.
+
+// Included by path so that the bench modules need no library target yet; a later
+// `ringtool` binary includes what it shares the same way (or the lead moves them into
+// the crate's lib). Not every helper is used by this binary.
+#[path = "../bench/mod.rs"]
+#[allow(dead_code)]
+mod bench;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use bench::index::IndexArgs;
+use bench::ring::RingArgs;
+
+#[derive(Parser)]
+#[command(name = "umbp-bench", about = "UMBP benchmarks (rings, index)", version)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Cross-process SQ->CQ round trip (polling and futex-sleeping consumers) against a
+    /// unix-socket round trip of the same 64 bytes.
+    Ring {
+        /// Timed round trips per phase.
+        #[arg(long, default_value_t = 100_000)]
+        iterations: usize,
+        /// Untimed round trips before each phase.
+        #[arg(long, default_value_t = 2_000)]
+        warmup: usize,
+        /// One JSON object per case and line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Shared-index prefix match and miss cost at production size against std HashMap.
+    Index {
+        /// Entries in the table.
+        #[arg(long, default_value_t = 1_000_000)]
+        entries: u64,
+        /// Keys per match_prefix call (and miss keys).
+        #[arg(long, default_value_t = 1_000)]
+        keys: usize,
+        /// Timed rounds per case.
+        #[arg(long, default_value_t = 5_000)]
+        iterations: usize,
+        /// Smallest object size the table is sized for (slots_for divisor).
+        #[arg(long, default_value_t = 64 << 10)]
+        min_object_bytes: u64,
+        /// One JSON object per case and line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Internal: the pool side of `ring`, started by `ring` itself.
+    #[command(name = "__ring-peer", hide = true)]
+    RingPeer {
+        #[arg(long)]
+        fd: i32,
+        #[arg(long)]
+        sock_fd: i32,
+        #[arg(long)]
+        rounds: usize,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.cmd {
+        Cmd::Ring {
+            iterations,
+            warmup,
+            json,
+        } => bench::ring::run(&RingArgs {
+            iterations: iterations.max(1),
+            warmup,
+        })
+        .map(|c| bench::report::print(&c, json)),
+        Cmd::Index {
+            entries,
+            keys,
+            iterations,
+            min_object_bytes,
+            json,
+        } => bench::index::run(&IndexArgs {
+            entries: entries.max(1),
+            keys: keys.max(1),
+            iterations: iterations.max(1),
+            min_object_bytes: min_object_bytes.max(1),
+        })
+        .map(|c| bench::report::print(&c, json)),
+        Cmd::RingPeer {
+            fd,
+            sock_fd,
+            rounds,
+        } => bench::ring::peer(fd, sock_fd, rounds),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("umbp-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
