@@ -1,0 +1,427 @@
+//! CUDA backend over the driver API, loaded at run time through `cudarc`'s `sys` bindings
+//! (`dynamic-loading`): nothing links against libcuda, so this builds and the crate runs on
+//! machines without NVIDIA software, where [`crate::backend_for`] reports the missing
+//! library instead of panicking.
+//!
+//! Symbols are the CUDA 12.8 ABI names (`cuMemcpyDtoHAsync_v2`, `cuIpcOpenMemHandle_v2`,
+//! `cuDeviceGetUuid_v2`, ...). Every 12.x and 13.x driver exports them (drivers keep the
+//! ABI of older toolkits), so one binary works with both. They are looked up once before
+//! `cuInit`, because `cudarc` panics on a missing symbol at its first call.
+//!
+//! Pool side: one transfer engine per GPU found by UUID, holding the device's primary
+//! context (shared with anything else in the process that uses the runtime API), IPC
+//! handles opened with lazy peer access, pool DRAM registered portable and device-mapped,
+//! copies as async memcpys over a few non-blocking streams, then synchronized.
+//!
+//! Worker side: [`export_cuda_memory`]. Allocations made with the virtual memory API
+//! (`cuMemCreate`, which PyTorch uses with `expandable_segments:True`) cannot be exported
+//! with legacy IPC; the export fails with the driver's error then.
+
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+pub use cudarc::driver::sys;
+use sys::{CUcontext, CUdevice, CUdeviceptr, CUresult, CUstream};
+
+use crate::engine::{DeviceApi, Dir, GpuBackend};
+use crate::error::format_uuid;
+use crate::{new_registration, Backend, GpuError, MemoryKind, MemoryRegistration};
+
+const LIBRARY: &str = "libcuda.so";
+
+/// Every driver symbol this crate calls, checked before the first call.
+const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetUuid_v2",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxPushCurrent_v2",
+    "cuCtxPopCurrent_v2",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
+    "cuMemGetAddressRange_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemHostGetDevicePointer_v2",
+    "cuPointerGetAttribute",
+    "cuStreamWriteValue64_v2",
+    "cuStreamWaitValue64_v2",
+];
+
+/// Maps a driver status to a result naming the call and the error
+/// (`cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE (1)`).
+fn check(call: &'static str, r: CUresult) -> Result<(), GpuError> {
+    if r == CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(GpuError::Driver {
+            call,
+            code: r as i32,
+            name: format!("{r:?}"),
+        })
+    }
+}
+
+/// Loads libcuda, checks the symbols and runs `cuInit` once. A failure is not remembered:
+/// the next call tries again (and fails again, cheaply, on a machine without CUDA).
+pub fn init() -> Result<(), GpuError> {
+    static DONE: Mutex<bool> = Mutex::new(false);
+    let mut done = DONE.lock().unwrap_or_else(|e| e.into_inner());
+    if *done {
+        return Ok(());
+    }
+    // SAFETY: only tries to dlopen the candidate names; it must run before any other sys
+    // call because those panic when the library is absent.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(GpuError::LibraryMissing {
+            library: LIBRARY,
+            what: "NVIDIA",
+            detail: "no libcuda.so or libcuda.so.1 on the dynamic loader's path".into(),
+        });
+    }
+    // SAFETY: the library is present (checked above), so culib() returns it.
+    let lib = unsafe { sys::culib() };
+    for &symbol in SYMBOLS {
+        // SAFETY: only the symbol's address is looked up; it is never called through this
+        // untyped handle.
+        if unsafe { lib.get::<*const c_void>(symbol.as_bytes()) }.is_err() {
+            return Err(GpuError::MissingSymbol {
+                library: LIBRARY,
+                symbol,
+            });
+        }
+    }
+    // SAFETY: cuInit has no preconditions; repeated calls are harmless.
+    check("cuInit", unsafe { sys::cuInit(0) })?;
+    *done = true;
+    Ok(())
+}
+
+pub(crate) fn backend() -> Result<std::sync::Arc<dyn Backend>, GpuError> {
+    init()?;
+    Ok(std::sync::Arc::new(GpuBackend::new(Cuda)))
+}
+
+/// Number of CUDA devices visible to this process (0 when none), after [`init`].
+pub fn device_count() -> Result<i32, GpuError> {
+    init()?;
+    Cuda.device_count()
+}
+
+/// UUID of device `ordinal`, the identity that travels in [`MemoryRegistration::device_uuid`].
+pub fn device_uuid(ordinal: i32) -> Result<[u8; 16], GpuError> {
+    init()?;
+    Cuda.device_uuid(ordinal)
+}
+
+pub(crate) struct Cuda;
+
+/// A device's primary context, retained while the engine lives.
+pub(crate) struct CudaDevice {
+    dev: CUdevice,
+    ctx: CUcontext,
+}
+
+// SAFETY: a CUcontext is a driver handle usable from any thread (it is made current per
+// thread with cuCtxPushCurrent before use).
+unsafe impl Send for CudaDevice {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for CudaDevice {}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // SAFETY: balances the retain in open_device.
+        let _ = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+    }
+}
+
+#[derive(Clone, Copy)]
+pub(crate) struct CudaStream(CUstream);
+
+// SAFETY: a CUstream is a driver handle usable from any thread of the process; the engine
+// hands each stream set to one copy call at a time.
+unsafe impl Send for CudaStream {}
+
+fn get_device(ordinal: i32) -> Result<CUdevice, GpuError> {
+    let mut dev: CUdevice = 0;
+    // SAFETY: out-pointer to a local.
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal)
+    })?;
+    Ok(dev)
+}
+
+impl DeviceApi for Cuda {
+    const API: &'static str = "CUDA";
+    const KIND: MemoryKind = MemoryKind::Cuda;
+    type Device = CudaDevice;
+    type Stream = CudaStream;
+
+    fn device_count(&self) -> Result<i32, GpuError> {
+        let mut n = 0;
+        // SAFETY: out-pointer to a local.
+        match unsafe { sys::cuDeviceGetCount(&mut n) } {
+            CUresult::CUDA_ERROR_NO_DEVICE => Ok(0),
+            r => check("cuDeviceGetCount", r).map(|()| n),
+        }
+    }
+
+    fn device_uuid(&self, ordinal: i32) -> Result<[u8; 16], GpuError> {
+        let dev = get_device(ordinal)?;
+        let mut uuid = sys::CUuuid { bytes: [0; 16] };
+        // SAFETY: out-pointer to a local.
+        check("cuDeviceGetUuid_v2", unsafe {
+            sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+        })?;
+        Ok(uuid.bytes.map(|b| b as u8))
+    }
+
+    fn open_device(&self, ordinal: i32) -> Result<CudaDevice, GpuError> {
+        let dev = get_device(ordinal)?;
+        let mut ctx: CUcontext = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; released in CudaDevice::drop.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+        })?;
+        Ok(CudaDevice { dev, ctx })
+    }
+
+    fn bind(&self, dev: &CudaDevice) -> Result<(), GpuError> {
+        // Push/pop rather than set: the thread's own current context comes back on unbind.
+        // SAFETY: the context is retained for as long as `dev` lives.
+        check("cuCtxPushCurrent", unsafe {
+            sys::cuCtxPushCurrent_v2(dev.ctx)
+        })
+    }
+
+    fn unbind(&self) {
+        let mut popped: CUcontext = std::ptr::null_mut();
+        // SAFETY: pops the context pushed by the matching bind.
+        let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+
+    fn create_stream(&self) -> Result<CudaStream, GpuError> {
+        let mut s: CUstream = std::ptr::null_mut();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
+        // SAFETY: out-pointer to a local; a context is bound by the engine.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut s, flags)
+        })?;
+        Ok(CudaStream(s))
+    }
+
+    fn destroy_stream(&self, stream: CudaStream) {
+        // SAFETY: the stream was created by create_stream and has no pending work (the
+        // engine synchronizes before returning a set).
+        let _ = unsafe { sys::cuStreamDestroy_v2(stream.0) };
+    }
+
+    unsafe fn copy_async(
+        &self,
+        dir: Dir,
+        host: *mut u8,
+        device: u64,
+        len: usize,
+        stream: CudaStream,
+    ) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract of DeviceApi::copy_async.
+        unsafe {
+            match dir {
+                Dir::DeviceToHost => check(
+                    "cuMemcpyDtoHAsync",
+                    sys::cuMemcpyDtoHAsync_v2(host.cast(), device as CUdeviceptr, len, stream.0),
+                ),
+                Dir::HostToDevice => check(
+                    "cuMemcpyHtoDAsync",
+                    sys::cuMemcpyHtoDAsync_v2(
+                        device as CUdeviceptr,
+                        host.cast_const().cast(),
+                        len,
+                        stream.0,
+                    ),
+                ),
+            }
+        }
+    }
+
+    fn synchronize(&self, stream: CudaStream) -> Result<(), GpuError> {
+        // SAFETY: a live stream of the bound context.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream.0)
+        })
+    }
+
+    unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, GpuError> {
+        let h = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
+        // SAFETY: out-pointer to a local; the handle bytes are validated by the driver.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags)
+        })?;
+        Ok(ptr)
+    }
+
+    unsafe fn ipc_close(&self, ptr: u64) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract: ptr came from ipc_open.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(ptr)
+        })
+    }
+
+    fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
+        let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
+        // SAFETY: out-pointers to locals; the driver validates ptr.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+        })?;
+        Ok((base, size as u64))
+    }
+
+    unsafe fn host_register(&self, base: *mut u8, len: usize) -> Result<(), GpuError> {
+        // DEVICEMAP makes pool memory addressable by streams, which the fence words of
+        // DESIGN §7 need; on 64-bit systems with unified addressing it costs nothing more.
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: forwarded contract: the range is mapped memory of this process.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(base.cast(), len, flags)
+        })
+    }
+
+    unsafe fn host_unregister(&self, base: *mut u8) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract: base was registered.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(base.cast())
+        })
+    }
+}
+
+/// Makes sure a context is current on this thread, using the primary context of the
+/// device that owns `ptr` when none is (a worker thread that never touched the runtime).
+fn ensure_context_for(ptr: CUdeviceptr) -> Result<(), GpuError> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    // SAFETY: out-pointer to a local.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+    if !ctx.is_null() {
+        return Ok(());
+    }
+    let ordinal = pointer_ordinal(ptr)?;
+    let dev = get_device(ordinal)?;
+    // SAFETY: out-pointer to a local. The retain is never released: the primary context is
+    // the one the worker's runtime uses and lives as long as the process anyway.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+    })?;
+    // SAFETY: ctx was just retained.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+}
+
+fn pointer_ordinal(ptr: CUdeviceptr) -> Result<i32, GpuError> {
+    let mut ordinal: i32 = -1;
+    let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL;
+    // SAFETY: the attribute is an int, written to a local.
+    check("cuPointerGetAttribute(DEVICE_ORDINAL)", unsafe {
+        sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), attr, ptr)
+    })?;
+    Ok(ordinal)
+}
+
+/// Worker side: registration of `len` bytes at device pointer `ptr` for the pool.
+/// Exports the containing allocation with `cuIpcGetMemHandle` (of its base, found with
+/// `cuMemGetAddressRange`), records `offset = ptr - base` and the device UUID (ordinals
+/// differ between processes with different `CUDA_VISIBLE_DEVICES`). Call it from a thread
+/// where the allocating context is current (any thread of a PyTorch process after
+/// `torch.cuda.set_device`); with no current context the device's primary context is used.
+pub fn export_cuda_memory(
+    ptr: u64,
+    len: u64,
+    alloc_id: u32,
+) -> Result<MemoryRegistration, GpuError> {
+    let kind = MemoryKind::Cuda;
+    init()?;
+    if ptr == 0 || len == 0 {
+        return Err(GpuError::invalid(kind, "null pointer or zero length"));
+    }
+    ensure_context_for(ptr)?;
+    let (base, size) = Cuda.address_range(ptr)?;
+    let offset = ptr - base;
+    if offset.checked_add(len).is_none_or(|end| end > size) {
+        return Err(GpuError::invalid(
+            kind,
+            format!("{ptr:#x}+{len} passes the end of its allocation {base:#x}+{size}"),
+        ));
+    }
+    let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: out-pointer to a local; base is the start of a live allocation.
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(&mut handle, base)
+    })?;
+    let uuid = Cuda.device_uuid(pointer_ordinal(ptr)?)?;
+    tracing::debug!(alloc_id, uuid = %format_uuid(&uuid), offset, len, "exported CUDA memory");
+    let mut reg = new_registration(kind, alloc_id, ptr, offset, len);
+    reg.device_uuid = uuid;
+    reg.ipc_handle = handle.reserved.map(|b| b as u8);
+    Ok(reg)
+}
+
+/// Device address under which the stream engine sees `host`, memory registered with
+/// [`Backend::register_host_memory`] (device-mapped). Equal to `host` with unified
+/// addressing, but asking the driver keeps it right elsewhere.
+///
+/// # Safety
+/// `host` lies in a registered range and a context is current on this thread.
+pub unsafe fn host_device_pointer(host: *mut u8) -> Result<CUdeviceptr, GpuError> {
+    let mut d: CUdeviceptr = 0;
+    // SAFETY: out-pointer to a local; the driver validates `host`.
+    check("cuMemHostGetDevicePointer", unsafe {
+        sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0)
+    })?;
+    Ok(d)
+}
+
+/// Fence of DESIGN §7: enqueues on `stream` a write of `value` to the 8-byte word at `addr`
+/// (a device-mapped pool or worker word), ordered after the stream's earlier work.
+///
+/// # Safety
+/// `stream` is a live stream of the current context and `addr` an 8-byte aligned
+/// device-accessible word that stays mapped until the stream has run the write.
+pub unsafe fn stream_write_value64(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+) -> Result<(), GpuError> {
+    let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+    // SAFETY: forwarded contract.
+    check("cuStreamWriteValue64", unsafe {
+        sys::cuStreamWriteValue64_v2(stream, addr, value, flags)
+    })
+}
+
+/// Fence of DESIGN §7: makes `stream` wait until the word at `addr` is >= `value`
+/// (sequence numbers only grow). The wait is on the GPU; no CPU thread blocks.
+///
+/// # Safety
+/// As [`stream_write_value64`].
+pub unsafe fn stream_wait_value64(
+    stream: CUstream,
+    addr: CUdeviceptr,
+    value: u64,
+) -> Result<(), GpuError> {
+    let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+    // SAFETY: forwarded contract.
+    check("cuStreamWaitValue64", unsafe {
+        sys::cuStreamWaitValue64_v2(stream, addr, value, flags)
+    })
+}

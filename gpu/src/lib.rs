@@ -1,0 +1,242 @@
+//! Device backends of UMBP (DESIGN §7): how the pool copies KV bytes between its DRAM and
+//! memory a worker registered. One trait pair, four kinds:
+//!
+//! | kind | module | peer memory reached through |
+//! |---|---|---|
+//! | [`MemoryKind::HostMemfd`] | [`host`] | a sealed memfd the worker passed, mapped shared |
+//! | [`MemoryKind::HostProcess`] | [`host`] | `process_vm_readv/writev` on the worker's pid |
+//! | [`MemoryKind::Cuda`] | [`cuda`] | `cuIpcOpenMemHandle`, copies on the pool's streams |
+//! | [`MemoryKind::Hip`] | [`hip`] | `hipIpcOpenMemHandle` (never run on AMD hardware yet) |
+//!
+//! GPU libraries are loaded at run time, so this crate builds and its host backends run on
+//! machines without any GPU stack; asking for a GPU kind there is an error naming the
+//! missing library, never a panic.
+//!
+//! The pool side uses [`backend_for`], [`Backend`] and [`DeviceRegion`]. Worker side
+//! helpers that fill a [`MemoryRegistration`] are [`host::export_memfd`],
+//! [`host::export_process_memory`], [`cuda::export_cuda_memory`] and
+//! [`hip::export_hip_memory`].
+
+use std::os::fd::OwnedFd;
+use std::sync::{Arc, Mutex};
+
+pub use umbp_protocol::layout::CopyOp;
+pub use umbp_protocol::wire::{MemoryKind, MemoryRegistration};
+
+pub mod cuda;
+mod engine;
+mod error;
+pub mod hip;
+pub mod host;
+
+pub use error::GpuError;
+
+/// Peer memory the pool may copy to and from, opened from one [`MemoryRegistration`].
+/// Dropping it releases what opening took (mapping, IPC handle).
+pub trait DeviceRegion: Send + Sync {
+    fn kind(&self) -> MemoryKind;
+    /// Bytes of the registered range; valid device offsets are `0..len`.
+    fn len(&self) -> u64;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Copies each op's `region[device_offset..+len]` into `host_base[host_offset..+len]`
+    /// and returns when all are done. Every op is checked against the region first
+    /// ([`check_ops`]): one bad op refuses the whole call before any byte moves. An op whose
+    /// `alloc_id` differs from the registration's is refused too (a pool bookkeeping bug).
+    ///
+    /// # Safety
+    /// `host_base[host_offset..+len]` is valid, writable pool memory for each op, and no one
+    /// else accesses it during the call.
+    unsafe fn copy_to_host(&self, ops: &[CopyOp], host_base: *mut u8) -> Result<(), GpuError>;
+    /// The reverse: pool DRAM -> peer memory. Same checks as [`Self::copy_to_host`].
+    ///
+    /// # Safety
+    /// `host_base[host_offset..+len]` is valid, readable pool memory for each op.
+    unsafe fn copy_from_host(&self, ops: &[CopyOp], host_base: *const u8) -> Result<(), GpuError>;
+}
+
+/// Opens regions of one memory kind inside the pool process.
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> MemoryKind;
+    /// Makes `[base, base+len)` of pool DRAM usable for DMA (pinned, registered with the
+    /// driver as portable and device-mapped). Host backends: no-op. The pool calls it in
+    /// chunks from a background thread, concurrently with copies on chunks already
+    /// registered; copies touching unregistered memory still work, only slower (the driver
+    /// stages them). Keep every copy op inside one chunk: a copy straddling two separately
+    /// registered ranges may be staged too.
+    ///
+    /// # Safety
+    /// The range is mapped memory of this process that stays mapped until unregistered.
+    unsafe fn register_host_memory(&self, base: *mut u8, len: usize) -> Result<(), GpuError>;
+    /// Undoes one [`Self::register_host_memory`] call, named by its `base`.
+    ///
+    /// # Safety
+    /// `base` was registered by this backend and no copy on it is in flight.
+    unsafe fn unregister_host_memory(&self, base: *mut u8) -> Result<(), GpuError>;
+    /// Opens one registration. `fd` is the memfd of a HostMemfd registration (ignored
+    /// otherwise); `peer_pid` is the worker's pid for HostProcess and must come from the
+    /// socket's SO_PEERCRED, never from a message (a peer naming another pid would make the
+    /// pool read that process with the pool's rights).
+    fn open_region(
+        &self,
+        reg: &MemoryRegistration,
+        fd: Option<OwnedFd>,
+        peer_pid: u32,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError>;
+}
+
+/// Pool side: the backend for a kind, loading CUDA/HIP at run time. Cached per kind once it
+/// loaded; a failure (library absent) is not cached, so it is retried on the next call.
+pub fn backend_for(kind: MemoryKind) -> Result<Arc<dyn Backend>, GpuError> {
+    static CACHE: Mutex<[Option<Arc<dyn Backend>>; 4]> = Mutex::new([None, None, None, None]);
+    let slot = kind as usize - 1;
+    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(b) = &cache[slot] {
+        return Ok(b.clone());
+    }
+    let backend: Arc<dyn Backend> = match kind {
+        MemoryKind::HostMemfd => Arc::new(host::HostMemfdBackend),
+        MemoryKind::HostProcess => Arc::new(host::HostProcessBackend),
+        MemoryKind::Cuda => cuda::backend()?,
+        MemoryKind::Hip => hip::backend()?,
+    };
+    cache[slot] = Some(backend.clone());
+    Ok(backend)
+}
+
+/// Checks every op against a region of `region_len` bytes registered as `alloc_id`:
+/// in-range device side (with overflow checks) and a host offset that does not overflow.
+/// Backends call it before moving any byte.
+pub fn check_ops(ops: &[CopyOp], alloc_id: u32, region_len: u64) -> Result<(), GpuError> {
+    for (index, op) in ops.iter().enumerate() {
+        if op.alloc_id != alloc_id {
+            return Err(GpuError::WrongAllocation {
+                index,
+                expected: alloc_id,
+                found: op.alloc_id,
+            });
+        }
+        let inside = op
+            .device_offset
+            .checked_add(op.len)
+            .is_some_and(|end| end <= region_len)
+            && op
+                .host_offset
+                .checked_add(op.len)
+                .is_some_and(|end| end <= isize::MAX as u64);
+        if !inside {
+            return Err(GpuError::OutOfRange {
+                index,
+                device_offset: op.device_offset,
+                len: op.len,
+                region_len,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A registration with every field zero but those given; the GPU exports fill in the
+/// device identity and handle. Built from `zeroed()` so that fields added to the wire
+/// struct later start at zero instead of breaking every constructor.
+pub(crate) fn new_registration(
+    kind: MemoryKind,
+    alloc_id: u32,
+    address: u64,
+    offset: u64,
+    size: u64,
+) -> MemoryRegistration {
+    let mut reg: MemoryRegistration = bytemuck::Zeroable::zeroed();
+    reg.kind = kind as u32;
+    reg.alloc_id = alloc_id;
+    reg.address = address;
+    reg.offset = offset;
+    reg.size = size;
+    reg
+}
+
+/// Refuses a registration given to a backend of another kind.
+pub(crate) fn expect_kind(backend: MemoryKind, reg: &MemoryRegistration) -> Result<(), GpuError> {
+    let requested = MemoryKind::from_u32(reg.kind)
+        .map_err(|_| GpuError::invalid(backend, format!("unknown memory kind {}", reg.kind)))?;
+    if requested != backend {
+        return Err(GpuError::KindMismatch { backend, requested });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(device_offset: u64, len: u64) -> CopyOp {
+        CopyOp {
+            alloc_id: 3,
+            device_offset,
+            host_offset: 0,
+            len,
+        }
+    }
+
+    #[test]
+    fn ops_inside_pass() {
+        assert!(check_ops(&[op(0, 100), op(900, 100), op(1000, 0)], 3, 1000).is_ok());
+    }
+
+    #[test]
+    fn ops_outside_name_the_op() {
+        let err = check_ops(&[op(0, 10), op(995, 10)], 3, 1000).unwrap_err();
+        assert!(matches!(
+            err,
+            GpuError::OutOfRange {
+                index: 1,
+                device_offset: 995,
+                len: 10,
+                region_len: 1000
+            }
+        ));
+        assert!(err.to_string().contains("copy op 1"), "{err}");
+        // Overflow of offset + len is out of range, not a wrap-around into the region.
+        assert!(check_ops(&[op(u64::MAX - 1, 4)], 3, u64::MAX).is_err());
+        let host_overflow = CopyOp {
+            alloc_id: 3,
+            device_offset: 0,
+            host_offset: u64::MAX,
+            len: 2,
+        };
+        assert!(check_ops(&[host_overflow], 3, 1000).is_err());
+    }
+
+    #[test]
+    fn ops_of_another_allocation_are_refused() {
+        let err = check_ops(
+            &[CopyOp {
+                alloc_id: 4,
+                ..op(0, 1)
+            }],
+            3,
+            1000,
+        )
+        .unwrap_err();
+        assert!(matches!(
+            err,
+            GpuError::WrongAllocation {
+                index: 0,
+                expected: 3,
+                found: 4
+            }
+        ));
+    }
+
+    #[test]
+    fn backend_cache_returns_one_instance_per_kind() {
+        let a = backend_for(MemoryKind::HostMemfd).unwrap();
+        let b = backend_for(MemoryKind::HostMemfd).unwrap();
+        assert!(Arc::ptr_eq(&a, &b));
+        assert_eq!(
+            backend_for(MemoryKind::HostProcess).unwrap().kind(),
+            MemoryKind::HostProcess
+        );
+    }
+}

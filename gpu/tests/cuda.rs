@@ -1,0 +1,294 @@
+//! CUDA backend. Without libcuda (CI, developer machines) the real test prints why it is
+//! skipped and only the error path is checked; on a GPU machine a second process allocates
+//! device memory, exports it over IPC and the test copies through the pool backend.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{check, fill, is_child, pattern, reg_from_hex, reg_to_hex, serve, Peer, PoolMem};
+use umbp_gpu::cuda::{self, sys};
+use umbp_gpu::{backend_for, Backend, CopyOp, GpuError, MemoryKind};
+
+/// Bytes the worker registers: over the engine's split size, not a page multiple.
+const LEN: usize = (40 << 20) + 12_345;
+/// Where the registered range starts inside the worker's allocation.
+const OFFSET: u64 = 4096 * 3;
+
+/// The backend, or None (with the reason printed) where there is no GPU. With
+/// `UMBP_REQUIRE_CUDA=1` (set by scripts/device/gpu-check.sh) a missing GPU fails instead,
+/// so a broken GPU machine cannot pass by skipping.
+fn cuda_or_skip() -> Option<Arc<dyn Backend>> {
+    let found = backend_for(MemoryKind::Cuda).and_then(|b| Ok((b, cuda::device_count()?)));
+    let reason = match found {
+        Ok((b, n)) if n > 0 => return Some(b),
+        Ok(_) => "CUDA driver loaded but no device is visible".to_string(),
+        Err(e) => format!("no usable CUDA driver: {e}"),
+    };
+    assert!(
+        std::env::var_os("UMBP_REQUIRE_CUDA").is_none(),
+        "UMBP_REQUIRE_CUDA is set but {reason}"
+    );
+    eprintln!("SKIPPED: {reason}");
+    None
+}
+
+fn ck(call: &str, r: sys::CUresult) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+#[test]
+fn missing_cuda_is_a_clear_error() {
+    match cuda::init() {
+        Ok(()) => eprintln!("libcuda present; the error path is not reachable here"),
+        Err(e @ GpuError::LibraryMissing { .. }) => {
+            assert!(e.to_string().contains("libcuda.so"), "{e}");
+            let err = backend_for(MemoryKind::Cuda).err().unwrap();
+            assert!(err.to_string().contains("libcuda.so"), "{err}");
+            let err = cuda::export_cuda_memory(0x1000, 10, 1).unwrap_err();
+            assert!(err.to_string().contains("libcuda.so"), "{err}");
+            eprintln!("SKIPPED the device tests: {e}");
+        }
+        Err(e) => eprintln!("libcuda present but unusable: {e}"),
+    }
+}
+
+/// The worker: owns a device allocation with pattern 1 and verifies on request.
+#[test]
+fn cuda_child_entry() {
+    if !is_child() {
+        return;
+    }
+    cuda::init().unwrap();
+    let alloc = LEN + 2 * OFFSET as usize;
+    let mut dptr: sys::CUdeviceptr = 0;
+    let mut host = vec![0u8; LEN];
+    fill(&mut host, 1);
+    // SAFETY: plain driver calls on locals; the context stays current on this thread.
+    unsafe {
+        let mut dev = 0;
+        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
+        let mut ctx = std::ptr::null_mut();
+        ck(
+            "cuDevicePrimaryCtxRetain",
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+        );
+        ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
+        ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, alloc));
+        ck("cuMemsetD8", sys::cuMemsetD8_v2(dptr, 0xee, alloc));
+        ck(
+            "cuMemcpyHtoD",
+            sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), LEN),
+        );
+    }
+    let reg = cuda::export_cuda_memory(dptr + OFFSET, LEN as u64, 21).unwrap();
+    assert_eq!(reg.offset, OFFSET);
+    println!("REG {}", reg_to_hex(&reg));
+    serve(|seed| {
+        // SAFETY: copies the registered range into `host`, which has LEN bytes.
+        unsafe {
+            ck(
+                "cuMemcpyDtoH",
+                sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), dptr + OFFSET, LEN),
+            )
+        };
+        check(&host, seed)
+    });
+}
+
+#[test]
+fn cuda_ipc_roundtrip() {
+    if is_child() {
+        return;
+    }
+    let Some(backend) = cuda_or_skip() else {
+        return;
+    };
+    let mut peer = Peer::spawn("cuda_child_entry");
+    let reg = reg_from_hex(&peer.expect("REG"));
+    assert_eq!(reg.kind, MemoryKind::Cuda as u32);
+
+    // Pool memory in two registered chunks, as the pool's background registration does.
+    let mut pool = PoolMem::new(2 * LEN);
+    // SAFETY: both chunks lie inside `pool`, which outlives the registrations.
+    unsafe {
+        backend.register_host_memory(pool.ptr(), LEN).unwrap();
+        backend
+            .register_host_memory(pool.ptr().add(LEN), LEN)
+            .unwrap();
+    }
+    let region = backend.open_region(&reg, None, peer.pid()).unwrap();
+    assert_eq!(region.len(), LEN as u64);
+
+    // A second registration inside the same allocation shares the IPC mapping.
+    let mut sub = reg;
+    sub.alloc_id = 22;
+    sub.offset = OFFSET + 4096;
+    sub.size = 4096;
+    let sub_region = backend.open_region(&sub, None, peer.pid()).unwrap();
+
+    // Store: 64 KiB pages, reversed, into the second chunk.
+    let page = 64 * 1024u64;
+    let pages = LEN as u64 / page;
+    let ops: Vec<CopyOp> = (0..pages)
+        .map(|p| CopyOp {
+            alloc_id: 21,
+            device_offset: p * page,
+            host_offset: LEN as u64 + (pages - 1 - p) * page,
+            len: page,
+        })
+        .collect();
+    // SAFETY: every host range lies in the second chunk of `pool`.
+    unsafe { region.copy_to_host(&ops, pool.ptr()) }.unwrap();
+    for p in 0..pages as usize {
+        let dst = LEN + (pages as usize - 1 - p) * page as usize;
+        let want: Vec<u8> = (p * page as usize..(p + 1) * page as usize)
+            .map(|i| pattern(1, i))
+            .collect();
+        assert!(
+            pool.bytes()[dst..dst + page as usize] == want[..],
+            "page {p}"
+        );
+    }
+
+    // The sub-range sees bytes 4096.. of the registered range, and keeps working after
+    // the other region is dropped (the shared mapping is reference counted).
+    drop(region);
+    // SAFETY: host range inside `pool`.
+    unsafe {
+        sub_region.copy_to_host(
+            &[CopyOp {
+                alloc_id: 22,
+                device_offset: 0,
+                host_offset: 0,
+                len: 4096,
+            }],
+            pool.ptr(),
+        )
+    }
+    .unwrap();
+    assert!((0..4096).all(|i| pool.bytes()[i] == pattern(1, 4096 + i)));
+    let region = backend.open_region(&reg, None, peer.pid()).unwrap();
+
+    // Load: the whole range as one op (split across streams inside), then the worker checks.
+    fill(&mut pool.bytes_mut()[..LEN], 2);
+    // SAFETY: the host range is the first chunk.
+    unsafe {
+        region.copy_from_host(
+            &[CopyOp {
+                alloc_id: 21,
+                device_offset: 0,
+                host_offset: 0,
+                len: LEN as u64,
+            }],
+            pool.ptr(),
+        )
+    }
+    .unwrap();
+    assert_eq!(peer.verify(2), "OK");
+
+    // Out of range: refused before any byte moves.
+    // SAFETY: host ranges inside `pool`.
+    let err = unsafe {
+        region.copy_from_host(
+            &[CopyOp {
+                alloc_id: 21,
+                device_offset: LEN as u64 - 1,
+                host_offset: 0,
+                len: 2,
+            }],
+            pool.ptr(),
+        )
+    }
+    .unwrap_err();
+    assert!(matches!(err, GpuError::OutOfRange { .. }), "{err}");
+    assert_eq!(peer.verify(2), "OK");
+
+    // A registration past the end of the exported allocation is refused at open.
+    let mut too_long = reg;
+    too_long.size = 1 << 40;
+    let err = backend
+        .open_region(&too_long, None, peer.pid())
+        .err()
+        .unwrap();
+    assert!(
+        err.to_string().contains("passes the exported allocation"),
+        "{err}"
+    );
+
+    // An unknown device UUID names the cause.
+    let mut elsewhere = reg;
+    elsewhere.device_uuid = [0xab; 16];
+    let err = backend
+        .open_region(&elsewhere, None, peer.pid())
+        .err()
+        .unwrap();
+    assert!(matches!(err, GpuError::DeviceNotFound { .. }), "{err}");
+
+    drop(region);
+    drop(sub_region);
+    // SAFETY: no copy is in flight; both chunks were registered above.
+    unsafe {
+        backend.unregister_host_memory(pool.ptr()).unwrap();
+        backend.unregister_host_memory(pool.ptr().add(LEN)).unwrap();
+    }
+    peer.send("exit");
+}
+
+/// Embedded mode: the pool runs inside the worker, which cannot open its own IPC handle;
+/// the backend then uses the device pointer directly.
+#[test]
+fn cuda_in_process_region() {
+    if is_child() {
+        return;
+    }
+    let Some(backend) = cuda_or_skip() else {
+        return;
+    };
+    let len = 1 << 20;
+    let mut dptr: sys::CUdeviceptr = 0;
+    let mut host = vec![0u8; len];
+    fill(&mut host, 5);
+    // SAFETY: plain driver calls on locals; the primary context is pushed and popped.
+    unsafe {
+        let mut dev = 0;
+        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
+        let mut ctx = std::ptr::null_mut();
+        ck(
+            "cuDevicePrimaryCtxRetain",
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+        );
+        ck("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(ctx));
+        ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, len + 4096));
+        ck(
+            "cuMemcpyHtoD",
+            sys::cuMemcpyHtoD_v2(dptr + 4096, host.as_ptr().cast(), len),
+        );
+    }
+    let reg = cuda::export_cuda_memory(dptr + 4096, len as u64, 3).unwrap();
+    let region = backend.open_region(&reg, None, std::process::id()).unwrap();
+    let out = PoolMem::new(len);
+    // SAFETY: the host range is `out`.
+    unsafe {
+        region.copy_to_host(
+            &[CopyOp {
+                alloc_id: 3,
+                device_offset: 0,
+                host_offset: 0,
+                len: len as u64,
+            }],
+            out.ptr(),
+        )
+    }
+    .unwrap();
+    assert_eq!(check(out.bytes(), 5), "OK");
+    // A stale address (offset not matching the allocation) is refused.
+    let mut shifted = reg;
+    shifted.offset += 8;
+    assert!(backend
+        .open_region(&shifted, None, std::process::id())
+        .is_err());
+    drop(region);
+    // SAFETY: the allocation is unused now.
+    unsafe { ck("cuMemFree", sys::cuMemFree_v2(dptr)) };
+}

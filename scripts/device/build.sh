@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Builds the GPU checks of umbp-gpu here (x86_64, release, debug info stripped) into
+# .device-bin/, to be carried to the GPU machine, which has no cargo. The binaries load
+# libcuda at run time, so nothing CUDA is needed here; the GPU machine's glibc is newer,
+# so binaries built against this one run there.
+#
+#   scripts/device/build.sh            # then, on the GPU machine: scripts/device/gpu-check.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+out=.device-bin
+rm -rf "$out"
+mkdir -p "$out"
+
+cargo build --release -p umbp-gpu --example cuda_ipc_check
+cp target/release/examples/cuda_ipc_check "$out/"
+
+# Integration test binaries have hashed names; cargo's JSON messages say where they are.
+cargo test --release -p umbp-gpu --test cuda --test hip --test host_process --test host_memfd \
+    --no-run --message-format=json \
+  | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and "test" in m["target"]["kind"]:
+        print(m["target"]["name"], m["executable"])
+' \
+  | while read -r name exe; do cp "$exe" "$out/test-$name"; done
+
+strip --strip-debug "$out"/*
+ls -la "$out"
+du -sh "$out"

@@ -1,0 +1,232 @@
+//! A worker process for the multi-process tests: registers a KV layout over its own
+//! memory (the pool reaches it with process_vm_readv/writev), stores or loads blocks whose
+//! bytes follow `fill_pattern(key)`, verifies every loaded byte, and prints one JSON line.
+
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand, ValueEnum};
+use umbp_integration_tests::fill_pattern;
+use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig, WorkerError};
+
+#[derive(Clone, Copy, ValueEnum, Debug)]
+enum Layout {
+    /// One segment per layer, pages back to back (vLLM per-layer tensors).
+    PerLayer,
+    /// One segment per layer with a gap after every page (another stride, same objects).
+    Strided,
+    /// One segment: a block is all layers contiguous (cross-layer layout).
+    Cross,
+}
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long)]
+    socket: std::path::PathBuf,
+    #[arg(long, default_value_t = 1)]
+    namespace: u128,
+    #[arg(long, value_enum, default_value = "per-layer")]
+    layout: Layout,
+    #[arg(long, default_value_t = 4)]
+    layers: u64,
+    #[arg(long, default_value_t = 4096)]
+    page: u64,
+    #[arg(long, default_value_t = 64)]
+    blocks: u64,
+    #[arg(long, default_value_t = 5000)]
+    timeout_ms: u64,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Store keys first_key..first_key+count.
+    Store {
+        #[arg(long)]
+        first_key: u128,
+        #[arg(long)]
+        count: u64,
+    },
+    /// Load keys first_key..first_key+count and verify every byte.
+    Load {
+        #[arg(long)]
+        first_key: u128,
+        #[arg(long)]
+        count: u64,
+    },
+    /// Store fresh keys in a loop until killed (for kill-mid-transfer tests).
+    StoreLoop {
+        #[arg(long)]
+        first_key: u128,
+    },
+}
+
+struct Kv {
+    mem: Vec<u8>,
+    segments: Vec<Segment>,
+    object_bytes: usize,
+}
+
+impl Kv {
+    fn new(a: &Args) -> Self {
+        let (l, p, b) = (a.layers, a.page, a.blocks);
+        let (bytes, segments) = match a.layout {
+            Layout::PerLayer => (l * b * p, (0..l).map(|i| Segment::new(0, i * b * p, p, p, b)).collect()),
+            Layout::Strided => (l * b * 2 * p, (0..l).map(|i| Segment::new(0, i * b * 2 * p, 2 * p, p, b)).collect()),
+            Layout::Cross => (l * b * p, vec![Segment::new(0, 0, l * p, l * p, b)]),
+        };
+        Self { mem: vec![0u8; bytes as usize], segments, object_bytes: (l * p) as usize }
+    }
+
+    fn pages(&self, block: u64) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.segments.iter().map(move |s| ((s.offset + block * s.block_stride) as usize, s.page_bytes as usize))
+    }
+
+    fn fill(&mut self, block: u64, key: u128) {
+        let mut obj = vec![0u8; self.object_bytes];
+        fill_pattern(key, &mut obj);
+        let pages: Vec<_> = self.pages(block).collect();
+        let mut at = 0;
+        for (off, len) in pages {
+            self.mem[off..off + len].copy_from_slice(&obj[at..at + len]);
+            at += len;
+        }
+    }
+
+    fn verify(&self, block: u64, key: u128) -> bool {
+        let mut obj = vec![0u8; self.object_bytes];
+        fill_pattern(key, &mut obj);
+        let mut at = 0;
+        for (off, len) in self.pages(block) {
+            if self.mem[off..off + len] != obj[at..at + len] {
+                return false;
+            }
+            at += len;
+        }
+        true
+    }
+
+    fn scrub(&mut self, block: u64) {
+        let pages: Vec<_> = self.pages(block).collect();
+        for (off, len) in pages {
+            self.mem[off..off + len].fill(0xEE);
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    stored: u64,
+    already_present: u64,
+    not_stored: u64,
+    loaded: u64,
+    missing: u64,
+    failed: u64,
+    invalid: u64,
+    corrupt: u64,
+    errors: Vec<String>,
+    max_wait_ms: u64,
+}
+
+fn main() {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    let args = Args::parse();
+    let mut kv = Kv::new(&args);
+    let mut cfg = WorkerConfig::new(&args.socket, args.namespace);
+    cfg.timeout = Duration::from_millis(args.timeout_ms);
+    let mut w = match Worker::connect(cfg) {
+        Ok(w) => w,
+        Err(e) => {
+            println!("{}", serde_json::json!({ "error": e.to_string() }));
+            std::process::exit(3);
+        }
+    };
+    let alloc = w.register_memory(MemorySpec::HostProcess { ptr: kv.mem.as_ptr() as usize, len: kv.mem.len() }).expect("register memory");
+    assert_eq!(alloc, 0);
+    let obj = w.register_layout(0, kv.segments.clone()).expect("register layout");
+    assert_eq!(obj as usize, kv.object_bytes);
+    let mut t = Tally::default();
+    match args.cmd {
+        Cmd::Store { first_key, count } => run(&mut w, &mut kv, &mut t, first_key, count, true),
+        Cmd::Load { first_key, count } => run(&mut w, &mut kv, &mut t, first_key, count, false),
+        Cmd::StoreLoop { first_key } => {
+            println!("ready");
+            let mut k = first_key;
+            loop {
+                run(&mut w, &mut kv, &mut t, k, args.blocks, true);
+                k += args.blocks as u128;
+            }
+        }
+    }
+    println!(
+        "{}",
+        serde_json::json!({
+            "stored": t.stored, "already_present": t.already_present, "not_stored": t.not_stored,
+            "loaded": t.loaded, "missing": t.missing, "failed": t.failed, "invalid": t.invalid,
+            "corrupt": t.corrupt, "errors": t.errors, "max_wait_ms": t.max_wait_ms,
+        })
+    );
+}
+
+/// Key of the `i`-th block hash in namespace `ns`, derived as the vLLM connector does.
+fn key_of(ns: u128, i: u128) -> ObjectKey {
+    ObjectKey::derive(ns, 0, 0, &i.to_le_bytes())
+}
+
+fn run(w: &mut Worker, kv: &mut Kv, t: &mut Tally, first: u128, count: u64, store: bool) {
+    let ns = w.config().namespace;
+    let blocks = kv.segments.iter().map(|s| s.num_blocks).min().unwrap();
+    let mut done = 0;
+    while done < count {
+        let n = blocks.min(count - done);
+        let batch: Vec<(ObjectKey, u64)> = (0..n).map(|i| (key_of(ns, first + (done + i) as u128), i)).collect();
+        for &(k, b) in &batch {
+            if store {
+                kv.fill(b, k.0);
+            } else {
+                kv.scrub(b);
+            }
+        }
+        let started = Instant::now();
+        let id = loop {
+            let r = if store { w.store(0, &batch) } else { w.load(0, &batch) };
+            match r {
+                Ok(id) => break Some(id),
+                Err(WorkerError::Full) => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => {
+                    t.errors.push(e.to_string());
+                    break None;
+                }
+            }
+        };
+        let Some(id) = id else {
+            t.failed += n;
+            done += n;
+            continue;
+        };
+        let c = loop {
+            if let Some(c) = w.wait(id, Duration::from_millis(100)) {
+                break c;
+            }
+            assert!(started.elapsed() < Duration::from_secs(60), "transfer never completed");
+        };
+        t.max_wait_ms = t.max_wait_ms.max(started.elapsed().as_millis() as u64);
+        for (s, &(k, b)) in c.statuses.iter().zip(&batch) {
+            match s {
+                BlockStatus::Stored => t.stored += 1,
+                BlockStatus::AlreadyPresent => t.already_present += 1,
+                BlockStatus::NotStored => t.not_stored += 1,
+                BlockStatus::Loaded => {
+                    t.loaded += 1;
+                    if !kv.verify(b, k.0) {
+                        t.corrupt += 1;
+                    }
+                }
+                BlockStatus::Missing => t.missing += 1,
+                BlockStatus::Invalid => t.invalid += 1,
+                _ => t.failed += 1,
+            }
+        }
+        done += n;
+    }
+}

@@ -1,0 +1,156 @@
+//! Plumbing for the multi-process tests: pool processes on private sockets, the test
+//! worker's block pattern, and process inspection for leak checks.
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Deterministic contents of the object with `key`: every byte depends on the key and the
+/// position, so a block loaded under the wrong key or torn copy never verifies.
+pub fn fill_pattern(key: u128, out: &mut [u8]) {
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let w = splitmix(key as u64 ^ (key >> 64) as u64 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        chunk.copy_from_slice(&w.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// A private socket path in a fresh directory.
+pub fn unique_socket(tag: &str) -> PathBuf {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("umbp-it-{}-{tag}-{n}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("pool.sock")
+}
+
+/// A `umbp-pool` child process; killed on drop.
+pub struct PoolProcess {
+    pub child: Child,
+    pub socket: PathBuf,
+    pub args: Vec<String>,
+}
+
+/// A workspace binary: test executables live in `target/<profile>/deps`, binaries one up.
+pub fn workspace_binary(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let dir = exe.parent().unwrap();
+    for cand in [dir.join(name), dir.parent().unwrap().join(name)] {
+        if cand.exists() {
+            return cand;
+        }
+    }
+    panic!("{name} not found next to {}; run `cargo build --workspace --bins` first", exe.display());
+}
+
+pub fn pool_binary() -> PathBuf {
+    workspace_binary("umbp-pool")
+}
+
+impl PoolProcess {
+    pub fn start(socket: &Path, args: &[&str]) -> Self {
+        let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+        let child = Self::spawn(socket, &args);
+        let p = Self { child, socket: socket.to_path_buf(), args };
+        p.wait_listening();
+        p
+    }
+
+    fn spawn(socket: &Path, args: &[String]) -> Child {
+        Command::new(pool_binary())
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn umbp-pool")
+    }
+
+    /// Starts a new pool process at the same socket (after `kill`).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = Self::spawn(&self.socket, &self.args);
+        self.wait_listening();
+    }
+
+    pub fn wait_listening(&self) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&self.socket).is_err() {
+            assert!(Instant::now() < deadline, "pool did not start listening at {}", self.socket.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(self.pid(), sig) };
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn open_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    /// The pool's JSON state report through an observer attachment.
+    pub fn report(&self) -> serde_json::Value {
+        report(&self.socket)
+    }
+}
+
+impl Drop for PoolProcess {
+    fn drop(&mut self) {
+        self.kill();
+        if let Some(d) = self.socket.parent() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
+/// Asks the pool at `socket` for its state report.
+pub fn report(socket: &Path) -> serde_json::Value {
+    use umbp_ipc::message::{recv_message, send_message};
+    use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
+    let t = Some(Duration::from_secs(5));
+    let sock = UnixStream::connect(socket).expect("connect for report");
+    let hello = Hello::new(Role::Observer, 0, std::process::id());
+    send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(&hello), &[], t).unwrap();
+    let m = recv_message(&sock, t).unwrap();
+    let r: HelloReply = wire::decode(&m.payload).unwrap();
+    assert_eq!(r.status, 0, "{}", r.message());
+    send_message(&sock, MessageKind::StatsRequest, &[], &[], t).unwrap();
+    let m = recv_message(&sock, t).unwrap();
+    let reply: Reply = wire::decode(&m.payload).unwrap();
+    assert_eq!(reply.status, 0);
+    serde_json::from_slice(&m.payload[std::mem::size_of::<Reply>()..]).unwrap()
+}
+
+/// Waits until `f` holds or `timeout` passes; returns whether it held.
+pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

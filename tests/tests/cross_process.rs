@@ -1,0 +1,28 @@
+//! Two worker processes with different KV layouts share objects through one pool
+//! process, byte-exact; a third process in another namespace sees none of them.
+
+mod common;
+use common::*;
+
+#[test]
+fn layouts_share_objects_and_namespaces_isolate() {
+    let pool = PoolProcess::start(&unique_socket("xproc"), &["--capacity", "64MiB", "--min-object-size", "16KiB"]);
+    let s = &pool.socket;
+    let a = run_worker(s, 1, "per-layer", &["store", "--first-key", "0", "--count", "200"]);
+    assert_eq!((n(&a, "stored"), n(&a, "failed")), (200, 0), "{a}");
+    // Same objects, another process with another stride.
+    let b = run_worker(s, 1, "strided", &["load", "--first-key", "0", "--count", "200"]);
+    assert_eq!((n(&b, "loaded"), n(&b, "corrupt"), n(&b, "missing")), (200, 0, 0), "{b}");
+    // And a cross-layer layout (one segment) reads the same bytes.
+    let c = run_worker(s, 1, "cross", &["load", "--first-key", "150", "--count", "100"]);
+    assert_eq!((n(&c, "loaded"), n(&c, "missing"), n(&c, "corrupt")), (50, 50, 0), "{c}");
+    // First writer wins: storing again copies nothing.
+    let again = run_worker(s, 1, "cross", &["store", "--first-key", "0", "--count", "64"]);
+    assert_eq!(n(&again, "already_present"), 64, "{again}");
+    // Another namespace: same block hashes, different keys.
+    let other = run_worker(s, 2, "per-layer", &["load", "--first-key", "0", "--count", "64"]);
+    assert_eq!((n(&other, "missing"), n(&other, "loaded")), (64, 0), "{other}");
+    let report = pool.report();
+    assert_eq!(report["pool"]["published_objects"], 200, "{report}");
+    assert_eq!(report["namespaces"].as_array().unwrap().len(), 1);
+}
