@@ -1,0 +1,240 @@
+//! DESIGN §9, one test per row: the pool is killed, stalled, restarted; workers are killed
+//! mid-transfer; the pool is absent at start. The test process is the engine worker here
+//! (real `umbp_worker::Worker`, real socket); the pool is a real `umbp-pool` process.
+
+mod common;
+use common::*;
+
+use std::time::{Duration, Instant};
+
+use umbp_protocol::ObjectKey;
+use umbp_scheduler::IndexClient;
+use umbp_worker::{BlockStatus, MemorySpec, Segment, Worker, WorkerConfig, WorkerError};
+
+const PAGE: u64 = 64 << 10;
+const LAYERS: u64 = 8;
+const BLOCKS: u64 = 64;
+
+/// A worker over 8 layers x 64 blocks x 64 KiB of this process's memory (32 MiB).
+struct Engine {
+    w: Worker,
+    mem: Vec<u8>,
+}
+
+impl Engine {
+    fn connect(socket: &std::path::Path, timeout: Duration) -> Engine {
+        let mut cfg = WorkerConfig::new(socket, 7);
+        cfg.timeout = timeout;
+        let mut w = Worker::connect(cfg).expect("connect");
+        let mem = vec![0x11u8; (LAYERS * BLOCKS * PAGE) as usize];
+        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).unwrap();
+        let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
+        w.register_layout(0, segs).unwrap();
+        Engine { w, mem }
+    }
+
+    fn fill(&mut self, block: u64, key: ObjectKey) {
+        let mut obj = vec![0u8; (LAYERS * PAGE) as usize];
+        fill_pattern(key.0, &mut obj);
+        for l in 0..LAYERS {
+            let off = (l * BLOCKS * PAGE + block * PAGE) as usize;
+            self.mem[off..off + PAGE as usize].copy_from_slice(&obj[(l * PAGE) as usize..((l + 1) * PAGE) as usize]);
+        }
+    }
+
+    fn verify(&self, block: u64, key: ObjectKey) -> bool {
+        let mut obj = vec![0u8; (LAYERS * PAGE) as usize];
+        fill_pattern(key.0, &mut obj);
+        (0..LAYERS).all(|l| {
+            let off = (l * BLOCKS * PAGE + block * PAGE) as usize;
+            self.mem[off..off + PAGE as usize] == obj[(l * PAGE) as usize..((l + 1) * PAGE) as usize]
+        })
+    }
+
+    fn batch(first: u128, n: u64) -> Vec<(ObjectKey, u64)> {
+        (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect()
+    }
+
+    fn store(&mut self, first: u128, n: u64) -> Result<umbp_worker::TransferId, WorkerError> {
+        let b = Self::batch(first, n);
+        for &(k, i) in &b {
+            self.fill(i, k);
+        }
+        self.w.store(0, &b)
+    }
+
+    fn store_wait(&mut self, first: u128, n: u64) -> Vec<BlockStatus> {
+        let id = self.store(first, n).expect("submit store");
+        self.w.wait(id, Duration::from_secs(10)).expect("store completes").statuses
+    }
+
+    fn load_wait(&mut self, first: u128, n: u64) -> Vec<BlockStatus> {
+        self.mem.fill(0);
+        let id = self.w.load(0, &Self::batch(first, n)).expect("submit load");
+        let st = self.w.wait(id, Duration::from_secs(10)).expect("load completes").statuses;
+        for (i, s) in st.iter().enumerate() {
+            if *s == BlockStatus::Loaded {
+                assert!(self.verify(i as u64, ObjectKey(first + i as u128)), "block {i} loaded wrong bytes");
+            }
+        }
+        st
+    }
+}
+
+/// Worker attachments in a report (the report's own observer attachment is not one).
+fn workers(report: &serde_json::Value) -> usize {
+    report["attachments"].as_array().unwrap().iter().filter(|a| a["role"] == "worker").count()
+}
+
+fn keys(first: u128, n: u64) -> Vec<ObjectKey> {
+    (0..n).map(|i| ObjectKey(first + i as u128)).collect()
+}
+
+fn all(st: &[BlockStatus], s: BlockStatus) -> bool {
+    st.iter().all(|x| *x == s)
+}
+
+#[test]
+fn pool_absent_at_startup_names_the_socket() {
+    let socket = unique_socket("absent");
+    let mut cfg = WorkerConfig::new(&socket, 1);
+    cfg.startup_timeout = Duration::from_millis(300);
+    let t = Instant::now();
+    let e = Worker::connect(cfg).err().expect("no pool there");
+    assert!(e.to_string().contains(socket.to_str().unwrap()), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+    let e = IndexClient::connect(&socket, 1, Duration::from_millis(200)).err().expect("no pool there");
+    assert!(e.to_string().contains(socket.to_str().unwrap()), "{e}");
+}
+
+#[test]
+fn pool_killed_mid_transfer() {
+    let mut pool = PoolProcess::start(&unique_socket("kill"), &["--capacity", "256MiB"]);
+    let mut e = Engine::connect(&pool.socket, Duration::from_secs(5));
+    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    assert!(all(&e.store_wait(0, 16), BlockStatus::Stored));
+    assert_eq!(idx.match_prefix(&keys(0, 16)), 16);
+    // 32 MiB in flight, then SIGKILL.
+    let id = e.store(1000, BLOCKS).unwrap();
+    pool.kill();
+    let t = Instant::now();
+    let c = e.w.wait(id, Duration::from_secs(5)).expect("a dead pool completes the transfer as failed");
+    assert!(t.elapsed() < Duration::from_secs(2), "waited {:?}", t.elapsed());
+    assert!(c.statuses.iter().all(|s| matches!(s, BlockStatus::Failed | BlockStatus::Stored)), "{c:?}");
+    // Lookups miss (never a stale hit from the dead pool's mapping), never block.
+    let t = Instant::now();
+    assert_eq!(idx.match_prefix(&keys(0, 16)), 0);
+    assert!(t.elapsed() < Duration::from_millis(100));
+    // New work is refused as "not stored" material: the worker is disconnected.
+    assert!(matches!(e.store(2000, 4), Err(WorkerError::Disconnected)), "store while the pool is dead");
+    assert!(!e.w.is_connected());
+}
+
+#[test]
+fn pool_stalled_past_timeout() {
+    let pool = PoolProcess::start(&unique_socket("stall"), &["--capacity", "256MiB"]);
+    let mut e = Engine::connect(&pool.socket, Duration::from_millis(300));
+    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    assert!(all(&e.store_wait(0, 8), BlockStatus::Stored));
+    pool.signal(libc::SIGSTOP);
+    let id = e.store(100, 8).unwrap();
+    assert!(e.w.wait(id, Duration::from_millis(600)).is_none(), "no completion from a stopped pool");
+    // Past timeout_ms: new transfers are refused, the old one stays pending (blocks held).
+    match e.w.store(0, &[(ObjectKey(200), 40)]) {
+        Err(WorkerError::Stalled { oldest_ms }) => assert!(oldest_ms >= 300),
+        other => panic!("expected Stalled, got {other:?}"),
+    }
+    assert_eq!(e.w.pending(), 1);
+    // Lookups are memory reads: they answer at once even while the pool is stopped.
+    let t = Instant::now();
+    assert_eq!(idx.match_prefix(&keys(0, 8)), 8);
+    assert!(t.elapsed() < Duration::from_millis(50), "lookup blocked {:?}", t.elapsed());
+    pool.signal(libc::SIGCONT);
+    let c = e.w.wait(id, Duration::from_secs(5)).expect("completes once the pool runs again");
+    assert!(all(&c.statuses, BlockStatus::Stored), "{c:?}");
+    assert!(all(&e.load_wait(100, 8), BlockStatus::Loaded));
+    assert!(all(&e.store_wait(300, 4), BlockStatus::Stored), "accepting work again");
+}
+
+#[test]
+fn pool_restarted_at_the_same_path() {
+    let mut pool = PoolProcess::start(&unique_socket("restart"), &["--capacity", "256MiB"]);
+    let mut e = Engine::connect(&pool.socket, Duration::from_secs(2));
+    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    assert!(all(&e.store_wait(0, 8), BlockStatus::Stored));
+    pool.restart();
+    // The engine is not restarted: its worker and index re-attach on their own.
+    let reattached = eventually(Duration::from_secs(10), || {
+        e.w.poll();
+        e.w.is_connected()
+    });
+    assert!(reattached, "worker did not re-attach");
+    assert!(all(&e.load_wait(0, 8), BlockStatus::Missing), "a new pool starts empty");
+    assert!(all(&e.store_wait(0, 8), BlockStatus::Stored), "memory and layout were re-registered");
+    assert!(all(&e.load_wait(0, 8), BlockStatus::Loaded));
+    assert!(eventually(Duration::from_secs(10), || idx.match_prefix(&keys(0, 8)) == 8), "index did not re-attach");
+}
+
+#[test]
+fn workers_killed_mid_transfer_leak_nothing() {
+    let pool = PoolProcess::start(&unique_socket("wkill"), &["--capacity", "256MiB", "--min-object-size", "16KiB"]);
+    // Baseline after one clean attach/detach, so lazily opened fds are counted.
+    run_worker(&pool.socket, 3, "per-layer", &["store", "--first-key", "0", "--count", "8"]);
+    assert!(eventually(Duration::from_secs(5), || workers(&pool.report()) == 0));
+    let base_fds = pool.open_fds();
+    let base = pool.report();
+    for round in 0..50u64 {
+        let mut child = std::process::Command::new(workspace_binary("umbp-test-worker"))
+            .arg("--socket")
+            .arg(&pool.socket)
+            .args(["--namespace", "3", "--blocks", "32", "store-loop", "--first-key"])
+            .arg((1_000_000 * (round + 1)).to_string())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+        assert_eq!(line.trim(), "ready");
+        std::thread::sleep(Duration::from_micros(500 + (round * 397) % 5000));
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    let settled = eventually(Duration::from_secs(10), || {
+        let r = pool.report();
+        workers(&r) == 0
+            && r["pool"]["objects"] == r["pool"]["published_objects"]
+            && r["pool"]["pinned_objects"] == 0
+    });
+    let r = pool.report();
+    assert!(settled, "unpublished or pinned objects left behind: {}", r["pool"]);
+    // Memory: every allocated byte belongs to a published object (16 KiB each).
+    let published = r["pool"]["published_objects"].as_u64().unwrap();
+    assert_eq!(r["pool"]["allocated_bytes"].as_u64().unwrap(), published * (16 << 10), "{}", r["pool"]);
+    assert!(published > base["pool"]["published_objects"].as_u64().unwrap(), "the workers did store");
+    assert!(eventually(Duration::from_secs(5), || pool.open_fds() <= base_fds), "fds: {} now, {base_fds} at baseline", pool.open_fds());
+    // And the pool still serves.
+    let ok = run_worker(&pool.socket, 3, "per-layer", &["load", "--first-key", "0", "--count", "8"]);
+    assert_eq!((n(&ok, "loaded"), n(&ok, "corrupt")), (8, 0), "{ok}");
+}
+
+#[test]
+fn scheduler_hits_are_leased_against_eviction() {
+    let pool = PoolProcess::start(
+        &unique_socket("lease"),
+        &["--capacity", "64MiB", "--min-object-size", "16KiB", "--lease-ms", "60000"],
+    );
+    let s = &pool.socket;
+    let r = run_worker(s, 1, "per-layer", &["store", "--first-key", "0", "--count", "64"]);
+    assert_eq!(n(&r, "stored"), 64);
+    let mut idx = IndexClient::connect(s, 1, Duration::from_secs(5)).unwrap();
+    let hot: Vec<ObjectKey> = (0..64u128).map(|i| ObjectKey::derive(1, 0, 0, &i.to_le_bytes())).collect();
+    assert_eq!(idx.match_prefix(&hot), 64);
+    // Hints are drained every few ms; give the pool a moment, then flood it.
+    std::thread::sleep(Duration::from_millis(100));
+    let flood = run_worker(s, 1, "per-layer", &["store", "--first-key", "100000", "--count", "12288"]);
+    assert!(n(&flood, "stored") > 0);
+    assert!(pool.report()["pool"]["evictions"].as_u64().unwrap() > 0);
+    assert_eq!(idx.match_prefix(&hot), 64, "leased (recently hit) blocks survive eviction");
+    let l = run_worker(s, 1, "per-layer", &["load", "--first-key", "0", "--count", "64"]);
+    assert_eq!((n(&l, "loaded"), n(&l, "corrupt")), (64, 0), "{l}");
+}
