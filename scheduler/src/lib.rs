@@ -1,1 +1,303 @@
-//! placeholder
+//! What an engine's scheduler links (DESIGN §6): prefix lookups in the pool's index, read
+//! straight from a read-only shared mapping (no RPC), and best-effort touch hints so that a
+//! hit is still there when a worker loads it.
+//!
+//! Lookups never block and never fail: while no pool is attached (absent, dead, restarting)
+//! every key is a miss, which costs a recompute, never a wrong token. Before each lookup the
+//! client checks the pool's end of the socket, because a dead pool's mapping stays readable
+//! but nobody holds the objects it names.
+//!
+//! ```no_run
+//! # use umbp_scheduler::*;
+//! let mut idx = IndexClient::lazy(std::path::Path::new("/tmp/umbp/pool.sock"), 0x1234);
+//! let hits = idx.match_prefix(&[ObjectKey(1), ObjectKey(2)]);
+//! ```
+
+mod backoff;
+mod dial;
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use umbp_ipc::message::peer_gone;
+use umbp_ipc::SharedMemory;
+use umbp_protocol::attachment::{AttachmentLayout, Hint};
+use umbp_protocol::index::{IndexView, TABLES_OFFSET};
+use umbp_protocol::ring::{Producer, Ring};
+use umbp_protocol::wire::{Hello, Role};
+use umbp_protocol::ProtocolError;
+
+pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
+pub use umbp_protocol::index::IndexSnapshot;
+pub use umbp_protocol::ObjectKey;
+
+use backoff::Backoff;
+use dial::{Attached, Dial, DialError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerError {
+    /// No pool answered at the endpoint within the timeout.
+    #[error("UMBP pool not reachable at {}: {source} (is umbp-pool running there? see --socket / UMBP_STANDALONE_ADDRESS)", path.display())]
+    Unreachable { path: PathBuf, source: io::Error },
+    /// The pool answered with a refusal (version, permissions).
+    #[error("refused by the UMBP pool at {}: {message}", path.display())]
+    Refused { path: PathBuf, message: String },
+    #[error("I/O error attaching to the UMBP pool: {0}")]
+    Io(#[from] io::Error),
+    #[error("UMBP protocol error: {0}")]
+    Protocol(#[from] ProtocolError),
+}
+
+impl From<umbp_ipc::ShmError> for SchedulerError {
+    fn from(e: umbp_ipc::ShmError) -> Self {
+        SchedulerError::Io(io::Error::other(e.to_string()))
+    }
+}
+
+/// How long a reattach waits for the pool's reply to Hello, across calls (a reattach never
+/// blocks a lookup; this only bounds how long a silent pool is waited for).
+const REATTACH_REPLY_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One attachment: the index mapping, the hint ring and the liveness socket.
+struct Attachment {
+    index: IndexView<'static>,
+    hints: Producer<'static, Hint>,
+    sock: UnixStream,
+    attachment_id: u32,
+    // Dropped after the views above, which point into these mappings.
+    _ring: SharedMemory,
+    _index: SharedMemory,
+}
+
+impl Attachment {
+    fn new(a: Attached) -> Result<Self, SchedulerError> {
+        let r = a.reply;
+        let layout = AttachmentLayout::new(r.sq_entries, r.cq_entries, r.hint_entries, r.arena_bytes)?;
+        let mut fds = a.fds.into_iter();
+        let (Some(ring_fd), Some(index_fd)) = (fds.next(), fds.next()) else {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "HelloReply lacks its fds").into());
+        };
+        // The doorbell (third fd) is not needed: the pool drains hints on its own timer.
+        let ring = SharedMemory::from_received(ring_fd, layout.total_bytes, true)?;
+        let index = SharedMemory::from_received(index_fd, TABLES_OFFSET, false)?;
+        // SAFETY: the hint ring section lies inside the ring mapping (AttachmentLayout,
+        // size checked by from_received); the mapping is owned by `_ring`, dropped after
+        // this producer, and does not move with the struct.
+        let hints = unsafe { Ring::<Hint>::attach(ring.as_ptr().add(layout.hint_offset), layout.hint_bytes()) }?.producer();
+        // SAFETY: the whole index mapping, read-only, owned by `_index` (dropped after the
+        // view); IndexView::attach checks every header field against `len`.
+        let index_view = unsafe { IndexView::attach(index.as_ptr(), index.len()) }?;
+        Ok(Self { index: index_view, hints, sock: a.sock, attachment_id: r.attachment_id, _ring: ring, _index: index })
+    }
+
+    fn alive(&self) -> bool {
+        !peer_gone(&self.sock)
+    }
+
+    /// Posts hints for `keys`, dropping what does not fit: they are advice, and a
+    /// scheduler must never wait on the pool.
+    fn touch(&mut self, keys: &[ObjectKey]) {
+        let mut any = false;
+        for k in keys {
+            match self.hints.try_push(Hint { key: k.to_words() }) {
+                Ok(true) => any = true,
+                Ok(false) | Err(_) => break,
+            }
+        }
+        if any {
+            // No doorbell: the pool drains hint rings at least every 10 ms.
+            let _ = self.hints.publish();
+        }
+    }
+}
+
+/// A scheduler's view of a pool's index. `Send`; not meant to be shared between threads
+/// (the hint ring has one producer).
+pub struct IndexClient {
+    endpoint: PathBuf,
+    namespace: u128,
+    reply_timeout: Duration,
+    att: Option<Attachment>,
+    dial: Option<Dial>,
+    backoff: Backoff,
+}
+
+impl IndexClient {
+    /// Attaches now, retrying an absent pool for up to `timeout`; the error names the
+    /// socket path. After a successful attach it behaves like [`Self::lazy`]: it detaches
+    /// when the pool dies and reattaches when it comes back.
+    pub fn connect(endpoint: &Path, namespace: u128, timeout: Duration) -> Result<IndexClient, SchedulerError> {
+        let start = Instant::now();
+        let deadline = start + timeout;
+        let hello = Hello::new(Role::Scheduler, namespace, std::process::id());
+        let mut backoff = Backoff::default();
+        let attached = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match Dial::blocking(endpoint, &hello, left.max(Duration::from_millis(50))) {
+                Ok(a) => break a,
+                Err(DialError::Refused(message)) => {
+                    tracing::error!(endpoint = %endpoint.display(), %message, "UMBP pool refused this scheduler");
+                    return Err(SchedulerError::Refused { path: endpoint.to_path_buf(), message });
+                }
+                Err(e) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(SchedulerError::Unreachable { path: endpoint.to_path_buf(), source: e.into_io() });
+                    }
+                    let delay = backoff.failed(now).min(deadline - now);
+                    tracing::debug!(endpoint = %endpoint.display(), error = %e, ?delay, "UMBP pool not reachable yet");
+                    std::thread::sleep(delay);
+                }
+            }
+        };
+        let att = Attachment::new(attached)?;
+        tracing::info!(endpoint = %endpoint.display(), attachment = att.attachment_id, "scheduler attached to UMBP index");
+        Ok(IndexClient {
+            endpoint: endpoint.to_path_buf(),
+            namespace,
+            reply_timeout: REATTACH_REPLY_TIMEOUT,
+            att: Some(att),
+            dial: None,
+            backoff: Backoff::default(),
+        })
+    }
+
+    /// A client that attaches whenever the pool is reachable, starting now. Never fails;
+    /// until attached every lookup is a miss.
+    pub fn lazy(endpoint: &Path, namespace: u128) -> IndexClient {
+        let mut c = IndexClient {
+            endpoint: endpoint.to_path_buf(),
+            namespace,
+            reply_timeout: REATTACH_REPLY_TIMEOUT,
+            att: None,
+            dial: None,
+            backoff: Backoff::default(),
+        };
+        c.try_attach();
+        c
+    }
+
+    /// Number of leading `keys` the pool holds (stops at the first miss); 0 while no live
+    /// pool is attached. Posts touch hints for the hits. Never blocks, never errors.
+    pub fn match_prefix(&mut self, keys: &[ObjectKey]) -> usize {
+        let Some(att) = self.live() else { return 0 };
+        let n = att.index.match_prefix(keys);
+        att.touch(&keys[..n]);
+        n
+    }
+
+    pub fn contains(&mut self, key: ObjectKey) -> bool {
+        self.match_prefix(&[key]) == 1
+    }
+
+    /// Tells the pool these keys are in use (LRU order, short eviction lease). Best effort.
+    pub fn touch(&mut self, keys: &[ObjectKey]) {
+        if let Some(att) = self.live() {
+            att.touch(keys);
+        }
+    }
+
+    /// Whether a live pool is attached right now.
+    pub fn is_attached(&self) -> bool {
+        self.att.as_ref().is_some_and(Attachment::alive)
+    }
+
+    /// Index statistics, while a live pool is attached.
+    pub fn snapshot(&self) -> Option<IndexSnapshot> {
+        self.att.as_ref().filter(|a| a.alive()).map(|a| a.index.snapshot())
+    }
+
+    pub fn endpoint(&self) -> &Path {
+        &self.endpoint
+    }
+
+    /// The attachment, after checking the pool is still there; otherwise advances a
+    /// reattach (without waiting) and returns it if that completed.
+    fn live(&mut self) -> Option<&mut Attachment> {
+        if self.att.as_ref().is_some_and(|a| !a.alive()) {
+            let att = self.att.take().expect("checked");
+            tracing::warn!(endpoint = %self.endpoint.display(), attachment = att.attachment_id, "UMBP pool gone; lookups miss until it is back");
+            self.backoff.reset();
+        }
+        if self.att.is_none() {
+            self.try_attach();
+        }
+        self.att.as_mut()
+    }
+
+    fn try_attach(&mut self) {
+        let now = Instant::now();
+        if self.dial.is_none() {
+            if !self.backoff.due(now) {
+                return;
+            }
+            let hello = Hello::new(Role::Scheduler, self.namespace, std::process::id());
+            match Dial::start(&self.endpoint, &hello, self.reply_timeout) {
+                Ok(d) => self.dial = Some(d),
+                Err(e) => {
+                    let delay = self.backoff.failed(now);
+                    tracing::debug!(endpoint = %self.endpoint.display(), error = %e, ?delay, "UMBP pool not reachable");
+                    return;
+                }
+            }
+        }
+        let Some(dial) = self.dial.as_mut() else { return };
+        let result = match dial.finish(Duration::ZERO) {
+            Ok(None) => return,
+            Ok(Some((reply, fds))) => Attachment::new(self.dial.take().expect("dial in progress").into_attached(reply, fds)),
+            Err(DialError::Refused(message)) => Err(SchedulerError::Refused { path: self.endpoint.clone(), message }),
+            Err(e) => Err(SchedulerError::Io(e.into_io())),
+        };
+        self.dial = None;
+        match result {
+            Ok(att) => {
+                tracing::info!(endpoint = %self.endpoint.display(), attachment = att.attachment_id, "scheduler attached to UMBP index");
+                self.att = Some(att);
+                self.backoff.reset();
+            }
+            Err(e) => {
+                let delay = self.backoff.failed(Instant::now());
+                match e {
+                    SchedulerError::Refused { .. } => tracing::warn!(error = %e, ?delay, "UMBP pool refused the scheduler"),
+                    _ => tracing::debug!(endpoint = %self.endpoint.display(), error = %e, ?delay, "UMBP attach failed"),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_is_send() {
+        fn send<T: Send>() {}
+        send::<IndexClient>();
+    }
+
+    #[test]
+    fn detached_client_misses_without_blocking() {
+        let path = Path::new("/nonexistent/umbp-sched-test/pool.sock");
+        let mut c = IndexClient::lazy(path, 1);
+        let t = Instant::now();
+        for _ in 0..1000 {
+            assert_eq!(c.match_prefix(&[ObjectKey(1)]), 0);
+        }
+        assert!(!c.contains(ObjectKey(1)));
+        c.touch(&[ObjectKey(1)]);
+        assert!(t.elapsed() < Duration::from_millis(500));
+        assert!(!c.is_attached());
+        assert!(c.snapshot().is_none());
+    }
+
+    #[test]
+    fn unreachable_names_the_path() {
+        let path = Path::new("/nonexistent/umbp-sched-test/pool.sock");
+        let err = IndexClient::connect(path, 1, Duration::from_millis(100)).err().unwrap();
+        assert!(matches!(err, SchedulerError::Unreachable { .. }));
+        assert!(err.to_string().contains("/nonexistent/umbp-sched-test/pool.sock"), "{err}");
+    }
+}

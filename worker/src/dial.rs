@@ -1,0 +1,141 @@
+//! Dialling the pool: connect, send `Hello`, receive `HelloReply` with its fds
+//! (docs/connection.md, steps 1-4). Split into `start` and `finish` so that a reconnect
+//! from `poll()` never blocks the engine: a pool that accepts but does not answer (stopped,
+//! overloaded) costs a zero-timeout poll per call, never a wait.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags};
+use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use umbp_ipc::message::{recv_message, send_message};
+use umbp_protocol::wire::{decode, Hello, HelloReply, MessageKind, ReplyStatus};
+use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
+
+/// fds of a successful `HelloReply`: ring memfd, index memfd, doorbell eventfd.
+pub const HELLO_FDS: usize = 3;
+
+#[derive(Debug)]
+pub enum DialError {
+    /// Nothing accepted the connection (no socket file, nobody listening, backlog full).
+    Unreachable(io::Error),
+    /// The pool refused us; retrying with the same Hello will not help.
+    Refused(String),
+    /// The pool accepted but the handshake failed (closed, silent, malformed reply).
+    Broken(String),
+}
+
+impl DialError {
+    pub fn into_io(self) -> io::Error {
+        match self {
+            DialError::Unreachable(e) => e,
+            DialError::Refused(m) => io::Error::new(io::ErrorKind::PermissionDenied, m),
+            DialError::Broken(m) => io::Error::new(io::ErrorKind::ConnectionAborted, m),
+        }
+    }
+}
+
+impl std::fmt::Display for DialError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            DialError::Unreachable(e) => write!(f, "{e}"),
+            DialError::Refused(m) => write!(f, "refused: {m}"),
+            DialError::Broken(m) => write!(f, "handshake failed: {m}"),
+        }
+    }
+}
+
+/// A handshake in progress.
+pub struct Dial {
+    sock: UnixStream,
+    deadline: Instant,
+    reply_timeout: Duration,
+}
+
+/// What a successful handshake hands over.
+pub struct Attached {
+    pub sock: UnixStream,
+    pub reply: HelloReply,
+    pub fds: Vec<OwnedFd>,
+}
+
+fn timespec(d: Duration) -> rustix::time::Timespec {
+    rustix::time::Timespec { tv_sec: d.as_secs().min(i64::MAX as u64) as i64, tv_nsec: d.subsec_nanos() as _ }
+}
+
+/// Waits up to `wait` for `sock` to be readable (data, EOF or error all count).
+pub fn readable(sock: &UnixStream, wait: Duration) -> bool {
+    let mut fds = [PollFd::new(sock, PollFlags::IN)];
+    matches!(poll(&mut fds, Some(&timespec(wait))), Ok(n) if n > 0)
+}
+
+impl Dial {
+    /// Connects and sends `hello`. Never waits on the pool: a unix-socket connect either
+    /// completes at once or fails (EAGAIN when the listener's backlog is full, which a
+    /// blocking connect would wait out).
+    pub fn start(path: &Path, hello: &Hello, reply_timeout: Duration) -> Result<Self, DialError> {
+        let fd = socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None)
+            .map_err(|e| DialError::Unreachable(e.into()))?;
+        let addr = SocketAddrUnix::new(path).map_err(|e| DialError::Unreachable(e.into()))?;
+        connect(&fd, &addr).map_err(|e| DialError::Unreachable(e.into()))?;
+        let sock = UnixStream::from(fd);
+        // Messages are read with SO_RCVTIMEO deadlines, which need a blocking socket.
+        sock.set_nonblocking(false).map_err(|e| DialError::Broken(e.to_string()))?;
+        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(reply_timeout))
+            .map_err(|e| DialError::Broken(format!("sending Hello: {e}")))?;
+        Ok(Self { sock, deadline: Instant::now() + reply_timeout, reply_timeout })
+    }
+
+    /// Waits up to `wait` (zero: just looks) for the reply. Ok(None): not there yet and the
+    /// reply timeout has not passed.
+    pub fn finish(&mut self, wait: Duration) -> Result<Option<(HelloReply, Vec<OwnedFd>)>, DialError> {
+        let wait = wait.min(self.deadline.saturating_duration_since(Instant::now()));
+        if !readable(&self.sock, wait) {
+            if Instant::now() >= self.deadline {
+                return Err(DialError::Broken(format!("no reply to Hello within {:?}", self.reply_timeout)));
+            }
+            return Ok(None);
+        }
+        // The reply is one small message written at once, so it is all there (or EOF).
+        let msg = recv_message(&self.sock, Some(Duration::from_millis(100)))
+            .map_err(|e| DialError::Broken(format!("reading HelloReply: {e}")))?;
+        if msg.kind != MessageKind::HelloReply {
+            return Err(DialError::Broken(format!("expected HelloReply, got {:?}", msg.kind)));
+        }
+        let reply: HelloReply = decode(&msg.payload).map_err(|e| DialError::Broken(e.to_string()))?;
+        if reply.magic != MAGIC {
+            return Err(DialError::Broken(format!("bad magic {:#010x} in HelloReply: not a UMBP pool", reply.magic)));
+        }
+        if reply.status != ReplyStatus::Ok as u32 {
+            let status = ReplyStatus::from_u32(reply.status);
+            return Err(DialError::Refused(format!("{status:?}: {}", reply.message())));
+        }
+        if reply.protocol_version != PROTOCOL_VERSION {
+            return Err(DialError::Refused(format!(
+                "pool speaks protocol {}, this client {PROTOCOL_VERSION}",
+                reply.protocol_version
+            )));
+        }
+        if msg.fds.len() != HELLO_FDS {
+            return Err(DialError::Broken(format!("HelloReply carried {} fds, expected {HELLO_FDS}", msg.fds.len())));
+        }
+        Ok(Some((reply, msg.fds)))
+    }
+
+    pub fn into_attached(self, reply: HelloReply, fds: Vec<OwnedFd>) -> Attached {
+        Attached { sock: self.sock, reply, fds }
+    }
+
+    /// Start and finish, waiting for the reply up to `reply_timeout`.
+    pub fn blocking(path: &Path, hello: &Hello, reply_timeout: Duration) -> Result<Attached, DialError> {
+        let mut d = Self::start(path, hello, reply_timeout)?;
+        loop {
+            if let Some((reply, fds)) = d.finish(reply_timeout)? {
+                return Ok(d.into_attached(reply, fds));
+            }
+        }
+    }
+}

@@ -1,0 +1,50 @@
+use std::io;
+use std::path::PathBuf;
+
+use umbp_ipc::message::MessageError;
+use umbp_protocol::ProtocolError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// No pool answered at the endpoint within the startup timeout.
+    #[error("UMBP pool not reachable at {}: {source} (is umbp-pool running there? see --socket / UMBP_STANDALONE_ADDRESS)", path.display())]
+    Unreachable { path: PathBuf, source: io::Error },
+    /// The pool answered with a refusal (version, permissions, bad registration).
+    #[error("refused by the UMBP pool: {message}")]
+    Refused { message: String },
+    /// No attachment right now; one is being re-established in the background.
+    #[error("not attached to the UMBP pool (reconnecting in the background)")]
+    Disconnected,
+    /// A transfer has gone without a completion past the timeout; no new work is sent to a
+    /// pool that may be stuck, until it answers or dies.
+    #[error("UMBP pool stalled: a transfer has waited {oldest_ms} ms for completion; new transfers are refused meanwhile")]
+    Stalled { oldest_ms: u64 },
+    /// Submission ring, completion capacity or arena exhausted: nothing was submitted;
+    /// reap completions and retry.
+    #[error("UMBP submission queue or arena full; retry after reaping completions")]
+    Full,
+    #[error("invalid request: {0}")]
+    Invalid(String),
+    #[error("I/O error talking to the UMBP pool: {0}")]
+    Io(#[from] io::Error),
+    #[error("UMBP protocol error: {0}")]
+    Protocol(#[from] ProtocolError),
+}
+
+impl From<MessageError> for WorkerError {
+    fn from(e: MessageError) -> Self {
+        match e {
+            MessageError::Closed => WorkerError::Disconnected,
+            MessageError::Timeout => WorkerError::Io(io::Error::new(io::ErrorKind::TimedOut, "UMBP pool did not answer in time")),
+            MessageError::Io(e) => WorkerError::Io(e),
+            MessageError::Protocol(p) => WorkerError::Protocol(p),
+            e @ MessageError::FdCount { .. } => WorkerError::Io(io::Error::new(io::ErrorKind::InvalidData, e.to_string())),
+        }
+    }
+}
+
+impl From<umbp_ipc::ShmError> for WorkerError {
+    fn from(e: umbp_ipc::ShmError) -> Self {
+        WorkerError::Io(io::Error::other(e.to_string()))
+    }
+}

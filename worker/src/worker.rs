@@ -1,0 +1,700 @@
+use std::cell::Cell;
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::marker::PhantomData;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use umbp_ipc::message::peer_gone;
+use umbp_protocol::attachment::MAX_ARENA_BYTES;
+use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
+use umbp_protocol::layout::Segment;
+use umbp_protocol::ring::MAX_RING_CAPACITY;
+use umbp_protocol::wire::{Hello, MemoryRegistration, MessageKind, Role, MAX_SEGMENTS};
+use umbp_protocol::{ObjectKey, ProtocolError};
+
+use crate::arena_alloc::submission_bytes;
+use crate::backoff::Backoff;
+use crate::connection::Connection;
+use crate::dial::{Attached, Dial, DialError};
+use crate::WorkerError;
+
+/// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS`, else
+/// `$XDG_RUNTIME_DIR/umbp/pool.sock`, else `/tmp/umbp/pool.sock` (docs/connection.md).
+pub fn default_endpoint() -> PathBuf {
+    if let Some(p) = std::env::var_os("UMBP_STANDALONE_ADDRESS").filter(|p| !p.is_empty()) {
+        return p.into();
+    }
+    umbp_ipc::default_socket_path()
+}
+
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub endpoint: PathBuf,
+    pub namespace: u128,
+    pub tp_rank: u32,
+    pub tp_size: u32,
+    pub dp_rank: u32,
+    /// How long a transfer may go without completion before the pool counts as stalled;
+    /// also bounds each control request.
+    pub timeout: Duration,
+    /// How long [`Worker::connect`] keeps retrying an absent pool.
+    pub startup_timeout: Duration,
+    /// Submission ring entries (power of two; 0 = pool default).
+    pub sq_entries: u32,
+    /// Arena bytes (0 = pool default).
+    pub arena_bytes: u64,
+}
+
+impl WorkerConfig {
+    pub fn new(endpoint: impl Into<PathBuf>, namespace: u128) -> Self {
+        Self {
+            endpoint: endpoint.into(),
+            namespace,
+            tp_rank: 0,
+            tp_size: 1,
+            dp_rank: 0,
+            timeout: Duration::from_secs(5),
+            startup_timeout: Duration::from_secs(10),
+            sq_entries: 0,
+            arena_bytes: 0,
+        }
+    }
+
+    fn validate(&self) -> Result<(), WorkerError> {
+        let bad = |m: String| Err(WorkerError::Invalid(m));
+        if self.tp_size == 0 || self.tp_rank >= self.tp_size {
+            return bad(format!("tp_rank {} must be below tp_size {}", self.tp_rank, self.tp_size));
+        }
+        if self.sq_entries != 0 && (!self.sq_entries.is_power_of_two() || self.sq_entries > MAX_RING_CAPACITY / 2) {
+            return bad(format!("sq_entries {} must be 0 or a power of two up to {}", self.sq_entries, MAX_RING_CAPACITY / 2));
+        }
+        if self.arena_bytes > MAX_ARENA_BYTES {
+            return bad(format!("arena_bytes {} exceeds {MAX_ARENA_BYTES}", self.arena_bytes));
+        }
+        if self.timeout.is_zero() {
+            return bad("timeout must be positive".into());
+        }
+        Ok(())
+    }
+
+    fn hello(&self) -> Hello {
+        let mut h = Hello::new(Role::Worker, self.namespace, std::process::id());
+        h.tp_rank = self.tp_rank;
+        h.tp_size = self.tp_size;
+        h.dp_rank = self.dp_rank;
+        h.sq_entries = self.sq_entries;
+        h.arena_bytes = self.arena_bytes;
+        h
+    }
+}
+
+/// Memory the pool may copy KV blocks to and from.
+#[derive(Debug)]
+pub enum MemorySpec {
+    /// Any memory of this process, reached by the pool with process_vm_readv/writev. The
+    /// range must stay mapped while registered.
+    HostProcess { ptr: usize, len: usize },
+    /// A range of a memfd sealed against shrinking; the worker keeps the fd to register it
+    /// again after a reconnect.
+    HostMemfd { fd: OwnedFd, offset: u64, len: u64 },
+    /// A CUDA device allocation, exported with an IPC handle.
+    Cuda { ptr: u64, len: u64 },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TransferId(pub u64);
+
+/// Outcome of one store or load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    pub id: TransferId,
+    /// One per submitted block, in submission order.
+    pub statuses: Vec<BlockStatus>,
+    /// Set when the pool rejected the whole submission (every status is then `Failed`).
+    pub error: Option<CqeError>,
+}
+
+impl Completion {
+    /// Blocks that reached the wanted state (stored, already present, loaded).
+    pub fn ok_count(&self) -> usize {
+        self.statuses.iter().filter(|s| s.is_ok()).count()
+    }
+
+    pub fn all_ok(&self) -> bool {
+        self.error.is_none() && self.statuses.iter().all(|s| s.is_ok())
+    }
+
+    fn failed(id: u64, count: usize, error: Option<CqeError>) -> Self {
+        Self { id: TransferId(id), statuses: vec![BlockStatus::Failed; count], error }
+    }
+}
+
+/// A registration kept for replay after a reconnect.
+struct Registered {
+    /// The id the caller knows; segments name it.
+    id: u32,
+    reg: MemoryRegistration,
+    fd: Option<OwnedFd>,
+}
+
+struct InFlight {
+    /// Arena range (offset, rounded size) holding refs then statuses.
+    range: (u64, u64),
+    status_offset: u64,
+    count: u32,
+    submitted: Instant,
+}
+
+/// Spins before sleeping on the CQ futex: copies take tens of microseconds at least, so a
+/// short spin only catches completions that are already on their way.
+const WAIT_SPINS: u32 = 128;
+/// Longest futex sleep in [`Worker::wait`]: a dead pool never wakes the futex, so the
+/// socket is checked at least this often.
+const LIVENESS_SLICE: Duration = Duration::from_millis(10);
+
+/// A client attachment to a pool. See the crate docs.
+pub struct Worker {
+    cfg: WorkerConfig,
+    conn: Option<Connection>,
+    /// Reconnect handshake in progress (never waited on from poll/store/load).
+    dial: Option<Dial>,
+    backoff: Backoff,
+    memory: Vec<Registered>,
+    layouts: BTreeMap<u16, Vec<Segment>>,
+    next_transfer: u64,
+    next_alloc: u32,
+    inflight: HashMap<u64, InFlight>,
+    ready: VecDeque<Completion>,
+    stall_warned: bool,
+    /// The rings are single-producer/single-consumer: one thread at a time.
+    _not_sync: PhantomData<Cell<()>>,
+}
+
+impl Worker {
+    /// Attaches to the pool at `cfg.endpoint`, retrying an absent pool until
+    /// `startup_timeout`; then fails with an error naming the socket path. A refusal (wrong
+    /// version, uid not allowed) fails at once.
+    pub fn connect(cfg: WorkerConfig) -> Result<Worker, WorkerError> {
+        cfg.validate()?;
+        let start = Instant::now();
+        let deadline = start + cfg.startup_timeout;
+        let hello = cfg.hello();
+        let mut backoff = Backoff::default();
+        let attached = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let reply_timeout = cfg.timeout.min(left).max(Duration::from_millis(50));
+            match Dial::blocking(&cfg.endpoint, &hello, reply_timeout) {
+                Ok(a) => break a,
+                Err(DialError::Refused(message)) => {
+                    tracing::error!(endpoint = %cfg.endpoint.display(), %message, "UMBP pool refused this worker");
+                    return Err(WorkerError::Refused { message });
+                }
+                Err(e) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(WorkerError::Unreachable { path: cfg.endpoint.clone(), source: e.into_io() });
+                    }
+                    let delay = backoff.failed(now).min(deadline - now);
+                    tracing::debug!(endpoint = %cfg.endpoint.display(), error = %e, ?delay, "UMBP pool not reachable yet");
+                    std::thread::sleep(delay);
+                }
+            }
+        };
+        let conn = Connection::new(attached)?;
+        tracing::info!(
+            endpoint = %cfg.endpoint.display(),
+            attachment = conn.attachment_id,
+            waited_ms = start.elapsed().as_millis() as u64,
+            "attached to UMBP pool"
+        );
+        Ok(Worker {
+            cfg,
+            conn: Some(conn),
+            dial: None,
+            backoff: Backoff::default(),
+            memory: Vec::new(),
+            layouts: BTreeMap::new(),
+            next_transfer: 1,
+            next_alloc: 0,
+            inflight: HashMap::new(),
+            ready: VecDeque::new(),
+            stall_warned: false,
+            _not_sync: PhantomData,
+        })
+    }
+
+    pub fn config(&self) -> &WorkerConfig {
+        &self.cfg
+    }
+
+    /// Registers memory the pool may copy to and from; returns its alloc id, which layout
+    /// segments name. Registrations are replayed (same ids) after every reconnect.
+    pub fn register_memory(&mut self, spec: MemorySpec) -> Result<u32, WorkerError> {
+        self.service();
+        if self.conn.is_none() {
+            return Err(WorkerError::Disconnected);
+        }
+        let proposed = self.next_alloc;
+        let (reg, fd) = export(spec, proposed)?;
+        let timeout = self.cfg.timeout;
+        let conn = self.conn.as_mut().expect("checked above");
+        let result = conn.register_memory(&reg, fd.as_ref().map(|f| f.as_fd()), timeout);
+        let id = self.after_control(result)?;
+        if self.memory.iter().any(|m| m.id == id) {
+            return Err(WorkerError::Invalid(format!("pool returned alloc id {id}, which is already registered")));
+        }
+        if let Some(conn) = self.conn.as_mut() {
+            conn.alloc_ids.insert(id, id);
+        }
+        self.next_alloc = proposed.max(id).wrapping_add(1);
+        self.memory.push(Registered { id, reg: MemoryRegistration { alloc_id: id, ..reg }, fd });
+        tracing::debug!(alloc_id = id, kind = reg.kind, size = reg.size, "registered memory with UMBP pool");
+        Ok(id)
+    }
+
+    /// Registers (or replaces) the KV layout of cache `group`; returns the bytes of one
+    /// object. Replayed after every reconnect.
+    pub fn register_layout(&mut self, group: u16, segments: Vec<Segment>) -> Result<u64, WorkerError> {
+        if segments.is_empty() || segments.len() > MAX_SEGMENTS as usize {
+            return Err(WorkerError::Invalid(format!(
+                "a layout needs 1..={MAX_SEGMENTS} segments, got {}",
+                segments.len()
+            )));
+        }
+        if let Some(s) = segments.iter().find(|s| !self.memory.iter().any(|m| m.id == s.alloc_id)) {
+            return Err(WorkerError::Invalid(format!("segment names alloc id {}, never registered", s.alloc_id)));
+        }
+        self.service();
+        let timeout = self.cfg.timeout;
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(WorkerError::Disconnected);
+        };
+        let result = conn.register_layout(group, &segments, timeout);
+        let bytes = self.after_control(result)?;
+        self.layouts.insert(group, segments);
+        Ok(bytes)
+    }
+
+    /// Submits a store of `blocks` (object key, block id of `group`'s layout). Does not wait.
+    /// `Full`: nothing was submitted, retry after reaping. `Stalled`: a transfer is overdue.
+    pub fn store(&mut self, group: u16, blocks: &[(ObjectKey, u64)]) -> Result<TransferId, WorkerError> {
+        self.submit(Opcode::Store, group, blocks)
+    }
+
+    /// Submits a load of `blocks` into the worker's memory. Does not wait.
+    pub fn load(&mut self, group: u16, blocks: &[(ObjectKey, u64)]) -> Result<TransferId, WorkerError> {
+        self.submit(Opcode::Load, group, blocks)
+    }
+
+    /// Completions available now. Never blocks. Also notices a dead pool (every pending
+    /// transfer then completes with all blocks `Failed`) and advances reconnection.
+    pub fn poll(&mut self) -> Vec<Completion> {
+        self.service();
+        self.ready.drain(..).collect()
+    }
+
+    /// Waits up to `timeout` for transfer `id`; None when it is still pending then (or the
+    /// id is unknown or already returned). Other completions reaped meanwhile are kept for
+    /// [`Self::poll`].
+    pub fn wait(&mut self, id: TransferId, timeout: Duration) -> Option<Completion> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.reap();
+            if let Some(pos) = self.ready.iter().position(|c| c.id == id) {
+                return self.ready.remove(pos);
+            }
+            if !self.inflight.contains_key(&id.0) {
+                return None;
+            }
+            if self.conn.as_ref().is_some_and(|c| peer_gone(&c.sock)) {
+                self.lose("socket closed");
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            let slice = (deadline - now).min(LIVENESS_SLICE);
+            if let Some(conn) = self.conn.as_mut() {
+                if let Err(e) = conn.cq.wait(WAIT_SPINS, Some(slice)) {
+                    self.lose(&format!("completion ring: {e}"));
+                }
+            }
+        }
+    }
+
+    /// Whether an attachment is up and the pool's end of the socket is open.
+    pub fn is_connected(&self) -> bool {
+        self.conn.as_ref().is_some_and(|c| !peer_gone(&c.sock))
+    }
+
+    /// Transfers submitted whose completion has not been returned yet.
+    pub fn pending(&self) -> usize {
+        self.inflight.len() + self.ready.len()
+    }
+
+    /// Drops every unpinned object of this namespace in the pool; returns how many.
+    pub fn reset_namespace(&mut self) -> Result<u64, WorkerError> {
+        self.service();
+        let timeout = self.cfg.timeout;
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(WorkerError::Disconnected);
+        };
+        let result = conn.control(MessageKind::ResetNamespace, &[], &[], timeout);
+        self.after_control(result)
+    }
+
+    /// Reconnects now, ignoring the backoff, and waits for the handshake (up to `timeout`)
+    /// and re-registration. A no-op while attached to a live pool.
+    pub fn reconnect_now(&mut self) -> Result<(), WorkerError> {
+        self.reap();
+        self.check_alive();
+        if self.conn.is_some() {
+            return Ok(());
+        }
+        self.dial = None;
+        let result = match Dial::blocking(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout) {
+            Ok(a) => self.finish_reconnect(a),
+            Err(DialError::Refused(message)) => Err(WorkerError::Refused { message }),
+            Err(e) => Err(WorkerError::Unreachable { path: self.cfg.endpoint.clone(), source: e.into_io() }),
+        };
+        if let Err(e) = &result {
+            let delay = self.backoff.failed(Instant::now());
+            tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP reconnect failed");
+        }
+        result
+    }
+
+    fn submit(&mut self, op: Opcode, group: u16, blocks: &[(ObjectKey, u64)]) -> Result<TransferId, WorkerError> {
+        if blocks.len() > MAX_BLOCKS_PER_SQE as usize {
+            return Err(WorkerError::Invalid(format!(
+                "{} blocks in one transfer; at most {MAX_BLOCKS_PER_SQE}",
+                blocks.len()
+            )));
+        }
+        if !self.layouts.contains_key(&group) {
+            return Err(WorkerError::Invalid(format!("cache group {group} has no registered layout")));
+        }
+        if blocks.is_empty() {
+            // Nothing for the pool to do; completing here keeps callers free of special cases.
+            let id = self.take_id();
+            self.ready.push_back(Completion { id, statuses: vec![], error: None });
+            return Ok(id);
+        }
+        self.service();
+        let now = Instant::now();
+        if let Some(oldest_ms) = self.overdue_ms(now) {
+            return Err(WorkerError::Stalled { oldest_ms });
+        }
+        let Some(conn) = self.conn.as_mut() else {
+            return Err(WorkerError::Disconnected);
+        };
+        if self.inflight.len() >= conn.cq_capacity as usize {
+            // The pool must always find room for a completion; more in flight than the CQ
+            // holds could make it drop one.
+            return Err(WorkerError::Full);
+        }
+        let n = blocks.len() as u64;
+        let Some((off, size)) = conn.alloc.alloc(submission_bytes(n)) else {
+            return Err(WorkerError::Full);
+        };
+        let refs: Vec<BlockRef> = blocks.iter().map(|&(k, b)| BlockRef::new(k, b)).collect();
+        let status_offset = off + n * core::mem::size_of::<BlockRef>() as u64;
+        let written = conn
+            .arena
+            .write(off, &refs)
+            .and_then(|()| conn.arena.write(status_offset, &vec![BlockStatus::Pending as u8; n as usize]));
+        if let Err(e) = written {
+            conn.alloc.free(off, size);
+            return Err(e.into());
+        }
+        let id = self.next_transfer;
+        let sqe = Sqe {
+            opcode: op as u8,
+            flags: 0,
+            group,
+            count: n as u32,
+            user_data: id,
+            refs_offset: off,
+            status_offset,
+            fence_value: 0,
+            reserved: [0; 3],
+        };
+        match conn.sq.try_push(sqe) {
+            Ok(true) => {}
+            Ok(false) => {
+                conn.alloc.free(off, size);
+                return Err(WorkerError::Full);
+            }
+            Err(e) => {
+                conn.alloc.free(off, size);
+                self.lose(&format!("submission ring: {e}"));
+                return Err(e.into());
+            }
+        }
+        if conn.sq.publish() {
+            conn.doorbell.ring();
+        }
+        self.next_transfer += 1;
+        self.inflight.insert(id, InFlight { range: (off, size), status_offset, count: n as u32, submitted: now });
+        Ok(TransferId(id))
+    }
+
+    fn take_id(&mut self) -> TransferId {
+        let id = self.next_transfer;
+        self.next_transfer += 1;
+        TransferId(id)
+    }
+
+    /// Everything a call does before its own work: reap, notice a dead or stalled pool,
+    /// advance a reconnect. Never blocks on the pool.
+    fn service(&mut self) {
+        self.reap();
+        self.check_alive();
+        if self.conn.is_none() {
+            self.try_reconnect();
+        }
+        let overdue = self.overdue_ms(Instant::now());
+        match (overdue, self.stall_warned) {
+            (Some(ms), false) => {
+                tracing::warn!(
+                    endpoint = %self.cfg.endpoint.display(),
+                    oldest_ms = ms,
+                    pending = self.inflight.len(),
+                    "UMBP pool stalled: transfers overdue; refusing new ones until it answers"
+                );
+                self.stall_warned = true;
+            }
+            (None, true) => {
+                tracing::info!(endpoint = %self.cfg.endpoint.display(), "UMBP pool answered again");
+                self.stall_warned = false;
+            }
+            _ => {}
+        }
+    }
+
+    fn overdue_ms(&self, now: Instant) -> Option<u64> {
+        self.inflight
+            .values()
+            .map(|f| now.saturating_duration_since(f.submitted))
+            .filter(|age| *age > self.cfg.timeout)
+            .max()
+            .map(|age| age.as_millis() as u64)
+    }
+
+    fn reap(&mut self) {
+        let Some(conn) = self.conn.as_mut() else { return };
+        if let Err(e) = reap_into(conn, &mut self.inflight, &mut self.ready) {
+            self.lose(&format!("completion ring: {e}"));
+        }
+    }
+
+    fn check_alive(&mut self) {
+        if self.conn.as_ref().is_some_and(|c| peer_gone(&c.sock)) {
+            self.lose("socket closed");
+        }
+    }
+
+    /// Drops the attachment. Transfers without a completion have failed: the pool is gone
+    /// (or broke the protocol and was hung up on, which makes it cancel them).
+    fn lose(&mut self, why: &str) {
+        let Some(mut conn) = self.conn.take() else { return };
+        // Completions published before the pool went are real; keep them.
+        let _ = reap_into(&mut conn, &mut self.inflight, &mut self.ready);
+        let mut failed: Vec<(u64, InFlight)> = self.inflight.drain().collect();
+        failed.sort_unstable_by_key(|(id, _)| *id);
+        tracing::warn!(
+            endpoint = %self.cfg.endpoint.display(),
+            attachment = conn.attachment_id,
+            failed = failed.len(),
+            "lost the UMBP pool ({why}); pending transfers failed, reconnecting"
+        );
+        for (id, f) in failed {
+            self.ready.push_back(Completion::failed(id, f.count as usize, None));
+        }
+        self.stall_warned = false;
+        self.dial = None;
+        self.backoff.reset();
+    }
+
+    /// Advances a reconnect without waiting: starts a dial when the backoff allows, or
+    /// looks for the reply of one in progress.
+    fn try_reconnect(&mut self) {
+        let now = Instant::now();
+        if self.dial.is_none() {
+            if !self.backoff.due(now) {
+                return;
+            }
+            match Dial::start(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout) {
+                Ok(d) => self.dial = Some(d),
+                Err(e) => {
+                    let delay = self.backoff.failed(now);
+                    tracing::debug!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP pool not reachable yet");
+                    return;
+                }
+            }
+        }
+        let Some(dial) = self.dial.as_mut() else { return };
+        let attached = match dial.finish(Duration::ZERO) {
+            Ok(None) => return,
+            Ok(Some((reply, fds))) => self.dial.take().expect("dial in progress").into_attached(reply, fds),
+            Err(e) => {
+                self.dial = None;
+                let delay = self.backoff.failed(Instant::now());
+                match e {
+                    DialError::Refused(_) => tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP pool refused the reconnect"),
+                    _ => tracing::debug!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP reconnect failed"),
+                }
+                return;
+            }
+        };
+        if let Err(e) = self.finish_reconnect(attached) {
+            let delay = self.backoff.failed(Instant::now());
+            tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP re-registration failed");
+        }
+    }
+
+    /// Maps the new attachment and replays registrations and layouts (blocking: the pool
+    /// has just shown it is alive by answering Hello).
+    fn finish_reconnect(&mut self, attached: Attached) -> Result<(), WorkerError> {
+        let mut conn = Connection::new(attached)?;
+        let timeout = self.cfg.timeout;
+        for m in &self.memory {
+            let id = conn.register_memory(&m.reg, m.fd.as_ref().map(|f| f.as_fd()), timeout)?;
+            conn.alloc_ids.insert(m.id, id);
+        }
+        for (&group, segments) in &self.layouts {
+            conn.register_layout(group, segments, timeout)?;
+        }
+        tracing::info!(
+            endpoint = %self.cfg.endpoint.display(),
+            attachment = conn.attachment_id,
+            allocations = self.memory.len(),
+            layouts = self.layouts.len(),
+            "reattached to UMBP pool and re-registered"
+        );
+        self.conn = Some(conn);
+        self.backoff.reset();
+        Ok(())
+    }
+
+    /// Passes a control result on, dropping the attachment when the exchange broke the
+    /// socket (closed, garbage): its byte stream can no longer be trusted to be in step.
+    fn after_control<T>(&mut self, result: Result<T, WorkerError>) -> Result<T, WorkerError> {
+        match result {
+            Err(e @ (WorkerError::Disconnected | WorkerError::Io(_) | WorkerError::Protocol(_))) => {
+                self.lose(&e.to_string());
+                Err(e)
+            }
+            other => other,
+        }
+    }
+}
+
+/// Moves every completion in the CQ to `ready`, freeing arena ranges.
+fn reap_into(
+    conn: &mut Connection,
+    inflight: &mut HashMap<u64, InFlight>,
+    ready: &mut VecDeque<Completion>,
+) -> Result<(), ProtocolError> {
+    let mut any = false;
+    while let Some(cqe) = conn.cq.try_pop()? {
+        any = true;
+        let Some(f) = inflight.remove(&cqe.user_data) else {
+            tracing::warn!(user_data = cqe.user_data, "UMBP pool completed a transfer this worker does not have");
+            continue;
+        };
+        let c = completion(conn, cqe, &f);
+        conn.alloc.free(f.range.0, f.range.1);
+        ready.push_back(c);
+    }
+    if any {
+        conn.cq.release();
+    }
+    Ok(())
+}
+
+fn completion(conn: &Connection, cqe: Cqe, f: &InFlight) -> Completion {
+    if cqe.result != 0 {
+        let error = CqeError::from_result(cqe.result).unwrap_or(CqeError::Internal);
+        return Completion::failed(cqe.user_data, f.count as usize, Some(error));
+    }
+    // Offsets are ours, never the CQE's: a buggy pool cannot point us elsewhere.
+    let statuses = match conn.arena.read::<u8>(f.status_offset, f.count as u64) {
+        Ok(bytes) => bytes
+            .into_iter()
+            .map(|b| match BlockStatus::from_u8(b) {
+                // A block the pool never finished is not usable data.
+                BlockStatus::Pending => BlockStatus::Failed,
+                s => s,
+            })
+            .collect(),
+        Err(_) => vec![BlockStatus::Failed; f.count as usize],
+    };
+    Completion { id: TransferId(cqe.user_data), statuses, error: None }
+}
+
+fn export(spec: MemorySpec, alloc_id: u32) -> Result<(MemoryRegistration, Option<OwnedFd>), WorkerError> {
+    let gpu = |e: umbp_gpu::GpuError| WorkerError::Invalid(e.to_string());
+    Ok(match spec {
+        MemorySpec::HostProcess { ptr, len } => {
+            (umbp_gpu::host::export_process_memory(ptr as *const u8, len, alloc_id).map_err(gpu)?, None)
+        }
+        MemorySpec::HostMemfd { fd, offset, len } => {
+            (umbp_gpu::host::export_memfd(fd.as_fd(), offset, len, alloc_id).map_err(gpu)?, Some(fd))
+        }
+        MemorySpec::Cuda { ptr, len } => (umbp_gpu::cuda::export_cuda_memory(ptr, len, alloc_id).map_err(gpu)?, None),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_is_send() {
+        fn send<T: Send>() {}
+        send::<Worker>();
+    }
+
+    #[test]
+    fn config_validation() {
+        let ok = WorkerConfig::new("/x", 1);
+        assert!(ok.validate().is_ok());
+        assert!(WorkerConfig { tp_rank: 2, tp_size: 2, ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { sq_entries: 100, ..ok.clone() }.validate().is_err());
+        assert!(WorkerConfig { sq_entries: 256, ..ok.clone() }.validate().is_ok());
+        assert!(WorkerConfig { arena_bytes: MAX_ARENA_BYTES + 1, ..ok.clone() }.validate().is_err());
+        let h = WorkerConfig { tp_rank: 1, tp_size: 4, dp_rank: 3, sq_entries: 64, ..ok }.hello();
+        assert_eq!((h.tp_rank, h.tp_size, h.dp_rank, h.sq_entries), (1, 4, 3, 64));
+        assert_eq!(h.validate(), Ok(Role::Worker));
+    }
+
+    #[test]
+    fn unreachable_names_the_path() {
+        let cfg = WorkerConfig {
+            startup_timeout: Duration::from_millis(120),
+            ..WorkerConfig::new("/nonexistent/umbp-test/pool.sock", 1)
+        };
+        let t = Instant::now();
+        let err = Worker::connect(cfg).err().expect("no pool there");
+        assert!(t.elapsed() >= Duration::from_millis(120), "retried until the startup timeout");
+        assert!(matches!(err, WorkerError::Unreachable { .. }));
+        assert!(err.to_string().contains("/nonexistent/umbp-test/pool.sock"), "{err}");
+    }
+
+    #[test]
+    fn completion_helpers() {
+        let c = Completion {
+            id: TransferId(1),
+            statuses: vec![BlockStatus::Stored, BlockStatus::AlreadyPresent, BlockStatus::NotStored],
+            error: None,
+        };
+        assert_eq!(c.ok_count(), 2);
+        assert!(!c.all_ok());
+        let f = Completion::failed(2, 3, Some(CqeError::Busy));
+        assert_eq!(f.ok_count(), 0);
+        assert_eq!(f.statuses, vec![BlockStatus::Failed; 3]);
+    }
+}
