@@ -2,6 +2,8 @@
 //! memfd regions and their mappings, framed unix-socket messages that carry fds, and
 //! eventfd doorbells. Kept out of `umbp-protocol` so that crate stays free of I/O.
 
+pub mod backoff;
+pub mod dial;
 pub mod doorbell;
 pub mod message;
 pub mod shm;

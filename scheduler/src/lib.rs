@@ -13,8 +13,6 @@
 //! let hits = idx.match_prefix(&[ObjectKey(1), ObjectKey(2)]);
 //! ```
 
-mod backoff;
-mod dial;
 
 use std::io;
 use std::os::unix::net::UnixStream;
@@ -29,12 +27,12 @@ use umbp_protocol::ring::{Producer, Ring};
 use umbp_protocol::wire::{Hello, Role};
 use umbp_protocol::ProtocolError;
 
-pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
+pub use umbp_ipc::backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use umbp_protocol::index::IndexSnapshot;
 pub use umbp_protocol::ObjectKey;
 
-use backoff::Backoff;
-use dial::{Attached, Dial, DialError};
+use umbp_ipc::backoff::Backoff;
+use umbp_ipc::dial::{Attached, Dial, DialError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SchedulerError {

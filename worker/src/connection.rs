@@ -18,7 +18,7 @@ use umbp_protocol::ring::{Consumer, Producer, Ring};
 use umbp_protocol::wire::{decode, LayoutHeader, MemoryRegistration, MessageKind, Reply, ReplyStatus};
 
 use crate::arena_alloc::ArenaAllocator;
-use crate::dial::Attached;
+use umbp_ipc::dial::Attached;
 use crate::WorkerError;
 
 pub(crate) struct Connection {

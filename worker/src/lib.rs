@@ -18,9 +18,7 @@
 //! `Send` but not `Sync`.
 
 mod arena_alloc;
-mod backoff;
 mod connection;
-mod dial;
 mod error;
 mod worker;
 
@@ -32,4 +30,4 @@ pub use umbp_protocol::layout::Segment;
 pub use umbp_protocol::ObjectKey;
 
 /// Reconnect backoff bounds (first retry, longest wait between retries).
-pub use backoff::{BACKOFF_MAX, BACKOFF_MIN};
+pub use umbp_ipc::backoff::{BACKOFF_MAX, BACKOFF_MIN};

@@ -14,9 +14,9 @@ use umbp_protocol::wire::{Hello, MemoryRegistration, MessageKind, Role, MAX_SEGM
 use umbp_protocol::{ObjectKey, ProtocolError};
 
 use crate::arena_alloc::submission_bytes;
-use crate::backoff::Backoff;
+use umbp_ipc::backoff::Backoff;
 use crate::connection::Connection;
-use crate::dial::{Attached, Dial, DialError};
+use umbp_ipc::dial::{Attached, Dial, DialError};
 use crate::WorkerError;
 
 /// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS`, else

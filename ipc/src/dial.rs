@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-use umbp_ipc::message::{recv_message, send_message};
+use crate::message::{recv_message, send_message};
 use umbp_protocol::wire::{decode, Hello, HelloReply, MessageKind, ReplyStatus};
 use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
 
