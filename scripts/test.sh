@@ -35,5 +35,6 @@ step "build and install the umbp wheel"
 bash scripts/build-wheel.sh --install
 
 step "pytest (binding, connector contract, real vLLM engine end to end)"
-cd python
-python -m pytest tests -q -x -p no:cacheprovider
+# From the repo root, so `import umbp` finds the installed wheel (with its native module),
+# not the source folder python/umbp.
+UMBP_POOL_BIN="$ROOT/target/release/umbp-pool" python -m pytest python/tests -q -rs -p no:cacheprovider

@@ -161,8 +161,9 @@ impl Worker {
     }
 }
 
-fn statuses(s: &[BlockStatus]) -> Vec<u8> {
-    s.iter().map(|b| *b as u8).collect()
+// u32, not u8: pyo3 turns Vec<u8> into `bytes`; callers want a list of ints.
+fn statuses(s: &[BlockStatus]) -> Vec<u32> {
+    s.iter().map(|b| *b as u32).collect()
 }
 
 #[pymethods]
@@ -221,12 +222,12 @@ impl Worker {
     }
 
     /// Finished transfers: [(transfer id, [status per block])]. Never blocks.
-    fn poll(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u8>)>> {
+    fn poll(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u32>)>> {
         self.with(py, |w| Ok(w.poll().into_iter().map(|c| (c.id.0, statuses(&c.statuses))).collect()))
     }
 
     /// Waits up to `timeout_ms` for one transfer; None if it is still pending.
-    fn wait(&self, py: Python<'_>, transfer_id: u64, timeout_ms: u64) -> PyResult<Option<Vec<u8>>> {
+    fn wait(&self, py: Python<'_>, transfer_id: u64, timeout_ms: u64) -> PyResult<Option<Vec<u32>>> {
         self.with(py, |w| {
             Ok(w.wait(umbp_worker::TransferId(transfer_id), Duration::from_millis(timeout_ms)).map(|c| statuses(&c.statuses)))
         })
