@@ -1,0 +1,288 @@
+"""Connector configuration: `kv_connector_extra_config` parsing and validation.
+
+Every key of the user surface (DESIGN §10) is parsed here, once, into a frozen
+`UMBPConnectorConfig`. A bad value, an unknown key or two keys that contradict each other
+raise `ValueError` naming the key; nothing is silently defaulted.
+
+Keys (all optional):
+
+| key | type | default | meaning |
+|---|---|---|---|
+| `mode` | `embedded` \\| `standalone` | `embedded` | pool inside each worker, or the node's `umbp-pool` |
+| `endpoint` | socket path | `$UMBP_STANDALONE_ADDRESS`, else the default socket | standalone pool to attach to |
+| `lookup_instance` | socket path | `endpoint` | standalone pool whose index the scheduler reads |
+| `capacity_bytes` | size | see below | embedded: DRAM per worker (per TP rank) |
+| `total_capacity_bytes` | size | | embedded: DRAM for the whole engine, split evenly over TP ranks |
+| `dram_high_watermark` / `dram_low_watermark` | float in (0, 1] | 0.9 / 0.7 | embedded: evictor watermarks |
+| `load_async` | bool | true | load between steps (request waits, reported via get_finished) or synchronously before the forward |
+| `lookup_async` | bool | false | accepted for compatibility; lookups are shared-memory reads and never block |
+| `enable_lookup` | bool | true | false: never report hits (store only) |
+| `save_decode_cache` | bool | false | also store blocks filled by generated tokens |
+| `key_namespace` | str | derived | override the key namespace (share KV across configs you know are compatible) |
+| `timeout_ms` | int > 0 | 5000 | a transfer pending longer is treated as failed by synchronous waits |
+| `lookup_timeout_ms` | int > 0 | 1000 | scheduler: how long attaching the index may take |
+| `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
+
+Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
+machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
+such as `64GiB`, `512MiB`, `1.5G`, `4096`; like umbp-pool, `K`, `KB` and `KiB` (and M/G/T)
+are all powers of 1024.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+MODE_EMBEDDED = "embedded"
+MODE_STANDALONE = "standalone"
+
+ENV_STANDALONE_ADDRESS = "UMBP_STANDALONE_ADDRESS"
+ENV_DRAM_CAPACITY = "UMBP_DRAM_CAPACITY"
+
+KNOWN_KEYS = frozenset(
+    {
+        "mode",
+        "endpoint",
+        "capacity_bytes",
+        "total_capacity_bytes",
+        "lookup_instance",
+        "load_async",
+        "lookup_async",
+        "enable_lookup",
+        "save_decode_cache",
+        "key_namespace",
+        "timeout_ms",
+        "lookup_timeout_ms",
+        "startup_timeout_ms",
+        "dram_high_watermark",
+        "dram_low_watermark",
+    }
+)
+
+# Same units as umbp-pool's parser (pool/src/config.rs): K/KB/KiB are all 1024-based.
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 1 << 10,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 1 << 20,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 1 << 30,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, key: str = "size") -> int:
+    """`64GiB` / `1.5GB` / `4096` / 4096 -> bytes. Raises ValueError naming `key`."""
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a size, got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS or (not unit and "." in m.group(1)):
+            raise ValueError(
+                f"{key}: cannot parse size {value!r} (examples: 64GiB, 512MiB, 1.5GB, 4096)"
+            )
+        n = int(float(m.group(1)) * _UNITS[unit])
+    else:
+        raise ValueError(f"{key}: expected a size, got {type(value).__name__} {value!r}")
+    if n <= 0:
+        raise ValueError(f"{key}: size must be positive, got {value!r}")
+    return n
+
+
+def parse_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str) and value.strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    if isinstance(value, str) and value.strip().lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{key}: expected a boolean, got {value!r}")
+
+
+def parse_positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a positive integer, got {value!r}")
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a positive integer, got {value!r}") from None
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{key}: expected a positive integer, got {value!r}")
+    if n <= 0:
+        raise ValueError(f"{key}: expected a positive integer, got {value!r}")
+    return n
+
+
+def parse_fraction(value: Any, key: str) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}: expected a fraction in (0, 1], got {value!r}") from None
+    if not 0.0 < x <= 1.0:
+        raise ValueError(f"{key}: expected a fraction in (0, 1], got {value!r}")
+    return x
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+@dataclass(frozen=True)
+class UMBPConnectorConfig:
+    mode: str = MODE_EMBEDDED
+    endpoint: str | None = None  # standalone: resolved socket path
+    lookup_instance: str | None = None  # standalone: socket the scheduler's index attaches to
+    capacity_bytes: int | None = None  # embedded: per worker (resolved by capacity_per_worker)
+    total_capacity_bytes: int | None = None
+    dram_high_watermark: float = 0.9
+    dram_low_watermark: float = 0.7
+    load_async: bool = True
+    lookup_async: bool = False
+    enable_lookup: bool = True
+    save_decode_cache: bool = False
+    key_namespace: str | None = None
+    timeout_ms: int = 5000
+    lookup_timeout_ms: int = 1000
+    startup_timeout_ms: int = 10000
+
+    @property
+    def embedded(self) -> bool:
+        return self.mode == MODE_EMBEDDED
+
+    def capacity_per_worker(self, tp_size: int) -> int:
+        """Embedded pool size for one worker (one TP rank)."""
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        if self.total_capacity_bytes is not None:
+            return max(1, self.total_capacity_bytes // max(1, tp_size))
+        env = os.environ.get(ENV_DRAM_CAPACITY)
+        if env:
+            return parse_size(env, ENV_DRAM_CAPACITY)
+        return max(1 << 30, _physical_memory_bytes() // 4 // max(1, tp_size))
+
+    @classmethod
+    def from_extra_config(
+        cls, extra: Mapping[str, Any] | None, default_socket_path: Any = None
+    ) -> "UMBPConnectorConfig":
+        """Parse `kv_connector_extra_config`.
+
+        `default_socket_path` is a zero-argument callable (the binding's
+        `default_socket_path`), called only for a standalone config without `endpoint` and
+        without `$UMBP_STANDALONE_ADDRESS`; it is a parameter so this module needs no
+        native code.
+        """
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - KNOWN_KEYS)
+        if unknown:
+            raise ValueError(
+                f"unknown kv_connector_extra_config key {unknown[0]!r} for UMBPStoreConnector "
+                f"(known keys: {', '.join(sorted(KNOWN_KEYS))})"
+            )
+
+        mode = extra.get("mode", MODE_EMBEDDED)
+        if not isinstance(mode, str) or mode.strip().lower() not in (
+            MODE_EMBEDDED,
+            MODE_STANDALONE,
+        ):
+            raise ValueError(f"mode: expected 'embedded' or 'standalone', got {mode!r}")
+        mode = mode.strip().lower()
+
+        def has(k: str) -> bool:
+            return extra.get(k) is not None
+
+        kw: dict[str, Any] = {"mode": mode}
+
+        if mode == MODE_EMBEDDED:
+            # Keys that only make sense for a pool of its own / somebody else's pool.
+            for k in ("endpoint", "lookup_instance"):
+                if has(k):
+                    raise ValueError(
+                        f"{k}: only valid with mode='standalone' (mode is 'embedded': each "
+                        f"worker runs a private pool on a derived socket)"
+                    )
+            if has("capacity_bytes") and has("total_capacity_bytes"):
+                raise ValueError(
+                    "capacity_bytes: conflicts with total_capacity_bytes (give one of them)"
+                )
+            if has("capacity_bytes"):
+                kw["capacity_bytes"] = parse_size(extra["capacity_bytes"], "capacity_bytes")
+            if has("total_capacity_bytes"):
+                kw["total_capacity_bytes"] = parse_size(
+                    extra["total_capacity_bytes"], "total_capacity_bytes"
+                )
+            hi = (
+                parse_fraction(extra["dram_high_watermark"], "dram_high_watermark")
+                if has("dram_high_watermark")
+                else 0.9
+            )
+            lo = (
+                parse_fraction(extra["dram_low_watermark"], "dram_low_watermark")
+                if has("dram_low_watermark")
+                else 0.7
+            )
+            if lo >= hi:
+                key = "dram_low_watermark" if has("dram_low_watermark") else "dram_high_watermark"
+                raise ValueError(
+                    f"{key}: dram_low_watermark ({lo}) must be below dram_high_watermark ({hi})"
+                )
+            kw["dram_high_watermark"], kw["dram_low_watermark"] = hi, lo
+        else:
+            for k in (
+                "capacity_bytes",
+                "total_capacity_bytes",
+                "dram_high_watermark",
+                "dram_low_watermark",
+            ):
+                if has(k):
+                    raise ValueError(
+                        f"{k}: only valid with mode='embedded' (a standalone pool is sized "
+                        f"by its own flags / UMBP_DRAM_* environment)"
+                    )
+            endpoint = extra.get("endpoint")
+            if endpoint is not None and (not isinstance(endpoint, str) or not endpoint):
+                raise ValueError(f"endpoint: expected a socket path, got {endpoint!r}")
+            if endpoint is None:
+                endpoint = os.environ.get(ENV_STANDALONE_ADDRESS) or None
+            if endpoint is None and default_socket_path is not None:
+                endpoint = default_socket_path()
+            kw["endpoint"] = endpoint
+            li = extra.get("lookup_instance")
+            if li is not None and (not isinstance(li, str) or not li):
+                raise ValueError(f"lookup_instance: expected a socket path, got {li!r}")
+            kw["lookup_instance"] = li or endpoint
+
+        for k in ("load_async", "lookup_async", "enable_lookup", "save_decode_cache"):
+            if has(k):
+                kw[k] = parse_bool(extra[k], k)
+        for k in ("timeout_ms", "lookup_timeout_ms", "startup_timeout_ms"):
+            if has(k):
+                kw[k] = parse_positive_int(extra[k], k)
+        if has("key_namespace"):
+            ns = extra["key_namespace"]
+            if not isinstance(ns, str) or not ns.strip():
+                raise ValueError(f"key_namespace: expected a non-empty string, got {ns!r}")
+            kw["key_namespace"] = ns
+        return cls(**kw)

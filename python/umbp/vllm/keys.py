@@ -1,0 +1,108 @@
+"""Object keys and the key namespace (DESIGN §5).
+
+A key is xxh3-128 over `(namespace, cache group, rank, vLLM block hash)`, computed by the
+binding (`umbp._native.object_key`). vLLM block hashes carry no model or rank identity, so the
+namespace must: it is a digest of a canonical description of everything that makes two
+engines' KV bytes for the same tokens identical or not — model, revision, dtype, KV cache
+dtype, block size, KV layout, the cache groups' shapes, the TP/PCP/DCP topology and the
+block-hash algorithm — and deliberately *not* the data-parallel rank (DP replicas share KV).
+`key_namespace` in the extra config replaces the description by a user string.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Sequence
+
+NAMESPACE_SCHEME = "umbp-vllm-ns-v1"
+
+
+def canonical_namespace_text(vllm_config: Any, kv_cache_config: Any) -> str:
+    """The canonical string whose digest is the default key namespace.
+
+    Stable JSON (sorted keys, no whitespace) so that every process — scheduler and each
+    worker, on any host — derives the same text from the same engine configuration.
+    """
+    mc = vllm_config.model_config
+    cc = vllm_config.cache_config
+    pc = vllm_config.parallel_config
+    groups = []
+    for g in getattr(kv_cache_config, "kv_cache_groups", None) or []:
+        spec = g.kv_cache_spec
+        groups.append(
+            {
+                "spec": type(spec).__name__,
+                "layers": len(g.layer_names),
+                "block_size": getattr(spec, "block_size", None),
+                "num_kv_heads": getattr(spec, "num_kv_heads", None),
+                "head_size": getattr(spec, "head_size", None),
+                "head_size_v": getattr(spec, "head_size_v", None),
+                "dtype": str(getattr(spec, "dtype", None)),
+                "sliding_window": getattr(spec, "sliding_window", None),
+                "page_size_bytes": _safe(lambda: spec.page_size_bytes),
+            }
+        )
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or getattr(
+        cc, "kv_cache_layout", None
+    )
+    desc = {
+        "scheme": NAMESPACE_SCHEME,
+        "model": str(mc.model),
+        "revision": mc.revision,
+        "tokenizer_revision": getattr(mc, "tokenizer_revision", None),
+        "dtype": str(mc.dtype),
+        "quantization": getattr(mc, "quantization", None),
+        "cache_dtype": str(cc.cache_dtype),
+        "block_size": cc.block_size,
+        "kv_layout": str(layout),
+        "hash_algo": str(getattr(cc, "prefix_caching_hash_algo", None)),
+        "groups": groups,
+        "tp": pc.tensor_parallel_size,
+        "pcp": getattr(pc, "prefill_context_parallel_size", 1),
+        "dcp": getattr(pc, "decode_context_parallel_size", 1),
+        "kv_tp_replicas": getattr(kv_cache_config, "kv_tp_replicas", 1),
+    }
+    return json.dumps(desc, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def _safe(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception:  # noqa: BLE001 - a spec without the property just omits it
+        return None
+
+
+def kv_block_hashes(block_hashes: Sequence[bytes], hash_block_size: int, block_size: int) -> list[bytes]:
+    """vLLM block hashes at the KV block granularity.
+
+    `request.block_hashes` holds one hash per `hash_block_size` tokens (full blocks only),
+    each chained over the whole prefix. When the KV block is `k` times larger, the hash at
+    the end of each KV block fingerprints that block's prefix (as in vLLM's
+    `BlockHashListWithBlockSize`).
+    """
+    if hash_block_size == block_size:
+        return [bytes(h) for h in block_hashes]
+    if block_size % hash_block_size:
+        raise ValueError(
+            f"KV block size {block_size} is not a multiple of the hash block size "
+            f"{hash_block_size}"
+        )
+    k = block_size // hash_block_size
+    return [bytes(h) for h in block_hashes[k - 1 :: k]]
+
+
+class KeyMaker:
+    """Computes object keys for one namespace and cache group, with a small memo.
+
+    `object_key` is the binding's function (bytes16, int, int, bytes) -> bytes16.
+    """
+
+    def __init__(self, object_key: Callable[[bytes, int, int, bytes], bytes], namespace: bytes):
+        if len(namespace) != 16:
+            raise ValueError(f"namespace must be 16 bytes, got {len(namespace)}")
+        self._object_key = object_key
+        self.namespace = bytes(namespace)
+
+    def keys(self, group: int, rank: int, hashes: Sequence[bytes]) -> list[bytes]:
+        ok, ns = self._object_key, self.namespace
+        return [ok(ns, group, rank, h) for h in hashes]
