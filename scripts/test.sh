@@ -18,9 +18,9 @@ cargo build --workspace --bins --locked
 step "cargo test (unit, integration, multi-process)"
 cargo test --workspace --exclude umbp-python --locked
 
-step "loom models (rings, seqlock index)"
+step "loom models (rings, seqlock index, event log)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$ROOT/target/loom" \
-  cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index
+  cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index --test loom_events
 
 if [ "${1:-}" = "--rust-only" ]; then
   exit 0

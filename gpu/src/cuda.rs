@@ -23,7 +23,7 @@ use std::sync::Mutex;
 pub use cudarc::driver::sys;
 use sys::{CUcontext, CUdevice, CUdeviceptr, CUresult, CUstream};
 
-use crate::engine::{DeviceApi, Dir, GpuBackend};
+use crate::engine::{DeviceApi, Dir, GpuBackend, Item};
 use crate::error::format_uuid;
 use crate::{new_registration, Backend, GpuError, MemoryKind, MemoryRegistration};
 
@@ -56,7 +56,51 @@ const SYMBOLS: &[&str] = &[
     "cuPointerGetAttribute",
     "cuStreamWriteValue64_v2",
     "cuStreamWaitValue64_v2",
+    "cuStreamGetCtx",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetName",
 ];
+
+/// Batched copy entry point, if the driver has one (CUDA 12.8+): `_v2` is the 13.x ABI
+/// (no `failIdx`), the plain name the 12.8 ABI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum BatchAbi {
+    None,
+    V1,
+    V2,
+}
+
+static BATCH_ABI: std::sync::OnceLock<BatchAbi> = std::sync::OnceLock::new();
+
+/// `cuMemcpyBatchAsync_v2` (CUDA 13 ABI). Resolved by hand: the crate's 12.8 bindings do
+/// not declare it.
+type BatchV2 = unsafe extern "C" fn(
+    *mut CUdeviceptr,
+    *mut CUdeviceptr,
+    *mut usize,
+    usize,
+    *mut sys::CUmemcpyAttributes,
+    *mut usize,
+    usize,
+    CUstream,
+) -> CUresult;
+static BATCH_V2: std::sync::OnceLock<BatchV2> = std::sync::OnceLock::new();
+/// Set when a batch call failed once: later calls go one copy at a time.
+static BATCH_BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Which batched copy call this driver offers (`"cuMemcpyBatchAsync_v2"`,
+/// `"cuMemcpyBatchAsync"` or `"none"`), after [`init`].
+pub fn batch_copy_api() -> &'static str {
+    match BATCH_ABI.get().copied().unwrap_or(BatchAbi::None) {
+        BatchAbi::V2 => "cuMemcpyBatchAsync_v2",
+        BatchAbi::V1 => "cuMemcpyBatchAsync",
+        BatchAbi::None => "none",
+    }
+}
 
 /// Maps a driver status to a result naming the call and the error
 /// (`cuIpcOpenMemHandle failed: CUDA_ERROR_INVALID_VALUE (1)`).
@@ -101,6 +145,22 @@ pub fn init() -> Result<(), GpuError> {
             });
         }
     }
+    let has = |name: &[u8]| {
+        // SAFETY: only the symbol's address is looked up.
+        unsafe { lib.get::<*const c_void>(name) }.is_ok()
+    };
+    // SAFETY: the declared type is the CUDA 13 prototype of this symbol; the library stays
+    // loaded for the life of the process (cudarc keeps it in a static).
+    let v2 = unsafe { lib.get::<BatchV2>(b"cuMemcpyBatchAsync_v2") }.ok().map(|f| *f);
+    let abi = if let Some(f) = v2 {
+        let _ = BATCH_V2.set(f);
+        BatchAbi::V2
+    } else if has(b"cuMemcpyBatchAsync") {
+        BatchAbi::V1
+    } else {
+        BatchAbi::None
+    };
+    let _ = BATCH_ABI.set(abi);
     // SAFETY: cuInit has no preconditions; repeated calls are harmless.
     check("cuInit", unsafe { sys::cuInit(0) })?;
     *done = true;
@@ -152,6 +212,16 @@ pub(crate) struct CudaStream(CUstream);
 // hands each stream set to one copy call at a time.
 unsafe impl Send for CudaStream {}
 
+#[derive(Clone, Copy)]
+pub(crate) struct CudaEvent(sys::CUevent);
+
+// SAFETY: as CudaStream: a driver handle, used by one copy call at a time.
+unsafe impl Send for CudaEvent {}
+
+fn location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation { type_, id }
+}
+
 fn get_device(ordinal: i32) -> Result<CUdevice, GpuError> {
     let mut dev: CUdevice = 0;
     // SAFETY: out-pointer to a local.
@@ -166,6 +236,7 @@ impl DeviceApi for Cuda {
     const KIND: MemoryKind = MemoryKind::Cuda;
     type Device = CudaDevice;
     type Stream = CudaStream;
+    type Event = CudaEvent;
 
     fn device_count(&self) -> Result<i32, GpuError> {
         let mut n = 0;
@@ -252,6 +323,122 @@ impl DeviceApi for Cuda {
                 ),
             }
         }
+    }
+
+    unsafe fn copy_batch_async(
+        &self,
+        dev: &CudaDevice,
+        dir: Dir,
+        items: &[Item],
+        stream: CudaStream,
+        batch: bool,
+    ) -> Result<(), GpuError> {
+        use std::sync::atomic::Ordering;
+        let abi = BATCH_ABI.get().copied().unwrap_or(BatchAbi::None);
+        if !batch || abi == BatchAbi::None || items.len() < 2 || BATCH_BROKEN.load(Ordering::Relaxed) {
+            for it in items {
+                // SAFETY: forwarded contract.
+                unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+            }
+            return Ok(());
+        }
+        let host = |it: &Item| it.host as CUdeviceptr;
+        let (mut dsts, mut srcs): (Vec<CUdeviceptr>, Vec<CUdeviceptr>) = match dir {
+            Dir::DeviceToHost => (items.iter().map(host).collect(), items.iter().map(|i| i.device).collect()),
+            Dir::HostToDevice => (items.iter().map(|i| i.device).collect(), items.iter().map(host).collect()),
+        };
+        let mut sizes: Vec<usize> = items.iter().map(|i| i.len).collect();
+        let device = location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, dev.dev);
+        let host_loc = location(sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST, 0);
+        let (src, dst) = match dir {
+            Dir::DeviceToHost => (device, host_loc),
+            Dir::HostToDevice => (host_loc, device),
+        };
+        let mut attrs = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: src,
+            dstLocHint: dst,
+            // Copy engines, not SMs: the engine's kernels keep the whole GPU.
+            flags: sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32,
+        };
+        let mut attr_idx: usize = 0;
+        let mut fail_idx: usize = usize::MAX;
+        // SAFETY: the arrays hold `items.len()` entries each and outlive the call (the
+        // driver copies the descriptors before returning); one attribute applies from
+        // index 0 on; forwarded contract for the memory itself.
+        let r = unsafe {
+            match abi {
+                BatchAbi::V2 => BATCH_V2.get().expect("resolved with BatchAbi::V2")(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    items.len(),
+                    &mut attrs,
+                    &mut attr_idx,
+                    1,
+                    stream.0,
+                ),
+                _ => sys::cuMemcpyBatchAsync(
+                    dsts.as_mut_ptr(),
+                    srcs.as_mut_ptr(),
+                    sizes.as_mut_ptr(),
+                    items.len(),
+                    &mut attrs,
+                    &mut attr_idx,
+                    1,
+                    &mut fail_idx,
+                    stream.0,
+                ),
+            }
+        };
+        if r == CUresult::CUDA_SUCCESS {
+            return Ok(());
+        }
+        if fail_idx != usize::MAX && fail_idx != 0 {
+            // Some copies were enqueued; redoing them would be harmless but the error is
+            // real (a bad address): report it.
+            return check("cuMemcpyBatchAsync", r);
+        }
+        // Refused as a whole (old driver quirk, unsupported attribute): go one by one from
+        // now on, and say so once.
+        if !BATCH_BROKEN.swap(true, Ordering::Relaxed) {
+            tracing::warn!("cuMemcpyBatchAsync failed ({r:?}); copying one op per call from now on");
+        }
+        for it in items {
+            // SAFETY: forwarded contract.
+            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+        }
+        Ok(())
+    }
+
+    fn create_event(&self) -> Result<CudaEvent, GpuError> {
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: out-pointer to a local; a context is bound by the engine.
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut ev, flags) })?;
+        Ok(CudaEvent(ev))
+    }
+
+    fn destroy_event(&self, event: CudaEvent) {
+        // SAFETY: created by create_event; nothing waits on it any more.
+        let _ = unsafe { sys::cuEventDestroy_v2(event.0) };
+    }
+
+    fn join(&self, waiter: CudaStream, event: CudaEvent, other: CudaStream) -> Result<(), GpuError> {
+        // SAFETY: live event and streams of the bound context.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event.0, other.0) })?;
+        // SAFETY: as above.
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(waiter.0, event.0, 0) })
+    }
+
+    unsafe fn wait_value64(&self, stream: CudaStream, addr: u64, value: u64) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract.
+        unsafe { stream_wait_value64(stream.0, addr, value) }
+    }
+
+    unsafe fn write_value64(&self, stream: CudaStream, addr: u64, value: u64) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract.
+        unsafe { stream_write_value64(stream.0, addr, value) }
     }
 
     fn synchronize(&self, stream: CudaStream) -> Result<(), GpuError> {
@@ -423,5 +610,135 @@ pub unsafe fn stream_wait_value64(
     // SAFETY: forwarded contract.
     check("cuStreamWaitValue64", unsafe {
         sys::cuStreamWaitValue64_v2(stream, addr, value, flags)
+    })
+}
+
+/// Name of device `ordinal` (`NVIDIA H200`), for reports.
+pub fn device_name(ordinal: i32) -> Result<String, GpuError> {
+    init()?;
+    let dev = get_device(ordinal)?;
+    let mut buf = [0 as std::ffi::c_char; 128];
+    // SAFETY: the buffer holds the length passed.
+    check("cuDeviceGetName", unsafe {
+        sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev)
+    })?;
+    // SAFETY: the driver NUL-terminates within the buffer.
+    Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+}
+
+/// The context to use for calls about `stream`: the stream's own, or for the legacy
+/// default stream (null) the thread's current one, or else device 0's primary context.
+fn context_for(stream: CUstream) -> Result<CUcontext, GpuError> {
+    let mut ctx: CUcontext = std::ptr::null_mut();
+    if !stream.is_null() {
+        // SAFETY: out-pointer to a local; the driver validates the stream.
+        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(stream, &mut ctx) })?;
+        return Ok(ctx);
+    }
+    // SAFETY: out-pointer to a local.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut ctx) })?;
+    if !ctx.is_null() {
+        return Ok(ctx);
+    }
+    let dev = get_device(0)?;
+    // SAFETY: out-pointer to a local. Never released: registrations made in it must
+    // outlive every stream that uses them, and the primary context lives with the process.
+    check("cuDevicePrimaryCtxRetain", unsafe {
+        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+    })?;
+    Ok(ctx)
+}
+
+/// Runs `f` with `ctx` current, restoring the thread's context afterwards.
+fn with_context<T>(ctx: CUcontext, f: impl FnOnce() -> Result<T, GpuError>) -> Result<T, GpuError> {
+    // SAFETY: ctx is a live context (from the driver above).
+    check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
+    let r = f();
+    let mut popped: CUcontext = std::ptr::null_mut();
+    // SAFETY: pops what was pushed above.
+    let _ = unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    r
+}
+
+/// A small range of host memory (fence words) registered with the driver as pinned,
+/// portable and device-mapped, so that streams of any context of this process can write or
+/// wait on it. Unregistered on drop; the memory must stay mapped until then.
+pub struct HostWords {
+    ptr: *mut u8,
+    ctx: CUcontext,
+    device: u64,
+}
+
+// SAFETY: plain addresses and a context handle, usable from any thread.
+unsafe impl Send for HostWords {}
+// SAFETY: as above; nothing is mutated after creation.
+unsafe impl Sync for HostWords {}
+
+impl HostWords {
+    /// Registers `[ptr, ptr+len)`, in the context of `stream` (the engine's compute stream;
+    /// null: the current or device 0's primary context).
+    ///
+    /// # Safety
+    /// The range is mapped memory of this process that stays mapped until the returned
+    /// value is dropped; `stream` is null or a live stream.
+    pub unsafe fn register(ptr: *mut u8, len: usize, stream: CUstream) -> Result<HostWords, GpuError> {
+        init()?;
+        let ctx = context_for(stream)?;
+        let device = with_context(ctx, || {
+            let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+            // SAFETY: forwarded contract: mapped memory of this process.
+            check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(ptr.cast(), len, flags) })?;
+            // SAFETY: the range was just registered and a context is current.
+            unsafe { host_device_pointer(ptr) }.inspect_err(|_| {
+                // SAFETY: undoes the registration above.
+                let _ = unsafe { sys::cuMemHostUnregister(ptr.cast()) };
+            })
+        })?;
+        Ok(HostWords { ptr, ctx, device })
+    }
+
+    /// Device address of the first byte.
+    pub fn device(&self) -> u64 {
+        self.device
+    }
+}
+
+impl Drop for HostWords {
+    fn drop(&mut self) {
+        let r = with_context(self.ctx, || {
+            // SAFETY: registered in `register`; callers drop this before unmapping.
+            check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(self.ptr.cast()) })
+        });
+        if let Err(e) = r {
+            tracing::warn!("unregistering fence words: {e}");
+        }
+    }
+}
+
+/// Worker side of a store fence: enqueues on `stream` (the engine's compute stream, as a
+/// raw `CUstream`; 0 = legacy default stream) a write of `value` to the device-mapped word
+/// `addr`, after everything enqueued on it so far. Runs in the stream's own context.
+///
+/// # Safety
+/// `stream` is 0 or a live stream; `addr` is a device-mapped word ([`HostWords`]) that
+/// stays registered until the stream ran the write.
+pub unsafe fn fence_write(stream: u64, addr: u64, value: u64) -> Result<(), GpuError> {
+    let stream = stream as CUstream;
+    with_context(context_for(stream)?, || {
+        // SAFETY: forwarded contract.
+        unsafe { stream_write_value64(stream, addr, value) }
+    })
+}
+
+/// Worker side of a load fence: `stream` waits (on the GPU) until the word at `addr`
+/// reaches `value`; kernels enqueued after it see the loaded bytes.
+///
+/// # Safety
+/// As [`fence_write`].
+pub unsafe fn fence_wait(stream: u64, addr: u64, value: u64) -> Result<(), GpuError> {
+    let stream = stream as CUstream;
+    with_context(context_for(stream)?, || {
+        // SAFETY: forwarded contract.
+        unsafe { stream_wait_value64(stream, addr, value) }
     })
 }

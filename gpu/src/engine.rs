@@ -1,23 +1,71 @@
 //! The transfer engine shared by the GPU backends (CUDA and HIP): per-device stream sets,
-//! the cache of opened IPC handles, op splitting and the "synchronize everything before
-//! returning, even on error" rule. Each driver API plugs in through [`DeviceApi`], so the
-//! HIP backend runs the same logic that is exercised on NVIDIA hardware.
+//! the cache of opened IPC handles, op splitting, batched submission, fences (DESIGN §7)
+//! and the "synchronize everything before returning, even on error" rule. Each driver API
+//! plugs in through [`DeviceApi`], so the HIP backend runs the same logic that is
+//! exercised on NVIDIA hardware.
+//!
+//! One copy call ([`GpuRegion::transfer_group`]) takes every part of a transfer that lives
+//! on one GPU (a vLLM worker registers one allocation per layer, so a block touches dozens
+//! of regions), cuts ops at 16 MiB and at the boundaries of host registrations, spreads
+//! them over the streams of one stream set in byte-balanced contiguous runs, and submits
+//! each run as batches (`cuMemcpyBatchAsync` where the driver has it: one call for
+//! hundreds of 64 KiB pages instead of one call each).
 
+use std::any::Any;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::error::format_uuid;
+use crate::fence::{self, FenceWord};
 use crate::{
-    check_ops, expect_kind, Backend, CopyOp, DeviceRegion, GpuError, MemoryKind, MemoryRegistration,
+    check_ops, expect_kind, Backend, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind,
+    MemoryRegistration, Part,
 };
 
-/// Streams per copy call. Several streams let the driver spread a batch over more than one
-/// copy engine; more than a handful buys nothing on current GPUs.
-const STREAMS_PER_COPY: usize = 4;
+/// Streams per copy call unless tuned ([`set_tuning`], `UMBP_COPY_STREAMS`). Several
+/// streams let the driver spread a batch over more than one copy engine.
+const DEFAULT_STREAMS: usize = 4;
+/// Most streams a set may have.
+pub(crate) const MAX_STREAMS: usize = 16;
 
 /// Ops larger than this are cut so that one huge op also spreads over the streams.
 const SPLIT_BYTES: u64 = 16 << 20;
+
+/// Most copies handed to the driver in one batch call.
+const BATCH_MAX: usize = 512;
+
+static STREAMS: AtomicUsize = AtomicUsize::new(0);
+static BATCH: AtomicUsize = AtomicUsize::new(0);
+
+/// Copy tuning of this process: streams per copy call (1..=16) and whether batched copy
+/// submission is used where the driver has it. Defaults: `UMBP_COPY_STREAMS` (else 4) and
+/// `UMBP_COPY_BATCH` (`0` turns batching off). For benchmarks and operators; takes effect
+/// for copy calls that start afterwards.
+pub fn set_tuning(streams: usize, batch: bool) {
+    STREAMS.store(streams.clamp(1, MAX_STREAMS), Ordering::Relaxed);
+    BATCH.store(if batch { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// The tuning in effect: `(streams, batch)`.
+pub fn tuning() -> (usize, bool) {
+    let mut s = STREAMS.load(Ordering::Relaxed);
+    if s == 0 {
+        s = std::env::var("UMBP_COPY_STREAMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(DEFAULT_STREAMS)
+            .clamp(1, MAX_STREAMS);
+        STREAMS.store(s, Ordering::Relaxed);
+    }
+    let mut b = BATCH.load(Ordering::Relaxed);
+    if b == 0 {
+        b = if std::env::var("UMBP_COPY_BATCH").is_ok_and(|v| v == "0") { 2 } else { 1 };
+        BATCH.store(b, Ordering::Relaxed);
+    }
+    (s, b == 1)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Dir {
@@ -25,8 +73,18 @@ pub(crate) enum Dir {
     HostToDevice,
 }
 
-/// The few driver calls the engine needs. Implementations map driver errors to
-/// [`GpuError::Driver`] with the call's name.
+/// One contiguous copy between host memory and device memory, in absolute addresses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Item {
+    pub host: *mut u8,
+    pub device: u64,
+    pub len: usize,
+}
+
+/// The driver calls the engine needs. Implementations map driver errors to
+/// [`GpuError::Driver`] with the call's name. Optional capabilities (batching, events,
+/// stream memory operations) have defaults that report them absent; the engine then
+/// falls back (one call per copy, CPU-side fence waits and writes).
 pub(crate) trait DeviceApi: Send + Sync + 'static {
     /// "CUDA" or "HIP", for messages.
     const API: &'static str;
@@ -34,6 +92,7 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
     /// What makes a device current on a thread (CUDA: its primary context).
     type Device: Send + Sync;
     type Stream: Copy + Send;
+    type Event: Copy + Send;
 
     fn device_count(&self) -> Result<i32, GpuError>;
     fn device_uuid(&self, ordinal: i32) -> Result<[u8; 16], GpuError>;
@@ -57,7 +116,48 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
         len: usize,
         stream: Self::Stream,
     ) -> Result<(), GpuError>;
+    /// Enqueues every item on `stream`, in one driver call where the driver can. Default:
+    /// one [`Self::copy_async`] per item.
+    ///
+    /// # Safety
+    /// As [`Self::copy_async`] for every item.
+    unsafe fn copy_batch_async(
+        &self,
+        dev: &Self::Device,
+        dir: Dir,
+        items: &[Item],
+        stream: Self::Stream,
+        batch: bool,
+    ) -> Result<(), GpuError> {
+        let _ = (dev, batch);
+        for it in items {
+            // SAFETY: forwarded contract.
+            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+        }
+        Ok(())
+    }
     fn synchronize(&self, stream: Self::Stream) -> Result<(), GpuError>;
+    fn create_event(&self) -> Result<Self::Event, GpuError> {
+        Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
+    }
+    fn destroy_event(&self, _event: Self::Event) {}
+    /// `waiter` waits (on the GPU) for the work enqueued on `other` so far.
+    fn join(&self, waiter: Self::Stream, event: Self::Event, other: Self::Stream) -> Result<(), GpuError> {
+        let _ = (waiter, event, other);
+        Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
+    }
+    /// Enqueues a wait until the device-mapped host word at `addr` reaches `value`
+    /// (cyclic `>=`).
+    ///
+    /// # Safety
+    /// `addr` is a device-mapped 8-byte word that stays mapped until the stream passed.
+    unsafe fn wait_value64(&self, stream: Self::Stream, addr: u64, value: u64) -> Result<(), GpuError>;
+    /// Enqueues a write of `value` to the device-mapped word at `addr`, after the stream's
+    /// earlier work, with a memory barrier before it.
+    ///
+    /// # Safety
+    /// As [`Self::wait_value64`].
+    unsafe fn write_value64(&self, stream: Self::Stream, addr: u64, value: u64) -> Result<(), GpuError>;
     /// # Safety
     /// A device is bound on this thread.
     unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, GpuError>;
@@ -74,13 +174,22 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
     unsafe fn host_unregister(&self, base: *mut u8) -> Result<(), GpuError>;
 }
 
+/// The streams (and lazily made join events) one copy call uses exclusively.
+struct StreamSet<A: DeviceApi> {
+    streams: Vec<A::Stream>,
+    events: Vec<A::Event>,
+}
+
 /// One GPU as seen by the pool: its bound handle and idle stream sets. Stream sets are
 /// taken whole by one copy call, so concurrent calls from several pool threads never wait
 /// on each other's work.
 struct Engine<A: DeviceApi> {
     ordinal: i32,
     dev: A::Device,
-    idle: Mutex<Vec<Vec<A::Stream>>>,
+    idle: Mutex<Vec<StreamSet<A>>>,
+    /// Stream memory operations (GPU-side fence waits/writes) work; cleared at the first
+    /// failure, after which fences are waited for and written by the CPU.
+    memops: AtomicBool,
 }
 
 #[derive(Clone, Copy)]
@@ -100,6 +209,9 @@ struct Shared<A: DeviceApi> {
     /// PyTorch caching allocator packs them), and opening one handle twice in a process is
     /// an error with CUDA, so each handle is opened once and reference counted.
     ipc: Mutex<HashMap<IpcKey, IpcMapping>>,
+    /// Host ranges registered through this backend, sorted by start: copies are cut at
+    /// their ends, because a DMA straddling two registrations may be staged by the driver.
+    host_ranges: RwLock<Vec<(usize, usize)>>,
 }
 
 /// A device bound on this thread until dropped; the thread's previous context or device is
@@ -136,6 +248,7 @@ impl<A: DeviceApi> GpuBackend<A> {
                 api,
                 engines: Mutex::new(HashMap::new()),
                 ipc: Mutex::new(HashMap::new()),
+                host_ranges: RwLock::new(Vec::new()),
             }),
         }
     }
@@ -199,6 +312,7 @@ impl<A: DeviceApi> Shared<A> {
                     ordinal,
                     dev,
                     idle: Mutex::new(Vec::new()),
+                    memops: AtomicBool::new(true),
                 });
                 tracing::debug!(api = A::API, ordinal, uuid = %format_uuid(uuid), "opened transfer engine");
                 engines.insert(*uuid, engine.clone());
@@ -237,28 +351,236 @@ impl<A: DeviceApi> Shared<A> {
             // SAFETY: no region refers to the mapping any more and copies are synchronous.
             unsafe { self.api.ipc_close(ptr) }
         });
-        if let Err(e) = closed {
-            tracing::warn!(api = A::API, "closing IPC mapping {ptr:#x}: {e}");
+        match closed {
+            Ok(()) => tracing::debug!(api = A::API, "closed IPC mapping {ptr:#x}"),
+            Err(e) => tracing::warn!(api = A::API, "closing IPC mapping {ptr:#x}: {e}"),
         }
     }
 }
 
-impl<A: DeviceApi> Engine<A> {
-    fn take_streams(&self, api: &A) -> Result<Vec<A::Stream>, GpuError> {
-        if let Some(set) = lock(&self.idle).pop() {
-            return Ok(set);
+/// Number of IPC mappings this process holds open per GPU kind (tests check that a dead
+/// worker's mappings are closed).
+pub(crate) fn open_ipc_mappings<A: DeviceApi>(b: &GpuBackend<A>) -> usize {
+    lock(&b.shared.ipc).len()
+}
+
+/// End of the registered range containing `addr`, if any.
+fn range_end(ranges: &[(usize, usize)], addr: usize) -> Option<usize> {
+    let i = ranges.partition_point(|r| r.0 <= addr);
+    (i > 0 && ranges[i - 1].1 > addr).then(|| ranges[i - 1].1)
+}
+
+/// Appends the items of `op` (device side at `dev_base`), cut at `split` bytes and at the
+/// ends of registered host ranges.
+pub(crate) fn push_items(
+    items: &mut Vec<Item>,
+    host_base: *mut u8,
+    dev_base: u64,
+    op: &CopyOp,
+    ranges: &[(usize, usize)],
+    split: u64,
+) {
+    let mut done = 0;
+    while done < op.len {
+        let host = host_base as usize + (op.host_offset + done) as usize;
+        let mut piece = (op.len - done).min(split);
+        if let Some(end) = range_end(ranges, host) {
+            piece = piece.min((end - host) as u64);
         }
-        let mut set = Vec::with_capacity(STREAMS_PER_COPY);
-        for _ in 0..STREAMS_PER_COPY {
+        items.push(Item {
+            host: host as *mut u8,
+            device: dev_base + op.device_offset + done,
+            len: piece as usize,
+        });
+        done += piece;
+    }
+}
+
+/// Splits `items` into at most `n` contiguous runs of about equal bytes.
+pub(crate) fn balance(items: &[Item], n: usize) -> Vec<std::ops::Range<usize>> {
+    let total: u64 = items.iter().map(|i| i.len as u64).sum();
+    let n = n.clamp(1, items.len().max(1));
+    let mut runs = Vec::with_capacity(n);
+    let (mut start, mut acc) = (0, 0u64);
+    for (i, it) in items.iter().enumerate() {
+        acc += it.len as u64;
+        // Close run k once it holds its share of the bytes (k+1)/n of the total.
+        if acc * n as u64 >= total * (runs.len() as u64 + 1) && runs.len() + 1 < n {
+            runs.push(start..i + 1);
+            start = i + 1;
+        }
+    }
+    if start < items.len() || runs.is_empty() {
+        runs.push(start..items.len());
+    }
+    runs
+}
+
+impl<A: DeviceApi> Engine<A> {
+    fn take_set(&self, api: &A, want: usize) -> Result<StreamSet<A>, GpuError> {
+        let mut set = lock(&self.idle).pop().unwrap_or(StreamSet {
+            streams: Vec::new(),
+            events: Vec::new(),
+        });
+        while set.streams.len() < want {
             match api.create_stream() {
-                Ok(s) => set.push(s),
+                Ok(s) => set.streams.push(s),
                 Err(e) => {
-                    set.into_iter().for_each(|s| api.destroy_stream(s));
+                    self.put_set(set);
                     return Err(e);
                 }
             }
         }
         Ok(set)
+    }
+
+    fn put_set(&self, set: StreamSet<A>) {
+        lock(&self.idle).push(set);
+    }
+
+    /// Runs `items` in direction `dir` on this engine: fence wait (stores), copies spread
+    /// over the stream set, fence signal (loads, when `signal` is set), then synchronizes
+    /// every stream used, also after an error: returning while a DMA still targets pool
+    /// memory would let the pool reuse that memory under it.
+    ///
+    /// # Safety
+    /// Every item's host range is valid (writable for DeviceToHost) for the call and its
+    /// device range lies inside an open allocation.
+    unsafe fn run(
+        &self,
+        api: &A,
+        dir: Dir,
+        items: &[Item],
+        fence: &Fence<'_>,
+        signal: bool,
+        keep_waiting: &dyn Fn() -> bool,
+    ) -> Result<(), GpuError> {
+        let wait = match fence {
+            Fence::WaitBefore(word, value) if !items.is_empty() => Some((*word, *value)),
+            _ => None,
+        };
+        let signal = match fence {
+            Fence::SignalAfter(word, value) if signal => Some((*word, *value)),
+            _ => None,
+        };
+        if items.is_empty() && signal.is_none() {
+            return Ok(());
+        }
+        let (streams, batch) = tuning();
+        let runs = balance(items, streams);
+        let _bound = Bound::new(api, &self.dev)?;
+        let mut set = self.take_set(api, runs.len())?;
+        let mut used = vec![false; set.streams.len()];
+        let mut first_err: Option<GpuError> = None;
+        // Store fence: on the GPU when the word is device-mapped and the driver supports
+        // stream memory operations, else the CPU waits before enqueueing anything.
+        let mut gpu_wait: Option<(FenceWord<'_>, u64)> = None;
+        if let Some((word, value)) = wait {
+            let mut cpu_wait = true;
+            if let (Some(addr), true) = (word.device(), self.memops.load(Ordering::Relaxed)) {
+                if !fence::reached(word.load(), value) {
+                    let mut ok = true;
+                    for (k, _) in runs.iter().enumerate() {
+                        // SAFETY: the word stays mapped for the call (the caller holds its
+                        // region); the watchdog below releases it before we return.
+                        match unsafe { api.wait_value64(set.streams[k], addr, value) } {
+                            Ok(()) => used[k] = true,
+                            Err(e) => {
+                                tracing::warn!(api = A::API, "stream wait on a fence word failed, falling back to CPU waits: {e}");
+                                self.memops.store(false, Ordering::Relaxed);
+                                ok = false;
+                                break;
+                            }
+                        }
+                    }
+                    if ok {
+                        gpu_wait = Some((word, value));
+                        cpu_wait = false;
+                    }
+                } else {
+                    cpu_wait = false;
+                    if fence::aborted(word.load(), value) {
+                        first_err = Some(GpuError::FenceAborted { value, word: word.load() });
+                    }
+                }
+            }
+            if cpu_wait {
+                if let Err(e) = word.wait_cpu(value, keep_waiting) {
+                    // Streams that got a GPU wait must not hang: release them (the
+                    // copies then read unready bytes; the error fails the store).
+                    if used.iter().any(|u| *u) {
+                        word.signal(value);
+                    }
+                    first_err = Some(e);
+                }
+            }
+        }
+        if first_err.is_none() {
+            'runs: for (k, run) in runs.iter().enumerate() {
+                for chunk in items[run.clone()].chunks(BATCH_MAX) {
+                    used[k] = true;
+                    // SAFETY: forwarded caller contract for each item.
+                    if let Err(e) = unsafe { api.copy_batch_async(&self.dev, dir, chunk, set.streams[k], batch) } {
+                        first_err = Some(e);
+                        break 'runs;
+                    }
+                }
+            }
+        }
+        // Load fence from the GPU: stream 0 waits for the others, then writes the value.
+        if let (None, Some((word, value)), Some(addr)) = (&first_err, signal, signal.and_then(|(w, _)| w.device())) {
+            if self.memops.load(Ordering::Relaxed) {
+                let _ = word;
+                if let Err(e) = self.signal_on_gpu(api, &mut set, &mut used, runs.len(), addr, value) {
+                    tracing::debug!(api = A::API, "GPU-side fence write unavailable, the CPU writes it: {e}");
+                }
+            }
+        }
+        // Watchdog for GPU-side waits: a worker that died or never writes its fence would
+        // leave our streams blocked; release them (the error fails the store).
+        if let Some((word, value)) = gpu_wait {
+            let released = if first_err.is_some() { Err(None) } else { word.wait_cpu(value, keep_waiting).map_err(Some) };
+            if let Err(e) = released {
+                word.signal(value);
+                if let Some(e) = e {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        for (k, &s) in set.streams.iter().enumerate() {
+            if used[k] {
+                if let Err(e) = api.synchronize(s) {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let (None, Some((word, value))) = (&first_err, gpu_wait) {
+            if fence::aborted(word.load(), value) {
+                first_err = Some(GpuError::FenceAborted { value, word: word.load() });
+            }
+        }
+        self.put_set(set);
+        first_err.map_or(Ok(()), Err)
+    }
+
+    fn signal_on_gpu(
+        &self,
+        api: &A,
+        set: &mut StreamSet<A>,
+        used: &mut [bool],
+        runs: usize,
+        addr: u64,
+        value: u64,
+    ) -> Result<(), GpuError> {
+        while set.events.len() < runs.saturating_sub(1) {
+            set.events.push(api.create_event()?);
+        }
+        for k in 1..runs {
+            api.join(set.streams[0], set.events[k - 1], set.streams[k])?;
+        }
+        used[0] = true;
+        // SAFETY: the caller's fence word stays mapped until it synchronized the stream.
+        unsafe { api.write_value64(set.streams[0], addr, value) }
     }
 }
 
@@ -271,10 +593,19 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
         let engine = self.shared.first_engine()?;
         let _bound = Bound::new(&self.shared.api, &engine.dev)?;
         // SAFETY: forwarded caller contract; a device is bound.
-        unsafe { self.shared.api.host_register(base, len) }
+        unsafe { self.shared.api.host_register(base, len) }?;
+        let mut ranges = self.shared.host_ranges.write().unwrap_or_else(|e| e.into_inner());
+        let at = ranges.partition_point(|r| r.0 < base as usize);
+        ranges.insert(at, (base as usize, base as usize + len));
+        Ok(())
     }
 
     unsafe fn unregister_host_memory(&self, base: *mut u8) -> Result<(), GpuError> {
+        self.shared
+            .host_ranges
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|r| r.0 != base as usize);
         let engine = self.shared.first_engine()?;
         let _bound = Bound::new(&self.shared.api, &engine.dev)?;
         // SAFETY: forwarded caller contract.
@@ -338,9 +669,13 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
         );
         Ok(Box::new(region))
     }
+
+    fn open_mappings(&self) -> usize {
+        open_ipc_mappings(self)
+    }
 }
 
-struct GpuRegion<A: DeviceApi> {
+pub(crate) struct GpuRegion<A: DeviceApi> {
     shared: Arc<Shared<A>>,
     engine: Arc<Engine<A>>,
     /// The shared IPC mapping this region holds a reference on; None in-process.
@@ -359,58 +694,29 @@ impl<A: DeviceApi> Drop for GpuRegion<A> {
     }
 }
 
+fn duplicate(e: &GpuError) -> GpuError {
+    match e {
+        GpuError::Driver { call, code, name } => GpuError::Driver { call, code: *code, name: name.clone() },
+        GpuError::FenceAborted { value, word } => GpuError::FenceAborted { value: *value, word: *word },
+        GpuError::FenceTimeout { value, last, waited_ms, why } => {
+            GpuError::FenceTimeout { value: *value, last: *last, waited_ms: *waited_ms, why }
+        }
+        other => GpuError::Unsupported(other.to_string()),
+    }
+}
+
 impl<A: DeviceApi> GpuRegion<A> {
-    /// Enqueues every op round-robin on one stream set, then synchronizes every stream
-    /// used, also after an enqueue error: returning while a DMA still targets pool memory
-    /// would let the pool reuse that memory under it.
-    ///
     /// # Safety
     /// Host ranges of all ops are valid (writable for DeviceToHost) for the call.
-    unsafe fn run(&self, ops: &[CopyOp], host: *mut u8, dir: Dir) -> Result<(), GpuError> {
-        check_ops(ops, self.alloc_id, self.len)?;
-        if ops.iter().all(|op| op.len == 0) {
-            return Ok(());
-        }
-        let api = &self.shared.api;
-        let _bound = Bound::new(api, &self.engine.dev)?;
-        let streams = self.engine.take_streams(api)?;
-        let mut used = [false; STREAMS_PER_COPY];
-        let mut next = 0usize;
-        let mut first_err = None;
-        'ops: for op in ops {
-            let mut done = 0;
-            while done < op.len {
-                let piece = (op.len - done).min(SPLIT_BYTES);
-                let s = next % streams.len();
-                next += 1;
-                // SAFETY: host side valid by the caller's contract and check_ops (no
-                // overflow); device side inside the region by check_ops and open.
-                let r = unsafe {
-                    api.copy_async(
-                        dir,
-                        host.add((op.host_offset + done) as usize),
-                        self.device_ptr + op.device_offset + done,
-                        piece as usize,
-                        streams[s],
-                    )
-                };
-                if let Err(e) = r {
-                    first_err = Some(e);
-                    break 'ops;
-                }
-                used[s] = true;
-                done += piece;
-            }
-        }
-        for (i, &s) in streams.iter().enumerate() {
-            if used[i] {
-                if let Err(e) = api.synchronize(s) {
-                    first_err.get_or_insert(e);
-                }
-            }
-        }
-        lock(&self.engine.idle).push(streams);
-        first_err.map_or(Ok(()), Err)
+    unsafe fn run_one(&self, ops: &[CopyOp], host: *mut u8, dir: Dir) -> Result<(), GpuError> {
+        let part = [Part { region: self, ops }];
+        let mut results = [None];
+        let mut claimed = [false];
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true)
+        };
+        results[0].take().unwrap_or(Ok(()))
     }
 }
 
@@ -425,12 +731,66 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
 
     unsafe fn copy_to_host(&self, ops: &[CopyOp], host_base: *mut u8) -> Result<(), GpuError> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.run(ops, host_base, Dir::DeviceToHost) }
+        unsafe { self.run_one(ops, host_base, Dir::DeviceToHost) }
     }
 
     unsafe fn copy_from_host(&self, ops: &[CopyOp], host_base: *const u8) -> Result<(), GpuError> {
         // SAFETY: forwarded caller contract; host-to-device copies only read host memory.
-        unsafe { self.run(ops, host_base.cast_mut(), Dir::HostToDevice) }
+        unsafe { self.run_one(ops, host_base.cast_mut(), Dir::HostToDevice) }
+    }
+
+    fn as_any(&self) -> Option<&dyn Any> {
+        Some(self)
+    }
+
+    /// Claims every unclaimed part from `first` on whose region is a region of this same
+    /// engine, and runs them all as one copy call.
+    unsafe fn transfer_group(
+        &self,
+        to_host: bool,
+        parts: &[Part<'_>],
+        first: usize,
+        claimed: &mut [bool],
+        results: &mut [Option<Result<(), GpuError>>],
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+    ) -> bool {
+        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+        let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut items = Vec::new();
+        let mut members = Vec::new();
+        for (i, p) in parts.iter().enumerate().skip(first) {
+            if claimed[i] {
+                continue;
+            }
+            let Some(r) = p.region.as_any().and_then(|a| a.downcast_ref::<GpuRegion<A>>()) else {
+                continue;
+            };
+            if !Arc::ptr_eq(&r.engine, &self.engine) {
+                continue;
+            }
+            claimed[i] = true;
+            if let Err(e) = check_ops(p.ops, r.alloc_id, r.len) {
+                results[i] = Some(Err(e));
+                continue;
+            }
+            for op in p.ops {
+                push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+            }
+            members.push(i);
+        }
+        let signal = claimed.iter().all(|c| *c);
+        // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
+        // device ranges inside each region by check_ops and open.
+        let r = unsafe { self.engine.run(&self.shared.api, dir, &items, fence, signal, keep_waiting) };
+        for i in members {
+            results[i] = Some(match &r {
+                Ok(()) => Ok(()),
+                Err(e) => Err(duplicate(e)),
+            });
+        }
+        true
     }
 }
 
@@ -442,9 +802,63 @@ impl<A: DeviceApi> Drop for Shared<A> {
         for engine in engines.values() {
             if let Ok(_bound) = Bound::new(&self.api, &engine.dev) {
                 for set in lock(&engine.idle).drain(..) {
-                    set.into_iter().for_each(|s| self.api.destroy_stream(s));
+                    set.streams.into_iter().for_each(|s| self.api.destroy_stream(s));
+                    set.events.into_iter().for_each(|e| self.api.destroy_event(e));
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(device_offset: u64, host_offset: u64, len: u64) -> CopyOp {
+        CopyOp { alloc_id: 1, device_offset, host_offset, len }
+    }
+
+    #[test]
+    fn items_are_cut_at_split_size_and_registration_ends() {
+        let base = 0x1000_0000usize as *mut u8;
+        let mut items = Vec::new();
+        // 40 MiB op, no registrations: 16 + 16 + 8.
+        push_items(&mut items, base, 0x9000, &op(0, 0, 40 << 20), &[], SPLIT_BYTES);
+        assert_eq!(items.iter().map(|i| i.len).collect::<Vec<_>>(), vec![16 << 20, 16 << 20, 8 << 20]);
+        assert_eq!(items[1].device, 0x9000 + (16 << 20));
+        assert_eq!(items[1].host as usize, 0x1000_0000 + (16 << 20));
+        // A registration boundary 1 MiB into the op cuts it there.
+        items.clear();
+        let ranges = [(0x1000_0000, 0x1000_0000 + (1 << 20)), (0x1000_0000 + (1 << 20), 0x2000_0000)];
+        push_items(&mut items, base, 0, &op(0, 4096, 2 << 20), &ranges, SPLIT_BYTES);
+        assert_eq!(items.len(), 2);
+        assert_eq!(items[0].len, (1 << 20) - 4096);
+        assert_eq!(items[0].len + items[1].len, 2 << 20);
+        assert_eq!(items[1].host as usize, 0x1000_0000 + (1 << 20));
+        assert_eq!(range_end(&ranges, 0x0fff_ffff), None);
+        assert_eq!(range_end(&ranges, 0x2000_0000), None);
+    }
+
+    #[test]
+    fn runs_are_contiguous_and_balanced() {
+        let it = |len| Item { host: std::ptr::null_mut(), device: 0, len };
+        let items: Vec<Item> = (0..10).map(|_| it(64 << 10)).collect();
+        let runs = balance(&items, 4);
+        assert_eq!(runs.len(), 4);
+        assert_eq!(runs.first().unwrap().start, 0);
+        assert_eq!(runs.last().unwrap().end, 10);
+        for w in runs.windows(2) {
+            assert_eq!(w[0].end, w[1].start);
+        }
+        assert!(runs.iter().all(|r| (2..=3).contains(&r.len())), "{runs:?}");
+        // Fewer items than streams: one run each.
+        assert_eq!(balance(&items[..2], 4).len(), 2);
+        assert_eq!(balance(&[], 4), vec![0..0]);
+        // One huge item and many small ones: the huge one gets its own run.
+        let mut mixed = vec![it(64 << 20)];
+        mixed.extend((0..64).map(|_| it(1 << 20)));
+        let runs = balance(&mixed, 2);
+        assert_eq!(runs[0], 0..1);
+        assert_eq!(runs[1], 1..65);
     }
 }

@@ -87,6 +87,21 @@ pub enum GpuError {
     /// The operation exists in the contract but this region cannot do it.
     #[error("{0}")]
     Unsupported(String),
+
+    /// A store waited for its fence word (DESIGN §7) and the word never reached the value:
+    /// the worker did not write it in time, or was gone. Nothing was published.
+    #[error("fence word never reached {value} (last {last}) within {waited_ms} ms{why}")]
+    FenceTimeout {
+        value: u64,
+        last: u64,
+        waited_ms: u64,
+        why: &'static str,
+    },
+
+    /// The fence word carries the abort mark ([`crate::fence::ABORT`]): the worker (or the
+    /// pool's watchdog) released it without the data being ready.
+    #[error("fence {value} was aborted (word {word:#x})")]
+    FenceAborted { value: u64, word: u64 },
 }
 
 impl GpuError {

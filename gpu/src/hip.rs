@@ -234,6 +234,8 @@ impl DeviceApi for HipApi {
     /// The device ordinal; `hipSetDevice` makes it current per thread.
     type Device = i32;
     type Stream = HipStreamHandle;
+    /// Events are not wired for HIP yet: load fences are written by the CPU.
+    type Event = ();
 
     fn device_count(&self) -> Result<i32, GpuError> {
         let mut n = 0;
@@ -334,6 +336,17 @@ impl DeviceApi for HipApi {
             }
         };
         self.0.check("hipMemcpyAsync", r)
+    }
+
+    unsafe fn wait_value64(&self, stream: HipStreamHandle, addr: u64, value: u64) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract. Note HIP's GTE is a plain (not cyclic) comparison;
+        // fence values are far from wrapping.
+        unsafe { stream_wait_value64(stream.0, addr as *mut c_void, value) }
+    }
+
+    unsafe fn write_value64(&self, stream: HipStreamHandle, addr: u64, value: u64) -> Result<(), GpuError> {
+        // SAFETY: forwarded contract.
+        unsafe { stream_write_value64(stream.0, addr as *mut c_void, value) }
     }
 
     fn synchronize(&self, stream: HipStreamHandle) -> Result<(), GpuError> {

@@ -142,6 +142,10 @@ struct MemfdRegion {
     len: u64,
     /// False when the memfd is sealed against writes: loads into it are impossible.
     writable: bool,
+    /// Set the first time the region serves as a fence page: its registration with the
+    /// CUDA driver (None when there is no usable CUDA: fences are then CPU-only). Dropped
+    /// before the mapping.
+    fence_gpu: std::sync::OnceLock<Option<crate::cuda::HostWords>>,
     _fd: OwnedFd,
 }
 
@@ -202,6 +206,7 @@ impl MemfdRegion {
             data,
             len: reg.size,
             writable,
+            fence_gpu: std::sync::OnceLock::new(),
             _fd: fd,
         })
     }
@@ -209,6 +214,8 @@ impl MemfdRegion {
 
 impl Drop for MemfdRegion {
     fn drop(&mut self) {
+        // Unregister from the GPU driver before the pages go.
+        drop(self.fence_gpu.take());
         // SAFETY: unmaps exactly the mapping made in open; no copy can be running because
         // copies borrow self.
         if let Err(e) = unsafe { rustix::mm::munmap(self.map.as_ptr(), self.map_len) } {
@@ -220,6 +227,42 @@ impl Drop for MemfdRegion {
 impl DeviceRegion for MemfdRegion {
     fn kind(&self) -> MemoryKind {
         MemoryKind::HostMemfd
+    }
+
+    fn fence_word(&self, slot: u32) -> Result<crate::FenceWord<'_>, GpuError> {
+        use crate::fence::{MAX_FENCE_REGION_BYTES, SLOT_BYTES};
+        let kind = MemoryKind::HostMemfd;
+        if self.len > MAX_FENCE_REGION_BYTES {
+            // The pool pins a fence page: a worker must not make it pin gigabytes.
+            return Err(GpuError::invalid(kind, format!("{} bytes is too large for a fence page (at most {MAX_FENCE_REGION_BYTES})", self.len)));
+        }
+        if !self.writable {
+            return Err(GpuError::invalid(kind, "a fence page must be writable by the pool"));
+        }
+        let off = slot as u64 * SLOT_BYTES;
+        // SAFETY: only an address computation inside the mapping, checked next.
+        let word = unsafe { self.data.add(off as usize) };
+        if off + SLOT_BYTES > self.len || word as usize % 8 != 0 {
+            return Err(GpuError::invalid(kind, format!("fence slot {slot} is outside the page or misaligned")));
+        }
+        let gpu = self.fence_gpu.get_or_init(|| {
+            if !crate::cuda::device_count().is_ok_and(|n| n > 0) {
+                return None;
+            }
+            // SAFETY: the whole mapping, which outlives the registration (dropped first in
+            // Drop); null stream: device 0's primary context (the pool's engine holds it).
+            match unsafe { crate::cuda::HostWords::register(self.map.as_ptr().cast(), self.map_len, std::ptr::null_mut()) } {
+                Ok(w) => Some(w),
+                Err(e) => {
+                    tracing::warn!("fence page not registered with CUDA ({e}); fences wait on the CPU");
+                    None
+                }
+            }
+        });
+        let device = gpu.as_ref().map(|g| g.device() + (word as u64 - self.map.as_ptr() as u64));
+        // SAFETY: aligned, inside the writable shared mapping that lives as long as
+        // `self` (the returned word borrows it); only accessed atomically.
+        Ok(unsafe { crate::FenceWord::new(word.cast(), device) })
     }
 
     fn len(&self) -> u64 {

@@ -26,10 +26,98 @@ pub use umbp_protocol::wire::{MemoryKind, MemoryRegistration};
 pub mod cuda;
 mod engine;
 mod error;
+pub mod fence;
 pub mod hip;
 pub mod host;
 
+pub use engine::{set_tuning, tuning};
 pub use error::GpuError;
+pub use fence::FenceWord;
+
+/// One region's share of a [`transfer`].
+pub struct Part<'a> {
+    pub region: &'a dyn DeviceRegion,
+    pub ops: &'a [CopyOp],
+}
+
+/// Ordering of a [`transfer`] against a worker's stream (DESIGN §7, [`fence`]).
+#[derive(Clone, Copy, Default)]
+pub enum Fence<'a> {
+    #[default]
+    None,
+    /// Store: read device memory only once the word reaches the value.
+    WaitBefore(FenceWord<'a>, u64),
+    /// Load: write the value into the word once every byte has landed. Done on the GPU
+    /// where possible; the caller writes it from the CPU afterwards in any case (also on
+    /// failure, with [`fence::ABORT`]), so a waiting stream is always released.
+    SignalAfter(FenceWord<'a>, u64),
+}
+
+/// Copies every part (device -> pool memory when `to_host`, else pool memory -> device)
+/// and returns one result per part. Parts on one GPU run as one batched copy call, so a
+/// block spread over many per-layer allocations costs one submission and one
+/// synchronization, not one per layer. Host parts are copied by their region, after a
+/// CPU wait for a store fence.
+///
+/// `keep_waiting` is asked while a store waits for its fence: returning false (peer gone,
+/// pool stopping) gives up at once; otherwise the wait ends after
+/// [`fence::FENCE_TIMEOUT`].
+///
+/// # Safety
+/// For every op, `host_base[host_offset..+len]` is valid pool memory (writable when
+/// `to_host`) that no one else accesses during the call.
+pub unsafe fn transfer(
+    to_host: bool,
+    parts: &[Part<'_>],
+    host_base: *mut u8,
+    fence: Fence<'_>,
+    keep_waiting: &dyn Fn() -> bool,
+) -> Vec<Result<(), GpuError>> {
+    let n = parts.len();
+    let mut results: Vec<Option<Result<(), GpuError>>> = (0..n).map(|_| None).collect();
+    let mut claimed = vec![false; n];
+    for i in 0..n {
+        if !claimed[i] {
+            // SAFETY: forwarded caller contract.
+            unsafe {
+                parts[i].region.transfer_group(
+                    to_host,
+                    parts,
+                    i,
+                    &mut claimed,
+                    &mut results,
+                    host_base,
+                    &fence,
+                    keep_waiting,
+                )
+            };
+        }
+    }
+    let mut fence_checked: Option<Result<(), String>> = None;
+    for i in 0..n {
+        if results[i].is_some() {
+            continue;
+        }
+        if let (true, Fence::WaitBefore(word, value)) = (to_host, fence) {
+            let ok = fence_checked
+                .get_or_insert_with(|| word.wait_cpu(value, keep_waiting).map_err(|e| e.to_string()));
+            if let Err(e) = ok {
+                results[i] = Some(Err(GpuError::Unsupported(e.clone())));
+                continue;
+            }
+        }
+        let (region, ops) = (parts[i].region, parts[i].ops);
+        // SAFETY: forwarded caller contract.
+        results[i] = Some(unsafe {
+            if to_host {
+                region.copy_to_host(ops, host_base)
+            } else {
+                region.copy_from_host(ops, host_base)
+            }
+        });
+    }
+    results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
+}
 
 /// Peer memory the pool may copy to and from, opened from one [`MemoryRegistration`].
 /// Dropping it releases what opening took (mapping, IPC handle).
@@ -54,6 +142,45 @@ pub trait DeviceRegion: Send + Sync {
     /// # Safety
     /// `host_base[host_offset..+len]` is valid, readable pool memory for each op.
     unsafe fn copy_from_host(&self, ops: &[CopyOp], host_base: *const u8) -> Result<(), GpuError>;
+
+    /// Slot `slot` of this region used as a fence page ([`fence`]). Only small HostMemfd
+    /// regions can be (they are mapped by the pool and registered with the GPU driver on
+    /// first use); others refuse.
+    fn fence_word(&self, slot: u32) -> Result<FenceWord<'_>, GpuError> {
+        let _ = slot;
+        Err(GpuError::Unsupported(format!(
+            "{:?} memory cannot hold fence words (use a small HostMemfd region)",
+            self.kind()
+        )))
+    }
+
+    /// For [`transfer`]'s grouping of GPU regions; not for callers.
+    #[doc(hidden)]
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
+
+    /// For [`transfer`]: claims and runs the parts this region can batch with (GPU
+    /// regions of one device). Returns false when it runs nothing (host regions).
+    ///
+    /// # Safety
+    /// As [`transfer`].
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn transfer_group(
+        &self,
+        to_host: bool,
+        parts: &[Part<'_>],
+        first: usize,
+        claimed: &mut [bool],
+        results: &mut [Option<Result<(), GpuError>>],
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+    ) -> bool {
+        let _ = (to_host, parts, first, claimed, results, host_base, fence, keep_waiting);
+        false
+    }
 }
 
 /// Opens regions of one memory kind inside the pool process.
@@ -84,6 +211,11 @@ pub trait Backend: Send + Sync {
         fd: Option<OwnedFd>,
         peer_pid: u32,
     ) -> Result<Box<dyn DeviceRegion>, GpuError>;
+    /// Peer allocations this process holds open (GPU: IPC mappings). A worker that died
+    /// must leave none behind once its regions are dropped.
+    fn open_mappings(&self) -> usize {
+        0
+    }
 }
 
 /// Pool side: the backend for a kind, loading CUDA/HIP at run time. Cached per kind once it

@@ -15,8 +15,9 @@ use crate::message::{recv_message, send_message};
 use umbp_protocol::wire::{decode, Hello, HelloReply, MessageKind, ReplyStatus};
 use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
 
-/// fds of a successful `HelloReply`: ring memfd, index memfd, doorbell eventfd.
-pub const HELLO_FDS: usize = 3;
+/// fds of a successful `HelloReply`: ring memfd, index memfd, doorbell eventfd, KV event
+/// log memfd (`umbp_protocol::wire::HELLO_REPLY_FDS`).
+pub const HELLO_FDS: usize = umbp_protocol::wire::HELLO_REPLY_FDS;
 
 #[derive(Debug)]
 pub enum DialError {

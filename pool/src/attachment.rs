@@ -46,6 +46,8 @@ pub struct AttachmentCounters {
     pub submissions: AtomicU64,
     pub errors: AtomicU64,
     pub blocks: AtomicU64,
+    /// Submissions refused with `Busy` (over a per-peer in-flight limit).
+    pub busy: AtomicU64,
 }
 
 pub struct Attachment {
@@ -62,8 +64,12 @@ pub struct Attachment {
     pub alive: AtomicBool,
     /// Submissions accepted and not yet completed.
     pub inflight: AtomicU32,
+    /// Bytes those submissions may move (blocks x object bytes), for `--max-inflight-bytes`.
+    pub inflight_bytes: AtomicU64,
     pub counters: AttachmentCounters,
     pub regions: RwLock<HashMap<u32, Arc<dyn DeviceRegion>>>,
+    /// Device UUID of each registered region (zero for host memory), for reports.
+    pub region_devices: Mutex<HashMap<u32, [u8; 16]>>,
     pub layouts: RwLock<HashMap<u16, Arc<KvLayout>>>,
     pub layout: AttachmentLayout,
     pub sq: Mutex<Consumer<'static, Sqe>>,
@@ -117,8 +123,10 @@ impl Attachment {
             doorbell: Doorbell::new()?,
             alive: AtomicBool::new(true),
             inflight: AtomicU32::new(0),
+            inflight_bytes: AtomicU64::new(0),
             counters: AttachmentCounters::default(),
             regions: RwLock::new(HashMap::new()),
+            region_devices: Mutex::new(HashMap::new()),
             layouts: RwLock::new(HashMap::new()),
             layout,
             sq: Mutex::new(sq.consumer()),

@@ -29,10 +29,61 @@ pub struct PoolConfig {
     pub lease: Duration,
     /// Threads that run copies.
     pub copy_threads: usize,
-    /// Limits per attachment.
+    /// Attachments the pool serves at once (all peers together).
     pub max_attachments: usize,
     pub default_sq_entries: u32,
     pub default_arena_bytes: u64,
+    /// Limits per peer (docs/security.md). A peer over one gets a refusal or a `Busy`
+    /// completion naming the limit; other peers are unaffected.
+    pub limits: PeerLimits,
+    /// Group that owns the socket (mode 0660): its members may connect. None: the pool's
+    /// primary group.
+    pub socket_group: Option<u32>,
+    /// Namespaces each uid may attach with. Empty: no restriction. Non-empty: every uid
+    /// other than the pool's own and root must be listed and may only use its namespaces,
+    /// and a load only finds objects stored under the loader's own namespace.
+    pub namespace_acl: std::collections::BTreeMap<u32, Vec<u128>>,
+    /// Serve Prometheus metrics on GET /metrics at this address (host:port).
+    pub metrics_addr: Option<String>,
+    /// Entries of the shared KV event log (power of two).
+    pub event_log_entries: u32,
+}
+
+/// Per-peer resource limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerLimits {
+    /// Live attachments one uid may hold.
+    pub attachments_per_uid: usize,
+    /// Bytes of memory one attachment may register (all its regions together).
+    pub registered_bytes: u64,
+    /// Regions one attachment may register (each holds an fd in the pool).
+    pub regions: usize,
+    /// KV layouts (cache groups) one attachment may register.
+    pub layouts: usize,
+    /// Submissions of one attachment in flight (also capped by its completion ring).
+    pub inflight: u32,
+    /// Bytes that one attachment's in-flight submissions may move (count x object bytes).
+    /// A submission is always admitted when nothing of the attachment is in flight.
+    pub inflight_bytes: u64,
+    /// Largest arena a peer may ask for in its Hello.
+    pub arena_bytes: u64,
+    /// Largest submission ring a peer may ask for in its Hello.
+    pub sq_entries: u32,
+}
+
+impl Default for PeerLimits {
+    fn default() -> Self {
+        Self {
+            attachments_per_uid: 256,
+            registered_bytes: 1 << 40,
+            regions: 1024,
+            layouts: 1024,
+            inflight: 1024,
+            inflight_bytes: 16 << 30,
+            arena_bytes: 64 << 20,
+            sq_entries: 16384,
+        }
+    }
 }
 
 impl Default for PoolConfig {
@@ -52,6 +103,11 @@ impl Default for PoolConfig {
             max_attachments: 1024,
             default_sq_entries: 1024,
             default_arena_bytes: 4 << 20,
+            limits: PeerLimits::default(),
+            socket_group: None,
+            namespace_acl: Default::default(),
+            metrics_addr: None,
+            event_log_entries: umbp_protocol::events::DEFAULT_EVENT_CAPACITY,
         }
     }
 }
@@ -97,6 +153,54 @@ pub fn parse_fraction(key: &str, value: &str) -> Result<f64, ConfigError> {
     }
 }
 
+/// A group name (`umbp`) or a numeric gid (`1001`), resolved now: an unknown name is an
+/// error naming `key`.
+pub fn parse_group(key: &str, value: &str) -> Result<u32, ConfigError> {
+    let v = value.trim();
+    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        return v.parse().map_err(|_| ConfigError::Invalid { key: key.into(), message: format!("gid {v:?} out of range") });
+    }
+    let unknown = || ConfigError::Invalid { key: key.into(), message: format!("no group named {v:?} (see /etc/group)") };
+    let name = std::ffi::CString::new(v).map_err(|_| unknown())?;
+    if v.is_empty() {
+        return Err(unknown());
+    }
+    let mut grp: libc::group = unsafe_zeroed_group();
+    let mut buf = vec![0 as libc::c_char; 16 << 10];
+    let mut out: *mut libc::group = std::ptr::null_mut();
+    // SAFETY: every pointer is valid for the call; `buf` is large enough for any sane entry
+    // (ERANGE is reported as unknown).
+    let rc = unsafe { libc::getgrnam_r(name.as_ptr(), &mut grp, buf.as_mut_ptr(), buf.len(), &mut out) };
+    if rc != 0 || out.is_null() {
+        return Err(unknown());
+    }
+    Ok(grp.gr_gid)
+}
+
+fn unsafe_zeroed_group() -> libc::group {
+    // SAFETY: `libc::group` is plain data (pointers and integers); all-zero is valid.
+    unsafe { std::mem::zeroed() }
+}
+
+/// `UID:NSHEX[,NSHEX...]`: the namespaces (32 hex digits at most, as the pool logs them)
+/// uid may attach with.
+pub fn parse_namespace_acl(key: &str, value: &str) -> Result<(u32, Vec<u128>), ConfigError> {
+    let bad = |message: String| ConfigError::Invalid { key: key.into(), message };
+    let (uid, list) = value
+        .split_once(':')
+        .ok_or_else(|| bad(format!("{value:?}: expected UID:NSHEX[,NSHEX...]")))?;
+    let uid: u32 = uid.trim().parse().map_err(|_| bad(format!("{uid:?} is not a numeric uid")))?;
+    let mut namespaces = Vec::new();
+    for ns in list.split(',') {
+        let hex = ns.trim().trim_start_matches("0x");
+        if hex.is_empty() || hex.len() > 32 {
+            return Err(bad(format!("{ns:?} is not a namespace (1 to 32 hex digits)")));
+        }
+        namespaces.push(u128::from_str_radix(hex, 16).map_err(|_| bad(format!("{ns:?} is not hexadecimal")))?);
+    }
+    Ok((uid, namespaces))
+}
+
 /// Half of the memory available now, at least 64 MiB: a safe share on a serving node
 /// where the engines need the rest.
 pub fn default_capacity() -> u64 {
@@ -132,6 +236,34 @@ impl PoolConfig {
         if self.copy_threads == 0 {
             return inv("copy-threads", "must be at least 1".into());
         }
+        let l = &self.limits;
+        for (key, v) in [
+            ("max-attachments", self.max_attachments as u64),
+            ("max-attachments-per-uid", l.attachments_per_uid as u64),
+            ("max-registered-bytes", l.registered_bytes),
+            ("max-regions", l.regions as u64),
+            ("max-layouts", l.layouts as u64),
+            ("max-inflight", l.inflight as u64),
+            ("max-inflight-bytes", l.inflight_bytes),
+        ] {
+            if v == 0 {
+                return inv(key, "must be at least 1".into());
+            }
+        }
+        let hard_arena = umbp_protocol::attachment::MAX_ARENA_BYTES;
+        if l.arena_bytes < self.default_arena_bytes || l.arena_bytes > hard_arena {
+            return inv(
+                "max-arena-bytes",
+                format!("{} must be between the default arena ({}) and {hard_arena}", l.arena_bytes, self.default_arena_bytes),
+            );
+        }
+        let hard_sq = umbp_protocol::ring::MAX_RING_CAPACITY;
+        if !l.sq_entries.is_power_of_two() || l.sq_entries < self.default_sq_entries || l.sq_entries > hard_sq {
+            return inv(
+                "max-sq-entries",
+                format!("{} must be a power of two between the default ({}) and {hard_sq}", l.sq_entries, self.default_sq_entries),
+            );
+        }
         if self.socket_path.as_os_str().len() >= 108 {
             return inv("socket", format!("{} is longer than a unix socket path may be (107 bytes)", self.socket_path.display()));
         }
@@ -165,5 +297,29 @@ mod tests {
         c.validate().unwrap();
         c.low_watermark = 0.95;
         assert!(c.validate().unwrap_err().to_string().contains("low-wm"));
+        c.low_watermark = 0.7;
+        c.limits.inflight = 0;
+        assert!(c.validate().unwrap_err().to_string().contains("max-inflight"));
+        c.limits.inflight = 1;
+        c.limits.arena_bytes = 1 << 30;
+        assert!(c.validate().unwrap_err().to_string().contains("max-arena-bytes"));
+        c.limits.arena_bytes = 64 << 20;
+        c.limits.sq_entries = 3000;
+        assert!(c.validate().unwrap_err().to_string().contains("max-sq-entries"));
+    }
+
+    #[test]
+    fn groups_and_acls() {
+        assert_eq!(parse_group("socket-group", "1234"), Ok(1234));
+        assert_eq!(parse_group("socket-group", "root"), Ok(0));
+        let e = parse_group("socket-group", "no-such-group-umbp").unwrap_err();
+        assert!(e.to_string().starts_with("socket-group:") && e.to_string().contains("no group"), "{e}");
+        assert!(parse_group("socket-group", "").is_err());
+        assert_eq!(parse_namespace_acl("namespace-acl", "1000:ff,0x10"), Ok((1000, vec![0xff, 0x10])));
+        assert!(parse_namespace_acl("namespace-acl", "1000").unwrap_err().to_string().contains("UID:NSHEX"));
+        assert!(parse_namespace_acl("namespace-acl", "x:1").is_err());
+        assert!(parse_namespace_acl("namespace-acl", "1:").is_err());
+        assert!(parse_namespace_acl("namespace-acl", "1:zz").is_err());
+        assert!(parse_namespace_acl("namespace-acl", &format!("1:{}", "f".repeat(33))).is_err());
     }
 }

@@ -8,6 +8,10 @@ use crate::PoolError;
 
 pub struct Dram {
     mem: SharedMemory,
+    /// Bytes registered with the GPU drivers so far, from the start of the tier.
+    registered: std::sync::atomic::AtomicU64,
+    /// Background registration finished (or there was none to do).
+    registration_done: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: plain memory; which bytes are touched by whom is decided by the object store
@@ -21,7 +25,11 @@ impl Dram {
     pub fn create(config: &PoolConfig) -> Result<Self, PoolError> {
         let mem = SharedMemory::create("umbp-dram", config.capacity_bytes as usize, config.hugepages)
             .map_err(|e| PoolError::Dram(format!("{e} (capacity {} bytes, hugepages {})", config.capacity_bytes, config.hugepages)))?;
-        let dram = Self { mem };
+        let dram = Self {
+            mem,
+            registered: std::sync::atomic::AtomicU64::new(0),
+            registration_done: std::sync::atomic::AtomicBool::new(false),
+        };
         if let Some(node) = config.numa_node {
             dram.bind_numa(node)?;
         }
@@ -100,25 +108,47 @@ impl Dram {
         self.mem.len()
     }
 
+    /// `(bytes registered with GPU drivers, whether background registration is over)`.
+    pub fn registration(&self) -> (u64, bool) {
+        use std::sync::atomic::Ordering;
+        (self.registered.load(Ordering::Acquire), self.registration_done.load(Ordering::Acquire))
+    }
+
 }
 
 /// Registers DRAM with every GPU driver present, in 1 GiB chunks from the start of the
 /// tier, on a background thread: pinning hundreds of GiB takes minutes. The allocator
 /// hands out only registered pages meanwhile (`page_limit`), so the pool serves from the
-/// registered part at once. Returns the backends and chunk bases to unregister at stop.
+/// registered part at once. Chunks are multiples of the 2 MiB slab page, so no slab object
+/// straddles two registrations; multi-page objects may, and the GPU engine cuts copies at
+/// registration ends. Progress is logged (info) every chunk with the rate so far. Returns
+/// the backends and chunk bases to unregister at stop.
 pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<std::thread::JoinHandle<Vec<(std::sync::Arc<dyn umbp_gpu::Backend>, usize)>>> {
+    use std::sync::atomic::Ordering;
     use umbp_protocol::wire::MemoryKind;
-    let backends: Vec<_> = [MemoryKind::Cuda, MemoryKind::Hip].into_iter().filter_map(|k| umbp_gpu::backend_for(k).ok()).collect();
+    // A backend whose library loads but sees no device (a CUDA driver on a GPU-less
+    // machine) cannot register anything: skip it instead of failing every chunk.
+    let backends: Vec<_> = [MemoryKind::Cuda, MemoryKind::Hip]
+        .into_iter()
+        .filter(|k| match k {
+            MemoryKind::Cuda => umbp_gpu::cuda::device_count().is_ok_and(|n| n > 0),
+            _ => umbp_gpu::hip::device_count().is_ok_and(|n| n > 0),
+        })
+        .filter_map(|k| umbp_gpu::backend_for(k).ok())
+        .collect();
     if backends.is_empty() {
         tracing::debug!("no GPU driver found: DRAM stays unregistered (host backends only)");
+        inner.dram.registration_done.store(true, Ordering::Release);
         return None;
     }
     inner.store.lock().expect("store lock").set_page_limit(0);
+    let outer = inner.clone();
     let inner = inner.clone();
     let t = std::thread::Builder::new().name("umbp-register".into()).spawn(move || {
         const CHUNK: usize = 1 << 30;
         let (base, len) = (inner.dram.base() as usize, inner.dram.len());
         let started = std::time::Instant::now();
+        tracing::info!(total_bytes = len, backends = backends.len(), "registering DRAM with the GPU driver in the background");
         let mut done = Vec::new();
         let mut off = 0;
         while off < len && !inner.is_shutting_down() {
@@ -133,10 +163,29 @@ pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<st
             }
             off += n;
             inner.store.lock().expect("store lock").set_page_limit((off as u64 / crate::PAGE_BYTES) as u32);
-            tracing::info!(registered_bytes = off, total_bytes = len, elapsed_s = started.elapsed().as_secs_f64(), "DRAM registration progress");
+            inner.dram.registered.store(off as u64, Ordering::Release);
+            let secs = started.elapsed().as_secs_f64();
+            tracing::info!(
+                registered_bytes = off,
+                total_bytes = len,
+                elapsed_s = secs,
+                gib_per_s = off as f64 / (1u64 << 30) as f64 / secs.max(1e-9),
+                "DRAM registration progress"
+            );
         }
         inner.store.lock().expect("store lock").set_page_limit(u32::MAX);
+        inner.dram.registration_done.store(true, Ordering::Release);
+        tracing::info!(bytes = off, elapsed_s = started.elapsed().as_secs_f64(), "DRAM registration done");
         done
     });
-    t.ok()
+    match t {
+        Ok(t) => Some(t),
+        Err(e) => {
+            // Serve unregistered (staged copies) rather than never hand out a page.
+            tracing::warn!("cannot start the DRAM registration thread: {e}; DRAM stays unregistered");
+            outer.store.lock().expect("store lock").set_page_limit(u32::MAX);
+            outer.dram.registration_done.store(true, Ordering::Release);
+            None
+        }
+    }
 }

@@ -10,7 +10,9 @@ mod alloc;
 mod attachment;
 pub mod config;
 mod dram;
+mod event_log;
 mod evictor;
+mod metrics;
 mod objects;
 mod poller;
 mod report;
@@ -18,6 +20,7 @@ mod server;
 mod service;
 mod stats;
 mod transfer;
+pub mod validate;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -26,7 +29,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 pub use alloc::PAGE_BYTES;
-pub use config::{parse_fraction, parse_size, ConfigError, PoolConfig};
+pub use config::{parse_fraction, parse_size, ConfigError, PeerLimits, PoolConfig};
 pub use objects::ObjectEvent;
 
 use attachment::Attachment;
@@ -42,6 +45,8 @@ pub enum PoolError {
     AddressInUse(PathBuf),
     #[error("{path}: {message}")]
     Socket { path: PathBuf, message: String },
+    #[error("metrics endpoint {addr}: {message}")]
+    Metrics { addr: String, message: String },
     #[error("DRAM tier: {0}")]
     Dram(String),
     #[error("{0}")]
@@ -52,6 +57,8 @@ pub(crate) struct PoolInner {
     pub config: PoolConfig,
     pub dram: dram::Dram,
     pub index_mem: Arc<SharedMemory>,
+    /// The KV event log (read-only for peers), written through `store`.
+    pub events_mem: Arc<SharedMemory>,
     pub store: Mutex<ObjectStore>,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
     /// Wakes the service thread when attachments come or go, and at shutdown.
@@ -91,7 +98,7 @@ impl Pool {
     /// Validates the config, creates DRAM and index, binds the socket and starts serving.
     pub fn start(config: PoolConfig) -> Result<Pool, PoolError> {
         config.validate()?;
-        let listener = server::bind(&config.socket_path)?;
+        let listener = server::bind(&config.socket_path, config.socket_group)?;
         let dram = dram::Dram::create(&config)?;
         let slots = umbp_protocol::index::slots_for(config.capacity_bytes, config.min_object_bytes);
         let index_mem = SharedMemory::create("umbp-index", umbp_protocol::index::region_bytes(slots), false)
@@ -102,13 +109,19 @@ impl Pool {
         // Schedulers map it read-only: no writable mapping can be made from now on.
         index_mem.seal_read_only().map_err(|e| PoolError::Dram(format!("index: {e}")))?;
         let index_mem = Arc::new(index_mem);
-        let store = ObjectStore::new(dram.len() as u64, index_mem.clone());
+        let mut store = ObjectStore::new(dram.len() as u64, index_mem.clone());
+        let event_log = event_log::SharedEventLog::create(config.event_log_entries)
+            .map_err(|e| PoolError::Dram(format!("event log: {e}")))?;
+        let events_mem = event_log.memory().clone();
+        store.set_event_log(event_log);
+        let metrics_listener = config.metrics_addr.as_deref().map(metrics::bind).transpose()?;
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
         let socket_path = config.socket_path.clone();
         let inner = Arc::new(PoolInner {
             store: Mutex::new(store),
             dram,
             index_mem,
+            events_mem,
             attachments: Mutex::new(Vec::new()),
             service_wake: Doorbell::new()?,
             control_wake: Doorbell::new()?,
@@ -135,6 +148,10 @@ impl Pool {
         threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(&i3)))?);
         let i4 = inner.clone();
         threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
+        if let Some(l) = metrics_listener {
+            let i5 = inner.clone();
+            threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);
+        }
         let registration = dram::register_with_gpus(&inner);
         tracing::info!(
             socket = %socket_path.display(),
@@ -153,6 +170,12 @@ impl Pool {
     /// The state report that ringtool shows (JSON).
     pub fn report(&self) -> serde_json::Value {
         report::build(&self.inner)
+    }
+
+    /// Background registration of DRAM with the GPU drivers: `(bytes registered, done)`.
+    /// Until done, only the registered part is handed to objects (benchmarks wait for it).
+    pub fn dram_registration(&self) -> (u64, bool) {
+        self.inner.dram.registration()
     }
 
     /// Bytes of DRAM handed to objects (published or being written).

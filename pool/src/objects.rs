@@ -73,6 +73,8 @@ pub struct ObjectStore {
     namespaces: HashMap<u128, NamespaceUsage>,
     evictions: u64,
     events: Vec<ObjectEvent>,
+    /// The same events in shared memory, for schedulers (absent in unit tests).
+    event_log: Option<crate::event_log::SharedEventLog>,
     // Declared last: the index writer borrows this mapping.
     _index_mem: Arc<SharedMemory>,
 }
@@ -98,6 +100,7 @@ impl ObjectStore {
             namespaces: HashMap::new(),
             evictions: 0,
             events: Vec::new(),
+            event_log: None,
             _index_mem: index_mem,
         }
     }
@@ -202,7 +205,20 @@ impl ObjectStore {
         }
     }
 
+    /// From now on every event also goes to this shared-memory log.
+    pub fn set_event_log(&mut self, log: crate::event_log::SharedEventLog) {
+        self.event_log = Some(log);
+    }
+
+    /// Events written to the shared log so far.
+    pub fn events_written(&self) -> u64 {
+        self.event_log.as_ref().map_or(0, |l| l.written())
+    }
+
     fn push_event(&mut self, e: ObjectEvent) {
+        if let Some(log) = self.event_log.as_mut() {
+            log.push(e);
+        }
         if self.events.len() >= MAX_EVENTS {
             self.events.drain(..MAX_EVENTS / 2);
         }
@@ -212,6 +228,11 @@ impl ObjectStore {
     /// Events since the last call.
     pub fn take_events(&mut self) -> Vec<ObjectEvent> {
         std::mem::take(&mut self.events)
+    }
+
+    /// Namespace of the peer that stored `key` (None: not held).
+    pub fn namespace_of(&self, key: ObjectKey) -> Option<u128> {
+        self.objects.get(&key).map(|o| o.namespace)
     }
 
     /// Pins a published object for a load of `size` bytes.

@@ -13,6 +13,32 @@ fn ring_json(s: umbp_protocol::ring::RingSnapshot) -> serde_json::Value {
     })
 }
 
+fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Registered regions of one attachment: alloc id, memory kind, bytes, device UUID.
+fn regions_json(a: &crate::attachment::Attachment) -> Vec<serde_json::Value> {
+    let devices = a.region_devices.lock().expect("devices lock").clone();
+    let mut regions: Vec<_> = a
+        .regions
+        .read()
+        .expect("regions lock")
+        .iter()
+        .map(|(id, r)| {
+            let uuid = devices.get(id).copied().unwrap_or_default();
+            serde_json::json!({
+                "alloc_id": id,
+                "kind": format!("{:?}", r.kind()),
+                "bytes": r.len(),
+                "device_uuid": if uuid == [0; 16] { serde_json::Value::Null } else { uuid_hex(&uuid).into() },
+            })
+        })
+        .collect();
+    regions.sort_by_key(|r| r["alloc_id"].as_u64());
+    regions
+}
+
 fn open_fds() -> Option<usize> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
 }
@@ -32,6 +58,7 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "published_objects": store.published_count(),
             "pinned_objects": store.pinned_count(),
             "evictions": store.evictions(),
+            "events_written": store.events_written(),
             "high_watermark": inner.config.high_watermark,
             "low_watermark": inner.config.low_watermark,
         });
@@ -65,6 +92,7 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
                 "blocks": a.counters.blocks.load(Ordering::Relaxed),
                 "registered_bytes": a.registered_bytes(),
                 "regions": a.regions.read().expect("regions lock").len(),
+                "devices": regions_json(a),
                 "layouts": a.layouts.read().expect("layouts lock").keys().collect::<Vec<_>>(),
             })
         })
@@ -80,6 +108,11 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
         "namespaces": namespaces,
         "index": index,
         "attachments": attachments,
+        "events": {
+            "capacity": inner.config.event_log_entries,
+            "written": pool["events_written"],
+            "region_bytes": inner.events_mem.len(),
+        },
         "counters": inner.counters.to_json(),
     })
 }

@@ -5,30 +5,33 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use umbp_ipc::message::{peer_gone, recv_message, send_message, MessageError};
-use umbp_protocol::attachment::AttachmentLayout;
-use umbp_protocol::layout::{KvLayout, Segment};
-use umbp_protocol::wire::{
-    self, Hello, HelloReply, LayoutHeader, MemoryKind, MemoryRegistration, MessageKind, Reply, ReplyStatus, Role,
-};
+use umbp_protocol::layout::KvLayout;
+use umbp_protocol::wire::{HelloReply, MessageKind, Reply, ReplyStatus, Role};
 use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
 
 use crate::attachment::Attachment;
 use crate::poller::Poller;
+use crate::validate::{self, AcceptedHello};
 use crate::{PoolError, PoolInner};
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
 const CONTROL_TIMEOUT: Duration = Duration::from_secs(1);
 const TOKEN_LISTENER: u64 = u64::MAX;
+/// Handshakes in progress (each on its own short-lived thread), in this process.
+static HANDSHAKES: AtomicUsize = AtomicUsize::new(0);
+/// More concurrent handshakes than this are refused at once (connection floods).
+const MAX_HANDSHAKES: usize = 64;
 const TOKEN_WAKE: u64 = u64::MAX - 1;
 
-/// Binds the pool socket. A live pool at the path is never displaced; a stale socket
-/// file (its pool died) is replaced.
-pub fn bind(path: &Path) -> Result<UnixListener, PoolError> {
+/// Binds the pool socket (mode 0660, group `group` when given: its members may connect;
+/// the uid allow-list still applies). A live pool at the path is never displaced; a stale
+/// socket file (its pool died) is replaced.
+pub fn bind(path: &Path, group: Option<u32>) -> Result<UnixListener, PoolError> {
     let err = |message: String| PoolError::Socket { path: path.to_path_buf(), message };
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create directory {}: {e}", dir.display())))?;
@@ -50,7 +53,12 @@ pub fn bind(path: &Path) -> Result<UnixListener, PoolError> {
     }
     let listener = UnixListener::bind(path).map_err(|e| err(format!("bind failed: {e}")))?;
     // Group members may attach (engines often run under a service group); others may not.
-    let _ = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660));
+    if let Some(gid) = group {
+        std::os::unix::fs::lchown(path, None, Some(gid))
+            .map_err(|e| err(format!("cannot give the socket to group {gid} (--socket-group): {e}")))?;
+    }
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .map_err(|e| err(format!("cannot set the socket's mode to 0660: {e}")))?;
     listener.set_nonblocking(true)?;
     Ok(listener)
 }
@@ -100,14 +108,24 @@ fn accept_all(inner: &Arc<PoolInner>, listener: &UnixListener) {
     loop {
         match listener.accept() {
             Ok((sock, _)) => {
-                let inner = inner.clone();
                 // A peer that stalls mid-handshake costs one short-lived thread, not the
-                // control loop.
-                let _ = std::thread::Builder::new().name("umbp-handshake".into()).spawn(move || {
+                // control loop; a flood of them is refused past MAX_HANDSHAKES.
+                if HANDSHAKES.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
+                    HANDSHAKES.fetch_sub(1, Ordering::AcqRel);
+                    let _ = sock.set_nonblocking(true);
+                    refuse(&sock, inner, ReplyStatus::ResourceExhausted, format!("{MAX_HANDSHAKES} handshakes in progress; retry"));
+                    continue;
+                }
+                let inner = inner.clone();
+                let spawned = std::thread::Builder::new().name("umbp-handshake".into()).spawn(move || {
                     if let Err(e) = handshake(&inner, sock) {
                         tracing::info!("handshake refused: {e}");
                     }
+                    HANDSHAKES.fetch_sub(1, Ordering::AcqRel);
                 });
+                if spawned.is_err() {
+                    HANDSHAKES.fetch_sub(1, Ordering::AcqRel);
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
             Err(e) => {
@@ -133,35 +151,30 @@ fn handshake(inner: &Arc<PoolInner>, sock: UnixStream) -> Result<(), String> {
     if msg.kind != MessageKind::Hello {
         return Err(refuse(&sock, inner, ReplyStatus::InvalidRequest, format!("expected Hello, got {:?}", msg.kind)));
     }
-    let hello: Hello = wire::decode(&msg.payload)
-        .map_err(|e| refuse(&sock, inner, ReplyStatus::InvalidRequest, format!("bad Hello: {e}")))?;
-    let role = match hello.validate() {
-        Ok(r) => r,
-        Err(e @ umbp_protocol::ProtocolError::VersionMismatch { .. }) => {
-            return Err(refuse(&sock, inner, ReplyStatus::VersionMismatch, format!("umbp-pool refuses: {e}")))
-        }
-        Err(e) => return Err(refuse(&sock, inner, ReplyStatus::BadMagic, format!("umbp-pool refuses: {e}"))),
+    // Magic, version, role, uid allow-list, namespace ACL, ring and arena limits.
+    let AcceptedHello { hello, role, layout } = validate::check_hello(&msg.payload, uid, inner.uid, &inner.config)
+        .map_err(|r| refuse(&sock, inner, r.status, r.message))?;
+    let count_check = |list: &[Arc<Attachment>]| {
+        let of_uid = list.iter().filter(|a| a.uid == uid).count();
+        validate::check_attachment_count(list.len(), of_uid, uid, &inner.config)
     };
-    if !(uid == inner.uid || uid == 0 || inner.config.allow_uids.contains(&uid)) {
-        return Err(refuse(
-            &sock,
-            inner,
-            ReplyStatus::PermissionDenied,
-            format!("uid {uid} is not allowed by this pool (start it with --allow-uid {uid})"),
-        ));
-    }
-    let live = inner.attachments.lock().expect("attachments lock").len();
-    if live >= inner.config.max_attachments {
-        return Err(refuse(&sock, inner, ReplyStatus::ResourceExhausted, format!("pool has {live} attachments, the limit")));
-    }
-    let sq = if hello.sq_entries == 0 { inner.config.default_sq_entries } else { hello.sq_entries };
-    let arena = if hello.arena_bytes == 0 { inner.config.default_arena_bytes } else { hello.arena_bytes };
-    let layout = AttachmentLayout::new(sq, sq.saturating_mul(2).min(umbp_protocol::ring::MAX_RING_CAPACITY), 1024, arena)
-        .map_err(|e| refuse(&sock, inner, ReplyStatus::InvalidRequest, format!("bad ring sizes: {e}")))?;
+    // A cheap early check; the binding one is below, under the same lock as the insert.
+    let early = count_check(&inner.attachments.lock().expect("attachments lock"));
+    early.map_err(|r| refuse(&sock, inner, r.status, r.message))?;
     let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
     let sock2 = sock.try_clone().map_err(|e| e.to_string())?;
     let att = Attachment::create(id, role, pid, uid, &hello, layout, sock2)
         .map_err(|e| refuse(&sock, inner, ReplyStatus::Internal, format!("cannot create rings: {e}")))?;
+    let att = Arc::new(att);
+    {
+        let mut list = inner.attachments.lock().expect("attachments lock");
+        if let Err(r) = count_check(&list) {
+            drop(list);
+            return Err(refuse(&sock, inner, r.status, r.message));
+        }
+        // Counted from now on, so concurrent handshakes of one uid cannot overshoot.
+        list.push(att.clone());
+    }
     let mut reply = HelloReply::refusal(ReplyStatus::Ok, "");
     reply.magic = MAGIC;
     reply.protocol_version = PROTOCOL_VERSION;
@@ -172,13 +185,15 @@ fn handshake(inner: &Arc<PoolInner>, sock: UnixStream) -> Result<(), String> {
     reply.arena_bytes = layout.arena_bytes as u64;
     reply.ring_region_bytes = layout.total_bytes as u64;
     reply.index_region_bytes = inner.index_mem.len() as u64;
+    reply.event_log_bytes = inner.events_mem.len() as u64;
     reply.pool_pid = std::process::id();
-    let fds = [att.ring_mem.fd(), inner.index_mem.fd(), att.doorbell.fd()];
-    send_message(&sock, MessageKind::HelloReply, bytemuck::bytes_of(&reply), &fds, Some(HANDSHAKE_TIMEOUT))
-        .map_err(|e| format!("pid {pid}: sending reply: {e}"))?;
+    let fds = [att.ring_mem.fd(), inner.index_mem.fd(), att.doorbell.fd(), inner.events_mem.fd()];
+    if let Err(e) = send_message(&sock, MessageKind::HelloReply, bytemuck::bytes_of(&reply), &fds, Some(HANDSHAKE_TIMEOUT)) {
+        detach(inner, &att, "handshake reply not delivered");
+        return Err(format!("pid {pid}: sending reply: {e}"));
+    }
     tracing::info!(attachment = id, pid, uid, ?role, namespace = format!("{:032x}", hello.namespace()), "attached");
     inner.counters.attachments_total.fetch_add(1, Ordering::Relaxed);
-    inner.attachments.lock().expect("attachments lock").push(Arc::new(att));
     inner.service_wake.ring();
     inner.control_wake.ring();
     Ok(())
@@ -196,8 +211,8 @@ fn serve_control(inner: &PoolInner, att: &Arc<Attachment>) -> Result<(), String>
         Err(e) => return Err(format!("control message: {e}")),
     };
     let (reply, extra) = match msg.kind {
-        MessageKind::RegisterMemory => (register_memory(att, &msg.payload, msg.fds), Vec::new()),
-        MessageKind::RegisterLayout => (register_layout(att, &msg.payload), Vec::new()),
+        MessageKind::RegisterMemory => (register_memory(inner, att, &msg.payload, msg.fds), Vec::new()),
+        MessageKind::RegisterLayout => (register_layout(inner, att, &msg.payload), Vec::new()),
         MessageKind::ResetNamespace => {
             let n = inner.store.lock().expect("store lock").reset_namespace(att.namespace);
             tracing::info!(attachment = att.id, dropped = n, "namespace reset");
@@ -215,20 +230,22 @@ fn serve_control(inner: &PoolInner, att: &Arc<Attachment>) -> Result<(), String>
         .map_err(|e| format!("sending reply: {e}"))
 }
 
-fn register_memory(att: &Attachment, payload: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> Reply {
-    let reg: MemoryRegistration = match wire::decode(payload) {
+fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> Reply {
+    let (reg, kind) = match validate::parse_memory_registration(payload) {
         Ok(r) => r,
-        Err(e) => return Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterMemory: {e}")),
+        Err(r) => return Reply::error(r.status, &r.message),
     };
     if att.role != Role::Worker {
         return Reply::error(ReplyStatus::PermissionDenied, "only workers register memory");
     }
-    let kind = match MemoryKind::from_u32(reg.kind) {
-        Ok(k) => k,
-        Err(e) => return Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterMemory: {e}")),
-    };
     if att.regions.read().expect("regions lock").contains_key(&reg.alloc_id) {
         return Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {} is already registered", reg.alloc_id));
+    }
+    // --max-regions / --max-registered-bytes, on the claimed size before opening anything.
+    let (count, bytes) = (att.regions.read().expect("regions lock").len(), att.registered_bytes());
+    if let Err(r) = validate::check_registration(count, bytes, reg.size, &inner.config.limits) {
+        tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
+        return Reply::error(r.status, &r.message);
     }
     let backend = match umbp_gpu::backend_for(kind) {
         Ok(b) => b,
@@ -237,29 +254,30 @@ fn register_memory(att: &Attachment, payload: &[u8], fds: Vec<std::os::fd::Owned
     // The pid comes from SO_PEERCRED, never from the message.
     match backend.open_region(&reg, fds.into_iter().next(), att.pid) {
         Ok(region) => {
+            // The opened size is what copies may touch; check it too.
+            if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits) {
+                return Reply::error(r.status, &r.message);
+            }
             tracing::info!(attachment = att.id, alloc = reg.alloc_id, ?kind, bytes = region.len(), "memory registered");
             att.regions.write().expect("regions lock").insert(reg.alloc_id, Arc::from(region));
+            att.region_devices.lock().expect("devices lock").insert(reg.alloc_id, reg.device_uuid);
             Reply::ok(reg.alloc_id as u64)
         }
         Err(e) => Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {}: {e}", reg.alloc_id)),
     }
 }
 
-fn register_layout(att: &Attachment, payload: &[u8]) -> Reply {
-    let header: LayoutHeader = match wire::decode(payload) {
-        Ok(h) => h,
-        Err(e) => return Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterLayout: {e}")),
+fn register_layout(inner: &PoolInner, att: &Attachment, payload: &[u8]) -> Reply {
+    let (group, segments) = match validate::parse_layout(payload) {
+        Ok(p) => p,
+        Err(r) => return Reply::error(r.status, &r.message),
     };
-    if header.group > u16::MAX as u32 || header.segment_count > wire::MAX_SEGMENTS {
-        return Reply::error(ReplyStatus::InvalidRequest, "RegisterLayout: group or segment count out of range");
+    {
+        let layouts = att.layouts.read().expect("layouts lock");
+        if let Err(r) = validate::check_layout_count(layouts.len(), layouts.contains_key(&group), &inner.config.limits) {
+            return Reply::error(r.status, &r.message);
+        }
     }
-    let seg_bytes = &payload[std::mem::size_of::<LayoutHeader>()..];
-    let need = header.segment_count as usize * std::mem::size_of::<Segment>();
-    if seg_bytes.len() < need {
-        return Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterLayout: truncated: need {need} segment bytes"));
-    }
-    let segments: Vec<Segment> =
-        seg_bytes[..need].chunks_exact(std::mem::size_of::<Segment>()).map(bytemuck::pod_read_unaligned).collect();
     let layout = {
         let regions = att.regions.read().expect("regions lock");
         KvLayout::new(segments, |id| regions.get(&id).map(|r| r.len()))
@@ -267,11 +285,11 @@ fn register_layout(att: &Attachment, payload: &[u8]) -> Reply {
     match layout {
         Ok(l) => {
             let bytes = l.object_bytes();
-            tracing::info!(attachment = att.id, group = header.group, object_bytes = bytes, blocks = l.num_blocks(), "layout registered");
-            att.layouts.write().expect("layouts lock").insert(header.group as u16, Arc::new(l));
+            tracing::info!(attachment = att.id, group, object_bytes = bytes, blocks = l.num_blocks(), "layout registered");
+            att.layouts.write().expect("layouts lock").insert(group, Arc::new(l));
             Reply::ok(bytes)
         }
-        Err(e) => Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterLayout group {}: {e}", header.group)),
+        Err(e) => Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterLayout group {group}: {e}")),
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umbp_protocol::attachment::Hint;
-use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
+use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
 use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
@@ -17,7 +17,7 @@ use crate::objects::{LoadReservation, StoreReservation};
 use crate::poller::Poller;
 use crate::stats::Counters;
 use crate::transfer::{Job, JobBlock};
-use crate::PoolInner;
+use crate::{validate, PoolInner};
 
 /// Submissions taken from one ring before looking at the next (fairness).
 const BATCH: usize = 64;
@@ -124,47 +124,59 @@ fn drain_submissions(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqes: &mut V
 }
 
 fn reject(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError) {
+    reject_with(inner, att, sqe, err, 0);
+}
+
+fn reject_with(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError, detail: u64) {
+    // A worker stream may be waiting on this load's fence word (DESIGN §7, umbp_gpu::fence).
+    crate::transfer::signal_load_fence(att, sqe, false);
     Counters::add(&inner.counters.rejected_submissions, 1);
     att.counters.errors.fetch_add(1, Ordering::Relaxed);
-    att.complete(Cqe { user_data: sqe.user_data, result: -(err as i32), ..Cqe::default() });
+    att.complete(Cqe { user_data: sqe.user_data, result: -(err as i32), reserved: detail, ..Cqe::default() });
 }
 
 /// Validates one submission (a private copy) and starts its copies.
 fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     Counters::add(&inner.counters.submissions, 1);
     att.counters.submissions.fetch_add(1, Ordering::Relaxed);
-    let op = match Opcode::from_u8(sqe.opcode) {
-        Ok(op) => op,
-        Err(_) => return reject(inner, att, &sqe, CqeError::BadOpcode),
+    let layouts = &att.layouts;
+    let sub = match validate::check_sqe(&sqe, &att.arena, |g| layouts.read().expect("layouts lock").get(&g).cloned()) {
+        Ok(validate::SqeCheck::Nop) => return att.complete(Cqe { user_data: sqe.user_data, ..Cqe::default() }),
+        Ok(validate::SqeCheck::Transfer(sub)) => sub,
+        Err(e) => return reject(inner, att, &sqe, e),
     };
-    if op == Opcode::Nop {
-        return att.complete(Cqe { user_data: sqe.user_data, ..Cqe::default() });
+    // Per-peer limits: a peer may not have more work in flight than its completion ring
+    // holds, --max-inflight submissions, or --max-inflight-bytes.
+    let bytes = sub.bytes();
+    let admitted = validate::admit(
+        att.inflight.load(Ordering::Acquire),
+        att.inflight_bytes.load(Ordering::Acquire),
+        att.layout.cq_entries,
+        bytes,
+        &inner.config.limits,
+    );
+    if let Err(reason) = admitted {
+        Counters::add(&inner.counters.busy_refusals, 1);
+        if att.counters.busy.fetch_add(1, Ordering::Relaxed) % 1024 == 0 {
+            tracing::warn!(
+                attachment = att.id,
+                pid = att.pid,
+                limit = reason.limit_name(),
+                "submission refused (Busy): the peer is over its in-flight limit"
+            );
+        }
+        return reject_with(inner, att, &sqe, CqeError::Busy, reason as u64);
     }
-    if sqe.count == 0 || sqe.count > MAX_BLOCKS_PER_SQE {
-        return reject(inner, att, &sqe, CqeError::TooManyBlocks);
-    }
-    let Some(layout) = att.layouts.read().expect("layouts lock").get(&sqe.group).cloned() else {
-        return reject(inner, att, &sqe, CqeError::UnknownGroup);
-    };
-    let refs: Vec<BlockRef> = match att.arena.read(sqe.refs_offset, sqe.count as u64) {
-        Ok(r) => r,
-        Err(_) => return reject(inner, att, &sqe, CqeError::ArenaOutOfRange),
-    };
-    if att.arena.check_range::<u8>(sqe.status_offset, sqe.count as u64).is_err() {
-        return reject(inner, att, &sqe, CqeError::ArenaOutOfRange);
-    }
-    // A peer may not have more work in flight than its completion ring holds.
-    if att.inflight.load(Ordering::Acquire) >= att.layout.cq_entries {
-        return reject(inner, att, &sqe, CqeError::Busy);
-    }
+    let validate::Submission { op, layout, refs, in_range } = sub;
     att.counters.blocks.fetch_add(refs.len() as u64, Ordering::Relaxed);
     let mut statuses = vec![BlockStatus::Pending; refs.len()];
     let mut blocks = Vec::with_capacity(refs.len());
     let size = layout.object_bytes();
+    let strict = !inner.config.namespace_acl.is_empty();
     {
         let mut store = inner.store.lock().expect("store lock");
         for (i, r) in refs.iter().enumerate() {
-            if r.block_id >= layout.num_blocks() {
+            if !in_range[i] {
                 statuses[i] = BlockStatus::Invalid;
                 continue;
             }
@@ -175,6 +187,11 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
                     StoreReservation::AlreadyPresent => statuses[i] = BlockStatus::AlreadyPresent,
                     StoreReservation::NoRoom => statuses[i] = BlockStatus::NotStored,
                 },
+                // With --namespace-acl, a tenant only loads what its own namespace stored
+                // (no reading, no poisoning across tenants: a foreign key is a miss).
+                Opcode::Load if strict && store.namespace_of(key).is_some_and(|ns| ns != att.namespace) => {
+                    statuses[i] = BlockStatus::Missing
+                }
                 Opcode::Load => match store.reserve_load(key, size) {
                     LoadReservation::Pinned { offset } => blocks.push(JobBlock { index: i, key, block_id: r.block_id, offset }),
                     LoadReservation::Missing => statuses[i] = BlockStatus::Missing,
@@ -194,7 +211,8 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         }
     }
     att.inflight.fetch_add(1, Ordering::AcqRel);
-    let job = Job { att: att.clone(), sqe, op, layout, blocks, statuses };
+    att.inflight_bytes.fetch_add(bytes, Ordering::AcqRel);
+    let job = Job { att: att.clone(), sqe, op, layout, blocks, statuses, submitted: Instant::now() };
     if job.blocks.is_empty() {
         crate::transfer::finish(inner, job, &[]);
     } else if let Err(e) = inner.jobs.send(job) {

@@ -18,9 +18,13 @@ pub struct Counters {
     pub hints: AtomicU64,
     pub attachments_total: AtomicU64,
     pub refusals: AtomicU64,
+    /// Submissions refused with `Busy` because their peer was over an in-flight limit.
+    pub busy_refusals: AtomicU64,
     /// Nanoseconds spent in copy calls, per direction, for GB/s.
     pub store_copy_ns: AtomicU64,
     pub load_copy_ns: AtomicU64,
+    /// Transfer and copy latency histograms (Prometheus).
+    pub latency: crate::metrics::Latencies,
 }
 
 impl Counters {
@@ -45,6 +49,7 @@ impl Counters {
             "hints": g(&self.hints),
             "attachments_total": g(&self.attachments_total),
             "refusals": g(&self.refusals),
+            "busy_refusals": g(&self.busy_refusals),
             "store_copy_ns": g(&self.store_copy_ns),
             "load_copy_ns": g(&self.load_copy_ns),
         })

@@ -31,6 +31,8 @@ pub struct Job {
     /// Blocks that need a copy; the others already have their status.
     pub blocks: Vec<JobBlock>,
     pub statuses: Vec<BlockStatus>,
+    /// When the service thread accepted the submission (transfer latency metric).
+    pub submitted: Instant,
 }
 
 pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) {
@@ -50,8 +52,14 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
 }
 
 /// Runs the copies; returns the submission positions of blocks whose copy failed.
+///
+/// All allocations of the job go to `umbp_gpu::transfer` at once, so parts on one GPU
+/// (a vLLM worker registers one allocation per layer) run as one batched copy call with
+/// one synchronization. A fenced store (`sqe.fence_value != 0`, DESIGN §7) reads device
+/// memory only after the worker's stream wrote its fence word; a fenced load has the word
+/// written once the bytes landed (on the GPU when possible, see `finish` for the CPU write).
 fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
-    // Group copies per allocation (one backend call each), remembering which blocks use it.
+    // Group copies per allocation, remembering which blocks use it.
     let mut per_alloc: HashMap<u32, (Vec<CopyOp>, Vec<usize>)> = HashMap::new();
     let mut ops = Vec::new();
     for b in &job.blocks {
@@ -68,25 +76,51 @@ fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
     let regions = job.att.regions.read().expect("regions lock").clone();
     let mut failed = Vec::new();
     let started = Instant::now();
-    for (alloc, (ops, users)) in per_alloc {
-        let Some(region) = regions.get(&alloc) else {
-            failed.extend(users);
-            continue;
-        };
-        let r = match job.op {
+    let mut parts = Vec::with_capacity(per_alloc.len());
+    let mut users = Vec::with_capacity(per_alloc.len());
+    for (alloc, (ops, u)) in &per_alloc {
+        match regions.get(alloc) {
+            Some(region) => {
+                parts.push(umbp_gpu::Part { region: region.as_ref(), ops });
+                users.push(u);
+            }
+            None => failed.extend(u),
+        }
+    }
+    let fence_region = fence_region(job, &regions);
+    let fence = match (&fence_region, job.op) {
+        (None, _) => Ok(umbp_gpu::Fence::None),
+        (Some(Err(e)), _) => Err(e.to_string()),
+        (Some(Ok((word, value))), Opcode::Store) => Ok(umbp_gpu::Fence::WaitBefore(*word, *value)),
+        (Some(Ok((word, value))), _) => Ok(umbp_gpu::Fence::SignalAfter(*word, *value)),
+    };
+    match fence {
+        Err(e) if job.op == Opcode::Store => {
+            // Without its fence a store could read KV the engine has not written yet.
+            tracing::warn!(attachment = job.att.id, "store fence unusable: {e}");
+            users.iter().for_each(|u| failed.extend(*u));
+        }
+        fence => {
+            let fence = fence.unwrap_or_default();
+            let keep_waiting = || job.att.is_alive() && !inner.is_shutting_down();
+            let to_host = match job.op {
+                Opcode::Store => true,
+                Opcode::Load => false,
+                Opcode::Nop => return failed,
+            };
             // SAFETY: every op's host range is an object reserved (store) or pinned (load)
             // for this job in the object store, inside DRAM; nobody else writes it meanwhile.
-            Opcode::Store => unsafe { region.copy_to_host(&ops, inner.dram.base()) },
-            // SAFETY: as above.
-            Opcode::Load => unsafe { region.copy_from_host(&ops, inner.dram.base()) },
-            Opcode::Nop => Ok(()),
-        };
-        if let Err(e) = r {
-            tracing::warn!(attachment = job.att.id, alloc, "copy failed: {e}");
-            failed.extend(users);
+            let results = unsafe { umbp_gpu::transfer(to_host, &parts, inner.dram.base(), fence, &keep_waiting) };
+            for ((r, u), part) in results.into_iter().zip(&users).zip(&parts) {
+                if let Err(e) = r {
+                    tracing::warn!(attachment = job.att.id, alloc = part.ops.first().map(|o| o.alloc_id), "copy failed: {e}");
+                    failed.extend(*u);
+                }
+            }
         }
     }
     let ns = started.elapsed().as_nanos() as u64;
+    inner.counters.latency.observe_copy(job.op, ns as f64 * 1e-9);
     match job.op {
         Opcode::Store => Counters::add(&inner.counters.store_copy_ns, ns),
         _ => Counters::add(&inner.counters.load_copy_ns, ns),
@@ -94,6 +128,46 @@ fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
     failed.sort_unstable();
     failed.dedup();
     failed
+}
+
+type Regions = HashMap<u32, Arc<dyn umbp_gpu::DeviceRegion>>;
+
+/// The fence word and value of a fenced submission: `fence_value` != 0, the word in slot
+/// `decode_ref(reserved[0])` of a HostMemfd region the worker registered (umbp_gpu::fence).
+fn fence_region<'a>(job: &Job, regions: &'a Regions) -> Option<Result<(umbp_gpu::FenceWord<'a>, u64), umbp_gpu::GpuError>> {
+    fence_word(&job.sqe, regions)
+}
+
+fn fence_word<'a>(sqe: &Sqe, regions: &'a Regions) -> Option<Result<(umbp_gpu::FenceWord<'a>, u64), umbp_gpu::GpuError>> {
+    if sqe.fence_value == 0 {
+        return None;
+    }
+    let (alloc, slot) = umbp_gpu::fence::decode_ref(sqe.reserved[0]);
+    Some(match regions.get(&alloc) {
+        Some(r) => r.fence_word(slot).map(|w| (w, sqe.fence_value)),
+        None => Err(umbp_gpu::GpuError::Unsupported(format!("fence page alloc_id {alloc} is not registered"))),
+    })
+}
+
+/// Releases the stream of a worker waiting for a fenced load (DESIGN §7): writes the
+/// load's fence value, also when not every block loaded (the completion says so). Called before the
+/// completion is posted, also for loads that were rejected or copied nothing, so that a
+/// waiting stream never hangs while the pool lives.
+pub fn signal_load_fence(att: &Attachment, sqe: &Sqe, all_loaded: bool) {
+    if Opcode::from_u8(sqe.opcode).ok() != Some(Opcode::Load) {
+        return;
+    }
+    let regions = att.regions.read().expect("regions lock");
+    match fence_word(sqe, &regions) {
+        None => {}
+        Some(Ok((word, value))) => {
+            if !all_loaded {
+                tracing::debug!(attachment = att.id, value, "releasing the fence of a load that did not fully load");
+            }
+            word.signal(value)
+        }
+        Some(Err(e)) => tracing::warn!(attachment = att.id, "load fence unusable: {e}"),
+    }
 }
 
 /// Publishes or unpins, writes per-block statuses and posts the completion.
@@ -137,8 +211,11 @@ pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize]) {
     }
     let moved = job.statuses.iter().filter(|s| matches!(s, BlockStatus::Stored | BlockStatus::Loaded)).count() as u64 * size;
     Counters::add(if job.op == Opcode::Store { &c.bytes_stored } else { &c.bytes_loaded }, moved);
+    c.latency.observe_transfer(job.op, job.submitted.elapsed().as_secs_f64());
     let att = &job.att;
     att.inflight.fetch_sub(1, Ordering::AcqRel);
+    // Same formula as at admission (service.rs, validate::Submission::bytes).
+    att.inflight_bytes.fetch_sub(job.statuses.len() as u64 * size, Ordering::AcqRel);
     if !att.is_alive() {
         return;
     }

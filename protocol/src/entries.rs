@@ -61,9 +61,54 @@ pub struct Cqe {
     /// Blocks with any other status.
     pub failed_count: u32,
     pub _pad: u32,
+    /// With `result == -Busy`: the [`BusyReason`] (which limit refused the submission);
+    /// 0 otherwise. Peers that predate it ignore the word.
     pub reserved: u64,
 }
 assert_layout!(Cqe, size = 32, align = 8);
+
+impl Cqe {
+    /// Why a `Busy` completion was refused, if the pool said.
+    pub fn busy_reason(&self) -> Option<BusyReason> {
+        (self.result == -(CqeError::Busy as i32)).then(|| BusyReason::from_u64(self.reserved))
+    }
+}
+
+/// Which limit a `Busy` completion hit (carried in [`Cqe::reserved`]).
+#[repr(u64)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BusyReason {
+    /// Not said (older pools).
+    Unspecified = 0,
+    /// The attachment has as many submissions in flight as its completion ring holds
+    /// or `--max-inflight` allows.
+    InflightTransfers = 1,
+    /// The attachment's in-flight submissions already move `--max-inflight-bytes`.
+    InflightBytes = 2,
+    /// The pool is stopping.
+    ShuttingDown = 3,
+}
+
+impl BusyReason {
+    pub fn from_u64(v: u64) -> Self {
+        match v {
+            1 => Self::InflightTransfers,
+            2 => Self::InflightBytes,
+            3 => Self::ShuttingDown,
+            _ => Self::Unspecified,
+        }
+    }
+
+    /// The pool option that sets the limit, for messages.
+    pub fn limit_name(self) -> &'static str {
+        match self {
+            Self::Unspecified => "unspecified",
+            Self::InflightTransfers => "--max-inflight",
+            Self::InflightBytes => "--max-inflight-bytes",
+            Self::ShuttingDown => "shutting down",
+        }
+    }
+}
 
 /// Why a whole submission was rejected (negated in [`Cqe::result`]).
 #[repr(i32)]
@@ -163,5 +208,9 @@ mod tests {
         assert_eq!(Opcode::from_u8(2), Ok(Opcode::Load));
         assert_eq!(CqeError::from_result(-(CqeError::Busy as i32)), Some(CqeError::Busy));
         assert_eq!(CqeError::from_result(0), None);
+        let busy = Cqe { result: -(CqeError::Busy as i32), reserved: 2, ..Cqe::default() };
+        assert_eq!(busy.busy_reason(), Some(BusyReason::InflightBytes));
+        assert_eq!(Cqe { reserved: 2, ..Cqe::default() }.busy_reason(), None);
+        assert_eq!(BusyReason::from_u64(99), BusyReason::Unspecified);
     }
 }

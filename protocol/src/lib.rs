@@ -9,6 +9,7 @@
 pub mod attachment;
 pub mod entries;
 pub mod error;
+pub mod events;
 #[cfg(not(loom))]
 pub mod futex;
 pub mod index;

@@ -234,7 +234,12 @@ impl<'a, T: Pod> Ring<'a, T> {
     pub fn producer(self) -> Producer<'a, T> {
         let tail = self.header.tail.load(Ordering::Relaxed);
         let head = self.header.head.load(Ordering::Acquire);
-        Producer { ring: self, tail, cached_head: head }
+        // As in `consumer`: an implausible head (the counters already say more than
+        // `capacity` entries are outstanding) is not cached. Caching it as "full" makes the
+        // first push re-read the head and report `CorruptRing`, and `in_flight` stays within
+        // the capacity (fuzz/ring found a producer reporting 255 outstanding in a ring of 1).
+        let cached_head = if tail.wrapping_sub(head) > self.capacity { tail.wrapping_sub(self.capacity) } else { head };
+        Producer { ring: self, tail, cached_head }
     }
 
     /// Consumer handle. Exactly one may exist per ring across all processes.
@@ -572,6 +577,22 @@ mod tests {
         }
         header.head.store(u32::MAX - 5, Ordering::Release);
         assert!(matches!(prod.try_push(1), Err(ProtocolError::CorruptRing { .. })));
+    }
+
+    #[test]
+    fn producer_over_a_corrupt_header_reports_it() {
+        // Regression (fuzz/ring): a producer created while the tail word says 255 entries
+        // are outstanding in a ring of 1 claimed 255 in flight; now it claims at most the
+        // capacity and its first push reports the corruption.
+        let mut mem = region();
+        let p = mem.0.as_mut_ptr();
+        // SAFETY: the buffer outlives every handle.
+        let ring = unsafe { Ring::<u64>::init(p, 4096, 1) }.unwrap();
+        ring.header().tail.fetch_add(255, Ordering::Release);
+        // SAFETY: as above.
+        let mut prod = unsafe { Ring::<u64>::attach(p, 4096) }.unwrap().producer();
+        assert!(prod.in_flight() <= 1);
+        assert!(matches!(prod.try_push(7), Err(ProtocolError::CorruptRing { tail: 255, .. })));
     }
 
     #[test]

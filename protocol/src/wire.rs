@@ -185,8 +185,9 @@ pub const REPLY_MESSAGE_LEN: usize = 192;
 
 /// Pool -> peer answer to [`Hello`]. On success the fds, in order, are: the attachment's
 /// ring memfd (SQ, CQ, hint ring, arena; see [`crate::attachment::AttachmentLayout`]), the
-/// index memfd (read-only, sealed), and the doorbell eventfd the peer signals after it
-/// publishes submissions while the pool sleeps.
+/// index memfd (read-only, sealed), the doorbell eventfd the peer signals after it
+/// publishes submissions while the pool sleeps, and the KV event log memfd (read-only,
+/// sealed; see [`crate::events`]). Peers that need no events may ignore the fourth fd.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Pod, Zeroable)]
 pub struct HelloReply {
@@ -201,7 +202,8 @@ pub struct HelloReply {
     pub arena_bytes: u64,
     pub ring_region_bytes: u64,
     pub index_region_bytes: u64,
-    pub reserved: [u64; 1],
+    /// Size of the event log memfd (the fourth fd); was reserved (0) before it existed.
+    pub event_log_bytes: u64,
     pub message: [u8; REPLY_MESSAGE_LEN],
 }
 assert_layout!(HelloReply, size = 256, align = 8);
@@ -311,6 +313,9 @@ assert_layout!(LayoutHeader, size = 8, align = 4);
 
 /// Most segments one layout may have (a 256-layer model with separate K and V).
 pub const MAX_SEGMENTS: u32 = 1024;
+
+/// Fds a successful [`HelloReply`] carries: ring memfd, index memfd, doorbell, event log.
+pub const HELLO_REPLY_FDS: usize = 4;
 
 pub fn encode_message(text: &str) -> [u8; REPLY_MESSAGE_LEN] {
     let mut out = [0u8; REPLY_MESSAGE_LEN];

@@ -301,6 +301,19 @@ impl Index {
     fn connected(&self) -> bool {
         self.inner.lock().expect("index lock").is_attached()
     }
+
+    /// KV events since the last call, oldest first: `("stored" | "removed", key bytes)`
+    /// for objects the pool made visible or dropped (evictions included). Never blocks.
+    fn take_events<'py>(&self, py: Python<'py>) -> Vec<(&'static str, Bound<'py, PyBytes>)> {
+        let events = self.inner.lock().expect("index lock").take_events();
+        events.into_iter().map(|(kind, key)| (kind.as_str(), PyBytes::new(py, &key.to_bytes()))).collect()
+    }
+
+    /// KV events missed because `take_events` was called too rarely (log overrun).
+    #[getter]
+    fn events_lost(&self) -> u64 {
+        self.inner.lock().expect("index lock").events_lost()
+    }
 }
 
 #[pymodule]

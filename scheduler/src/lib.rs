@@ -13,6 +13,7 @@
 //! let hits = idx.match_prefix(&[ObjectKey(1), ObjectKey(2)]);
 //! ```
 
+mod events;
 
 use std::io;
 use std::os::unix::net::UnixStream;
@@ -30,6 +31,7 @@ use umbp_protocol::ProtocolError;
 pub use umbp_ipc::backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use umbp_protocol::index::IndexSnapshot;
 pub use umbp_protocol::ObjectKey;
+pub use events::EventKind;
 
 use umbp_ipc::backoff::Backoff;
 use umbp_ipc::dial::{Attached, Dial, DialError};
@@ -64,6 +66,8 @@ struct Attachment {
     hints: Producer<'static, Hint>,
     sock: UnixStream,
     attachment_id: u32,
+    /// The pool's KV event log (None from a pool that sent none).
+    events: Option<events::EventFollower>,
     // Dropped after the views above, which point into these mappings.
     _ring: SharedMemory,
     _index: SharedMemory,
@@ -78,6 +82,15 @@ impl Attachment {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "HelloReply lacks its fds").into());
         };
         // The doorbell (third fd) is not needed: the pool drains hints on its own timer.
+        let _doorbell = fds.next();
+        let events = match fds.next().map(events::EventFollower::new) {
+            Some(Ok(f)) => Some(f),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "UMBP event log unusable; take_events stays empty");
+                None
+            }
+            None => None,
+        };
         let ring = SharedMemory::from_received(ring_fd, layout.total_bytes, true)?;
         let index = SharedMemory::from_received(index_fd, TABLES_OFFSET, false)?;
         // SAFETY: the hint ring section lies inside the ring mapping (AttachmentLayout,
@@ -87,7 +100,7 @@ impl Attachment {
         // SAFETY: the whole index mapping, read-only, owned by `_index` (dropped after the
         // view); IndexView::attach checks every header field against `len`.
         let index_view = unsafe { IndexView::attach(index.as_ptr(), index.len()) }?;
-        Ok(Self { index: index_view, hints, sock: a.sock, attachment_id: r.attachment_id, _ring: ring, _index: index })
+        Ok(Self { index: index_view, hints, sock: a.sock, attachment_id: r.attachment_id, events, _ring: ring, _index: index })
     }
 
     fn alive(&self) -> bool {
@@ -118,6 +131,7 @@ pub struct IndexClient {
     namespace: u128,
     reply_timeout: Duration,
     att: Option<Attachment>,
+    events_lost: u64,
     dial: Option<Dial>,
     backoff: Backoff,
 }
@@ -157,6 +171,7 @@ impl IndexClient {
             namespace,
             reply_timeout: REATTACH_REPLY_TIMEOUT,
             att: Some(att),
+            events_lost: 0,
             dial: None,
             backoff: Backoff::default(),
         })
@@ -170,6 +185,7 @@ impl IndexClient {
             namespace,
             reply_timeout: REATTACH_REPLY_TIMEOUT,
             att: None,
+            events_lost: 0,
             dial: None,
             backoff: Backoff::default(),
         };
@@ -203,6 +219,27 @@ impl IndexClient {
     }
 
     /// Index statistics, while a live pool is attached.
+    /// KV events since the last call: keys the pool stored (now visible) or removed
+    /// (evicted, reset), oldest first. Never blocks. Events of a pool that died are still
+    /// returned; after a restart, events start with the new pool's (its objects are new).
+    pub fn take_events(&mut self) -> Vec<(EventKind, ObjectKey)> {
+        let mut out = Vec::new();
+        if let Some(f) = self.att.as_mut().and_then(|a| a.events.as_mut()) {
+            let lost = f.drain(&mut out);
+            if lost > 0 {
+                self.events_lost += lost;
+                tracing::warn!(lost, endpoint = %self.endpoint.display(), "UMBP KV events lost: take_events was called too rarely");
+            }
+        }
+        let _ = self.live();
+        out
+    }
+
+    /// KV events this client missed because it fell more than the log's capacity behind.
+    pub fn events_lost(&self) -> u64 {
+        self.events_lost
+    }
+
     pub fn snapshot(&self) -> Option<IndexSnapshot> {
         self.att.as_ref().filter(|a| a.alive()).map(|a| a.index.snapshot())
     }

@@ -4,7 +4,8 @@
 # libcuda at run time, so nothing CUDA is needed here; the GPU machine's glibc is newer,
 # so binaries built against this one run there.
 #
-#   scripts/device/build.sh            # then, on the GPU machine: scripts/device/gpu-check.sh
+#   scripts/device/build.sh            # then, on the GPU machine:
+#                                      #   scripts/device/run-gpu-tests.sh (all) or gpu-check.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 out=.device-bin
@@ -13,6 +14,11 @@ mkdir -p "$out"
 
 cargo build --release -p umbp-gpu --example cuda_ipc_check
 cp target/release/examples/cuda_ipc_check "$out/"
+
+# The transfer benchmark and checks (workers are the same binary) and the pool daemon.
+cargo build --release -p umbp-tools --bin umbp-bench
+cargo build --release -p umbp-pool --bin umbp-pool
+cp target/release/umbp-bench target/release/umbp-pool "$out/"
 
 # Integration test binaries have hashed names; cargo's JSON messages say where they are.
 cargo test --release -p umbp-gpu --test cuda --test hip --test host_process --test host_memfd \

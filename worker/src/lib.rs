@@ -20,6 +20,7 @@
 mod arena_alloc;
 mod connection;
 mod error;
+mod fence;
 mod worker;
 
 pub use error::WorkerError;

@@ -167,6 +167,8 @@ pub struct Worker {
     inflight: HashMap<u64, InFlight>,
     ready: VecDeque<Completion>,
     stall_warned: bool,
+    /// GPU fence page, made at the first stream-ordered transfer (crate::fence).
+    pub(crate) fences: Option<crate::fence::Fences>,
     /// The rings are single-producer/single-consumer: one thread at a time.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -220,6 +222,7 @@ impl Worker {
             inflight: HashMap::new(),
             ready: VecDeque::new(),
             stall_warned: false,
+            fences: None,
             _not_sync: PhantomData,
         })
     }
@@ -367,6 +370,19 @@ impl Worker {
     }
 
     fn submit(&mut self, op: Opcode, group: u16, blocks: &[(ObjectKey, u64)]) -> Result<TransferId, WorkerError> {
+        self.submit_fenced(op, group, blocks, None)
+    }
+
+    /// Submits like [`Self::store`]/[`Self::load`]; `fence` = `(alloc id of the fence
+    /// page, slot)` makes it a fenced transfer whose fence value is its transfer id
+    /// (crate::fence, DESIGN §7).
+    pub(crate) fn submit_fenced(
+        &mut self,
+        op: Opcode,
+        group: u16,
+        blocks: &[(ObjectKey, u64)],
+        fence: Option<(u32, u32)>,
+    ) -> Result<TransferId, WorkerError> {
         if blocks.len() > MAX_BLOCKS_PER_SQE as usize {
             return Err(WorkerError::Invalid(format!(
                 "{} blocks in one transfer; at most {MAX_BLOCKS_PER_SQE}",
@@ -410,6 +426,15 @@ impl Worker {
             return Err(e.into());
         }
         let id = self.next_transfer;
+        // The fence page's id in this attachment (ids may differ after a reconnect).
+        let fence_ref = match fence.map(|(alloc, slot)| (conn.alloc_ids.get(&alloc).copied(), slot)) {
+            None => None,
+            Some((Some(pool_alloc), slot)) => Some(umbp_gpu::fence::encode_ref(pool_alloc, slot)),
+            Some((None, _)) => {
+                conn.alloc.free(off, size);
+                return Err(WorkerError::Invalid("the fence page is not registered with this pool".into()));
+            }
+        };
         let sqe = Sqe {
             opcode: op as u8,
             flags: 0,
@@ -418,8 +443,8 @@ impl Worker {
             user_data: id,
             refs_offset: off,
             status_offset,
-            fence_value: 0,
-            reserved: [0; 3],
+            fence_value: if fence_ref.is_some() { id } else { 0 },
+            reserved: [fence_ref.unwrap_or(0), 0, 0],
         };
         match conn.sq.try_push(sqe) {
             Ok(true) => {}
@@ -439,6 +464,16 @@ impl Worker {
         self.next_transfer += 1;
         self.inflight.insert(id, InFlight { range: (off, size), status_offset, count: n as u32, submitted: now });
         Ok(TransferId(id))
+    }
+
+    /// Whether transfer `id` was submitted and its completion not reaped yet.
+    pub(crate) fn in_flight(&self, id: u64) -> bool {
+        self.inflight.contains_key(&id)
+    }
+
+    /// The current attachment's id and socket (the fence watchdog watches it).
+    pub(crate) fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream)> {
+        self.conn.as_ref().map(|c| (c.attachment_id, &c.sock))
     }
 
     fn take_id(&mut self) -> TransferId {
@@ -500,6 +535,10 @@ impl Worker {
     /// (or broke the protocol and was hung up on, which makes it cancel them).
     fn lose(&mut self, why: &str) {
         let Some(mut conn) = self.conn.take() else { return };
+        // GPU streams waiting for fenced loads must not hang on a dead pool.
+        if let Some(f) = &self.fences {
+            f.release_loads();
+        }
         // Completions published before the pool went are real; keep them.
         let _ = reap_into(&mut conn, &mut self.inflight, &mut self.ready);
         let mut failed: Vec<(u64, InFlight)> = self.inflight.drain().collect();

@@ -47,6 +47,48 @@ struct Args {
     /// Threads that run copies [default: CPU count clamped to 2..8].
     #[arg(long = "copy-threads", env = "UMBP_COPY_THREADS", value_name = "N")]
     copy_threads: Option<usize>,
+    /// Group that owns the socket (mode 0660); its members may connect. Name or gid
+    /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).
+    #[arg(long = "socket-group", env = "UMBP_SOCKET_GROUP", value_name = "NAME|GID", help_heading = "Isolation")]
+    socket_group: Option<String>,
+    /// Namespaces a uid may attach with, e.g. 1001:9f3c...,0a1b... (hex, repeatable). Once
+    /// any is given, every other uid except the pool's and root is refused, and loads only
+    /// find blocks stored under the loader's own namespace.
+    #[arg(long = "namespace-acl", value_name = "UID:NSHEX[,NSHEX]", help_heading = "Isolation")]
+    namespace_acl: Vec<String>,
+    /// Attachments the pool serves at once, all peers together.
+    #[arg(long = "max-attachments", env = "UMBP_MAX_ATTACHMENTS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    max_attachments: usize,
+    /// Attachments one uid may hold at once.
+    #[arg(long = "max-attachments-per-uid", env = "UMBP_MAX_ATTACHMENTS_PER_UID", value_name = "N", default_value_t = 256, help_heading = "Limits per peer")]
+    max_attachments_per_uid: usize,
+    /// Memory one attachment may register, all regions together.
+    #[arg(long = "max-registered-bytes", env = "UMBP_MAX_REGISTERED_BYTES", value_name = "SIZE", default_value = "1TiB", help_heading = "Limits per peer")]
+    max_registered_bytes: String,
+    /// Memory regions one attachment may register.
+    #[arg(long = "max-regions", env = "UMBP_MAX_REGIONS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    max_regions: usize,
+    /// KV layouts (cache groups) one attachment may register.
+    #[arg(long = "max-layouts", env = "UMBP_MAX_LAYOUTS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    max_layouts: usize,
+    /// Submissions one attachment may have in flight (also capped by its completion ring);
+    /// more complete at once with Busy.
+    #[arg(long = "max-inflight", env = "UMBP_MAX_INFLIGHT", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    max_inflight: u32,
+    /// Bytes one attachment's in-flight submissions may move (blocks x object size); more
+    /// complete at once with Busy. A lone submission is always admitted.
+    #[arg(long = "max-inflight-bytes", env = "UMBP_MAX_INFLIGHT_BYTES", value_name = "SIZE", default_value = "16GiB", help_heading = "Limits per peer")]
+    max_inflight_bytes: String,
+    /// Largest arena a peer may ask for in its Hello (at most 256MiB).
+    #[arg(long = "max-arena-bytes", env = "UMBP_MAX_ARENA_BYTES", value_name = "SIZE", default_value = "64MiB", help_heading = "Limits per peer")]
+    max_arena_bytes: String,
+    /// Largest submission ring a peer may ask for in its Hello (power of two).
+    #[arg(long = "max-sq-entries", env = "UMBP_MAX_SQ_ENTRIES", value_name = "N", default_value_t = 16384, help_heading = "Limits per peer")]
+    max_sq_entries: u32,
+    /// Serve Prometheus metrics on GET /metrics at this address, e.g. 127.0.0.1:9464
+    /// [default: off]. A bad or busy address stops the pool at start.
+    #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "HOST:PORT")]
+    metrics_addr: Option<String>,
 }
 
 fn config_from(args: Args) -> Result<PoolConfig, String> {
@@ -68,6 +110,26 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
     if let Some(n) = args.copy_threads {
         c.copy_threads = n;
     }
+    if let Some(g) = &args.socket_group {
+        c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g).map_err(|e| e.to_string())?);
+    }
+    for acl in &args.namespace_acl {
+        let (uid, namespaces) = umbp_pool::config::parse_namespace_acl("namespace-acl", acl).map_err(|e| e.to_string())?;
+        c.namespace_acl.entry(uid).or_default().extend(namespaces);
+    }
+    c.max_attachments = args.max_attachments;
+    let size = |key: &str, v: &str| parse_size(key, v).map_err(|e| e.to_string());
+    c.limits = umbp_pool::PeerLimits {
+        attachments_per_uid: args.max_attachments_per_uid,
+        registered_bytes: size("max-registered-bytes (UMBP_MAX_REGISTERED_BYTES)", &args.max_registered_bytes)?,
+        regions: args.max_regions,
+        layouts: args.max_layouts,
+        inflight: args.max_inflight,
+        inflight_bytes: size("max-inflight-bytes (UMBP_MAX_INFLIGHT_BYTES)", &args.max_inflight_bytes)?,
+        arena_bytes: size("max-arena-bytes (UMBP_MAX_ARENA_BYTES)", &args.max_arena_bytes)?,
+        sq_entries: args.max_sq_entries,
+    };
+    c.metrics_addr = args.metrics_addr.filter(|a| !a.is_empty());
     c.validate().map_err(|e| e.to_string())?;
     Ok(c)
 }

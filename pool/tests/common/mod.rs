@@ -99,6 +99,8 @@ pub struct RawPeer {
     pub rings: SharedMemory,
     pub index: SharedMemory,
     pub doorbell: OwnedFd,
+    /// The KV event log (fourth fd, read-only).
+    pub events: SharedMemory,
     pub layout: AttachmentLayout,
 }
 
@@ -123,7 +125,10 @@ impl RawPeer {
         let layout = AttachmentLayout::new(reply.sq_entries, reply.cq_entries, reply.hint_entries, reply.arena_bytes).unwrap();
         let rings = SharedMemory::from_received(fds.next().unwrap(), layout.total_bytes, true).unwrap();
         let index = SharedMemory::from_received(fds.next().unwrap(), reply.index_region_bytes as usize, false).unwrap();
-        Ok(Self { sock, reply, rings, index, doorbell: fds.next().unwrap(), layout })
+        let doorbell = fds.next().unwrap();
+        let events = SharedMemory::from_received(fds.next().expect("4th fd: event log"), reply.event_log_bytes as usize, false).unwrap();
+        assert!(fds.next().is_none(), "HelloReply carries exactly 4 fds");
+        Ok(Self { sock, reply, rings, index, doorbell, events, layout })
     }
 
     /// Sends a control message and returns the reply and any bytes after it.

@@ -2,6 +2,8 @@
 //! returns [`report::Case`]s; [`report`] prints them as JSON lines or a table.
 
 pub mod index;
+pub mod lookup;
 pub mod report;
 pub mod ring;
 pub mod shm;
+pub mod transfer;

@@ -2,19 +2,13 @@
 //! object per case and line with `--json`, a table otherwise. The measuring code lives in
 //! `tools/src/bench/`; this file only parses the command line.
 
-// Included by path so that the bench modules need no library target yet; a later
-// `ringtool` binary includes what it shares the same way (or the lead moves them into
-// the crate's lib). Not every helper is used by this binary.
-#[path = "../bench/mod.rs"]
-#[allow(dead_code)]
-mod bench;
-
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use bench::index::IndexArgs;
-use bench::ring::RingArgs;
+use umbp_tools::bench;
+use umbp_tools::bench::index::IndexArgs;
+use umbp_tools::bench::ring::RingArgs;
 
 #[derive(Parser)]
 #[command(name = "umbp-bench", about = "UMBP benchmarks (rings, index)", version)]
@@ -56,6 +50,25 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Scheduler prefix lookup through the shared index of a live pool under concurrent
+    /// store traffic, against the same lookup as a unix-socket request/response.
+    Lookup {
+        /// Timed lookups per prompt size.
+        #[arg(long, default_value_t = 20_000)]
+        iterations: usize,
+        /// Prompt sizes in blocks (comma separated).
+        #[arg(long, value_delimiter = ',', default_value = "64,1024")]
+        blocks: Vec<usize>,
+        /// One JSON object per case and line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// KV store/load GB/s through a pool (host memfd or CUDA memory, workers in child
+    /// processes) beside contiguous-copy baselines; `--check` runs the GPU data-path checks.
+    Transfer(bench::transfer::TransferCli),
+    /// Internal: a worker process of `transfer`.
+    #[command(name = "__transfer-worker", hide = true)]
+    TransferWorker(bench::transfer::TransferWorkerCli),
     /// Internal: the pool side of `ring`, started by `ring` itself.
     #[command(name = "__ring-peer", hide = true)]
     RingPeer {
@@ -93,6 +106,12 @@ fn main() -> ExitCode {
             min_object_bytes: min_object_bytes.max(1),
         })
         .map(|c| bench::report::print(&c, json)),
+        Cmd::Lookup { iterations, blocks, json } => {
+            bench::lookup::run(&bench::lookup::LookupArgs { iterations: iterations.max(1), blocks })
+                .map(|c| bench::report::print(&c, json))
+        }
+        Cmd::Transfer(t) => t.run(),
+        Cmd::TransferWorker(t) => t.run(),
         Cmd::RingPeer {
             fd,
             sock_fd,

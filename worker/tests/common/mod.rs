@@ -176,7 +176,13 @@ fn handshake(sock: UnixStream, s: &Shared) -> Option<Conn> {
     r.arena_bytes = layout.arena_bytes as u64;
     r.ring_region_bytes = layout.total_bytes as u64;
     r.index_region_bytes = s.index_shm.len() as u64;
-    let fds = [shm.fd(), s.index_shm.fd(), doorbell.fd()];
+    // Fourth fd: a (never written) KV event log, like the real pool's.
+    let events = SharedMemory::create("mock-events", umbp_protocol::events::region_bytes(64), false).unwrap();
+    // SAFETY: a fresh zeroed mapping nobody else uses yet.
+    unsafe { umbp_protocol::events::EventLog::init(events.as_ptr(), events.len(), 64) }.unwrap();
+    events.seal_read_only().unwrap();
+    r.event_log_bytes = events.len() as u64;
+    let fds = [shm.fd(), s.index_shm.fd(), doorbell.fd(), events.fd()];
     send_message(&sock, MessageKind::HelloReply, bytemuck::bytes_of(&r), &fds, None).ok()?;
     let pid = rustix::net::sockopt::socket_peercred(&sock).unwrap().pid.as_raw_nonzero().get() as u32;
     Some(Conn {

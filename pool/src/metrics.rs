@@ -1,0 +1,331 @@
+//! Prometheus metrics: `umbp-pool --metrics-addr 127.0.0.1:9464` (or `UMBP_METRICS_ADDR`)
+//! serves the Prometheus text format (0.0.4) on `GET /metrics`.
+//!
+//! Counters and gauges are read at scrape time from the pool's own atomics and state (a
+//! [`Collector`]), so the data path pays nothing extra for them; only the latency
+//! histograms are observed as transfers finish (`transfer.rs`). The HTTP side is a tiny
+//! std `TcpListener` loop on its own thread: one request per connection, `Connection:
+//! close`, nothing but `GET /metrics` (and a pointer to it on `GET /`).
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use umbp_protocol::entries::Opcode;
+use umbp_protocol::index::IndexView;
+use umbp_protocol::wire::Role;
+
+use crate::{PoolError, PoolInner};
+
+type OpLabel = [(&'static str, &'static str); 1];
+type HistogramFamily = Family<OpLabel, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 1 µs .. ~8.4 s in powers of two.
+    Histogram::new(exponential_buckets(1e-6, 2.0, 24))
+}
+
+fn op_label(op: Opcode) -> OpLabel {
+    [("op", if op == Opcode::Store { "store" } else { "load" })]
+}
+
+/// Latency histograms, observed by the copy threads.
+pub struct Latencies {
+    /// Submission accepted by the service thread -> completion posted.
+    transfer: HistogramFamily,
+    /// Time inside the device backends' copy calls of one submission.
+    copy: HistogramFamily,
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        let l = Self {
+            transfer: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            copy: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+        };
+        // Both series exist from the start (zero counts), so dashboards need no special case.
+        for op in [Opcode::Store, Opcode::Load] {
+            let _ = l.transfer.get_or_create(&op_label(op));
+            let _ = l.copy.get_or_create(&op_label(op));
+        }
+        l
+    }
+}
+
+impl Latencies {
+    pub fn observe_transfer(&self, op: Opcode, seconds: f64) {
+        if op != Opcode::Nop {
+            self.transfer.get_or_create(&op_label(op)).observe(seconds);
+        }
+    }
+
+    pub fn observe_copy(&self, op: Opcode, seconds: f64) {
+        if op != Opcode::Nop {
+            self.copy.get_or_create(&op_label(op)).observe(seconds);
+        }
+    }
+}
+
+/// Binds the metrics listener at start, so a bad or busy address is a startup error that
+/// names it.
+pub fn bind(addr: &str) -> Result<TcpListener, PoolError> {
+    let err = |message: String| PoolError::Metrics { addr: addr.to_string(), message };
+    let addrs: Vec<_> = addr
+        .to_socket_addrs()
+        .map_err(|e| err(format!("not a host:port address ({e})")))?
+        .collect();
+    let listener = TcpListener::bind(&addrs[..]).map_err(|e| err(format!("cannot listen: {e}")))?;
+    listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
+    Ok(listener)
+}
+
+/// The metrics thread: serves scrapes until the pool shuts down.
+pub fn serve(inner: &Arc<PoolInner>, listener: TcpListener) {
+    let mut registry = Registry::default();
+    registry.register(
+        "umbp_transfer_seconds",
+        "Time from a submission's acceptance to its completion, per operation",
+        inner.counters.latency.transfer.clone(),
+    );
+    registry.register(
+        "umbp_copy_seconds",
+        "Time spent in device copy calls per submission, per operation",
+        inner.counters.latency.copy.clone(),
+    );
+    registry.register_collector(Box::new(PoolCollector { inner: inner.clone() }));
+    if let Ok(a) = listener.local_addr() {
+        tracing::info!(address = %a, "metrics on http://{a}/metrics");
+    }
+    while !inner.is_shutting_down() {
+        let mut fds = [rustix::event::PollFd::new(&listener, rustix::event::PollFlags::IN)];
+        let timeout = rustix::time::Timespec { tv_sec: 0, tv_nsec: 200_000_000 };
+        if !matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(n) if n > 0) {
+            continue;
+        }
+        loop {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    if let Err(e) = answer(stream, &registry) {
+                        tracing::debug!("metrics request: {e}");
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => {
+                    tracing::warn!("metrics accept: {e}");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Reads one request (headers only) and writes one response.
+fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 << 10 {
+        let n = stream.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let head = String::from_utf8_lossy(&buf);
+    let mut parts = head.lines().next().unwrap_or("").split_whitespace();
+    let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+    let path = target.split('?').next().unwrap_or("");
+    let (status, ctype, body) = match (method, path) {
+        ("GET", "/metrics") => {
+            let mut body = String::new();
+            match prometheus_client::encoding::prometheus_text::encode(&mut body, registry) {
+                Ok(()) => ("200 OK", prometheus_client::encoding::prometheus_text::CONTENT_TYPE, body),
+                Err(_) => ("500 Internal Server Error", "text/plain", "encoding failed\n".to_string()),
+            }
+        }
+        ("GET", "/") => ("200 OK", "text/plain", "umbp-pool: metrics at /metrics\n".to_string()),
+        ("GET", _) => ("404 Not Found", "text/plain", "not found; metrics are at /metrics\n".to_string()),
+        _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
+    };
+    let header = format!(
+        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(header.as_bytes())?;
+    if method != "HEAD" {
+        stream.write_all(body.as_bytes())?;
+    }
+    stream.flush()
+}
+
+/// Reads counters and state at scrape time.
+struct PoolCollector {
+    inner: Arc<PoolInner>,
+}
+
+impl std::fmt::Debug for PoolCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PoolCollector")
+    }
+}
+
+fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+    let m = ConstCounter::new(v);
+    m.encode(enc.encode_descriptor(name, help, None, MetricType::Counter)?)
+}
+
+fn gauge(enc: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> Result<(), std::fmt::Error> {
+    let m = ConstGauge::new(v);
+    m.encode(enc.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+/// One counter with one label, several values.
+fn labelled_counter(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    values: &[(&'static str, u64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (value, v) in values {
+        ConstCounter::new(*v).encode(m.encode_family(&[(label, *value)])?)?;
+    }
+    Ok(())
+}
+
+fn labelled_gauge(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    values: &[(&'static str, f64)],
+) -> Result<(), std::fmt::Error> {
+    let mut m = enc.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (value, v) in values {
+        ConstGauge::new(*v).encode(m.encode_family(&[(label, *value)])?)?;
+    }
+    Ok(())
+}
+
+impl Collector for PoolCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let inner = &self.inner;
+        let c = &inner.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let (capacity, allocated, objects, published, pinned, evictions, events, namespaces) = {
+            let s = inner.store.lock().expect("store lock");
+            (
+                s.capacity_bytes(),
+                s.allocated_bytes(),
+                s.object_count() as u64,
+                s.published_count(),
+                s.pinned_count() as u64,
+                s.evictions(),
+                s.events_written(),
+                s.namespaces().len() as u64,
+            )
+        };
+        let (mut workers, mut schedulers, mut observers, mut inflight) = (0u64, 0u64, 0u64, 0u64);
+        for a in inner.attachments.lock().expect("attachments lock").iter() {
+            match a.role {
+                Role::Worker => workers += 1,
+                Role::Scheduler => schedulers += 1,
+                Role::Observer => observers += 1,
+            }
+            inflight += a.inflight.load(Ordering::Relaxed) as u64;
+        }
+
+        gauge(&mut enc, "umbp_capacity_bytes", "DRAM capacity of the pool", capacity as f64)?;
+        gauge(&mut enc, "umbp_allocated_bytes", "DRAM handed to objects (published or being written)", allocated as f64)?;
+        gauge(
+            &mut enc,
+            "umbp_occupancy_ratio",
+            "allocated / capacity (the evictor keeps it between the watermarks)",
+            if capacity > 0 { allocated as f64 / capacity as f64 } else { 0.0 },
+        )?;
+        gauge(&mut enc, "umbp_high_watermark_ratio", "Occupancy above which the evictor starts", inner.config.high_watermark)?;
+        gauge(&mut enc, "umbp_low_watermark_ratio", "Occupancy the evictor brings the pool down to", inner.config.low_watermark)?;
+        gauge(&mut enc, "umbp_objects", "Objects held (published or being written)", objects as f64)?;
+        gauge(&mut enc, "umbp_published_objects", "Objects visible in the index", published as f64)?;
+        gauge(&mut enc, "umbp_pinned_objects", "Objects pinned by loads in flight", pinned as f64)?;
+        gauge(&mut enc, "umbp_namespaces", "Namespaces with at least one object", namespaces as f64)?;
+        counter(&mut enc, "umbp_evictions", "Objects evicted by the evictor", evictions)?;
+        counter(&mut enc, "umbp_events", "KV events written to the shared event log", events)?;
+
+        labelled_counter(
+            &mut enc,
+            "umbp_blocks",
+            "Blocks by outcome (stored, already_present, not_stored, loaded, missing, failed, invalid)",
+            "result",
+            &[
+                ("stored", g(&c.blocks_stored)),
+                ("already_present", g(&c.blocks_already_present)),
+                ("not_stored", g(&c.blocks_not_stored)),
+                ("loaded", g(&c.blocks_loaded)),
+                ("missing", g(&c.blocks_missing)),
+                ("failed", g(&c.blocks_failed)),
+                ("invalid", g(&c.blocks_invalid)),
+            ],
+        )?;
+        counter(&mut enc, "umbp_stores", "Blocks stored (copied into the pool and published)", g(&c.blocks_stored))?;
+        counter(&mut enc, "umbp_loads", "Blocks loaded (copied out of the pool)", g(&c.blocks_loaded))?;
+        counter(&mut enc, "umbp_load_hits", "Load requests for blocks the pool held", g(&c.blocks_loaded))?;
+        counter(&mut enc, "umbp_load_misses", "Load requests for blocks the pool did not hold", g(&c.blocks_missing))?;
+        labelled_counter(
+            &mut enc,
+            "umbp_bytes",
+            "Bytes copied, by direction (store: into the pool, load: out of it)",
+            "direction",
+            &[("store", g(&c.bytes_stored)), ("load", g(&c.bytes_loaded))],
+        )?;
+        let gbps = |bytes: u64, ns: u64| if ns > 0 { bytes as f64 / ns as f64 } else { 0.0 };
+        labelled_gauge(
+            &mut enc,
+            "umbp_copy_bandwidth_gigabytes_per_second",
+            "Bytes copied / time inside copy calls since start (GB/s), by direction",
+            "direction",
+            &[
+                ("store", gbps(g(&c.bytes_stored), g(&c.store_copy_ns))),
+                ("load", gbps(g(&c.bytes_loaded), g(&c.load_copy_ns))),
+            ],
+        )?;
+        counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", g(&c.submissions))?;
+        counter(&mut enc, "umbp_rejected_submissions", "Submissions answered with an error CQE", g(&c.rejected_submissions))?;
+        counter(&mut enc, "umbp_hints", "Touch hints drained from schedulers", g(&c.hints))?;
+        labelled_gauge(
+            &mut enc,
+            "umbp_attachments",
+            "Live attachments by role",
+            "role",
+            &[("worker", workers as f64), ("scheduler", schedulers as f64), ("observer", observers as f64)],
+        )?;
+        gauge(&mut enc, "umbp_inflight_submissions", "Submissions accepted and not yet completed", inflight as f64)?;
+        counter(&mut enc, "umbp_attachments_accepted", "Handshakes accepted since start", g(&c.attachments_total))?;
+        counter(&mut enc, "umbp_handshake_refusals", "Handshakes refused since start", g(&c.refusals))?;
+
+        // SAFETY: the pool's own index mapping, alive as long as `inner`.
+        if let Ok(v) = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) } {
+            let s = v.snapshot();
+            gauge(&mut enc, "umbp_index_slots", "Slots per index table", s.slot_count as f64)?;
+            gauge(&mut enc, "umbp_index_live", "Live index entries", s.live as f64)?;
+            gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", s.tombstones as f64)?;
+            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1)", s.epoch as f64)?;
+            counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", s.rebuilds)?;
+        }
+        gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;
+        Ok(())
+    }
+}
