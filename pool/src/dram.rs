@@ -24,7 +24,14 @@ const MPOL_MF_STRICT: libc::c_ulong = 1;
 impl Dram {
     pub fn create(config: &PoolConfig) -> Result<Self, PoolError> {
         let mem = SharedMemory::create("umbp-dram", config.capacity_bytes as usize, config.hugepages)
-            .map_err(|e| PoolError::Dram(format!("{e} (capacity {} bytes, hugepages {})", config.capacity_bytes, config.hugepages)))?;
+            .map_err(|e| {
+                let hint = if config.hugepages {
+                    "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)"
+                } else {
+                    ""
+                };
+                PoolError::Dram(format!("{e} (capacity {} bytes){hint}", config.capacity_bytes))
+            })?;
         let dram = Self {
             mem,
             registered: std::sync::atomic::AtomicU64::new(0),

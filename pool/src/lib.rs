@@ -99,6 +99,15 @@ impl Pool {
     pub fn start(config: PoolConfig) -> Result<Pool, PoolError> {
         config.validate()?;
         let listener = server::bind(&config.socket_path, config.socket_group)?;
+        // A failed start must not leave a socket file behind.
+        let path = config.socket_path.clone();
+        Self::start_bound(config, listener).map_err(|e| {
+            let _ = std::fs::remove_file(&path);
+            e
+        })
+    }
+
+    fn start_bound(config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
         let dram = dram::Dram::create(&config)?;
         let slots = umbp_protocol::index::slots_for(config.capacity_bytes, config.min_object_bytes);
         let index_mem = SharedMemory::create("umbp-index", umbp_protocol::index::region_bytes(slots), false)

@@ -237,3 +237,19 @@ fn second_pool_on_a_live_socket_is_refused_and_stale_is_replaced() {
     let second = PoolProcess::start(&socket, &[]);
     healthy_round_trip(&second, 3);
 }
+
+#[test]
+fn failed_start_names_the_key_and_leaves_no_socket() {
+    let socket = unique_socket("badstart");
+    for (args, needle) in [
+        (&["--capacity", "16MiB", "--numa-node", "999"][..], "numa-node 999"),
+        (&["--capacity", "lots"][..], "capacity (UMBP_DRAM_CAPACITY)"),
+        (&["--capacity", "16MiB", "--low-wm", "0.95"][..], "low-wm"),
+    ] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-pool")).arg("--socket").arg(&socket).args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?} must fail");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!socket.exists(), "{args:?} left {} behind", socket.display());
+    }
+}
