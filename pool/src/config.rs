@@ -224,7 +224,8 @@ impl PoolConfig {
         if self.capacity_bytes < crate::alloc::PAGE_BYTES {
             return inv("capacity", format!("{} bytes is less than one 2 MiB page", self.capacity_bytes));
         }
-        if !(self.low_watermark < self.high_watermark) {
+        // Written so that NaN also fails.
+        if self.low_watermark.partial_cmp(&self.high_watermark) != Some(std::cmp::Ordering::Less) {
             return inv(
                 "low-wm",
                 format!("low watermark {} must be below high watermark {}", self.low_watermark, self.high_watermark),

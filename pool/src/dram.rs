@@ -123,6 +123,9 @@ impl Dram {
 
 }
 
+/// What to unregister at stop: each backend with the base of every chunk it pinned.
+pub type Registrations = Vec<(std::sync::Arc<dyn umbp_gpu::Backend>, usize)>;
+
 /// Registers DRAM with every GPU driver present, in 1 GiB chunks from the start of the
 /// tier, on a background thread: pinning hundreds of GiB takes minutes. The allocator
 /// hands out only registered pages meanwhile (`page_limit`), so the pool serves from the
@@ -130,7 +133,7 @@ impl Dram {
 /// straddles two registrations; multi-page objects may, and the GPU engine cuts copies at
 /// registration ends. Progress is logged (info) every chunk with the rate so far. Returns
 /// the backends and chunk bases to unregister at stop.
-pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<std::thread::JoinHandle<Vec<(std::sync::Arc<dyn umbp_gpu::Backend>, usize)>>> {
+pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<std::thread::JoinHandle<Registrations>> {
     use std::sync::atomic::Ordering;
     use umbp_protocol::wire::MemoryKind;
     // A backend whose library loads but sees no device (a CUDA driver on a GPU-less

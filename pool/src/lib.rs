@@ -91,7 +91,7 @@ pub struct Pool {
     inner: Arc<PoolInner>,
     threads: Vec<JoinHandle<()>>,
     socket_path: PathBuf,
-    registration: Option<JoinHandle<Vec<(Arc<dyn umbp_gpu::Backend>, usize)>>>,
+    registration: Option<JoinHandle<dram::Registrations>>,
 }
 
 impl Pool {
@@ -101,9 +101,8 @@ impl Pool {
         let listener = server::bind(&config.socket_path, config.socket_group)?;
         // A failed start must not leave a socket file behind.
         let path = config.socket_path.clone();
-        Self::start_bound(config, listener).map_err(|e| {
+        Self::start_bound(config, listener).inspect_err(|_| {
             let _ = std::fs::remove_file(&path);
-            e
         })
     }
 

@@ -88,9 +88,9 @@ pub fn run_control(inner: &Arc<PoolInner>, listener: UnixListener) {
         // Pick up attachments whose handshake finished; drop ones that died elsewhere.
         let current = inner.attachments.lock().expect("attachments lock").clone();
         for att in &current {
-            if !known.contains_key(&att.id) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = known.entry(att.id) {
                 let _ = poller.add(att.socket.as_fd(), att.id as u64);
-                known.insert(att.id, att.clone());
+                slot.insert(att.clone());
             }
         }
         known.retain(|id, att| {

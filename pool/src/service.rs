@@ -93,9 +93,9 @@ fn sync_watch_list(poller: &mut Poller, watched: &mut HashMap<u32, Arc<Attachmen
         keep
     });
     for a in current.iter().filter(|a| a.role == Role::Worker) {
-        if !watched.contains_key(&a.id) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = watched.entry(a.id) {
             let _ = poller.add(a.doorbell.fd(), a.id as u64);
-            watched.insert(a.id, a.clone());
+            slot.insert(a.clone());
         }
     }
 }
@@ -157,7 +157,7 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     );
     if let Err(reason) = admitted {
         Counters::add(&inner.counters.busy_refusals, 1);
-        if att.counters.busy.fetch_add(1, Ordering::Relaxed) % 1024 == 0 {
+        if att.counters.busy.fetch_add(1, Ordering::Relaxed).is_multiple_of(1024) {
             tracing::warn!(
                 attachment = att.id,
                 pid = att.pid,

@@ -43,7 +43,7 @@ impl Arena {
         let bytes = count.checked_mul(size);
         let end = bytes.and_then(|b| offset.checked_add(b));
         match end {
-            Some(end) if end <= self.len && offset % core::mem::align_of::<T>() as u64 == 0 => {
+            Some(end) if end <= self.len && offset.is_multiple_of(core::mem::align_of::<T>() as u64) => {
                 // SAFETY: offset + count * size <= len, so the pointer stays in the region.
                 Ok(unsafe { self.base.add(offset as usize) } as *mut T)
             }

@@ -180,7 +180,7 @@ impl<'a> IndexView<'a> {
 #[cfg(not(loom))]
 fn check_index_region(mem: *const u8, len: usize, slot_count: u64) -> Result<(), ProtocolError> {
     let align = core::mem::align_of::<IndexHeader>();
-    if (mem as usize) % align != 0 {
+    if !(mem as usize).is_multiple_of(align) {
         return Err(ProtocolError::Misaligned { align });
     }
     let need = if slot_count == 0 { TABLES_OFFSET } else { region_bytes(slot_count) };
@@ -597,14 +597,19 @@ mod tests {
         let mut r = Region::new(MIN_SLOTS);
         let p = r.ptr();
         let len = region_bytes(MIN_SLOTS);
-        // SAFETY (all below): the region outlives every view.
+        // SAFETY: the region outlives every view.
         assert!(matches!(unsafe { IndexView::attach(p, len) }, Err(ProtocolError::BadMagic { .. })));
+        // SAFETY: the region outlives every view.
         assert!(matches!(unsafe { IndexView::init(p, len, 1000) }, Err(ProtocolError::InvalidField { .. })));
+        // SAFETY: the region outlives every view.
         assert!(matches!(unsafe { IndexView::init(p, 100, MIN_SLOTS) }, Err(ProtocolError::RegionTooSmall { .. })));
+        // SAFETY: the region outlives every view.
         let view = unsafe { IndexView::init(p, len, MIN_SLOTS) }.unwrap();
         view.header.info.table_offset[1].store(len as u64, Ordering::Relaxed);
+        // SAFETY: the region outlives every view.
         assert!(matches!(unsafe { IndexView::attach(p, len) }, Err(ProtocolError::InvalidField { what: "index table offset", .. })));
         view.header.info.slot_count.store(MIN_SLOTS * 4, Ordering::Relaxed);
+        // SAFETY: the region outlives every view.
         assert!(matches!(unsafe { IndexView::attach(p, len) }, Err(ProtocolError::RegionTooSmall { .. })));
     }
 

@@ -164,7 +164,7 @@ impl<'a, T: Pod> Ring<'a, T> {
 #[cfg(not(loom))]
 fn check_region<T>(mem: *mut u8, len: usize, capacity: u32) -> Result<(), ProtocolError> {
     let align = core::mem::align_of::<RingHeader>().max(core::mem::align_of::<T>());
-    if (mem as usize) % align != 0 {
+    if !(mem as usize).is_multiple_of(align) {
         return Err(ProtocolError::Misaligned { align });
     }
     let need = ring_bytes::<T>(capacity);
@@ -541,19 +541,27 @@ mod tests {
     fn malformed_regions_are_typed_errors() {
         let mut mem = region();
         let p = mem.0.as_mut_ptr();
-        // SAFETY (all below): the buffer outlives every handle.
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u64>::attach(p, 4096) }, Err(ProtocolError::BadMagic { .. })));
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u64>::init(p, 100, 4) }, Err(ProtocolError::RegionTooSmall { .. })));
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u64>::init(p, 4096, 3) }, Err(ProtocolError::InvalidField { .. })));
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u64>::init(p.wrapping_add(8), 4000, 4) }, Err(ProtocolError::Misaligned { .. })));
+        // SAFETY: the buffer outlives every handle.
         unsafe { Ring::<u64>::init(p, 4096, 8) }.unwrap();
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u32>::attach(p, 4096) }, Err(ProtocolError::InvalidField { what: "ring entry size", .. })));
         // A capacity that does not fit the region.
+        // SAFETY: the buffer outlives every handle.
         let h = unsafe { &*(p as *const RingHeader) };
         h.info.capacity.store(1 << 12, Ordering::Relaxed);
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u64>::attach(p, 4096) }, Err(ProtocolError::RegionTooSmall { .. })));
         h.info.capacity.store(8, Ordering::Relaxed);
         h.info.version.store(99, Ordering::Relaxed);
+        // SAFETY: the buffer outlives every handle.
         assert!(matches!(unsafe { Ring::<u64>::attach(p, 4096) }, Err(ProtocolError::VersionMismatch { found: 99, .. })));
     }
 
