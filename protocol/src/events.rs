@@ -205,7 +205,7 @@ impl<'a> EventLog<'a> {
 #[cfg(not(loom))]
 fn check_region(mem: *const u8, len: usize, capacity: u32) -> Result<(), ProtocolError> {
     let align = core::mem::align_of::<EventLogHeader>();
-    if (mem as usize) % align != 0 {
+    if !(mem as usize).is_multiple_of(align) {
         return Err(ProtocolError::Misaligned { align });
     }
     let need = if capacity == 0 { EVENT_ENTRIES_OFFSET } else { region_bytes(capacity) };
@@ -516,19 +516,22 @@ mod tests {
         let mut r = Region::new(16);
         let p = r.ptr();
         let len = region_bytes(16);
-        // SAFETY (all below): the region outlives every view.
-        assert!(matches!(unsafe { EventLog::attach(p, len) }, Err(ProtocolError::BadMagic { .. })));
-        assert!(matches!(unsafe { EventLog::init(p, len, 12) }, Err(ProtocolError::InvalidField { .. })));
-        assert!(matches!(unsafe { EventLog::init(p, 100, 16) }, Err(ProtocolError::RegionTooSmall { .. })));
-        let log = unsafe { EventLog::init(p, len, 16) }.unwrap();
+        // SAFETY: `p` points into `r`, which outlives every view made here.
+        let attach = |len| unsafe { EventLog::attach(p, len) };
+        // SAFETY: as above; nothing else uses the region during init.
+        let init = |len, cap| unsafe { EventLog::init(p, len, cap) };
+        assert!(matches!(attach(len), Err(ProtocolError::BadMagic { .. })));
+        assert!(matches!(init(len, 12), Err(ProtocolError::InvalidField { .. })));
+        assert!(matches!(init(100, 16), Err(ProtocolError::RegionTooSmall { .. })));
+        let log = init(len, 16).unwrap();
         log.header.info.capacity.store(1 << 20, Ordering::Relaxed);
-        assert!(matches!(unsafe { EventLog::attach(p, len) }, Err(ProtocolError::RegionTooSmall { .. })));
+        assert!(matches!(attach(len), Err(ProtocolError::RegionTooSmall { .. })));
         log.header.info.capacity.store(16, Ordering::Relaxed);
         log.header.info.tag.store(64, Ordering::Relaxed);
-        assert!(matches!(unsafe { EventLog::attach(p, len) }, Err(ProtocolError::InvalidField { what: "event log tag", .. })));
+        assert!(matches!(attach(len), Err(ProtocolError::InvalidField { what: "event log tag", .. })));
         log.header.info.tag.store(EVENT_LOG_TAG, Ordering::Relaxed);
         // A garbage kind is never returned as an event.
-        let log = unsafe { EventLog::attach(p, len) }.unwrap();
+        let log = attach(len).unwrap();
         let mut w = EventLogWriter::new(log);
         w.push(EventKind::Stored, key(0));
         log.entries[0].kind.store(99, Ordering::Relaxed);

@@ -90,6 +90,27 @@ def test_embedded_pool_round_trip_and_index():
         pool.close()
 
 
+def test_index_take_events_reports_stores_and_removals():
+    ns = n.namespace_digest("test_index_take_events")
+    pool = n.EmbeddedPool(64 << 20, min_object_bytes=PAGE)
+    try:
+        idx = n.Index(pool.socket_path, ns)
+        assert idx.take_events() == []
+        w, _buf = _attach(pool.socket_path, ns)
+        keys = n.object_keys(ns, 0, 0, [bytes([i]) for i in range(6)])
+        assert w.wait(w.store(0, keys, list(range(6))), 5000) == [n.STATUS_STORED] * 6
+        events = idx.take_events()
+        assert sorted(events) == sorted(("stored", k) for k in keys)
+        assert all(isinstance(k, bytes) and len(k) == 16 for _, k in events)
+        assert idx.take_events() == [], "each event is returned once"
+        assert w.reset_namespace() == 6
+        assert sorted(idx.take_events()) == sorted(("removed", k) for k in keys)
+        assert idx.events_lost == 0
+        w.close()
+    finally:
+        pool.close()
+
+
 def test_unreachable_pool_names_the_socket(short_tmp):
     path = str(short_tmp / "nobody.sock")
     with pytest.raises(n.UmbpError, match=path):

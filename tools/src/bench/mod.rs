@@ -6,4 +6,5 @@ pub mod lookup;
 pub mod report;
 pub mod ring;
 pub mod shm;
+pub mod soak;
 pub mod transfer;

@@ -66,6 +66,13 @@ enum Cmd {
     /// KV store/load GB/s through a pool (host memfd or CUDA memory, workers in child
     /// processes) beside contiguous-copy baselines; `--check` runs the GPU data-path checks.
     Transfer(bench::transfer::TransferCli),
+    /// Chaos soak: worker processes store and load checksummed blocks while workers are
+    /// SIGKILLed and the pool is stopped, resumed, killed and restarted; checks no corrupted
+    /// byte, no blocked call, no leak after any worker death, every worker re-attached.
+    Soak(bench::soak::SoakCli),
+    /// Internal: a worker process of `soak`.
+    #[command(name = "__soak-worker", hide = true)]
+    SoakWorker(bench::soak::SoakWorkerCli),
     /// Internal: a worker process of `transfer`.
     #[command(name = "__transfer-worker", hide = true)]
     TransferWorker(bench::transfer::TransferWorkerCli),
@@ -112,6 +119,8 @@ fn main() -> ExitCode {
         }
         Cmd::Transfer(t) => t.run(),
         Cmd::TransferWorker(t) => t.run(),
+        Cmd::Soak(s) => s.run().map_err(std::io::Error::other),
+        Cmd::SoakWorker(s) => s.run().map_err(std::io::Error::other),
         Cmd::RingPeer {
             fd,
             sock_fd,

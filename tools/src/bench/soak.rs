@@ -1,0 +1,812 @@
+//! `umbp-bench soak`: a chaos soak of a real `umbp-pool` process and real worker processes
+//! (docs/reliability.md).
+//!
+//! `--workers` processes (this binary re-executed as `__soak-worker`) store and load
+//! checksummed blocks at random, over one shared key space, for `--seconds`, while a chaos
+//! loop SIGKILLs workers (and starts replacements), SIGSTOPs and SIGCONTs the pool, and
+//! kills and restarts the pool at the same socket. It checks, and fails (exit 1) when one
+//! does not hold:
+//!
+//! - `corrupted_bytes` = 0: every block a load reports `Loaded` has exactly the bytes its
+//!   key's pattern says, whoever stored it;
+//! - `max_blocked_ms` <= `--timeout-ms`: no worker call (submit, poll) took longer than the
+//!   engine timeout, and no `wait(t)` returned later than `t` plus the timeout;
+//! - `leaked_bytes` = 0 and no leaked fd: after every worker death (the others paused with
+//!   nothing in flight) every allocated byte of the pool belongs to a published object, no
+//!   object is pinned, and the pool has exactly its baseline fds plus those of the live
+//!   attachments;
+//! - every worker is attached again at the end.
+//!
+//! A fault-free warm-up phase first measures the operation rate the `operations` case is
+//! compared with (DESIGN §12: the baseline is measured in the same run).
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, TransferId, Worker, WorkerConfig, WorkerError};
+
+use super::report::{Better, Case};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct SoakCli {
+    /// Length of the chaos phase.
+    #[arg(long, default_value_t = 60)]
+    pub seconds: u64,
+    /// Worker processes.
+    #[arg(long, default_value_t = 4)]
+    pub workers: usize,
+    /// Engine timeout of each worker (`timeout_ms`); also the bound on any blocked call.
+    #[arg(long = "timeout-ms", default_value_t = 1000)]
+    pub timeout_ms: u64,
+    /// Pool DRAM.
+    #[arg(long, default_value = "256MiB")]
+    pub capacity: String,
+    /// Seed of the chaos schedule and the workers' choices.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// The `umbp-pool` binary [default: next to this one].
+    #[arg(long = "pool-bin")]
+    pub pool_bin: Option<PathBuf>,
+    /// Extra flags for every `umbp-pool` start (space separated).
+    #[arg(long = "pool-args", default_value = "", allow_hyphen_values = true)]
+    pub pool_args: String,
+    /// One JSON object per case and line.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct SoakWorkerCli {
+    #[arg(long)]
+    socket: PathBuf,
+    #[arg(long)]
+    id: u64,
+    #[arg(long)]
+    seed: u64,
+    #[arg(long = "timeout-ms")]
+    timeout_ms: u64,
+}
+
+const NS: u128 = 0x736f_616b;
+/// Layout of every worker: LAYERS segments of BLOCKS pages.
+const LAYERS: u64 = 4;
+const BLOCKS: u64 = 32;
+const PAGE: u64 = 16 << 10;
+const OBJECT_BYTES: u64 = LAYERS * PAGE;
+/// Shared key space (a quarter of it fits a 256 MiB pool at once: eviction runs too).
+const KEYS: u64 = 16384;
+/// Transfers each worker keeps in flight.
+const DEPTH: usize = 4;
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The bytes of the object with `key`: every byte depends on the key and its position.
+fn pattern(key: u128, out: &mut [u8]) {
+    for (i, chunk) in out.chunks_mut(8).enumerate() {
+        let w = splitmix(key as u64 ^ (key >> 64) as u64 ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+        chunk.copy_from_slice(&w.to_le_bytes()[..chunk.len()]);
+    }
+}
+
+fn key_of(k: u64) -> ObjectKey {
+    ObjectKey::derive(NS, 0, 0, &k.to_le_bytes())
+}
+
+// ---------------------------------------------------------------------------------------
+// Worker process
+// ---------------------------------------------------------------------------------------
+
+struct Pending {
+    /// (key number, key, block)
+    batch: Vec<(u64, ObjectKey, u64)>,
+}
+
+#[derive(Default)]
+struct Tally {
+    transfers: u64,
+    blocks: u64,
+    stored: u64,
+    loaded: u64,
+    failed: u64,
+    corrupt_bytes: u64,
+    max_blocked_ms: f64,
+    busy: u64,
+    stalled: u64,
+    disconnected: u64,
+}
+
+struct SoakWorker {
+    id: u64,
+    w: Worker,
+    mem: Vec<u8>,
+    obj: Vec<u8>,
+    pending: Vec<(TransferId, Pending)>,
+    free: Vec<u64>,
+    /// Key numbers this worker stored lately (what its loads mostly ask for).
+    recent: std::collections::VecDeque<u64>,
+    t: Tally,
+    rng: u64,
+    timeout: Duration,
+}
+
+fn page_offsets(b: u64) -> impl Iterator<Item = usize> {
+    (0..LAYERS).map(move |l| ((l * BLOCKS + b) * PAGE) as usize)
+}
+
+impl SoakWorker {
+    fn next(&mut self) -> u64 {
+        self.rng = splitmix(self.rng);
+        self.rng
+    }
+
+    /// Runs `f` (a worker-library call) and records how far past `allowed` it returned.
+    fn timed<R>(&mut self, allowed: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
+        let started = Instant::now();
+        let r = f(&mut self.w);
+        let over = started.elapsed().saturating_sub(allowed).as_secs_f64() * 1e3;
+        self.t.max_blocked_ms = self.t.max_blocked_ms.max(over);
+        r
+    }
+
+    /// Verifies the Loaded blocks of a completion and frees its blocks.
+    fn complete(&mut self, c: umbp_worker::Completion) {
+        let Some(pos) = self.pending.iter().position(|(id, _)| *id == c.id) else { return };
+        let (_, p) = self.pending.swap_remove(pos);
+        self.t.transfers += 1;
+        if c.error == Some(umbp_worker::CqeError::Busy) {
+            self.t.busy += 1;
+        }
+        for (s, &(n, k, b)) in c.statuses.iter().zip(&p.batch) {
+            self.t.blocks += 1;
+            match s {
+                BlockStatus::Stored | BlockStatus::AlreadyPresent => {
+                    self.t.stored += 1;
+                    self.recent.push_back(n);
+                    if self.recent.len() > 256 {
+                        self.recent.pop_front();
+                    }
+                }
+                BlockStatus::Loaded => {
+                    self.t.loaded += 1;
+                    pattern(k.0, &mut self.obj);
+                    let mut bad = 0u64;
+                    for (l, off) in page_offsets(b).enumerate() {
+                        let want = &self.obj[l * PAGE as usize..(l + 1) * PAGE as usize];
+                        bad += self.mem[off..off + PAGE as usize].iter().zip(want).filter(|(x, y)| x != y).count() as u64;
+                    }
+                    if bad > 0 {
+                        self.t.corrupt_bytes += bad;
+                        eprintln!("soak worker {}: key {n} (block {b}): {bad} corrupted bytes", self.id);
+                        self.report("corrupt");
+                    }
+                }
+                _ => self.t.failed += 1,
+            }
+        }
+        self.free.extend(p.batch.iter().map(|&(_, _, b)| b));
+    }
+
+    fn submit(&mut self) {
+        let store = self.next() % 2 == 0 || self.recent.is_empty();
+        let n = 1 + self.next() % 8;
+        let mut batch: Vec<(u64, ObjectKey, u64)> = Vec::new();
+        for _ in 0..n {
+            let k = if store || self.next() % 4 == 0 {
+                self.next() % KEYS
+            } else {
+                let i = (self.next() % self.recent.len() as u64) as usize;
+                self.recent[i]
+            };
+            if batch.iter().any(|&(kk, _, _)| kk == k) {
+                continue;
+            }
+            let b = self.free.pop().expect("the caller checked there are free blocks");
+            batch.push((k, key_of(k), b));
+        }
+        for &(_, k, b) in &batch {
+            if store {
+                pattern(k.0, &mut self.obj);
+                for (l, off) in page_offsets(b).enumerate() {
+                    self.mem[off..off + PAGE as usize].copy_from_slice(&self.obj[l * PAGE as usize..(l + 1) * PAGE as usize]);
+                }
+            } else {
+                for off in page_offsets(b) {
+                    self.mem[off..off + PAGE as usize].fill(0xEE);
+                }
+            }
+        }
+        let blocks: Vec<(ObjectKey, u64)> = batch.iter().map(|&(_, k, b)| (k, b)).collect();
+        let r = self.timed(Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
+        match r {
+            Ok(id) => self.pending.push((id, Pending { batch })),
+            Err(e) => {
+                match e {
+                    WorkerError::Stalled { .. } => self.t.stalled += 1,
+                    WorkerError::Disconnected => self.t.disconnected += 1,
+                    _ => {}
+                }
+                self.free.extend(batch.iter().map(|&(_, _, b)| b));
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// One round: reap, then submit or wait for the oldest transfer.
+    fn step(&mut self, submit: bool) {
+        for c in self.timed(Duration::ZERO, |w| w.poll()) {
+            self.complete(c);
+        }
+        if submit && self.pending.len() < DEPTH && self.free.len() >= 8 {
+            self.submit();
+        } else if let Some(&(id, _)) = self.pending.first() {
+            let slice = Duration::from_millis(20);
+            let timeout = self.timeout;
+            // wait(t) must come back within t (plus the engine timeout at most).
+            if let Some(c) = self.timed(slice + timeout, |w| w.wait(id, slice)) {
+                self.complete(c);
+            }
+        } else {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    fn report(&self, kind: &str) {
+        let t = &self.t;
+        let line = json!({
+            "t": kind,
+            "transfers": t.transfers, "blocks": t.blocks, "stored": t.stored, "loaded": t.loaded,
+            "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
+            "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
+            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected,
+            "connected": self.w.is_connected(), "pending": self.pending.len(),
+        });
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    }
+}
+
+impl SoakWorkerCli {
+    /// The worker process: commands `pause` (finish what is in flight, report `paused`,
+    /// submit nothing), `resume` and `quit` arrive on stdin; reports go to stdout.
+    pub fn run(self) -> Result<(), String> {
+        let commands = Arc::new(Mutex::new(Vec::<String>::new()));
+        let c2 = commands.clone();
+        std::thread::spawn(move || {
+            for line in std::io::stdin().lock().lines() {
+                let Ok(line) = line else { break };
+                c2.lock().unwrap().push(line.trim().to_string());
+            }
+            c2.lock().unwrap().push("quit".into());
+        });
+        let mem = vec![0u8; (LAYERS * BLOCKS * PAGE) as usize];
+        let mut cfg = WorkerConfig::new(&self.socket, NS);
+        cfg.timeout = Duration::from_millis(self.timeout_ms);
+        cfg.startup_timeout = Duration::from_secs(60);
+        let mut w = Worker::connect(cfg).map_err(|e| e.to_string())?;
+        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() })
+            .map_err(|e| e.to_string())?;
+        let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
+        w.register_layout(0, segs).map_err(|e| e.to_string())?;
+        let mut sw = SoakWorker {
+            id: self.id,
+            w,
+            mem,
+            obj: vec![0u8; OBJECT_BYTES as usize],
+            pending: Vec::new(),
+            free: (0..BLOCKS).collect(),
+            recent: Default::default(),
+            t: Tally::default(),
+            rng: splitmix(self.seed ^ self.id.wrapping_mul(0x1234_5678_9abc)),
+            timeout: Duration::from_millis(self.timeout_ms),
+        };
+        sw.report("ready");
+        let mut paused = false;
+        let mut paused_reported = false;
+        let mut last_report = Instant::now();
+        loop {
+            for cmd in std::mem::take(&mut *commands.lock().unwrap()) {
+                match cmd.as_str() {
+                    "pause" => {
+                        paused = true;
+                        paused_reported = false;
+                    }
+                    "resume" => paused = false,
+                    "quit" => {
+                        sw.report("final");
+                        return Ok(());
+                    }
+                    _ => {}
+                }
+            }
+            sw.step(!paused);
+            if paused && sw.pending.is_empty() && !paused_reported {
+                sw.report("paused");
+                paused_reported = true;
+            }
+            if last_report.elapsed() >= Duration::from_millis(200) {
+                sw.report("stats");
+                last_report = Instant::now();
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent: pool process, worker processes, chaos, checks
+// ---------------------------------------------------------------------------------------
+
+#[derive(Default)]
+struct WorkerState {
+    last: Value,
+    paused: u64,
+}
+
+struct WorkerProc {
+    child: Child,
+    stdin: ChildStdin,
+    state: Arc<Mutex<WorkerState>>,
+}
+
+impl WorkerProc {
+    fn spawn(socket: &Path, id: u64, seed: u64, timeout_ms: u64) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .args(["__soak-worker", "--id", &id.to_string(), "--seed", &seed.to_string()])
+            .args(["--timeout-ms", &timeout_ms.to_string()])
+            .arg("--socket")
+            .arg(socket)
+            .env("RUST_LOG", "error")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .map_err(|e| format!("spawn soak worker: {e}"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let state = Arc::new(Mutex::new(WorkerState::default()));
+        let s2 = state.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
+                let mut s = s2.lock().unwrap();
+                if v["t"] == "paused" {
+                    s.paused += 1;
+                }
+                s.last = v;
+            }
+        });
+        Ok(Self { child, stdin, state })
+    }
+
+    fn send(&mut self, cmd: &str) {
+        let _ = writeln!(self.stdin, "{cmd}");
+        let _ = self.stdin.flush();
+    }
+
+    fn last(&self) -> Value {
+        self.state.lock().unwrap().last.clone()
+    }
+
+    fn kill(&mut self) -> Value {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // Let the reader drain what the worker printed before it died.
+        std::thread::sleep(Duration::from_millis(20));
+        self.last()
+    }
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v[k].as_f64().unwrap_or(0.0)
+}
+
+/// Counters summed over workers (max for `max_blocked_ms`).
+#[derive(Default, Clone, Copy, Debug)]
+struct Totals {
+    transfers: f64,
+    blocks: f64,
+    loaded: f64,
+    corrupt_bytes: f64,
+    max_blocked_ms: f64,
+}
+
+impl Totals {
+    fn add(&mut self, v: &Value) {
+        self.transfers += num(v, "transfers");
+        self.blocks += num(v, "blocks");
+        self.loaded += num(v, "loaded");
+        self.corrupt_bytes += num(v, "corrupt_bytes");
+        self.max_blocked_ms = self.max_blocked_ms.max(num(v, "max_blocked_ms"));
+    }
+}
+
+struct PoolProc {
+    child: Child,
+    bin: PathBuf,
+    socket: PathBuf,
+    args: Vec<String>,
+    log: PathBuf,
+}
+
+impl PoolProc {
+    fn start(bin: &Path, socket: &Path, args: &[String], log: &Path) -> Result<Self, String> {
+        let mut p = Self { child: Self::spawn(bin, socket, args, log)?, bin: bin.into(), socket: socket.into(), args: args.to_vec(), log: log.into() };
+        p.wait_listening()?;
+        Ok(p)
+    }
+
+    fn spawn(bin: &Path, socket: &Path, args: &[String], log: &Path) -> Result<Child, String> {
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(|e| e.to_string())?;
+        Command::new(bin)
+            .arg("--socket")
+            .arg(socket)
+            .args(args)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("spawn {}: {e}", bin.display()))
+    }
+
+    fn wait_listening(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while UnixStream::connect(&self.socket).is_err() {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return Err(format!("umbp-pool exited at start ({st}); log: {}", self.log.display()));
+            }
+            if Instant::now() > deadline {
+                return Err(format!("umbp-pool did not listen at {}", self.socket.display()));
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn signal(&self, sig: Signal) {
+        if let Some(pid) = rustix::process::Pid::from_raw(self.pid()) {
+            let _ = rustix::process::kill_process(pid, sig);
+        }
+    }
+
+    fn restart(&mut self) -> Result<(), String> {
+        self.kill();
+        self.child = Self::spawn(&self.bin, &self.socket, &self.args, &self.log)?;
+        self.wait_listening()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+    }
+
+    /// The pool's JSON state report, through an observer attachment.
+    fn report(&self) -> Result<Value, String> {
+        use umbp_ipc::message::{recv_message, send_message};
+        use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
+        let t = Some(Duration::from_secs(5));
+        let sock = UnixStream::connect(&self.socket).map_err(|e| format!("report: {e}"))?;
+        let hello = Hello::new(Role::Observer, 0, std::process::id());
+        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(&hello), &[], t).map_err(|e| e.to_string())?;
+        let m = recv_message(&sock, t).map_err(|e| e.to_string())?;
+        let r: HelloReply = wire::decode(&m.payload).map_err(|e| e.to_string())?;
+        if r.status != 0 {
+            return Err(r.message());
+        }
+        send_message(&sock, MessageKind::StatsRequest, &[], &[], t).map_err(|e| e.to_string())?;
+        let m = recv_message(&sock, t).map_err(|e| e.to_string())?;
+        let _: Reply = wire::decode(&m.payload).map_err(|e| e.to_string())?;
+        serde_json::from_slice(&m.payload[std::mem::size_of::<Reply>()..]).map_err(|e| e.to_string())
+    }
+}
+
+impl Drop for PoolProc {
+    fn drop(&mut self) {
+        self.signal(SIGCONT); // in case it is stopped
+        self.kill();
+    }
+}
+
+use rustix::process::Signal;
+
+const SIGSTOP: Signal = Signal::STOP;
+const SIGCONT: Signal = Signal::CONT;
+
+fn worker_attachments(r: &Value) -> usize {
+    r["attachments"].as_array().map_or(0, |a| a.iter().filter(|a| a["role"] == "worker").count())
+}
+
+fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pool's fd count once it stays the same for 200 ms and satisfies `ok` (its last
+/// observer attachment, background GPU probing and the like have settled); gives up after
+/// 10 s and returns the last count.
+fn settled_fds(pool: &PoolProc, ok: impl Fn(usize) -> bool) -> usize {
+    let mut prev = pool.fds();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        std::thread::sleep(Duration::from_millis(200));
+        let now = pool.fds();
+        if (now == prev && ok(now)) || Instant::now() > deadline {
+            return now;
+        }
+        prev = now;
+    }
+}
+
+struct Soak {
+    cli: SoakCli,
+    pool: PoolProc,
+    workers: Vec<WorkerProc>,
+    next_id: u64,
+    banked: Totals,
+    base_fds: usize,
+    fds_per_worker: usize,
+    leaked_bytes: u64,
+    leaked_fds: i64,
+    leak_checks: u64,
+    failures: Vec<String>,
+}
+
+impl Soak {
+    fn spawn_worker(&mut self) -> Result<(), String> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let w = WorkerProc::spawn(&self.pool.socket, id, self.cli.seed, self.cli.timeout_ms)?;
+        self.workers.push(w);
+        Ok(())
+    }
+
+    fn totals(&self) -> Totals {
+        let mut t = self.banked;
+        for w in &self.workers {
+            t.add(&w.last());
+        }
+        t
+    }
+
+    /// Pauses every worker (each finishes what it has in flight) and waits until all say so.
+    fn pause_all(&mut self) -> Result<(), String> {
+        let before: Vec<u64> = self.workers.iter().map(|w| w.state.lock().unwrap().paused).collect();
+        for w in &mut self.workers {
+            w.send("pause");
+        }
+        let ok = eventually(Duration::from_secs(30), || {
+            self.workers.iter().zip(&before).all(|(w, b)| w.state.lock().unwrap().paused > *b)
+        });
+        if ok { Ok(()) } else { Err("a worker did not drain its transfers within 30 s of pause".into()) }
+    }
+
+    fn resume_all(&mut self) {
+        for w in &mut self.workers {
+            w.send("resume");
+        }
+    }
+
+    /// With every worker paused: the pool holds only published, unpinned objects, all its
+    /// allocated bytes belong to them, and it has its baseline fds plus the live workers'.
+    fn leak_check(&mut self, when: &str) -> Result<(), String> {
+        self.pause_all()?;
+        let live = self.workers.len();
+        let mut last = Value::Null;
+        let settled = eventually(Duration::from_secs(20), || {
+            let Ok(r) = self.pool.report() else { return false };
+            let ok = worker_attachments(&r) == live
+                && r["pool"]["objects"] == r["pool"]["published_objects"]
+                && r["pool"]["pinned_objects"] == 0;
+            last = r;
+            ok
+        });
+        if !settled {
+            self.failures.push(format!("{when}: pool did not settle: {} worker attachments of {live}, pool {}", worker_attachments(&last), last["pool"]));
+        }
+        let allocated = last["pool"]["allocated_bytes"].as_u64().unwrap_or(0);
+        let published = last["pool"]["published_objects"].as_u64().unwrap_or(0);
+        let leaked = allocated.saturating_sub(published * OBJECT_BYTES);
+        self.leaked_bytes = self.leaked_bytes.max(leaked);
+        if leaked > 0 {
+            self.failures.push(format!("{when}: {leaked} bytes allocated beyond published objects: {}", last["pool"]));
+        }
+        let want = self.base_fds + live * self.fds_per_worker;
+        let mut fds = 0;
+        eventually(Duration::from_secs(5), || {
+            fds = self.pool.fds();
+            fds == want
+        });
+        if fds != want {
+            self.leaked_fds = self.leaked_fds.max(fds as i64 - want as i64);
+            self.failures.push(format!("{when}: pool has {fds} fds, expected {want} ({} + {live} x {})", self.base_fds, self.fds_per_worker));
+        }
+        self.leak_checks += 1;
+        self.resume_all();
+        Ok(())
+    }
+}
+
+impl SoakCli {
+    pub fn run(self) -> Result<(), String> {
+        let bin = match &self.pool_bin {
+            Some(b) => b.clone(),
+            None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("umbp-pool"),
+        };
+        if !bin.exists() {
+            return Err(format!("{} not found: build it (cargo build --bins) or pass --pool-bin", bin.display()));
+        }
+        let dir = std::env::temp_dir().join(format!("umbp-soak-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let socket = dir.join("pool.sock");
+        let log = dir.join("pool.log");
+        let mut args: Vec<String> = vec!["--capacity".into(), self.capacity.clone(), "--min-object-size".into(), "64KiB".into()];
+        args.extend(self.pool_args.split_whitespace().map(String::from));
+        let pool = PoolProc::start(&bin, &socket, &args, &log)?;
+        let base_fds = settled_fds(&pool, |_| true);
+        let mut s = Soak {
+            cli: self.clone(),
+            pool,
+            workers: Vec::new(),
+            next_id: 0,
+            banked: Totals::default(),
+            base_fds,
+            fds_per_worker: 0,
+            leaked_bytes: 0,
+            leaked_fds: 0,
+            leak_checks: 0,
+            failures: Vec::new(),
+        };
+        for _ in 0..self.workers.max(1) {
+            s.spawn_worker()?;
+        }
+        let n = s.workers.len();
+        // Per-attachment fds, measured with everyone attached and idle.
+        s.pause_all()?;
+        let attached = eventually(Duration::from_secs(20), || s.pool.report().is_ok_and(|r| worker_attachments(&r) == n));
+        if !attached {
+            return Err("workers did not attach".into());
+        }
+        let with = settled_fds(&s.pool, |f| f > base_fds && (f - base_fds) % n == 0);
+        if with < base_fds || (with - base_fds) % n != 0 {
+            return Err(format!("cannot measure fds per attachment: {base_fds} idle, {with} with {n} workers"));
+        }
+        s.fds_per_worker = (with - base_fds) / n;
+        s.resume_all();
+
+        // Fault-free warm-up: the baseline rate.
+        let warmup = Duration::from_secs((self.seconds / 6).clamp(2, 5));
+        let t0 = s.totals();
+        std::thread::sleep(warmup);
+        let t1 = s.totals();
+        let base_rate = (t1.transfers - t0.transfers) / warmup.as_secs_f64();
+
+        let bar = if self.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(self.seconds) };
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("soak [{bar:30}] {pos}/{len} s {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let mut rng = splitmix(self.seed ^ 0x50a4);
+        let mut rand = move |n: u64| {
+            rng = splitmix(rng);
+            rng % n.max(1)
+        };
+        let (mut kills, mut stops, mut restarts) = (0u64, 0u64, 0u64);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(self.seconds);
+        while Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(200 + rand(1000)));
+            if Instant::now() >= deadline {
+                break;
+            }
+            match rand(9) {
+                0..=3 => {
+                    let i = rand(s.workers.len() as u64) as usize;
+                    let mut w = s.workers.swap_remove(i);
+                    let last = w.kill();
+                    s.banked.add(&last);
+                    kills += 1;
+                    s.leak_check(&format!("after worker kill {kills}"))?;
+                    s.spawn_worker()?;
+                }
+                4..=6 => {
+                    s.pool.signal(SIGSTOP);
+                    std::thread::sleep(Duration::from_millis(100 + rand(2 * self.timeout_ms)));
+                    s.pool.signal(SIGCONT);
+                    stops += 1;
+                }
+                _ => {
+                    std::thread::sleep(Duration::from_millis(rand(300)));
+                    s.pool.restart()?;
+                    restarts += 1;
+                }
+            }
+            bar.set_position(start.elapsed().as_secs().min(self.seconds));
+            bar.set_message(format!("{kills} worker kills, {stops} pool stops, {restarts} pool restarts"));
+        }
+        bar.finish_and_clear();
+
+        // All workers must come back (the last fault may have been a pool restart).
+        let reattached = eventually(Duration::from_secs(30), || {
+            s.pool.report().is_ok_and(|r| worker_attachments(&r) == n)
+                && s.workers.iter().all(|w| w.last()["connected"] == true)
+        });
+        if !reattached {
+            s.failures.push("not every worker re-attached within 30 s of the last fault".into());
+        }
+        s.leak_check("at the end")?;
+        s.pause_all()?;
+        let mut total = s.banked;
+        for w in &mut s.workers {
+            w.send("quit");
+        }
+        for w in &mut s.workers {
+            let _ = w.child.wait();
+            std::thread::sleep(Duration::from_millis(10));
+            total.add(&w.last());
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+
+        let chaos_s = start.elapsed().as_secs_f64();
+        let ops = total.transfers - t1.transfers;
+        let faults = kills + stops + restarts;
+        if total.corrupt_bytes > 0.0 {
+            s.failures.push(format!("{} corrupted bytes were returned as Loaded", total.corrupt_bytes));
+        }
+        if total.max_blocked_ms > self.timeout_ms as f64 {
+            s.failures.push(format!("a worker call blocked {} ms past what it allowed (bound {} ms)", total.max_blocked_ms, self.timeout_ms));
+        }
+        let pass = s.failures.is_empty();
+        let ctx = |c: Case| c.extra("seconds", self.seconds).extra("workers", n as u64).extra("pass", pass);
+        let cases = vec![
+            ctx(Case::new("soak", "operations", ops, "transfers", base_rate * chaos_s, "fault-free rate x duration (warm-up phase)", Better::Higher))
+                .extra("blocks", (total.blocks) as u64)
+                .extra("ops_per_s", (ops / chaos_s).round()),
+            ctx(Case::new("soak", "faults_injected", faults as f64, "faults", 0.0, "faults in the warm-up phase", Better::Higher))
+                .extra("worker_kills", kills)
+                .extra("pool_stops", stops)
+                .extra("pool_restarts", restarts),
+            ctx(Case::new("soak", "corrupted_bytes", total.corrupt_bytes, "bytes", 0.0, "allowed", Better::Lower))
+                .extra("verified_blocks", total.loaded as u64)
+                .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES),
+            ctx(Case::new("soak", "leaked_bytes", s.leaked_bytes as f64, "bytes", 0.0, "allowed", Better::Lower))
+                .extra("leak_checks", s.leak_checks)
+                .extra("leaked_fds", s.leaked_fds)
+                .extra("fds_per_worker", s.fds_per_worker as u64),
+            ctx(Case::new("soak", "max_blocked_ms", total.max_blocked_ms, "ms", self.timeout_ms as f64, "engine timeout_ms (the bound)", Better::Lower))
+                .extra("all_reattached", reattached),
+        ];
+        super::report::print(&cases, self.json);
+        if pass {
+            Ok(())
+        } else {
+            Err(format!("soak failed: {}", s.failures.join("; ")))
+        }
+    }
+}
