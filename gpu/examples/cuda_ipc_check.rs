@@ -287,22 +287,28 @@ fn main() {
     let mut local: sys::CUdeviceptr = 0;
     // SAFETY: a local allocation of `len` bytes used only for the baseline copies.
     unsafe { ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut local, len)) };
+    // One copy per registered chunk: a copy spanning two separate registrations is
+    // refused by the driver (CUDA_ERROR_INVALID_VALUE, seen on the H200 2026-11-29).
     // SAFETY: copies between the local allocation and the registered pool, both `len`.
     let base_d2h = len as f64
         / best_of(3, || unsafe {
-            ck(
-                "cuMemcpyDtoH",
-                sys::cuMemcpyDtoH_v2(pool.cast(), local, len),
-            )
+            for c in (0..len).step_by(CHUNK) {
+                ck(
+                    "cuMemcpyDtoH",
+                    sys::cuMemcpyDtoH_v2(pool.add(c).cast(), local + c as u64, CHUNK),
+                )
+            }
         })
         / 1e9;
     // SAFETY: as above.
     let base_h2d = len as f64
         / best_of(3, || unsafe {
-            ck(
-                "cuMemcpyHtoD",
-                sys::cuMemcpyHtoD_v2(local, pool.cast(), len),
-            )
+            for c in (0..len).step_by(CHUNK) {
+                ck(
+                    "cuMemcpyHtoD",
+                    sys::cuMemcpyHtoD_v2(local + c as u64, pool.add(c).cast(), CHUNK),
+                )
+            }
         })
         / 1e9;
     let runs: [(&str, &[CopyOp], bool, f64); 4] = [

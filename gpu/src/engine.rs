@@ -14,7 +14,8 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Instant;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::error::format_uuid;
@@ -33,11 +34,83 @@ pub(crate) const MAX_STREAMS: usize = 16;
 /// Ops larger than this are cut so that one huge op also spreads over the streams.
 const SPLIT_BYTES: u64 = 16 << 20;
 
-/// Most copies handed to the driver in one batch call.
-const BATCH_MAX: usize = 512;
+/// Most copies handed to the driver in one batch call unless tuned
+/// ([`set_batch_max`], `UMBP_COPY_BATCH_MAX`).
+const DEFAULT_BATCH_MAX: usize = 512;
+static BATCH_MAX: AtomicUsize = AtomicUsize::new(0);
+
+/// Size of the first batch of each stream (then doubling up to the batch maximum).
+const FIRST_BATCH: usize = 16;
+
+/// Most copies per batched driver call (1..=65536).
+pub fn set_batch_max(n: usize) {
+    BATCH_MAX.store(n.clamp(1, 65536), Ordering::Relaxed);
+}
+
+/// See [`set_batch_max`].
+pub fn batch_max() -> usize {
+    let mut n = BATCH_MAX.load(Ordering::Relaxed);
+    if n == 0 {
+        n = std::env::var("UMBP_COPY_BATCH_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_BATCH_MAX).clamp(1, 65536);
+        BATCH_MAX.store(n, Ordering::Relaxed);
+    }
+    n
+}
 
 static STREAMS: AtomicUsize = AtomicUsize::new(0);
 static BATCH: AtomicUsize = AtomicUsize::new(0);
+static PARALLEL: AtomicUsize = AtomicUsize::new(0);
+
+/// Copy calls with at least this many items enqueue each stream's run from its own
+/// thread when parallel submission is on ([`set_parallel_submit`]).
+const PARALLEL_MIN_ITEMS: usize = 256;
+
+/// Engine counters of this process (all GPU copy calls), for benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub calls: u64,
+    pub items: u64,
+    pub bytes: u64,
+    /// Time spent handing copies to the driver.
+    pub enqueue_ns: u64,
+    /// Time of whole copy calls (fence waits, enqueue, synchronization).
+    pub total_ns: u64,
+}
+
+static STAT_CALLS: AtomicU64 = AtomicU64::new(0);
+static STAT_ITEMS: AtomicU64 = AtomicU64::new(0);
+static STAT_BYTES: AtomicU64 = AtomicU64::new(0);
+static STAT_ENQUEUE: AtomicU64 = AtomicU64::new(0);
+static STAT_TOTAL: AtomicU64 = AtomicU64::new(0);
+
+/// Snapshot of [`EngineStats`].
+pub fn engine_stats() -> EngineStats {
+    EngineStats {
+        calls: STAT_CALLS.load(Ordering::Relaxed),
+        items: STAT_ITEMS.load(Ordering::Relaxed),
+        bytes: STAT_BYTES.load(Ordering::Relaxed),
+        enqueue_ns: STAT_ENQUEUE.load(Ordering::Relaxed),
+        total_ns: STAT_TOTAL.load(Ordering::Relaxed),
+    }
+}
+
+/// Whether large copy calls enqueue each stream's share from its own thread (default
+/// off, `UMBP_COPY_PARALLEL=1` turns it on). Measured on the H200 (2026-11-29): no gain,
+/// the driver's enqueue (~0.7 µs per batched copy) stays ahead of the DMA from one
+/// thread, and 4 submitting threads made 64 KiB-page calls ~5% slower.
+pub fn set_parallel_submit(on: bool) {
+    PARALLEL.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// See [`set_parallel_submit`].
+pub fn parallel_submit() -> bool {
+    let mut p = PARALLEL.load(Ordering::Relaxed);
+    if p == 0 {
+        p = if std::env::var("UMBP_COPY_PARALLEL").is_ok_and(|v| v == "1") { 1 } else { 2 };
+        PARALLEL.store(p, Ordering::Relaxed);
+    }
+    p == 1
+}
 
 /// Copy tuning of this process: streams per copy call (1..=16) and whether batched copy
 /// submission is used where the driver has it. Defaults: `UMBP_COPY_STREAMS` (else 4) and
@@ -80,6 +153,12 @@ pub(crate) struct Item {
     pub device: u64,
     pub len: usize,
 }
+
+// SAFETY: plain addresses; what may be done with them is the copy call's contract, and a
+// call's items are only handed to the driver (from one or several enqueueing threads).
+unsafe impl Send for Item {}
+// SAFETY: as above; items are never written after they are built.
+unsafe impl Sync for Item {}
 
 /// The driver calls the engine needs. Implementations map driver errors to
 /// [`GpuError::Driver`] with the call's name. Optional capabilities (batching, events,
@@ -466,6 +545,7 @@ impl<A: DeviceApi> Engine<A> {
         if items.is_empty() && signal.is_none() {
             return Ok(());
         }
+        let t_call = Instant::now();
         let (streams, batch) = tuning();
         let runs = balance(items, streams);
         let _bound = Bound::new(api, &self.dev)?;
@@ -515,18 +595,56 @@ impl<A: DeviceApi> Engine<A> {
                 }
             }
         }
+        let t_enqueue = Instant::now();
         if first_err.is_none() {
-            'runs: for (k, run) in runs.iter().enumerate() {
-                for chunk in items[run.clone()].chunks(BATCH_MAX) {
-                    used[k] = true;
+            let per_call = batch_max();
+            // Batches grow from FIRST_BATCH: the DMA starts after the first batch call
+            // returns (~0.7 µs per copy on the H200's driver), so a small first batch
+            // starts it within tens of microseconds instead of after a whole batch.
+            let enqueue = |stream: A::Stream, run: std::ops::Range<usize>| -> Result<(), GpuError> {
+                let (mut pos, mut size) = (run.start, FIRST_BATCH.min(per_call));
+                while pos < run.end {
+                    let end = (pos + size).min(run.end);
                     // SAFETY: forwarded caller contract for each item.
-                    if let Err(e) = unsafe { api.copy_batch_async(&self.dev, dir, chunk, set.streams[k], batch) } {
+                    unsafe { api.copy_batch_async(&self.dev, dir, &items[pos..end], stream, batch) }?;
+                    pos = end;
+                    size = (size * 2).min(per_call);
+                }
+                Ok(())
+            };
+            if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
+                let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
+                    let handles: Vec<_> = runs
+                        .iter()
+                        .enumerate()
+                        .map(|(k, run)| {
+                            let (run, stream) = (run.clone(), set.streams[k]);
+                            let enqueue = &enqueue;
+                            scope.spawn(move || {
+                                let _bound = Bound::new(api, &self.dev)?;
+                                enqueue(stream, run)
+                            })
+                        })
+                        .collect();
+                    handles
+                        .into_iter()
+                        .map(|h| h.join().unwrap_or_else(|_| Err(GpuError::Unsupported("copy submission thread panicked".into()))))
+                        .collect()
+                });
+                // Every stream may hold copies (a failed one possibly some): sync all.
+                used.iter_mut().take(runs.len()).for_each(|u| *u = true);
+                first_err = results.into_iter().find_map(Result::err);
+            } else {
+                for (k, run) in runs.iter().enumerate() {
+                    used[k] = true;
+                    if let Err(e) = enqueue(set.streams[k], run.clone()) {
                         first_err = Some(e);
-                        break 'runs;
+                        break;
                     }
                 }
             }
         }
+        STAT_ENQUEUE.fetch_add(t_enqueue.elapsed().as_nanos() as u64, Ordering::Relaxed);
         // Load fence from the GPU: stream 0 waits for the others, then writes the value.
         if let (None, Some((word, value)), Some(addr)) = (&first_err, signal, signal.and_then(|(w, _)| w.device())) {
             if self.memops.load(Ordering::Relaxed) {
@@ -560,6 +678,10 @@ impl<A: DeviceApi> Engine<A> {
             }
         }
         self.put_set(set);
+        STAT_CALLS.fetch_add(1, Ordering::Relaxed);
+        STAT_ITEMS.fetch_add(items.len() as u64, Ordering::Relaxed);
+        STAT_BYTES.fetch_add(items.iter().map(|i| i.len as u64).sum::<u64>(), Ordering::Relaxed);
+        STAT_TOTAL.fetch_add(t_call.elapsed().as_nanos() as u64, Ordering::Relaxed);
         first_err.map_or(Ok(()), Err)
     }
 

@@ -240,9 +240,9 @@ impl DeviceRegion for MemfdRegion {
             return Err(GpuError::invalid(kind, "a fence page must be writable by the pool"));
         }
         let off = slot as u64 * SLOT_BYTES;
-        // SAFETY: only an address computation inside the mapping, checked next.
-        let word = unsafe { self.data.add(off as usize) };
-        if off + SLOT_BYTES > self.len || word as usize % 8 != 0 {
+        // Address arithmetic only (wrapping: checked before any use).
+        let word = self.data.wrapping_add(off as usize);
+        if off + SLOT_BYTES > self.len || !(word as usize).is_multiple_of(8) {
             return Err(GpuError::invalid(kind, format!("fence slot {slot} is outside the page or misaligned")));
         }
         let gpu = self.fence_gpu.get_or_init(|| {

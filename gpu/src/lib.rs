@@ -30,7 +30,9 @@ pub mod fence;
 pub mod hip;
 pub mod host;
 
-pub use engine::{set_tuning, tuning};
+pub use engine::{
+    batch_max, engine_stats, parallel_submit, set_batch_max, set_parallel_submit, set_tuning, tuning, EngineStats,
+};
 pub use error::GpuError;
 pub use fence::FenceWord;
 

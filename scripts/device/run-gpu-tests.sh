@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Everything the GPU data path needs checked and measured on a GPU machine, in one call
+# (device time is scarce). Runs from the repository root with .device-bin/ (made by
+# scripts/device/build.sh) carried along. Each stage logs to $OUT (or /tmp) and the
+# script goes on after a failure; the exit status is non-zero if any stage failed.
+#
+#   STAGES="check bench" bash scripts/device/run-gpu-tests.sh
+#
+# Stages (default: all):
+#   gpucheck  scripts/device/gpu-check.sh: umbp-gpu's CUDA tests, host tests, IPC check
+#   check     umbp-bench transfer --check: two workers store/load each other's blocks
+#             byte-exact; fenced store after a slow kernel; fenced load before a reading
+#             kernel; worker killed mid-transfer (in-process pool, mapping counts)
+#   extpool   the cross-worker checks again against a real umbp-pool process
+#   bench     umbp-bench transfer --backend cuda --json --sweep (+ interference with
+#             scripts/device/matmul_loop.py when torch is there)
+#   host      umbp-bench transfer --backend host --json (this machine's CPU figures)
+#
+# Without a GPU (CI, laptops) every GPU stage prints why it is skipped and passes.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bin=${BIN:-.device-bin}
+out=${OUT:-/tmp}
+stages=${STAGES:-gpucheck check extpool bench host}
+fail=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+run() { # name, command...
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  timeout -k 5 "${STAGE_TIMEOUT:-300}" "$@" 2>&1 | tee "$out/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [ $rc = 0 ] || fail=1
+}
+
+if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "SKIPPED GPU stages: no NVIDIA GPU visible (nvidia-smi absent or sees no device)"
+  gpu=0
+else
+  gpu=1
+  nvidia-smi --query-gpu=name,driver_version,pci.bus_id,memory.total,clocks.sm,clocks.mem --format=csv
+  nvidia-smi topo -m 2>/dev/null | head -5
+fi
+
+if [ $gpu = 1 ]; then
+  has gpucheck && run gpucheck env MIB=${MIB:-1024} bash scripts/device/gpu-check.sh
+  has check && run check "$bin/umbp-bench" transfer --backend cuda --check
+  if has extpool; then
+    sock=/tmp/umbp-extpool-$$.sock
+    RUST_LOG=${RUST_LOG:-info} "$bin/umbp-pool" --socket "$sock" --capacity 4GiB > "$out/extpool-pool.log" 2>&1 &
+    pool=$!
+    for _ in $(seq 100); do [ -S "$sock" ] && break; sleep 0.1; done
+    run extpool "$bin/umbp-bench" transfer --backend cuda --check --pool-socket "$sock"
+    kill "$pool" 2>/dev/null; wait "$pool" 2>/dev/null
+    tail -5 "$out/extpool-pool.log"
+  fi
+  if has bench; then
+    mm=()
+    if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+      mm=(--matmul "python3 scripts/device/matmul_loop.py")
+    else
+      echo "interference_pct will be skipped: python3 with CUDA torch not found"
+    fi
+    run bench "$bin/umbp-bench" transfer --backend cuda --json --sweep --reps ${REPS:-5} "${mm[@]}"
+  fi
+fi
+has host && run host "$bin/umbp-bench" transfer --backend host --json --reps 3
+echo "=== run-gpu-tests: $([ $fail = 0 ] && echo PASS || echo FAIL)"
+exit $fail

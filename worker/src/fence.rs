@@ -1,0 +1,322 @@
+//! Stream-ordered transfers (DESIGN §7): a store that the pool runs only after the
+//! engine's stream reached it, and a load the engine's stream waits for on the GPU, with
+//! no CPU wait on the engine's hot path. The vLLM connector passes torch's current stream
+//! (`torch.cuda.current_stream().cuda_stream`, a raw `CUstream` as an integer).
+//!
+//! Mechanism ([`umbp_gpu::fence`]): a fence page of [`SLOTS`] 8-byte words in a sealed
+//! memfd that this worker maps and registers with CUDA (pinned, device-mapped), and also
+//! registers with the pool as `HostMemfd` memory (so it is replayed after a reconnect like
+//! any registration). Each fenced transfer uses the slot `seq % SLOTS` with its transfer
+//! id as the value:
+//!
+//! - [`Worker::store_after_stream`] submits the store carrying the slot and value, then
+//!   enqueues `cuStreamWriteValue64(slot, id)` on the stream. The pool's copy streams wait
+//!   for the word (`cuStreamWaitValue64`) before reading the KV.
+//! - [`Worker::load_before_stream`] submits the load, then enqueues
+//!   `cuStreamWaitValue64(slot >= id)` on the stream; the pool writes the word once the
+//!   bytes landed (also when the load failed or was refused: the completion says which),
+//!   so kernels enqueued after the call read loaded KV.
+//!
+//! A stream waiting for a load must never hang on a dead pool: when the attachment is lost
+//! (seen by any worker call) or a watchdog thread sees the pool's socket close, every
+//! outstanding load word is released (the transfers complete as failed). A stalled but
+//! live pool keeps the stream waiting, as it keeps a CPU waiter waiting (docs/gpu.md).
+//!
+//! Slots are reused only after their previous transfer's completion was reaped (the pool
+//! wrote or waited for the word before completing it), so a word only ever grows.
+
+use std::os::unix::net::UnixStream;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use umbp_gpu::cuda::HostWords;
+use umbp_gpu::fence::{self as gf, FenceWord, SLOT_BYTES};
+use umbp_ipc::message::peer_gone;
+use umbp_ipc::SharedMemory;
+use umbp_protocol::entries::Opcode;
+use umbp_protocol::ObjectKey;
+
+use crate::worker::{MemorySpec, TransferId, Worker};
+use crate::WorkerError;
+
+/// Fence words per worker: more than any ring holds in flight.
+pub(crate) const SLOTS: u32 = 16384;
+
+/// How often the watchdog checks the pool's socket while loads are outstanding.
+const WATCH_PERIOD: Duration = Duration::from_millis(2);
+
+struct Watch {
+    /// Outstanding fenced loads: (slot, value).
+    loads: Vec<(u32, u64)>,
+    /// The attachment whose socket is watched, and a dup of it.
+    sock: Option<(u32, UnixStream)>,
+    stop: bool,
+}
+
+struct Page {
+    /// CUDA registration of the mapping; dropped before `mem` (field order).
+    gpu: HostWords,
+    mem: SharedMemory,
+    watch: Mutex<Watch>,
+    wake: Condvar,
+}
+
+// SAFETY: the mapping is plain shared memory accessed only through atomics (FenceWord);
+// HostWords and SharedMemory are handles; the watch state is behind a mutex.
+unsafe impl Send for Page {}
+// SAFETY: as above.
+unsafe impl Sync for Page {}
+
+impl Page {
+    fn word(&self, slot: u32) -> FenceWord<'_> {
+        debug_assert!(slot < SLOTS);
+        // SAFETY: slot < SLOTS words lie inside the page-aligned mapping of SLOTS * 8
+        // bytes, which lives as long as `self`; only accessed atomically.
+        unsafe {
+            FenceWord::new(
+                self.mem.as_ptr().add(slot as usize * SLOT_BYTES as usize).cast(),
+                Some(self.gpu.device() + slot as u64 * SLOT_BYTES),
+            )
+        }
+    }
+
+    fn watch(&self) -> MutexGuard<'_, Watch> {
+        self.watch.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Releases every outstanding load wait (raising each word to its value, never
+    /// lowering a word a newer transfer already raised).
+    fn release_loads(&self, w: &mut Watch) {
+        for (slot, value) in w.loads.drain(..) {
+            self.word(slot).signal(value);
+        }
+    }
+}
+
+/// The fence state of one [`Worker`].
+pub(crate) struct Fences {
+    page: Arc<Page>,
+    /// Caller-visible alloc id of the fence page registration.
+    alloc_id: u32,
+    next_seq: u64,
+    /// Transfer id that last used each slot (0: none).
+    owner: Vec<u64>,
+    /// Slots whose word carries an abort mark (reset before reuse).
+    poisoned: Vec<bool>,
+    /// Any fenced transfer was made: streams may still hold operations on the page.
+    used: bool,
+    watchdog: Option<JoinHandle<()>>,
+}
+
+impl Fences {
+    /// Releases the GPU waits of every outstanding fenced load (the pool is gone).
+    pub(crate) fn release_loads(&self) {
+        let mut w = self.page.watch();
+        self.page.release_loads(&mut w);
+    }
+}
+
+impl Drop for Fences {
+    fn drop(&mut self) {
+        {
+            let mut w = self.page.watch();
+            self.page.release_loads(&mut w);
+            w.stop = true;
+        }
+        self.page.wake.notify_all();
+        if let Some(t) = self.watchdog.take() {
+            let _ = t.join();
+        }
+        if self.used {
+            // A stream may still hold a write or wait on the page (the engine's stream
+            // runs behind the CPU). Unregistering or unmapping it now could fault the
+            // GPU; 128 KiB stays pinned until the process exits instead.
+            std::mem::forget(self.page.clone());
+        }
+    }
+}
+
+fn watchdog(page: Arc<Page>) {
+    let mut w = page.watch();
+    loop {
+        if w.stop {
+            return;
+        }
+        if w.loads.is_empty() {
+            w = page.wake.wait(w).unwrap_or_else(|e| e.into_inner());
+            continue;
+        }
+        if w.sock.as_ref().is_some_and(|(_, s)| peer_gone(s)) {
+            tracing::warn!(loads = w.loads.len(), "UMBP pool gone: releasing GPU streams waiting for loads");
+            page.release_loads(&mut w);
+            continue;
+        }
+        w = page.wake.wait_timeout(w, WATCH_PERIOD).unwrap_or_else(|e| e.into_inner()).0;
+    }
+}
+
+fn gpu_err(what: &str, e: umbp_gpu::GpuError) -> WorkerError {
+    WorkerError::Invalid(format!("{what}: {e}"))
+}
+
+impl Worker {
+    /// Stream-ordered store (DESIGN §7): the pool copies `blocks` only after `stream` (a
+    /// raw `CUstream` as an integer, 0 = legacy default stream; e.g. torch's current
+    /// stream) has run everything enqueued on it before this call. Returns at once; the
+    /// CPU never waits for the GPU. Completion as for [`Worker::store`].
+    ///
+    /// Needs CUDA in this process; the first call sets up the fence page (one control
+    /// round trip). If the stream write cannot be enqueued, the store is aborted (it
+    /// completes as failed) and this returns the error.
+    pub fn store_after_stream(
+        &mut self,
+        group: u16,
+        blocks: &[(ObjectKey, u64)],
+        stream: u64,
+    ) -> Result<TransferId, WorkerError> {
+        if blocks.is_empty() {
+            return self.store(group, blocks);
+        }
+        let (alloc, slot) = self.fence_slot(stream)?;
+        let id = self.submit_fenced(Opcode::Store, group, blocks, Some((alloc, slot)))?;
+        let f = self.fences.as_mut().expect("set up by fence_slot");
+        f.claim(slot, id.0);
+        let word = f.page.word(slot);
+        let addr = word.device().expect("fence pages are device-mapped");
+        // SAFETY: `addr` is a word of the registered fence page, which is never
+        // unregistered once a fenced transfer was made (Fences::drop).
+        if let Err(e) = unsafe { umbp_gpu::cuda::fence_write(stream, addr, id.0) } {
+            // The pool must not read KV the stream may still be writing: abort the store.
+            word.signal(id.0.wrapping_add(gf::ABORT));
+            f.poisoned[slot as usize] = true;
+            return Err(gpu_err(
+                &format!("store {} aborted (it completes as failed): cuStreamWriteValue64 on stream {stream:#x}", id.0),
+                e,
+            ));
+        }
+        Ok(id)
+    }
+
+    /// Stream-ordered load (DESIGN §7): submits the load and makes `stream` wait (on the
+    /// GPU) until the pool has written the blocks; kernels enqueued on `stream` after this
+    /// call read the loaded KV. The CPU does not wait. Whether each block loaded is in the
+    /// completion, as for [`Worker::load`]: the stream is released also when the load
+    /// failed, so check it before trusting the bytes (vLLM: report load errors).
+    ///
+    /// If the wait cannot be enqueued, the load still runs; this returns an error naming
+    /// its transfer id, and the caller must wait for its completion on the CPU.
+    pub fn load_before_stream(
+        &mut self,
+        group: u16,
+        blocks: &[(ObjectKey, u64)],
+        stream: u64,
+    ) -> Result<TransferId, WorkerError> {
+        if blocks.is_empty() {
+            return self.load(group, blocks);
+        }
+        let (alloc, slot) = self.fence_slot(stream)?;
+        let id = self.submit_fenced(Opcode::Load, group, blocks, Some((alloc, slot)))?;
+        let sock = self.attachment_socket().and_then(|(att, s)| s.try_clone().ok().map(|s| (att, s)));
+        let f = self.fences.as_mut().expect("set up by fence_slot");
+        f.claim(slot, id.0);
+        {
+            let mut w = f.page.watch();
+            if let Some((att, s)) = sock {
+                if w.sock.as_ref().is_none_or(|(a, _)| *a != att) {
+                    w.sock = Some((att, s));
+                }
+            }
+            w.loads.push((slot, id.0));
+        }
+        f.page.wake.notify_all();
+        let addr = f.page.word(slot).device().expect("fence pages are device-mapped");
+        // SAFETY: a word of the registered fence page, never unregistered once used.
+        unsafe { umbp_gpu::cuda::fence_wait(stream, addr, id.0) }.map_err(|e| {
+            gpu_err(
+                &format!("load {} runs but the stream does not wait for it; wait for its completion on the CPU: cuStreamWaitValue64 on stream {stream:#x}", id.0),
+                e,
+            )
+        })?;
+        Ok(id)
+    }
+
+    /// Whether stream-ordered transfers are set up (after the first one succeeded).
+    pub fn fences_ready(&self) -> bool {
+        self.fences.is_some()
+    }
+
+    /// The slot for the next fenced transfer, setting the page up on first use.
+    fn fence_slot(&mut self, stream: u64) -> Result<(u32, u32), WorkerError> {
+        if self.fences.is_none() {
+            let f = self.setup_fences(stream)?;
+            self.fences = Some(f);
+        }
+        // Forget finished loads and check the slot is free.
+        let inflight: Vec<u64> = {
+            let f = self.fences.as_ref().expect("set above");
+            let w = f.page.watch();
+            w.loads.iter().map(|&(_, id)| id).collect()
+        };
+        let done: Vec<u64> = inflight.into_iter().filter(|id| !self.in_flight(*id)).collect();
+        let f = self.fences.as_ref().expect("set above");
+        let slot = (f.next_seq % SLOTS as u64) as u32;
+        let owner = f.owner[slot as usize];
+        let busy = owner != 0 && self.in_flight(owner);
+        let f = self.fences.as_mut().expect("set above");
+        if !done.is_empty() {
+            f.page.watch().loads.retain(|(_, id)| !done.contains(id));
+        }
+        if busy {
+            return Err(WorkerError::Full);
+        }
+        if f.poisoned[slot as usize] {
+            // Its store was aborted and completed; nothing else touches the word now.
+            f.page.word(slot).store(0);
+            f.poisoned[slot as usize] = false;
+        }
+        Ok((f.alloc_id, slot))
+    }
+
+    fn setup_fences(&mut self, stream: u64) -> Result<Fences, WorkerError> {
+        let len = SLOTS as usize * SLOT_BYTES as usize;
+        let mem = SharedMemory::create("umbp-fences", len, false)
+            .map_err(|e| WorkerError::Invalid(format!("fence page: {e}")))?;
+        // SAFETY: the mapping lives in `Page` next to the registration, which is dropped
+        // first; `stream` is the caller's live stream (or 0).
+        let gpu = unsafe { HostWords::register(mem.as_ptr(), len, stream as umbp_gpu::cuda::sys::CUstream) }
+            .map_err(|e| gpu_err("stream-ordered transfers need CUDA in this process", e))?;
+        let fd = mem.fd().try_clone_to_owned().map_err(WorkerError::Io)?;
+        let alloc_id = self.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: len as u64 })?;
+        let page = Arc::new(Page {
+            gpu,
+            mem,
+            watch: Mutex::new(Watch { loads: Vec::new(), sock: None, stop: false }),
+            wake: Condvar::new(),
+        });
+        let p2 = page.clone();
+        let watchdog = std::thread::Builder::new()
+            .name("umbp-fence-watch".into())
+            .spawn(move || watchdog(p2))
+            .map_err(WorkerError::Io)?;
+        tracing::debug!(alloc_id, slots = SLOTS, "UMBP fence page ready");
+        Ok(Fences {
+            page,
+            alloc_id,
+            next_seq: 0,
+            owner: vec![0; SLOTS as usize],
+            poisoned: vec![false; SLOTS as usize],
+            used: false,
+            watchdog: Some(watchdog),
+        })
+    }
+}
+
+impl Fences {
+    fn claim(&mut self, slot: u32, id: u64) {
+        self.owner[slot as usize] = id;
+        self.next_seq += 1;
+        self.used = true;
+    }
+}
+
