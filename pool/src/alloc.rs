@@ -54,7 +54,9 @@ impl SlabAllocator {
         self.total_pages as u64 * PAGE_BYTES
     }
 
-    /// Bytes of slots and runs handed out (what watermarks compare against).
+    /// Footprint of the slots and runs handed out (what watermarks compare against): a
+    /// slot counts its share of its page, waste included, so a pool whose pages are all
+    /// taken reads as full whatever the object size.
     pub fn allocated_bytes(&self) -> u64 {
         self.allocated_bytes
     }
@@ -66,6 +68,17 @@ impl SlabAllocator {
 
     pub fn set_page_limit(&mut self, limit: u32) {
         self.page_limit = limit.min(self.total_pages);
+    }
+
+    /// DRAM one allocation of `size` takes out of the pool: its slot plus its share of
+    /// the page's leftover (1.5 MiB objects fit one per 2 MiB page and cost a whole page).
+    pub fn footprint(size: u64) -> u64 {
+        let slot = Self::slot_bytes(size);
+        if slot > PAGE_BYTES {
+            slot
+        } else {
+            PAGE_BYTES / (PAGE_BYTES / slot)
+        }
     }
 
     pub fn slot_bytes(size: u64) -> u64 {
@@ -108,7 +121,7 @@ impl SlabAllocator {
         if slab.free_slots.is_empty() {
             self.classes.get_mut(&slot).expect("class exists").partial.remove(&page);
         }
-        self.allocated_bytes += slot;
+        self.allocated_bytes += Self::footprint(size);
         Some(page as u64 * PAGE_BYTES + idx as u64 * slot)
     }
 
@@ -157,7 +170,7 @@ impl SlabAllocator {
         debug_assert_eq!(slab.slot_bytes, slot);
         slab.free_slots.push(((offset % PAGE_BYTES) / slot) as u32);
         slab.used -= 1;
-        self.allocated_bytes -= slot;
+        self.allocated_bytes -= Self::footprint(size);
         let class = self.classes.get_mut(&slot).expect("class exists");
         if slab.used == 0 {
             // An empty page goes back to the shared pool so other sizes can use it.
@@ -209,6 +222,23 @@ mod tests {
         assert_eq!(a.alloc(2 * PAGE_BYTES), Some(PAGE_BYTES));
         a.free(small, 100);
         assert_eq!(a.alloc(PAGE_BYTES), Some(0));
+    }
+
+    #[test]
+    fn page_waste_counts_as_allocated() {
+        // 1.5 MiB objects: one per page; a full pool must read as full, or the evictor
+        // (which compares against the watermarks) would never run.
+        let mut a = SlabAllocator::new(4 * PAGE_BYTES);
+        let big = 3 * PAGE_BYTES / 4;
+        let offs: Vec<_> = (0..4).map(|_| a.alloc(big).unwrap()).collect();
+        assert_eq!(a.alloc(big), None);
+        assert_eq!(a.allocated_bytes(), a.capacity_bytes());
+        for o in offs {
+            a.free(o, big);
+        }
+        assert_eq!(a.allocated_bytes(), 0);
+        // 100 KB objects: 20 per page, each accounts for a twentieth of it.
+        assert_eq!(SlabAllocator::footprint(100_000), PAGE_BYTES / 20);
     }
 
     #[test]

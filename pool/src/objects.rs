@@ -278,7 +278,7 @@ impl ObjectStore {
             if o.state != ObjectState::Published || o.pins > 0 || leased {
                 continue;
             }
-            projected = projected.saturating_sub(SlabAllocator::slot_bytes(o.size));
+            projected = projected.saturating_sub(SlabAllocator::footprint(o.size));
             victims.push(*key);
         }
         for k in &victims {

@@ -33,3 +33,21 @@ fn fill_three_times_capacity() {
     assert_eq!(n(&l, "loaded") + n(&l, "missing"), count, "{l}");
     assert!(n(&l, "loaded") > 0 && n(&l, "missing") > 0, "{l}");
 }
+
+/// 1.5 MiB objects fit one per 2 MiB slab page: the evictor must see the page waste as
+/// used memory, or a full pool would read 75% and never evict (found on the H200).
+#[test]
+fn objects_that_waste_page_space_still_evict() {
+    let pool = PoolProcess::start(&unique_socket("evict-big"), &["--capacity", "64MiB", "--min-object-size", "1MiB"]);
+    let page = (512 << 10).to_string();
+    let count = 3 * 32u64; // three pools' worth of 2 MiB pages
+    let r = run_worker(
+        &pool.socket,
+        1,
+        "per-layer",
+        &["--layers", "3", "--page", &page, "--blocks", "8", "store", "--first-key", "0", "--count", &count.to_string()],
+    );
+    assert_eq!(n(&r, "failed"), 0, "{r}");
+    assert!(n(&r, "stored") > count / 2, "the evictor made room: {r}");
+    assert!(pool.report()["pool"]["evictions"].as_u64().unwrap() > 0);
+}
