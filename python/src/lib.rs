@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedBytes;
 use pyo3::types::PyBytes;
 use umbp_protocol::entries::BlockStatus;
 use umbp_protocol::layout::Segment;
@@ -36,9 +37,9 @@ fn object_key<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, blo
 
 /// Keys of many blocks at once (one call per request instead of one per block).
 #[pyfunction]
-fn object_keys<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, block_hashes: Vec<Vec<u8>>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+fn object_keys<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, block_hashes: Vec<PyBackedBytes>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
-    Ok(block_hashes.iter().map(|h| PyBytes::new(py, &ObjectKey::derive(ns, group, rank, h).to_bytes())).collect())
+    Ok(block_hashes.iter().map(|h| PyBytes::new(py, &ObjectKey::derive(ns, group, rank, h.as_ref()).to_bytes())).collect())
 }
 
 /// 16-byte digest of a canonical description (model, dtype, layout, topology).
@@ -211,14 +212,30 @@ impl Worker {
         self.with(py, |w| w.register_layout(group, segs))
     }
 
-    fn store(&self, py: Python<'_>, group: u16, keys: Vec<Vec<u8>>, block_ids: Vec<u64>) -> PyResult<u64> {
+    /// Submits a store. With `stream` (a raw CUstream, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`) the pool copies only after everything
+    /// enqueued on that stream so far has run: no CPU wait after the forward pass.
+    #[pyo3(signature = (group, keys, block_ids, stream=None))]
+    fn store(&self, py: Python<'_>, group: u16, keys: Vec<Vec<u8>>, block_ids: Vec<u64>, stream: Option<u64>) -> PyResult<u64> {
         let blocks = pair(keys, block_ids)?;
-        self.with(py, |w| w.store(group, &blocks)).map(|t| t.0)
+        self.with(py, |w| match stream {
+            Some(s) => w.store_after_stream(group, &blocks, s),
+            None => w.store(group, &blocks),
+        })
+        .map(|t| t.0)
     }
 
-    fn load(&self, py: Python<'_>, group: u16, keys: Vec<Vec<u8>>, block_ids: Vec<u64>) -> PyResult<u64> {
+    /// Submits a load. With `stream`, kernels enqueued on that stream after this call wait
+    /// (on the GPU) until the blocks are in place; check the completion's statuses before
+    /// trusting the bytes (failed blocks release the stream too).
+    #[pyo3(signature = (group, keys, block_ids, stream=None))]
+    fn load(&self, py: Python<'_>, group: u16, keys: Vec<Vec<u8>>, block_ids: Vec<u64>, stream: Option<u64>) -> PyResult<u64> {
         let blocks = pair(keys, block_ids)?;
-        self.with(py, |w| w.load(group, &blocks)).map(|t| t.0)
+        self.with(py, |w| match stream {
+            Some(s) => w.load_before_stream(group, &blocks, s),
+            None => w.load(group, &blocks),
+        })
+        .map(|t| t.0)
     }
 
     /// Finished transfers: [(transfer id, [status per block])]. Never blocks.
@@ -289,6 +306,14 @@ impl Index {
     /// Number of leading keys present in the pool (stops at the first miss).
     fn match_prefix(&self, keys: Vec<Vec<u8>>) -> PyResult<usize> {
         let keys = keys_of(keys)?;
+        Ok(self.inner.lock().expect("index lock").match_prefix(&keys))
+    }
+
+    /// `match_prefix` of the keys of `block_hashes` under (namespace, group, rank), derived
+    /// here: the scheduler's lookup in one call, without building a key object per block.
+    fn match_hashes(&self, namespace: &[u8], group: u32, rank: u32, block_hashes: Vec<PyBackedBytes>) -> PyResult<usize> {
+        let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
+        let keys: Vec<ObjectKey> = block_hashes.iter().map(|h| ObjectKey::derive(ns, group, rank, h.as_ref())).collect();
         Ok(self.inner.lock().expect("index lock").match_prefix(&keys))
     }
 
