@@ -249,7 +249,15 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
     }
     let backend = match umbp_gpu::backend_for(kind) {
         Ok(b) => b,
-        Err(e) => return Reply::error(ReplyStatus::Unsupported, &format!("{kind:?} memory: {e}")),
+        Err(e) => {
+            let hint = match kind {
+                MemoryKind::Cuda | MemoryKind::Hip => {
+                    " (umbp-pool must see every GPU its workers use: check its CUDA_VISIBLE_DEVICES / container devices)"
+                }
+                _ => "",
+            };
+            return Reply::error(ReplyStatus::Unsupported, &format!("{kind:?} memory: {e}{hint}"));
+        }
     };
     // The pid comes from SO_PEERCRED, never from the message.
     match backend.open_region(&reg, fds.into_iter().next(), att.pid) {

@@ -1,0 +1,67 @@
+"""Issue 8's single-GPU part: a pool that cannot see a worker's GPU (started with
+CUDA_VISIBLE_DEVICES="") refuses that worker's CUDA registration with a clear error, and
+keeps serving another worker (host memory) meanwhile. Prints JSON lines and
+"N passed, M failed". Usage (device machine): python3 unseen_gpu_check.py PATH/TO/umbp-pool
+"""
+
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+import umbp._native as n
+
+results = []
+
+
+def check(name, ok, **extra):
+    results.append(bool(ok))
+    print(json.dumps({"check": name, "ok": bool(ok), **extra}), flush=True)
+
+
+def main():
+    d = tempfile.mkdtemp(prefix="umbp-unseen-")
+    sock = os.path.join(d, "pool.sock")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    pool = subprocess.Popen([sys.argv[1], "--socket", sock, "--capacity", "1GiB"], env=env)
+    try:
+        for _ in range(200):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        ns = n.namespace_digest("unseen-gpu")
+        gpu = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+        w = n.Worker(sock, ns)
+        try:
+            w.register_cuda_memory(gpu.data_ptr(), gpu.numel(), 0)
+            check("cuda_registration_refused", False, error=None)
+        except n.UmbpError as e:
+            msg = str(e)
+            check("cuda_registration_refused", True, error=msg)
+            check("refusal_names_the_device", "GPU" in msg or "device" in msg.lower() or "UUID" in msg, error=msg)
+        check("worker_still_attached", w.connected)
+        # Another worker on host memory is served as usual.
+        h = n.Worker(sock, ns)
+        buf = (ctypes.c_ubyte * (8 * 4096))()
+        ctypes.memset(buf, 0x3C, 4 * 4096)
+        a = h.register_host_memory(ctypes.addressof(buf), len(buf))
+        h.register_layout(0, [(a, 0, 4096, 4096, 8)])
+        keys = n.object_keys(ns, 0, 0, [b"a", b"b", b"c", b"d"])
+        st = h.wait(h.store(0, keys, [0, 1, 2, 3]), 5000)
+        st2 = h.wait(h.load(0, keys, [4, 5, 6, 7]), 5000)
+        check("host_worker_served", st == [n.STATUS_STORED] * 4 and st2 == [n.STATUS_LOADED] * 4
+              and bytes(buf[4 * 4096:]) == bytes(buf[:4 * 4096]), store=st, load=st2)
+    finally:
+        pool.kill()
+        pool.wait()
+    print(f"{sum(results)} passed, {len(results) - sum(results)} failed")
+    return 0 if all(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
