@@ -251,7 +251,7 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
         Ok(b) => b,
         Err(e) => {
             let hint = match kind {
-                MemoryKind::Cuda | MemoryKind::Hip => {
+                umbp_protocol::wire::MemoryKind::Cuda | umbp_protocol::wire::MemoryKind::Hip => {
                     " (umbp-pool must see every GPU its workers use: check its CUDA_VISIBLE_DEVICES / container devices)"
                 }
                 _ => "",
