@@ -185,6 +185,14 @@ class PoolProc:
         except OSError:
             return ""
 
+    def report(self) -> dict:
+        """The pool's state report (`ringtool dump --json`, built next to umbp-pool)."""
+        ringtool = self.binary.parent / "ringtool"
+        require(ringtool.is_file(), f"ringtool not found next to {self.binary}")
+        out = subprocess.run([str(ringtool), "dump", "--json", "--socket", str(self.socket_path)],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+        return json.loads(out)
+
 
 @pytest.fixture
 def pool_factory(pool_bin: Path, short_tmp: Path) -> Iterator[Any]:

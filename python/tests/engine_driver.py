@@ -11,6 +11,8 @@ one per stdin line) and prints one JSON record per command:
 
     run [TAG]   generate the test prompt greedily -> tokens, num_cached_tokens, seconds
     reset       llm.reset_prefix_cache(), retried (see below) -> ok, tries
+    reset_all   the same with reset_connector=True (the pool forgets this engine's KV too),
+                then a 1-token request so that the next step carries the reset to the workers
     metrics     vLLM's prefix-cache counters (local and external)
     hashes      the prompt's vLLM block hashes (hex), as the connector sees them
     quit        exit 0
@@ -153,14 +155,18 @@ def main() -> int:
         return {"cmd": "run", "tag": tag, "tokens": list(o.outputs[0].token_ids),
                 "num_cached_tokens": o.num_cached_tokens, "seconds": round(time.monotonic() - t, 3)}
 
-    def reset() -> dict:
-        dummy = TokensPrompt(prompt_token_ids=[tokens[0]])
+    dummy = TokensPrompt(prompt_token_ids=[tokens[0]])
+
+    def reset(connector: bool = False) -> dict:
+        name = "reset_all" if connector else "reset"
         for tries in range(1, 11):
-            if llm.reset_prefix_cache():
-                return {"cmd": "reset", "ok": True, "tries": tries}
+            if llm.reset_prefix_cache(reset_connector=connector):
+                if connector:
+                    llm.generate([dummy], SamplingParams(max_tokens=1), use_tqdm=False)
+                return {"cmd": name, "ok": True, "tries": tries}
             llm.generate([dummy], SamplingParams(max_tokens=1), use_tqdm=False)
             time.sleep(0.05 * tries)
-        return {"cmd": "reset", "ok": False, "tries": 10}
+        return {"cmd": name, "ok": False, "tries": 10}
 
     def metrics() -> dict:
         out = {}
@@ -180,6 +186,8 @@ def main() -> int:
                 emit(run(parts[1] if len(parts) > 1 else ""))
             elif cmd == "reset":
                 emit(reset())
+            elif cmd == "reset_all":
+                emit(reset(connector=True))
             elif cmd == "metrics":
                 emit(metrics())
             elif cmd == "hashes":

@@ -69,6 +69,10 @@ def test_embedded_pool_round_trip_and_index():
         idx = n.Index(pool.socket_path, ns)
         assert idx.match_prefix(keys) == 8
         assert idx.contains(keys[0]) and not idx.contains(keys[9])
+        hashes = [bytes([i]) for i in range(BLOCKS)]
+        assert idx.match_hashes(ns, 0, 0, hashes) == 8  # keys derived in the binding
+        assert idx.match_hashes(ns, 0, 1, hashes) == 0  # another rank's keys
+        assert idx.match_hashes(ns, 0, 0, hashes[1:]) == 7 and idx.match_hashes(ns, 0, 0, hashes[8:]) == 0
         # Load block 0..7's objects into blocks 8..15 and compare bytes.
         statuses = w.wait(w.load(0, keys[:8], list(range(8, 16))), 5000)
         assert statuses == [n.STATUS_LOADED] * 8

@@ -180,6 +180,36 @@ def test_standalone_pool_killed_then_restarted(native, pool_factory, engine_fact
     assert b.close() == 0
 
 
+def _published(pool: Any, want: int, timeout: float = 10.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        n = pool.report()["pool"]["published_objects"]
+        if n == want or time.monotonic() > deadline:
+            return n
+        time.sleep(0.1)
+
+
+def test_standalone_reset_cache_empties_the_pool(native, pool_factory, engine_factory, reference_tokens):
+    """vLLM's reset_prefix_cache(reset_connector=True) drops the engine's objects from the
+    pool, so nothing stale survives a weight update, not even for the next engine."""
+    pool = pool_factory()
+    a = engine_factory(*standalone_args(pool), name="A")
+    assert a.run("A")["tokens"] == reference_tokens
+    assert _published(pool, 2) == 2
+    rec = a.cmd("reset_all")
+    assert rec["ok"], rec
+    assert _published(pool, 0) == 0, "the pool still holds the engine's objects"
+    ra = a.run("A-after-reset")
+    assert ra["num_cached_tokens"] == 0 and ra["tokens"] == reference_tokens
+    assert a.close() == 0
+
+    b = engine_factory(*standalone_args(pool), name="B")
+    rb = b.run("B")
+    assert rb["num_cached_tokens"] == 0, "a new engine found objects that were reset"
+    assert rb["tokens"] == reference_tokens
+    assert b.close() == 0
+
+
 def test_standalone_unreachable_pool_fails_startup(native, engine_factory, short_tmp):
     missing = short_tmp / "nobody-listens.sock"
     eng = engine_factory("--mode", "standalone", "--endpoint", str(missing), name="nopool", wait=False)

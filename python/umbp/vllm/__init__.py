@@ -10,17 +10,15 @@
 
 vLLM imports this module by name and takes `UMBPStoreConnector` from it. Importing needs
 vLLM (and torch); the compiled binding `umbp._native` is imported only when a connector is
-constructed. See `config.py` for the `kv_connector_extra_config` keys.
+constructed. See `config.py` for the `kv_connector_extra_config` keys, and
+`connector.py` for how the modules divide the work.
 """
 
 from .config import UMBPConnectorConfig
-from .connector import (
-    UMBPConnectorMetadata,
-    UMBPStoreConnector,
-    UMBPWorkerMetadata,
-    embedded_socket_path,
-    make_keys,
-)
+from .connector import UMBPStoreConnector
+from .endpoints import embedded_socket_path
+from .keys import make_keys
+from .metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
 from .stats import UMBPConnectorStats
 
 __all__ = [

@@ -286,3 +286,33 @@ class UMBPConnectorConfig:
                 raise ValueError(f"key_namespace: expected a non-empty string, got {ns!r}")
             kw["key_namespace"] = ns
         return cls(**kw)
+
+
+# kv_role -> (loads from the pool, stores into it).
+_ROLE_DIRECTIONS = {
+    "kv_both": (True, True),
+    "kv_producer": (False, True),
+    "kv_consumer": (True, False),
+}
+
+
+def transfer_directions(kv_role: Any) -> tuple[bool, bool]:
+    """`(load, store)` for vLLM's `kv_role`: a consumer only loads, a producer only stores."""
+    if kv_role not in _ROLE_DIRECTIONS:
+        raise ValueError(
+            f"kv_role: expected one of {', '.join(sorted(_ROLE_DIRECTIONS))}, got {kv_role!r}"
+        )
+    return _ROLE_DIRECTIONS[kv_role]
+
+
+def check_parallelism(pipeline_parallel_size: int) -> None:
+    """Refuse topologies the key scheme does not describe.
+
+    Keys name (block, TP rank); with pipeline parallelism each stage holds different layers
+    of the same block, which would need a stage in the key and a hit check over all stages.
+    """
+    if pipeline_parallel_size > 1:
+        raise ValueError(
+            "pipeline_parallel_size: UMBPStoreConnector does not support pipeline parallelism "
+            f"(pipeline_parallel_size={pipeline_parallel_size}); use tensor or data parallelism"
+        )

@@ -91,18 +91,10 @@ def kv_block_hashes(block_hashes: Sequence[bytes], hash_block_size: int, block_s
     return [bytes(h) for h in block_hashes[k - 1 :: k]]
 
 
-class KeyMaker:
-    """Computes object keys for one namespace and cache group, with a small memo.
-
-    `object_key` is the binding's function (bytes16, int, int, bytes) -> bytes16.
-    """
-
-    def __init__(self, object_key: Callable[[bytes, int, int, bytes], bytes], namespace: bytes):
-        if len(namespace) != 16:
-            raise ValueError(f"namespace must be 16 bytes, got {len(namespace)}")
-        self._object_key = object_key
-        self.namespace = bytes(namespace)
-
-    def keys(self, group: int, rank: int, hashes: Sequence[bytes]) -> list[bytes]:
-        ok, ns = self._object_key, self.namespace
-        return [ok(ns, group, rank, h) for h in hashes]
+def make_keys(native: Any, namespace: bytes, group: int, rank: int, hashes: Sequence[bytes]) -> list[bytes]:
+    """Object keys of `hashes` for one rank: one native call per request, not per block."""
+    batch = getattr(native, "object_keys", None)
+    if batch is not None:
+        return batch(namespace, group, rank, hashes if isinstance(hashes, list) else list(hashes))
+    ok = native.object_key
+    return [ok(namespace, group, rank, h) for h in hashes]

@@ -1,0 +1,296 @@
+"""A real vLLM `Scheduler` with UMBPStoreConnector, driven step by step without a model.
+
+Built offline from a config.json-only model directory (`skip_tokenizer_init=True`), the
+way vLLM's engine core builds it: resolve the KV layout, size the KV cache, build the
+scheduler (which constructs the connector's scheduler role from the config). The worker
+role is a second connector instance registered on real CPU KV tensors (vLLM's CPU
+layout); each `step()` does what the model runner does around a forward pass, in the
+observed order (docs/vllm-interface-notes.md), with a fake forward that writes a
+recognisable value into every block it computes: value = f(block hash) + layer, so a
+loaded block can be checked to hold exactly the bytes stored for its hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+BLOCK = 128  # vLLM's CPU block size
+HEADS, HEAD_SIZE = 2, 32  # the tiny model's KV heads and head size
+EOS = 0
+
+
+def config_only_model_dir(model_dir: str) -> str:
+    """A directory holding only the tiny model's config.json (no weights, no tokenizer)."""
+    d = Path(tempfile.mkdtemp(prefix="umbp-cfg-"))
+    (d / "config.json").write_text((Path(model_dir) / "config.json").read_text())
+    return str(d)
+
+
+def block_value(h: bytes) -> int:
+    return 1 + h[0] % 100  # small ints are exact in bf16
+
+
+class EventRecorder:
+    """Stands in for vLLM's KV event publisher; keeps every published event."""
+
+    def __init__(self) -> None:
+        self.events: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.events.extend(batch.events)
+
+    def shutdown(self) -> None:
+        pass
+
+    def take(self, medium: str = "CPU") -> list[Any]:
+        """Events of `medium` (the connector's) since the last take."""
+        mine = [e for e in self.events if getattr(e, "medium", None) == medium]
+        self.events = []
+        return mine
+
+
+class Harness:
+    def __init__(
+        self,
+        model_dir: str,
+        extra: dict | None = None,
+        kv_role: str = "kv_both",
+        failure_policy: str = "recompute",
+        events: bool = False,
+        num_blocks: int = 64,
+        engine_id: str | None = None,
+    ):
+        from vllm.config import KVEventsConfig
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+        from vllm.v1.core import kv_cache_utils as kcu
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from umbp.vllm import UMBPStoreConnector
+
+        self.engine_id = engine_id or f"harness-{uuid.uuid4()}"
+        ktc = {
+            "kv_connector": "UMBPStoreConnector",
+            "kv_connector_module_path": "umbp.vllm",
+            "kv_role": kv_role,
+            "kv_load_failure_policy": failure_policy,
+            "engine_id": self.engine_id,
+            "kv_connector_extra_config": dict(extra or {}),
+        }
+        kec = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
+        args = EngineArgs(
+            model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
+            enable_prefix_caching=True, enforce_eager=True, max_model_len=1024,
+            block_size=BLOCK, seed=0, kv_transfer_config=ktc, kv_events_config=kec,
+        )
+        vc = self.vllm_config = args.create_engine_config()
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+        self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+        specs = {n: spec for n in self.layers}
+        # What EngineCore._initialize_kv_caches does, with a fixed memory budget.
+        resolve_kv_cache_layout(vc, [["LBHNC"]], list(specs.values()))
+        kccs = kcu.get_kv_cache_configs(vc, [specs], [spec.page_size_bytes * len(specs) * num_blocks])
+        for k in kccs:
+            k.kv_cache_layout = vc.cache_config.kv_cache_layout
+        skcc = kcu.generate_scheduler_kv_cache_config(kccs)
+        vc.cache_config.num_gpu_blocks = skcc.num_blocks
+        sbs, hbs = kcu.resolve_kv_cache_block_sizes(skcc, vc)
+        align = kcu.resolve_cache_hit_alignment_tokens(skcc, vc, sbs, hbs)
+        for k in (*kccs, skcc):
+            k.hash_block_size, k.cache_hit_alignment_tokens = hbs, align
+        self.kv_cache_config = kccs[0]
+        self.num_blocks = kccs[0].num_blocks
+
+        # Worker first (it starts the embedded pool the scheduler's index attaches to),
+        # as vLLM does.
+        self.worker = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kccs[0])
+        (t,) = kccs[0].kv_cache_tensors
+        self.kv_buffer = torch.zeros(t.size // 2, dtype=torch.bfloat16)
+        per_layer = t.layer_stride // 2
+        self.kv = {
+            name: self.kv_buffer[i * per_layer : (i + 1) * per_layer].view(
+                self.num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE
+            )
+            for i, name in enumerate(t.layers)
+        }
+        self.worker.register_kv_caches(self.kv)
+
+        self.sched = Scheduler(
+            vllm_config=vc, kv_cache_config=skcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=sbs, hash_block_size=hbs, log_stats=True,
+        )
+        self.conn = self.sched.connector
+        assert isinstance(self.conn, UMBPStoreConnector)
+        self.recorder = EventRecorder()
+        self.sched.kv_event_publisher = self.recorder
+        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        kcu.init_none_hash(hash_fn)
+        self.block_hasher = kcu.get_request_block_hasher(hbs, hash_fn)
+        self.stats: list[dict] = []  # SchedulerStats.kv_connector_stats payloads
+        self.outputs: dict[str, list[Any]] = {}  # req id -> EngineCoreOutput list
+        self.finished_returns: dict[str, tuple] = {}  # req id -> request_finished's return
+        orig = self.conn.request_finished
+
+        def spy(request: Any, block_ids: list[int]) -> tuple:
+            r = orig(request, block_ids)
+            self.finished_returns[request.request_id] = r
+            return r
+
+        self.conn.request_finished = spy  # type: ignore[method-assign]
+
+    # -- requests ------------------------------------------------------------------------
+    def request(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp,
+                       pooling_params=None, block_hasher=self.block_hasher)
+
+    def add(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
+        req = self.request(rid, tokens, max_tokens)
+        self.sched.add_request(req)
+        return req
+
+    def block_ids(self, rid: str) -> list[int]:
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+
+    # -- one engine step ----------------------------------------------------------------
+    def step(self, before_worker: Callable[[Any], None] | None = None) -> Any:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        so = self.sched.schedule()
+        meta = so.kv_connector_metadata
+        if before_worker is not None:
+            before_worker(so)
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        forward = bool(so.num_scheduled_tokens)
+        w.start_load_kv(None)
+        if forward:
+            for name in self.layers:
+                w.wait_for_layer_load(name)
+            self._forward(so)
+            for name in self.layers:
+                w.save_kv_layer(name, self.kv[name], None)
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        kco = KVConnectorOutput(
+            finished_sending=sending, finished_recving=recving,
+            kv_connector_stats=w.get_kv_connector_stats(),
+            invalid_block_ids=w.get_block_ids_with_load_errors(),
+            kv_connector_worker_meta=w.build_connector_worker_meta(),
+        )
+        w.clear_connector_metadata()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kco)
+        outs = self.sched.update_from_output(so, mro)
+        if not forward:
+            # The pool completes transfers on its own threads (~1 ms): an idle step that
+            # only waits for them should not spin thousands of times meanwhile.
+            time.sleep(0.001)
+        for eco in outs.values():
+            for o in eco.outputs:
+                self.outputs.setdefault(o.request_id, []).append(o)
+            st = eco.scheduler_stats
+            if st is not None and st.kv_connector_stats:
+                self.stats.append(dict(st.kv_connector_stats))
+        return so
+
+    def _forward(self, so: Any) -> None:
+        for rid, n in so.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            after = req.num_computed_tokens  # already advanced by schedule()
+            before = after - n
+            ids = self.block_ids(rid)
+            hashes = req.block_hashes
+            for j in range(before // BLOCK, min(after // BLOCK, len(hashes))):
+                for li, name in enumerate(self.layers):
+                    self.kv[name][ids[j]].fill_(block_value(hashes[j]) + li)
+
+    def run(self, timeout: float = 20.0) -> int:
+        """Steps until no request is left; returns how many steps that took."""
+        deadline = time.monotonic() + timeout
+        steps = 0
+        while self.sched.has_requests():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"requests still unfinished after {steps} steps ({timeout} s)")
+            self.step()
+            steps += 1
+        return steps
+
+    def step_until(self, cond: Callable[[], bool], timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"condition not reached in {timeout} s")
+            self.step()
+
+    # -- helpers --------------------------------------------------------------------------
+    def reset_local_cache(self) -> None:
+        """Empty vLLM's own prefix cache and the KV memory: only the pool can help now."""
+        assert self.sched.reset_prefix_cache(), "blocks still held"
+        self.kv_buffer.zero_()
+
+    def holds_blocks_of(self, req: Any, ids: list[int], nblocks: int) -> bool:
+        for j in range(nblocks):
+            for li, name in enumerate(self.layers):
+                want = block_value(req.block_hashes[j]) + li
+                if not bool((self.kv[name][ids[j]] == want).all()):
+                    return False
+        return True
+
+    def external_tokens(self, rid: str) -> int:
+        """Tokens of `rid`'s prompt that vLLM took from the connector (its prefill stats)."""
+        for o in self.outputs.get(rid, ()):
+            if o.prefill_stats is not None:
+                return o.prefill_stats.num_external_cached_tokens
+        raise AssertionError(f"no prefill stats for {rid}")
+
+    def connector_stats(self) -> dict:
+        """The connector's stats since the last call, reduced like vLLM's stats logger does."""
+        from umbp.vllm import UMBPConnectorStats
+
+        total = UMBPConnectorStats()
+        for d in self.stats:
+            total.aggregate(UMBPConnectorStats(data=dict(d)))
+        self.stats = []
+        return total.reduce()
+
+    def pool_report(self) -> dict:
+        pool = self.worker._worker.pool
+        assert pool is not None, "not an embedded pool"
+        return json.loads(pool.report())
+
+    def close(self) -> None:
+        self.sched.shutdown()
+        self.worker.shutdown()
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(2, 1000) for _ in range(n)]
+
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -1,0 +1,40 @@
+"""Where the pools are: the native binding and the sockets each role attaches to."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from typing import Any
+
+
+def load_native() -> Any:
+    # Imported lazily so that vLLM can import `umbp.vllm` (it does so in every process,
+    # the front end included) where only the pure-Python part is needed.
+    try:
+        import umbp._native as native
+    except ImportError as e:
+        raise ImportError(
+            "UMBPStoreConnector needs the compiled binding umbp._native "
+            "(build it with `maturin develop -m python/Cargo.toml` or install the umbp wheel): "
+            f"{e}"
+        ) from e
+    return native
+
+
+def embedded_socket_path(default_socket_path: str, engine_id: str, dp_rank: int, tp_rank: int) -> str:
+    """Private socket of one worker's embedded pool.
+
+    In the default socket directory, named after a digest of the engine id (unix socket
+    paths are limited to 107 bytes) plus the DP and TP rank, so two engines or DP ranks on
+    one host never collide. The pool itself refuses to take over a live listener.
+    """
+    d = os.path.dirname(default_socket_path) or tempfile.gettempdir()
+    try:
+        os.makedirs(d, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(d)
+    except OSError:
+        d = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
+    tag = hashlib.sha256(str(engine_id).encode()).hexdigest()[:16]
+    return os.path.join(d, f"umbp-emb-{tag}-dp{dp_rank}-tp{tp_rank}.sock")

@@ -1,0 +1,348 @@
+"""The connector's worker half: pool attachment, KV registration, and submitting and
+reaping the transfers the scheduler planned, in each worker process (one per TP rank).
+
+Transfers never block a step: stores are submitted after the forward and reaped later;
+only synchronous loads are waited for (bounded by `timeout_ms`), because the forward
+needs their bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._logging import get_logger
+from .endpoints import embedded_socket_path
+from .keys import make_keys
+from .layout import kv_layout
+from .metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
+
+if TYPE_CHECKING:
+    from .connector import UMBPStoreConnector
+
+logger = get_logger("worker")
+
+
+@dataclass
+class Job:
+    kind: str  # "load" | "store"
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    t0: int  # perf_counter_ns at submit
+    sync: bool = False  # a load the current step's forward waits for
+
+
+class WorkerSide:
+    def __init__(self, c: "UMBPStoreConnector"):
+        self.c = c
+        self.cfg = c._cfg
+        self.n = c._native
+        try:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.tp_rank = int(get_tensor_model_parallel_rank())
+        except Exception:  # noqa: BLE001 - TP group not initialised: single rank
+            self.tp_rank = 0
+        self.pool = None
+        if self.cfg.embedded:
+            path = embedded_socket_path(
+                self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank
+            )
+            cap = self.cfg.capacity_per_worker(c._tp_size)
+            try:
+                self.pool = self.n.EmbeddedPool(
+                    cap,
+                    socket_path=path,
+                    high_wm=self.cfg.dram_high_watermark,
+                    low_wm=self.cfg.dram_low_watermark,
+                )
+            except Exception as e:
+                raise RuntimeError(
+                    f"UMBP: cannot start the embedded pool ({cap} bytes) on {path!r}: {e}"
+                ) from e
+            self.endpoint = str(self.pool.socket_path)
+            logger.info("UMBP: embedded pool of %d bytes listening on %s", cap, self.endpoint)
+        else:
+            assert self.cfg.endpoint is not None
+            self.endpoint = self.cfg.endpoint
+        try:
+            self.w = self.n.Worker(
+                self.endpoint,
+                c._base_namespace,
+                tp_rank=self.tp_rank,
+                tp_size=c._tp_size,
+                dp_rank=c._dp_rank,
+                timeout_ms=self.cfg.timeout_ms,
+                startup_timeout_ms=self.cfg.startup_timeout_ms,
+            )
+        except Exception as e:
+            if self.pool is not None:
+                self.pool.close()
+            raise RuntimeError(
+                f"UMBP: cannot reach the pool at {self.endpoint!r} within "
+                f"{self.cfg.startup_timeout_ms} ms: {e}"
+                + (
+                    ". Start `umbp-pool` there, or set kv_connector_extra_config 'endpoint' "
+                    "or UMBP_STANDALONE_ADDRESS."
+                    if not self.cfg.embedded
+                    else ""
+                )
+            ) from e
+        self.object_bytes = 0
+        self._registered = False
+        self._jobs: dict[int, Job] = {}
+        self._sync_loads: list[int] = []  # transfer ids the current forward waits for
+        self._req_stores: dict[str, set[int]] = {}  # in-flight store transfers per request
+        self._finishing: set[str] = set()  # finished requests whose free waits for our stores
+        self._store_done: dict[str, int] = {}  # store ops with a known outcome, per request
+        self._finished_recving: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._stored_hashes: dict[bytes, int] = {}
+
+    # -- registration -------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Register the paged KV memory once, and the group's layout (layout.py).
+
+        CPU storages are registered as host memory (the pool reads and writes them with
+        process_vm_readv/writev); GPU storages through CUDA IPC.
+        """
+        kcc = self.c._kv_cache_config
+        lay = kv_layout(
+            kv_caches, kcc.kv_cache_groups[self.c._group].layer_names, int(kcc.num_blocks)
+        )
+        alloc_ids = []
+        for s in lay.storages:
+            if s.device == "cpu":
+                alloc_ids.append(int(self.w.register_host_memory(s.base, s.nbytes)))
+            else:
+                alloc_ids.append(int(self.w.register_cuda_memory(s.base, s.nbytes, s.device_index)))
+        segments = [seg.as_tuple(alloc_ids) for seg in lay.segments]
+        self.object_bytes = int(self.w.register_layout(self.c._group, segments))
+        self._registered = True
+        logger.info(
+            "UMBP: registered %d segment(s), %d allocation(s), %d bytes per block object "
+            "(tp_rank %d)",
+            len(segments),
+            len(alloc_ids),
+            self.object_bytes,
+            self.tp_rank,
+        )
+
+    # -- per-step -----------------------------------------------------------------------
+    def on_metadata(self, meta: UMBPConnectorMetadata) -> None:
+        # Recorded at bind time, so the "finished sending" report always matches the
+        # scheduler's delayed free, whatever happens later in the step.
+        self._finishing.update(meta.finish_after_stores)
+        if meta.reset_pool:
+            self._reset_pool()
+
+    def _reset_pool(self) -> None:
+        """Drop this engine's objects from the pool (vLLM reset_cache).
+
+        Stores still in flight would publish after the drop; they are awaited first (each
+        at most timeout_ms). Whatever escapes (a pinned object, a pool that is down) is
+        unreachable anyway: the scheduler switched to a new key namespace.
+        """
+        for tid, job in list(self._jobs.items()):
+            if job.kind == "store":
+                self._wait(tid)
+        try:
+            n = int(self.w.reset_namespace())
+            logger.info("UMBP: reset_cache dropped %d object(s) from the pool (tp_rank %d)", n, self.tp_rank)
+        except Exception as e:  # noqa: BLE001 - the namespace switch still hides them
+            logger.warning("UMBP: reset_cache could not drop pooled objects: %s", e)
+
+    def _keys(self, meta: UMBPConnectorMetadata, hashes: list[bytes]) -> list[bytes]:
+        return make_keys(self.n, meta.namespace, meta.group, self.tp_rank, hashes)
+
+    def handle_preemptions(self, meta: UMBPConnectorMetadata) -> None:
+        """Preempted requests' blocks are reused right after: finish their stores first."""
+        for rid in meta.preempted:
+            for tid in list(self._req_stores.get(rid, ())):
+                if self._wait(tid) is None:
+                    logger.warning(
+                        "UMBP: store %d of preempted request %s still pending after %d ms",
+                        tid,
+                        rid,
+                        self.cfg.timeout_ms,
+                    )
+
+    def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
+        for op in meta.loads:
+            if not op.block_ids:
+                continue
+            job = Job(
+                "load", op.req_id, op.hashes, op.block_ids, time.perf_counter_ns(), sync=not op.is_async
+            )
+            self.c._stats.add("load_ops", 1)
+            self.c._stats.add("load_blocks", len(op.block_ids))
+            try:
+                if not self._registered:
+                    raise RuntimeError("KV caches not registered")
+                tid = int(self.w.load(meta.group, self._keys(meta, op.hashes), op.block_ids))
+            except Exception as e:  # noqa: BLE001 - pool gone: recompute
+                logger.warning("UMBP: load for %s not submitted (%s); recomputing", op.req_id, e)
+                self._finish_load(job, None)
+                continue
+            self._jobs[tid] = job
+            if job.sync:
+                self._sync_loads.append(tid)
+
+    def wait_for_sync_loads(self) -> None:
+        """Block until this step's synchronous loads are done (at most timeout_ms each).
+
+        The pool writes whole objects (all layers of a block), so the first layer's wait
+        covers every layer; later calls return at once.
+        """
+        while self._sync_loads:
+            tid = self._sync_loads.pop()
+            job = self._jobs.pop(tid, None)
+            if job is None:
+                continue
+            res = self._wait(tid)
+            if res is None:
+                logger.warning(
+                    "UMBP: load %d for %s pending after %d ms; recomputing its blocks",
+                    tid,
+                    job.req_id,
+                    self.cfg.timeout_ms,
+                )
+            self._finish_load(job, res)
+
+    def wait_for_save(self, meta: UMBPConnectorMetadata) -> None:
+        # Synchronous loads not waited for by an attention layer still finish this step, so
+        # their errors are reported in the step that used them.
+        self.wait_for_sync_loads()
+        for op in meta.stores:
+            if not op.block_ids:
+                continue
+            job = Job("store", op.req_id, op.hashes, op.block_ids, time.perf_counter_ns())
+            self.c._stats.add("store_ops", 1)
+            self.c._stats.add("store_blocks", len(op.block_ids))
+            try:
+                if not self._registered:
+                    raise RuntimeError("KV caches not registered")
+                tid = int(self.w.store(meta.group, self._keys(meta, op.hashes), op.block_ids))
+            except Exception as e:  # noqa: BLE001 - pool gone / refusing: not stored
+                logger.debug("UMBP: store for %s not submitted: %s", op.req_id, e)
+                self.c._stats.add("store_not_stored_blocks", len(op.block_ids))
+                self._store_done[op.req_id] = self._store_done.get(op.req_id, 0) + 1
+                continue
+            self._jobs[tid] = job
+            self._req_stores.setdefault(op.req_id, set()).add(tid)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        # Which requests to report as sent comes from the scheduler
+        # (metadata.finish_after_stores); other finished requests have nothing in flight.
+        self._reap()
+        for rid in finished_req_ids:
+            if rid not in self._finishing and not self._req_stores.get(rid):
+                self._req_stores.pop(rid, None)
+        sending = {rid for rid in self._finishing if not self._req_stores.get(rid)}
+        for rid in sending:
+            self._finishing.discard(rid)
+            self._req_stores.pop(rid, None)
+        recving, self._finished_recving = self._finished_recving, set()
+        return (sending or None), (recving or None)
+
+    def take_load_errors(self) -> set[int]:
+        errs, self._load_errors = self._load_errors, set()
+        return errs
+
+    def take_worker_meta(self) -> UMBPWorkerMetadata | None:
+        if not self._stored_hashes and not self._store_done:
+            return None
+        meta = UMBPWorkerMetadata(store_done=self._store_done, stored=self._stored_hashes)
+        self._stored_hashes, self._store_done = {}, {}
+        return meta
+
+    # -- completions --------------------------------------------------------------------
+    def _wait(self, tid: int) -> list[int] | None:
+        """Wait for one transfer; on completion dispatch it and return its statuses."""
+        try:
+            res = self.w.wait(tid, self.cfg.timeout_ms)
+        except Exception as e:  # noqa: BLE001 - treat as failed
+            logger.warning("UMBP: wait(%d) failed: %s", tid, e)
+            res = []
+        if res is None:
+            return None
+        job = self._jobs.get(tid)
+        if job is not None and job.kind == "store":
+            self._jobs.pop(tid, None)
+            self._finish_store(tid, job, list(res))
+        return list(res)
+
+    def _reap(self) -> None:
+        try:
+            done = self.w.poll()
+        except Exception as e:  # noqa: BLE001
+            logger.debug("UMBP: poll failed: %s", e)
+            done = []
+        for tid, statuses in done:
+            job = self._jobs.pop(int(tid), None)
+            if job is None:
+                continue  # abandoned (timed-out synchronous load) or already handled
+            if job.kind == "store":
+                self._finish_store(int(tid), job, list(statuses))
+            else:
+                if job.sync and int(tid) in self._sync_loads:
+                    self._sync_loads.remove(int(tid))
+                self._finish_load(job, list(statuses))
+
+    def _finish_load(self, job: Job, statuses: list[int] | None) -> None:
+        ok = self.n.STATUS_LOADED
+        st = statuses if statuses is not None else []
+        failed = [b for i, b in enumerate(job.block_ids) if i >= len(st) or st[i] != ok]
+        # vLLM truncates the request at its first invalid block, so reporting exactly the
+        # failed ones is enough.
+        self._load_errors.update(failed)
+        stats = self.c._stats
+        stats.add("load_failed_blocks", len(failed))
+        good = len(job.block_ids) - len(failed)
+        stats.add("load_bytes", good * self.object_bytes)
+        stats.add("load_ns", time.perf_counter_ns() - job.t0)
+        if not job.sync:
+            self._finished_recving.add(job.req_id)
+
+    def _finish_store(self, tid: int, job: Job, statuses: list[int]) -> None:
+        n = self.n
+        stored = present = 0
+        for i, h in enumerate(job.hashes):
+            s = statuses[i] if i < len(statuses) else None
+            if s == n.STATUS_STORED:
+                stored += 1
+            elif s == n.STATUS_ALREADY_PRESENT:
+                present += 1
+            else:
+                continue
+            if self.c._events_enabled:
+                self._stored_hashes[h] = self._stored_hashes.get(h, 0) + 1
+        stats = self.c._stats
+        stats.add("store_stored_blocks", stored)
+        stats.add("store_present_blocks", present)
+        stats.add("store_not_stored_blocks", len(job.hashes) - stored - present)
+        stats.add("store_bytes", stored * self.object_bytes)
+        stats.add("store_ns", time.perf_counter_ns() - job.t0)
+        self._store_done[job.req_id] = self._store_done.get(job.req_id, 0) + 1
+        pending = self._req_stores.get(job.req_id)
+        if pending is not None:
+            pending.discard(tid)
+
+    def shutdown(self) -> None:
+        # Give in-flight stores a bounded chance to land; vLLM releases the blocks next.
+        deadline = time.monotonic() + self.cfg.timeout_ms / 1000
+        while any(j.kind == "store" for j in self._jobs.values()) and time.monotonic() < deadline:
+            self._reap()
+            time.sleep(0.005)
+        for closer in (getattr(self, "w", None), self.pool):
+            if closer is None:
+                continue
+            try:
+                closer.close()
+            except Exception as e:  # noqa: BLE001
+                logger.debug("UMBP: close failed: %s", e)
+        self.pool = None
