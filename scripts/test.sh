@@ -5,6 +5,8 @@
 #
 # Usage: scripts/test.sh [--rust-only]
 #   UMBP_STRESS_SECS=N   length of the multi-process index stress (default 3)
+#   UMBP_SOAK_SECS=N     length of the chaos soak test (default 15)
+#   UMBP_FUZZ_SECS=N     seconds per fuzz target (default 10; 0 skips fuzzing)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -21,6 +23,11 @@ cargo test --workspace --exclude umbp-python --locked
 step "loom models (rings, seqlock index, event log)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$ROOT/target/loom" \
   cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index --test loom_events
+
+if [ "${UMBP_FUZZ_SECS:-10}" != "0" ]; then
+  step "fuzz targets, ${UMBP_FUZZ_SECS:-10} s each from the committed corpus (nightly + cargo-fuzz)"
+  bash scripts/fuzz.sh --ci
+fi
 
 if [ "${1:-}" = "--rust-only" ]; then
   exit 0

@@ -85,8 +85,6 @@ pub enum BusyReason {
     InflightTransfers = 1,
     /// The attachment's in-flight submissions already move `--max-inflight-bytes`.
     InflightBytes = 2,
-    /// The pool is stopping.
-    ShuttingDown = 3,
 }
 
 impl BusyReason {
@@ -94,7 +92,6 @@ impl BusyReason {
         match v {
             1 => Self::InflightTransfers,
             2 => Self::InflightBytes,
-            3 => Self::ShuttingDown,
             _ => Self::Unspecified,
         }
     }
@@ -105,7 +102,6 @@ impl BusyReason {
             Self::Unspecified => "unspecified",
             Self::InflightTransfers => "--max-inflight",
             Self::InflightBytes => "--max-inflight-bytes",
-            Self::ShuttingDown => "shutting down",
         }
     }
 }

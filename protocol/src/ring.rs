@@ -297,15 +297,14 @@ impl<'a, T: Pod> Producer<'a, T> {
     fn free(&mut self) -> Result<u32, ProtocolError> {
         let mut used = self.tail.wrapping_sub(self.cached_head);
         if used >= self.ring.capacity {
-            self.cached_head = self.ring.header.head.load(Ordering::Acquire);
-            used = self.tail.wrapping_sub(self.cached_head);
+            let head = self.ring.header.head.load(Ordering::Acquire);
+            used = self.tail.wrapping_sub(head);
             if used > self.ring.capacity {
-                return Err(ProtocolError::CorruptRing {
-                    head: self.cached_head,
-                    tail: self.tail,
-                    capacity: self.ring.capacity,
-                });
+                // Not cached: like the consumer's tail, an implausible head never becomes
+                // this side's view (fuzz/ring: `in_flight` reported it).
+                return Err(ProtocolError::CorruptRing { head, tail: self.tail, capacity: self.ring.capacity });
             }
+            self.cached_head = head;
         }
         Ok(self.ring.capacity - used)
     }
@@ -601,6 +600,9 @@ mod tests {
         let mut prod = unsafe { Ring::<u64>::attach(p, 4096) }.unwrap().producer();
         assert!(prod.in_flight() <= 1);
         assert!(matches!(prod.try_push(7), Err(ProtocolError::CorruptRing { tail: 255, .. })));
+        // ...and a failed refresh does not cache the implausible head either.
+        assert!(prod.in_flight() <= 1, "{}", prod.in_flight());
+        assert!(prod.try_push(7).is_err());
     }
 
     #[test]

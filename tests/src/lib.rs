@@ -32,6 +32,41 @@ pub fn unique_socket(tag: &str) -> PathBuf {
     dir.join("pool.sock")
 }
 
+/// `UMBP_POOL_WRAPPER`: a command every test pool runs under, e.g.
+/// `valgrind --tool=memcheck --error-exitcode=99 --log-file=/tmp/vg-%p.log` or a script
+/// that runs a sanitizer build (docs/reliability.md). Wrapped pools are stopped with
+/// SIGTERM (a clean shutdown, so the tool can report) instead of SIGKILL at the end.
+pub fn pool_wrapper() -> Option<Vec<String>> {
+    std::env::var("UMBP_POOL_WRAPPER").ok().filter(|w| !w.trim().is_empty()).map(|w| w.split_whitespace().map(String::from).collect())
+}
+
+/// A command that runs the pool binary `bin`, under `UMBP_POOL_WRAPPER` when set.
+pub fn pool_command(bin: &Path) -> Command {
+    match pool_wrapper() {
+        Some(w) => {
+            let mut c = Command::new(&w[0]);
+            c.args(&w[1..]).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    }
+}
+
+/// Stops a wrapped pool with SIGTERM and waits for its clean exit (up to 60 s).
+pub fn stop_gracefully(child: &mut Child) {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
+    // SAFETY: as above.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// A `umbp-pool` child process; killed on drop.
 pub struct PoolProcess {
     pub child: Child,
@@ -65,7 +100,7 @@ impl PoolProcess {
     }
 
     fn spawn(socket: &Path, args: &[String]) -> Child {
-        Command::new(pool_binary())
+        pool_command(&pool_binary())
             .arg("--socket")
             .arg(socket)
             .args(args)
@@ -83,7 +118,7 @@ impl PoolProcess {
     }
 
     pub fn wait_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(if pool_wrapper().is_some() { 120 } else { 20 });
         while UnixStream::connect(&self.socket).is_err() {
             assert!(Instant::now() < deadline, "pool did not start listening at {}", self.socket.display());
             std::thread::sleep(Duration::from_millis(10));
@@ -116,6 +151,9 @@ impl PoolProcess {
 
 impl Drop for PoolProcess {
     fn drop(&mut self) {
+        if pool_wrapper().is_some() {
+            stop_gracefully(&mut self.child);
+        }
         self.kill();
         if let Some(d) = self.socket.parent() {
             let _ = std::fs::remove_dir_all(d);

@@ -34,9 +34,45 @@ pub struct PoolProcess {
     pub socket: PathBuf,
 }
 
+
+/// `UMBP_POOL_WRAPPER`: a command every test pool runs under, e.g.
+/// `valgrind --tool=memcheck --error-exitcode=99 --log-file=/tmp/vg-%p.log` or a script
+/// that runs a sanitizer build (docs/reliability.md). Wrapped pools are stopped with
+/// SIGTERM (a clean shutdown, so the tool can report) instead of SIGKILL at the end.
+pub fn pool_wrapper() -> Option<Vec<String>> {
+    std::env::var("UMBP_POOL_WRAPPER").ok().filter(|w| !w.trim().is_empty()).map(|w| w.split_whitespace().map(String::from).collect())
+}
+
+/// A command that runs the pool binary `bin`, under `UMBP_POOL_WRAPPER` when set.
+pub fn pool_command(bin: &Path) -> Command {
+    match pool_wrapper() {
+        Some(w) => {
+            let mut c = Command::new(&w[0]);
+            c.args(&w[1..]).arg(bin);
+            c
+        }
+        None => Command::new(bin),
+    }
+}
+
+/// Stops a wrapped pool with SIGTERM and waits for its clean exit (up to 60 s).
+pub fn stop_gracefully(child: &mut Child) {
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
+    // SAFETY: as above.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 impl PoolProcess {
     pub fn start(socket: &Path, extra: &[&str]) -> Self {
-        let child = Command::new(env!("CARGO_BIN_EXE_umbp-pool"))
+        let child = pool_command(Path::new(env!("CARGO_BIN_EXE_umbp-pool")))
             .arg("--socket")
             .arg(socket)
             .args(["--capacity", "64MiB", "--min-object-size", "4KiB"])
@@ -51,7 +87,7 @@ impl PoolProcess {
     }
 
     pub fn wait_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(20);
+        let deadline = Instant::now() + Duration::from_secs(if pool_wrapper().is_some() { 120 } else { 20 });
         while UnixStream::connect(&self.socket).is_err() {
             assert!(Instant::now() < deadline, "pool did not start listening at {}", self.socket.display());
             std::thread::sleep(Duration::from_millis(20));
@@ -85,6 +121,9 @@ impl PoolProcess {
 
 impl Drop for PoolProcess {
     fn drop(&mut self) {
+        if pool_wrapper().is_some() {
+            stop_gracefully(&mut self.child);
+        }
         self.kill();
         if let Some(d) = self.socket.parent() {
             let _ = std::fs::remove_dir_all(d);

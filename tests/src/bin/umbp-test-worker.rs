@@ -59,6 +59,24 @@ enum Cmd {
         #[arg(long)]
         first_key: u128,
     },
+    /// Store `blocks` keys, print "flooding", then keep `depth` loads of all of them in
+    /// flight for `seconds` (a peer that floods the pool); counts Busy completions.
+    FloodLoads {
+        #[arg(long)]
+        first_key: u128,
+        #[arg(long)]
+        seconds: u64,
+        #[arg(long, default_value_t = 64)]
+        depth: usize,
+    },
+    /// Store one fresh block at a time for `seconds`, waiting for each; prints latency
+    /// percentiles (a well-behaved peer).
+    Latency {
+        #[arg(long)]
+        first_key: u128,
+        #[arg(long)]
+        seconds: u64,
+    },
 }
 
 struct Kv {
@@ -157,6 +175,12 @@ fn main() {
                 k += args.blocks as u128;
             }
         }
+        Cmd::FloodLoads { first_key, seconds, depth } => {
+            run(&mut w, &mut kv, &mut t, first_key, args.blocks, true);
+            println!("flooding");
+            return flood(&mut w, &args, first_key, seconds, depth);
+        }
+        Cmd::Latency { first_key, seconds } => return latency(&mut w, &mut kv, first_key, seconds),
     }
     println!(
         "{}",
@@ -229,4 +253,71 @@ fn run(w: &mut Worker, kv: &mut Kv, t: &mut Tally, first: u128, count: u64, stor
         }
         done += n;
     }
+}
+
+fn flood(w: &mut Worker, args: &Args, first: u128, seconds: u64, depth: usize) {
+    use std::io::Write;
+    let ns = w.config().namespace;
+    let batch: Vec<(ObjectKey, u64)> = (0..args.blocks).map(|i| (key_of(ns, first + i as u128), i)).collect();
+    let (mut submitted, mut busy, mut ok, mut other) = (0u64, 0u64, 0u64, 0u64);
+    let mut inflight = 0usize;
+    let end = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < end {
+        while inflight < depth {
+            match w.load(0, &batch) {
+                Ok(_) => {
+                    submitted += 1;
+                    inflight += 1;
+                }
+                Err(_) => break,
+            }
+        }
+        for c in w.poll() {
+            inflight -= 1;
+            match c.error {
+                Some(umbp_worker::CqeError::Busy) => busy += 1,
+                None if c.all_ok() => ok += 1,
+                _ => other += 1,
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    println!("{}", serde_json::json!({ "submitted": submitted, "busy": busy, "ok": ok, "other": other }));
+    let _ = std::io::stdout().flush();
+}
+
+fn latency(w: &mut Worker, kv: &mut Kv, first: u128, seconds: u64) {
+    let ns = w.config().namespace;
+    let mut lat_us = Vec::new();
+    let mut failed = 0u64;
+    let end = Instant::now() + Duration::from_secs(seconds);
+    let mut k = first;
+    while Instant::now() < end {
+        let key = key_of(ns, k);
+        k += 1;
+        kv.fill(0, key.0);
+        let started = Instant::now();
+        let id = match w.store(0, &[(key, 0)]) {
+            Ok(id) => id,
+            Err(_) => {
+                failed += 1;
+                std::thread::sleep(Duration::from_millis(1));
+                continue;
+            }
+        };
+        match w.wait(id, Duration::from_secs(10)) {
+            Some(c) if c.all_ok() => lat_us.push(started.elapsed().as_micros() as u64),
+            _ => failed += 1,
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    lat_us.sort_unstable();
+    let pct = |p: f64| lat_us.get(((lat_us.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().unwrap_or(0);
+    println!(
+        "{}",
+        serde_json::json!({
+            "samples": lat_us.len(), "failed": failed,
+            "p50_us": pct(0.50), "p99_us": pct(0.99), "max_us": lat_us.last().copied().unwrap_or(0),
+        })
+    );
 }

@@ -52,6 +52,10 @@ pub struct SoakCli {
     /// The `umbp-pool` binary [default: next to this one].
     #[arg(long = "pool-bin")]
     pub pool_bin: Option<PathBuf>,
+    /// Worker KV memory: `process` (any memory, the pool uses process_vm_readv/writev) or
+    /// `memfd` (a sealed memfd the pool maps; needed under valgrind, which lacks pidfd_open).
+    #[arg(long, default_value = "process", value_parser = ["process", "memfd"])]
+    pub memory: String,
     /// Extra flags for every `umbp-pool` start (space separated).
     #[arg(long = "pool-args", default_value = "", allow_hyphen_values = true)]
     pub pool_args: String,
@@ -70,6 +74,8 @@ pub struct SoakWorkerCli {
     seed: u64,
     #[arg(long = "timeout-ms")]
     timeout_ms: u64,
+    #[arg(long, default_value = "process")]
+    memory: String,
 }
 
 const NS: u128 = 0x736f_616b;
@@ -120,15 +126,45 @@ struct Tally {
     failed: u64,
     corrupt_bytes: u64,
     max_blocked_ms: f64,
+    /// Which call that was.
+    max_blocked_call: &'static str,
     busy: u64,
     stalled: u64,
     disconnected: u64,
 }
 
+/// A worker's KV memory: a heap buffer or a mapped memfd.
+struct KvMemory {
+    heap: Vec<u8>,
+    shm: Option<umbp_ipc::SharedMemory>,
+}
+
+impl std::ops::Deref for KvMemory {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.shm {
+            // SAFETY: the mapping lives as long as `self`; only this process and the pool
+            // (which never writes a block while a transfer of it is pending) touch it.
+            Some(s) => unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) },
+            None => &self.heap,
+        }
+    }
+}
+
+impl std::ops::DerefMut for KvMemory {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match &self.shm {
+            // SAFETY: as above.
+            Some(s) => unsafe { std::slice::from_raw_parts_mut(s.as_ptr(), s.len()) },
+            None => &mut self.heap,
+        }
+    }
+}
+
 struct SoakWorker {
     id: u64,
     w: Worker,
-    mem: Vec<u8>,
+    mem: KvMemory,
     obj: Vec<u8>,
     pending: Vec<(TransferId, Pending)>,
     free: Vec<u64>,
@@ -150,11 +186,14 @@ impl SoakWorker {
     }
 
     /// Runs `f` (a worker-library call) and records how far past `allowed` it returned.
-    fn timed<R>(&mut self, allowed: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
+    fn timed<R>(&mut self, call: &'static str, allowed: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
         let started = Instant::now();
         let r = f(&mut self.w);
         let over = started.elapsed().saturating_sub(allowed).as_secs_f64() * 1e3;
-        self.t.max_blocked_ms = self.t.max_blocked_ms.max(over);
+        if over > self.t.max_blocked_ms {
+            self.t.max_blocked_ms = over;
+            self.t.max_blocked_call = call;
+        }
         r
     }
 
@@ -197,11 +236,11 @@ impl SoakWorker {
     }
 
     fn submit(&mut self) {
-        let store = self.next() % 2 == 0 || self.recent.is_empty();
+        let store = self.next().is_multiple_of(2) || self.recent.is_empty();
         let n = 1 + self.next() % 8;
         let mut batch: Vec<(u64, ObjectKey, u64)> = Vec::new();
         for _ in 0..n {
-            let k = if store || self.next() % 4 == 0 {
+            let k = if store || self.next().is_multiple_of(4) {
                 self.next() % KEYS
             } else {
                 let i = (self.next() % self.recent.len() as u64) as usize;
@@ -226,7 +265,7 @@ impl SoakWorker {
             }
         }
         let blocks: Vec<(ObjectKey, u64)> = batch.iter().map(|&(_, k, b)| (k, b)).collect();
-        let r = self.timed(Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
+        let r = self.timed(if store { "store" } else { "load" }, Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
         match r {
             Ok(id) => self.pending.push((id, Pending { batch })),
             Err(e) => {
@@ -243,7 +282,7 @@ impl SoakWorker {
 
     /// One round: reap, then submit or wait for the oldest transfer.
     fn step(&mut self, submit: bool) {
-        for c in self.timed(Duration::ZERO, |w| w.poll()) {
+        for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
             self.complete(c);
         }
         if submit && self.pending.len() < DEPTH && self.free.len() >= 8 {
@@ -252,7 +291,7 @@ impl SoakWorker {
             let slice = Duration::from_millis(20);
             let timeout = self.timeout;
             // wait(t) must come back within t (plus the engine timeout at most).
-            if let Some(c) = self.timed(slice + timeout, |w| w.wait(id, slice)) {
+            if let Some(c) = self.timed("wait", slice + timeout, |w| w.wait(id, slice)) {
                 self.complete(c);
             }
         } else {
@@ -267,6 +306,7 @@ impl SoakWorker {
             "transfers": t.transfers, "blocks": t.blocks, "stored": t.stored, "loaded": t.loaded,
             "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
             "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
+            "max_blocked_call": t.max_blocked_call,
             "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected,
             "connected": self.w.is_connected(), "pending": self.pending.len(),
         });
@@ -289,13 +329,26 @@ impl SoakWorkerCli {
             }
             c2.lock().unwrap().push("quit".into());
         });
-        let mem = vec![0u8; (LAYERS * BLOCKS * PAGE) as usize];
+        let bytes = (LAYERS * BLOCKS * PAGE) as usize;
+        let mem = if self.memory == "memfd" {
+            let shm = umbp_ipc::SharedMemory::create("umbp-soak-kv", bytes, false).map_err(|e| e.to_string())?;
+            KvMemory { heap: Vec::new(), shm: Some(shm) }
+        } else {
+            KvMemory { heap: vec![0u8; bytes], shm: None }
+        };
         let mut cfg = WorkerConfig::new(&self.socket, NS);
         cfg.timeout = Duration::from_millis(self.timeout_ms);
         cfg.startup_timeout = Duration::from_secs(60);
         let mut w = Worker::connect(cfg).map_err(|e| e.to_string())?;
-        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() })
-            .map_err(|e| e.to_string())?;
+        let spec = match &mem.shm {
+            Some(s) => MemorySpec::HostMemfd {
+                fd: s.fd().try_clone_to_owned().map_err(|e| e.to_string())?,
+                offset: 0,
+                len: bytes as u64,
+            },
+            None => MemorySpec::HostProcess { ptr: mem.heap.as_ptr() as usize, len: bytes },
+        };
+        w.register_memory(spec).map_err(|e| e.to_string())?;
         let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
         w.register_layout(0, segs).map_err(|e| e.to_string())?;
         let mut sw = SoakWorker {
@@ -359,11 +412,11 @@ struct WorkerProc {
 }
 
 impl WorkerProc {
-    fn spawn(socket: &Path, id: u64, seed: u64, timeout_ms: u64) -> Result<Self, String> {
+    fn spawn(socket: &Path, id: u64, seed: u64, timeout_ms: u64, memory: &str) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
             .args(["__soak-worker", "--id", &id.to_string(), "--seed", &seed.to_string()])
-            .args(["--timeout-ms", &timeout_ms.to_string()])
+            .args(["--timeout-ms", &timeout_ms.to_string(), "--memory", memory])
             .arg("--socket")
             .arg(socket)
             .env("RUST_LOG", "error")
@@ -419,6 +472,7 @@ struct Totals {
     loaded: f64,
     corrupt_bytes: f64,
     max_blocked_ms: f64,
+    max_blocked_call: Option<&'static str>,
 }
 
 impl Totals {
@@ -427,7 +481,16 @@ impl Totals {
         self.blocks += num(v, "blocks");
         self.loaded += num(v, "loaded");
         self.corrupt_bytes += num(v, "corrupt_bytes");
-        self.max_blocked_ms = self.max_blocked_ms.max(num(v, "max_blocked_ms"));
+        if num(v, "max_blocked_ms") > self.max_blocked_ms {
+            self.max_blocked_ms = num(v, "max_blocked_ms");
+            self.max_blocked_call = match v["max_blocked_call"].as_str() {
+                Some("store") => Some("store"),
+                Some("load") => Some("load"),
+                Some("poll") => Some("poll"),
+                Some("wait") => Some("wait"),
+                _ => None,
+            };
+        }
     }
 }
 
@@ -495,6 +558,17 @@ impl PoolProc {
         let _ = self.child.wait();
     }
 
+    /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...).
+    fn fd_kinds(&self) -> std::collections::BTreeMap<String, i64> {
+        let mut m = std::collections::BTreeMap::new();
+        for e in std::fs::read_dir(format!("/proc/{}/fd", self.pid())).into_iter().flatten().flatten() {
+            let t = std::fs::read_link(e.path()).map(|t| t.display().to_string()).unwrap_or_default();
+            let kind: String = t.split(" (deleted)").next().unwrap_or("").chars().map(|c| if c.is_ascii_digit() { 'N' } else { c }).collect();
+            *m.entry(kind).or_insert(0) += 1;
+        }
+        m
+    }
+
     fn fds(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
     }
@@ -520,8 +594,15 @@ impl PoolProc {
 }
 
 impl Drop for PoolProc {
+    /// A clean stop (SIGTERM) so that a tool wrapping the pool (valgrind) can report; SIGKILL
+    /// after 30 s.
     fn drop(&mut self) {
         self.signal(SIGCONT); // in case it is stopped
+        self.signal(Signal::TERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         self.kill();
     }
 }
@@ -553,15 +634,29 @@ fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
 /// 10 s and returns the last count.
 fn settled_fds(pool: &PoolProc, ok: impl Fn(usize) -> bool) -> usize {
     let mut prev = pool.fds();
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut same = 0;
+    let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         std::thread::sleep(Duration::from_millis(200));
         let now = pool.fds();
-        if (now == prev && ok(now)) || Instant::now() > deadline {
+        same = if now == prev { same + 1 } else { 0 };
+        // A second of no change (a slow pool, e.g. under valgrind, tears down late).
+        if (same >= 5 && ok(now)) || Instant::now() > deadline {
             return now;
         }
         prev = now;
     }
+}
+
+/// `a - b` per kind, without the zeros.
+fn kind_diff(a: &std::collections::BTreeMap<String, i64>, b: &std::collections::BTreeMap<String, i64>) -> Vec<String> {
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter()
+        .filter_map(|k| {
+            let d = a.get(k).unwrap_or(&0) - b.get(k).unwrap_or(&0);
+            (d != 0).then(|| format!("{k}: {d:+}"))
+        })
+        .collect()
 }
 
 struct Soak {
@@ -572,6 +667,8 @@ struct Soak {
     banked: Totals,
     base_fds: usize,
     fds_per_worker: usize,
+    base_kinds: std::collections::BTreeMap<String, i64>,
+    worker_kinds: std::collections::BTreeMap<String, i64>,
     leaked_bytes: u64,
     leaked_fds: i64,
     leak_checks: u64,
@@ -582,7 +679,7 @@ impl Soak {
     fn spawn_worker(&mut self) -> Result<(), String> {
         let id = self.next_id;
         self.next_id += 1;
-        let w = WorkerProc::spawn(&self.pool.socket, id, self.cli.seed, self.cli.timeout_ms)?;
+        let w = WorkerProc::spawn(&self.pool.socket, id, self.cli.seed, self.cli.timeout_ms, &self.cli.memory)?;
         self.workers.push(w);
         Ok(())
     }
@@ -639,13 +736,22 @@ impl Soak {
         }
         let want = self.base_fds + live * self.fds_per_worker;
         let mut fds = 0;
-        eventually(Duration::from_secs(5), || {
+        eventually(Duration::from_secs(10), || {
             fds = self.pool.fds();
             fds == want
         });
         if fds != want {
             self.leaked_fds = self.leaked_fds.max(fds as i64 - want as i64);
-            self.failures.push(format!("{when}: pool has {fds} fds, expected {want} ({} + {live} x {})", self.base_fds, self.fds_per_worker));
+            let mut expect = self.base_kinds.clone();
+            for (k, v) in &self.worker_kinds {
+                *expect.entry(k.clone()).or_insert(0) += v * live as i64;
+            }
+            self.failures.push(format!(
+                "{when}: pool has {fds} fds, expected {want} ({} + {live} x {}); by kind vs expected: {}",
+                self.base_fds,
+                self.fds_per_worker,
+                kind_diff(&self.pool.fd_kinds(), &expect).join(", ")
+            ));
         }
         self.leak_checks += 1;
         self.resume_all();
@@ -671,6 +777,7 @@ impl SoakCli {
         args.extend(self.pool_args.split_whitespace().map(String::from));
         let pool = PoolProc::start(&bin, &socket, &args, &log)?;
         let base_fds = settled_fds(&pool, |_| true);
+        let base_kinds = pool.fd_kinds();
         let mut s = Soak {
             cli: self.clone(),
             pool,
@@ -679,6 +786,8 @@ impl SoakCli {
             banked: Totals::default(),
             base_fds,
             fds_per_worker: 0,
+            base_kinds,
+            worker_kinds: Default::default(),
             leaked_bytes: 0,
             leaked_fds: 0,
             leak_checks: 0,
@@ -699,6 +808,13 @@ impl SoakCli {
             return Err(format!("cannot measure fds per attachment: {base_fds} idle, {with} with {n} workers"));
         }
         s.fds_per_worker = (with - base_fds) / n;
+        let with_kinds = s.pool.fd_kinds();
+        for (k, v) in &with_kinds {
+            let d = v - s.base_kinds.get(k).unwrap_or(&0);
+            if d != 0 {
+                s.worker_kinds.insert(k.clone(), d / n as i64);
+            }
+        }
         s.resume_all();
 
         // Fault-free warm-up: the baseline rate.
@@ -800,7 +916,8 @@ impl SoakCli {
                 .extra("leaked_fds", s.leaked_fds)
                 .extra("fds_per_worker", s.fds_per_worker as u64),
             ctx(Case::new("soak", "max_blocked_ms", total.max_blocked_ms, "ms", self.timeout_ms as f64, "engine timeout_ms (the bound)", Better::Lower))
-                .extra("all_reattached", reattached),
+                .extra("all_reattached", reattached)
+                .extra("call", total.max_blocked_call.unwrap_or("")),
         ];
         super::report::print(&cases, self.json);
         if pass {

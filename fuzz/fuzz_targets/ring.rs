@@ -1,0 +1,2 @@
+#![no_main]
+libfuzzer_sys::fuzz_target!(|input: umbp_fuzz::ring::Input| umbp_fuzz::ring::run(input));

@@ -1,0 +1,50 @@
+//! Per-peer limits keep a flooding peer from taking the pool from others (docs/security.md):
+//! a worker process keeps 64 loads of 64 MiB each in flight while a well-behaved worker
+//! process stores one block at a time. With `--max-inflight-bytes` the flooder meets `Busy`
+//! and the well-behaved worker's p99 store latency stays bounded; without it (the same run
+//! on a pool with the default limit) the well-behaved worker waits behind the flood.
+
+mod common;
+use common::*;
+
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+
+/// Runs the flood against a fresh pool started with `pool_args`; returns (flooder result,
+/// well-behaved worker result).
+fn flood_vs_latency(tag: &str, pool_args: &[&str]) -> (serde_json::Value, serde_json::Value) {
+    let pool = PoolProcess::start(&unique_socket(tag), pool_args);
+    let mut flooder = Command::new(workspace_binary("umbp-test-worker"))
+        .arg("--socket")
+        .arg(&pool.socket)
+        .args(["--namespace", "5", "--layers", "4", "--page", "262144", "--blocks", "64"])
+        .args(["flood-loads", "--first-key", "0", "--seconds", "8", "--depth", "64"])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(flooder.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "flooding", "flooder did not start");
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let lat = run_worker(&pool.socket, 6, "per-layer", &["latency", "--first-key", "1000000", "--seconds", "4"]);
+    line.clear();
+    out.read_line(&mut line).unwrap();
+    flooder.wait().unwrap();
+    let flood: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    (flood, lat)
+}
+
+#[test]
+fn a_flooding_peer_is_refused_and_others_keep_their_latency() {
+    let (flood, lat) = flood_vs_latency("flood", &["--capacity", "512MiB", "--max-inflight-bytes", "32MiB"]);
+    let (flood0, lat0) = flood_vs_latency("flood-nolimit", &["--capacity", "512MiB"]);
+    eprintln!("with --max-inflight-bytes 32MiB: flooder {flood}, well-behaved {lat}");
+    eprintln!("with the default limit:          flooder {flood0}, well-behaved {lat0}");
+    assert!(n(&flood, "busy") > 0, "the flooder met Busy: {flood}");
+    assert!(n(&flood, "ok") > 0, "the flooder still gets served: {flood}");
+    assert!(n(&lat, "samples") >= 50, "{lat}");
+    assert_eq!(n(&lat, "failed"), 0, "{lat}");
+    let p99 = n(&lat, "p99_us");
+    assert!(p99 < 250_000, "well-behaved p99 store latency {p99} us under a flood, with the limit");
+}
