@@ -40,7 +40,15 @@ run_target() { # target seconds corpus-dir [seed-dir]
   fi
 }
 
-ensure_tools
+if ! ensure_tools; then
+  # A machine that cannot fetch a nightly toolchain still runs every other test; say so
+  # plainly rather than fail the whole suite.
+  if [ "${1:-}" = "--ci" ]; then
+    echo "fuzz: SKIPPED: no nightly toolchain or cargo-fuzz could be installed on this machine" >&2
+    exit 0
+  fi
+  exit 1
+fi
 LOGDIR=$(mktemp -d)
 case "${1:-}" in
   --ci)
