@@ -102,6 +102,7 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._stored_hashes: dict[bytes, int] = {}
+        self._on_cuda = False
 
     # -- registration -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -122,6 +123,9 @@ class WorkerSide:
                 alloc_ids.append(int(self.w.register_cuda_memory(s.base, s.nbytes, s.device_index)))
         segments = [seg.as_tuple(alloc_ids) for seg in lay.segments]
         self.object_bytes = int(self.w.register_layout(self.c._group, segments))
+        # GPU kernels run asynchronously: a store submitted after the forward must be
+        # ordered after it on the GPU (stream fence), not just after it on the CPU.
+        self._on_cuda = any(s.device != "cpu" for s in lay.storages)
         self._registered = True
         logger.info(
             "UMBP: registered %d segment(s), %d allocation(s), %d bytes per block object "
@@ -226,7 +230,10 @@ class WorkerSide:
             try:
                 if not self._registered:
                     raise RuntimeError("KV caches not registered")
-                tid = int(self.w.store(meta.group, self._keys(meta, op.hashes), op.block_ids))
+                stream = torch.cuda.current_stream().cuda_stream if self._on_cuda else None
+                tid = int(
+                    self.w.store(meta.group, self._keys(meta, op.hashes), op.block_ids, stream=stream)
+                )
             except Exception as e:  # noqa: BLE001 - pool gone / refusing: not stored
                 logger.debug("UMBP: store for %s not submitted: %s", op.req_id, e)
                 self.c._stats.add("store_not_stored_blocks", len(op.block_ids))
