@@ -595,16 +595,28 @@ impl Worker {
     }
 
     /// Maps the new attachment and replays registrations and layouts (blocking: the pool
-    /// has just shown it is alive by answering Hello).
+    /// has just shown it is alive by answering Hello). The whole replay shares one
+    /// `timeout`: a pool that answers slowly after its Hello reply must not hold the calling
+    /// engine thread for up to one timeout per message (found by `umbp-bench soak`: calls
+    /// blocked 2.1 s with timeout_ms 1000, 3.6 s under valgrind; tests/tests/reconnect_stall.rs).
+    /// A pool too slow to finish the replay in one timeout is retried with backoff.
     fn finish_reconnect(&mut self, attached: Attached) -> Result<(), WorkerError> {
         let mut conn = Connection::new(attached)?;
-        let timeout = self.cfg.timeout;
+        let deadline = Instant::now() + self.cfg.timeout;
+        let left = || {
+            let d = deadline.saturating_duration_since(Instant::now());
+            if d.is_zero() {
+                Err(WorkerError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "re-registration took longer than timeout_ms")))
+            } else {
+                Ok(d)
+            }
+        };
         for m in &self.memory {
-            let id = conn.register_memory(&m.reg, m.fd.as_ref().map(|f| f.as_fd()), timeout)?;
+            let id = conn.register_memory(&m.reg, m.fd.as_ref().map(|f| f.as_fd()), left()?)?;
             conn.alloc_ids.insert(m.id, id);
         }
         for (&group, segments) in &self.layouts {
-            conn.register_layout(group, segments, timeout)?;
+            conn.register_layout(group, segments, left()?)?;
         }
         tracing::info!(
             endpoint = %self.cfg.endpoint.display(),
