@@ -8,7 +8,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{handshake, unique_socket, PoolProcess, RawPeer};
+use common::{handshake, start_pool, unique_socket, PoolProcess, RawPeer};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::{BlockRef, BlockStatus, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
 use umbp_protocol::layout::Segment;
@@ -63,7 +63,7 @@ fn healthy_round_trip(pool: &PoolProcess, salt: u128) {
 
 #[test]
 fn bad_handshakes_are_refused_and_the_pool_keeps_serving() {
-    let pool = PoolProcess::start(&unique_socket("hs"), &[]);
+    let pool = start_pool(&unique_socket("hs"), &[]);
 
     let mut bad = Hello::new(Role::Worker, 1, 1);
     bad.magic = 0x1234;
@@ -108,7 +108,7 @@ fn foreign_uid_is_refused_unless_allowed() {
         eprintln!("skipped: needs root to act as another uid");
         return;
     }
-    let pool = PoolProcess::start(&unique_socket("uid"), &[]);
+    let pool = start_pool(&unique_socket("uid"), &[]);
     let socket = pool.socket.clone();
     // Let uid 65534 reach the socket file so the refusal comes from SO_PEERCRED.
     std::fs::set_permissions(socket.parent().unwrap(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
@@ -117,7 +117,7 @@ fn foreign_uid_is_refused_unless_allowed() {
     assert!(refused.contains("uid 65534 is not allowed"), "{refused}");
     drop(pool);
 
-    let pool = PoolProcess::start(&unique_socket("uid2"), &["--allow-uid", "65534"]);
+    let pool = start_pool(&unique_socket("uid2"), &["--allow-uid", "65534"]);
     std::fs::set_permissions(pool.socket.parent().unwrap(), std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     std::fs::set_permissions(&pool.socket, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     assert_eq!(run_as_uid(65534, &pool.socket), "attached");
@@ -152,7 +152,7 @@ fn run_as_uid(uid: u32, socket: &std::path::Path) -> String {
 
 #[test]
 fn bad_submissions_get_error_completions() {
-    let pool = PoolProcess::start(&unique_socket("sqe"), &[]);
+    let pool = start_pool(&unique_socket("sqe"), &[]);
     let (peer, _mem) = worker(&pool, 1);
     let arena_len = peer.layout.arena_bytes as u64;
     let a = peer.arena();
@@ -204,7 +204,7 @@ fn bad_submissions_get_error_completions() {
 
 #[test]
 fn corrupted_ring_detaches_only_that_peer() {
-    let pool = PoolProcess::start(&unique_socket("ring"), &[]);
+    let pool = start_pool(&unique_socket("ring"), &[]);
     let (peer, _mem) = worker(&pool, 1);
     // Claim a billion submissions: head + capacity < tail.
     let sq = peer.sq();
@@ -221,7 +221,7 @@ fn corrupted_ring_detaches_only_that_peer() {
 #[test]
 fn second_pool_on_a_live_socket_is_refused_and_stale_is_replaced() {
     let socket = unique_socket("live");
-    let mut first = PoolProcess::start(&socket, &[]);
+    let mut first = start_pool(&socket, &[]);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-pool"))
         .arg("--socket")
         .arg(&socket)
@@ -234,7 +234,7 @@ fn second_pool_on_a_live_socket_is_refused_and_stale_is_replaced() {
     // SIGKILL leaves the socket file behind; the next pool replaces it.
     first.kill();
     assert!(socket.exists());
-    let second = PoolProcess::start(&socket, &[]);
+    let second = start_pool(&socket, &[]);
     healthy_round_trip(&second, 3);
 }
 

@@ -12,7 +12,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use common::{handshake, unique_socket, PoolProcess, RawPeer};
+use common::{handshake, start_pool, unique_socket, PoolProcess, RawPeer};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::{BlockRef, BlockStatus, Opcode, Sqe};
 use umbp_protocol::layout::Segment;
@@ -64,7 +64,7 @@ fn open_up(socket: &Path) {
 
 #[test]
 fn socket_is_0660_and_belongs_to_the_socket_group() {
-    let pool = PoolProcess::start(&unique_socket("mode"), &[]);
+    let pool = start_pool(&unique_socket("mode"), &[]);
     let meta = std::fs::metadata(&pool.socket).unwrap();
     assert_eq!(meta.mode() & 0o777, 0o660, "default socket mode");
     assert_eq!(meta.gid(), rustix::process::getgid().as_raw(), "default group: the pool's");
@@ -82,7 +82,7 @@ fn socket_is_0660_and_belongs_to_the_socket_group() {
         eprintln!("skipped the other-user half: needs root to chgrp the socket and act as another user");
         return;
     }
-    let pool = PoolProcess::start(&unique_socket("group"), &["--socket-group", "65534"]);
+    let pool = start_pool(&unique_socket("group"), &["--socket-group", "65534"]);
     let meta = std::fs::metadata(&pool.socket).unwrap();
     assert_eq!((meta.mode() & 0o777, meta.gid()), (0o660, 65534));
     open_up(&pool.socket);
@@ -94,7 +94,7 @@ fn socket_is_0660_and_belongs_to_the_socket_group() {
     let member = as_user(65534, 65534, || hello_from_child(&s, Role::Scheduler, 1));
     assert!(member.contains("uid 65534 is not allowed"), "{member}");
     drop(pool);
-    let pool = PoolProcess::start(&unique_socket("group2"), &["--socket-group", "65534", "--allow-uid", "65534"]);
+    let pool = start_pool(&unique_socket("group2"), &["--socket-group", "65534", "--allow-uid", "65534"]);
     open_up(&pool.socket);
     let s = pool.socket.clone();
     assert_eq!(as_user(65534, 65534, || hello_from_child(&s, Role::Scheduler, 1)), "attached");
@@ -106,7 +106,7 @@ fn namespace_acl_refuses_other_namespaces_and_unlisted_uids() {
         eprintln!("skipped: needs root to act as other uids");
         return;
     }
-    let pool = PoolProcess::start(
+    let pool = start_pool(
         &unique_socket("acl"),
         &["--allow-uid", "65534", "--allow-uid", "65533", "--namespace-acl", "65534:aa,0xbb"],
     );
@@ -155,7 +155,7 @@ fn one(peer: &RawPeer, op: Opcode, key: u128, block: u64) -> BlockStatus {
 
 #[test]
 fn with_an_acl_loads_only_find_the_loaders_namespace() {
-    let pool = PoolProcess::start(&unique_socket("acl-load"), &["--namespace-acl", "65534:aa"]);
+    let pool = start_pool(&unique_socket("acl-load"), &["--namespace-acl", "65534:aa"]);
     let (tenant_a, mem_a) = worker(&pool, 0xaa, 0xA1);
     let (tenant_b, mem_b) = worker(&pool, 0xbb, 0xB2);
     assert_eq!(one(&tenant_a, Opcode::Store, 1, 0), BlockStatus::Stored);
@@ -173,7 +173,7 @@ fn with_an_acl_loads_only_find_the_loaders_namespace() {
     assert_eq!(one(&tenant_b, Opcode::Load, 2, 5), BlockStatus::Loaded);
 
     // Without an ACL the pool keeps its shared-pool behaviour (one namespace per model).
-    let open = PoolProcess::start(&unique_socket("no-acl"), &[]);
+    let open = start_pool(&unique_socket("no-acl"), &[]);
     let (a, _ma) = worker(&open, 0xaa, 1);
     let (b, _mb) = worker(&open, 0xbb, 2);
     assert_eq!(one(&a, Opcode::Store, 9, 0), BlockStatus::Stored);
@@ -218,7 +218,7 @@ fn assert_index_is_read_only(fd: BorrowedFd<'_>, len: usize) {
 
 #[test]
 fn peers_cannot_resize_reseal_or_write_the_index() {
-    let pool = PoolProcess::start(&unique_socket("seal"), &[]);
+    let pool = start_pool(&unique_socket("seal"), &[]);
     let (w, _mem) = worker(&pool, 1, 7);
     assert_eq!(one(&w, Opcode::Store, 77, 0), BlockStatus::Stored);
     assert_index_is_read_only(w.index.fd(), w.index.len());

@@ -7,7 +7,7 @@ mod common;
 
 use std::os::unix::net::UnixStream;
 
-use common::{handshake, unique_socket, PoolProcess, RawPeer};
+use common::{handshake, start_pool, unique_socket, PoolProcess, RawPeer};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::{BlockRef, BusyReason, CqeError, Opcode, Sqe};
 use umbp_protocol::layout::Segment;
@@ -27,7 +27,7 @@ fn layout(peer: &mut RawPeer, group: u32, seg: Segment) -> Reply {
 
 #[test]
 fn attachments_per_uid() {
-    let pool = PoolProcess::start(&unique_socket("per-uid"), &["--max-attachments-per-uid", "2"]);
+    let pool = start_pool(&unique_socket("per-uid"), &["--max-attachments-per-uid", "2"]);
     let a = RawPeer::attach(&pool.socket, Role::Scheduler, 1).unwrap();
     let _b = RawPeer::attach(&pool.socket, Role::Worker, 1).unwrap();
     let e = RawPeer::attach(&pool.socket, Role::Worker, 1).err().unwrap();
@@ -46,7 +46,7 @@ fn attachments_per_uid() {
 
 #[test]
 fn rings_and_arena_sizes() {
-    let pool = PoolProcess::start(&unique_socket("arena"), &["--max-arena-bytes", "16MiB", "--max-sq-entries", "2048"]);
+    let pool = start_pool(&unique_socket("arena"), &["--max-arena-bytes", "16MiB", "--max-sq-entries", "2048"]);
     let mut h = Hello::new(Role::Worker, 1, 1);
     h.arena_bytes = 32 << 20;
     let e = handshake(&UnixStream::connect(&pool.socket).unwrap(), &h).unwrap_err();
@@ -62,7 +62,7 @@ fn rings_and_arena_sizes() {
 
 #[test]
 fn registered_bytes_regions_and_layouts() {
-    let pool = PoolProcess::start(
+    let pool = start_pool(
         &unique_socket("reg"),
         &["--max-registered-bytes", "1MiB", "--max-regions", "2", "--max-layouts", "1"],
     );
@@ -124,7 +124,7 @@ fn load_burst(pool: &PoolProcess, n: u64) -> Vec<umbp_protocol::entries::Cqe> {
 #[test]
 fn inflight_limits_answer_busy_with_the_limit() {
     // Transfers: at most 2 submissions in flight.
-    let pool = PoolProcess::start(&unique_socket("inflight"), &["--max-inflight", "2"]);
+    let pool = start_pool(&unique_socket("inflight"), &["--max-inflight", "2"]);
     let c = load_burst(&pool, 32);
     let busy: Vec<_> = c.iter().filter(|c| c.result == -(CqeError::Busy as i32)).collect();
     assert!(!busy.is_empty(), "32 loads of 16 MiB at once with --max-inflight 2 must meet Busy");
@@ -137,7 +137,7 @@ fn inflight_limits_answer_busy_with_the_limit() {
 
     // Bytes: 16 MiB per submission, at most 24 MiB in flight: the second of a burst waits
     // for the first.
-    let pool = PoolProcess::start(&unique_socket("inflight-b"), &["--max-inflight-bytes", "24MiB"]);
+    let pool = start_pool(&unique_socket("inflight-b"), &["--max-inflight-bytes", "24MiB"]);
     let c = load_burst(&pool, 8);
     let busy: Vec<_> = c.iter().filter(|c| c.result == -(CqeError::Busy as i32)).collect();
     assert!(!busy.is_empty(), "8 loads of 16 MiB at once with --max-inflight-bytes 24MiB must meet Busy");
@@ -146,7 +146,7 @@ fn inflight_limits_answer_busy_with_the_limit() {
     drop(pool);
 
     // Alone, a submission over the byte limit is admitted (a limit never starves a peer).
-    let pool = PoolProcess::start(&unique_socket("inflight-c"), &["--max-inflight-bytes", "1MiB"]);
+    let pool = start_pool(&unique_socket("inflight-c"), &["--max-inflight-bytes", "1MiB"]);
     let c = load_burst(&pool, 1);
     assert_eq!((c[0].result, c[0].ok_count), (0, 16));
 }

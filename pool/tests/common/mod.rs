@@ -4,8 +4,7 @@
 
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use umbp_ipc::message::{recv_message, send_message};
@@ -15,120 +14,16 @@ use umbp_protocol::entries::{Cqe, Sqe};
 use umbp_protocol::ring::{Consumer, Producer, Ring};
 use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
 
-pub fn unique_socket(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("umbp-test-{}-{tag}-{}", std::process::id(), rand_suffix()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join("pool.sock")
-}
+// Pool processes, socket dirs and the wrapper hook are the integration-test crate's; this
+// file only adds the hand-crafted peer.
+pub use umbp_integration_tests::{unique_socket, PoolProcess};
 
-fn rand_suffix() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(Instant::now().elapsed().as_nanos() as u64);
-    h.finish() & 0xffff_ffff
-}
-
-/// A `umbp-pool` child process; killed on drop.
-pub struct PoolProcess {
-    pub child: Child,
-    pub socket: PathBuf,
-}
-
-
-/// `UMBP_POOL_WRAPPER`: a command every test pool runs under, e.g.
-/// `valgrind --tool=memcheck --error-exitcode=99 --log-file=/tmp/vg-%p.log` or a script
-/// that runs a sanitizer build (docs/reliability.md). Wrapped pools are stopped with
-/// SIGTERM (a clean shutdown, so the tool can report) instead of SIGKILL at the end.
-pub fn pool_wrapper() -> Option<Vec<String>> {
-    std::env::var("UMBP_POOL_WRAPPER").ok().filter(|w| !w.trim().is_empty()).map(|w| w.split_whitespace().map(String::from).collect())
-}
-
-/// A command that runs the pool binary `bin`, under `UMBP_POOL_WRAPPER` when set.
-pub fn pool_command(bin: &Path) -> Command {
-    match pool_wrapper() {
-        Some(w) => {
-            let mut c = Command::new(&w[0]);
-            c.args(&w[1..]).arg(bin);
-            c
-        }
-        None => Command::new(bin),
-    }
-}
-
-/// Stops a wrapped pool with SIGTERM and waits for its clean exit (up to 60 s).
-pub fn stop_gracefully(child: &mut Child) {
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
-    // SAFETY: as above.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-impl PoolProcess {
-    pub fn start(socket: &Path, extra: &[&str]) -> Self {
-        let child = pool_command(Path::new(env!("CARGO_BIN_EXE_umbp-pool")))
-            .arg("--socket")
-            .arg(socket)
-            .args(["--capacity", "64MiB", "--min-object-size", "4KiB"])
-            .args(extra)
-            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
-            .stdin(Stdio::null())
-            .spawn()
-            .expect("spawn umbp-pool");
-        let p = Self { child, socket: socket.to_path_buf() };
-        p.wait_listening();
-        p
-    }
-
-    pub fn wait_listening(&self) {
-        let deadline = Instant::now() + Duration::from_secs(if pool_wrapper().is_some() { 120 } else { 20 });
-        while UnixStream::connect(&self.socket).is_err() {
-            assert!(Instant::now() < deadline, "pool did not start listening at {}", self.socket.display());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    pub fn pid(&self) -> i32 {
-        self.child.id() as i32
-    }
-
-    pub fn signal(&self, sig: i32) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.pid(), sig) };
-    }
-
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// The pool's state report, through a real observer attachment.
-    pub fn report(&self) -> serde_json::Value {
-        let mut peer = RawPeer::attach(&self.socket, Role::Observer, 0).expect("observer attach");
-        peer.stats()
-    }
-
-    pub fn open_fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).unwrap().count()
-    }
-}
-
-impl Drop for PoolProcess {
-    fn drop(&mut self) {
-        if pool_wrapper().is_some() {
-            stop_gracefully(&mut self.child);
-        }
-        self.kill();
-        if let Some(d) = self.socket.parent() {
-            let _ = std::fs::remove_dir_all(d);
-        }
-    }
+/// A small pool (64 MiB, 4 KiB minimum objects) at `socket`; `extra` flags come after the
+/// defaults and override them.
+pub fn start_pool(socket: &Path, extra: &[&str]) -> PoolProcess {
+    let mut args = vec!["--capacity", "64MiB", "--min-object-size", "4KiB"];
+    args.extend_from_slice(extra);
+    PoolProcess::start(socket, &args)
 }
 
 /// A peer that speaks the protocol by hand.
