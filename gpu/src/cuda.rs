@@ -60,6 +60,8 @@ const SYMBOLS: &[&str] = &[
     "cuEventCreate",
     "cuEventDestroy_v2",
     "cuEventRecord",
+    "cuEventQuery",
+    "cuEventSynchronize",
     "cuStreamWaitEvent",
     "cuDeviceGetAttribute",
     "cuDeviceGetName",
@@ -429,6 +431,24 @@ impl DeviceApi for Cuda {
         check("cuEventRecord", unsafe { sys::cuEventRecord(event.0, other.0) })?;
         // SAFETY: as above.
         check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(waiter.0, event.0, 0) })
+    }
+
+    fn record(&self, event: CudaEvent, stream: CudaStream) -> Result<(), GpuError> {
+        // SAFETY: live event and stream of the bound context.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event.0, stream.0) })
+    }
+
+    fn event_done(&self, event: CudaEvent) -> Result<bool, GpuError> {
+        // SAFETY: live event.
+        match unsafe { sys::cuEventQuery(event.0) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| true),
+        }
+    }
+
+    fn event_wait(&self, event: CudaEvent) -> Result<(), GpuError> {
+        // SAFETY: live event.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(event.0) })
     }
 
     unsafe fn wait_value64(&self, stream: CudaStream, addr: u64, value: u64) -> Result<(), GpuError> {

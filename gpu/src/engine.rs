@@ -22,7 +22,7 @@ use crate::error::format_uuid;
 use crate::fence::{self, FenceWord};
 use crate::{
     check_ops, expect_kind, Backend, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind,
-    MemoryRegistration, Part,
+    MemoryRegistration, Part, Staging,
 };
 
 /// Streams per copy call unless tuned ([`set_tuning`], `UMBP_COPY_STREAMS`). Several
@@ -75,6 +75,8 @@ pub struct EngineStats {
     pub enqueue_ns: u64,
     /// Time of whole copy calls (fence waits, enqueue, synchronization).
     pub total_ns: u64,
+    /// Stages reported finished before their copy call ended (staged calls).
+    pub stages: u64,
 }
 
 static STAT_CALLS: AtomicU64 = AtomicU64::new(0);
@@ -82,6 +84,7 @@ static STAT_ITEMS: AtomicU64 = AtomicU64::new(0);
 static STAT_BYTES: AtomicU64 = AtomicU64::new(0);
 static STAT_ENQUEUE: AtomicU64 = AtomicU64::new(0);
 static STAT_TOTAL: AtomicU64 = AtomicU64::new(0);
+static STAT_STAGES: AtomicU64 = AtomicU64::new(0);
 
 /// Snapshot of [`EngineStats`].
 pub fn engine_stats() -> EngineStats {
@@ -91,6 +94,7 @@ pub fn engine_stats() -> EngineStats {
         bytes: STAT_BYTES.load(Ordering::Relaxed),
         enqueue_ns: STAT_ENQUEUE.load(Ordering::Relaxed),
         total_ns: STAT_TOTAL.load(Ordering::Relaxed),
+        stages: STAT_STAGES.load(Ordering::Relaxed),
     }
 }
 
@@ -225,6 +229,21 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
         let _ = (waiter, event, other);
         Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
     }
+    /// Records `event` on `stream`: it completes once the work enqueued so far is done.
+    fn record(&self, event: Self::Event, stream: Self::Stream) -> Result<(), GpuError> {
+        let _ = (event, stream);
+        Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
+    }
+    /// Whether the work before the last [`Self::record`] of `event` is done (no waiting).
+    fn event_done(&self, event: Self::Event) -> Result<bool, GpuError> {
+        let _ = event;
+        Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
+    }
+    /// Blocks until [`Self::event_done`] would say true; errors of that work surface here.
+    fn event_wait(&self, event: Self::Event) -> Result<(), GpuError> {
+        let _ = event;
+        Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
+    }
     /// Enqueues a wait until the device-mapped host word at `addr` reaches `value`
     /// (cyclic `>=`).
     ///
@@ -253,10 +272,13 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
     unsafe fn host_unregister(&self, base: *mut u8) -> Result<(), GpuError>;
 }
 
-/// The streams (and lazily made join events) one copy call uses exclusively.
+/// The streams (and lazily made events) one copy call uses exclusively.
 struct StreamSet<A: DeviceApi> {
     streams: Vec<A::Stream>,
+    /// Join events of the GPU-side load fence write.
     events: Vec<A::Event>,
+    /// Stage-end markers of staged calls: stage `s`, stream `k` at `s * streams + k`.
+    stage_events: Vec<A::Event>,
 }
 
 /// One GPU as seen by the pool: its bound handle and idle stream sets. Stream sets are
@@ -269,6 +291,9 @@ struct Engine<A: DeviceApi> {
     /// Stream memory operations (GPU-side fence waits/writes) work; cleared at the first
     /// failure, after which fences are waited for and written by the CPU.
     memops: AtomicBool,
+    /// Events work (staged calls report finished stages); cleared at the first failure,
+    /// after which staged calls run as one stage (reported when the call ends).
+    events: AtomicBool,
 }
 
 #[derive(Clone, Copy)]
@@ -392,6 +417,7 @@ impl<A: DeviceApi> Shared<A> {
                     dev,
                     idle: Mutex::new(Vec::new()),
                     memops: AtomicBool::new(true),
+                    events: AtomicBool::new(true),
                 });
                 tracing::debug!(api = A::API, ordinal, uuid = %format_uuid(uuid), "opened transfer engine");
                 engines.insert(*uuid, engine.clone());
@@ -475,6 +501,35 @@ pub(crate) fn push_items(
     }
 }
 
+/// Item ranges of the stages ending at `ends` (see [`Engine::run`]); ends past `len` or
+/// going backwards are clamped, and one range covers everything when `ends` is empty.
+pub(crate) fn stage_ranges(ends: &[usize], len: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::with_capacity(ends.len().max(1));
+    let mut start = 0;
+    for &e in ends {
+        let end = e.clamp(start, len);
+        out.push(start..end);
+        start = end;
+    }
+    match out.last_mut() {
+        Some(last) => last.end = len,
+        None => out.push(0..len),
+    }
+    out
+}
+
+/// Whether every event of one stage completed (`block`: wait for it).
+fn stage_landed<A: DeviceApi>(api: &A, events: &[A::Event], block: bool) -> Result<bool, GpuError> {
+    for &e in events {
+        if block {
+            api.event_wait(e)?;
+        } else if !api.event_done(e)? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
 /// Splits `items` into at most `n` contiguous runs of about equal bytes.
 pub(crate) fn balance(items: &[Item], n: usize) -> Vec<std::ops::Range<usize>> {
     let total: u64 = items.iter().map(|i| i.len as u64).sum();
@@ -500,6 +555,7 @@ impl<A: DeviceApi> Engine<A> {
         let mut set = lock(&self.idle).pop().unwrap_or(StreamSet {
             streams: Vec::new(),
             events: Vec::new(),
+            stage_events: Vec::new(),
         });
         while set.streams.len() < want {
             match api.create_stream() {
@@ -522,17 +578,27 @@ impl<A: DeviceApi> Engine<A> {
     /// every stream used, also after an error: returning while a DMA still targets pool
     /// memory would let the pool reuse that memory under it.
     ///
+    /// `stage_ends` cuts `items` into stages (item end indices, ascending, the last one
+    /// `items.len()`; empty = one stage). Each stage is spread over the streams on its own
+    /// and followed by an event per stream, and `stage_done(s)` is called, in order, as soon
+    /// as stage `s` has landed without error — while later stages still copy, so the caller
+    /// can publish finished blocks under the DMA of the next ones. Stages after a failure
+    /// are not reported. Without working events the call runs as one stage and reports none.
+    ///
     /// # Safety
     /// Every item's host range is valid (writable for DeviceToHost) for the call and its
     /// device range lies inside an open allocation.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn run(
         &self,
         api: &A,
         dir: Dir,
         items: &[Item],
+        stage_ends: &[usize],
         fence: &Fence<'_>,
         signal: bool,
         keep_waiting: &dyn Fn() -> bool,
+        stage_done: &mut dyn FnMut(usize),
     ) -> Result<(), GpuError> {
         let wait = match fence {
             Fence::WaitBefore(word, value) if !items.is_empty() => Some((*word, *value)),
@@ -547,9 +613,9 @@ impl<A: DeviceApi> Engine<A> {
         }
         let t_call = Instant::now();
         let (streams, batch) = tuning();
-        let runs = balance(items, streams);
+        let n_streams = streams.clamp(1, items.len().max(1));
         let _bound = Bound::new(api, &self.dev)?;
-        let mut set = self.take_set(api, runs.len())?;
+        let mut set = self.take_set(api, n_streams)?;
         let mut used = vec![false; set.streams.len()];
         let mut first_err: Option<GpuError> = None;
         // Store fence: on the GPU when the word is device-mapped and the driver supports
@@ -560,7 +626,7 @@ impl<A: DeviceApi> Engine<A> {
             if let (Some(addr), true) = (word.device(), self.memops.load(Ordering::Relaxed)) {
                 if !fence::reached(word.load(), value) {
                     let mut ok = true;
-                    for (k, _) in runs.iter().enumerate() {
+                    for k in 0..n_streams {
                         // SAFETY: the word stays mapped for the call (the caller holds its
                         // region); the watchdog below releases it before we return.
                         match unsafe { api.wait_value64(set.streams[k], addr, value) } {
@@ -595,6 +661,19 @@ impl<A: DeviceApi> Engine<A> {
                 }
             }
         }
+        let stages = stage_ranges(stage_ends, items.len());
+        let staged = stages.len() > 1 && first_err.is_none() && self.stage_events_ready(api, &mut set, stages.len() * n_streams);
+        // Before a stage is reported: a store whose worker aborted its fence read bytes the
+        // engine never finished, and nothing of it may be published.
+        let fence_ok = |first_err: &mut Option<GpuError>| {
+            if let Some((word, value)) = gpu_wait {
+                if fence::aborted(word.load(), value) {
+                    first_err.get_or_insert(GpuError::FenceAborted { value, word: word.load() });
+                }
+            }
+            first_err.is_none()
+        };
+        let mut reported = 0;
         let t_enqueue = Instant::now();
         if first_err.is_none() {
             let per_call = batch_max();
@@ -612,7 +691,42 @@ impl<A: DeviceApi> Engine<A> {
                 }
                 Ok(())
             };
-            if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
+            let runs = balance(items, n_streams);
+            if staged {
+                'stages: for (s, stage) in stages.iter().enumerate() {
+                    for (k, run) in balance(&items[stage.clone()], n_streams).into_iter().enumerate() {
+                        used[k] = true;
+                        if let Err(e) = enqueue(set.streams[k], stage.start + run.start..stage.start + run.end) {
+                            first_err = Some(e);
+                            break 'stages;
+                        }
+                    }
+                    for k in 0..n_streams {
+                        used[k] = true;
+                        if let Err(e) = api.record(set.stage_events[s * n_streams + k], set.streams[k]) {
+                            first_err = Some(e);
+                            break 'stages;
+                        }
+                    }
+                    // Report what already landed while the driver still takes later stages.
+                    while reported < s {
+                        match stage_landed(api, &set.stage_events[reported * n_streams..][..n_streams], false) {
+                            Ok(true) if fence_ok(&mut first_err) => {
+                                stage_done(reported);
+                                reported += 1;
+                            }
+                            Ok(_) => break,
+                            Err(e) => {
+                                first_err = Some(e);
+                                break 'stages;
+                            }
+                        }
+                    }
+                    if first_err.is_some() {
+                        break;
+                    }
+                }
+            } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
                 let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
                     let handles: Vec<_> = runs
                         .iter()
@@ -649,7 +763,7 @@ impl<A: DeviceApi> Engine<A> {
         if let (None, Some((word, value)), Some(addr)) = (&first_err, signal, signal.and_then(|(w, _)| w.device())) {
             if self.memops.load(Ordering::Relaxed) {
                 let _ = word;
-                if let Err(e) = self.signal_on_gpu(api, &mut set, &mut used, runs.len(), addr, value) {
+                if let Err(e) = self.signal_on_gpu(api, &mut set, &mut used, n_streams, addr, value) {
                     tracing::debug!(api = A::API, "GPU-side fence write unavailable, the CPU writes it: {e}");
                 }
             }
@@ -662,6 +776,18 @@ impl<A: DeviceApi> Engine<A> {
                 word.signal(value);
                 if let Some(e) = e {
                     first_err.get_or_insert(e);
+                }
+            }
+        }
+        if staged {
+            while reported < stages.len() && first_err.is_none() {
+                match stage_landed(api, &set.stage_events[reported * n_streams..][..n_streams], true) {
+                    Ok(_) if fence_ok(&mut first_err) => {
+                        stage_done(reported);
+                        reported += 1;
+                    }
+                    Ok(_) => {}
+                    Err(e) => first_err = Some(e),
                 }
             }
         }
@@ -682,7 +808,29 @@ impl<A: DeviceApi> Engine<A> {
         STAT_ITEMS.fetch_add(items.len() as u64, Ordering::Relaxed);
         STAT_BYTES.fetch_add(items.iter().map(|i| i.len as u64).sum::<u64>(), Ordering::Relaxed);
         STAT_TOTAL.fetch_add(t_call.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        if staged {
+            STAT_STAGES.fetch_add(reported as u64, Ordering::Relaxed);
+        }
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// Makes sure `set` has `n` stage events; false (and staging off for this engine from
+    /// now on) where the driver has no usable events.
+    fn stage_events_ready(&self, api: &A, set: &mut StreamSet<A>, n: usize) -> bool {
+        if !self.events.load(Ordering::Relaxed) {
+            return false;
+        }
+        while set.stage_events.len() < n {
+            match api.create_event() {
+                Ok(e) => set.stage_events.push(e),
+                Err(e) => {
+                    tracing::debug!(api = A::API, "no events, copy calls run unstaged: {e}");
+                    self.events.store(false, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+        true
     }
 
     fn signal_on_gpu(
@@ -836,7 +984,7 @@ impl<A: DeviceApi> GpuRegion<A> {
         let mut claimed = [false];
         // SAFETY: forwarded caller contract.
         unsafe {
-            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true)
+            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true, None)
         };
         results[0].take().unwrap_or(Ok(()))
     }
@@ -865,6 +1013,10 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         Some(self)
     }
 
+    fn batch_group(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.engine) as usize)
+    }
+
     /// Claims every unclaimed part from `first` on whose region is a region of this same
     /// engine, and runs them all as one copy call.
     unsafe fn transfer_group(
@@ -877,11 +1029,17 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         host_base: *mut u8,
         fence: &Fence<'_>,
         keep_waiting: &dyn Fn() -> bool,
+        staging: Option<Staging<'_>>,
     ) -> bool {
         let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
         let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut items = Vec::new();
         let mut members = Vec::new();
+        let mut item_ends = Vec::new();
+        let (op_ends, mut report) = match staging {
+            Some(st) => (st.op_ends, Some(st.done)),
+            None => (&[][..], None),
+        };
         for (i, p) in parts.iter().enumerate().skip(first) {
             if claimed[i] {
                 continue;
@@ -897,15 +1055,40 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
                 results[i] = Some(Err(e));
                 continue;
             }
-            for op in p.ops {
-                push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
-            }
-            members.push(i);
+            members.push((i, r));
         }
+        let mut stages = op_ends.first().map_or(1, Vec::len).max(1);
+        let whole = members.len() == parts.len() - first && first == 0;
+        if !whole || op_ends.len() != parts.len() || op_ends.iter().any(|e| e.len() != stages) {
+            // Staging only when this call runs every part (the caller passes it so), with
+            // the same number of stages in each.
+            stages = 1;
+            report = None;
+        }
+        // Stage-major: all parts' ops of stage 0, then stage 1, ...; one stage unstaged.
+        for s in 0..stages {
+            for &(i, r) in &members {
+                let ops = parts[i].ops;
+                let (from, to) = match op_ends.get(i) {
+                    Some(ends) if stages > 1 => (if s == 0 { 0 } else { ends[s - 1] }, ends[s]),
+                    _ => (0, ops.len()),
+                };
+                for op in &ops[from.min(ops.len())..to.clamp(from.min(ops.len()), ops.len())] {
+                    push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+                }
+            }
+            item_ends.push(items.len());
+        }
+        let members: Vec<usize> = members.into_iter().map(|(i, _)| i).collect();
         let signal = claimed.iter().all(|c| *c);
+        let mut no_report = |_: usize| {};
+        let stage_done: &mut dyn FnMut(usize) = match report {
+            Some(done) => done,
+            None => &mut no_report,
+        };
         // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
         // device ranges inside each region by check_ops and open.
-        let r = unsafe { self.engine.run(&self.shared.api, dir, &items, fence, signal, keep_waiting) };
+        let r = unsafe { self.engine.run(&self.shared.api, dir, &items, &item_ends, fence, signal, keep_waiting, stage_done) };
         for i in members {
             results[i] = Some(match &r {
                 Ok(()) => Ok(()),
@@ -925,7 +1108,7 @@ impl<A: DeviceApi> Drop for Shared<A> {
             if let Ok(_bound) = Bound::new(&self.api, &engine.dev) {
                 for set in lock(&engine.idle).drain(..) {
                     set.streams.into_iter().for_each(|s| self.api.destroy_stream(s));
-                    set.events.into_iter().for_each(|e| self.api.destroy_event(e));
+                    set.events.into_iter().chain(set.stage_events).for_each(|e| self.api.destroy_event(e));
                 }
             }
         }
@@ -959,6 +1142,163 @@ mod tests {
         assert_eq!(items[1].host as usize, 0x1000_0000 + (1 << 20));
         assert_eq!(range_end(&ranges, 0x0fff_ffff), None);
         assert_eq!(range_end(&ranges, 0x2000_0000), None);
+    }
+
+    /// A CPU stand-in for a GPU driver (no GPU on the machines that run the unit tests; the
+    /// real driver path runs on the device machine): "device" addresses are host
+    /// addresses, copies happen at once, events are done when recorded unless
+    /// `events_lag` makes only blocking waits see them. A copy of `fail_len` bytes fails.
+    struct SimulatedDevice {
+        fail_len: usize,
+        events: bool,
+        events_lag: bool,
+        copies: AtomicUsize,
+    }
+
+    impl DeviceApi for SimulatedDevice {
+        const API: &'static str = "SIM";
+        const KIND: MemoryKind = MemoryKind::Cuda;
+        type Device = ();
+        type Stream = usize;
+        type Event = usize;
+        fn device_count(&self) -> Result<i32, GpuError> {
+            Ok(1)
+        }
+        fn device_uuid(&self, _: i32) -> Result<[u8; 16], GpuError> {
+            Ok([7; 16])
+        }
+        fn open_device(&self, _: i32) -> Result<(), GpuError> {
+            Ok(())
+        }
+        fn bind(&self, _: &()) -> Result<(), GpuError> {
+            Ok(())
+        }
+        fn unbind(&self) {}
+        fn create_stream(&self) -> Result<usize, GpuError> {
+            Ok(0)
+        }
+        fn destroy_stream(&self, _: usize) {}
+        unsafe fn copy_async(&self, dir: Dir, host: *mut u8, device: u64, len: usize, _: usize) -> Result<(), GpuError> {
+            if len == self.fail_len {
+                return Err(GpuError::Unsupported("simulated copy failure".into()));
+            }
+            self.copies.fetch_add(1, Ordering::Relaxed);
+            let (src, dst) = match dir {
+                Dir::DeviceToHost => (device as *const u8, host),
+                Dir::HostToDevice => (host as *const u8, device as *mut u8),
+            };
+            // SAFETY: the test's items point into its own live buffers.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            Ok(())
+        }
+        fn synchronize(&self, _: usize) -> Result<(), GpuError> {
+            Ok(())
+        }
+        fn create_event(&self) -> Result<usize, GpuError> {
+            if self.events { Ok(0) } else { Err(GpuError::Unsupported("no events".into())) }
+        }
+        fn record(&self, _: usize, _: usize) -> Result<(), GpuError> {
+            Ok(())
+        }
+        fn event_done(&self, _: usize) -> Result<bool, GpuError> {
+            Ok(!self.events_lag)
+        }
+        fn event_wait(&self, _: usize) -> Result<(), GpuError> {
+            Ok(())
+        }
+        unsafe fn wait_value64(&self, _: usize, _: u64, _: u64) -> Result<(), GpuError> {
+            Err(GpuError::Unsupported("no memops".into()))
+        }
+        unsafe fn write_value64(&self, _: usize, _: u64, _: u64) -> Result<(), GpuError> {
+            Err(GpuError::Unsupported("no memops".into()))
+        }
+        unsafe fn ipc_open(&self, _: &[u8; 64]) -> Result<u64, GpuError> {
+            Err(GpuError::Unsupported("no ipc".into()))
+        }
+        unsafe fn ipc_close(&self, _: u64) -> Result<(), GpuError> {
+            Ok(())
+        }
+        fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
+            Ok((ptr, 0))
+        }
+        unsafe fn host_register(&self, _: *mut u8, _: usize) -> Result<(), GpuError> {
+            Ok(())
+        }
+        unsafe fn host_unregister(&self, _: *mut u8) -> Result<(), GpuError> {
+            Ok(())
+        }
+    }
+
+    fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (SimulatedDevice, Engine<SimulatedDevice>) {
+        let api = SimulatedDevice { fail_len, events, events_lag, copies: AtomicUsize::new(0) };
+        let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true) };
+        (api, engine)
+    }
+
+    /// 64 pages of 1 KiB "device" memory copied to host in 4 stages of 16 pages.
+    fn staged_copy(api: &SimulatedDevice, engine: &Engine<SimulatedDevice>, lens: &[usize]) -> (Result<(), GpuError>, Vec<usize>, bool) {
+        let src: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
+        let mut dst = vec![0u8; src.len()];
+        let items: Vec<Item> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| Item { host: dst[i * 1024..].as_mut_ptr(), device: src[i * 1024..].as_ptr() as u64, len })
+            .collect();
+        let ends = [16, 32, 48, 64];
+        let mut reported = Vec::new();
+        let mut landed_when_reported = true;
+        let dst_ptr = dst.as_ptr();
+        let mut done = |s: usize| {
+            // A reported stage's bytes are there (later ones may not be yet).
+            // SAFETY: reads the test's buffer; the simulated copies already ran.
+            let stage = unsafe { std::slice::from_raw_parts(dst_ptr.add(s * 16 * 1024), 16 * 1024) };
+            landed_when_reported &= stage == &src[s * 16 * 1024..(s + 1) * 16 * 1024];
+            reported.push(s);
+        };
+        // SAFETY: items point into `src`/`dst`, alive for the call.
+        let r = unsafe { engine.run(api, Dir::DeviceToHost, &items, &ends, &Fence::None, false, &|| true, &mut done) };
+        (r, reported, landed_when_reported)
+    }
+
+    #[test]
+    fn staged_run_reports_each_landed_stage_in_order() {
+        for lag in [false, true] {
+            let (api, engine) = simulated(usize::MAX, true, lag);
+            let (r, reported, landed) = staged_copy(&api, &engine, &[1024; 64]);
+            assert!(r.is_ok(), "{r:?}");
+            assert_eq!(reported, vec![0, 1, 2, 3], "lag {lag}");
+            assert!(landed, "a stage was reported before its bytes landed");
+            assert_eq!(api.copies.load(Ordering::Relaxed), 64);
+        }
+    }
+
+    #[test]
+    fn staged_run_never_reports_a_failed_stage_or_later_ones() {
+        let (api, engine) = simulated(13, true, false);
+        let mut lens = vec![1024; 64];
+        lens[40] = 13; // stage 2
+        let (r, reported, landed) = staged_copy(&api, &engine, &lens);
+        assert!(r.is_err());
+        assert!(reported.len() <= 2 && reported.iter().enumerate().all(|(i, s)| i == *s), "{reported:?}");
+        assert!(landed);
+    }
+
+    #[test]
+    fn without_events_a_staged_run_copies_everything_and_reports_nothing() {
+        let (api, engine) = simulated(usize::MAX, false, false);
+        let (r, reported, _) = staged_copy(&api, &engine, &[1024; 64]);
+        assert!(r.is_ok());
+        assert!(reported.is_empty(), "the caller reports the stages after the call");
+        assert_eq!(api.copies.load(Ordering::Relaxed), 64);
+        assert!(!engine.events.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn stage_ranges_cover_the_items() {
+        assert_eq!(stage_ranges(&[], 5), vec![0..5]);
+        assert_eq!(stage_ranges(&[2, 5], 5), vec![0..2, 2..5]);
+        // Bad ends are clamped, never out of range; the last stage runs to the end.
+        assert_eq!(stage_ranges(&[3, 1, 9], 6), vec![0..3, 3..3, 3..6]);
     }
 
     #[test]

@@ -75,11 +75,50 @@ pub unsafe fn transfer(
     fence: Fence<'_>,
     keep_waiting: &dyn Fn() -> bool,
 ) -> Vec<Result<(), GpuError>> {
+    // SAFETY: forwarded caller contract.
+    unsafe { transfer_staged(to_host, parts, &[], host_base, fence, keep_waiting, &mut |_| {}) }
+}
+
+/// [`transfer`] in stages, so the caller can use what landed while the rest still copies
+/// (the pool publishes finished blocks under the DMA of the next ones).
+///
+/// `stage_ends[p][s]` is the end (exclusive) of stage `s` in `parts[p].ops`: every part
+/// has the same number of stages, ascending ends, the last one `ops.len()`; empty
+/// `stage_ends` = one stage. `stage_done(s)` is called once per stage, in order, only for a
+/// stage whose copies in every part landed without error (and, for a fenced store, whose
+/// fence was not aborted); stages from the first failure on are never reported, and the
+/// results say which parts failed. When all parts are on one GPU with working events, a
+/// stage is reported while later stages still copy; otherwise the stages are reported
+/// together after the copies (same meaning, no overlap).
+///
+/// # Safety
+/// As [`transfer`].
+pub unsafe fn transfer_staged(
+    to_host: bool,
+    parts: &[Part<'_>],
+    stage_ends: &[Vec<usize>],
+    host_base: *mut u8,
+    fence: Fence<'_>,
+    keep_waiting: &dyn Fn() -> bool,
+    stage_done: &mut dyn FnMut(usize),
+) -> Vec<Result<(), GpuError>> {
     let n = parts.len();
+    let stages = if stage_ends.len() == n { stage_ends.first().map_or(1, Vec::len).max(1) } else { 1 };
+    let reported = std::cell::Cell::new(0usize);
+    let mut counted = |s: usize| {
+        // In order and once each, whatever the region does.
+        if s == reported.get() {
+            stage_done(s);
+            reported.set(s + 1);
+        }
+    };
+    // Early reports need one copy call to hold every part.
+    let one_group = parts.first().and_then(|p| p.region.batch_group()).is_some_and(|g| parts.iter().all(|p| p.region.batch_group() == Some(g)));
     let mut results: Vec<Option<Result<(), GpuError>>> = (0..n).map(|_| None).collect();
     let mut claimed = vec![false; n];
     for i in 0..n {
         if !claimed[i] {
+            let staging = (one_group && i == 0 && stages > 1).then_some(Staging { op_ends: stage_ends, done: &mut counted });
             // SAFETY: forwarded caller contract.
             unsafe {
                 parts[i].region.transfer_group(
@@ -91,6 +130,7 @@ pub unsafe fn transfer(
                     host_base,
                     &fence,
                     keep_waiting,
+                    staging,
                 )
             };
         }
@@ -118,7 +158,21 @@ pub unsafe fn transfer(
             }
         });
     }
-    results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
+    let results: Vec<Result<(), GpuError>> = results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect();
+    if results.iter().all(Result::is_ok) {
+        for s in reported.get()..stages {
+            counted(s);
+        }
+    }
+    results
+}
+
+/// A staged call's stage ends and finished-stage callback, as handed to a region by
+/// [`transfer_staged`]; not for callers.
+#[doc(hidden)]
+pub struct Staging<'s> {
+    pub op_ends: &'s [Vec<usize>],
+    pub done: &'s mut dyn FnMut(usize),
 }
 
 /// Peer memory the pool may copy to and from, opened from one [`MemoryRegistration`].
@@ -162,6 +216,13 @@ pub trait DeviceRegion: Send + Sync {
         None
     }
 
+    /// Regions with the same group run their parts of a [`transfer`] as one copy call
+    /// (GPU regions of one device); None for regions copied on their own (host).
+    #[doc(hidden)]
+    fn batch_group(&self) -> Option<usize> {
+        None
+    }
+
     /// For [`transfer`]: claims and runs the parts this region can batch with (GPU
     /// regions of one device). Returns false when it runs nothing (host regions).
     ///
@@ -179,8 +240,9 @@ pub trait DeviceRegion: Send + Sync {
         host_base: *mut u8,
         fence: &Fence<'_>,
         keep_waiting: &dyn Fn() -> bool,
+        staging: Option<Staging<'_>>,
     ) -> bool {
-        let _ = (to_host, parts, first, claimed, results, host_base, fence, keep_waiting);
+        let _ = (to_host, parts, first, claimed, results, host_base, fence, keep_waiting, staging);
         false
     }
 }

@@ -4,6 +4,10 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+/// Default `--copy-stage-size`: on the H200 (2026-11-29) a 469 MiB submission of 64 KiB
+/// pages in 32 MiB stages hid the publication of all but the last stage under the DMA.
+pub const DEFAULT_COPY_STAGE_BYTES: u64 = 32 << 20;
+
 /// Everything a pool needs to start. `Default` gives the documented defaults.
 #[derive(Debug, Clone)]
 pub struct PoolConfig {
@@ -29,6 +33,9 @@ pub struct PoolConfig {
     pub lease: Duration,
     /// Threads that run copies.
     pub copy_threads: usize,
+    /// A submission moving more than this is copied in stages of about this size, each
+    /// published as it lands while the next ones copy; 0 = one stage.
+    pub copy_stage_bytes: u64,
     /// Attachments the pool serves at once (all peers together).
     pub max_attachments: usize,
     pub default_sq_entries: u32,
@@ -100,6 +107,7 @@ impl Default for PoolConfig {
             min_object_bytes: 64 << 10,
             lease: Duration::from_millis(2000),
             copy_threads: std::thread::available_parallelism().map(|n| n.get().clamp(2, 8)).unwrap_or(2),
+            copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
             max_attachments: 1024,
             default_sq_entries: 1024,
             default_arena_bytes: 4 << 20,

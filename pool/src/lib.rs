@@ -23,7 +23,7 @@ mod transfer;
 pub mod validate;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -69,6 +69,8 @@ pub(crate) struct PoolInner {
     pub jobs: crossbeam_channel::Sender<transfer::Job>,
     pub shutdown: AtomicBool,
     pub counters: stats::Counters,
+    /// `config.copy_stage_bytes`, changeable while running ([`Pool::set_copy_stage_bytes`]).
+    pub copy_stage_bytes: AtomicU64,
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
@@ -137,6 +139,7 @@ impl Pool {
             jobs: jobs_tx,
             shutdown: AtomicBool::new(false),
             counters: stats::Counters::default(),
+            copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
@@ -184,6 +187,11 @@ impl Pool {
     /// Until done, only the registered part is handed to objects (benchmarks wait for it).
     pub fn dram_registration(&self) -> (u64, bool) {
         self.inner.dram.registration()
+    }
+
+    /// Changes `--copy-stage-size` for submissions copied from now on (0 = one stage).
+    pub fn set_copy_stage_bytes(&self, bytes: u64) {
+        self.inner.copy_stage_bytes.store(bytes, Ordering::Relaxed);
     }
 
     /// Bytes of DRAM handed to objects (published or being written).

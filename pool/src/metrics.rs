@@ -291,6 +291,16 @@ impl Collector for PoolCollector {
             "direction",
             &[("store", g(&c.bytes_stored)), ("load", g(&c.bytes_loaded))],
         )?;
+        for (direction, phases) in [("store", &c.store_phases), ("load", &c.load_phases)] {
+            let (name, help) = (
+                format!("umbp_{direction}_phase_seconds"),
+                format!("Time of {direction} jobs by phase, summed over jobs (reserve, queue, plan, copy, publish, finish)"),
+            );
+            let mut m = enc.encode_descriptor(&name, &help, None, MetricType::Counter)?;
+            for (phase, ns) in phases.phases() {
+                ConstCounter::new(ns as f64 * 1e-9).encode(m.encode_family(&[("phase", phase)])?)?;
+            }
+        }
         let gbps = |bytes: u64, ns: u64| if ns > 0 { bytes as f64 / ns as f64 } else { 0.0 };
         labelled_gauge(
             &mut enc,
@@ -298,8 +308,8 @@ impl Collector for PoolCollector {
             "Bytes copied / time inside copy calls since start (GB/s), by direction",
             "direction",
             &[
-                ("store", gbps(g(&c.bytes_stored), g(&c.store_copy_ns))),
-                ("load", gbps(g(&c.bytes_loaded), g(&c.load_copy_ns))),
+                ("store", gbps(g(&c.bytes_stored), g(&c.store_phases.copy_ns))),
+                ("load", gbps(g(&c.bytes_loaded), g(&c.load_phases.copy_ns))),
             ],
         )?;
         counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", g(&c.submissions))?;

@@ -137,6 +137,7 @@ fn reject_with(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError, de
 
 /// Validates one submission (a private copy) and starts its copies.
 fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
+    let accepted = Instant::now();
     Counters::add(&inner.counters.submissions, 1);
     att.counters.submissions.fetch_add(1, Ordering::Relaxed);
     let layouts = &att.layouts;
@@ -212,9 +213,9 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     }
     att.inflight.fetch_add(1, Ordering::AcqRel);
     att.inflight_bytes.fetch_add(bytes, Ordering::AcqRel);
-    let job = Job { att: att.clone(), sqe, op, layout, blocks, statuses, submitted: Instant::now() };
+    let job = Job { att: att.clone(), sqe, op, layout, blocks, statuses, accepted, submitted: Instant::now() };
     if job.blocks.is_empty() {
-        crate::transfer::finish(inner, job, &[]);
+        crate::transfer::finish(inner, job, &[], 0);
     } else if let Err(e) = inner.jobs.send(job) {
         // Only at shutdown: fail the blocks rather than leak their reservations.
         crate::transfer::finish_cancelled(inner, e.into_inner());

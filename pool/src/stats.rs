@@ -20,16 +20,68 @@ pub struct Counters {
     pub refusals: AtomicU64,
     /// Submissions refused with `Busy` because their peer was over an in-flight limit.
     pub busy_refusals: AtomicU64,
-    /// Nanoseconds spent in copy calls, per direction, for GB/s.
-    pub store_copy_ns: AtomicU64,
-    pub load_copy_ns: AtomicU64,
+    /// Where the time of stores and of loads goes (copy time also gives GB/s).
+    pub store_phases: PhaseCounters,
+    pub load_phases: PhaseCounters,
     /// Transfer and copy latency histograms (Prometheus).
     pub latency: crate::metrics::Latencies,
+}
+
+/// Time of the copy-thread jobs of one direction, split by phase, in nanoseconds summed
+/// over jobs. The phases follow one job: `reserve` (service thread: validation and
+/// reserving or pinning objects), `queue` (waiting for a copy thread), `plan` (building
+/// the copy list), `copy` (in the device copy call, less `publish`), `publish` (settling
+/// finished stages while later ones still copy), `finish` (after the copy call: settling
+/// the rest, statuses, the completion).
+#[derive(Default)]
+pub struct PhaseCounters {
+    pub jobs: AtomicU64,
+    pub reserve_ns: AtomicU64,
+    pub queue_ns: AtomicU64,
+    pub plan_ns: AtomicU64,
+    pub copy_ns: AtomicU64,
+    pub publish_ns: AtomicU64,
+    pub finish_ns: AtomicU64,
+    /// Stages settled through the staged-copy callback (during the copy call on one GPU,
+    /// at its end otherwise).
+    pub stages: AtomicU64,
+}
+
+impl PhaseCounters {
+    /// `(phase, nanoseconds)` for reports and metrics.
+    pub fn phases(&self) -> [(&'static str, u64); 6] {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            ("reserve", g(&self.reserve_ns)),
+            ("queue", g(&self.queue_ns)),
+            ("plan", g(&self.plan_ns)),
+            ("copy", g(&self.copy_ns)),
+            ("publish", g(&self.publish_ns)),
+            ("finish", g(&self.finish_ns)),
+        ]
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let mut m = serde_json::Map::new();
+        m.insert("jobs".into(), self.jobs.load(Ordering::Relaxed).into());
+        m.insert("early_stages".into(), self.stages.load(Ordering::Relaxed).into());
+        for (name, ns) in self.phases() {
+            m.insert(format!("{name}_ns"), ns.into());
+        }
+        serde_json::Value::Object(m)
+    }
 }
 
 impl Counters {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub fn phases(&self, op: umbp_protocol::entries::Opcode) -> &PhaseCounters {
+        match op {
+            umbp_protocol::entries::Opcode::Store => &self.store_phases,
+            _ => &self.load_phases,
+        }
     }
 
     pub fn to_json(&self) -> serde_json::Value {
@@ -50,8 +102,9 @@ impl Counters {
             "attachments_total": g(&self.attachments_total),
             "refusals": g(&self.refusals),
             "busy_refusals": g(&self.busy_refusals),
-            "store_copy_ns": g(&self.store_copy_ns),
-            "load_copy_ns": g(&self.load_copy_ns),
+            "store_copy_ns": g(&self.store_phases.copy_ns),
+            "load_copy_ns": g(&self.load_phases.copy_ns),
+            "phases": {"store": self.store_phases.to_json(), "load": self.load_phases.to_json()},
         })
     }
 }

@@ -31,13 +31,16 @@ pub struct Job {
     /// Blocks that need a copy; the others already have their status.
     pub blocks: Vec<JobBlock>,
     pub statuses: Vec<BlockStatus>,
-    /// When the service thread accepted the submission (transfer latency metric).
+    /// When the service thread took the submission from the ring.
+    pub accepted: Instant,
+    /// When the service thread had reserved its objects and queued it (transfer latency
+    /// metric).
     pub submitted: Instant,
 }
 
 pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) {
     loop {
-        let job = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
+        let mut job = match rx.recv_timeout(std::time::Duration::from_millis(100)) {
             Ok(job) => job,
             Err(crossbeam_channel::RecvTimeoutError::Timeout) if !inner.is_shutting_down() => continue,
             Err(_) => return,
@@ -46,19 +49,56 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
             finish_cancelled(inner, job);
             continue;
         }
-        let failed = copy(inner, &job);
-        finish(inner, job, &failed);
+        let picked = Instant::now();
+        let phases = inner.counters.phases(job.op);
+        Counters::add(&phases.reserve_ns, ns_between(job.accepted, job.submitted));
+        Counters::add(&phases.queue_ns, ns_between(job.submitted, picked));
+        let copied = copy(inner, &mut job);
+        let tail = Instant::now();
+        finish(inner, job, &copied.failed, copied.settled);
+        Counters::add(&phases.finish_ns, tail.elapsed().as_nanos() as u64);
+        Counters::add(&phases.jobs, 1);
     }
 }
 
-/// Runs the copies; returns the submission positions of blocks whose copy failed.
+fn ns_between(a: Instant, b: Instant) -> u64 {
+    b.saturating_duration_since(a).as_nanos() as u64
+}
+
+/// Blocks in this many stages or fewer: `stage_bytes` of objects per stage (0 = one
+/// stage), at most one stage per block and [`MAX_STAGES`].
+pub fn stage_count(blocks: usize, object_bytes: u64, stage_bytes: u64) -> usize {
+    if stage_bytes == 0 || blocks == 0 {
+        return 1;
+    }
+    let total = blocks as u64 * object_bytes;
+    (total.div_ceil(stage_bytes) as usize).clamp(1, blocks.min(MAX_STAGES))
+}
+
+/// Stages per submission at most (each costs an event per copy stream).
+const MAX_STAGES: usize = 64;
+
+/// What [`copy`] did: submission positions whose copy failed, and how many of the job's
+/// blocks (a prefix of `job.blocks`) are settled already — published or unpinned, status
+/// written — because their stage landed while later stages still copied.
+struct Copied {
+    failed: Vec<usize>,
+    settled: usize,
+}
+
+/// Runs the copies of a job.
 ///
-/// All allocations of the job go to `umbp_gpu::transfer` at once, so parts on one GPU
-/// (a vLLM worker registers one allocation per layer) run as one batched copy call with
-/// one synchronization. A fenced store (`sqe.fence_value != 0`, DESIGN §7) reads device
-/// memory only after the worker's stream wrote its fence word; a fenced load has the word
-/// written once the bytes landed (on the GPU when possible, see `finish` for the CPU write).
-fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
+/// All allocations of the job go to `umbp_gpu::transfer_staged` at once, so parts on one
+/// GPU (a vLLM worker registers one allocation per layer) run as one batched copy call
+/// with one synchronization. The job's blocks are cut into stages (`--copy-stage-size`);
+/// each stage's blocks are published (stores) or unpinned (loads) as soon as that stage
+/// has landed, under the DMA of the next stages, so that only the last stage's
+/// bookkeeping remains once the last byte moved. A fenced store (`sqe.fence_value != 0`,
+/// DESIGN §7) reads device memory only after the worker's stream wrote its fence word; a
+/// fenced load has the word written once the bytes landed (on the GPU when possible, see
+/// `finish` for the CPU write).
+fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
+    let started = Instant::now();
     // Group copies per allocation, remembering which blocks use it: one pass over the
     // segments of each allocation, block by block, so consecutive segments of a block (and
     // consecutive blocks) that continue on both sides coalesce; no per-op hashing (a
@@ -73,33 +113,43 @@ fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
         }
         host_off += seg.page_bytes;
     }
-    let all_users: Vec<usize> = job.blocks.iter().map(|b| b.index).collect();
-    let mut per_alloc: Vec<(u32, Vec<CopyOp>)> = Vec::with_capacity(groups.len());
+    let stages = stage_count(job.blocks.len(), job.layout.object_bytes(), inner.copy_stage_bytes.load(Ordering::Relaxed));
+    // Stage s = job.blocks[bounds[s]..bounds[s + 1]].
+    let bounds: Vec<usize> = (0..=stages).map(|s| s * job.blocks.len() / stages).collect();
+    let mut per_alloc: Vec<(u32, Vec<CopyOp>, Vec<usize>)> = Vec::with_capacity(groups.len());
     for (alloc, segs) in &groups {
         let mut ops = Vec::with_capacity(job.blocks.len() * segs.len());
-        for b in &job.blocks {
-            debug_assert!(b.block_id < job.layout.num_blocks(), "block ids are checked at submission");
-            for &(i, off) in segs {
-                let seg = &segments[i];
-                push_coalesced(
-                    &mut ops,
-                    CopyOp { alloc_id: *alloc, device_offset: seg.offset + b.block_id * seg.block_stride, host_offset: b.offset + off, len: seg.page_bytes },
-                );
+        let mut ends = Vec::with_capacity(stages);
+        for stage in bounds.windows(2) {
+            let stage_start = ops.len();
+            for b in &job.blocks[stage[0]..stage[1]] {
+                debug_assert!(b.block_id < job.layout.num_blocks(), "block ids are checked at submission");
+                for &(i, off) in segs {
+                    let seg = &segments[i];
+                    let op = CopyOp { alloc_id: *alloc, device_offset: seg.offset + b.block_id * seg.block_stride, host_offset: b.offset + off, len: seg.page_bytes };
+                    // Never across a stage boundary: a stage's ops are its blocks' only.
+                    if ops.len() == stage_start {
+                        ops.push(op);
+                    } else {
+                        push_coalesced(&mut ops, op);
+                    }
+                }
             }
+            ends.push(ops.len());
         }
         // Every block of the job has a page in every allocation of the layout.
-        per_alloc.push((*alloc, ops));
+        per_alloc.push((*alloc, ops, ends));
     }
+    let all_users: Vec<usize> = job.blocks.iter().map(|b| b.index).collect();
     let regions = job.att.regions.read().expect("regions lock").clone();
     let mut failed = Vec::new();
-    let started = Instant::now();
     let mut parts = Vec::with_capacity(per_alloc.len());
-    let mut users = Vec::with_capacity(per_alloc.len());
-    for (alloc, ops) in &per_alloc {
+    let mut stage_ends = Vec::with_capacity(per_alloc.len());
+    for (alloc, ops, ends) in &per_alloc {
         match regions.get(alloc) {
             Some(region) => {
                 parts.push(umbp_gpu::Part { region: region.as_ref(), ops });
-                users.push(&all_users);
+                stage_ends.push(ends.clone());
             }
             None => failed.extend(&all_users),
         }
@@ -111,11 +161,16 @@ fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
         (Some(Ok((word, value))), Opcode::Store) => Ok(umbp_gpu::Fence::WaitBefore(*word, *value)),
         (Some(Ok((word, value))), _) => Ok(umbp_gpu::Fence::SignalAfter(*word, *value)),
     };
+    let phases = inner.counters.phases(job.op);
+    let mut settled = 0;
+    let mut publish_ns = 0u64;
+    let copy_started = Instant::now();
+    Counters::add(&phases.plan_ns, ns_between(started, copy_started));
     match fence {
         Err(e) if job.op == Opcode::Store => {
             // Without its fence a store could read KV the engine has not written yet.
             tracing::warn!(attachment = job.att.id, "store fence unusable: {e}");
-            users.iter().for_each(|u| failed.extend(*u));
+            failed.extend(&all_users);
         }
         fence => {
             let fence = fence.unwrap_or_default();
@@ -123,28 +178,69 @@ fn copy(inner: &PoolInner, job: &Job) -> Vec<usize> {
             let to_host = match job.op {
                 Opcode::Store => true,
                 Opcode::Load => false,
-                Opcode::Nop => return failed,
+                Opcode::Nop => return Copied { failed, settled },
+            };
+            // A missing region fails every block: nothing may be published early then.
+            let whole = failed.is_empty();
+            let (blocks, statuses, op) = (&job.blocks, &mut job.statuses, job.op);
+            let mut stage_landed = |s: usize| {
+                if !whole {
+                    return;
+                }
+                let t = Instant::now();
+                settle(inner, op, &blocks[bounds[s]..bounds[s + 1]], statuses, &[]);
+                settled = bounds[s + 1];
+                publish_ns += t.elapsed().as_nanos() as u64;
+                Counters::add(&phases.stages, 1);
             };
             // SAFETY: every op's host range is an object reserved (store) or pinned (load)
-            // for this job in the object store, inside DRAM; nobody else writes it meanwhile.
-            let results = unsafe { umbp_gpu::transfer(to_host, &parts, inner.dram.base(), fence, &keep_waiting) };
-            for ((r, u), part) in results.into_iter().zip(&users).zip(&parts) {
+            // for this job in the object store, inside DRAM; nobody else writes it meanwhile
+            // (an object settled early is one whose copies have all landed).
+            let results = unsafe {
+                umbp_gpu::transfer_staged(to_host, &parts, &stage_ends, inner.dram.base(), fence, &keep_waiting, &mut stage_landed)
+            };
+            for (r, part) in results.into_iter().zip(&parts) {
                 if let Err(e) = r {
                     tracing::warn!(attachment = job.att.id, alloc = part.ops.first().map(|o| o.alloc_id), "copy failed: {e}");
-                    failed.extend(*u);
+                    failed.extend(&all_users);
                 }
             }
         }
     }
-    let ns = started.elapsed().as_nanos() as u64;
+    let ns = ns_between(copy_started, Instant::now()).saturating_sub(publish_ns);
     inner.counters.latency.observe_copy(job.op, ns as f64 * 1e-9);
-    match job.op {
-        Opcode::Store => Counters::add(&inner.counters.store_copy_ns, ns),
-        _ => Counters::add(&inner.counters.load_copy_ns, ns),
-    }
+    Counters::add(&phases.copy_ns, ns);
+    Counters::add(&phases.publish_ns, publish_ns);
     failed.sort_unstable();
     failed.dedup();
-    failed
+    Copied { failed, settled }
+}
+
+/// Publishes (store) or unpins (load) `blocks` and writes their statuses; a block whose
+/// submission position is in `failed` (sorted) did not copy.
+fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [BlockStatus], failed: &[usize]) {
+    if blocks.is_empty() {
+        return;
+    }
+    let mut store = inner.store.lock().expect("store lock");
+    for b in blocks {
+        let ok = failed.binary_search(&b.index).is_err();
+        statuses[b.index] = match op {
+            Opcode::Store => {
+                if store.finish_store(b.key, ok) {
+                    BlockStatus::Stored
+                } else if ok {
+                    BlockStatus::NotStored
+                } else {
+                    BlockStatus::Failed
+                }
+            }
+            _ => {
+                store.finish_load(b.key);
+                if ok { BlockStatus::Loaded } else { BlockStatus::Failed }
+            }
+        };
+    }
 }
 
 type Regions = HashMap<u32, Arc<dyn umbp_gpu::DeviceRegion>>;
@@ -187,30 +283,11 @@ pub fn signal_load_fence(att: &Attachment, sqe: &Sqe, all_loaded: bool) {
     }
 }
 
-/// Publishes or unpins, writes per-block statuses and posts the completion.
-pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize]) {
+/// Publishes or unpins the blocks not settled yet (all but the first `settled`), writes
+/// per-block statuses and posts the completion.
+pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize], settled: usize) {
     let size = job.layout.object_bytes();
-    {
-        let mut store = inner.store.lock().expect("store lock");
-        for b in &job.blocks {
-            let ok = failed.binary_search(&b.index).is_err();
-            job.statuses[b.index] = match job.op {
-                Opcode::Store => {
-                    if store.finish_store(b.key, ok) {
-                        BlockStatus::Stored
-                    } else if ok {
-                        BlockStatus::NotStored
-                    } else {
-                        BlockStatus::Failed
-                    }
-                }
-                _ => {
-                    store.finish_load(b.key);
-                    if ok { BlockStatus::Loaded } else { BlockStatus::Failed }
-                }
-            };
-        }
-    }
+    settle(inner, job.op, &job.blocks[settled.min(job.blocks.len())..], &mut job.statuses, failed);
     let c = &inner.counters;
     let mut ok_count = 0;
     for s in &job.statuses {
@@ -251,5 +328,5 @@ pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize]) {
 /// The peer is gone (or the pool is stopping): nothing is copied, reservations are undone.
 pub fn finish_cancelled(inner: &PoolInner, job: Job) {
     let failed: Vec<usize> = job.blocks.iter().map(|b| b.index).collect();
-    finish(inner, job, &failed);
+    finish(inner, job, &failed, 0);
 }

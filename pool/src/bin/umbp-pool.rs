@@ -47,6 +47,11 @@ struct Args {
     /// Threads that run copies [default: CPU count clamped to 2..8].
     #[arg(long = "copy-threads", env = "UMBP_COPY_THREADS", value_name = "N")]
     copy_threads: Option<usize>,
+    /// A submission moving more than this is copied in stages of about this size; each
+    /// stage's blocks are published (stores) or released (loads) as soon as it lands, while
+    /// the next stages still copy. 0 copies every submission in one piece.
+    #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "32MiB")]
+    copy_stage_size: String,
     /// Group that owns the socket (mode 0660); its members may connect. Name or gid
     /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).
     #[arg(long = "socket-group", env = "UMBP_SOCKET_GROUP", value_name = "NAME|GID", help_heading = "Isolation")]
@@ -110,6 +115,7 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
     if let Some(n) = args.copy_threads {
         c.copy_threads = n;
     }
+    c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size).map_err(|e| e.to_string())?;
     if let Some(g) = &args.socket_group {
         c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g).map_err(|e| e.to_string())?);
     }

@@ -164,6 +164,36 @@ impl Drop for TempDir {
     }
 }
 
+impl PoolHandle {
+    /// The in-process pool's per-phase time counters (none for an external pool).
+    fn phases(&self) -> Option<Value> {
+        self.pool.as_ref().map(|p| p.report()["counters"]["phases"].clone())
+    }
+}
+
+/// Mean microseconds per job of each pool phase between two [`PoolHandle::phases`]
+/// snapshots, per direction: where a submission's time went inside the pool.
+fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Value {
+    let (Some(b), Some(a)) = (before, after) else { return Value::Null };
+    let mut out = serde_json::Map::new();
+    for op in ["store", "load"] {
+        let d = |k: &str| u64_of(&a[op], k).saturating_sub(u64_of(&b[op], k));
+        let jobs = d("jobs");
+        if jobs == 0 {
+            continue;
+        }
+        let mut m = serde_json::Map::new();
+        m.insert("jobs".into(), jobs.into());
+        m.insert("early_stages_per_job".into(), json!(d("early_stages") as f64 / jobs as f64));
+        for phase in ["reserve", "queue", "plan", "copy", "publish", "finish"] {
+            let us = d(&format!("{phase}_ns")) as f64 / jobs as f64 / 1e3;
+            m.insert(format!("{phase}_us"), json!((us * 10.0).round() / 10.0));
+        }
+        out.insert(op.into(), Value::Object(m));
+    }
+    Value::Object(out)
+}
+
 fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
     if let Some(s) = &args.pool_socket {
         return Ok(PoolHandle { pool: None, socket: s.clone(), _dir: None });
@@ -317,6 +347,49 @@ fn bench_host(args: &TransferArgs) -> Result<Vec<Case>, String> {
         a.call(json!({"cmd": "drop", "group": group}))?;
         a.call(json!({"cmd": "reset"}))?;
     }
+    cases.extend(pool_overhead(args, &pool, &mut a)?);
+    Ok(cases)
+}
+
+/// The pool's own cost per submission, apart from moving bytes: the gpt-oss-like shape (313
+/// blocks x 24 per-layer allocations = 7,512 pages) with 64-byte pages, so the copies cost
+/// next to nothing and what is measured is validation, reservation/pinning, copy planning,
+/// publication and the completion. Baseline: a one-block submission of the same layout.
+fn pool_overhead(args: &TransferArgs, pool: &PoolHandle, a: &mut WorkerProc) -> Result<Vec<Case>, String> {
+    let mut l = gpt_oss(args.quick);
+    l.name = "gptoss_shape";
+    l.page = 64;
+    let group = 90;
+    l.setup(a, group, 1)?;
+    let mut cases = Vec::new();
+    let reps = (args.reps * 4).max(8) as u64;
+    let mut key = 7u64 << 40;
+    let mut measure = |blocks: &[u64], a: &mut WorkerProc| -> Result<(f64, f64), String> {
+        let (mut st, mut ld) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            key += 1_000_003;
+            st.push(u64_of(&xfer(a, "store", group, key, blocks, blocks.len(), 1, 1)?, "ns") as f64 / 1e3);
+            ld.push(u64_of(&xfer(a, "load", group, key, blocks, blocks.len(), 1, 1)?, "ns") as f64 / 1e3);
+        }
+        Ok((median(st), median(ld)))
+    };
+    let (one_st, one_ld) = measure(&l.blocks[..1], a)?;
+    let p0 = pool.phases();
+    let (st, ld) = measure(&l.blocks, a)?;
+    let phases = phase_means(&p0, &pool.phases());
+    for (op, v, base) in [("store", st, one_st), ("load", ld, one_ld)] {
+        cases.push(
+            Case::new("transfer", &format!("gptoss_shape_{op}_overhead_us"), v, "us", base, "one-block submission, same layout", Better::Lower)
+                .extra("pool_phases_us", phases[op].clone())
+                .extra("backend", "host")
+                .extra("blocks", l.blocks.len())
+                .extra("layers", l.layers)
+                .extra("page_bytes", l.page)
+                .extra("cpus", super::report::cpus()),
+        );
+    }
+    a.call(json!({"cmd": "drop", "group": group}))?;
+    a.call(json!({"cmd": "reset"}))?;
     Ok(cases)
 }
 
@@ -374,39 +447,49 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         batch: bool,
         parallel: bool,
         batch_max: usize,
+        stage_mib: u64,
     }
     let apply = |t: Tune| {
         umbp_gpu::set_tuning(t.streams, t.batch);
         umbp_gpu::set_parallel_submit(t.parallel);
         umbp_gpu::set_batch_max(t.batch_max);
+        if let Some(p) = &pool.pool {
+            p.set_copy_stage_bytes(t.stage_mib * MIB);
+        }
     };
     let (st0, b0) = umbp_gpu::tuning();
-    let mut tuning = Tune { streams: st0, batch: b0, parallel: umbp_gpu::parallel_submit(), batch_max: umbp_gpu::batch_max() };
+    let stage0 = umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB;
+    let mut tuning = Tune { streams: st0, batch: b0, parallel: umbp_gpu::parallel_submit(), batch_max: umbp_gpu::batch_max(), stage_mib: stage0 };
     if args.sweep && pool.pool.is_some() {
         let mut variants = Vec::new();
-        for streams in [1usize, 2, 4, 8] {
-            variants.push(Tune { streams, batch: true, parallel: false, batch_max: 512 });
+        for stage_mib in [0, 8, 16, 32, 64, 128] {
+            variants.push(Tune { streams: 4, batch: true, parallel: false, batch_max: 512, stage_mib });
         }
-        variants.push(Tune { streams: 4, batch: true, parallel: true, batch_max: 512 });
-        variants.push(Tune { streams: 4, batch: true, parallel: false, batch_max: 128 });
-        variants.push(Tune { streams: 4, batch: true, parallel: false, batch_max: 2048 });
-        variants.push(Tune { streams: 4, batch: false, parallel: false, batch_max: 512 });
+        for streams in [1usize, 2, 8] {
+            variants.push(Tune { streams, batch: true, parallel: false, batch_max: 512, stage_mib: stage0 });
+        }
+        variants.push(Tune { streams: 4, batch: true, parallel: true, batch_max: 512, stage_mib: 0 });
+        variants.push(Tune { streams: 4, batch: true, parallel: false, batch_max: 128, stage_mib: stage0 });
+        variants.push(Tune { streams: 4, batch: true, parallel: false, batch_max: 2048, stage_mib: stage0 });
+        variants.push(Tune { streams: 4, batch: false, parallel: false, batch_max: 512, stage_mib: stage0 });
         let mut best = (0.0, tuning);
         for t in variants {
             apply(t);
             let e0 = umbp_gpu::engine_stats();
+            let p0 = pool.phases();
             let (s, d) = measure(&mut a, next_key(0), reps.min(3))?;
+            let phases = phase_means(&p0, &pool.phases());
             let e1 = umbp_gpu::engine_stats();
             let calls = (e1.calls - e0.calls).max(1);
             let engine = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
             let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / calls as f64 / 1e6;
-            eprintln!("tuning {t:?}: store {s:.1} GB/s, load {d:.1} GB/s; engine {engine:.1} GB/s, enqueue {enqueue_ms:.2} ms per call");
-            let name = format!("tune_s{}_b{}_p{}_m{}", t.streams, t.batch as u8, t.parallel as u8, t.batch_max);
+            eprintln!("tuning {t:?}: store {s:.1} GB/s, load {d:.1} GB/s; engine {engine:.1} GB/s, enqueue {enqueue_ms:.2} ms per call; pool phases {phases}");
+            let name = format!("tune_s{}_b{}_p{}_m{}_st{}", t.streams, t.batch as u8, t.parallel as u8, t.batch_max, t.stage_mib);
             for (op, v, b) in [("store", s, base_d2h), ("load", d, base_h2d)] {
                 cases.push(ctx(Case::new("transfer", &format!("{name}_{op}_gbps"), v, "GB/s", b, "contiguous pinned cuMemcpy, same bytes", Better::Higher)
                     .extra("layout", l.name).extra("bytes", bytes).extra("streams", t.streams).extra("batch", t.batch)
-                    .extra("parallel_submit", t.parallel).extra("batch_max", t.batch_max)
-                    .extra("engine_gbps", engine).extra("enqueue_ms_per_call", enqueue_ms)));
+                    .extra("parallel_submit", t.parallel).extra("batch_max", t.batch_max).extra("copy_stage_mib", t.stage_mib)
+                    .extra("engine_gbps", engine).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases[op].clone())));
             }
             if s + d > best.0 {
                 best = (s + d, t);
@@ -417,17 +500,19 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     }
     apply(tuning);
     let e0 = umbp_gpu::engine_stats();
+    let p0 = pool.phases();
     let (s, d) = measure(&mut a, next_key(0), reps)?;
+    let phases = phase_means(&p0, &pool.phases());
     let e1 = umbp_gpu::engine_stats();
     let engine_gbps = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
     let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / (e1.calls - e0.calls).max(1) as f64 / 1e6;
     let lay = |c: Case| ctx(c).extra("layout", "24 layers x 64 KiB pages (gpt-oss-20b-like), one allocation per layer").extra("bytes", bytes)
         .extra("blocks", n).extra("streams", tuning.streams).extra("batch", tuning.batch)
-        .extra("parallel_submit", tuning.parallel).extra("batch_max", tuning.batch_max);
+        .extra("parallel_submit", tuning.parallel).extra("batch_max", tuning.batch_max).extra("copy_stage_mib", tuning.stage_mib);
     cases.push(lay(Case::new("transfer", "gptoss_store_gbps", s, "GB/s", base_d2h, "contiguous pinned cuMemcpyDtoH, same bytes", Better::Higher)
-        .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms)));
+        .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases["store"].clone())));
     cases.push(lay(Case::new("transfer", "gptoss_load_gbps", d, "GB/s", base_h2d, "contiguous pinned cuMemcpyHtoD, same bytes", Better::Higher)
-        .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms)));
+        .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases["load"].clone())));
 
     // --- restore: lookup + load of the 10k prefix, end to end
     let k = next_key(0);
