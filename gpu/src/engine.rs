@@ -22,7 +22,7 @@ use crate::error::format_uuid;
 use crate::fence::{self, FenceWord};
 use crate::{
     check_ops, expect_kind, Backend, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind,
-    MemoryRegistration, Part, Staging,
+    MemoryRegistration, Part, StagePlan,
 };
 
 /// Streams per copy call unless tuned ([`set_tuning`], `UMBP_COPY_STREAMS`). Several
@@ -39,8 +39,14 @@ const SPLIT_BYTES: u64 = 16 << 20;
 const DEFAULT_BATCH_MAX: usize = 512;
 static BATCH_MAX: AtomicUsize = AtomicUsize::new(0);
 
-/// Size of the first batch of each stream (then doubling up to the batch maximum).
+/// Size of the first batch of each stream's run (then growing by BATCH_GROWTH up to the
+/// batch maximum).
 const FIRST_BATCH: usize = 16;
+/// Batch growth factor, 4/3: the driver takes ~0.85 µs per copy and the DMA drains a
+/// 64 KiB copy in ~1.2 µs (H200, 2026-11-29), so a batch may be at most ~1.4x the one
+/// before for the DMA not to idle while it is handed over (doubling left gaps).
+const BATCH_GROWTH_NUM: usize = 4;
+const BATCH_GROWTH_DEN: usize = 3;
 
 /// Most copies per batched driver call (1..=65536).
 pub fn set_batch_max(n: usize) {
@@ -501,23 +507,6 @@ pub(crate) fn push_items(
     }
 }
 
-/// Item ranges of the stages ending at `ends` (see [`Engine::run`]); ends past `len` or
-/// going backwards are clamped, and one range covers everything when `ends` is empty.
-pub(crate) fn stage_ranges(ends: &[usize], len: usize) -> Vec<std::ops::Range<usize>> {
-    let mut out = Vec::with_capacity(ends.len().max(1));
-    let mut start = 0;
-    for &e in ends {
-        let end = e.clamp(start, len);
-        out.push(start..end);
-        start = end;
-    }
-    match out.last_mut() {
-        Some(last) => last.end = len,
-        None => out.push(0..len),
-    }
-    out
-}
-
 /// Whether every event of one stage completed (`block`: wait for it).
 fn stage_landed<A: DeviceApi>(api: &A, events: &[A::Event], block: bool) -> Result<bool, GpuError> {
     for &e in events {
@@ -573,17 +562,19 @@ impl<A: DeviceApi> Engine<A> {
         lock(&self.idle).push(set);
     }
 
-    /// Runs `items` in direction `dir` on this engine: fence wait (stores), copies spread
-    /// over the stream set, fence signal (loads, when `signal` is set), then synchronizes
-    /// every stream used, also after an error: returning while a DMA still targets pool
-    /// memory would let the pool reuse that memory under it.
+    /// Runs a copy call in direction `dir` on this engine: fence wait (stores), copies
+    /// spread over the stream set, fence signal (loads, when `signal` is set), then
+    /// synchronizes every stream used, also after an error: returning while a DMA still
+    /// targets pool memory would let the pool reuse that memory under it.
     ///
-    /// `stage_ends` cuts `items` into stages (item end indices, ascending, the last one
-    /// `items.len()`; empty = one stage). Each stage is spread over the streams on its own
-    /// and followed by an event per stream, and `stage_done(s)` is called, in order, as soon
-    /// as stage `s` has landed without error — while later stages still copy, so the caller
-    /// can publish finished blocks under the DMA of the next ones. Stages after a failure
-    /// are not reported. Without working events the call runs as one stage and reports none.
+    /// The call has `stages` stages: `first` holds stage 0's items, and `build(s, items)`
+    /// appends stage `s`'s (s >= 1), called only once stage `s - 1` is enqueued, so the
+    /// caller's planning of a stage overlaps the DMA of the ones before. Each stage is
+    /// spread over the streams on its own and followed by an event per stream, and
+    /// `stage_done(s)` is called, in order, as soon as stage `s` has landed without error,
+    /// while later stages still copy. Stages from the first failure on are not reported.
+    /// Without working events all stages are built first and run as one, and none is
+    /// reported (the caller reports them when the call succeeded).
     ///
     /// # Safety
     /// Every item's host range is valid (writable for DeviceToHost) for the call and its
@@ -593,27 +584,38 @@ impl<A: DeviceApi> Engine<A> {
         &self,
         api: &A,
         dir: Dir,
-        items: &[Item],
-        stage_ends: &[usize],
+        first: Vec<Item>,
+        stages: usize,
+        build: &mut dyn FnMut(usize, &mut Vec<Item>) -> Result<(), GpuError>,
         fence: &Fence<'_>,
         signal: bool,
         keep_waiting: &dyn Fn() -> bool,
         stage_done: &mut dyn FnMut(usize),
     ) -> Result<(), GpuError> {
+        let mut items = first;
+        let stages = stages.max(1);
+        let staged = stages > 1 && self.events.load(Ordering::Relaxed);
+        let mut rest_built = stages == 1;
+        if !staged && !rest_built {
+            for s in 1..stages {
+                build(s, &mut items)?;
+            }
+            rest_built = true;
+        }
         let wait = match fence {
-            Fence::WaitBefore(word, value) if !items.is_empty() => Some((*word, *value)),
+            Fence::WaitBefore(word, value) if !items.is_empty() || staged => Some((*word, *value)),
             _ => None,
         };
         let signal = match fence {
             Fence::SignalAfter(word, value) if signal => Some((*word, *value)),
             _ => None,
         };
-        if items.is_empty() && signal.is_none() {
+        if items.is_empty() && signal.is_none() && !staged {
             return Ok(());
         }
         let t_call = Instant::now();
         let (streams, batch) = tuning();
-        let n_streams = streams.clamp(1, items.len().max(1));
+        let n_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
         let mut used = vec![false; set.streams.len()];
@@ -661,8 +663,7 @@ impl<A: DeviceApi> Engine<A> {
                 }
             }
         }
-        let stages = stage_ranges(stage_ends, items.len());
-        let staged = stages.len() > 1 && first_err.is_none() && self.stage_events_ready(api, &mut set, stages.len() * n_streams);
+        let staged = staged && first_err.is_none() && self.stage_events_ready(api, &mut set, stages * n_streams);
         // Before a stage is reported: a store whose worker aborted its fence read bytes the
         // engine never finished, and nothing of it may be published.
         let fence_ok = |first_err: &mut Option<GpuError>| {
@@ -674,29 +675,39 @@ impl<A: DeviceApi> Engine<A> {
             first_err.is_none()
         };
         let mut reported = 0;
+        let (mut n_items, mut n_bytes) = (0u64, 0u64);
         let t_enqueue = Instant::now();
         if first_err.is_none() {
             let per_call = batch_max();
-            // Batches grow from FIRST_BATCH: the DMA starts after the first batch call
-            // returns (~0.7 µs per copy on the H200's driver), so a small first batch
-            // starts it within tens of microseconds instead of after a whole batch.
-            let enqueue = |stream: A::Stream, run: std::ops::Range<usize>| -> Result<(), GpuError> {
+            // Batches grow from FIRST_BATCH by BATCH_GROWTH: the DMA starts after the first
+            // batch call returns (~0.7-0.9 µs per copy on the H200's driver), so a small
+            // first batch starts it within microseconds; growing slower than the DMA drains
+            // (64 KiB takes ~1.2 µs at 55 GB/s) keeps it from idling between batches.
+            let enqueue = |items: &[Item], stream: A::Stream, run: std::ops::Range<usize>| -> Result<(), GpuError> {
                 let (mut pos, mut size) = (run.start, FIRST_BATCH.min(per_call));
                 while pos < run.end {
                     let end = (pos + size).min(run.end);
                     // SAFETY: forwarded caller contract for each item.
                     unsafe { api.copy_batch_async(&self.dev, dir, &items[pos..end], stream, batch) }?;
                     pos = end;
-                    size = (size * 2).min(per_call);
+                    size = (size * BATCH_GROWTH_NUM / BATCH_GROWTH_DEN).clamp(size + 1, per_call);
                 }
                 Ok(())
             };
-            let runs = balance(items, n_streams);
             if staged {
-                'stages: for (s, stage) in stages.iter().enumerate() {
-                    for (k, run) in balance(&items[stage.clone()], n_streams).into_iter().enumerate() {
+                'stages: for s in 0..stages {
+                    if s > 0 {
+                        items.clear();
+                        if let Err(e) = build(s, &mut items) {
+                            first_err = Some(e);
+                            break;
+                        }
+                    }
+                    n_items += items.len() as u64;
+                    n_bytes += items.iter().map(|i| i.len as u64).sum::<u64>();
+                    for (k, run) in balance(&items, n_streams).into_iter().enumerate() {
                         used[k] = true;
-                        if let Err(e) = enqueue(set.streams[k], stage.start + run.start..stage.start + run.end) {
+                        if let Err(e) = enqueue(&items, set.streams[k], run) {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -726,34 +737,49 @@ impl<A: DeviceApi> Engine<A> {
                         break;
                     }
                 }
-            } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
-                let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
-                    let handles: Vec<_> = runs
-                        .iter()
-                        .enumerate()
-                        .map(|(k, run)| {
-                            let (run, stream) = (run.clone(), set.streams[k]);
-                            let enqueue = &enqueue;
-                            scope.spawn(move || {
-                                let _bound = Bound::new(api, &self.dev)?;
-                                enqueue(stream, run)
-                            })
-                        })
-                        .collect();
-                    handles
-                        .into_iter()
-                        .map(|h| h.join().unwrap_or_else(|_| Err(GpuError::Unsupported("copy submission thread panicked".into()))))
-                        .collect()
-                });
-                // Every stream may hold copies (a failed one possibly some): sync all.
-                used.iter_mut().take(runs.len()).for_each(|u| *u = true);
-                first_err = results.into_iter().find_map(Result::err);
             } else {
-                for (k, run) in runs.iter().enumerate() {
-                    used[k] = true;
-                    if let Err(e) = enqueue(set.streams[k], run.clone()) {
-                        first_err = Some(e);
-                        break;
+                if !rest_built {
+                    // Events turned out unusable: one stage after all.
+                    for s in 1..stages {
+                        if let Err(e) = build(s, &mut items) {
+                            first_err.get_or_insert(e);
+                            break;
+                        }
+                    }
+                }
+                n_items = items.len() as u64;
+                n_bytes = items.iter().map(|i| i.len as u64).sum::<u64>();
+                let runs = balance(&items, n_streams);
+                if first_err.is_some() {
+                } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
+                    let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
+                        let handles: Vec<_> = runs
+                            .iter()
+                            .enumerate()
+                            .map(|(k, run)| {
+                                let (run, stream) = (run.clone(), set.streams[k]);
+                                let (enqueue, items) = (&enqueue, &items);
+                                scope.spawn(move || {
+                                    let _bound = Bound::new(api, &self.dev)?;
+                                    enqueue(items, stream, run)
+                                })
+                            })
+                            .collect();
+                        handles
+                            .into_iter()
+                            .map(|h| h.join().unwrap_or_else(|_| Err(GpuError::Unsupported("copy submission thread panicked".into()))))
+                            .collect()
+                    });
+                    // Every stream may hold copies (a failed one possibly some): sync all.
+                    used.iter_mut().take(runs.len()).for_each(|u| *u = true);
+                    first_err = results.into_iter().find_map(Result::err);
+                } else {
+                    for (k, run) in runs.iter().enumerate() {
+                        used[k] = true;
+                        if let Err(e) = enqueue(&items, set.streams[k], run.clone()) {
+                            first_err = Some(e);
+                            break;
+                        }
                     }
                 }
             }
@@ -780,7 +806,7 @@ impl<A: DeviceApi> Engine<A> {
             }
         }
         if staged {
-            while reported < stages.len() && first_err.is_none() {
+            while reported < stages && first_err.is_none() {
                 match stage_landed(api, &set.stage_events[reported * n_streams..][..n_streams], true) {
                     Ok(_) if fence_ok(&mut first_err) => {
                         stage_done(reported);
@@ -805,12 +831,10 @@ impl<A: DeviceApi> Engine<A> {
         }
         self.put_set(set);
         STAT_CALLS.fetch_add(1, Ordering::Relaxed);
-        STAT_ITEMS.fetch_add(items.len() as u64, Ordering::Relaxed);
-        STAT_BYTES.fetch_add(items.iter().map(|i| i.len as u64).sum::<u64>(), Ordering::Relaxed);
+        STAT_ITEMS.fetch_add(n_items, Ordering::Relaxed);
+        STAT_BYTES.fetch_add(n_bytes, Ordering::Relaxed);
         STAT_TOTAL.fetch_add(t_call.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        if staged {
-            STAT_STAGES.fetch_add(reported as u64, Ordering::Relaxed);
-        }
+        STAT_STAGES.fetch_add(reported as u64, Ordering::Relaxed);
         first_err.map_or(Ok(()), Err)
     }
 
@@ -976,6 +1000,46 @@ fn duplicate(e: &GpuError) -> GpuError {
 }
 
 impl<A: DeviceApi> GpuRegion<A> {
+    /// Runs a pipelined transfer whose every stage is on this engine ([`crate::transfer_pipelined`]).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn transfer_stages<'r>(
+        &self,
+        to_host: bool,
+        stages: usize,
+        first: StagePlan<'r>,
+        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+        stage_done: &mut dyn FnMut(usize),
+    ) -> Result<(), GpuError> {
+        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+        let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
+            for (region, ops) in stage {
+                let r = self.same_engine(*region).ok_or_else(|| {
+                    GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into())
+                })?;
+                check_ops(ops, r.alloc_id, r.len)?;
+                for op in ops {
+                    push_items(items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+                }
+            }
+            Ok(())
+        };
+        let mut items = Vec::new();
+        push_stage(&first, &mut items)?;
+        let mut build = |s: usize, items: &mut Vec<Item>| push_stage(&plan(s), items);
+        // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
+        // device ranges inside each region by check_ops and open.
+        unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done) }
+    }
+
+    /// `region` as a region of this same engine, if it is one.
+    fn same_engine<'x>(&self, region: &'x dyn DeviceRegion) -> Option<&'x GpuRegion<A>> {
+        region.as_any().and_then(|a| a.downcast_ref::<GpuRegion<A>>()).filter(|r| Arc::ptr_eq(&r.engine, &self.engine))
+    }
+
     /// # Safety
     /// Host ranges of all ops are valid (writable for DeviceToHost) for the call.
     unsafe fn run_one(&self, ops: &[CopyOp], host: *mut u8, dir: Dir) -> Result<(), GpuError> {
@@ -984,7 +1048,7 @@ impl<A: DeviceApi> GpuRegion<A> {
         let mut claimed = [false];
         // SAFETY: forwarded caller contract.
         unsafe {
-            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true, None)
+            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true)
         };
         results[0].take().unwrap_or(Ok(()))
     }
@@ -1017,6 +1081,21 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         Some(Arc::as_ptr(&self.engine) as usize)
     }
 
+    unsafe fn transfer_pipelined<'r>(
+        &self,
+        to_host: bool,
+        stages: usize,
+        first: StagePlan<'r>,
+        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+        stage_done: &mut dyn FnMut(usize),
+    ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
+        // SAFETY: forwarded caller contract.
+        Ok(unsafe { self.transfer_stages(to_host, stages, first, plan, host_base, fence, keep_waiting, stage_done) })
+    }
+
     /// Claims every unclaimed part from `first` on whose region is a region of this same
     /// engine, and runs them all as one copy call.
     unsafe fn transfer_group(
@@ -1029,66 +1108,33 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         host_base: *mut u8,
         fence: &Fence<'_>,
         keep_waiting: &dyn Fn() -> bool,
-        staging: Option<Staging<'_>>,
     ) -> bool {
         let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
         let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut items = Vec::new();
         let mut members = Vec::new();
-        let mut item_ends = Vec::new();
-        let (op_ends, mut report) = match staging {
-            Some(st) => (st.op_ends, Some(st.done)),
-            None => (&[][..], None),
-        };
         for (i, p) in parts.iter().enumerate().skip(first) {
             if claimed[i] {
                 continue;
             }
-            let Some(r) = p.region.as_any().and_then(|a| a.downcast_ref::<GpuRegion<A>>()) else {
+            let Some(r) = self.same_engine(p.region) else {
                 continue;
             };
-            if !Arc::ptr_eq(&r.engine, &self.engine) {
-                continue;
-            }
             claimed[i] = true;
             if let Err(e) = check_ops(p.ops, r.alloc_id, r.len) {
                 results[i] = Some(Err(e));
                 continue;
             }
-            members.push((i, r));
-        }
-        let mut stages = op_ends.first().map_or(1, Vec::len).max(1);
-        let whole = members.len() == parts.len() - first && first == 0;
-        if !whole || op_ends.len() != parts.len() || op_ends.iter().any(|e| e.len() != stages) {
-            // Staging only when this call runs every part (the caller passes it so), with
-            // the same number of stages in each.
-            stages = 1;
-            report = None;
-        }
-        // Stage-major: all parts' ops of stage 0, then stage 1, ...; one stage unstaged.
-        for s in 0..stages {
-            for &(i, r) in &members {
-                let ops = parts[i].ops;
-                let (from, to) = match op_ends.get(i) {
-                    Some(ends) if stages > 1 => (if s == 0 { 0 } else { ends[s - 1] }, ends[s]),
-                    _ => (0, ops.len()),
-                };
-                for op in &ops[from.min(ops.len())..to.clamp(from.min(ops.len()), ops.len())] {
-                    push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
-                }
+            for op in p.ops {
+                push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
             }
-            item_ends.push(items.len());
+            members.push(i);
         }
-        let members: Vec<usize> = members.into_iter().map(|(i, _)| i).collect();
         let signal = claimed.iter().all(|c| *c);
-        let mut no_report = |_: usize| {};
-        let stage_done: &mut dyn FnMut(usize) = match report {
-            Some(done) => done,
-            None => &mut no_report,
-        };
+        let mut no_build = |_: usize, _: &mut Vec<Item>| Ok(());
         // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
         // device ranges inside each region by check_ops and open.
-        let r = unsafe { self.engine.run(&self.shared.api, dir, &items, &item_ends, fence, signal, keep_waiting, stage_done) };
+        let r = unsafe { self.engine.run(&self.shared.api, dir, items, 1, &mut no_build, fence, signal, keep_waiting, &mut |_| {}) };
         for i in members {
             results[i] = Some(match &r {
                 Ok(()) => Ok(()),
@@ -1097,6 +1143,7 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         }
         true
     }
+
 }
 
 impl<A: DeviceApi> Drop for Shared<A> {
@@ -1235,39 +1282,50 @@ mod tests {
         (api, engine)
     }
 
-    /// 64 pages of 1 KiB "device" memory copied to host in 4 stages of 16 pages.
-    fn staged_copy(api: &SimulatedDevice, engine: &Engine<SimulatedDevice>, lens: &[usize]) -> (Result<(), GpuError>, Vec<usize>, bool) {
+    /// 64 pages of 1 KiB "device" memory copied to host in 4 stages of 16 pages, each
+    /// stage built only when asked for. Returns the result, the stages reported, whether
+    /// each reported stage had landed when reported, and whether each stage was built only
+    /// after the one before had been handed to the driver.
+    fn staged_copy(api: &SimulatedDevice, engine: &Engine<SimulatedDevice>, lens: &[usize]) -> (Result<(), GpuError>, Vec<usize>, bool, bool) {
         let src: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
         let mut dst = vec![0u8; src.len()];
-        let items: Vec<Item> = lens
-            .iter()
-            .enumerate()
-            .map(|(i, &len)| Item { host: dst[i * 1024..].as_mut_ptr(), device: src[i * 1024..].as_ptr() as u64, len })
-            .collect();
-        let ends = [16, 32, 48, 64];
+        let dst_ptr = dst.as_mut_ptr();
+        let stage_items = |s: usize| -> Vec<Item> {
+            (s * 16..(s + 1) * 16)
+                // SAFETY: offsets inside `dst`/`src`.
+                .map(|i| Item { host: unsafe { dst_ptr.add(i * 1024) }, device: src[i * 1024..].as_ptr() as u64, len: lens[i] })
+                .collect()
+        };
+        let stage_bytes = |s: usize| {
+            // SAFETY: reads the test's buffer; the simulated copies ran synchronously.
+            unsafe { std::slice::from_raw_parts(dst_ptr.add(s * 16 * 1024), 16 * 1024) }
+        };
+        let mut built_in_order = true;
+        let mut build = |s: usize, items: &mut Vec<Item>| {
+            built_in_order &= stage_bytes(s - 1) == &src[(s - 1) * 16 * 1024..s * 16 * 1024];
+            items.extend(stage_items(s));
+            Ok(())
+        };
         let mut reported = Vec::new();
         let mut landed_when_reported = true;
-        let dst_ptr = dst.as_ptr();
         let mut done = |s: usize| {
-            // A reported stage's bytes are there (later ones may not be yet).
-            // SAFETY: reads the test's buffer; the simulated copies already ran.
-            let stage = unsafe { std::slice::from_raw_parts(dst_ptr.add(s * 16 * 1024), 16 * 1024) };
-            landed_when_reported &= stage == &src[s * 16 * 1024..(s + 1) * 16 * 1024];
+            landed_when_reported &= stage_bytes(s) == &src[s * 16 * 1024..(s + 1) * 16 * 1024];
             reported.push(s);
         };
         // SAFETY: items point into `src`/`dst`, alive for the call.
-        let r = unsafe { engine.run(api, Dir::DeviceToHost, &items, &ends, &Fence::None, false, &|| true, &mut done) };
-        (r, reported, landed_when_reported)
+        let r = unsafe { engine.run(api, Dir::DeviceToHost, stage_items(0), 4, &mut build, &Fence::None, false, &|| true, &mut done) };
+        (r, reported, landed_when_reported, built_in_order)
     }
 
     #[test]
     fn staged_run_reports_each_landed_stage_in_order() {
         for lag in [false, true] {
             let (api, engine) = simulated(usize::MAX, true, lag);
-            let (r, reported, landed) = staged_copy(&api, &engine, &[1024; 64]);
+            let (r, reported, landed, in_order) = staged_copy(&api, &engine, &[1024; 64]);
             assert!(r.is_ok(), "{r:?}");
             assert_eq!(reported, vec![0, 1, 2, 3], "lag {lag}");
             assert!(landed, "a stage was reported before its bytes landed");
+            assert!(in_order, "a stage was built before the one before it was enqueued");
             assert_eq!(api.copies.load(Ordering::Relaxed), 64);
         }
     }
@@ -1277,7 +1335,7 @@ mod tests {
         let (api, engine) = simulated(13, true, false);
         let mut lens = vec![1024; 64];
         lens[40] = 13; // stage 2
-        let (r, reported, landed) = staged_copy(&api, &engine, &lens);
+        let (r, reported, landed, _) = staged_copy(&api, &engine, &lens);
         assert!(r.is_err());
         assert!(reported.len() <= 2 && reported.iter().enumerate().all(|(i, s)| i == *s), "{reported:?}");
         assert!(landed);
@@ -1286,19 +1344,11 @@ mod tests {
     #[test]
     fn without_events_a_staged_run_copies_everything_and_reports_nothing() {
         let (api, engine) = simulated(usize::MAX, false, false);
-        let (r, reported, _) = staged_copy(&api, &engine, &[1024; 64]);
+        let (r, reported, _, _) = staged_copy(&api, &engine, &[1024; 64]);
         assert!(r.is_ok());
         assert!(reported.is_empty(), "the caller reports the stages after the call");
         assert_eq!(api.copies.load(Ordering::Relaxed), 64);
         assert!(!engine.events.load(Ordering::Relaxed));
-    }
-
-    #[test]
-    fn stage_ranges_cover_the_items() {
-        assert_eq!(stage_ranges(&[], 5), vec![0..5]);
-        assert_eq!(stage_ranges(&[2, 5], 5), vec![0..2, 2..5]);
-        // Bad ends are clamped, never out of range; the last stage runs to the end.
-        assert_eq!(stage_ranges(&[3, 1, 9], 6), vec![0..3, 3..3, 3..6]);
     }
 
     #[test]

@@ -75,50 +75,11 @@ pub unsafe fn transfer(
     fence: Fence<'_>,
     keep_waiting: &dyn Fn() -> bool,
 ) -> Vec<Result<(), GpuError>> {
-    // SAFETY: forwarded caller contract.
-    unsafe { transfer_staged(to_host, parts, &[], host_base, fence, keep_waiting, &mut |_| {}) }
-}
-
-/// [`transfer`] in stages, so the caller can use what landed while the rest still copies
-/// (the pool publishes finished blocks under the DMA of the next ones).
-///
-/// `stage_ends[p][s]` is the end (exclusive) of stage `s` in `parts[p].ops`: every part
-/// has the same number of stages, ascending ends, the last one `ops.len()`; empty
-/// `stage_ends` = one stage. `stage_done(s)` is called once per stage, in order, only for a
-/// stage whose copies in every part landed without error (and, for a fenced store, whose
-/// fence was not aborted); stages from the first failure on are never reported, and the
-/// results say which parts failed. When all parts are on one GPU with working events, a
-/// stage is reported while later stages still copy; otherwise the stages are reported
-/// together after the copies (same meaning, no overlap).
-///
-/// # Safety
-/// As [`transfer`].
-pub unsafe fn transfer_staged(
-    to_host: bool,
-    parts: &[Part<'_>],
-    stage_ends: &[Vec<usize>],
-    host_base: *mut u8,
-    fence: Fence<'_>,
-    keep_waiting: &dyn Fn() -> bool,
-    stage_done: &mut dyn FnMut(usize),
-) -> Vec<Result<(), GpuError>> {
     let n = parts.len();
-    let stages = if stage_ends.len() == n { stage_ends.first().map_or(1, Vec::len).max(1) } else { 1 };
-    let reported = std::cell::Cell::new(0usize);
-    let mut counted = |s: usize| {
-        // In order and once each, whatever the region does.
-        if s == reported.get() {
-            stage_done(s);
-            reported.set(s + 1);
-        }
-    };
-    // Early reports need one copy call to hold every part.
-    let one_group = parts.first().and_then(|p| p.region.batch_group()).is_some_and(|g| parts.iter().all(|p| p.region.batch_group() == Some(g)));
     let mut results: Vec<Option<Result<(), GpuError>>> = (0..n).map(|_| None).collect();
     let mut claimed = vec![false; n];
     for i in 0..n {
         if !claimed[i] {
-            let staging = (one_group && i == 0 && stages > 1).then_some(Staging { op_ends: stage_ends, done: &mut counted });
             // SAFETY: forwarded caller contract.
             unsafe {
                 parts[i].region.transfer_group(
@@ -130,7 +91,6 @@ pub unsafe fn transfer_staged(
                     host_base,
                     &fence,
                     keep_waiting,
-                    staging,
                 )
             };
         }
@@ -158,21 +118,79 @@ pub unsafe fn transfer_staged(
             }
         });
     }
-    let results: Vec<Result<(), GpuError>> = results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect();
-    if results.iter().all(Result::is_ok) {
-        for s in reported.get()..stages {
-            counted(s);
-        }
-    }
-    results
+    results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
 }
 
-/// A staged call's stage ends and finished-stage callback, as handed to a region by
-/// [`transfer_staged`]; not for callers.
-#[doc(hidden)]
-pub struct Staging<'s> {
-    pub op_ends: &'s [Vec<usize>],
-    pub done: &'s mut dyn FnMut(usize),
+/// One stage of a [`transfer_pipelined`]: the regions and the ops on each.
+pub type StagePlan<'r> = Vec<(&'r dyn DeviceRegion, Vec<CopyOp>)>;
+
+/// A transfer in `stages` stages that the caller plans one at a time, so that planning a
+/// stage, the DMA of the stages before it and the caller's use of landed stages overlap
+/// (the pool reserves and plans the next blocks while earlier ones copy, and publishes a
+/// stage's blocks while later ones still copy).
+///
+/// `plan(s)` gives stage `s`'s copies; it is called once per stage, in order (stage 0
+/// first, before anything is enqueued), and only while the call goes on: after a failure
+/// it is not called again. `stage_done(s)` is called once per stage, in order, only for a
+/// stage whose copies all landed without error (and, for a fenced store, whose fence was
+/// not aborted); stages from the first failure on are never reported. When every stage is
+/// on one GPU with working events, a stage is reported while later ones still copy;
+/// otherwise every stage is planned first, copied as one [`transfer`], and reported after
+/// it (same meaning, no overlap). Returns the first error.
+///
+/// # Safety
+/// As [`transfer`], for every op of every stage.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn transfer_pipelined<'r>(
+    to_host: bool,
+    stages: usize,
+    plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
+    host_base: *mut u8,
+    fence: Fence<'_>,
+    keep_waiting: &dyn Fn() -> bool,
+    stage_done: &mut dyn FnMut(usize),
+) -> Result<(), GpuError> {
+    let stages = stages.max(1);
+    let reported = std::cell::Cell::new(0usize);
+    let mut report = |s: usize| {
+        // In order and once each, whatever the region does.
+        if s == reported.get() {
+            stage_done(s);
+            reported.set(s + 1);
+        }
+    };
+    let first = plan(0);
+    let group = first.first().and_then(|(r, _)| r.batch_group());
+    let first = match (group, first.iter().all(|(r, _)| r.batch_group() == group)) {
+        (Some(_), true) => {
+            let lead = first[0].0;
+            // SAFETY: forwarded caller contract.
+            match unsafe { lead.transfer_pipelined(to_host, stages, first, plan, host_base, &fence, keep_waiting, &mut report) } {
+                Ok(r) => {
+                    // Stages the region ran without reporting (no events: one stage).
+                    if r.is_ok() {
+                        (reported.get()..stages).for_each(&mut report);
+                    }
+                    return r;
+                }
+                Err(first) => first,
+            }
+        }
+        _ => first,
+    };
+    // Host regions, or parts on several GPUs: plan everything, copy, report.
+    let mut plans = vec![first];
+    plans.extend((1..stages).map(&mut *plan));
+    let parts: Vec<Part<'_>> = plans.iter().flatten().map(|(region, ops)| Part { region: *region, ops }).collect();
+    // SAFETY: forwarded caller contract.
+    let results = unsafe { transfer(to_host, &parts, host_base, fence, keep_waiting) };
+    match results.into_iter().find_map(Result::err) {
+        Some(e) => Err(e),
+        None => {
+            (0..stages).for_each(report);
+            Ok(())
+        }
+    }
 }
 
 /// Peer memory the pool may copy to and from, opened from one [`MemoryRegistration`].
@@ -240,10 +258,31 @@ pub trait DeviceRegion: Send + Sync {
         host_base: *mut u8,
         fence: &Fence<'_>,
         keep_waiting: &dyn Fn() -> bool,
-        staging: Option<Staging<'_>>,
     ) -> bool {
-        let _ = (to_host, parts, first, claimed, results, host_base, fence, keep_waiting, staging);
+        let _ = (to_host, parts, first, claimed, results, host_base, fence, keep_waiting);
         false
+    }
+
+    /// For [`transfer_pipelined`]: runs every stage when this region's group can (GPU
+    /// regions), else hands `first` back.
+    ///
+    /// # Safety
+    /// As [`transfer_pipelined`].
+    #[doc(hidden)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn transfer_pipelined<'r>(
+        &self,
+        to_host: bool,
+        stages: usize,
+        first: StagePlan<'r>,
+        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+        stage_done: &mut dyn FnMut(usize),
+    ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
+        let _ = (to_host, stages, plan, host_base, fence, keep_waiting, stage_done);
+        Err(first)
     }
 }
 

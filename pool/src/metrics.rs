@@ -294,7 +294,7 @@ impl Collector for PoolCollector {
         for (direction, phases) in [("store", &c.store_phases), ("load", &c.load_phases)] {
             let (name, help) = (
                 format!("umbp_{direction}_phase_seconds"),
-                format!("Time of {direction} jobs by phase, summed over jobs (reserve, queue, plan, copy, publish, finish)"),
+                format!("Time of {direction} jobs by phase, summed over jobs (admit, queue, reserve, plan, copy, publish, finish)"),
             );
             let mut m = enc.encode_descriptor(&name, &help, None, MetricType::Counter)?;
             for (phase, ns) in phases.phases() {

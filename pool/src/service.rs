@@ -1,6 +1,6 @@
 //! The service thread: drains every attachment's submission ring, validates each
-//! submission against private copies, reserves objects and hands copies to the copy
-//! threads. Idle, it arms `need_wakeup` on every ring and sleeps on their doorbells.
+//! submission against private copies, admits it under the peer limits and queues it for
+//! the copy threads. Idle, it arms `need_wakeup` on every ring and sleeps on their doorbells.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -8,15 +8,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umbp_protocol::attachment::Hint;
-use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
+use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Sqe};
 use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
-use crate::objects::{LoadReservation, StoreReservation};
 use crate::poller::Poller;
 use crate::stats::Counters;
-use crate::transfer::{Job, JobBlock};
+use crate::transfer::{Candidate, Job};
 use crate::{validate, PoolInner};
 
 /// Submissions taken from one ring before looking at the next (fairness).
@@ -135,7 +134,7 @@ fn reject_with(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError, de
     att.complete(Cqe { user_data: sqe.user_data, result: -(err as i32), reserved: detail, ..Cqe::default() });
 }
 
-/// Validates one submission (a private copy) and starts its copies.
+/// Validates one submission (a private copy) and queues it for a copy thread.
 fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     let accepted = Instant::now();
     Counters::add(&inner.counters.submissions, 1);
@@ -171,53 +170,33 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     let validate::Submission { op, layout, refs, in_range } = sub;
     att.counters.blocks.fetch_add(refs.len() as u64, Ordering::Relaxed);
     let mut statuses = vec![BlockStatus::Pending; refs.len()];
-    let mut blocks = Vec::with_capacity(refs.len());
-    let size = layout.object_bytes();
-    let strict = !inner.config.namespace_acl.is_empty();
-    {
-        let mut store = inner.store.lock().expect("store lock");
-        for (i, r) in refs.iter().enumerate() {
-            if !in_range[i] {
-                statuses[i] = BlockStatus::Invalid;
-                continue;
-            }
-            let key = ObjectKey::from_words(r.key);
-            match op {
-                Opcode::Store => match store.reserve_store(att.namespace, key, size, att.id) {
-                    StoreReservation::Reserved { offset } => blocks.push(JobBlock { index: i, key, block_id: r.block_id, offset }),
-                    StoreReservation::AlreadyPresent => statuses[i] = BlockStatus::AlreadyPresent,
-                    StoreReservation::NoRoom => statuses[i] = BlockStatus::NotStored,
-                },
-                // With --namespace-acl, a tenant only loads what its own namespace stored
-                // (no reading, no poisoning across tenants: a foreign key is a miss).
-                Opcode::Load if strict && store.namespace_of(key).is_some_and(|ns| ns != att.namespace) => {
-                    statuses[i] = BlockStatus::Missing
-                }
-                Opcode::Load => match store.reserve_load(key, size) {
-                    LoadReservation::Pinned { offset } => blocks.push(JobBlock { index: i, key, block_id: r.block_id, offset }),
-                    LoadReservation::Missing => statuses[i] = BlockStatus::Missing,
-                    LoadReservation::SizeMismatch { stored } => {
-                        tracing::debug!(attachment = att.id, stored, wanted = size, "object size differs from the loader's layout");
-                        statuses[i] = BlockStatus::Failed;
-                    }
-                },
-                Opcode::Nop => unreachable!(),
-            }
-        }
-        if op == Opcode::Store {
-            let high = (inner.config.capacity_bytes as f64 * inner.config.high_watermark) as u64;
-            if store.allocated_bytes() > high || statuses.contains(&BlockStatus::NotStored) {
-                inner.wake_evictor();
-            }
+    let mut candidates = Vec::with_capacity(refs.len());
+    for (i, r) in refs.iter().enumerate() {
+        if in_range[i] {
+            candidates.push(Candidate { index: i, key: ObjectKey::from_words(r.key), block_id: r.block_id });
+        } else {
+            statuses[i] = BlockStatus::Invalid;
         }
     }
     att.inflight.fetch_add(1, Ordering::AcqRel);
     att.inflight_bytes.fetch_add(bytes, Ordering::AcqRel);
-    let job = Job { att: att.clone(), sqe, op, layout, blocks, statuses, accepted, submitted: Instant::now() };
-    if job.blocks.is_empty() {
+    // Objects are reserved (stores) or pinned (loads) by the copy thread, stage by stage,
+    // so that a large submission's first copies start before its last blocks are looked at.
+    let job = Job {
+        att: att.clone(),
+        sqe,
+        op,
+        layout,
+        candidates,
+        blocks: Vec::new(),
+        statuses,
+        accepted,
+        submitted: Instant::now(),
+    };
+    if job.candidates.is_empty() {
         crate::transfer::finish(inner, job, &[], 0);
     } else if let Err(e) = inner.jobs.send(job) {
-        // Only at shutdown: fail the blocks rather than leak their reservations.
+        // Only at shutdown: nothing is reserved yet; the blocks fail.
         crate::transfer::finish_cancelled(inner, e.into_inner());
     }
 }

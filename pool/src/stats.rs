@@ -27,15 +27,18 @@ pub struct Counters {
     pub latency: crate::metrics::Latencies,
 }
 
-/// Time of the copy-thread jobs of one direction, split by phase, in nanoseconds summed
-/// over jobs. The phases follow one job: `reserve` (service thread: validation and
-/// reserving or pinning objects), `queue` (waiting for a copy thread), `plan` (building
-/// the copy list), `copy` (in the device copy call, less `publish`), `publish` (settling
-/// finished stages while later ones still copy), `finish` (after the copy call: settling
-/// the rest, statuses, the completion).
+/// Time of the jobs of one direction, split by phase, in nanoseconds summed over jobs.
+/// The phases follow one job: `admit` (service thread: validation, peer limits), `queue`
+/// (waiting for a copy thread), `reserve` (reserving or pinning objects), `plan` (building
+/// the copy list), `copy` (in the device copy call, less the reserving, planning and
+/// publishing done inside it for later stages), `publish` (settling landed stages while
+/// later ones copy), `finish` (after the copy call: settling the rest, statuses, the
+/// completion). Only stage 0's reserve and plan delay the first byte; the rest overlap
+/// the copies.
 #[derive(Default)]
 pub struct PhaseCounters {
     pub jobs: AtomicU64,
+    pub admit_ns: AtomicU64,
     pub reserve_ns: AtomicU64,
     pub queue_ns: AtomicU64,
     pub plan_ns: AtomicU64,
@@ -49,11 +52,12 @@ pub struct PhaseCounters {
 
 impl PhaseCounters {
     /// `(phase, nanoseconds)` for reports and metrics.
-    pub fn phases(&self) -> [(&'static str, u64); 6] {
+    pub fn phases(&self) -> [(&'static str, u64); 7] {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         [
-            ("reserve", g(&self.reserve_ns)),
+            ("admit", g(&self.admit_ns)),
             ("queue", g(&self.queue_ns)),
+            ("reserve", g(&self.reserve_ns)),
             ("plan", g(&self.plan_ns)),
             ("copy", g(&self.copy_ns)),
             ("publish", g(&self.publish_ns)),

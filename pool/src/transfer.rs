@@ -1,6 +1,8 @@
-//! Copy threads: execute the copies of one submission through the device backends, then
-//! publish (stores) or unpin (loads) and post the completion.
+//! Copy threads: run one submission at a time in stages — reserve or pin its objects,
+//! copy through the device backends, publish (stores) or unpin (loads) — and post the
+//! completion.
 
+use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -11,9 +13,20 @@ use umbp_protocol::layout::{push_coalesced, CopyOp, KvLayout};
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
+use crate::objects::{LoadReservation, StoreReservation};
 use crate::stats::Counters;
 use crate::PoolInner;
 
+/// A block of a submission that needs a copy, before its object is reserved.
+#[derive(Clone, Copy)]
+pub struct Candidate {
+    /// Position in the submission (and in `statuses`).
+    pub index: usize,
+    pub key: ObjectKey,
+    pub block_id: u64,
+}
+
+/// A block whose object is reserved (store) or pinned (load) for the copy.
 pub struct JobBlock {
     /// Position in the submission (and in `statuses`).
     pub index: usize,
@@ -28,13 +41,14 @@ pub struct Job {
     pub sqe: Sqe,
     pub op: Opcode,
     pub layout: Arc<KvLayout>,
-    /// Blocks that need a copy; the others already have their status.
+    /// Blocks that need a copy, in submission order; the others already have their status.
+    pub candidates: Vec<Candidate>,
+    /// Candidates reserved so far (the copy thread reserves stage by stage), in order.
     pub blocks: Vec<JobBlock>,
     pub statuses: Vec<BlockStatus>,
     /// When the service thread took the submission from the ring.
     pub accepted: Instant,
-    /// When the service thread had reserved its objects and queued it (transfer latency
-    /// metric).
+    /// When the service thread queued it for a copy thread (transfer latency metric).
     pub submitted: Instant,
 }
 
@@ -51,7 +65,7 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
         }
         let picked = Instant::now();
         let phases = inner.counters.phases(job.op);
-        Counters::add(&phases.reserve_ns, ns_between(job.accepted, job.submitted));
+        Counters::add(&phases.admit_ns, ns_between(job.accepted, job.submitted));
         Counters::add(&phases.queue_ns, ns_between(job.submitted, picked));
         let copied = copy(inner, &mut job);
         let tail = Instant::now();
@@ -65,8 +79,8 @@ fn ns_between(a: Instant, b: Instant) -> u64 {
     b.saturating_duration_since(a).as_nanos() as u64
 }
 
-/// Blocks in this many stages or fewer: `stage_bytes` of objects per stage (0 = one
-/// stage), at most one stage per block and [`MAX_STAGES`].
+/// Stages for `blocks` blocks: `stage_bytes` of objects per stage (0 = one stage), at
+/// most one stage per block and [`MAX_STAGES`].
 pub fn stage_count(blocks: usize, object_bytes: u64, stage_bytes: u64) -> usize {
     if stage_bytes == 0 || blocks == 0 {
         return 1;
@@ -78,31 +92,48 @@ pub fn stage_count(blocks: usize, object_bytes: u64, stage_bytes: u64) -> usize 
 /// Stages per submission at most (each costs an event per copy stream).
 const MAX_STAGES: usize = 64;
 
-/// What [`copy`] did: submission positions whose copy failed, and how many of the job's
-/// blocks (a prefix of `job.blocks`) are settled already — published or unpinned, status
-/// written — because their stage landed while later stages still copied.
+/// What [`copy`] did: submission positions whose copy failed, and how many of
+/// `job.blocks` (a prefix) are settled already — published or unpinned, status written —
+/// because their stage landed while later stages still copied.
 struct Copied {
     failed: Vec<usize>,
     settled: usize,
 }
 
-/// Runs the copies of a job.
+/// The copy thread's view of a job while its stages run: the planning closure reserves
+/// and the landing closure settles, both through this.
+struct Progress<'j> {
+    candidates: &'j [Candidate],
+    blocks: &'j mut Vec<JobBlock>,
+    statuses: &'j mut [BlockStatus],
+    /// `blocks` range of each stage planned so far.
+    stage_blocks: Vec<std::ops::Range<usize>>,
+    settled: usize,
+    reserve_ns: u64,
+    plan_ns: u64,
+    publish_ns: u64,
+}
+
+/// Runs the copies of a job, in stages (`--copy-stage-size`): for each stage the copy
+/// thread reserves (store) or pins (load) its blocks' objects and plans their copies just
+/// before they are enqueued, while the stages before it copy; and it publishes (store) or
+/// unpins (load) a stage's blocks as soon as that stage landed, while later ones copy. So
+/// a large submission starts moving bytes after its first stage's bookkeeping, and only
+/// the last stage's publication remains once the last byte moved.
 ///
-/// All allocations of the job go to `umbp_gpu::transfer_staged` at once, so parts on one
-/// GPU (a vLLM worker registers one allocation per layer) run as one batched copy call
-/// with one synchronization. The job's blocks are cut into stages (`--copy-stage-size`);
-/// each stage's blocks are published (stores) or unpinned (loads) as soon as that stage
-/// has landed, under the DMA of the next stages, so that only the last stage's
-/// bookkeeping remains once the last byte moved. A fenced store (`sqe.fence_value != 0`,
-/// DESIGN §7) reads device memory only after the worker's stream wrote its fence word; a
-/// fenced load has the word written once the bytes landed (on the GPU when possible, see
-/// `finish` for the CPU write).
+/// All allocations of a stage go to the device layer together, so parts on one GPU (a
+/// vLLM worker registers one allocation per layer) run as one batched copy call. A fenced
+/// store (`sqe.fence_value != 0`, DESIGN §7) reads device memory only after the worker's
+/// stream wrote its fence word; a fenced load has the word written once the bytes landed
+/// (on the GPU when possible, see `finish` for the CPU write).
 fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     let started = Instant::now();
-    // Group copies per allocation, remembering which blocks use it: one pass over the
-    // segments of each allocation, block by block, so consecutive segments of a block (and
-    // consecutive blocks) that continue on both sides coalesce; no per-op hashing (a
-    // 10k-token prefix of a 24-layer model is 7,500 ops).
+    let phases = inner.counters.phases(job.op);
+    let regions = job.att.regions.read().expect("regions lock").clone();
+    // Segments grouped per allocation (each with its offset inside the object): one pass
+    // over the segments of each allocation per block, so consecutive segments of a block
+    // (and consecutive blocks) that continue on both sides coalesce; no per-op hashing
+    // (a 10k-token prefix of a 24-layer model is 7,500 ops).
     let segments = job.layout.segments();
     let mut groups: Vec<(u32, Vec<(usize, u64)>)> = Vec::new();
     let mut host_off = 0u64;
@@ -113,107 +144,147 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         }
         host_off += seg.page_bytes;
     }
-    let stages = stage_count(job.blocks.len(), job.layout.object_bytes(), inner.copy_stage_bytes.load(Ordering::Relaxed));
-    // Stage s = job.blocks[bounds[s]..bounds[s + 1]].
-    let bounds: Vec<usize> = (0..=stages).map(|s| s * job.blocks.len() / stages).collect();
-    let mut per_alloc: Vec<(u32, Vec<CopyOp>, Vec<usize>)> = Vec::with_capacity(groups.len());
-    for (alloc, segs) in &groups {
-        let mut ops = Vec::with_capacity(job.blocks.len() * segs.len());
-        let mut ends = Vec::with_capacity(stages);
-        for stage in bounds.windows(2) {
-            let stage_start = ops.len();
-            for b in &job.blocks[stage[0]..stage[1]] {
+    let mut group_regions = Vec::with_capacity(groups.len());
+    for (alloc, _) in &groups {
+        match regions.get(alloc) {
+            Some(r) => group_regions.push(r.as_ref()),
+            None => {
+                tracing::warn!(attachment = job.att.id, alloc, "copy refused: the layout names an allocation that is not registered");
+                return Copied { failed: Vec::new(), settled: 0 };
+            }
+        }
+    }
+    let fence = match (fence_region(job, &regions), job.op) {
+        (None, _) => umbp_gpu::Fence::None,
+        (Some(Err(e)), Opcode::Store) => {
+            // Without its fence a store could read KV the engine has not written yet.
+            tracing::warn!(attachment = job.att.id, "store fence unusable: {e}");
+            return Copied { failed: Vec::new(), settled: 0 };
+        }
+        (Some(Err(_)), _) => umbp_gpu::Fence::None,
+        (Some(Ok((word, value))), Opcode::Store) => umbp_gpu::Fence::WaitBefore(word, value),
+        (Some(Ok((word, value))), _) => umbp_gpu::Fence::SignalAfter(word, value),
+    };
+    let to_host = match job.op {
+        Opcode::Store => true,
+        Opcode::Load => false,
+        Opcode::Nop => return Copied { failed: Vec::new(), settled: 0 },
+    };
+    let size = job.layout.object_bytes();
+    let stages = stage_count(job.candidates.len(), size, inner.copy_stage_bytes.load(Ordering::Relaxed));
+    let n = job.candidates.len();
+    let progress = RefCell::new(Progress {
+        candidates: &job.candidates,
+        blocks: &mut job.blocks,
+        statuses: &mut job.statuses,
+        stage_blocks: Vec::with_capacity(stages),
+        settled: 0,
+        reserve_ns: 0,
+        plan_ns: 0,
+        publish_ns: 0,
+    });
+    let (att, op) = (&job.att, job.op);
+    let mut plan = |s: usize| -> umbp_gpu::StagePlan<'_> {
+        let p = &mut *progress.borrow_mut();
+        let t = Instant::now();
+        let from = p.blocks.len();
+        reserve(inner, att, op, size, &p.candidates[s * n / stages..(s + 1) * n / stages], p.blocks, p.statuses);
+        let t_plan = Instant::now();
+        p.reserve_ns += ns_between(t, t_plan);
+        let stage = &p.blocks[from..];
+        let mut plan = Vec::with_capacity(groups.len());
+        for ((alloc, segs), region) in groups.iter().zip(&group_regions) {
+            let mut ops = Vec::with_capacity(stage.len() * segs.len());
+            for b in stage {
                 debug_assert!(b.block_id < job.layout.num_blocks(), "block ids are checked at submission");
                 for &(i, off) in segs {
                     let seg = &segments[i];
-                    let op = CopyOp { alloc_id: *alloc, device_offset: seg.offset + b.block_id * seg.block_stride, host_offset: b.offset + off, len: seg.page_bytes };
-                    // Never across a stage boundary: a stage's ops are its blocks' only.
-                    if ops.len() == stage_start {
-                        ops.push(op);
-                    } else {
-                        push_coalesced(&mut ops, op);
-                    }
+                    push_coalesced(
+                        &mut ops,
+                        CopyOp { alloc_id: *alloc, device_offset: seg.offset + b.block_id * seg.block_stride, host_offset: b.offset + off, len: seg.page_bytes },
+                    );
                 }
             }
-            ends.push(ops.len());
+            // Every block has a page in every allocation of the layout.
+            plan.push((*region, ops));
         }
-        // Every block of the job has a page in every allocation of the layout.
-        per_alloc.push((*alloc, ops, ends));
-    }
-    let all_users: Vec<usize> = job.blocks.iter().map(|b| b.index).collect();
-    let regions = job.att.regions.read().expect("regions lock").clone();
-    let mut failed = Vec::new();
-    let mut parts = Vec::with_capacity(per_alloc.len());
-    let mut stage_ends = Vec::with_capacity(per_alloc.len());
-    for (alloc, ops, ends) in &per_alloc {
-        match regions.get(alloc) {
-            Some(region) => {
-                parts.push(umbp_gpu::Part { region: region.as_ref(), ops });
-                stage_ends.push(ends.clone());
-            }
-            None => failed.extend(&all_users),
-        }
-    }
-    let fence_region = fence_region(job, &regions);
-    let fence = match (&fence_region, job.op) {
-        (None, _) => Ok(umbp_gpu::Fence::None),
-        (Some(Err(e)), _) => Err(e.to_string()),
-        (Some(Ok((word, value))), Opcode::Store) => Ok(umbp_gpu::Fence::WaitBefore(*word, *value)),
-        (Some(Ok((word, value))), _) => Ok(umbp_gpu::Fence::SignalAfter(*word, *value)),
+        p.stage_blocks.push(from..p.blocks.len());
+        p.plan_ns += t_plan.elapsed().as_nanos() as u64;
+        plan
     };
-    let phases = inner.counters.phases(job.op);
-    let mut settled = 0;
-    let mut publish_ns = 0u64;
+    let mut stage_landed = |s: usize| {
+        let p = &mut *progress.borrow_mut();
+        let t = Instant::now();
+        let range = p.stage_blocks[s].clone();
+        settle(inner, op, &p.blocks[range.clone()], p.statuses, &[]);
+        p.settled = range.end;
+        p.publish_ns += t.elapsed().as_nanos() as u64;
+        Counters::add(&phases.stages, 1);
+    };
+    let keep_waiting = || att.is_alive() && !inner.is_shutting_down();
     let copy_started = Instant::now();
-    Counters::add(&phases.plan_ns, ns_between(started, copy_started));
-    match fence {
-        Err(e) if job.op == Opcode::Store => {
-            // Without its fence a store could read KV the engine has not written yet.
-            tracing::warn!(attachment = job.att.id, "store fence unusable: {e}");
-            failed.extend(&all_users);
-        }
-        fence => {
-            let fence = fence.unwrap_or_default();
-            let keep_waiting = || job.att.is_alive() && !inner.is_shutting_down();
-            let to_host = match job.op {
-                Opcode::Store => true,
-                Opcode::Load => false,
-                Opcode::Nop => return Copied { failed, settled },
-            };
-            // A missing region fails every block: nothing may be published early then.
-            let whole = failed.is_empty();
-            let (blocks, statuses, op) = (&job.blocks, &mut job.statuses, job.op);
-            let mut stage_landed = |s: usize| {
-                if !whole {
-                    return;
+    // SAFETY: every op's host range is an object reserved (store) or pinned (load) for this
+    // job in the object store, inside DRAM; nobody else writes it meanwhile (an object is
+    // settled only once its stage's copies all landed).
+    let result = unsafe { umbp_gpu::transfer_pipelined(to_host, stages, &mut plan, inner.dram.base(), fence, &keep_waiting, &mut stage_landed) };
+    let copy_ns = copy_started.elapsed().as_nanos() as u64;
+    let p = progress.into_inner();
+    if let Err(e) = &result {
+        tracing::warn!(attachment = att.id, "copy failed: {e}");
+    }
+    // On failure every reserved block not settled yet failed.
+    let failed: Vec<usize> = if result.is_err() { p.blocks[p.settled..].iter().map(|b| b.index).collect() } else { Vec::new() };
+    // Time in the device call, less the planning and publishing done inside it.
+    let copy_only = copy_ns.saturating_sub(p.reserve_ns + p.plan_ns + p.publish_ns);
+    inner.counters.latency.observe_copy(op, copy_only as f64 * 1e-9);
+    Counters::add(&phases.reserve_ns, p.reserve_ns);
+    Counters::add(&phases.plan_ns, p.plan_ns + ns_between(started, copy_started));
+    Counters::add(&phases.copy_ns, copy_only);
+    Counters::add(&phases.publish_ns, p.publish_ns);
+    Copied { failed, settled: p.settled }
+}
+
+/// Reserves (store) or pins (load) the objects of `candidates`: reserved ones are
+/// appended to `blocks`, the others get their final status (first writer wins: a key
+/// present or being written is `AlreadyPresent`; no room is `NotStored`; a load of an
+/// absent key is `Missing`).
+fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidates: &[Candidate], blocks: &mut Vec<JobBlock>, statuses: &mut [BlockStatus]) {
+    let strict = !inner.config.namespace_acl.is_empty();
+    let mut store = inner.store.lock().expect("store lock");
+    let mut no_room = false;
+    for c in candidates {
+        let block = |offset| JobBlock { index: c.index, key: c.key, block_id: c.block_id, offset };
+        match op {
+            Opcode::Store => match store.reserve_store(att.namespace, c.key, size, att.id) {
+                StoreReservation::Reserved { offset } => blocks.push(block(offset)),
+                StoreReservation::AlreadyPresent => statuses[c.index] = BlockStatus::AlreadyPresent,
+                StoreReservation::NoRoom => {
+                    statuses[c.index] = BlockStatus::NotStored;
+                    no_room = true;
                 }
-                let t = Instant::now();
-                settle(inner, op, &blocks[bounds[s]..bounds[s + 1]], statuses, &[]);
-                settled = bounds[s + 1];
-                publish_ns += t.elapsed().as_nanos() as u64;
-                Counters::add(&phases.stages, 1);
-            };
-            // SAFETY: every op's host range is an object reserved (store) or pinned (load)
-            // for this job in the object store, inside DRAM; nobody else writes it meanwhile
-            // (an object settled early is one whose copies have all landed).
-            let results = unsafe {
-                umbp_gpu::transfer_staged(to_host, &parts, &stage_ends, inner.dram.base(), fence, &keep_waiting, &mut stage_landed)
-            };
-            for (r, part) in results.into_iter().zip(&parts) {
-                if let Err(e) = r {
-                    tracing::warn!(attachment = job.att.id, alloc = part.ops.first().map(|o| o.alloc_id), "copy failed: {e}");
-                    failed.extend(&all_users);
-                }
+            },
+            // With --namespace-acl, a tenant only loads what its own namespace stored
+            // (no reading, no poisoning across tenants: a foreign key is a miss).
+            Opcode::Load if strict && store.namespace_of(c.key).is_some_and(|ns| ns != att.namespace) => {
+                statuses[c.index] = BlockStatus::Missing
             }
+            Opcode::Load => match store.reserve_load(c.key, size) {
+                LoadReservation::Pinned { offset } => blocks.push(block(offset)),
+                LoadReservation::Missing => statuses[c.index] = BlockStatus::Missing,
+                LoadReservation::SizeMismatch { stored } => {
+                    tracing::debug!(attachment = att.id, stored, wanted = size, "object size differs from the loader's layout");
+                    statuses[c.index] = BlockStatus::Failed;
+                }
+            },
+            Opcode::Nop => {}
         }
     }
-    let ns = ns_between(copy_started, Instant::now()).saturating_sub(publish_ns);
-    inner.counters.latency.observe_copy(job.op, ns as f64 * 1e-9);
-    Counters::add(&phases.copy_ns, ns);
-    Counters::add(&phases.publish_ns, publish_ns);
-    failed.sort_unstable();
-    failed.dedup();
-    Copied { failed, settled }
+    if op == Opcode::Store {
+        let high = (inner.config.capacity_bytes as f64 * inner.config.high_watermark) as u64;
+        if store.allocated_bytes() > high || no_room {
+            inner.wake_evictor();
+        }
+    }
 }
 
 /// Publishes (store) or unpins (load) `blocks` and writes their statuses; a block whose
@@ -288,6 +359,12 @@ pub fn signal_load_fence(att: &Attachment, sqe: &Sqe, all_loaded: bool) {
 pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize], settled: usize) {
     let size = job.layout.object_bytes();
     settle(inner, job.op, &job.blocks[settled.min(job.blocks.len())..], &mut job.statuses, failed);
+    // Candidates never reserved (the copy failed or was refused before their stage).
+    for c in &job.candidates {
+        if job.statuses[c.index] == BlockStatus::Pending {
+            job.statuses[c.index] = BlockStatus::Failed;
+        }
+    }
     let c = &inner.counters;
     let mut ok_count = 0;
     for s in &job.statuses {

@@ -505,11 +505,11 @@ fn wire_messages_reject_garbage() {
     // Hello checks.
     assert!(matches!(
         Hello {
-            protocol_version: 2,
+            protocol_version: PROTOCOL_VERSION + 1,
             ..hello
         }
         .validate(),
-        Err(ProtocolError::VersionMismatch { found: 2, .. })
+        Err(ProtocolError::VersionMismatch { found, .. }) if found == PROTOCOL_VERSION + 1
     ));
     assert!(matches!(
         Hello { role: 0, ..hello }.validate(),
