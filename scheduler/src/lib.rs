@@ -93,6 +93,11 @@ impl Attachment {
         };
         let ring = SharedMemory::from_received(ring_fd, layout.total_bytes, true)?;
         let index = SharedMemory::from_received(index_fd, TABLES_OFFSET, false)?;
+        // Lookups are on the engine scheduler's critical path: fault the whole index in
+        // now (tens of MiB for a 10 GiB pool) rather than a page at a time during lookups.
+        let t = std::time::Instant::now();
+        let populated = index.populate_read();
+        tracing::debug!(bytes = index.len(), populated, ms = t.elapsed().as_secs_f64() * 1e3, "index mapping populated");
         // SAFETY: the hint ring section lies inside the ring mapping (AttachmentLayout,
         // size checked by from_received); the mapping is owned by `_ring`, dropped after
         // this producer, and does not move with the struct.

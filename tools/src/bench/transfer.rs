@@ -462,10 +462,12 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let mut tuning = Tune { streams: st0, batch: b0, parallel: umbp_gpu::parallel_submit(), batch_max: umbp_gpu::batch_max(), stage_mib: stage0 };
     if args.sweep && pool.pool.is_some() {
         let mut variants = Vec::new();
-        for stage_mib in [0, 8, 16, 32, 64, 128] {
-            variants.push(Tune { streams: 4, batch: true, parallel: false, batch_max: 512, stage_mib });
+        for streams in [1usize, 4] {
+            for stage_mib in [0, 16, 32, 64, 128] {
+                variants.push(Tune { streams, batch: true, parallel: false, batch_max: 512, stage_mib });
+            }
         }
-        for streams in [1usize, 2, 8] {
+        for streams in [2usize, 8] {
             variants.push(Tune { streams, batch: true, parallel: false, batch_max: 512, stage_mib: stage0 });
         }
         variants.push(Tune { streams: 4, batch: true, parallel: true, batch_max: 512, stage_mib: 0 });
@@ -477,7 +479,7 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             apply(t);
             let e0 = umbp_gpu::engine_stats();
             let p0 = pool.phases();
-            let (s, d) = measure(&mut a, next_key(0), reps.min(3))?;
+            let (s, d) = measure(&mut a, next_key(0), reps.min(5))?;
             let phases = phase_means(&p0, &pool.phases());
             let e1 = umbp_gpu::engine_stats();
             let calls = (e1.calls - e0.calls).max(1);
@@ -1585,7 +1587,7 @@ pub struct TransferCli {
     /// Sweep copy streams (1,2,4,8) and batching on the main layout, then use the best.
     #[arg(long)]
     sweep: bool,
-    /// Copy streams per copy call (default 4 or UMBP_COPY_STREAMS).
+    /// Copy streams per copy call (default 1 or UMBP_COPY_STREAMS).
     #[arg(long)]
     streams: Option<usize>,
     /// Submit copies one call each instead of batched.
