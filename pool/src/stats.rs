@@ -68,7 +68,7 @@ impl PhaseCounters {
     fn to_json(&self) -> serde_json::Value {
         let mut m = serde_json::Map::new();
         m.insert("jobs".into(), self.jobs.load(Ordering::Relaxed).into());
-        m.insert("early_stages".into(), self.stages.load(Ordering::Relaxed).into());
+        m.insert("stages".into(), self.stages.load(Ordering::Relaxed).into());
         for (name, ns) in self.phases() {
             m.insert(format!("{name}_ns"), ns.into());
         }

@@ -26,3 +26,22 @@ fn layouts_share_objects_and_namespaces_isolate() {
     assert_eq!(report["pool"]["published_objects"], 200, "{report}");
     assert_eq!(report["namespaces"].as_array().unwrap().len(), 1);
 }
+
+/// Submissions cut into many stages (`--copy-stage-size` of two objects, so up to 64
+/// stages, each reserved, copied and published on its own): same outcomes, byte-exact,
+/// also when stages mix new and already present blocks.
+#[test]
+fn staged_copies_keep_every_outcome() {
+    let pool = PoolProcess::start(&unique_socket("xstage"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--copy-stage-size", "32KiB"]);
+    let s = &pool.socket;
+    let a = run_worker(s, 1, "per-layer", &["store", "--first-key", "0", "--count", "200"]);
+    assert_eq!((n(&a, "stored"), n(&a, "failed")), (200, 0), "{a}");
+    let b = run_worker(s, 1, "strided", &["store", "--first-key", "100", "--count", "200"]);
+    assert_eq!((n(&b, "stored"), n(&b, "already_present"), n(&b, "failed")), (100, 100, 0), "{b}");
+    let c = run_worker(s, 1, "cross", &["load", "--first-key", "250", "--count", "100"]);
+    assert_eq!((n(&c, "loaded"), n(&c, "missing"), n(&c, "corrupt")), (50, 50, 0), "{c}");
+    let report = pool.report();
+    assert_eq!(report["pool"]["published_objects"], 300, "{report}");
+    let phases = &report["counters"]["phases"];
+    assert!(phases["store"]["stages"].as_u64().unwrap() > 2, "{phases}");
+}

@@ -113,6 +113,14 @@ fn ringtool_and_metrics_match_known_traffic() {
     assert_eq!((c["blocks_loaded"].as_u64(), c["blocks_missing"].as_u64()), (Some(10), Some(5)));
     assert_eq!(c["bytes_stored"], 40 * OBJECT);
     assert_eq!(c["bytes_loaded"], 10 * OBJECT);
+    // Where the time went, per direction: two store jobs (one copied, one all already
+    // present) and one load, each through every phase; the copied store spent time copying.
+    let phases = &c["phases"];
+    assert_eq!((phases["store"]["jobs"].as_u64(), phases["load"]["jobs"].as_u64()), (Some(2), Some(1)), "{phases}");
+    for phase in ["admit_ns", "queue_ns", "reserve_ns", "plan_ns", "copy_ns", "finish_ns"] {
+        assert!(phases["store"][phase].as_u64().unwrap() > 0, "store {phase}: {phases}");
+    }
+    assert_eq!(phases["store"]["copy_ns"], c["store_copy_ns"]);
     let atts = r["attachments"].as_array().unwrap();
     let me = atts.iter().find(|a| a["pid"] == std::process::id()).expect("the worker's attachment is listed");
     assert_eq!(me["role"], "worker");
@@ -168,6 +176,8 @@ fn ringtool_and_metrics_match_known_traffic() {
     assert_eq!(sample(&m, "umbp_transfer_seconds_count{op=\"store\"}"), 2.0);
     assert_eq!(sample(&m, "umbp_transfer_seconds_count{op=\"load\"}"), 1.0);
     assert_eq!(sample(&m, "umbp_transfer_seconds_bucket{op=\"load\",le=\"+Inf\"}"), 1.0);
+    assert!(sample(&m, "umbp_store_phase_seconds_total{phase=\"copy\"}") > 0.0);
+    assert!(sample(&m, "umbp_load_phase_seconds_total{phase=\"reserve\"}") > 0.0);
     assert!(http_get(port, "/nope").0.starts_with("HTTP/1.1 404"));
 
     // inspect: the pool's own memfds, read-only, recognised by their headers.

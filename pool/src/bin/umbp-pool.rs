@@ -50,7 +50,7 @@ struct Args {
     /// A submission moving more than this is copied in stages of about this size; each
     /// stage's blocks are published (stores) or released (loads) as soon as it lands, while
     /// the next stages still copy. 0 copies every submission in one piece.
-    #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "32MiB")]
+    #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
     copy_stage_size: String,
     /// Group that owns the socket (mode 0660); its members may connect. Name or gid
     /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).

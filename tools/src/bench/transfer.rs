@@ -184,7 +184,7 @@ fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Value {
         }
         let mut m = serde_json::Map::new();
         m.insert("jobs".into(), jobs.into());
-        m.insert("early_stages_per_job".into(), json!(d("early_stages") as f64 / jobs as f64));
+        m.insert("stages_per_job".into(), json!(d("stages") as f64 / jobs as f64));
         for phase in ["admit", "queue", "reserve", "plan", "copy", "publish", "finish"] {
             let us = d(&format!("{phase}_ns")) as f64 / jobs as f64 / 1e3;
             m.insert(format!("{phase}_us"), json!((us * 10.0).round() / 10.0));
