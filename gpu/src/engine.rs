@@ -516,6 +516,9 @@ fn next_batch(size: usize, per_call: usize) -> usize {
     (size * BATCH_GROWTH_NUM / BATCH_GROWTH_DEN).max(size + 1).min(per_call)
 }
 
+/// Appends the items of stage `s` (s >= 1) of a staged [`Engine::run`].
+type StageBuilder<'a> = dyn FnMut(usize, &mut Vec<Item>) -> Result<(), GpuError> + 'a;
+
 /// Whether every event of one stage completed (`block`: wait for it).
 fn stage_landed<A: DeviceApi>(api: &A, events: &[A::Event], block: bool) -> Result<bool, GpuError> {
     for &e in events {
@@ -595,7 +598,7 @@ impl<A: DeviceApi> Engine<A> {
         dir: Dir,
         first: Vec<Item>,
         stages: usize,
-        build: &mut dyn FnMut(usize, &mut Vec<Item>) -> Result<(), GpuError>,
+        build: &mut StageBuilder<'_>,
         fence: &Fence<'_>,
         signal: bool,
         keep_waiting: &dyn Fn() -> bool,
@@ -637,11 +640,11 @@ impl<A: DeviceApi> Engine<A> {
             if let (Some(addr), true) = (word.device(), self.memops.load(Ordering::Relaxed)) {
                 if !fence::reached(word.load(), value) {
                     let mut ok = true;
-                    for k in 0..n_streams {
+                    for (stream, used) in set.streams.iter().zip(used.iter_mut()).take(n_streams) {
                         // SAFETY: the word stays mapped for the call (the caller holds its
                         // region); the watchdog below releases it before we return.
-                        match unsafe { api.wait_value64(set.streams[k], addr, value) } {
-                            Ok(()) => used[k] = true,
+                        match unsafe { api.wait_value64(*stream, addr, value) } {
+                            Ok(()) => *used = true,
                             Err(e) => {
                                 tracing::warn!(api = A::API, "stream wait on a fence word failed, falling back to CPU waits: {e}");
                                 self.memops.store(false, Ordering::Relaxed);
@@ -721,9 +724,10 @@ impl<A: DeviceApi> Engine<A> {
                             break 'stages;
                         }
                     }
-                    for k in 0..n_streams {
-                        used[k] = true;
-                        if let Err(e) = api.record(set.stage_events[s * n_streams + k], set.streams[k]) {
+                    let events = &set.stage_events[s * n_streams..][..n_streams];
+                    for ((&event, &stream), used) in events.iter().zip(&set.streams).zip(used.iter_mut()) {
+                        *used = true;
+                        if let Err(e) = api.record(event, stream) {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -1009,41 +1013,6 @@ fn duplicate(e: &GpuError) -> GpuError {
 }
 
 impl<A: DeviceApi> GpuRegion<A> {
-    /// Runs a pipelined transfer whose every stage is on this engine ([`crate::transfer_pipelined`]).
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn transfer_stages<'r>(
-        &self,
-        to_host: bool,
-        stages: usize,
-        first: StagePlan<'r>,
-        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
-        host_base: *mut u8,
-        fence: &Fence<'_>,
-        keep_waiting: &dyn Fn() -> bool,
-        stage_done: &mut dyn FnMut(usize),
-    ) -> Result<(), GpuError> {
-        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
-        let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
-        let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
-            for (region, ops) in stage {
-                let r = self.same_engine(*region).ok_or_else(|| {
-                    GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into())
-                })?;
-                check_ops(ops, r.alloc_id, r.len)?;
-                for op in ops {
-                    push_items(items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
-                }
-            }
-            Ok(())
-        };
-        let mut items = Vec::new();
-        push_stage(&first, &mut items)?;
-        let mut build = |s: usize, items: &mut Vec<Item>| push_stage(&plan(s), items);
-        // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
-        // device ranges inside each region by check_ops and open.
-        unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done) }
-    }
-
     /// `region` as a region of this same engine, if it is one.
     fn same_engine<'x>(&self, region: &'x dyn DeviceRegion) -> Option<&'x GpuRegion<A>> {
         region.as_any().and_then(|a| a.downcast_ref::<GpuRegion<A>>()).filter(|r| Arc::ptr_eq(&r.engine, &self.engine))
@@ -1101,8 +1070,28 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         keep_waiting: &dyn Fn() -> bool,
         stage_done: &mut dyn FnMut(usize),
     ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
-        // SAFETY: forwarded caller contract.
-        Ok(unsafe { self.transfer_stages(to_host, stages, first, plan, host_base, fence, keep_waiting, stage_done) })
+        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+        let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
+            for (region, ops) in stage {
+                let r = self.same_engine(*region).ok_or_else(|| {
+                    GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into())
+                })?;
+                check_ops(ops, r.alloc_id, r.len)?;
+                for op in ops {
+                    push_items(items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+                }
+            }
+            Ok(())
+        };
+        let mut items = Vec::new();
+        if let Err(e) = push_stage(&first, &mut items) {
+            return Ok(Err(e));
+        }
+        let mut build = |s: usize, items: &mut Vec<Item>| push_stage(&plan(s), items);
+        // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
+        // device ranges inside each region by check_ops and open.
+        Ok(unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done) })
     }
 
     /// Claims every unclaimed part from `first` on whose region is a region of this same

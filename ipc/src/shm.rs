@@ -147,8 +147,8 @@ mod tests {
         // Kernels before 5.14 say no; the mapping works either way.
         let _ = ro.populate_read();
         // SAFETY: inside the mapping.
-        assert_eq!(unsafe { ro.as_ptr().add(5000).read() }, 7);
-        assert_eq!(unsafe { ro.as_ptr().add((1 << 20) - 1).read() }, 0);
+        let (first, last) = unsafe { (ro.as_ptr().add(5000).read(), ro.as_ptr().add((1 << 20) - 1).read()) };
+        assert_eq!((first, last), (7, 0));
     }
 
     #[test]

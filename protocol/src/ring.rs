@@ -625,7 +625,7 @@ mod tests {
         while sent < 1000 {
             if prod.try_push(sent).unwrap() {
                 sent += 1;
-                if sent % 3 == 0 {
+                if sent.is_multiple_of(3) {
                     prod.publish_and_wake();
                     std::thread::sleep(std::time::Duration::from_micros(50));
                 }

@@ -179,15 +179,11 @@ fn ring_bad_entry_size_and_capacity() {
     // Typed errors for a local mistake too.
     let big = Region::new(4096);
     // SAFETY: within the region.
-    assert!(matches!(
-        unsafe { Ring::<Sqe>::init(big.ptr(), 4096, 0) },
-        Err(ProtocolError::InvalidField { .. })
-    ));
+    let r = unsafe { Ring::<Sqe>::init(big.ptr(), 4096, 0) };
+    assert!(matches!(r, Err(ProtocolError::InvalidField { .. })));
     // SAFETY: within the region.
-    assert!(matches!(
-        unsafe { Ring::<Sqe>::init(big.ptr().wrapping_add(64), 4000, 1) },
-        Err(ProtocolError::Misaligned { align: 128 })
-    ));
+    let r = unsafe { Ring::<Sqe>::init(big.ptr().wrapping_add(64), 4000, 1) };
+    assert!(matches!(r, Err(ProtocolError::Misaligned { align: 128 })));
 }
 
 /// The consumer's view: a tail more than `capacity` ahead of the head ("head > tail +
@@ -318,15 +314,11 @@ fn index_region_too_small() {
     }
     let fresh = Region::new(len);
     // SAFETY: within the region.
-    assert!(matches!(
-        unsafe { IndexView::init(fresh.ptr(), len - 32, MIN_SLOTS) },
-        Err(ProtocolError::RegionTooSmall { .. })
-    ));
+    let r = unsafe { IndexView::init(fresh.ptr(), len - 32, MIN_SLOTS) };
+    assert!(matches!(r, Err(ProtocolError::RegionTooSmall { .. })));
     // SAFETY: within the region.
-    assert!(matches!(
-        unsafe { IndexView::init(fresh.ptr().wrapping_add(64), len - 64, MIN_SLOTS) },
-        Err(ProtocolError::Misaligned { .. })
-    ));
+    let r = unsafe { IndexView::init(fresh.ptr().wrapping_add(64), len - 64, MIN_SLOTS) };
+    assert!(matches!(r, Err(ProtocolError::Misaligned { .. })));
     // A slot count that does not fit the mapping.
     mem.put_u64(INDEX_SLOT_COUNT, MIN_SLOTS * 2);
     assert!(matches!(
