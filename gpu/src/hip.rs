@@ -7,6 +7,10 @@
 //! library; its own calls have not executed against a real HIP runtime. Treat the first
 //! run on an MI-series machine as its test (`gpu/tests/hip.rs` is written for it).
 //!
+//! Events (`hipEventRecord`/`hipStreamWaitEvent`/`hipEventQuery`) are wired as on CUDA,
+//! so the load fence is signalled from the GPU and copy calls run in pipelined stages;
+//! like the rest, never executed on AMD hardware.
+//!
 //! Differences from CUDA handled here: `hipIpcOpenMemHandle` accepts only the lazy peer
 //! access flag; `hipStreamWaitValue64` takes a mask; a device is made current with
 //! `hipSetDevice` (per thread) instead of a context; when `hipDeviceGetUuid` gives
@@ -32,6 +36,8 @@ type HipError = i32;
 const HIP_SUCCESS: HipError = 0;
 /// hipErrorNoDevice
 const HIP_ERROR_NO_DEVICE: HipError = 100;
+/// hipErrorNotReady: what hipEventQuery says while the recorded work is still running.
+const HIP_ERROR_NOT_READY: HipError = 600;
 const HIP_MEMCPY_HOST_TO_DEVICE: i32 = 1;
 const HIP_MEMCPY_DEVICE_TO_HOST: i32 = 2;
 const HIP_HOST_REGISTER_PORTABLE: u32 = 0x1;
@@ -40,9 +46,14 @@ const HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS: u32 = 0x1;
 const HIP_STREAM_NON_BLOCKING: u32 = 0x1;
 const HIP_STREAM_WAIT_VALUE_GTE: u32 = 0x0;
 const HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL: i32 = 9;
+/// hipEventDisableTiming: events are only used for ordering, timing would cost.
+const HIP_EVENT_DISABLE_TIMING: u32 = 0x2;
 
 /// A HIP stream handle (`hipStream_t`).
 pub type HipStream = *mut c_void;
+
+/// `hipEvent_t`.
+type HipEvent = *mut c_void;
 
 /// `hipIpcMemHandle_t`, passed by value to hipIpcOpenMemHandle.
 #[repr(C)]
@@ -84,6 +95,12 @@ struct Hip {
     stream_synchronize: unsafe extern "C" fn(HipStream) -> HipError,
     stream_write_value64: unsafe extern "C" fn(HipStream, *mut c_void, u64, u32) -> HipError,
     stream_wait_value64: unsafe extern "C" fn(HipStream, *mut c_void, u64, u32, u64) -> HipError,
+    event_create_with_flags: unsafe extern "C" fn(*mut HipEvent, u32) -> HipError,
+    event_destroy: unsafe extern "C" fn(HipEvent) -> HipError,
+    event_record: unsafe extern "C" fn(HipEvent, HipStream) -> HipError,
+    event_query: unsafe extern "C" fn(HipEvent) -> HipError,
+    event_synchronize: unsafe extern "C" fn(HipEvent) -> HipError,
+    stream_wait_event: unsafe extern "C" fn(HipStream, HipEvent, u32) -> HipError,
 }
 
 impl Hip {
@@ -148,6 +165,12 @@ impl Hip {
             stream_synchronize: sym!("hipStreamSynchronize"),
             stream_write_value64: sym!("hipStreamWriteValue64"),
             stream_wait_value64: sym!("hipStreamWaitValue64"),
+            event_create_with_flags: sym!("hipEventCreateWithFlags"),
+            event_destroy: sym!("hipEventDestroy"),
+            event_record: sym!("hipEventRecord"),
+            event_query: sym!("hipEventQuery"),
+            event_synchronize: sym!("hipEventSynchronize"),
+            stream_wait_event: sym!("hipStreamWaitEvent"),
             _lib: lib,
         })
     }
@@ -228,14 +251,20 @@ pub(crate) struct HipStreamHandle(HipStream);
 // engine hands each stream set to one copy call at a time.
 unsafe impl Send for HipStreamHandle {}
 
+#[derive(Clone, Copy)]
+pub(crate) struct HipEventHandle(HipEvent);
+
+// SAFETY: as HipStreamHandle: a runtime handle, used by one copy call at a time.
+unsafe impl Send for HipEventHandle {}
+
 impl DeviceApi for HipApi {
     const API: &'static str = "HIP";
     const KIND: MemoryKind = MemoryKind::Hip;
     /// The device ordinal; `hipSetDevice` makes it current per thread.
     type Device = i32;
     type Stream = HipStreamHandle;
-    /// Events are not wired for HIP yet: load fences are written by the CPU.
-    type Event = ();
+    /// Used for the GPU-side load fence signal and pipelined copy stages, as on CUDA.
+    type Event = HipEventHandle;
 
     fn device_count(&self) -> Result<i32, GpuError> {
         let mut n = 0;
@@ -336,6 +365,58 @@ impl DeviceApi for HipApi {
             }
         };
         self.0.check("hipMemcpyAsync", r)
+    }
+
+    fn create_event(&self) -> Result<HipEventHandle, GpuError> {
+        let mut ev: HipEvent = std::ptr::null_mut();
+        // SAFETY: out-pointer to a local; the device is bound by the engine.
+        self.0.check("hipEventCreateWithFlags", unsafe {
+            (self.0.event_create_with_flags)(&mut ev, HIP_EVENT_DISABLE_TIMING)
+        })?;
+        Ok(HipEventHandle(ev))
+    }
+
+    fn destroy_event(&self, event: HipEventHandle) {
+        // SAFETY: created by create_event; nothing waits on it any more.
+        let _ = unsafe { (self.0.event_destroy)(event.0) };
+    }
+
+    fn join(
+        &self,
+        waiter: HipStreamHandle,
+        event: HipEventHandle,
+        other: HipStreamHandle,
+    ) -> Result<(), GpuError> {
+        // SAFETY: live event and streams of the bound device.
+        self.0.check("hipEventRecord", unsafe {
+            (self.0.event_record)(event.0, other.0)
+        })?;
+        // SAFETY: as above; flags must be 0.
+        self.0.check("hipStreamWaitEvent", unsafe {
+            (self.0.stream_wait_event)(waiter.0, event.0, 0)
+        })
+    }
+
+    fn record(&self, event: HipEventHandle, stream: HipStreamHandle) -> Result<(), GpuError> {
+        // SAFETY: live event and stream of the bound device.
+        self.0.check("hipEventRecord", unsafe {
+            (self.0.event_record)(event.0, stream.0)
+        })
+    }
+
+    fn event_done(&self, event: HipEventHandle) -> Result<bool, GpuError> {
+        // SAFETY: live event.
+        match unsafe { (self.0.event_query)(event.0) } {
+            HIP_ERROR_NOT_READY => Ok(false),
+            r => self.0.check("hipEventQuery", r).map(|()| true),
+        }
+    }
+
+    fn event_wait(&self, event: HipEventHandle) -> Result<(), GpuError> {
+        // SAFETY: live event.
+        self.0.check("hipEventSynchronize", unsafe {
+            (self.0.event_synchronize)(event.0)
+        })
     }
 
     unsafe fn wait_value64(&self, stream: HipStreamHandle, addr: u64, value: u64) -> Result<(), GpuError> {

@@ -12,6 +12,8 @@ pub mod config;
 mod dram;
 mod event_log;
 mod evictor;
+#[doc(hidden)]
+pub mod fault;
 mod metrics;
 mod objects;
 mod poller;

@@ -72,6 +72,7 @@ pub struct ObjectStore {
     index: IndexWriter<'static>,
     namespaces: HashMap<u128, NamespaceUsage>,
     evictions: u64,
+    quarantined_bytes: u64,
     events: Vec<ObjectEvent>,
     /// The same events in shared memory, for schedulers (absent in unit tests).
     event_log: Option<crate::event_log::SharedEventLog>,
@@ -99,6 +100,7 @@ impl ObjectStore {
             index: IndexWriter::new(view),
             namespaces: HashMap::new(),
             evictions: 0,
+            quarantined_bytes: 0,
             events: Vec::new(),
             event_log: None,
             _index_mem: index_mem,
@@ -185,6 +187,27 @@ impl ObjectStore {
         }
         self.drop_object(key);
         false
+    }
+
+    /// Gives up on an object being written whose copy may still be in flight (a copy
+    /// thread panicked mid-transfer): the key is forgotten, so it can be stored again, but
+    /// its DRAM is never handed out again — a DMA still writing there must not land in
+    /// someone else's object. Returns the bytes leaked.
+    pub fn quarantine(&mut self, key: ObjectKey) -> u64 {
+        match self.objects.get(&key) {
+            Some(o) if matches!(o.state, ObjectState::Writing { .. }) => {
+                let o = self.objects.remove(&key).expect("present");
+                self.lru.remove(&o.tick);
+                self.quarantined_bytes += o.size;
+                o.size
+            }
+            _ => 0,
+        }
+    }
+
+    /// DRAM given up by [`Self::quarantine`] (still counted as allocated).
+    pub fn quarantined_bytes(&self) -> u64 {
+        self.quarantined_bytes
     }
 
     fn drop_object(&mut self, key: ObjectKey) {

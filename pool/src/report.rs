@@ -58,6 +58,7 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "published_objects": store.published_count(),
             "pinned_objects": store.pinned_count(),
             "evictions": store.evictions(),
+            "quarantined_bytes": store.quarantined_bytes(),
             "events_written": store.events_written(),
             "high_watermark": inner.config.high_watermark,
             "low_watermark": inner.config.low_watermark,

@@ -3,6 +3,7 @@
 //! completion.
 
 use std::cell::RefCell;
+use std::panic::AssertUnwindSafe;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -67,12 +68,45 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
         let phases = inner.counters.phases(job.op);
         Counters::add(&phases.admit_ns, ns_between(job.accepted, job.submitted));
         Counters::add(&phases.queue_ns, ns_between(job.submitted, picked));
-        let copied = copy(inner, &mut job);
+        // A bug in one copy must not hang its peer or take this thread with it.
+        let copied = match std::panic::catch_unwind(AssertUnwindSafe(|| copy(inner, &mut job))) {
+            Ok(copied) => copied,
+            Err(panic) => contain_panic(inner, &mut job, panic.as_ref()),
+        };
         let tail = Instant::now();
         finish(inner, job, &copied.failed, copied.settled);
         Counters::add(&phases.finish_ns, tail.elapsed().as_nanos() as u64);
         Counters::add(&phases.jobs, 1);
     }
+}
+
+/// After a copy thread panicked inside `copy`: the job's blocks not settled yet fail.
+/// Stores' objects are quarantined (their DMA may still be landing, so their DRAM is never
+/// reused); loads' objects are unpinned (a stray DMA only reads them). If the panic left
+/// the object store's lock poisoned, its state cannot be trusted: the pool stops at once
+/// (workers see it gone and recompute; a supervisor restarts it) rather than serve from it.
+fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + Send)) -> Copied {
+    let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
+    tracing::error!(attachment = job.att.id, op = ?job.op, "copy thread panicked: {what}; the submission fails, the pool keeps serving");
+    let Ok(mut store) = inner.store.lock() else {
+        tracing::error!("the object store's lock is poisoned by that panic: stopping the pool");
+        std::process::abort();
+    };
+    let mut leaked = 0;
+    for b in &job.blocks {
+        if job.statuses[b.index] != BlockStatus::Pending {
+            continue;
+        }
+        match job.op {
+            Opcode::Store => leaked += store.quarantine(b.key),
+            _ => store.finish_load(b.key),
+        }
+        job.statuses[b.index] = BlockStatus::Failed;
+    }
+    if leaked > 0 {
+        tracing::error!(bytes = leaked, "DRAM of the failed stores quarantined (not reused until the pool restarts)");
+    }
+    Copied { failed: Vec::new(), settled: job.blocks.len() }
 }
 
 fn ns_between(a: Instant, b: Instant) -> u64 {
@@ -189,6 +223,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         let t = Instant::now();
         let from = p.blocks.len();
         reserve(inner, att, op, size, &p.candidates[s * n / stages..(s + 1) * n / stages], p.blocks, p.statuses);
+        crate::fault::check_copy(&p.blocks[from..]);
         let t_plan = Instant::now();
         p.reserve_ns += ns_between(t, t_plan);
         let stage = &p.blocks[from..];

@@ -1,0 +1,45 @@
+//! A bug that panics a copy thread mid-submission (injected here through the in-process
+//! hook `umbp_pool::fault`) fails that submission with a completion instead of hanging
+//! its worker, keeps the thread serving, and never reuses DRAM a copy may still write.
+
+use std::time::Duration;
+
+use umbp_integration_tests::unique_socket;
+use umbp_pool::{Pool, PoolConfig};
+use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
+
+const PAGE: u64 = 64 << 10;
+const BLOCKS: u64 = 64;
+
+#[test]
+fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
+    let socket = unique_socket("copy-panic");
+    // One copy thread: if the panic killed it, nothing after it would ever complete.
+    let pool = Pool::start(PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, copy_threads: 1, ..PoolConfig::default() })
+        .expect("pool starts");
+    let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).expect("worker attaches");
+    let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
+    let fd = kv.fd().try_clone_to_owned().unwrap();
+    let alloc = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: PAGE * BLOCKS }).unwrap();
+    w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
+    let job = |first: u128, n: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect() };
+
+    umbp_pool::fault::panic_on_copy_of(Some(ObjectKey(1003)));
+    let id = w.store(0, &job(1000, 8)).unwrap();
+    let c = w.wait(id, Duration::from_secs(10)).expect("the failed submission completes instead of hanging");
+    assert_eq!(c.statuses, vec![BlockStatus::Failed; 8], "{c:?}");
+    umbp_pool::fault::panic_on_copy_of(None);
+    let report = pool.report();
+    assert_eq!(report["pool"]["quarantined_bytes"], 8 * PAGE, "reserved objects are never reused: {report}");
+    assert_eq!(report["pool"]["objects"], 0, "{report}");
+
+    // The same thread serves on; the keys of the failed store can be stored again.
+    for round in 0..3 {
+        let id = w.store(0, &job(1000 + round * 8, 8)).unwrap();
+        let c = w.wait(id, Duration::from_secs(10)).expect("later submissions complete");
+        assert!(c.all_ok(), "{c:?}");
+    }
+    let id = w.load(0, &job(1000, 8)).unwrap();
+    assert!(w.wait(id, Duration::from_secs(10)).expect("load completes").all_ok());
+    assert_eq!(pool.report()["pool"]["published_objects"], 24);
+}
