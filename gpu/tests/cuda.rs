@@ -6,7 +6,10 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{check, fill, is_child, pattern, reg_from_hex, reg_to_hex, serve, Peer, PoolMem};
+use common::{
+    assert_copied_to_host, check, check_missing_library_is_named, fill, is_child, op_from_start,
+    pattern, reg_from_hex, reg_to_hex, reversed_pages, serve, Peer, PoolMem,
+};
 use umbp_gpu::cuda::{self, sys};
 use umbp_gpu::{backend_for, Backend, CopyOp, GpuError, MemoryKind};
 
@@ -37,20 +40,30 @@ fn ck(call: &str, r: sys::CUresult) {
     assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
 }
 
+/// Device 0's primary context, retained for the rest of the process (the one the backend
+/// uses too). The driver must be initialised.
+fn retain_primary_context() -> sys::CUcontext {
+    let mut dev = 0;
+    let mut ctx = std::ptr::null_mut();
+    // SAFETY: plain driver calls with out-pointers to locals.
+    unsafe {
+        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
+        ck(
+            "cuDevicePrimaryCtxRetain",
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+        );
+    }
+    ctx
+}
+
 #[test]
 fn missing_cuda_is_a_clear_error() {
-    match cuda::init() {
-        Ok(()) => eprintln!("libcuda present; the error path is not reachable here"),
-        Err(e @ GpuError::LibraryMissing { .. }) => {
-            assert!(e.to_string().contains("libcuda.so"), "{e}");
-            let err = backend_for(MemoryKind::Cuda).err().unwrap();
-            assert!(err.to_string().contains("libcuda.so"), "{err}");
-            let err = cuda::export_cuda_memory(0x1000, 10, 1).unwrap_err();
-            assert!(err.to_string().contains("libcuda.so"), "{err}");
-            eprintln!("SKIPPED the device tests: {e}");
-        }
-        Err(e) => eprintln!("libcuda present but unusable: {e}"),
-    }
+    check_missing_library_is_named(
+        "libcuda",
+        cuda::init(),
+        MemoryKind::Cuda,
+        cuda::export_cuda_memory,
+    );
 }
 
 /// The worker: owns a device allocation with pattern 1 and verifies on request.
@@ -66,14 +79,10 @@ fn cuda_child_entry() {
     fill(&mut host, 1);
     // SAFETY: plain driver calls on locals; the context stays current on this thread.
     unsafe {
-        let mut dev = 0;
-        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
-        let mut ctx = std::ptr::null_mut();
         ck(
-            "cuDevicePrimaryCtxRetain",
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            "cuCtxSetCurrent",
+            sys::cuCtxSetCurrent(retain_primary_context()),
         );
-        ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
         ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, alloc));
         ck("cuMemsetD8", sys::cuMemsetD8_v2(dptr, 0xee, alloc));
         ck(
@@ -128,63 +137,23 @@ fn cuda_ipc_roundtrip() {
     let sub_region = backend.open_region(&sub, None, peer.pid()).unwrap();
 
     // Store: 64 KiB pages, reversed, into the second chunk.
-    let page = 64 * 1024u64;
-    let pages = LEN as u64 / page;
-    let ops: Vec<CopyOp> = (0..pages)
-        .map(|p| CopyOp {
-            alloc_id: 21,
-            device_offset: p * page,
-            host_offset: LEN as u64 + (pages - 1 - p) * page,
-            len: page,
-        })
-        .collect();
+    let ops = reversed_pages(21, LEN as u64, LEN as u64);
     // SAFETY: every host range lies in the second chunk of `pool`.
     unsafe { region.copy_to_host(&ops, pool.ptr()) }.unwrap();
-    for p in 0..pages as usize {
-        let dst = LEN + (pages as usize - 1 - p) * page as usize;
-        let want: Vec<u8> = (p * page as usize..(p + 1) * page as usize)
-            .map(|i| pattern(1, i))
-            .collect();
-        assert!(
-            pool.bytes()[dst..dst + page as usize] == want[..],
-            "page {p}"
-        );
-    }
+    assert_copied_to_host(pool.bytes(), &ops, 1);
 
     // The sub-range sees bytes 4096.. of the registered range, and keeps working after
     // the other region is dropped (the shared mapping is reference counted).
     drop(region);
     // SAFETY: host range inside `pool`.
-    unsafe {
-        sub_region.copy_to_host(
-            &[CopyOp {
-                alloc_id: 22,
-                device_offset: 0,
-                host_offset: 0,
-                len: 4096,
-            }],
-            pool.ptr(),
-        )
-    }
-    .unwrap();
+    unsafe { sub_region.copy_to_host(&[op_from_start(22, 4096)], pool.ptr()) }.unwrap();
     assert!((0..4096).all(|i| pool.bytes()[i] == pattern(1, 4096 + i)));
     let region = backend.open_region(&reg, None, peer.pid()).unwrap();
 
     // Load: the whole range as one op (split across streams inside), then the worker checks.
     fill(&mut pool.bytes_mut()[..LEN], 2);
     // SAFETY: the host range is the first chunk.
-    unsafe {
-        region.copy_from_host(
-            &[CopyOp {
-                alloc_id: 21,
-                device_offset: 0,
-                host_offset: 0,
-                len: LEN as u64,
-            }],
-            pool.ptr(),
-        )
-    }
-    .unwrap();
+    unsafe { region.copy_from_host(&[op_from_start(21, LEN as u64)], pool.ptr()) }.unwrap();
     assert_eq!(peer.verify(2), "OK");
 
     // Out of range: refused before any byte moves.
@@ -251,14 +220,10 @@ fn cuda_in_process_region() {
     fill(&mut host, 5);
     // SAFETY: plain driver calls on locals; the primary context is pushed and popped.
     unsafe {
-        let mut dev = 0;
-        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
-        let mut ctx = std::ptr::null_mut();
         ck(
-            "cuDevicePrimaryCtxRetain",
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+            "cuCtxPushCurrent",
+            sys::cuCtxPushCurrent_v2(retain_primary_context()),
         );
-        ck("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(ctx));
         ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, len + 4096));
         ck(
             "cuMemcpyHtoD",
@@ -269,18 +234,7 @@ fn cuda_in_process_region() {
     let region = backend.open_region(&reg, None, std::process::id()).unwrap();
     let out = PoolMem::new(len);
     // SAFETY: the host range is `out`.
-    unsafe {
-        region.copy_to_host(
-            &[CopyOp {
-                alloc_id: 3,
-                device_offset: 0,
-                host_offset: 0,
-                len: len as u64,
-            }],
-            out.ptr(),
-        )
-    }
-    .unwrap();
+    unsafe { region.copy_to_host(&[op_from_start(3, len as u64)], out.ptr()) }.unwrap();
     assert_eq!(check(out.bytes(), 5), "OK");
     // A stale address (offset not matching the allocation) is refused.
     let mut shifted = reg;

@@ -7,8 +7,11 @@ mod common;
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use common::{check, fill, is_child, pattern, reg_from_hex, reg_to_hex, serve, Peer, PoolMem};
-use umbp_gpu::{backend_for, hip, Backend, CopyOp, GpuError, MemoryKind};
+use common::{
+    assert_copied_to_host, check, check_missing_library_is_named, fill, is_child, op_from_start,
+    reg_from_hex, reg_to_hex, reversed_pages, serve, Peer, PoolMem,
+};
+use umbp_gpu::{backend_for, hip, Backend, MemoryKind};
 
 const LEN: usize = (40 << 20) + 12_345;
 const OFFSET: u64 = 4096 * 3;
@@ -32,18 +35,12 @@ fn hip_or_skip() -> Option<Arc<dyn Backend>> {
 
 #[test]
 fn missing_hip_is_a_clear_error() {
-    match hip::init() {
-        Ok(()) => eprintln!("libamdhip64 present; the error path is not reachable here"),
-        Err(e @ GpuError::LibraryMissing { .. }) => {
-            assert!(e.to_string().contains("libamdhip64.so"), "{e}");
-            let err = backend_for(MemoryKind::Hip).err().unwrap();
-            assert!(err.to_string().contains("libamdhip64.so"), "{err}");
-            let err = hip::export_hip_memory(0x1000, 10, 1).unwrap_err();
-            assert!(err.to_string().contains("libamdhip64.so"), "{err}");
-            eprintln!("SKIPPED the device tests: {e}");
-        }
-        Err(e) => eprintln!("libamdhip64 present but unusable: {e}"),
-    }
+    check_missing_library_is_named(
+        "libamdhip64",
+        hip::init(),
+        MemoryKind::Hip,
+        hip::export_hip_memory,
+    );
 }
 
 type HipMalloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> i32;
@@ -107,40 +104,14 @@ fn hip_ipc_roundtrip() {
     unsafe { backend.register_host_memory(pool.ptr(), LEN) }.unwrap();
     let region = backend.open_region(&reg, None, peer.pid()).unwrap();
 
-    let page = 64 * 1024u64;
-    let pages = LEN as u64 / page;
-    let ops: Vec<CopyOp> = (0..pages)
-        .map(|p| CopyOp {
-            alloc_id: 31,
-            device_offset: p * page,
-            host_offset: (pages - 1 - p) * page,
-            len: page,
-        })
-        .collect();
+    let ops = reversed_pages(31, LEN as u64, 0);
     // SAFETY: host ranges inside `pool`.
     unsafe { region.copy_to_host(&ops, pool.ptr()) }.unwrap();
-    for p in 0..pages as usize {
-        let dst = (pages as usize - 1 - p) * page as usize;
-        assert!(
-            (0..page as usize).all(|i| pool.bytes()[dst + i] == pattern(1, p * page as usize + i)),
-            "page {p}"
-        );
-    }
+    assert_copied_to_host(pool.bytes(), &ops, 1);
 
     fill(pool.bytes_mut(), 2);
     // SAFETY: the host range is `pool`.
-    unsafe {
-        region.copy_from_host(
-            &[CopyOp {
-                alloc_id: 31,
-                device_offset: 0,
-                host_offset: 0,
-                len: LEN as u64,
-            }],
-            pool.ptr(),
-        )
-    }
-    .unwrap();
+    unsafe { region.copy_from_host(&[op_from_start(31, LEN as u64)], pool.ptr()) }.unwrap();
     assert_eq!(peer.verify(2), "OK");
 
     drop(region);

@@ -27,7 +27,9 @@
 use crossbeam_utils::CachePadded;
 
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
-use crate::{ObjectKey, ProtocolError, MAGIC, PROTOCOL_VERSION};
+#[cfg(not(loom))]
+use crate::ProtocolError;
+use crate::{ObjectKey, MAGIC, PROTOCOL_VERSION};
 
 pub const SLOT_EMPTY: u32 = 0;
 pub const SLOT_FULL: u32 = 1;

@@ -19,6 +19,7 @@
 //! `tail` with an RMW, then reads `need_wakeup` with an RMW. RMWs read the latest value in
 //! each word's modification order, so one of the two sides must see the other's write.
 
+#[cfg(not(loom))]
 use core::marker::PhantomData;
 
 use bytemuck::Pod;

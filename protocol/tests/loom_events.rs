@@ -14,8 +14,11 @@
 //! explored more than a handful of executions.
 #![cfg(loom)]
 
+mod common;
+
 use std::sync::atomic::{AtomicUsize, Ordering as StdOrdering};
 
+use common::loom_model::check;
 use loom::sync::atomic::{fence, Ordering};
 use loom::sync::Arc;
 use loom::thread;
@@ -28,23 +31,6 @@ fn key(n: u64) -> ObjectKey {
 
 fn kind(n: u64) -> EventKind {
     if n.is_multiple_of(2) { EventKind::Stored } else { EventKind::Removed }
-}
-
-fn check(bound: usize, f: impl Fn() + Sync + Send + 'static) -> usize {
-    let mut b = loom::model::Builder::new();
-    if b.preemption_bound.is_none() {
-        b.preemption_bound = Some(bound);
-    }
-    let f = std::sync::Arc::new(f);
-    let runs = std::sync::Arc::new(AtomicUsize::new(0));
-    let n = runs.clone();
-    b.check(move || {
-        n.fetch_add(1, StdOrdering::Relaxed);
-        f()
-    });
-    let runs = runs.load(StdOrdering::Relaxed);
-    eprintln!("explored {runs} executions");
-    runs
 }
 
 /// Executions in which a reader lost events (shows the overrun path was explored).

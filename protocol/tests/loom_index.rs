@@ -15,8 +15,10 @@
 //! that it explored more than a handful of executions.
 #![cfg(loom)]
 
-use std::sync::atomic::{AtomicUsize, Ordering as StdOrdering};
+mod common;
 
+use common::checksum;
+use common::loom_model::check;
 use loom::sync::atomic::Ordering;
 use loom::sync::Arc;
 use loom::thread;
@@ -25,35 +27,11 @@ use umbp_protocol::index::{
 };
 use umbp_protocol::ObjectKey;
 
-fn checksum(k: ObjectKey) -> u64 {
-    let [lo, hi] = k.to_words();
-    (lo ^ hi.rotate_left(29)).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
-}
-
 /// Two keys with the same home slot (home = (lo ^ hi) & mask = 1 for 2 and 4 slots), so
 /// inserting the second one reuses the first one's tombstone: the same slot is rewritten
 /// with a different key and location.
 const K1: ObjectKey = ObjectKey(1);
 const K2: ObjectKey = ObjectKey(1 | (4u128 << 64));
-
-/// Runs `f` under loom with the given preemption bound (unless `LOOM_MAX_PREEMPTIONS` says
-/// otherwise) and returns how many executions were explored.
-fn check(bound: usize, f: impl Fn() + Sync + Send + 'static) -> usize {
-    let mut b = loom::model::Builder::new();
-    if b.preemption_bound.is_none() {
-        b.preemption_bound = Some(bound);
-    }
-    let f = std::sync::Arc::new(f);
-    let runs = std::sync::Arc::new(AtomicUsize::new(0));
-    let n = runs.clone();
-    b.check(move || {
-        n.fetch_add(1, StdOrdering::Relaxed);
-        f()
-    });
-    let runs = runs.load(StdOrdering::Relaxed);
-    eprintln!("explored {runs} executions");
-    runs
-}
 
 fn consistent(k: ObjectKey, found: Option<u64>) {
     if let Some(loc) = found {
@@ -61,27 +39,57 @@ fn consistent(k: ObjectKey, found: Option<u64>) {
     }
 }
 
+/// What the index holds when the race starts.
+#[derive(Clone, Copy)]
+enum Start {
+    /// K1 is stored.
+    K1Live,
+    /// K1 was stored and removed: its slot is a tombstone.
+    K1Removed,
+}
+
+/// One model of the index: `slot_count` slots prepared as `start`, then `read` runs on a
+/// spawned reader while `write` changes the index on the model's main thread (see the
+/// module comment for why that way round); `after` checks the index once both are done.
+fn reader_races_writer(
+    slot_count: u64,
+    start: Start,
+    read: fn(&IndexView<'_>),
+    write: fn(&mut IndexWriter<'_>),
+    after: fn(&IndexView<'_>),
+) -> usize {
+    check(2, move || {
+        let st = Arc::new(LoomIndexStorage::new(slot_count));
+        let mut w = IndexWriter::new(st.view());
+        w.insert(K1, checksum(K1)).unwrap();
+        if let Start::K1Removed = start {
+            w.remove(K1);
+        }
+        let st2 = st.clone();
+        let reader = thread::spawn(move || read(&st2.view()));
+        write(&mut w);
+        reader.join().unwrap();
+        after(&st.view());
+    })
+}
+
 /// Slot 1 holds K1's tombstone; the writer inserts K2 into it (one seqlocked rewrite of
 /// state, key and location) while a reader looks up both keys.
 #[test]
 fn seqlock_reader_never_sees_torn_slot() {
-    let runs = check(2, || {
-        let st = Arc::new(LoomIndexStorage::new(4));
-        let mut w = IndexWriter::new(st.view());
-        w.insert(K1, checksum(K1)).unwrap();
-        w.remove(K1);
-        let st2 = st.clone();
-        let reader = thread::spawn(move || {
-            let view = st2.view();
+    let runs = reader_races_writer(
+        4,
+        Start::K1Removed,
+        |view| {
             consistent(K1, view.lookup(K1));
             consistent(K2, view.lookup(K2));
-        });
-        assert_eq!(w.insert(K2, checksum(K2)), Ok(Insert::Inserted));
-        reader.join().unwrap();
-        let view = st.view();
-        assert_eq!(view.lookup(K1), None);
-        assert_eq!(view.lookup(K2), Some(checksum(K2)));
-    });
+        },
+        |w| assert_eq!(w.insert(K2, checksum(K2)), Ok(Insert::Inserted)),
+        |view| {
+            assert_eq!(view.lookup(K1), None);
+            assert_eq!(view.lookup(K2), Some(checksum(K2)));
+        },
+    );
     assert!(runs > 100, "loom explored only {runs} executions");
 }
 
@@ -89,20 +97,16 @@ fn seqlock_reader_never_sees_torn_slot() {
 /// may count it or not, but never count a slot it did not copy consistently.
 #[test]
 fn seqlock_match_prefix_during_remove() {
-    let runs = check(2, || {
-        let st = Arc::new(LoomIndexStorage::new(4));
-        let mut w = IndexWriter::new(st.view());
-        w.insert(K1, checksum(K1)).unwrap();
-        let st2 = st.clone();
-        let reader = thread::spawn(move || {
-            let view = st2.view();
+    let runs = reader_races_writer(
+        4,
+        Start::K1Live,
+        |view| {
             let n = view.match_prefix(&[K1]);
             assert!(n <= 1);
-        });
-        assert_eq!(w.remove(K1), Some(checksum(K1)));
-        reader.join().unwrap();
-        assert_eq!(st.view().match_prefix(&[K1]), 0);
-    });
+        },
+        |w| assert_eq!(w.remove(K1), Some(checksum(K1))),
+        |view| assert_eq!(view.match_prefix(&[K1]), 0),
+    );
     assert!(runs > 20, "loom explored only {runs} executions");
 }
 
@@ -112,21 +116,19 @@ fn seqlock_match_prefix_during_remove() {
 /// must find the key.
 #[test]
 fn rebuild_epoch_flip_keeps_live_key_visible() {
-    let runs = check(2, || {
-        let st = Arc::new(LoomIndexStorage::new(2));
-        let mut w = IndexWriter::new(st.view());
-        w.insert(K1, checksum(K1)).unwrap();
-        let st2 = st.clone();
-        let reader = thread::spawn(move || {
-            assert_eq!(st2.view().lookup(K1), Some(checksum(K1)));
-        });
-        w.rebuild();
-        w.rebuild();
-        reader.join().unwrap();
-        let view = st.view();
-        assert_eq!(view.snapshot().epoch, 2);
-        assert_eq!(view.lookup(K1), Some(checksum(K1)));
-    });
+    let runs = reader_races_writer(
+        2,
+        Start::K1Live,
+        |view| assert_eq!(view.lookup(K1), Some(checksum(K1))),
+        |w| {
+            w.rebuild();
+            w.rebuild();
+        },
+        |view| {
+            assert_eq!(view.snapshot().epoch, 2);
+            assert_eq!(view.lookup(K1), Some(checksum(K1)));
+        },
+    );
     assert!(runs > 100, "loom explored only {runs} executions");
 }
 
@@ -135,21 +137,16 @@ fn rebuild_epoch_flip_keeps_live_key_visible() {
 /// new table, at the slot K1 had in the old one).
 #[test]
 fn rebuild_with_remove_and_insert_no_wrong_hit() {
-    let runs = check(2, || {
-        let st = Arc::new(LoomIndexStorage::new(2));
-        let mut w = IndexWriter::new(st.view());
-        w.insert(K1, checksum(K1)).unwrap();
-        w.remove(K1);
-        let st2 = st.clone();
-        let reader = thread::spawn(move || {
-            let view = st2.view();
-            consistent(K2, view.lookup(K2));
-        });
-        w.rebuild();
-        w.insert(K2, checksum(K2)).unwrap();
-        reader.join().unwrap();
-        assert_eq!(st.view().lookup(K2), Some(checksum(K2)));
-    });
+    let runs = reader_races_writer(
+        2,
+        Start::K1Removed,
+        |view| consistent(K2, view.lookup(K2)),
+        |w| {
+            w.rebuild();
+            w.insert(K2, checksum(K2)).unwrap();
+        },
+        |view| assert_eq!(view.lookup(K2), Some(checksum(K2))),
+    );
     assert!(runs > 100, "loom explored only {runs} executions");
 }
 
@@ -163,13 +160,10 @@ fn new_slot() -> IndexSlot {
     }
 }
 
-/// Sanity check of the harness: a writer that rewrites a slot without the odd `seq` (no
-/// seqlock at all) must be caught tearing `IndexView::read_slot`'s copy. Without this,
-/// a model that explores too little would pass silently.
-#[test]
-#[should_panic(expected = "torn")]
-fn harness_detects_torn_read_without_seqlock() {
-    check(2, || {
+/// A reader copies a bare slot with the crate's `IndexView::read_slot` while `write`
+/// rewrites it on the model's main thread; a torn copy panics ("torn").
+fn bare_slot_model(bound: usize, write: fn(&IndexSlot)) -> usize {
+    check(bound, move || {
         let slot = std::sync::Arc::new(new_slot());
         let s2 = slot.clone();
         let reader = thread::spawn(move || {
@@ -177,13 +171,24 @@ fn harness_detects_torn_read_without_seqlock() {
                 assert_eq!(c.location, checksum(c.key), "torn copy");
             }
         });
+        write(&slot);
+        reader.join().unwrap();
+    })
+}
+
+/// Sanity check of the harness: a writer that rewrites a slot without the odd `seq` (no
+/// seqlock at all) must be caught tearing `IndexView::read_slot`'s copy. Without this,
+/// a model that explores too little would pass silently.
+#[test]
+#[should_panic(expected = "torn")]
+fn harness_detects_torn_read_without_seqlock() {
+    bare_slot_model(2, |slot| {
         // Broken writer: data words rewritten in place, seq never made odd.
         slot.key[0].store(2, Ordering::Relaxed);
         slot.key[1].store(2, Ordering::Relaxed);
         slot.location
             .store(checksum(ObjectKey::from_words([2, 2])), Ordering::Relaxed);
         slot.seq.store(2, Ordering::Release);
-        reader.join().unwrap();
     });
 }
 
@@ -202,25 +207,11 @@ fn seqlock_write(slot: &IndexSlot, key: [u64; 2], release_fence: bool) {
     slot.seq.store(s.wrapping_add(2), Ordering::Release);
 }
 
-fn bare_slot_model(release_fence: bool) -> usize {
-    check(3, move || {
-        let slot = std::sync::Arc::new(new_slot());
-        let s2 = slot.clone();
-        let reader = thread::spawn(move || {
-            if let Some(c) = IndexView::read_slot(&s2) {
-                assert_eq!(c.location, checksum(c.key), "torn copy");
-            }
-        });
-        seqlock_write(&slot, [2, 2], release_fence);
-        reader.join().unwrap();
-    })
-}
-
 /// Positive control for the next test: the real protocol over a bare slot, against the
 /// crate's `read_slot`, with a higher preemption bound than the models above.
 #[test]
 fn bare_slot_seqlock_is_consistent() {
-    let runs = bare_slot_model(true);
+    let runs = bare_slot_model(3, |slot| seqlock_write(slot, [2, 2], true));
     assert!(runs > 100, "loom explored only {runs} executions");
 }
 
@@ -230,5 +221,5 @@ fn bare_slot_seqlock_is_consistent() {
 #[test]
 #[should_panic(expected = "torn")]
 fn harness_detects_torn_read_without_release_fence() {
-    bare_slot_model(false);
+    bare_slot_model(3, |slot| seqlock_write(slot, [2, 2], false));
 }

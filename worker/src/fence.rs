@@ -175,13 +175,9 @@ impl Worker {
         blocks: &[(ObjectKey, u64)],
         stream: u64,
     ) -> Result<TransferId, WorkerError> {
-        if blocks.is_empty() {
-            return self.store(group, blocks);
-        }
-        let (alloc, slot) = self.fence_slot(stream)?;
-        let id = self.submit_fenced(Opcode::Store, group, blocks, Some((alloc, slot)))?;
+        let (id, slot) = self.submit_with_fence(Opcode::Store, group, blocks, stream)?;
+        let Some(slot) = slot else { return Ok(id) };
         let f = self.fences.as_mut().expect("set up by fence_slot");
-        f.claim(slot, id.0);
         let word = f.page.word(slot);
         let addr = word.device().expect("fence pages are device-mapped");
         // SAFETY: `addr` is a word of the registered fence page, which is never
@@ -212,14 +208,10 @@ impl Worker {
         blocks: &[(ObjectKey, u64)],
         stream: u64,
     ) -> Result<TransferId, WorkerError> {
-        if blocks.is_empty() {
-            return self.load(group, blocks);
-        }
-        let (alloc, slot) = self.fence_slot(stream)?;
-        let id = self.submit_fenced(Opcode::Load, group, blocks, Some((alloc, slot)))?;
+        let (id, slot) = self.submit_with_fence(Opcode::Load, group, blocks, stream)?;
+        let Some(slot) = slot else { return Ok(id) };
         let sock = self.attachment_socket().and_then(|(att, s)| s.try_clone().ok().map(|s| (att, s)));
         let f = self.fences.as_mut().expect("set up by fence_slot");
-        f.claim(slot, id.0);
         {
             let mut w = f.page.watch();
             if let Some((att, s)) = sock {
@@ -239,6 +231,25 @@ impl Worker {
             )
         })?;
         Ok(id)
+    }
+
+    /// Submits `op` carrying a fence slot, which it claims for the new transfer; the caller
+    /// then ties the slot's word to `stream`. An empty transfer moves no bytes, so there is
+    /// nothing to order against the stream: it is submitted unfenced (slot None).
+    fn submit_with_fence(
+        &mut self,
+        op: Opcode,
+        group: u16,
+        blocks: &[(ObjectKey, u64)],
+        stream: u64,
+    ) -> Result<(TransferId, Option<u32>), WorkerError> {
+        if blocks.is_empty() {
+            return Ok((self.submit_fenced(op, group, blocks, None)?, None));
+        }
+        let (alloc, slot) = self.fence_slot(stream)?;
+        let id = self.submit_fenced(op, group, blocks, Some((alloc, slot)))?;
+        self.fences.as_mut().expect("set up by fence_slot").claim(slot, id.0);
+        Ok((id, Some(slot)))
     }
 
     /// Whether stream-ordered transfers are set up (after the first one succeeded).

@@ -1,11 +1,13 @@
 //! Helpers for tests that need a real second process: the test binary re-executes itself
-//! to run one "child" test function, and the two talk over the child's stdin/stdout.
+//! to run one "child" test function, and the two talk over the child's stdin/stdout. Also
+//! what the child's memory and the pool's stand-in memory hold, and the checks the device
+//! backends' tests (cuda.rs, hip.rs) share.
 #![allow(dead_code)]
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
-use umbp_gpu::MemoryRegistration;
+use umbp_gpu::{backend_for, CopyOp, GpuError, MemoryKind, MemoryRegistration};
 
 /// Set in the environment of a re-executed test binary; child entry points do nothing
 /// without it, so they pass trivially in a normal run.
@@ -185,5 +187,68 @@ impl Drop for PoolMem {
     fn drop(&mut self) {
         // SAFETY: unmaps the mapping made in new.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// One op over the first `len` bytes of both registration `alloc_id` and the host memory.
+pub fn op_from_start(alloc_id: u32, len: u64) -> CopyOp {
+    CopyOp {
+        alloc_id,
+        device_offset: 0,
+        host_offset: 0,
+        len,
+    }
+}
+
+/// Ops that copy the first `len` bytes of registration `alloc_id` in 64 KiB pages to the
+/// host memory from `host_base` on, in reverse page order, so that a copy mixing up the
+/// offsets of its ops shows.
+pub fn reversed_pages(alloc_id: u32, len: u64, host_base: u64) -> Vec<CopyOp> {
+    let page = 64 * 1024u64;
+    let pages = len / page;
+    (0..pages)
+        .map(|p| CopyOp {
+            alloc_id,
+            device_offset: p * page,
+            host_offset: host_base + (pages - 1 - p) * page,
+            len: page,
+        })
+        .collect()
+}
+
+/// After `ops` were copied to `host` from a registration holding pattern `seed`: asserts
+/// that each op's host range holds the pattern at its device range.
+pub fn assert_copied_to_host(host: &[u8], ops: &[CopyOp], seed: u8) {
+    for (n, op) in ops.iter().enumerate() {
+        let (dst, src) = (op.host_offset as usize, op.device_offset as usize);
+        assert!(
+            (0..op.len as usize).all(|i| host[dst + i] == pattern(seed, src + i)),
+            "op {n}"
+        );
+    }
+}
+
+/// The device tests' check on a machine without the runtime library `lib` (e.g.
+/// "libcuda"): given the backend's `init` result, a missing library must be named by it,
+/// by `backend_for(kind)` and by the backend's `export`. With the library present this
+/// path cannot be reached, and it says so.
+pub fn check_missing_library_is_named(
+    lib: &str,
+    init: Result<(), GpuError>,
+    kind: MemoryKind,
+    export: fn(u64, u64, u32) -> Result<MemoryRegistration, GpuError>,
+) {
+    let file = format!("{lib}.so");
+    match init {
+        Ok(()) => eprintln!("{lib} present; the error path is not reachable here"),
+        Err(e @ GpuError::LibraryMissing { .. }) => {
+            assert!(e.to_string().contains(&file), "{e}");
+            let err = backend_for(kind).err().unwrap();
+            assert!(err.to_string().contains(&file), "{err}");
+            let err = export(0x1000, 10, 1).unwrap_err();
+            assert!(err.to_string().contains(&file), "{err}");
+            eprintln!("SKIPPED the device tests: {e}");
+        }
+        Err(e) => eprintln!("{lib} present but unusable: {e}"),
     }
 }

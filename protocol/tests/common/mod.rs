@@ -3,6 +3,9 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 
+#[cfg(loom)]
+pub mod loom_model;
+
 /// A zeroed, page-aligned heap buffer standing in for a fresh memfd mapping.
 pub struct Region {
     ptr: *mut u8,
