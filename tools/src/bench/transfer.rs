@@ -43,6 +43,8 @@ pub struct TransferArgs {
     /// Use this running pool instead of starting one (checks that need the pool's
     /// internals are skipped).
     pub pool_socket: Option<PathBuf>,
+    /// cuda: only the gpt-oss layout cases (store, load, restore, fenced).
+    pub layout_only: bool,
     /// Command running a matmul loop for `interference_pct` (cuda); it gets
     /// `--seconds S` appended and must print a JSON line with `tflops`.
     pub matmul: Option<String>,
@@ -552,6 +554,10 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         .extra("note", "store_after_stream; time to completion")));
     cases.push(lay(Case::new("transfer", "gptoss_fenced_load_gbps", median(fl), "GB/s", base_h2d, "contiguous pinned cuMemcpyHtoD, same bytes", Better::Higher)
         .extra("note", "load_before_stream; time until the worker's stream passed its wait")));
+
+    if args.layout_only {
+        return Ok(cases);
+    }
 
     // --- the seed's object table: 1, 16, 64 MiB objects, x1 and x8 in flight
     let total = if args.quick { 512 * MIB } else { 1 << 30 };
@@ -1588,9 +1594,13 @@ pub struct TransferCli {
     /// Matmul loop for interference_pct (cuda), e.g. "python3 scripts/device/matmul_loop.py".
     #[arg(long)]
     matmul: Option<String>,
-    /// Sweep copy streams (1,2,4,8) and batching on the main layout, then use the best.
+    /// Sweep copy streams, stage sizes and batching on the main layout, then use the best.
     #[arg(long)]
     sweep: bool,
+    /// cuda: measure only the gpt-oss layout (store, load, restore, fenced), not the object
+    /// table, bidirectional and interference cases.
+    #[arg(long)]
+    layout_only: bool,
     /// Copy streams per copy call (default 1 or UMBP_COPY_STREAMS).
     #[arg(long)]
     streams: Option<usize>,
@@ -1626,6 +1636,7 @@ impl TransferCli {
             capacity,
             reps: self.reps.max(1),
             pool_socket: self.pool_socket,
+            layout_only: self.layout_only,
             matmul: self.matmul,
             sweep: self.sweep,
         };
