@@ -15,13 +15,16 @@
 #   bench     umbp-bench transfer --backend cuda --json --sweep (+ interference with
 #             scripts/device/matmul_loop.py when torch is there)
 #   host      umbp-bench transfer --backend host --json (this machine's CPU figures)
+#   multigpu  with 2+ GPUs: nvidia-smi topo -m, then umbp-bench transfer --backend cuda
+#             --multi-gpu --json (TP2 store/restore byte-exact with per-rank keys, lookups
+#             needing every rank, GB/s of each GPU alone and of all at once)
 #
 # Without a GPU (CI, laptops) every GPU stage prints why it is skipped and passes.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin=${BIN:-.device-bin}
 out=${OUT:-/tmp}
-stages=${STAGES:-gpucheck check extpool bench host}
+stages=${STAGES:-gpucheck check extpool bench host multigpu}
 fail=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 run() { # name, command...
@@ -66,5 +69,14 @@ if [ $gpu = 1 ]; then
   fi
 fi
 has host && run host "$bin/umbp-bench" transfer --backend host --json --reps 3
+if has multigpu; then
+  n=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU')
+  if [ "$n" -ge 2 ]; then
+    nvidia-smi topo -m
+    run multigpu "$bin/umbp-bench" transfer --backend cuda --multi-gpu --json --reps ${REPS:-5}
+  else
+    echo "SKIPPED multigpu: $n GPU(s) visible, it needs 2"
+  fi
+fi
 echo "=== run-gpu-tests: $([ $fail = 0 ] && echo PASS || echo FAIL)"
 exit $fail

@@ -3,6 +3,7 @@
 
 pub mod index;
 pub mod lookup;
+pub mod multi_gpu;
 pub mod report;
 pub mod ring;
 pub mod shm;

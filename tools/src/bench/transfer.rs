@@ -45,6 +45,8 @@ pub struct TransferArgs {
     pub pool_socket: Option<PathBuf>,
     /// cuda: only the gpt-oss layout cases (store, load, restore, fenced).
     pub layout_only: bool,
+    /// cuda: the multi-GPU run (bench/multi_gpu.rs) instead of the single-GPU cases.
+    pub multi_gpu: bool,
     /// Command running a matmul loop for `interference_pct` (cuda); it gets
     /// `--seconds S` appended and must print a JSON line with `tflops`.
     pub matmul: Option<String>,
@@ -53,14 +55,14 @@ pub struct TransferArgs {
     pub sweep: bool,
 }
 
-const NS: u128 = 0x7472_616e_7366_6572;
+pub(super) const NS: u128 = 0x7472_616e_7366_6572;
 const MIB: u64 = 1 << 20;
 
-fn gbps(bytes: u64, ns: u64) -> f64 {
+pub(super) fn gbps(bytes: u64, ns: u64) -> f64 {
     bytes as f64 / ns.max(1) as f64
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(super) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     if v.is_empty() {
         return f64::NAN;
@@ -73,7 +75,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 // ---------------------------------------------------------------------------------------
 
 /// A worker child process driven by JSON lines.
-struct WorkerProc {
+pub(super) struct WorkerProc {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
@@ -81,9 +83,16 @@ struct WorkerProc {
 }
 
 impl WorkerProc {
-    fn spawn(name: &str, socket: &Path, backend: BackendArg, namespace: u128) -> Result<Self, String> {
+    pub(super) fn spawn(name: &str, socket: &Path, backend: BackendArg, namespace: u128) -> Result<Self, String> {
+        Self::spawn_with_env(name, socket, backend, namespace, &[])
+    }
+
+    /// As [`Self::spawn`], with extra environment (e.g. `CUDA_VISIBLE_DEVICES` to put the
+    /// worker on one GPU).
+    pub(super) fn spawn_with_env(name: &str, socket: &Path, backend: BackendArg, namespace: u128, env: &[(&str, String)]) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = Command::new(exe)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .arg("__transfer-worker")
             .arg("--socket")
             .arg(socket)
@@ -109,11 +118,11 @@ impl WorkerProc {
         Ok(w)
     }
 
-    fn send(&mut self, cmd: Value) -> Result<(), String> {
+    pub(super) fn send(&mut self, cmd: Value) -> Result<(), String> {
         writeln!(self.stdin, "{cmd}").and_then(|()| self.stdin.flush()).map_err(|e| format!("worker {}: {e}", self.name))
     }
 
-    fn recv(&mut self) -> Result<Value, String> {
+    pub(super) fn recv(&mut self) -> Result<Value, String> {
         let mut line = String::new();
         let n = self.stdout.read_line(&mut line).map_err(|e| format!("worker {}: {e}", self.name))?;
         if n == 0 {
@@ -126,7 +135,7 @@ impl WorkerProc {
         Ok(v)
     }
 
-    fn call(&mut self, cmd: Value) -> Result<Value, String> {
+    pub(super) fn call(&mut self, cmd: Value) -> Result<Value, String> {
         self.send(cmd)?;
         self.recv()
     }
@@ -152,9 +161,9 @@ impl Drop for WorkerProc {
 }
 
 /// The pool the workers attach to.
-struct PoolHandle {
+pub(super) struct PoolHandle {
     pool: Option<Pool>,
-    socket: PathBuf,
+    pub(super) socket: PathBuf,
     _dir: Option<TempDir>,
 }
 
@@ -196,7 +205,7 @@ fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Value {
     Value::Object(out)
 }
 
-fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
+pub(super) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
     if let Some(s) = &args.pool_socket {
         return Ok(PoolHandle { pool: None, socket: s.clone(), _dir: None });
     }
@@ -228,30 +237,30 @@ fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
     Ok(PoolHandle { pool: Some(pool), socket, _dir: Some(TempDir(dir)) })
 }
 
-fn u64_of(v: &Value, k: &str) -> u64 {
+pub(super) fn u64_of(v: &Value, k: &str) -> u64 {
     v.get(k).and_then(Value::as_u64).unwrap_or(0)
 }
 
 /// The main KV layout: gpt-oss-20b-like (24 layers, 32-token blocks, 8 KV heads x 64 x
 /// (K+V) bf16 = 64 KiB pages), a 10,000-token prefix = 313 blocks, scattered over a cache of
 /// `cache_blocks` blocks like a vLLM block table.
-struct Layout {
-    name: &'static str,
-    layers: u64,
-    page: u64,
-    cache_blocks: u64,
-    blocks: Vec<u64>,
-    per_layer_alloc: bool,
+pub(super) struct Layout {
+    pub(super) name: &'static str,
+    pub(super) layers: u64,
+    pub(super) page: u64,
+    pub(super) cache_blocks: u64,
+    pub(super) blocks: Vec<u64>,
+    pub(super) per_layer_alloc: bool,
 }
 
 impl Layout {
-    fn object_bytes(&self) -> u64 {
+    pub(super) fn object_bytes(&self) -> u64 {
         self.layers * self.page
     }
-    fn bytes(&self) -> u64 {
+    pub(super) fn bytes(&self) -> u64 {
         self.object_bytes() * self.blocks.len() as u64
     }
-    fn setup(&self, w: &mut WorkerProc, group: u16, seed: u64) -> Result<(), String> {
+    pub(super) fn setup(&self, w: &mut WorkerProc, group: u16, seed: u64) -> Result<(), String> {
         let r = w.call(json!({"cmd": "setup", "group": group, "layers": self.layers, "page": self.page,
             "blocks": self.cache_blocks, "per_layer_alloc": self.per_layer_alloc, "seed": seed}))?;
         if u64_of(&r, "object_bytes") != self.object_bytes() {
@@ -284,6 +293,9 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
         if n == 0 {
             return Err("--backend cuda: the CUDA driver sees no device".into());
         }
+    }
+    if args.multi_gpu {
+        return super::multi_gpu::run(args);
     }
     if args.check {
         return checks(args);
@@ -395,7 +407,7 @@ fn pool_overhead(args: &TransferArgs, pool: &PoolHandle, a: &mut WorkerProc) -> 
     Ok(cases)
 }
 
-fn gpt_oss(quick: bool) -> Layout {
+pub(super) fn gpt_oss(quick: bool) -> Layout {
     let cache_blocks = 512;
     let prefix_tokens = 10_000u64;
     let blocks = prefix_tokens.div_ceil(32);
@@ -679,13 +691,13 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool
 // Checks (scripts/device/run-gpu-tests.sh runs them with --backend cuda)
 // ---------------------------------------------------------------------------------------
 
-struct Checks {
-    cases: Vec<Case>,
-    failed: u32,
+pub(super) struct Checks {
+    pub(super) cases: Vec<Case>,
+    pub(super) failed: u32,
 }
 
 impl Checks {
-    fn record(&mut self, name: &str, ok: bool, detail: Value) {
+    pub(super) fn record(&mut self, name: &str, ok: bool, detail: Value) {
         println!("{}", json!({"check": "transfer", "case": name, "ok": ok, "detail": detail}));
         if !ok {
             self.failed += 1;
@@ -1007,10 +1019,21 @@ impl WorkerState {
             (None, true) => return Err("fenced transfers need cuda".into()),
             _ => None,
         };
+        // Keys: `keys` (hex, one per block, e.g. per-rank keys) or `key_base + round * stride + i`.
+        let explicit: Option<Vec<ObjectKey>> = cmd["keys"].as_array().map(|a| {
+            a.iter().map(|v| ObjectKey(v.as_str().and_then(|h| u128::from_str_radix(h, 16).ok()).unwrap_or(0))).collect()
+        });
+        if explicit.as_ref().is_some_and(|k| k.len() != blocks.len()) {
+            return Err("xfer: `keys` must have one key per block".into());
+        }
+        let key = |r: u64, i: usize| match &explicit {
+            Some(k) => k[i],
+            None => ObjectKey((base + r * stride + i as u64) as u128),
+        };
         let mut work: Vec<Vec<(ObjectKey, u64)>> = Vec::new();
         for r in 0..rounds {
             for chunk in blocks.iter().enumerate().collect::<Vec<_>>().chunks(per) {
-                work.push(chunk.iter().map(|&(i, &b)| (ObjectKey((base + r * stride + i as u64) as u128), b)).collect());
+                work.push(chunk.iter().map(|&(i, &b)| (key(r, i), b)).collect());
             }
         }
         let bytes = self.groups.get(&group).map_or(0, |g| g.object_bytes) * blocks.len() as u64 * rounds;
@@ -1601,6 +1624,10 @@ pub struct TransferCli {
     /// table, bidirectional and interference cases.
     #[arg(long)]
     layout_only: bool,
+    /// cuda: one worker per GPU (needs 2+): TP2 store/restore byte-exact with per-rank keys,
+    /// then store/load GB/s of each GPU alone and of both at once, beside host memcpy.
+    #[arg(long)]
+    multi_gpu: bool,
     /// Copy streams per copy call (default 1 or UMBP_COPY_STREAMS).
     #[arg(long)]
     streams: Option<usize>,
@@ -1637,6 +1664,7 @@ impl TransferCli {
             reps: self.reps.max(1),
             pool_socket: self.pool_socket,
             layout_only: self.layout_only,
+            multi_gpu: self.multi_gpu,
             matmul: self.matmul,
             sweep: self.sweep,
         };
