@@ -1,7 +1,10 @@
-"""Issue 8's single-GPU part: a pool that cannot see a worker's GPU (started with
-CUDA_VISIBLE_DEVICES="") refuses that worker's CUDA registration with a clear error, and
-keeps serving another worker (host memory) meanwhile. Prints JSON lines and
+"""Issue 8: a pool that cannot see a worker's GPU refuses that worker's CUDA registration
+with a clear error, and keeps serving other workers meanwhile. Prints JSON lines and
 "N passed, M failed". Usage (device machine): python3 unseen_gpu_check.py PATH/TO/umbp-pool
+
+One GPU: the pool runs with CUDA_VISIBLE_DEVICES="" and the worker uses GPU 0.
+Two GPUs: POOL_VISIBLE=0 WORKER_GPU=1 — the pool sees only GPU 0, the refused worker is on
+GPU 1, and a second worker on GPU 0 stores and loads byte-exact through the same pool.
 """
 
 import ctypes
@@ -27,7 +30,9 @@ def check(name, ok, **extra):
 def main():
     d = tempfile.mkdtemp(prefix="umbp-unseen-")
     sock = os.path.join(d, "pool.sock")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    visible = os.environ.get("POOL_VISIBLE", "")
+    worker_gpu = int(os.environ.get("WORKER_GPU", "0"))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
     pool = subprocess.Popen([sys.argv[1], "--socket", sock, "--capacity", "1GiB"], env=env)
     try:
         for _ in range(200):
@@ -35,7 +40,7 @@ def main():
                 break
             time.sleep(0.05)
         ns = n.namespace_digest("unseen-gpu")
-        gpu = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda:0")
+        gpu = torch.zeros(1 << 20, dtype=torch.uint8, device=f"cuda:{worker_gpu}")
         w = n.Worker(sock, ns)
         try:
             w.register_cuda_memory(gpu.data_ptr(), gpu.numel(), 0)
@@ -56,6 +61,23 @@ def main():
         st2 = h.wait(h.load(0, keys, [4, 5, 6, 7]), 5000)
         check("host_worker_served", st == [n.STATUS_STORED] * 4 and st2 == [n.STATUS_LOADED] * 4
               and bytes(buf[4 * 4096:]) == bytes(buf[:4 * 4096]), store=st, load=st2)
+        if visible:
+            # A worker on a GPU the pool does see is served through the same pool.
+            seen = int(visible.split(",")[0])
+            t = torch.arange(8 * 65536, dtype=torch.int32, device=f"cuda:{seen}").view(torch.uint8)
+            g = n.Worker(sock, ns)
+            ga = g.register_cuda_memory(t.data_ptr(), t.numel(), seen)
+            g.register_layout(0, [(ga, 0, 65536 * 4, 65536 * 4, 8)])
+            gk = n.object_keys(ns, 0, 0, [b"g%d" % i for i in range(4)])
+            want = t[: 4 * 65536 * 4].clone()
+            torch.cuda.synchronize()
+            sg = g.wait(g.store(0, gk, [0, 1, 2, 3]), 5000)
+            t.zero_()
+            torch.cuda.synchronize()
+            lg = g.wait(g.load(0, gk, [0, 1, 2, 3]), 5000)
+            torch.cuda.synchronize()
+            check("seen_gpu_worker_served", sg == [n.STATUS_STORED] * 4 and lg == [n.STATUS_LOADED] * 4
+                  and torch.equal(t[: 4 * 65536 * 4], want), gpu=seen, store=sg, load=lg)
     finally:
         pool.kill()
         pool.wait()
