@@ -138,13 +138,13 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
         rank_keys(gpu as u32, &block_hashes(run, n))
     };
     let mut alone: Vec<(f64, f64)> = Vec::new();
-    for g in 0..gpus {
+    for (g, w) in workers.iter_mut().enumerate() {
         let (mut st, mut ld) = (Vec::new(), Vec::new());
         for _ in 0..reps {
-            workers[g].call(json!({"cmd": "reset"}))?;
+            w.call(json!({"cmd": "reset"}))?;
             let k = fresh(g);
-            st.push(gbps(bytes, u64_of(&workers[g].call(xfer("store", &k))?, "ns")));
-            ld.push(gbps(bytes, u64_of(&workers[g].call(xfer("load", &k))?, "ns")));
+            st.push(gbps(bytes, u64_of(&w.call(xfer("store", &k))?, "ns")));
+            ld.push(gbps(bytes, u64_of(&w.call(xfer("load", &k))?, "ns")));
         }
         alone.push((median(st), median(ld)));
     }
