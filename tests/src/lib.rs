@@ -75,15 +75,41 @@ pub struct PoolProcess {
 }
 
 /// A workspace binary: test executables live in `target/<profile>/deps`, binaries one up.
+/// Refuses one older than any source it was built from: `cargo test` builds the test code
+/// but not the other crates' binaries, and a stale `umbp-pool` fails tests for reasons
+/// that have nothing to do with the code under test.
 pub fn workspace_binary(name: &str) -> PathBuf {
     let exe = std::env::current_exe().unwrap();
     let dir = exe.parent().unwrap();
     for cand in [dir.join(name), dir.parent().unwrap().join(name)] {
         if cand.exists() {
+            if let Some((source, _)) = newer_source(&cand) {
+                panic!(
+                    "{} is older than {}; run `cargo build --workspace --bins` (scripts/test.sh does) before the tests",
+                    cand.display(),
+                    source.display()
+                );
+            }
             return cand;
         }
     }
     panic!("{name} not found next to {}; run `cargo build --workspace --bins` first", exe.display());
+}
+
+/// The newest source `binary` was built from, if it is newer than the binary: read from
+/// the dep-info file cargo writes next to it (`<binary>.d`: "binary: source source ...").
+/// No dep-info, no verdict.
+fn newer_source(binary: &Path) -> Option<(PathBuf, std::time::SystemTime)> {
+    let built = std::fs::metadata(binary).and_then(|m| m.modified()).ok()?;
+    let deps = std::fs::read_to_string(binary.with_extension("d")).ok()?;
+    let (_, sources) = deps.lines().next()?.split_once(": ")?;
+    sources
+        .split_whitespace()
+        .filter_map(|f| {
+            let t = std::fs::metadata(f).and_then(|m| m.modified()).ok()?;
+            (t > built).then(|| (PathBuf::from(f), t))
+        })
+        .max_by_key(|(_, t)| *t)
 }
 
 pub fn pool_binary() -> PathBuf {
