@@ -204,7 +204,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             }
         }
     }
-    let fence = match (fence_region(job, &regions), job.op) {
+    let fence = match (fence_word(&job.sqe, &regions), job.op) {
         (None, _) => umbp_gpu::Fence::None,
         (Some(Err(e)), Opcode::Store) => {
             // Without its fence a store could read KV the engine has not written yet.
@@ -369,10 +369,6 @@ type Regions = HashMap<u32, Arc<dyn umbp_gpu::DeviceRegion>>;
 
 /// The fence word and value of a fenced submission: `fence_value` != 0, the word in slot
 /// `decode_ref(reserved[0])` of a HostMemfd region the worker registered (umbp_gpu::fence).
-fn fence_region<'a>(job: &Job, regions: &'a Regions) -> Option<Result<(umbp_gpu::FenceWord<'a>, u64), umbp_gpu::GpuError>> {
-    fence_word(&job.sqe, regions)
-}
-
 fn fence_word<'a>(sqe: &Sqe, regions: &'a Regions) -> Option<Result<(umbp_gpu::FenceWord<'a>, u64), umbp_gpu::GpuError>> {
     if sqe.fence_value == 0 {
         return None;
