@@ -8,7 +8,7 @@ use std::io::Write;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{handshake, start_pool, unique_socket, PoolProcess, RawPeer};
+use common::{handshake, memfd_worker, start_pool, unique_socket, PoolProcess, RawPeer};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::{BlockRef, BlockStatus, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
 use umbp_protocol::layout::Segment;
@@ -18,21 +18,6 @@ use umbp_protocol::ObjectKey;
 
 const PAGE: u64 = 4096;
 const BLOCKS: u64 = 16;
-
-/// A worker peer with one memfd region of BLOCKS pages and a one-segment layout.
-fn worker(pool: &PoolProcess, ns: u128) -> (RawPeer, SharedMemory) {
-    let mut peer = RawPeer::attach(&pool.socket, Role::Worker, ns).unwrap();
-    let mem = SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
-    let reg = umbp_gpu::host::export_memfd(mem.fd(), 0, PAGE * BLOCKS, 0).unwrap();
-    let (r, _) = peer.control(MessageKind::RegisterMemory, bytemuck::bytes_of(&reg), &[mem.fd()]);
-    assert_eq!(r.status, 0, "{}", r.message());
-    let mut msg = bytemuck::bytes_of(&LayoutHeader { group: 0, segment_count: 1 }).to_vec();
-    msg.extend_from_slice(bytemuck::bytes_of(&Segment::new(0, 0, PAGE, PAGE, BLOCKS)));
-    let (r, _) = peer.control(MessageKind::RegisterLayout, &msg, &[]);
-    assert_eq!(r.status, 0, "{}", r.message());
-    assert_eq!(r.value, PAGE);
-    (peer, mem)
-}
 
 fn sqe(op: Opcode, count: u32, refs_offset: u64, status_offset: u64, user_data: u64) -> Sqe {
     Sqe { opcode: op as u8, count, refs_offset, status_offset, user_data, ..Sqe::default() }
@@ -48,7 +33,7 @@ fn store_one(peer: &RawPeer, key: ObjectKey, b: u64) -> BlockStatus {
 }
 
 fn healthy_round_trip(pool: &PoolProcess, salt: u128) {
-    let (peer, mem) = worker(pool, 1);
+    let (peer, mem) = memfd_worker(pool, 1, PAGE, BLOCKS, 0);
     // SAFETY: inside the mapping.
     unsafe { std::ptr::write_bytes(mem.as_ptr(), 0x5a ^ salt as u8, PAGE as usize) };
     assert_eq!(store_one(&peer, ObjectKey(1000 + salt), 0), BlockStatus::Stored);
@@ -153,7 +138,7 @@ fn run_as_uid(uid: u32, socket: &std::path::Path) -> String {
 #[test]
 fn bad_submissions_get_error_completions() {
     let pool = start_pool(&unique_socket("sqe"), &[]);
-    let (peer, _mem) = worker(&pool, 1);
+    let (peer, _mem) = memfd_worker(&pool, 1, PAGE, BLOCKS, 0);
     let arena_len = peer.layout.arena_bytes as u64;
     let a = peer.arena();
     a.write(0, &[BlockRef::new(ObjectKey(1), 0)]).unwrap();
@@ -205,7 +190,7 @@ fn bad_submissions_get_error_completions() {
 #[test]
 fn corrupted_ring_detaches_only_that_peer() {
     let pool = start_pool(&unique_socket("ring"), &[]);
-    let (peer, _mem) = worker(&pool, 1);
+    let (peer, _mem) = memfd_worker(&pool, 1, PAGE, BLOCKS, 0);
     // Claim a billion submissions: head + capacity < tail.
     let sq = peer.sq();
     sq.tail_word().store(1_000_000_000, std::sync::atomic::Ordering::Release);

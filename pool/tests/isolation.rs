@@ -12,11 +12,9 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
-use common::{handshake, start_pool, unique_socket, PoolProcess, RawPeer};
-use umbp_ipc::SharedMemory;
+use common::{handshake, memfd_worker, start_pool, unique_socket, RawPeer};
 use umbp_protocol::entries::{BlockRef, BlockStatus, Opcode, Sqe};
-use umbp_protocol::layout::Segment;
-use umbp_protocol::wire::{Hello, LayoutHeader, MessageKind, Role};
+use umbp_protocol::wire::{Hello, Role};
 use umbp_protocol::ObjectKey;
 
 const PAGE: u64 = 4096;
@@ -128,22 +126,6 @@ fn namespace_acl_refuses_other_namespaces_and_unlisted_uids() {
     assert!(pool.report()["counters"]["refusals"].as_u64().unwrap() >= 2);
 }
 
-/// A worker peer with one memfd region of BLOCKS pages filled with `fill`.
-fn worker(pool: &PoolProcess, ns: u128, fill: u8) -> (RawPeer, SharedMemory) {
-    let mut peer = RawPeer::attach(&pool.socket, Role::Worker, ns).unwrap();
-    let mem = SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
-    // SAFETY: inside the mapping.
-    unsafe { std::ptr::write_bytes(mem.as_ptr(), fill, (PAGE * BLOCKS) as usize) };
-    let reg = umbp_gpu::host::export_memfd(mem.fd(), 0, PAGE * BLOCKS, 0).unwrap();
-    let (r, _) = peer.control(MessageKind::RegisterMemory, bytemuck::bytes_of(&reg), &[mem.fd()]);
-    assert_eq!(r.status, 0, "{}", r.message());
-    let mut msg = bytemuck::bytes_of(&LayoutHeader { group: 0, segment_count: 1 }).to_vec();
-    msg.extend_from_slice(bytemuck::bytes_of(&Segment::new(0, 0, PAGE, PAGE, BLOCKS)));
-    let (r, _) = peer.control(MessageKind::RegisterLayout, &msg, &[]);
-    assert_eq!(r.status, 0, "{}", r.message());
-    (peer, mem)
-}
-
 fn one(peer: &RawPeer, op: Opcode, key: u128, block: u64) -> BlockStatus {
     let a = peer.arena();
     a.write(0, &[BlockRef::new(ObjectKey(key), block)]).unwrap();
@@ -156,8 +138,8 @@ fn one(peer: &RawPeer, op: Opcode, key: u128, block: u64) -> BlockStatus {
 #[test]
 fn with_an_acl_loads_only_find_the_loaders_namespace() {
     let pool = start_pool(&unique_socket("acl-load"), &["--namespace-acl", "65534:aa"]);
-    let (tenant_a, mem_a) = worker(&pool, 0xaa, 0xA1);
-    let (tenant_b, mem_b) = worker(&pool, 0xbb, 0xB2);
+    let (tenant_a, mem_a) = memfd_worker(&pool, 0xaa, PAGE, BLOCKS, 0xA1);
+    let (tenant_b, mem_b) = memfd_worker(&pool, 0xbb, PAGE, BLOCKS, 0xB2);
     assert_eq!(one(&tenant_a, Opcode::Store, 1, 0), BlockStatus::Stored);
     // B knows A's key: still a miss, never A's bytes.
     assert_eq!(one(&tenant_b, Opcode::Load, 1, 1), BlockStatus::Missing);
@@ -174,8 +156,8 @@ fn with_an_acl_loads_only_find_the_loaders_namespace() {
 
     // Without an ACL the pool keeps its shared-pool behaviour (one namespace per model).
     let open = start_pool(&unique_socket("no-acl"), &[]);
-    let (a, _ma) = worker(&open, 0xaa, 1);
-    let (b, _mb) = worker(&open, 0xbb, 2);
+    let (a, _ma) = memfd_worker(&open, 0xaa, PAGE, BLOCKS, 1);
+    let (b, _mb) = memfd_worker(&open, 0xbb, PAGE, BLOCKS, 2);
     assert_eq!(one(&a, Opcode::Store, 9, 0), BlockStatus::Stored);
     assert_eq!(one(&b, Opcode::Load, 9, 1), BlockStatus::Loaded);
 }
@@ -219,7 +201,7 @@ fn assert_index_is_read_only(fd: BorrowedFd<'_>, len: usize) {
 #[test]
 fn peers_cannot_resize_reseal_or_write_the_index() {
     let pool = start_pool(&unique_socket("seal"), &[]);
-    let (w, _mem) = worker(&pool, 1, 7);
+    let (w, _mem) = memfd_worker(&pool, 1, PAGE, BLOCKS, 7);
     assert_eq!(one(&w, Opcode::Store, 77, 0), BlockStatus::Stored);
     assert_index_is_read_only(w.index.fd(), w.index.len());
     let sched = RawPeer::attach(&pool.socket, Role::Scheduler, 1).unwrap();
@@ -231,6 +213,6 @@ fn peers_cannot_resize_reseal_or_write_the_index() {
     assert_eq!(errno_of(fcntl_add_seals(w.rings.fd(), SealFlags::WRITE)), Some(rustix::io::Errno::PERM));
     // Nothing the peers tried changed the pool: it still serves and still finds the block.
     assert_eq!(one(&w, Opcode::Load, 77, 5), BlockStatus::Loaded);
-    let (w2, _m2) = worker(&pool, 1, 9);
+    let (w2, _m2) = memfd_worker(&pool, 1, PAGE, BLOCKS, 9);
     assert_eq!(one(&w2, Opcode::Load, 77, 1), BlockStatus::Loaded);
 }

@@ -7,7 +7,7 @@ mod common;
 
 use std::os::unix::net::UnixStream;
 
-use common::{handshake, start_pool, unique_socket, PoolProcess, RawPeer};
+use common::{handshake, memfd_worker, start_pool, unique_socket, PoolProcess, RawPeer};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::{BlockRef, BusyReason, CqeError, Opcode, Sqe};
 use umbp_protocol::layout::Segment;
@@ -87,15 +87,6 @@ fn registered_bytes_regions_and_layouts() {
     assert_eq!(register(&mut other, &half, 0).status, 0);
 }
 
-/// A worker whose one layout group moves `blocks` objects of `page` bytes.
-fn big_worker(pool: &PoolProcess, page: u64, blocks: u64) -> (RawPeer, SharedMemory) {
-    let mut peer = RawPeer::attach(&pool.socket, Role::Worker, 1).unwrap();
-    let mem = SharedMemory::create("kv", (page * blocks) as usize, false).unwrap();
-    assert_eq!(register(&mut peer, &mem, 0).status, 0);
-    assert_eq!(layout(&mut peer, 0, Segment::new(0, 0, page, page, blocks)).status, 0);
-    (peer, mem)
-}
-
 /// `n` submissions of `op` over keys `first_key..+blocks` (block b of each).
 fn sqes(peer: &RawPeer, op: Opcode, n: u64, blocks: u64, first_key: u128) -> Vec<Sqe> {
     let a = peer.arena();
@@ -115,7 +106,7 @@ fn sqes(peer: &RawPeer, op: Opcode, n: u64, blocks: u64, first_key: u128) -> Vec
 
 /// Stores 16 objects of 1 MiB, then submits `n` loads of all 16 at once (16 MiB each).
 fn load_burst(pool: &PoolProcess, n: u64) -> Vec<umbp_protocol::entries::Cqe> {
-    let (peer, _mem) = big_worker(pool, 1 << 20, 16);
+    let (peer, _mem) = memfd_worker(pool, 1, 1 << 20, 16, 0);
     let c = peer.submit_and_reap(&sqes(&peer, Opcode::Store, 1, 16, 0));
     assert_eq!((c[0].result, c[0].ok_count), (0, 16));
     peer.submit_and_reap(&sqes(&peer, Opcode::Load, n, 16, 0))

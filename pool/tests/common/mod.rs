@@ -11,8 +11,9 @@ use umbp_ipc::message::{recv_message, send_message};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::attachment::AttachmentLayout;
 use umbp_protocol::entries::{Cqe, Sqe};
+use umbp_protocol::layout::Segment;
 use umbp_protocol::ring::{Consumer, Producer, Ring};
-use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
+use umbp_protocol::wire::{self, Hello, HelloReply, LayoutHeader, MessageKind, Reply, Role};
 
 // Pool processes, socket dirs and the wrapper hook are the integration-test crate's; this
 // file only adds the hand-crafted peer.
@@ -122,4 +123,23 @@ impl RawPeer {
         }
         out
     }
+}
+
+/// A worker peer in namespace `ns` with one memfd region of `blocks` pages of `page` bytes,
+/// every byte `fill`, registered as alloc 0, and layout group 0 of one segment over it
+/// (objects of one page).
+pub fn memfd_worker(pool: &PoolProcess, ns: u128, page: u64, blocks: u64, fill: u8) -> (RawPeer, SharedMemory) {
+    let mut peer = RawPeer::attach(&pool.socket, Role::Worker, ns).unwrap();
+    let mem = SharedMemory::create("kv", (page * blocks) as usize, false).unwrap();
+    // SAFETY: inside the mapping.
+    unsafe { std::ptr::write_bytes(mem.as_ptr(), fill, (page * blocks) as usize) };
+    let reg = umbp_gpu::host::export_memfd(mem.fd(), 0, page * blocks, 0).unwrap();
+    let (r, _) = peer.control(MessageKind::RegisterMemory, bytemuck::bytes_of(&reg), &[mem.fd()]);
+    assert_eq!(r.status, 0, "{}", r.message());
+    let mut msg = bytemuck::bytes_of(&LayoutHeader { group: 0, segment_count: 1 }).to_vec();
+    msg.extend_from_slice(bytemuck::bytes_of(&Segment::new(0, 0, page, page, blocks)));
+    let (r, _) = peer.control(MessageKind::RegisterLayout, &msg, &[]);
+    assert_eq!(r.status, 0, "{}", r.message());
+    assert_eq!(r.value, page);
+    (peer, mem)
 }
