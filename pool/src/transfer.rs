@@ -267,6 +267,11 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let range = p.stage_blocks[s].clone();
+        if op == Opcode::Store {
+            // SAFETY: these objects are reserved for this job, their copies landed, and only
+            // the settle below publishes them.
+            unsafe { crate::fault::stored(inner.dram.base(), &p.blocks[range.clone()], size) };
+        }
         settle(inner, op, &p.blocks[range.clone()], p.statuses, &[]);
         p.settled = range.end;
         p.publish_ns += t.elapsed().as_nanos() as u64;
