@@ -167,7 +167,7 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         }
         return reject_with(inner, att, &sqe, CqeError::Busy, reason as u64);
     }
-    let validate::Submission { op, layout, refs, in_range } = sub;
+    let validate::Submission { op, layout, refs, in_range, state_offset } = sub;
     att.counters.blocks.fetch_add(refs.len() as u64, Ordering::Relaxed);
     let mut statuses = vec![BlockStatus::Pending; refs.len()];
     let mut candidates = Vec::with_capacity(refs.len());
@@ -190,6 +190,8 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         candidates,
         blocks: Vec::new(),
         statuses,
+        state_offset,
+        cancelled: false,
         accepted,
         submitted: Instant::now(),
     };
