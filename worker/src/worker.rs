@@ -392,6 +392,12 @@ impl Worker {
         CancelOutcome::Cancelled
     }
 
+    /// Whether a transfer has gone without an answer from the pool past `timeout` (new
+    /// transfers are refused with `Stalled` meanwhile).
+    pub fn is_stalled(&self) -> bool {
+        self.overdue_ms(Instant::now()).is_some()
+    }
+
     /// Whether an attachment is up and the pool's end of the socket is open.
     pub fn is_connected(&self) -> bool {
         self.conn.as_ref().is_some_and(|c| !peer_gone(&c.sock))
