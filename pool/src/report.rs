@@ -74,10 +74,9 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "probe_histogram": v.probe_histogram(8),
         })
     });
-    let attachments: Vec<_> = inner
-        .attachments
-        .lock()
-        .expect("attachments lock")
+    // A copy of the list: no per-attachment lock is taken under `attachments` (lock order).
+    let list = inner.attachments.lock().expect("attachments lock").clone();
+    let attachments: Vec<_> = list
         .iter()
         .map(|a| {
             let (sq, cq, hints) = a.ring_snapshots();

@@ -57,9 +57,14 @@ pub fn run(inner: &Arc<PoolInner>) {
             continue;
         }
         // Arm every ring; sleep only if all are still empty.
+        crate::fault::pass(crate::fault::HoldPoint::ServiceBeforeArm);
         let mut all_empty = true;
         for att in current.iter().filter(|a| a.role == Role::Worker && a.is_alive()) {
-            match att.sq.lock().expect("sq lock").prepare_sleep() {
+            // The guard must end before `corrupt` (which takes `attachments`): a guard
+            // taken in a `match` head lives through every arm (docs/architecture.md,
+            // "Lock order").
+            let armed = att.sq.lock().expect("sq lock").prepare_sleep();
+            match armed {
                 Ok(true) => {}
                 Ok(false) => all_empty = false,
                 Err(e) => corrupt(inner, att, e),
@@ -101,6 +106,7 @@ fn sync_watch_list(poller: &mut Poller, watched: &mut HashMap<u32, Arc<Attachmen
 
 fn corrupt(inner: &PoolInner, att: &Arc<Attachment>, e: umbp_protocol::ProtocolError) {
     tracing::warn!(attachment = att.id, pid = att.pid, "submission ring corrupted: {e}; detaching");
+    crate::fault::pass(crate::fault::HoldPoint::ServiceCorrupt);
     crate::server::detach(inner, att, "detached after ring corruption");
 }
 
