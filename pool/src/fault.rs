@@ -1,4 +1,4 @@
-//! Fault injection for tests of the pool's failure handling (in-process pools only: there
+//! Fault injection and hold points for tests of the pool's failure handling (in-process pools only: there
 //! is no flag, variable or message that reaches it from outside the process).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -83,5 +83,62 @@ pub(crate) fn check_copy(blocks: &[JobBlock]) {
     };
     if let Some(pause) = pause {
         pause.hold();
+    }
+}
+
+/// Points where a test can hold a pool thread, to force an interleaving that is otherwise
+/// a matter of microseconds (e.g. a lock-order race).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldPoint {
+    /// The service thread, idle, about to arm every ring before it sleeps.
+    ServiceBeforeArm = 0,
+    /// The service thread found a corrupted ring and is about to detach that peer.
+    ServiceCorrupt = 1,
+}
+
+struct Holds {
+    armed: [bool; 2],
+    reached: [bool; 2],
+}
+
+static HOLDS: Mutex<Holds> = Mutex::new(Holds { armed: [false; 2], reached: [false; 2] });
+static HOLDS_CHANGED: std::sync::Condvar = std::sync::Condvar::new();
+static HOLDS_ARMED: AtomicBool = AtomicBool::new(false);
+
+/// Arms (`on`) or releases a hold point: a pool thread that reaches an armed point marks it
+/// reached and waits there until it is released.
+#[doc(hidden)]
+pub fn hold(point: HoldPoint, on: bool) {
+    let mut h = HOLDS.lock().unwrap_or_else(|e| e.into_inner());
+    h.armed[point as usize] = on;
+    h.reached[point as usize] = false;
+    HOLDS_ARMED.store(h.armed.iter().any(|a| *a), Ordering::Release);
+    HOLDS_CHANGED.notify_all();
+}
+
+/// Waits until a pool thread reached the armed `point`; false after `timeout`.
+#[doc(hidden)]
+pub fn wait_reached(point: HoldPoint, timeout: std::time::Duration) -> bool {
+    let h = HOLDS.lock().unwrap_or_else(|e| e.into_inner());
+    let (h, _) = HOLDS_CHANGED
+        .wait_timeout_while(h, timeout, |h| !h.reached[point as usize])
+        .unwrap_or_else(|e| e.into_inner());
+    h.reached[point as usize]
+}
+
+/// Called by pool threads at `point`: returns at once unless a test armed it.
+pub(crate) fn pass(point: HoldPoint) {
+    if !HOLDS_ARMED.load(Ordering::Acquire) {
+        return;
+    }
+    let mut h = HOLDS.lock().unwrap_or_else(|e| e.into_inner());
+    if !h.armed[point as usize] {
+        return;
+    }
+    h.reached[point as usize] = true;
+    HOLDS_CHANGED.notify_all();
+    while h.armed[point as usize] {
+        h = HOLDS_CHANGED.wait(h).unwrap_or_else(|e| e.into_inner());
     }
 }
