@@ -221,9 +221,8 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     };
     if job.candidates.is_empty() {
         crate::transfer::finish(inner, job, &[], 0);
-    } else if let Err(e) = inner.jobs.send(job) {
-        // Only at shutdown: nothing is reserved yet; the blocks fail.
-        crate::transfer::finish_cancelled(inner, e.into_inner());
+    } else {
+        crate::transfer::dispatch(inner, job);
     }
 }
 

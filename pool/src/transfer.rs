@@ -59,6 +59,47 @@ pub struct Job {
     pub submitted: Instant,
 }
 
+/// Hands a job to the copy threads, or queues it behind the peer's own jobs when the peer
+/// already occupies its share of them (`copy_threads_per_peer`): one peer whose copies
+/// wait never stalls the others.
+pub fn dispatch(inner: &PoolInner, job: Job) {
+    let att = job.att.clone();
+    {
+        let mut slots = att.copy_slots.lock().expect("copy slots lock");
+        if slots.running >= inner.config.copy_threads_per_peer() {
+            slots.waiting.push_back(job);
+            return;
+        }
+        slots.running += 1;
+    }
+    send(inner, job);
+}
+
+fn send(inner: &PoolInner, job: Job) {
+    if let Err(e) = inner.jobs.send(job) {
+        // Only at shutdown: nothing is reserved yet; the blocks fail.
+        finish_cancelled(inner, e.into_inner());
+    }
+}
+
+/// A copy thread is done with one of `att`'s jobs: its slot goes to the peer's next
+/// waiting job, if any.
+fn release_slot(inner: &PoolInner, att: &Attachment) {
+    let next = {
+        let mut slots = att.copy_slots.lock().expect("copy slots lock");
+        match slots.waiting.pop_front() {
+            Some(job) => Some(job),
+            None => {
+                slots.running -= 1;
+                None
+            }
+        }
+    };
+    if let Some(job) = next {
+        send(inner, job);
+    }
+}
+
 /// How long a copy thread that just finished a job polls for the next before it sleeps:
 /// a worker's next submission usually follows its completion within microseconds, and a
 /// sleeping thread takes tens of microseconds to wake (~55 us measured in the `queue`
@@ -81,8 +122,10 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
             },
             Err(crossbeam_channel::TryRecvError::Disconnected) => return,
         };
-        if !job.att.is_alive() || inner.is_shutting_down() {
+        let att = job.att.clone();
+        if !att.is_alive() || inner.is_shutting_down() {
             finish_cancelled(inner, job);
+            release_slot(inner, &att);
             continue;
         }
         let picked = Instant::now();
@@ -97,6 +140,7 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
         let tail = Instant::now();
         job.cancelled = copied.cancelled;
         finish(inner, job, &copied.failed, copied.settled);
+        release_slot(inner, &att);
         Counters::add(&phases.finish_ns, tail.elapsed().as_nanos() as u64);
         Counters::add(&phases.jobs, 1);
         last_job = Instant::now();
