@@ -172,6 +172,9 @@ fn key_of(k: u64) -> ObjectKey {
 struct Pending {
     /// (key number, key, block)
     batch: Vec<(u64, ObjectKey, u64)>,
+    submitted: Instant,
+    /// Cancel was tried and the pool had started it (a load): wait for its completion.
+    cancel_refused: bool,
 }
 
 #[derive(Default)]
@@ -189,6 +192,8 @@ struct Tally {
     busy: u64,
     stalled: u64,
     disconnected: u64,
+    /// Transfers past the timeout cancelled (their blocks reused at once, as an engine does).
+    cancelled: u64,
 }
 
 /// A worker's KV memory: a heap buffer or a mapped memfd.
@@ -230,6 +235,8 @@ struct SoakWorker {
     recent: std::collections::VecDeque<u64>,
     t: Tally,
     rng: u64,
+    /// The engine timeout: a transfer older than this is cancelled.
+    timeout: Duration,
 }
 
 /// How long a call that was allowed to wait `wait` blocked beyond it, in ms. The run fails
@@ -336,7 +343,7 @@ impl SoakWorker {
         let blocks: Vec<(ObjectKey, u64)> = batch.iter().map(|&(_, k, b)| (k, b)).collect();
         let r = self.timed(if store { "store" } else { "load" }, Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
         match r {
-            Ok(id) => self.pending.push((id, Pending { batch })),
+            Ok(id) => self.pending.push((id, Pending { batch, submitted: Instant::now(), cancel_refused: false })),
             Err(e) => {
                 match e {
                     WorkerError::Stalled { .. } => self.t.stalled += 1,
@@ -353,6 +360,22 @@ impl SoakWorker {
     fn step(&mut self, submit: bool) {
         for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
             self.complete(c);
+        }
+        // Cancel, never abandon: a transfer past the timeout is cancelled and, unless the
+        // pool already writes it (a started load), its blocks are reused at once for other
+        // keys, as an engine hands them to other requests. A pool that touched them after
+        // that would show up as corrupted bytes.
+        let overdue = self.pending.iter().position(|(_, p)| !p.cancel_refused && p.submitted.elapsed() > self.timeout);
+        if let Some(pos) = overdue {
+            let id = self.pending[pos].0;
+            match self.timed("cancel", Duration::ZERO, |w| w.cancel(id)) {
+                umbp_worker::CancelOutcome::Started => self.pending[pos].1.cancel_refused = true,
+                umbp_worker::CancelOutcome::Cancelled => self.t.cancelled += 1,
+                umbp_worker::CancelOutcome::NotInFlight => {}
+            }
+            for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
+                self.complete(c);
+            }
         }
         if submit && self.pending.len() < DEPTH && self.free.len() >= 8 {
             self.submit();
@@ -376,7 +399,7 @@ impl SoakWorker {
             "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
             "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
             "max_blocked_call": t.max_blocked_call,
-            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected,
+            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled,
             "connected": self.w.is_connected(), "pending": self.pending.len(),
         });
         let mut out = std::io::stdout().lock();
@@ -430,6 +453,7 @@ impl SoakWorkerCli {
             recent: Default::default(),
             t: Tally::default(),
             rng: splitmix(self.seed ^ self.id.wrapping_mul(0x1234_5678_9abc)),
+            timeout: Duration::from_millis(self.timeout_ms),
         };
         sw.report("ready");
         let mut paused = false;
@@ -548,6 +572,7 @@ struct Totals {
     blocks: f64,
     loaded: f64,
     corrupt_bytes: f64,
+    cancelled: f64,
     max_blocked_ms: f64,
     max_blocked_call: Option<&'static str>,
 }
@@ -558,6 +583,7 @@ impl Totals {
         self.blocks += num(v, "blocks");
         self.loaded += num(v, "loaded");
         self.corrupt_bytes += num(v, "corrupt_bytes");
+        self.cancelled += num(v, "cancelled");
         if num(v, "max_blocked_ms") > self.max_blocked_ms {
             self.max_blocked_ms = num(v, "max_blocked_ms");
             self.max_blocked_call = match v["max_blocked_call"].as_str() {
@@ -565,6 +591,7 @@ impl Totals {
                 Some("load") => Some("load"),
                 Some("poll") => Some("poll"),
                 Some("wait") => Some("wait"),
+                Some("cancel") => Some("cancel"),
                 _ => None,
             };
         }
@@ -1102,6 +1129,7 @@ impl SoakCli {
             ctx(Case::new("soak", "corrupted_bytes", total.corrupt_bytes, "bytes", 0.0, "allowed", Better::Lower))
                 .extra("verified_blocks", total.loaded as u64)
                 .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES)
+                .extra("cancelled_transfers", total.cancelled as u64)
                 .extra("inject_corruption", self.inject_corruption.unwrap_or(0))
                 .extra("injected_flips", injected_flips),
             ctx(Case::new("soak", "pool_crashes", s.pool_crashes as f64, "crashes", 0.0, "allowed", Better::Lower))
