@@ -219,6 +219,13 @@ impl Pool {
         if self.inner.shutdown.swap(true, Ordering::AcqRel) {
             return;
         }
+        // Schedulers stop trusting the index before anything it names is released
+        // (docs/protocol.md, "Pool liveness").
+        // SAFETY: the pool's own writable mapping of the index, alive as long as `inner`.
+        if let Ok(view) = unsafe { umbp_protocol::index::IndexView::attach(self.inner.index_mem.as_ptr(), self.inner.index_mem.len()) } {
+            // SAFETY: that mapping is writable (the pool is the index's writer).
+            unsafe { view.mark_closed() };
+        }
         self.inner.service_wake.ring();
         self.inner.control_wake.ring();
         self.inner.wake_evictor();
