@@ -238,7 +238,10 @@ impl Pool {
                 let _ = unsafe { backend.unregister_host_memory(base as *mut u8) };
             }
         }
-        for a in self.inner.attachments.lock().expect("attachments lock").drain(..) {
+        // Taken out first: dropping the last reference to an attachment closes its GPU
+        // regions (gpu locks), which must not happen under `attachments` (lock order).
+        let attachments = std::mem::take(&mut *self.inner.attachments.lock().expect("attachments lock"));
+        for a in attachments {
             a.alive.store(false, Ordering::Release);
             let _ = a.socket.shutdown(std::net::Shutdown::Both);
         }
