@@ -191,7 +191,7 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         }
         return reject_with(inner, att, &sqe, CqeError::Busy, reason as u64);
     }
-    let validate::Submission { op, layout, refs, in_range } = sub;
+    let validate::Submission { op, layout, refs, in_range, state_offset } = sub;
     att.counters.blocks.fetch_add(refs.len() as u64, Ordering::Relaxed);
     let mut statuses = vec![BlockStatus::Pending; refs.len()];
     let mut candidates = Vec::with_capacity(refs.len());
@@ -214,14 +214,15 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         candidates,
         blocks: Vec::new(),
         statuses,
+        state_offset,
+        cancelled: false,
         accepted,
         submitted: Instant::now(),
     };
     if job.candidates.is_empty() {
         crate::transfer::finish(inner, job, &[], 0);
-    } else if let Err(e) = inner.jobs.send(job) {
-        // Only at shutdown: nothing is reserved yet; the blocks fail.
-        crate::transfer::finish_cancelled(inner, e.into_inner());
+    } else {
+        crate::transfer::dispatch(inner, job);
     }
 }
 
