@@ -14,6 +14,7 @@ mod event_log;
 mod evictor;
 #[doc(hidden)]
 pub mod fault;
+mod liveness;
 mod metrics;
 mod objects;
 mod poller;
@@ -161,6 +162,8 @@ impl Pool {
         threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(&i3)))?);
         let i4 = inner.clone();
         threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
+        let i6 = inner.clone();
+        threads.push(spawn("umbp-liveness", Box::new(move || liveness::run(&i6)))?);
         if let Some(l) = metrics_listener {
             let i5 = inner.clone();
             threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);
@@ -230,6 +233,7 @@ impl Pool {
         self.inner.control_wake.ring();
         self.inner.wake_evictor();
         for t in self.threads.drain(..) {
+            t.thread().unpark();
             let _ = t.join();
         }
         if let Some(reg) = self.registration.take() {

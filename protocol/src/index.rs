@@ -58,9 +58,21 @@ pub struct IndexInfo {
     /// stale from then on. Zero in a fresh region, so a pool that predates the word reads
     /// as open and readers fall back to their socket check.
     pub closed: AtomicU32,
+    pub reserved: AtomicU32,
+    /// The pool's death notice, a Linux robust-futex entry: `robust_next` is the `next`
+    /// pointer of a robust list entry (in the pool's address space; readers ignore it) and
+    /// `owner` its futex word. A pool thread registers the list and stores its thread id in
+    /// `owner`; when that thread exits, however the process dies (SIGKILL included), the
+    /// kernel sets [`OWNER_DIED`] in `owner` before the process can be reaped. 0 = not armed
+    /// (a pool that could not register it, or predates it): readers rely on their socket.
+    pub robust_next: AtomicU64,
+    pub owner: AtomicU32,
 }
 #[cfg(not(loom))]
-crate::assert_layout!(IndexInfo, size = 40, align = 8);
+crate::assert_layout!(IndexInfo, size = 56, align = 8);
+
+/// Bit the kernel sets in a robust futex word whose owner thread died (linux/futex.h).
+pub const OWNER_DIED: u32 = 0x4000_0000;
 
 /// Counters the writer maintains for tools (ringtool, metrics).
 #[repr(C)]
@@ -232,6 +244,9 @@ impl LoomIndexStorage {
                 slot_count: AtomicU64::new(slot_count),
                 table_offset: [z(), z()],
                 closed: AtomicU32::new(0),
+                reserved: AtomicU32::new(0),
+                robust_next: z(),
+                owner: AtomicU32::new(0),
             }),
             epoch: CachePadded::new(z()),
             stats: CachePadded::new(IndexStats { live: z(), tombstones: z(), inserts: z(), removes: z(), rebuilds: z() }),
@@ -289,6 +304,18 @@ impl<'a> IndexView<'a> {
     /// lookup.
     pub fn is_closed(&self) -> bool {
         self.header.info.closed.load(Ordering::Acquire) != 0
+    }
+
+    /// Whether the writer is gone: it marked the index closed, or the kernel marked its
+    /// death word ([`IndexInfo::owner`]) with [`OWNER_DIED`]. Two loads of one cache line
+    /// the writer (or the kernel) stores once, cheap enough for every lookup.
+    pub fn writer_gone(&self) -> bool {
+        self.is_closed() || self.header.info.owner.load(Ordering::Acquire) & OWNER_DIED != 0
+    }
+
+    /// Whether the writer armed its death word (non-zero `owner`).
+    pub fn death_word_armed(&self) -> bool {
+        self.header.info.owner.load(Ordering::Acquire) != 0
     }
 
     /// Marks the index closed: readers stop trusting it from their next lookup on. The

@@ -120,15 +120,16 @@ impl Attachment {
         Ok(Self { index: index_view, hints, sock: a.sock, checked, attachment_id: r.attachment_id, events, _ring: ring, _index: index })
     }
 
-    /// Full check: the pool did not close its index and its socket is open.
+    /// Full check: the pool did not close its index, its death word is clear and its
+    /// socket is open.
     fn alive(&self) -> bool {
-        !self.index.is_closed() && !peer_gone(&self.sock)
+        !self.index.writer_gone() && !peer_gone(&self.sock)
     }
 
-    /// The lookup-path check: the `closed` word every time, the socket when the last poll
-    /// that found it open is [`LIVENESS_INTERVAL`] old.
+    /// The lookup-path check: the `closed` and death words every time, the socket when the
+    /// last poll that found it open is [`LIVENESS_INTERVAL`] old.
     fn alive_cheap(&mut self) -> bool {
-        if self.index.is_closed() {
+        if self.index.writer_gone() {
             return false;
         }
         let now = Instant::now();
@@ -233,8 +234,8 @@ impl IndexClient {
     pub fn match_prefix(&mut self, keys: &[ObjectKey]) -> usize {
         let Some(att) = self.live() else { return 0 };
         let n = att.index.match_prefix(keys);
-        // A pool that shut down during the probe may be releasing what it found.
-        if att.index.is_closed() {
+        // A pool that shut down or died during the probe may be releasing what it found.
+        if att.index.writer_gone() {
             self.drop_dead();
             return 0;
         }

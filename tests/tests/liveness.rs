@@ -1,19 +1,20 @@
 //! Scheduler liveness (docs/protocol.md, "Pool liveness"): lookups read the index without
-//! a syscall on most calls, yet a SIGKILLed pool's stale mapping stops answering hits
-//! within `LIVENESS_INTERVAL` of the kernel closing its socket, and never hits again once
-//! the client noticed.
+//! a syscall on most calls, yet a SIGKILLed pool's stale mapping answers no hit to a lookup
+//! that starts after the pool was reaped (the kernel marked the index's death word by then;
+//! the socket poll, at most `LIVENESS_INTERVAL` apart, is the fallback), and never hits
+//! again once the client noticed.
 
 use std::time::{Duration, Instant};
 
 use umbp_integration_tests::{unique_socket, PoolProcess};
-use umbp_scheduler::{IndexClient, LIVENESS_INTERVAL};
+use umbp_scheduler::IndexClient;
 use umbp_worker::{MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
 
 const PAGE: u64 = 16 << 10;
 const BLOCKS: u64 = 16;
 
 #[test]
-fn killed_pool_lookups_miss_within_the_liveness_interval() {
+fn killed_pool_lookups_miss_once_it_is_reaped() {
     let mut pool = PoolProcess::start(&unique_socket("liveness"), &["--capacity", "64MiB", "--min-object-size", "16KiB"]);
     let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
     let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
@@ -50,7 +51,6 @@ fn killed_pool_lookups_miss_within_the_liveness_interval() {
     killer.join().unwrap();
     let killed = *killed.get().expect("the pool was killed during the lookups");
     let mut noticed = None;
-    let mut hits_after_kill = 0;
     for (i, &(start, n)) in calls.iter().enumerate() {
         if n == 0 {
             noticed.get_or_insert(i);
@@ -59,16 +59,18 @@ fn killed_pool_lookups_miss_within_the_liveness_interval() {
         assert_eq!(n, keys.len());
         assert!(noticed.is_none(), "a hit after the client had noticed the pool was gone");
         if start >= killed {
-            let since = start - killed;
-            assert!(since < LIVENESS_INTERVAL, "a lookup that started {since:?} after the pool died hit");
-            hits_after_kill += 1;
+            // The death word was marked before `kill` (SIGKILL + waitpid) returned.
+            panic!("a lookup that started {:?} after the pool was reaped hit", start - killed);
         }
     }
     let noticed = noticed.expect("lookups never missed after the kill");
-    assert!(calls[noticed].0 < killed + LIVENESS_INTERVAL, "first miss {:?} after the kill", calls[noticed].0.saturating_duration_since(killed));
+    // (A time bound on the first miss would measure the scheduler of this loaded machine:
+    // this thread may not run for milliseconds after the kill. What holds is above: every
+    // lookup that started after the pool was reaped missed.)
+    assert!(calls.last().unwrap().0 > killed, "no lookup after the kill");
     assert!(!idx.is_attached());
     println!(
-        "{} lookups, {hits_after_kill} hit after the kill returned; first miss {:?} after it (bound {LIVENESS_INTERVAL:?})",
+        "{} lookups, none hit after the kill returned; first miss {:?} after it",
         calls.len(),
         calls[noticed].0.saturating_duration_since(killed)
     );
