@@ -6,10 +6,11 @@
 //! every key is a miss, which costs a recompute, never a wrong token. A dead pool's mapping
 //! stays readable but nobody holds the objects it names, so every lookup checks liveness
 //! (docs/protocol.md, "Pool liveness"): the index header's `closed` word, which a pool sets
-//! first thing when it shuts down, and at most once per [`LIVENESS_INTERVAL`] a zero-timeout
-//! poll of the pool's end of the socket, which the kernel hangs up when the pool process
-//! dies however it dies. A lookup that starts `LIVENESS_INTERVAL` after the pool's socket
-//! closed misses; once the client noticed, it drops the mapping and never reads it again.
+//! first thing when it shuts down, and its death word, which the kernel marks when the
+//! pool dies however it dies (a robust futex), both plain loads; and, as the fallback for
+//! a pool without a death word, at most once per [`LIVENESS_INTERVAL`] a zero-timeout poll
+//! of the pool's end of the socket. Once the client noticed, it drops the mapping and never
+//! reads it again.
 //!
 //! ```no_run
 //! # use umbp_scheduler::*;
