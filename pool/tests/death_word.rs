@@ -19,7 +19,7 @@ fn sigkill_marks_the_death_word_before_the_pool_is_reaped() {
     let mut pool = start_pool(&unique_socket("death"), &[]);
     let peer = RawPeer::attach(&pool.socket, Role::Observer, 1).unwrap();
     let view = index_view(&peer);
-    assert!(common::eventually(std::time::Duration::from_secs(5), || view.death_word_armed()), "the pool never armed its death word");
+    assert!(umbp_integration_tests::eventually(std::time::Duration::from_secs(5), || view.death_word_armed()), "the pool never armed its death word");
     assert!(!view.writer_gone());
     let owner = view.header().info.owner.load(std::sync::atomic::Ordering::Acquire);
     // SIGKILL and waitpid: the word is marked by the time the pool is reaped.

@@ -17,7 +17,7 @@ use umbp_protocol::wire::{self, Hello, HelloReply, LayoutHeader, MessageKind, Re
 
 // Pool processes, socket dirs and the wrapper hook are the integration-test crate's; this
 // file only adds the hand-crafted peer.
-pub use umbp_integration_tests::{eventually, unique_socket, PoolProcess};
+pub use umbp_integration_tests::{unique_socket, PoolProcess};
 
 /// A small pool (64 MiB, 4 KiB minimum objects) at `socket`; `extra` flags come after the
 /// defaults and override them.
