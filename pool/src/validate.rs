@@ -173,6 +173,23 @@ pub fn check_layout_count(layouts: usize, replaces: bool, limits: &PeerLimits) -
     Ok(())
 }
 
+/// A layout's objects must be at least `--min-object-size` (`min_object_bytes`): the
+/// shared index is sized for `capacity / min_object_bytes` objects, so smaller ones would
+/// fill it long before DRAM (16 KiB objects in a pool sized for 64 KiB: at 37.5 % of DRAM)
+/// and one tenant could fill it for everyone with tiny objects.
+pub fn check_layout_object(group: u16, object_bytes: u64, min_object_bytes: u64) -> Result<(), Refusal> {
+    if object_bytes < min_object_bytes {
+        return Err(Refusal::new(
+            ReplyStatus::InvalidRequest,
+            format!(
+                "RegisterLayout group {group}: objects of {object_bytes} bytes < this pool's --min-object-size \
+                 {min_object_bytes} (its index is sized for that); restart it with --min-object-size {object_bytes} or less"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// What a valid store or load asks for, all of it private copies.
 #[derive(Debug, Clone)]
 pub struct Submission {
