@@ -251,10 +251,6 @@ impl ObjectStore {
         self.policy = policy;
     }
 
-    pub fn policy(&self) -> &Policy {
-        &self.policy
-    }
-
     /// Live entries the index takes at most.
     pub fn index_capacity(&self) -> u64 {
         self.index.capacity()
@@ -306,7 +302,7 @@ impl ObjectStore {
             }
             if self.index.len() > p.index_high {
                 let excess = self.index.len() - p.index_low.min(self.index.len());
-                let k = self.evict_lru(None, now, |_, evicted| evicted >= excess);
+                let k = self.evict_lru(None, now, |_, evicted| evicted as u64 >= excess);
                 self.index_evictions += k as u64;
                 n += k;
             }
@@ -720,5 +716,106 @@ mod tests {
         }
         assert_eq!(s.evictions(), 5);
         assert_eq!(s.reset_namespace(0), 4, "the pinned one stays");
+    }
+
+    fn publish(s: &mut ObjectStore, ns: u128, key: u128, size: u64) -> bool {
+        matches!(s.reserve_store(ns, ObjectKey(key), size, 1), StoreReservation::Reserved { .. }) && s.finish_store(ObjectKey(key), true)
+    }
+
+    /// Objects smaller than the index was sized for fill the index before DRAM: 4 KiB
+    /// objects in an index sized for 64 KiB ones (2048 slots, 1536 entries) in 64 MiB. Without
+    /// index-pressure eviction every store past 1536 objects failed, with DRAM at 9 %.
+    #[test]
+    fn index_pressure_evicts_so_stores_keep_succeeding() {
+        let cap = 64u64 << 20;
+        let slots = index::slots_for(cap, 64 << 10);
+        let mem = SharedMemory::create("idx", index::region_bytes(slots), false).unwrap();
+        // SAFETY: fresh zeroed mapping we own.
+        unsafe { IndexView::init(mem.as_ptr(), mem.len(), slots) }.unwrap();
+        let mut s = ObjectStore::new(cap, Arc::new(mem));
+        let cfg = crate::PoolConfig { capacity_bytes: cap, ..Default::default() };
+        s.set_policy(Policy::from_config(&cfg, cap, s.index_capacity()));
+        assert_eq!(s.index_capacity(), 1536);
+        let now = Instant::now();
+        for i in 0..5000u128 {
+            assert!(publish(&mut s, 1, i, 4096), "store {i} failed");
+            if s.needs_eviction() {
+                s.evict(now);
+            }
+        }
+        assert!(s.published_count() <= 1536 && s.published_count() > 1000, "{}", s.published_count());
+        assert!(s.index_evictions > 0 && s.allocated_bytes() < cap / 10);
+        // The newest survive.
+        assert!(reader(&s).lookup(ObjectKey(4999)).is_some());
+    }
+
+    /// --namespace-share 0.5: a namespace is refused at its share, and its own LRU goes
+    /// first; another namespace's objects are not touched.
+    #[test]
+    fn namespace_quota_evicts_its_own_lru() {
+        let cap = 64u64 << 20;
+        let mut s = store(cap);
+        let cfg = crate::PoolConfig { capacity_bytes: cap, namespace_share: 0.5, ..Default::default() };
+        s.set_policy(Policy::from_config(&cfg, cap, s.index_capacity()));
+        for i in 0..64u128 {
+            assert!(publish(&mut s, 2, 1_000_000 + i, 64 << 10));
+        }
+        let now = Instant::now();
+        let mut refused = 0;
+        for i in 0..2000u128 {
+            if !publish(&mut s, 1, i, 64 << 10) {
+                refused += 1;
+            }
+            if i % 256 == 255 && s.needs_eviction() {
+                s.evict(now);
+            }
+        }
+        assert!(refused > 0 && refused < 1000, "{refused}");
+        assert!(s.quota_evictions > 0);
+        let r = reader(&s);
+        assert!((0..64u128).all(|i| r.lookup(ObjectKey(1_000_000 + i)).is_some()), "namespace 2 kept everything");
+        assert!(s.namespaces()[&1].bytes <= cap / 2);
+        assert!(r.lookup(ObjectKey(1800)).is_some() && r.lookup(ObjectKey(0)).is_none(), "namespace 1 kept its newest");
+    }
+
+    #[test]
+    fn hints_only_for_own_namespace_and_leases_capped_per_uid() {
+        let cap = 4u64 << 20;
+        let mut s = store(cap);
+        s.set_policy(Policy { lease_max_bytes: 4 * 4096, ..Policy::default() });
+        for i in 0..10u128 {
+            assert!(publish(&mut s, if i < 8 { 1 } else { 2 }, i, 4096));
+        }
+        let now = Instant::now();
+        let lease = Duration::from_secs(60);
+        // A scheduler of namespace 2 cannot lease namespace 1's objects (unless its ACL
+        // lists namespace 1).
+        assert!(!s.touch_hint(50, 2, &[], ObjectKey(0), lease, now));
+        assert_eq!(s.foreign_hints, 1);
+        assert!(s.touch_hint(50, 2, &[1], ObjectKey(0), lease, now));
+        assert!(s.touch_hint(50, 2, &[], ObjectKey(8), lease, now));
+        // uid 60 leases all 8 of namespace 1: only its last 4 stay leased (16 KiB cap).
+        for i in 0..8u128 {
+            assert!(s.touch_hint(60, 1, &[], ObjectKey(i), lease, now));
+        }
+        assert_eq!(s.leased_bytes(60), 4 * 4096);
+        assert_eq!(s.leased_bytes(50), 4096, "key 0 moved to uid 60, key 8 stays uid 50's");
+        // Re-touching does not grow the count.
+        for _ in 0..3 {
+            for i in 4..8u128 {
+                s.touch_hint(60, 1, &[], ObjectKey(i), lease, now);
+            }
+        }
+        assert_eq!(s.leased_bytes(60), 4 * 4096);
+        assert_eq!(s.evict_to(0, now), 5, "0..4 (uid 60's leases ended early) and 9 are evictable");
+        let r = reader(&s);
+        assert!((4..9u128).all(|i| r.lookup(ObjectKey(i)).is_some()));
+        // A reset drops leased objects too and their bytes leave the books.
+        assert_eq!(s.reset_namespace(1), 4);
+        assert_eq!(s.leased_bytes(60), 0);
+        // Expired leases protect nothing.
+        let later = now + Duration::from_secs(61);
+        assert_eq!(s.evict_to(0, later), 1);
+        assert_eq!(s.allocated_bytes(), 0);
     }
 }
