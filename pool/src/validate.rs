@@ -302,6 +302,19 @@ mod tests {
     }
 
     #[test]
+    fn layouts_below_the_min_object_size_are_refused() {
+        assert!(check_layout_object(0, 65536, 65536).is_ok());
+        let e = check_layout_object(3, 16384, 65536).unwrap_err();
+        assert_eq!(e.status, ReplyStatus::InvalidRequest);
+        for part in ["group 3", "16384", "65536", "--min-object-size 16384"] {
+            assert!(e.message.contains(part), "{part}: {}", e.message);
+        }
+        // It fits a Reply message (191 bytes) whole with realistic sizes.
+        let e = check_layout_object(u16::MAX, 1536, 1 << 40);
+        assert!(e.unwrap_err().message.len() < umbp_protocol::wire::REPLY_MESSAGE_LEN);
+    }
+
+    #[test]
     fn limits() {
         let mut c = cfg();
         c.limits.attachments_per_uid = 2;
