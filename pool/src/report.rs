@@ -102,6 +102,8 @@ fn attachment_json(a: &Attachment) -> serde_json::Value {
         "tp_rank": a.tp_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
         "sq": ring_json(sq), "cq": ring_json(cq), "hints": ring_json(hints),
         "cq_overflow": a.overflow_len(),
+        "sq_paused": a.sq_paused.load(Ordering::Relaxed),
+        "sq_pauses": a.counters.sq_pauses.load(Ordering::Relaxed),
         "inflight": a.inflight.load(Ordering::Relaxed),
         "submissions": a.counters.submissions.load(Ordering::Relaxed),
         "errors": a.counters.errors.load(Ordering::Relaxed),
