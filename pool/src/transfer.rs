@@ -407,10 +407,8 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
             Opcode::Nop => {}
         }
     }
-    if op == Opcode::Store {
-        if store.needs_eviction() || no_room {
-            inner.wake_evictor();
-        }
+    if op == Opcode::Store && (store.needs_eviction() || no_room) {
+        inner.wake_evictor();
     }
 }
 
