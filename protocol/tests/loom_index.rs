@@ -23,15 +23,28 @@ use loom::sync::atomic::Ordering;
 use loom::sync::Arc;
 use loom::thread;
 use umbp_protocol::index::{
-    IndexSlot, IndexView, IndexWriter, Insert, LoomIndexStorage, SLOT_FULL,
+    home_slot, IndexSlot, IndexView, IndexWriter, Insert, LoomIndexStorage, SLOT_FULL,
 };
 use umbp_protocol::ObjectKey;
 
-/// Two keys with the same home slot (home = (lo ^ hi) & mask = 1 for 2 and 4 slots), so
-/// inserting the second one reuses the first one's tombstone: the same slot is rewritten
-/// with a different key and location.
+/// Two keys with the same home slot in the 2- and 4-slot models (the loom storage's seed
+/// is 0), so inserting the second one reuses the first one's tombstone: the same slot is
+/// rewritten with a different key and location. k2() is found by computing homes (protocol
+/// v3's keyed hash), and `keys_share_a_home_slot` asserts it.
 const K1: ObjectKey = ObjectKey(1);
-const K2: ObjectKey = ObjectKey(1 | (4u128 << 64));
+
+fn k2() -> ObjectKey {
+    let home = |k: ObjectKey| home_slot(k, 3, [0, 0]);
+    (2u128..).map(ObjectKey).find(|k| home(*k) == home(K1)).expect("some key shares K1's home")
+}
+
+#[test]
+fn keys_share_a_home_slot() {
+    for mask in [1, 3] {
+        assert_eq!(home_slot(K1, mask, [0, 0]), home_slot(k2(), mask, [0, 0]));
+    }
+    assert_ne!(K1, k2());
+}
 
 fn consistent(k: ObjectKey, found: Option<u64>) {
     if let Some(loc) = found {
@@ -73,7 +86,7 @@ fn reader_races_writer(
     })
 }
 
-/// Slot 1 holds K1's tombstone; the writer inserts K2 into it (one seqlocked rewrite of
+/// K1's home slot holds its tombstone; the writer inserts k2() into it (one seqlocked rewrite of
 /// state, key and location) while a reader looks up both keys.
 #[test]
 fn seqlock_reader_never_sees_torn_slot() {
@@ -82,12 +95,12 @@ fn seqlock_reader_never_sees_torn_slot() {
         Start::K1Removed,
         |view| {
             consistent(K1, view.lookup(K1));
-            consistent(K2, view.lookup(K2));
+            consistent(k2(), view.lookup(k2()));
         },
-        |w| assert_eq!(w.insert(K2, checksum(K2)), Ok(Insert::Inserted)),
+        |w| assert_eq!(w.insert(k2(), checksum(k2())), Ok(Insert::Inserted)),
         |view| {
             assert_eq!(view.lookup(K1), None);
-            assert_eq!(view.lookup(K2), Some(checksum(K2)));
+            assert_eq!(view.lookup(k2()), Some(checksum(k2())));
         },
     );
     assert!(runs > 100, "loom explored only {runs} executions");
@@ -133,19 +146,19 @@ fn rebuild_epoch_flip_keeps_live_key_visible() {
 }
 
 /// Epoch flip racing with a removal and an insert into the new table: remove K1 (the
-/// slot becomes a tombstone), rebuild (the tombstone is not copied), insert K2 (into the
+/// slot becomes a tombstone), rebuild (the tombstone is not copied), insert k2() (into the
 /// new table, at the slot K1 had in the old one).
 #[test]
 fn rebuild_with_remove_and_insert_no_wrong_hit() {
     let runs = reader_races_writer(
         2,
         Start::K1Removed,
-        |view| consistent(K2, view.lookup(K2)),
+        |view| consistent(k2(), view.lookup(k2())),
         |w| {
             w.rebuild();
-            w.insert(K2, checksum(K2)).unwrap();
+            w.insert(k2(), checksum(k2())).unwrap();
         },
-        |view| assert_eq!(view.lookup(K2), Some(checksum(K2))),
+        |view| assert_eq!(view.lookup(k2()), Some(checksum(k2()))),
     );
     assert!(runs > 100, "loom explored only {runs} executions");
 }
