@@ -136,49 +136,28 @@ pub struct IndexView<'a> {
     seed: [u64; 2],
 }
 
-/// Home slot of `key` in a table of `mask + 1` slots: SipHash-1-3 of the key's two words,
-/// keyed with the region's `seed`. Keys made by [`crate::key`] are uniform already, but a
-/// client that picks its own keys (counters, strides, or keys made to collide under an
-/// unkeyed mix: protocol v2 used murmur3's fmix64 of `lo ^ rotl(hi, 32)`, so any keys with
-/// equal `lo ^ rotl(hi, 32)` shared one home in every pool) would pile them onto one run
-/// of slots. A keyed PRF makes such keys as hard to find as random ones for anyone who
-/// does not hold the seed; [`MAX_PROBE`] bounds what a peer that reads the seed can do.
+/// Home slot of `key` in a table of `mask + 1` slots: a keyed 128-bit multiply-fold mix
+/// (wyhash's `mum`, twice) of the key's two words with the region's `seed`. Keys made by
+/// [`crate::key`] are uniform already, but a client that picks its own keys (counters,
+/// strides, or keys made to collide under an unkeyed mix: protocol v2 used murmur3's fmix64
+/// of `lo ^ rotl(hi, 32)`, so any keys with equal `lo ^ rotl(hi, 32)` shared one home in
+/// every pool) would pile them onto one run of slots. Keyed, such keys are as hard to find
+/// as random ones for anyone who does not hold the seed. Every peer that maps the index
+/// reads the seed (it homes keys too), so a cryptographic PRF would buy nothing over this
+/// mix against peers; [`MAX_PROBE`] bounds what they can do. (SipHash-1-3 here cost ~8 ns
+/// per key, doubling a 64-block `match_prefix`.)
 pub fn home_slot(key: ObjectKey, mask: u64, seed: [u64; 2]) -> u64 {
-    siphash::<1, 3>(seed, key.0 as u64, (key.0 >> 64) as u64) & mask
+    const P0: u64 = 0xa076_1d64_78bd_642f;
+    const P1: u64 = 0xe703_7ed1_a0b4_28db;
+    const P2: u64 = 0x8ebc_6af0_9c88_c6e3;
+    let x = mum(key.0 as u64 ^ seed[0] ^ P0, (key.0 >> 64) as u64 ^ seed[1] ^ P1);
+    mum(x ^ P2, seed[0] ^ seed[1].rotate_left(32) ^ P1) & mask
 }
 
-/// SipHash-C-D of a 16-byte message (two little-endian words), key `k`.
-fn siphash<const C: usize, const D: usize>(k: [u64; 2], m0: u64, m1: u64) -> u64 {
-    let mut v = [
-        k[0] ^ 0x736f_6d65_7073_6575,
-        k[1] ^ 0x646f_7261_6e64_6f6d,
-        k[0] ^ 0x6c79_6765_6e65_7261,
-        k[1] ^ 0x7465_6462_7974_6573,
-    ];
-    fn round(v: &mut [u64; 4]) {
-        v[0] = v[0].wrapping_add(v[1]);
-        v[1] = v[1].rotate_left(13) ^ v[0];
-        v[0] = v[0].rotate_left(32);
-        v[2] = v[2].wrapping_add(v[3]);
-        v[3] = v[3].rotate_left(16) ^ v[2];
-        v[0] = v[0].wrapping_add(v[3]);
-        v[3] = v[3].rotate_left(21) ^ v[0];
-        v[2] = v[2].wrapping_add(v[1]);
-        v[1] = v[1].rotate_left(17) ^ v[2];
-        v[2] = v[2].rotate_left(32);
-    }
-    for m in [m0, m1, 16u64 << 56] {
-        v[3] ^= m;
-        for _ in 0..C {
-            round(&mut v);
-        }
-        v[0] ^= m;
-    }
-    v[2] ^= 0xff;
-    for _ in 0..D {
-        round(&mut v);
-    }
-    v[0] ^ v[1] ^ v[2] ^ v[3]
+/// 64 x 64 -> 128-bit multiply, folded: the two halves xored.
+fn mum(a: u64, b: u64) -> u64 {
+    let r = a as u128 * b as u128;
+    (r as u64) ^ ((r >> 64) as u64)
 }
 
 /// Slots a probe looks at: the whole table when it is smaller than [`MAX_PROBE`].
@@ -907,16 +886,26 @@ mod tests {
         assert!((0..1000u128).all(|i| ra.home(ObjectKey(i)) == va.home(ObjectKey(i))));
     }
 
-    /// The SipHash rounds against std's SipHash-2-4 (the 1-3 variant differs only in the
-    /// round counts).
+    /// The home mix spreads keys a fixed stride apart and keys that collided under v2's
+    /// unkeyed mix (equal `lo ^ rotl(hi, 32)`) like random ones.
     #[test]
-    #[allow(deprecated)]
-    fn siphash_matches_std() {
-        use std::hash::Hasher;
-        for (k0, k1, key) in [(0u64, 0u64, 0u128), (1, 2, 3), (0x0706050403020100, 0x0f0e0d0c0b0a0908, u128::MAX / 7)] {
-            let mut h = std::hash::SipHasher::new_with_keys(k0, k1);
-            h.write(&key.to_le_bytes());
-            assert_eq!(siphash::<2, 4>([k0, k1], key as u64, (key >> 64) as u64), h.finish());
+    fn home_mix_spreads_structured_keys() {
+        let mask = (1u64 << 12) - 1;
+        for seed in [[0, 0], [0x1234, 0x5678]] {
+            let families: [Box<dyn Fn(u128) -> ObjectKey>; 3] = [
+                Box::new(|i| ObjectKey(i)),
+                Box::new(|i| ObjectKey(i << 64)),
+                // v2 colliders: lo ^ rotl(hi, 32) constant.
+                Box::new(|i| { let hi = i as u64; ObjectKey(((hi.rotate_left(32) ^ 0xabc) as u128) | ((hi as u128) << 64)) }),
+            ];
+            for f in &families {
+                let mut used = std::collections::HashSet::new();
+                for i in 0..4096u128 {
+                    used.insert(home_slot(f(i), mask, seed));
+                }
+                // 4096 random keys into 4096 slots occupy ~63% of them (1 - 1/e).
+                assert!(used.len() > 2300, "{} of 4096 home slots used", used.len());
+            }
         }
     }
 

@@ -30,7 +30,7 @@ use umbp_protocol::ObjectKey;
 /// Two keys with the same home slot (slot 1 of a 4-slot table, hence also of a 2-slot
 /// one), found by searching with the index's own home function: inserting the second one
 /// reuses the first one's tombstone, so the same slot is rewritten with a different key and
-/// location. The home function hashes the key words (SipHash keyed with the region's seed,
+/// location. The home function hashes the key words (a mix keyed with the region's seed,
 /// 0 in the loom storage), so fixed keys
 /// would silently stop sharing a slot when it changes; searching keeps the models honest,
 /// and `same_home_keys` asserts what it found.
