@@ -239,6 +239,13 @@ struct SoakWorker {
     timeout: Duration,
 }
 
+/// How long a call that was allowed to wait `wait` blocked beyond it, in ms. The run fails
+/// when this passes the engine timeout: `wait(t)` is bounded by `t + timeout`, the other
+/// calls by `timeout` (docs/reliability.md).
+fn blocked_ms(wait: Duration, took: Duration) -> f64 {
+    took.saturating_sub(wait).as_secs_f64() * 1e3
+}
+
 fn page_offsets(b: u64) -> impl Iterator<Item = usize> {
     (0..LAYERS).map(move |l| ((l * BLOCKS + b) * PAGE) as usize)
 }
@@ -249,11 +256,12 @@ impl SoakWorker {
         self.rng
     }
 
-    /// Runs `f` (a worker-library call) and records how far past `allowed` it returned.
-    fn timed<R>(&mut self, call: &'static str, allowed: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
+    /// Runs `f` (a worker-library call that may wait up to `wait`: `wait(t)`'s `t`, zero
+    /// for the others) and records how long it blocked beyond that.
+    fn timed<R>(&mut self, call: &'static str, wait: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
         let started = Instant::now();
         let r = f(&mut self.w);
-        let over = started.elapsed().saturating_sub(allowed).as_secs_f64() * 1e3;
+        let over = blocked_ms(wait, started.elapsed());
         if over > self.t.max_blocked_ms {
             self.t.max_blocked_ms = over;
             self.t.max_blocked_call = call;
@@ -1141,5 +1149,24 @@ impl SoakCli {
         } else {
             Err(format!("soak failed: {} (pool log: {})", s.failures.join("; "), log.display()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `wait(t)` may take `t` + timeout, not `t` + 2 x timeout: a 20 ms wait that took
+    /// 1.5 timeouts more blocked 1.5 timeouts (before: the allowance was `t` + timeout, so it
+    /// counted as 0.5 and a run with a 1 s timeout passed a wait that returned 1.52 s late).
+    #[test]
+    fn wait_bound_is_t_plus_timeout() {
+        let (t, timeout) = (Duration::from_millis(20), Duration::from_millis(1000));
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        assert!((blocked_ms(t, t + timeout * 3 / 2) - ms(timeout * 3 / 2)).abs() < 1e-6);
+        assert!(blocked_ms(t, t + timeout * 3 / 2) > ms(timeout), "fails the run");
+        assert!(blocked_ms(t, t + timeout / 2) < ms(timeout), "within the bound");
+        assert_eq!(blocked_ms(t, t / 2), 0.0);
+        assert_eq!(blocked_ms(Duration::ZERO, timeout), ms(timeout));
     }
 }
