@@ -126,8 +126,9 @@ impl Policy {
             low_bytes: frac(capacity, c.low_watermark),
             index_high: frac(index_capacity, c.high_watermark),
             index_low: frac(index_capacity, c.low_watermark),
-            namespace_max_objects: frac(index_capacity, share).max(1),
-            namespace_max_bytes: frac(capacity, share).max(1),
+            // Share 1: no quota (a full pool is the byte and index watermarks' business).
+            namespace_max_objects: if share >= 1.0 { u64::MAX } else { frac(index_capacity, share).max(1) },
+            namespace_max_bytes: if share >= 1.0 { u64::MAX } else { frac(capacity, share).max(1) },
             namespace_high: c.high_watermark,
             namespace_low: c.low_watermark,
             lease_max_bytes: frac(capacity, c.lease_share),
