@@ -23,6 +23,16 @@ out="$ROOT/target/sanitize/$tool"
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 case "$tool" in
+  asan|valgrind) ;;
+  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+esac
+
+# First: umbp-bench, the test workers and (for valgrind) umbp-pool itself. Built together
+# so that no later build of one package rebuilds another's binary with other features.
+step "workspace binaries (umbp-pool, umbp-bench, test workers)"
+cargo build --workspace --bins
+
+case "$tool" in
   asan)
     step "ASAN build of umbp-pool (nightly, target/asan)"
     RUSTFLAGS="-Zsanitizer=address" cargo +nightly build -p umbp-pool --bin umbp-pool \
@@ -40,8 +50,6 @@ EOF
     ;;
   valgrind)
     command -v valgrind >/dev/null || { echo "valgrind not found" >&2; exit 1; }
-    step "build umbp-pool"
-    cargo build -p umbp-pool --bin umbp-pool
     bin="$ROOT/target/debug/umbp-pool"
     mkdir -p "$out"
     wrapper="$out/pool.sh"
@@ -52,15 +60,8 @@ exec valgrind --tool=memcheck --error-exitcode=99 --exit-on-first-error=yes \\
 EOF
     soak_args=(--timeout-ms 5000 --memory memfd --workers 2)
     ;;
-  *)
-    sed -n '2,17p' "$0" >&2
-    exit 2
-    ;;
 esac
 chmod +x "$wrapper"
-
-step "workspace binaries (umbp-bench, test workers)"
-cargo build --workspace --bins
 
 failed=0
 step "chaos soak, $secs s, every pool under $tool"
