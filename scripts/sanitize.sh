@@ -44,6 +44,8 @@ case "$tool" in
 #!/bin/sh
 export ASAN_OPTIONS="exitcode=86:detect_leaks=1:halt_on_error=1:log_path=$out/asan"
 export LSAN_OPTIONS="exitcode=87"
+# UMBP_POOL_WRAPPER passes the test's own pool binary first: run this build instead.
+case "\$1" in -*) ;; *) [ -x "\$1" ] && shift ;; esac
 exec "$bin" "\$@"
 EOF
     soak_args=(--timeout-ms 2000)
@@ -55,8 +57,11 @@ EOF
     wrapper="$out/pool.sh"
     cat > "$wrapper" <<EOF
 #!/bin/sh
+# UMBP_POOL_WRAPPER passes the test's own pool binary first; the soak passes flags only.
+bin="$bin"
+case "\$1" in -*) ;; *) [ -x "\$1" ] && { bin="\$1"; shift; } ;; esac
 exec valgrind --tool=memcheck --error-exitcode=99 --exit-on-first-error=yes \\
-  --leak-check=full --errors-for-leak-kinds=definite --log-file="$out/vg-%p.log" "$bin" "\$@"
+  --leak-check=full --errors-for-leak-kinds=definite --log-file="$out/vg-%p.log" "\$bin" "\$@"
 EOF
     soak_args=(--timeout-ms 5000 --memory memfd --workers 2)
     ;;
