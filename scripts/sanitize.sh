@@ -23,6 +23,16 @@ out="$ROOT/target/sanitize/$tool"
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 case "$tool" in
+  asan|valgrind) ;;
+  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+esac
+
+# First: umbp-bench, the test workers and (for valgrind) umbp-pool itself. Built together
+# so that no later build of one package rebuilds another's binary with other features.
+step "workspace binaries (umbp-pool, umbp-bench, test workers)"
+cargo build --workspace --bins
+
+case "$tool" in
   asan)
     step "ASAN build of umbp-pool (nightly, target/asan)"
     RUSTFLAGS="-Zsanitizer=address" cargo +nightly build -p umbp-pool --bin umbp-pool \
@@ -34,33 +44,29 @@ case "$tool" in
 #!/bin/sh
 export ASAN_OPTIONS="exitcode=86:detect_leaks=1:halt_on_error=1:log_path=$out/asan"
 export LSAN_OPTIONS="exitcode=87"
+# UMBP_POOL_WRAPPER passes the test's own pool binary first: run this build instead.
+case "\$1" in -*) ;; *) [ -x "\$1" ] && shift ;; esac
 exec "$bin" "\$@"
 EOF
     soak_args=(--timeout-ms 2000)
     ;;
   valgrind)
     command -v valgrind >/dev/null || { echo "valgrind not found" >&2; exit 1; }
-    step "build umbp-pool"
-    cargo build -p umbp-pool --bin umbp-pool
     bin="$ROOT/target/debug/umbp-pool"
     mkdir -p "$out"
     wrapper="$out/pool.sh"
     cat > "$wrapper" <<EOF
 #!/bin/sh
+# UMBP_POOL_WRAPPER passes the test's own pool binary first; the soak passes flags only.
+bin="$bin"
+case "\$1" in -*) ;; *) [ -x "\$1" ] && { bin="\$1"; shift; } ;; esac
 exec valgrind --tool=memcheck --error-exitcode=99 --exit-on-first-error=yes \\
-  --leak-check=full --errors-for-leak-kinds=definite --log-file="$out/vg-%p.log" "$bin" "\$@"
+  --leak-check=full --errors-for-leak-kinds=definite --log-file="$out/vg-%p.log" "\$bin" "\$@"
 EOF
     soak_args=(--timeout-ms 5000 --memory memfd --workers 2)
     ;;
-  *)
-    sed -n '2,17p' "$0" >&2
-    exit 2
-    ;;
 esac
 chmod +x "$wrapper"
-
-step "workspace binaries (umbp-bench, test workers)"
-cargo build --workspace --bins
 
 failed=0
 step "chaos soak, $secs s, every pool under $tool"
