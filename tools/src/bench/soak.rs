@@ -172,6 +172,9 @@ fn key_of(k: u64) -> ObjectKey {
 struct Pending {
     /// (key number, key, block)
     batch: Vec<(u64, ObjectKey, u64)>,
+    submitted: Instant,
+    /// Cancel was tried and the pool had started it (a load): wait for its completion.
+    cancel_refused: bool,
 }
 
 #[derive(Default)]
@@ -189,6 +192,8 @@ struct Tally {
     busy: u64,
     stalled: u64,
     disconnected: u64,
+    /// Transfers past the timeout cancelled (their blocks reused at once, as an engine does).
+    cancelled: u64,
 }
 
 /// A worker's KV memory: a heap buffer or a mapped memfd.
@@ -230,6 +235,15 @@ struct SoakWorker {
     recent: std::collections::VecDeque<u64>,
     t: Tally,
     rng: u64,
+    /// The engine timeout: a transfer older than this is cancelled.
+    timeout: Duration,
+}
+
+/// How long a call that was allowed to wait `wait` blocked beyond it, in ms. The run fails
+/// when this passes the engine timeout: `wait(t)` is bounded by `t + timeout`, the other
+/// calls by `timeout` (docs/reliability.md).
+fn blocked_ms(wait: Duration, took: Duration) -> f64 {
+    took.saturating_sub(wait).as_secs_f64() * 1e3
 }
 
 fn page_offsets(b: u64) -> impl Iterator<Item = usize> {
@@ -242,11 +256,12 @@ impl SoakWorker {
         self.rng
     }
 
-    /// Runs `f` (a worker-library call) and records how far past `allowed` it returned.
-    fn timed<R>(&mut self, call: &'static str, allowed: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
+    /// Runs `f` (a worker-library call that may wait up to `wait`: `wait(t)`'s `t`, zero
+    /// for the others) and records how long it blocked beyond that.
+    fn timed<R>(&mut self, call: &'static str, wait: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
         let started = Instant::now();
         let r = f(&mut self.w);
-        let over = started.elapsed().saturating_sub(allowed).as_secs_f64() * 1e3;
+        let over = blocked_ms(wait, started.elapsed());
         if over > self.t.max_blocked_ms {
             self.t.max_blocked_ms = over;
             self.t.max_blocked_call = call;
@@ -328,7 +343,7 @@ impl SoakWorker {
         let blocks: Vec<(ObjectKey, u64)> = batch.iter().map(|&(_, k, b)| (k, b)).collect();
         let r = self.timed(if store { "store" } else { "load" }, Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
         match r {
-            Ok(id) => self.pending.push((id, Pending { batch })),
+            Ok(id) => self.pending.push((id, Pending { batch, submitted: Instant::now(), cancel_refused: false })),
             Err(e) => {
                 match e {
                     WorkerError::Stalled { .. } => self.t.stalled += 1,
@@ -345,6 +360,22 @@ impl SoakWorker {
     fn step(&mut self, submit: bool) {
         for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
             self.complete(c);
+        }
+        // Cancel, never abandon: a transfer past the timeout is cancelled and, unless the
+        // pool already writes it (a started load), its blocks are reused at once for other
+        // keys, as an engine hands them to other requests. A pool that touched them after
+        // that would show up as corrupted bytes.
+        let overdue = self.pending.iter().position(|(_, p)| !p.cancel_refused && p.submitted.elapsed() > self.timeout);
+        if let Some(pos) = overdue {
+            let id = self.pending[pos].0;
+            match self.timed("cancel", Duration::ZERO, |w| w.cancel(id)) {
+                umbp_worker::CancelOutcome::Started => self.pending[pos].1.cancel_refused = true,
+                umbp_worker::CancelOutcome::Cancelled => self.t.cancelled += 1,
+                umbp_worker::CancelOutcome::NotInFlight => {}
+            }
+            for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
+                self.complete(c);
+            }
         }
         if submit && self.pending.len() < DEPTH && self.free.len() >= 8 {
             self.submit();
@@ -368,7 +399,7 @@ impl SoakWorker {
             "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
             "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
             "max_blocked_call": t.max_blocked_call,
-            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected,
+            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled,
             "connected": self.w.is_connected(), "pending": self.pending.len(),
         });
         let mut out = std::io::stdout().lock();
@@ -422,6 +453,7 @@ impl SoakWorkerCli {
             recent: Default::default(),
             t: Tally::default(),
             rng: splitmix(self.seed ^ self.id.wrapping_mul(0x1234_5678_9abc)),
+            timeout: Duration::from_millis(self.timeout_ms),
         };
         sw.report("ready");
         let mut paused = false;
@@ -540,6 +572,7 @@ struct Totals {
     blocks: f64,
     loaded: f64,
     corrupt_bytes: f64,
+    cancelled: f64,
     max_blocked_ms: f64,
     max_blocked_call: Option<&'static str>,
 }
@@ -550,6 +583,7 @@ impl Totals {
         self.blocks += num(v, "blocks");
         self.loaded += num(v, "loaded");
         self.corrupt_bytes += num(v, "corrupt_bytes");
+        self.cancelled += num(v, "cancelled");
         if num(v, "max_blocked_ms") > self.max_blocked_ms {
             self.max_blocked_ms = num(v, "max_blocked_ms");
             self.max_blocked_call = match v["max_blocked_call"].as_str() {
@@ -557,6 +591,7 @@ impl Totals {
                 Some("load") => Some("load"),
                 Some("poll") => Some("poll"),
                 Some("wait") => Some("wait"),
+                Some("cancel") => Some("cancel"),
                 _ => None,
             };
         }
@@ -1094,6 +1129,7 @@ impl SoakCli {
             ctx(Case::new("soak", "corrupted_bytes", total.corrupt_bytes, "bytes", 0.0, "allowed", Better::Lower))
                 .extra("verified_blocks", total.loaded as u64)
                 .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES)
+                .extra("cancelled_transfers", total.cancelled as u64)
                 .extra("inject_corruption", self.inject_corruption.unwrap_or(0))
                 .extra("injected_flips", injected_flips),
             ctx(Case::new("soak", "pool_crashes", s.pool_crashes as f64, "crashes", 0.0, "allowed", Better::Lower))
@@ -1113,5 +1149,24 @@ impl SoakCli {
         } else {
             Err(format!("soak failed: {} (pool log: {})", s.failures.join("; "), log.display()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `wait(t)` may take `t` + timeout, not `t` + 2 x timeout: a 20 ms wait that took
+    /// 1.5 timeouts more blocked 1.5 timeouts (before: the allowance was `t` + timeout, so it
+    /// counted as 0.5 and a run with a 1 s timeout passed a wait that returned 1.52 s late).
+    #[test]
+    fn wait_bound_is_t_plus_timeout() {
+        let (t, timeout) = (Duration::from_millis(20), Duration::from_millis(1000));
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        assert!((blocked_ms(t, t + timeout * 3 / 2) - ms(timeout * 3 / 2)).abs() < 1e-6);
+        assert!(blocked_ms(t, t + timeout * 3 / 2) > ms(timeout), "fails the run");
+        assert!(blocked_ms(t, t + timeout / 2) < ms(timeout), "within the bound");
+        assert_eq!(blocked_ms(t, t / 2), 0.0);
+        assert_eq!(blocked_ms(Duration::ZERO, timeout), ms(timeout));
     }
 }
