@@ -77,6 +77,9 @@ struct Attachment {
     sock: UnixStream,
     /// When a poll of `sock` last found the pool there.
     checked: Instant,
+    /// A full check ([`Self::alive`], from `is_attached` or `snapshot`) found the pool
+    /// gone: the next lookup must not trust the mapping on the strength of an older poll.
+    seen_dead: std::cell::Cell<bool>,
     attachment_id: u32,
     /// The pool's KV event log (None from a pool that sent none).
     events: Option<events::EventFollower>,
@@ -118,19 +121,23 @@ impl Attachment {
         // view); IndexView::attach checks every header field against `len`.
         let index_view = unsafe { IndexView::attach(index.as_ptr(), index.len()) }?;
         let checked = Instant::now();
-        Ok(Self { index: index_view, hints, sock: a.sock, checked, attachment_id: r.attachment_id, events, _ring: ring, _index: index })
+        Ok(Self { index: index_view, hints, sock: a.sock, checked, seen_dead: std::cell::Cell::new(false), attachment_id: r.attachment_id, events, _ring: ring, _index: index })
     }
 
     /// Full check: the pool did not close its index, its death word is clear and its
     /// socket is open.
     fn alive(&self) -> bool {
-        !self.index.writer_gone() && !peer_gone(&self.sock)
+        let alive = !self.seen_dead.get() && !self.index.writer_gone() && !peer_gone(&self.sock);
+        if !alive {
+            self.seen_dead.set(true);
+        }
+        alive
     }
 
     /// The lookup-path check: the `closed` and death words every time, the socket when the
     /// last poll that found it open is [`LIVENESS_INTERVAL`] old.
     fn alive_cheap(&mut self) -> bool {
-        if self.index.writer_gone() {
+        if self.seen_dead.get() || self.index.writer_gone() {
             return false;
         }
         let now = Instant::now();
