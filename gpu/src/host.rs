@@ -138,8 +138,7 @@ fn check_memfd(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<SealFlags, G
     if fs.f_type as i64 == HUGETLBFS_MAGIC && !seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE) {
         return Err(GpuError::invalid(
             kind,
-            "a hugetlb (MFD_HUGETLB) memfd is refused unless sealed with F_SEAL_WRITE or F_SEAL_FUTURE_WRITE: a hole \
-             punched in it would make the pool's next copy fault with SIGBUS; register a normal memfd",
+            "hugetlb memfd refused unless sealed with F_SEAL_WRITE (a punched hole would SIGBUS the pool); use a normal memfd",
         ));
     }
     if len == 0 {
@@ -402,7 +401,7 @@ impl ProcessRegion {
             ));
         }
         if peer_pid == 0 {
-            return Err(refused("the peer runs in another pid namespace (SO_PEERCRED pid 0): the pool cannot reach its memory; register a memfd (HostMemfd) instead".into()));
+            return Err(refused("peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach; register a memfd".into()));
         }
         let pidfd = peer
             .pidfd

@@ -142,17 +142,11 @@ impl PeerProcess {
                 .map(|l| l.split_whitespace().filter_map(|u| u.parse().ok()).collect())
                 .unwrap_or_default();
             if uids.len() != 4 || uids.iter().any(|u| *u != uid) {
-                return Err(format!(
-                    "process {pid} no longer runs as uid {uid} alone (real/effective/saved/fs uids {uids:?}): it \
-                     executed a setuid program or changed its uid since it connected"
-                ));
+                return Err(format!("process {pid} runs as uids {uids:?}, not {uid} alone: setuid exec since connect"));
             }
             let owner = rustix::fs::stat(format!("/proc/{pid}").as_str()).map_err(|_| gone(pid))?.st_uid;
             if owner != uid {
-                return Err(format!(
-                    "process {pid} is no longer dumpable by uid {uid} (/proc/{pid} owned by uid {owner}): it executed a \
-                     setuid/setgid program or set PR_SET_DUMPABLE 0"
-                ));
+                return Err(format!("process {pid} is not dumpable by uid {uid} (/proc/{pid} owner {owner}): setuid exec since connect"));
             }
         }
         if let Some(t) = self.start_time {
@@ -222,9 +216,9 @@ pub fn check_pool_peer(sock: BorrowedFd<'_>, pool_uid: Option<u32>) -> Result<Pe
         return Ok(cred);
     }
     Err(format!(
-        "the process listening on the pool socket runs as uid {} (pid {}), which is not this process's uid {me}, \
-         root{}; refusing to talk to it (set {POOL_UID_ENV}={} or the connector option pool_uid if that is the pool's \
-         service user)",
+        "the process listening on the pool socket runs as uid {} (pid {}), which is neither this process's uid {me} \
+         nor root{}; refusing to talk to it (set {POOL_UID_ENV}={} or the connector option pool_uid if that is the \
+         pool's service user)",
         cred.uid,
         cred.pid,
         extra.map(|u| format!(" or the configured pool uid {u}")).unwrap_or_default(),
