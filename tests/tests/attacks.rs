@@ -429,18 +429,26 @@ fn peer_in_another_pid_namespace_is_served_without_process_memory() {
     }
     // The pool in a new pid namespace: peers outside it (this test) have no pid there.
     let socket = unique_socket("pidns");
-    let mut pool = Command::new("unshare")
+    /// Kills the pool (and its unshare parent) even when an assertion fails.
+    struct Killed(Child);
+    impl Drop for Killed {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut pool = Killed(Command::new("unshare")
         .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
         .arg(pool_binary())
         .arg("--socket")
         .arg(&socket)
         .args(["--capacity", "64MiB", "--min-object-size", "4KiB"])
         .stdin(Stdio::null())
+        .stdout(Stdio::null())
         .spawn()
-        .unwrap();
+        .unwrap());
     if !eventually(Duration::from_secs(20), || std::os::unix::net::UnixStream::connect(&socket).is_ok()) {
-        let _ = pool.kill();
-        println!("skipped: the pool did not start under unshare --pid ({:?})", pool.try_wait());
+        println!("skipped: the pool did not start under unshare --pid ({:?})", pool.0.try_wait());
         return;
     }
     let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).unwrap();
@@ -457,7 +465,5 @@ fn peer_in_another_pid_namespace_is_served_without_process_memory() {
     w.register_layout(0, vec![Segment::new(id, 0, 4096, 4096, 1)]).unwrap();
     let t = w.store(0, &[(key(20), 0)]).unwrap();
     assert_eq!(wait_status(&mut w, t), vec![BlockStatus::Stored]);
-    assert!(pool.try_wait().unwrap().is_none(), "pool alive");
-    let _ = pool.kill();
-    let _ = pool.wait();
+    assert!(pool.0.try_wait().unwrap().is_none(), "pool alive");
 }

@@ -111,7 +111,7 @@ class SchedulerSide:
             if self._indexes[i] is not None:
                 continue
             try:
-                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout)
+                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout, pool_uid=self.cfg.pool_uid)
                 continue
             except Exception as e:  # noqa: BLE001 - UmbpError / OSError
                 if strict:
@@ -122,7 +122,7 @@ class SchedulerSide:
                     ) from e
                 logger.warning("UMBP: index at %s not attached yet (%s); lookups miss", path, e)
             try:  # never blocks, never fails: attaches when the pool is reachable
-                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0)
+                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0, pool_uid=self.cfg.pool_uid)
             except Exception as e:  # noqa: BLE001
                 logger.debug("UMBP: lazy index for %s: %s", path, e)
                 return False
@@ -143,6 +143,7 @@ class SchedulerSide:
                 self._index_paths[i],
                 namespace=self.c._base_namespace,
                 timeout_ms=self.cfg.lookup_timeout_ms,
+                pool_uid=self.cfg.pool_uid,
             )
             self._attach_backoff = self._RETRY_ATTACH_S
             logger.info("UMBP: re-attached the index at %s", self._index_paths[i])
