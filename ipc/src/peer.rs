@@ -127,10 +127,7 @@ impl PeerProcess {
     /// The error says what changed.
     pub fn verify(&self) -> Result<(), String> {
         let pid = self.pid().ok_or_else(|| {
-            format!(
-                "the peer's pid is not visible in the pool's pid namespace (SO_PEERCRED pid 0: it runs in another pid \
-                 namespace); the pool cannot reach its process memory"
-            )
+            "peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach".to_string()
         })?;
         let pidfd = self.pidfd().ok_or_else(|| gone(pid))?;
         let uid = self.cred.uid;
