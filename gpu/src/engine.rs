@@ -313,7 +313,13 @@ struct IpcMapping {
     refs: usize,
 }
 
-type IpcKey = ([u8; 16], [u8; 64]);
+/// (peer pid, device UUID, handle bytes). IPC handles are bearer tokens: the driver maps
+/// whatever handle it is given, and a process-wide cache keyed by the bytes alone let any
+/// peer that presented another's handle reuse the other's mapping without even a driver
+/// call. Keyed by the registering process too, a handle is shared only among the
+/// attachments of the one process that sent it (a reconnecting worker re-registers while
+/// its old regions may still be held); another process gets its own driver call.
+type IpcKey = (u32, [u8; 16], [u8; 64]);
 
 struct Shared<A: DeviceApi> {
     api: A,
@@ -369,10 +375,10 @@ impl<A: DeviceApi> GpuBackend<A> {
 
 impl<A: DeviceApi> GpuBackend<A> {
     /// Opens (or shares) the IPC mapping of `reg`'s allocation. A device is bound.
-    fn ipc_mapping(&self, reg: &MemoryRegistration) -> Result<IpcMapping, GpuError> {
+    fn ipc_mapping(&self, reg: &MemoryRegistration, key: IpcKey) -> Result<IpcMapping, GpuError> {
         let api = &self.shared.api;
         let mut ipc = lock(&self.shared.ipc);
-        if let Some(m) = ipc.get_mut(&(reg.device_uuid, reg.ipc_handle)) {
+        if let Some(m) = ipc.get_mut(&key) {
             m.refs += 1;
             return Ok(*m);
         }
@@ -387,7 +393,7 @@ impl<A: DeviceApi> GpuBackend<A> {
             }
         };
         let m = IpcMapping { ptr, size, refs: 1 };
-        ipc.insert((reg.device_uuid, reg.ipc_handle), m);
+        ipc.insert(key, m);
         Ok(m)
     }
 
@@ -946,6 +952,25 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
         _fd: Option<OwnedFd>,
         peer_pid: u32,
     ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+        self.open_gpu_region(reg, peer_pid)
+    }
+
+    fn open_region_for(
+        &self,
+        reg: &MemoryRegistration,
+        _fd: Option<OwnedFd>,
+        peer: &crate::Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+        self.open_gpu_region(reg, peer.pid)
+    }
+
+    fn open_mappings(&self) -> usize {
+        open_ipc_mappings(self)
+    }
+}
+
+impl<A: DeviceApi> GpuBackend<A> {
+    fn open_gpu_region(&self, reg: &MemoryRegistration, peer_pid: u32) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(A::KIND, reg)?;
         if reg.size == 0 {
             return Err(GpuError::invalid(A::KIND, "size is 0"));
@@ -956,10 +981,8 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
         let (mapping, key) = if peer_pid == std::process::id() {
             (self.local_mapping(reg)?, None)
         } else {
-            (
-                self.ipc_mapping(reg)?,
-                Some((reg.device_uuid, reg.ipc_handle)),
-            )
+            let key = (peer_pid, reg.device_uuid, reg.ipc_handle);
+            (self.ipc_mapping(reg, key)?, Some(key))
         };
         let region = GpuRegion {
             shared: shared.clone(),
@@ -993,10 +1016,6 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
             "opened device region"
         );
         Ok(Box::new(region))
-    }
-
-    fn open_mappings(&self) -> usize {
-        open_ipc_mappings(self)
     }
 }
 
@@ -1216,6 +1235,7 @@ mod tests {
         events: bool,
         events_lag: bool,
         copies: AtomicUsize,
+        ipc_opens: AtomicUsize,
         syncs: AtomicUsize,
     }
 
@@ -1277,14 +1297,16 @@ mod tests {
         unsafe fn write_value64(&self, _: usize, _: u64, _: u64) -> Result<(), GpuError> {
             Err(GpuError::Unsupported("no memops".into()))
         }
-        unsafe fn ipc_open(&self, _: &[u8; 64]) -> Result<u64, GpuError> {
-            Err(GpuError::Unsupported("no ipc".into()))
+        unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, GpuError> {
+            // Like the driver: any handle bytes map (the first byte picks the "allocation").
+            self.ipc_opens.fetch_add(1, Ordering::Relaxed);
+            Ok(0x7000_0000 + ((handle[0] as u64) << 24))
         }
         unsafe fn ipc_close(&self, _: u64) -> Result<(), GpuError> {
             Ok(())
         }
         fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
-            Ok((ptr, 0))
+            Ok((ptr, 1 << 20))
         }
         unsafe fn host_register(&self, _: *mut u8, _: usize) -> Result<(), GpuError> {
             Ok(())
@@ -1295,7 +1317,14 @@ mod tests {
     }
 
     fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (SimulatedDevice, Engine<SimulatedDevice>) {
-        let api = SimulatedDevice { fail_len, events, events_lag, copies: AtomicUsize::new(0), syncs: AtomicUsize::new(0) };
+        let api = SimulatedDevice {
+            fail_len,
+            events,
+            events_lag,
+            copies: AtomicUsize::new(0),
+            ipc_opens: AtomicUsize::new(0),
+            syncs: AtomicUsize::new(0),
+        };
         let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true) };
         (api, engine)
     }
@@ -1394,6 +1423,31 @@ mod tests {
         assert!(reported.is_empty(), "the caller reports the stages after the call");
         assert_eq!(api.copies.load(Ordering::Relaxed), 64);
         assert!(!engine.events.load(Ordering::Relaxed));
+    }
+
+    /// Issue #13 item 2 (run on the CPU stand-in, not on a GPU): a second process presenting
+    /// the same handle bytes must not reuse the first one's mapping without a driver call;
+    /// the same process re-registering (a reconnect) shares it.
+    #[test]
+    fn ipc_mappings_are_not_shared_between_peers() {
+        let (api, _) = simulated(usize::MAX, true, false);
+        let backend = GpuBackend::new(api);
+        let mut reg = crate::new_registration(MemoryKind::Cuda, 1, 0x1000, 0, 4096);
+        reg.device_uuid = [7; 16];
+        reg.ipc_handle = [42; 64];
+        let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
+        let peer = |pid: u32, attachment: u32| crate::Peer { attachment, pid, pidfd: None, verify: &|| Ok(()) };
+        let victim = backend.open_region_for(&reg, None, &peer(1_000_001, 1)).unwrap();
+        assert_eq!(opens(&backend), 1);
+        let again = backend.open_region_for(&reg, None, &peer(1_000_001, 2)).unwrap();
+        assert_eq!(opens(&backend), 1, "the same process re-registering shares its mapping");
+        let thief = backend.open_region_for(&reg, None, &peer(1_000_002, 3)).unwrap();
+        assert_eq!(opens(&backend), 2, "another peer's handle bytes were served from the cache without a driver call");
+        assert_eq!(backend.open_mappings(), 2);
+        drop((victim, again));
+        assert_eq!(backend.open_mappings(), 1, "the thief's mapping is its own");
+        drop(thief);
+        assert_eq!(backend.open_mappings(), 0);
     }
 
     #[test]

@@ -6,12 +6,19 @@
 //!   `F_SEAL_SHRINK`: a peer that truncated the file under the pool's mapping would turn the
 //!   pool's next copy into a SIGBUS, killing every engine's cache at once. Unsealed fds are
 //!   refused.
-//! - [`MemoryKind::HostProcess`]: any memory of the worker process, read and written with
-//!   `process_vm_readv/writev` against the worker's pid. A dead peer or an unmapped range
-//!   is an error from the kernel, so the pool never crashes on it.
+//!   A hugetlb memfd is refused unless it is also sealed against writes: punching a hole
+//!   releases its pages and their reservation, and refaulting them fails with SIGBUS once
+//!   the huge page pool is empty (docs/security.md, item 3).
+//! - [`MemoryKind::HostProcess`]: any memory of the worker process, read and written
+//!   through `/proc/<pid>/mem`, opened once at registration between two checks that the
+//!   pid still is the process that connected and runs as the peer's uid
+//!   ([`crate::Peer::verify`]). The open file is bound to that address space: if the
+//!   process later executes another program (a setuid one, say), copies fail instead of
+//!   reaching the new program. A dead peer or an unmapped range is an error from the
+//!   kernel, so the pool never crashes on it.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 
 use rustix::fs::SealFlags;
@@ -22,9 +29,6 @@ use crate::{
     check_ops, expect_kind, new_registration, Backend, CopyOp, DeviceRegion, GpuError, MemoryKind,
     MemoryRegistration,
 };
-
-/// Most iovecs one process_vm_readv/writev call accepts (UIO_MAXIOV).
-const IOV_MAX: usize = 1024;
 
 /// Backend of [`MemoryKind::HostMemfd`]. Pool memory needs no registration.
 pub struct HostMemfdBackend;
@@ -82,9 +86,31 @@ impl Backend for HostProcessBackend {
         peer_pid: u32,
     ) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(MemoryKind::HostProcess, reg)?;
-        Ok(Box::new(ProcessRegion::open(reg, peer_pid)?))
+        // A bare pid (tests, tools): no identity to check beyond the pidfd taken here.
+        let pid = i32::try_from(peer_pid).ok().and_then(Pid::from_raw).ok_or_else(|| {
+            GpuError::invalid(MemoryKind::HostProcess, format!("peer pid {peer_pid} is not a process id"))
+        })?;
+        let pidfd = rustix::process::pidfd_open(pid, PidfdFlags::empty()).map_err(|e| match e {
+            rustix::io::Errno::SRCH => GpuError::PeerGone { pid: peer_pid },
+            e => GpuError::os("pidfd_open", e),
+        })?;
+        let peer = crate::Peer { attachment: 0, pid: peer_pid, pidfd: Some(pidfd.as_fd()), verify: &|| Ok(()) };
+        Ok(Box::new(ProcessRegion::open(reg, &peer)?))
+    }
+
+    fn open_region_for(
+        &self,
+        reg: &MemoryRegistration,
+        _fd: Option<OwnedFd>,
+        peer: &crate::Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+        expect_kind(MemoryKind::HostProcess, reg)?;
+        Ok(Box::new(ProcessRegion::open(reg, peer)?))
     }
 }
+
+/// `statfs` magic of hugetlbfs (MFD_HUGETLB memfds live there).
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
 /// Checks that `fd` is a memfd sealed against shrinking and at least `offset + len` long.
 /// Returns its seals.
@@ -102,6 +128,18 @@ fn check_memfd(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<SealFlags, G
         return Err(GpuError::NotSealed {
             seals: seals.bits(),
         });
+    }
+    // A hole punched in a hugetlb memfd (fallocate PUNCH_HOLE, allowed by every seal but
+    // the write seals) unmaps its huge pages from the pool too and gives back their
+    // reservation; the pool's next copy refaults them, and with the huge page pool empty
+    // that fault is SIGBUS: the pool dies for every engine. Shmem memfds refault a zero
+    // page instead. So hugetlb is taken only sealed against writes (loads then refused).
+    let fs = rustix::fs::fstatfs(fd).map_err(|e| GpuError::os("fstatfs of memfd", e))?;
+    if fs.f_type as i64 == HUGETLBFS_MAGIC && !seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE) {
+        return Err(GpuError::invalid(
+            kind,
+            "hugetlb memfd refused unless sealed with F_SEAL_WRITE (a punched hole would SIGBUS the pool); use a normal memfd",
+        ));
     }
     if len == 0 {
         return Err(GpuError::invalid(kind, "size is 0"));
@@ -316,38 +354,35 @@ struct ProcessRegion {
     pid: u32,
     address: u64,
     len: u64,
-    /// Becomes readable when the worker exits; checked before each batch so that a reused
-    /// pid is not written to after the worker died (the pool also closes the region when
-    /// the worker's socket closes, which bounds the window further).
+    /// `/proc/<pid>/mem`, opened at registration: bound to the address space the process
+    /// had then (a later exec leaves it reading nothing), permission checked once.
+    mem: OwnedFd,
+    /// Becomes readable when the worker exits: a zero-length read is then `PeerGone`.
     pidfd: OwnedFd,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Direction {
-    /// Peer -> pool (process_vm_readv).
+    /// Peer -> pool.
     Read,
-    /// Pool -> peer (process_vm_writev).
+    /// Pool -> peer.
     Write,
 }
 
 impl Direction {
     fn call(self) -> &'static str {
         match self {
-            Direction::Read => "process_vm_readv",
-            Direction::Write => "process_vm_writev",
+            Direction::Read => "read of /proc/<pid>/mem",
+            Direction::Write => "write of /proc/<pid>/mem",
         }
     }
 }
 
 impl ProcessRegion {
-    fn open(reg: &MemoryRegistration, peer_pid: u32) -> Result<Self, GpuError> {
+    fn open(reg: &MemoryRegistration, peer: &crate::Peer<'_>) -> Result<Self, GpuError> {
         let kind = MemoryKind::HostProcess;
-        let pid = i32::try_from(peer_pid)
-            .ok()
-            .and_then(Pid::from_raw)
-            .ok_or_else(|| {
-                GpuError::invalid(kind, format!("peer pid {peer_pid} is not a process id"))
-            })?;
+        let peer_pid = peer.pid;
+        let refused = |why: String| GpuError::invalid(kind, why);
         if reg.size == 0 {
             return Err(GpuError::invalid(kind, "size is 0"));
         }
@@ -365,15 +400,31 @@ impl ProcessRegion {
                 ),
             ));
         }
-        let pidfd = rustix::process::pidfd_open(pid, PidfdFlags::empty()).map_err(|e| match e {
-            rustix::io::Errno::SRCH => GpuError::PeerGone { pid: peer_pid },
-            e => GpuError::os("pidfd_open", e),
-        })?;
+        if peer_pid == 0 {
+            return Err(refused("peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach; register a memfd".into()));
+        }
+        let pidfd = peer
+            .pidfd
+            .ok_or_else(|| refused(format!("no pidfd of peer {peer_pid}: it was gone at accept")))?
+            .try_clone_to_owned()
+            .map_err(|e| GpuError::os("dup of pidfd", e))?;
+        // The pid is the process that connected, as that uid, both before the open (a clear
+        // refusal) and after it (the open took whatever address space the pid had between
+        // the two; if both checks pass, that is the peer's).
+        (peer.verify)().map_err(refused)?;
+        let path = format!("/proc/{peer_pid}/mem");
+        let mem = rustix::fs::open(path.as_str(), rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty())
+            .map_err(|e| match e {
+                rustix::io::Errno::SRCH | rustix::io::Errno::NOENT => GpuError::PeerGone { pid: peer_pid },
+                e => GpuError::PeerMemory { op: "open of /proc/<pid>/mem", pid: peer_pid, address: reg.address, len: reg.size, source: e.into() },
+            })?;
+        (peer.verify)().map_err(refused)?;
         let region = Self {
             alloc_id: reg.alloc_id,
             pid: peer_pid,
             address: reg.address,
             len: reg.size,
+            mem,
             pidfd,
         };
         // Touch both ends now so that a permission problem (Yama, non-dumpable worker) or a
@@ -409,7 +460,7 @@ impl ProcessRegion {
         }
     }
 
-    /// Moves all ops in batches of up to IOV_MAX iovecs, resuming after partial transfers.
+    /// Moves all ops, one pread/pwrite of the address space each, resuming short ones.
     ///
     /// # Safety
     /// `host[host_offset..+len]` is valid pool memory for each op, writable for reads.
@@ -421,95 +472,46 @@ impl ProcessRegion {
     ) -> Result<(), GpuError> {
         check_ops(ops, self.alloc_id, self.len)?;
         self.check_alive()?;
-        let mut local: Vec<libc::iovec> = Vec::with_capacity(ops.len().min(IOV_MAX));
-        let mut remote: Vec<libc::iovec> = Vec::with_capacity(ops.len().min(IOV_MAX));
-        for batch in ops.chunks(IOV_MAX) {
-            local.clear();
-            remote.clear();
-            for op in batch.iter().filter(|op| op.len > 0) {
-                local.push(libc::iovec {
-                    // SAFETY: in bounds of pool memory by the caller's contract.
-                    iov_base: unsafe { host.add(op.host_offset as usize) }.cast(),
-                    iov_len: op.len as usize,
-                });
-                remote.push(libc::iovec {
-                    iov_base: (self.address + op.device_offset) as *mut libc::c_void,
-                    iov_len: op.len as usize,
-                });
-            }
-            // SAFETY: local iovecs are valid pool memory (caller); remote ones are checked
-            // by the kernel against the peer's mappings.
-            unsafe { self.transfer_iovecs(&mut local, &mut remote, dir) }?;
-        }
-        Ok(())
-    }
-
-    /// One batch; `local[i]` and `remote[i]` have equal lengths.
-    ///
-    /// # Safety
-    /// Every local iovec is valid pool memory (writable for reads).
-    unsafe fn transfer_iovecs(
-        &self,
-        local: &mut [libc::iovec],
-        remote: &mut [libc::iovec],
-        dir: Direction,
-    ) -> Result<(), GpuError> {
-        let mut start = 0;
-        while start < local.len() {
-            let (l, r) = (&local[start..], &remote[start..]);
-            // SAFETY: the iovec arrays are live for the call; local buffers are valid by the
-            // caller's contract; the kernel validates the remote side against the peer.
-            let n = unsafe {
-                match dir {
-                    Direction::Read => libc::process_vm_readv(
-                        self.pid as libc::pid_t,
-                        l.as_ptr(),
-                        l.len() as libc::c_ulong,
-                        r.as_ptr(),
-                        r.len() as libc::c_ulong,
-                        0,
-                    ),
-                    Direction::Write => libc::process_vm_writev(
-                        self.pid as libc::pid_t,
-                        l.as_ptr(),
-                        l.len() as libc::c_ulong,
-                        r.as_ptr(),
-                        r.len() as libc::c_ulong,
-                        0,
-                    ),
+        for op in ops {
+            let mut done = 0u64;
+            while done < op.len {
+                let remote = self.address + op.device_offset + done;
+                let left = (op.len - done) as usize;
+                // SAFETY: in bounds of pool memory by the caller's contract (check_ops
+                // rules out overflow).
+                let local = unsafe { host.add((op.host_offset + done) as usize) };
+                // SAFETY: `local..+left` is valid pool memory (writable for reads) by the
+                // caller's contract; the kernel checks the remote side against the address
+                // space the file is bound to. remote <= isize::MAX (checked at open).
+                let n = unsafe {
+                    match dir {
+                        Direction::Read => libc::pread64(self.mem.as_raw_fd(), local.cast(), left, remote as i64),
+                        Direction::Write => libc::pwrite64(self.mem.as_raw_fd(), local.cast(), left, remote as i64),
+                    }
+                };
+                let fail = |source: io::Error| GpuError::PeerMemory {
+                    op: dir.call(),
+                    pid: self.pid,
+                    address: remote,
+                    len: left as u64,
+                    source,
+                };
+                if n < 0 {
+                    let err = io::Error::last_os_error();
+                    return Err(match err.raw_os_error() {
+                        Some(libc::ESRCH) => GpuError::PeerGone { pid: self.pid },
+                        // The kernel reports an unmapped remote page as EIO.
+                        Some(libc::EIO) => fail(io::Error::from_raw_os_error(libc::EFAULT)),
+                        _ => fail(err),
+                    });
                 }
-            };
-            let at = &remote[start];
-            let fail = |source: io::Error| GpuError::PeerMemory {
-                op: dir.call(),
-                pid: self.pid,
-                address: at.iov_base as u64,
-                len: at.iov_len as u64,
-                source,
-            };
-            if n < 0 {
-                let err = io::Error::last_os_error();
-                return Err(match err.raw_os_error() {
-                    Some(libc::ESRCH) => GpuError::PeerGone { pid: self.pid },
-                    _ => fail(err),
-                });
-            }
-            let mut n = n as usize;
-            if n == 0 {
-                // No progress with bytes left: the first remote page is not mapped.
-                return Err(fail(io::Error::from_raw_os_error(libc::EFAULT)));
-            }
-            // Skip fully transferred iovecs, then shorten the one the kernel stopped in
-            // (it stops early at an unmapped page or after MAX_RW_COUNT bytes).
-            while start < local.len() && n >= local[start].iov_len {
-                n -= local[start].iov_len;
-                start += 1;
-            }
-            if n > 0 {
-                for v in [&mut local[start], &mut remote[start]] {
-                    v.iov_base = (v.iov_base as usize + n) as *mut libc::c_void;
-                    v.iov_len -= n;
+                if n == 0 {
+                    // The address space the file is bound to is gone: the process exited
+                    // or executed another program since it registered.
+                    self.check_alive()?;
+                    return Err(fail(io::Error::other("the process executed another program since it registered this memory")));
                 }
+                done += n as u64;
             }
         }
         Ok(())
@@ -537,16 +539,28 @@ impl DeviceRegion for ProcessRegion {
     }
 }
 
+/// Worker side: lets the pool at `pool_pid` (its verified pid: SO_PEERCRED of the pool
+/// socket, never a number from a message) read and write this process's memory, for
+/// HostProcess registrations. Under Yama `ptrace_scope = 1` (the default of most
+/// distributions) only ancestors may open a process's memory, and the pool is not the
+/// worker's ancestor: `prctl(PR_SET_PTRACER, pool_pid)` names it as the one exception (the
+/// worker used to say `PR_SET_PTRACER_ANY`, which let every process of its user in).
+/// Without Yama the call fails with EINVAL, which means nothing is restricted and is
+/// ignored. `pool_pid` 0 (the pool runs in a pid namespace this process cannot see) sets
+/// nothing: under Yama such a pool cannot reach this process; use memfds.
+pub fn allow_pool_ptrace(pool_pid: u32) -> Result<(), GpuError> {
+    let Some(pid) = i32::try_from(pool_pid).ok().and_then(Pid::from_raw) else {
+        return Ok(());
+    };
+    match rustix::process::set_ptracer(rustix::process::PTracer::ProcessID(pid)) {
+        Ok(()) | Err(rustix::io::Errno::INVAL) => Ok(()),
+        Err(e) => Err(GpuError::os("prctl(PR_SET_PTRACER, pool pid)", e)),
+    }
+}
+
 /// Worker side: registration of `len` bytes at `ptr` of this process as HostProcess memory.
-///
-/// Calls `prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)`: under Yama `ptrace_scope = 1` (the
-/// default of most distributions) only ancestors may use process_vm_* on a process, and the
-/// pool is not the worker's ancestor. This lets any process of the *same user* attach to the
-/// worker, a weaker isolation than the default, and is why the GPU kinds are preferred on
-/// shared machines. Without Yama the call fails with EINVAL, which means nothing is
-/// restricted and is ignored. `ptrace_scope = 2` or `3` still refuse a non-root pool; the
-/// pool then reports EPERM when it opens the region. The worker must also be dumpable (not
-/// setuid, no PR_SET_DUMPABLE 0), checked here.
+/// The worker must be dumpable (not setuid, no PR_SET_DUMPABLE 0), checked here; the
+/// connection calls [`allow_pool_ptrace`] with the pool's verified pid before sending it.
 pub fn export_process_memory(
     ptr: *const u8,
     len: usize,
@@ -555,10 +569,6 @@ pub fn export_process_memory(
     let kind = MemoryKind::HostProcess;
     if ptr.is_null() || len == 0 {
         return Err(GpuError::invalid(kind, "null pointer or zero length"));
-    }
-    match rustix::process::set_ptracer(rustix::process::PTracer::Any) {
-        Ok(()) | Err(rustix::io::Errno::INVAL) => {}
-        Err(e) => return Err(GpuError::os("prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)", e)),
     }
     match rustix::process::dumpable_behavior() {
         Ok(rustix::process::DumpableBehavior::Dumpable) => {}

@@ -17,7 +17,7 @@
 //! [`host::export_process_memory`], [`cuda::export_cuda_memory`] and
 //! [`hip::export_hip_memory`].
 
-use std::os::fd::OwnedFd;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 pub use umbp_protocol::layout::CopyOp;
@@ -286,6 +286,20 @@ pub trait DeviceRegion: Send + Sync {
     }
 }
 
+/// The peer a registration comes from, as the pool knows it from the peer's socket.
+pub struct Peer<'a> {
+    /// The attachment registering: GPU IPC mappings are kept per attachment, so one peer
+    /// presenting another's handle bytes never reuses the other's mapping.
+    pub attachment: u32,
+    /// SO_PEERCRED pid; 0 when the peer is not visible in the pool's pid namespace.
+    pub pid: u32,
+    /// A pidfd of the process that connected, taken at accept.
+    pub pidfd: Option<BorrowedFd<'a>>,
+    /// Checks that `pid` still names the process that connected and that it still runs as
+    /// the peer's uid; Err says what changed.
+    pub verify: &'a dyn Fn() -> Result<(), String>,
+}
+
 /// Opens regions of one memory kind inside the pool process.
 pub trait Backend: Send + Sync {
     fn kind(&self) -> MemoryKind;
@@ -314,6 +328,18 @@ pub trait Backend: Send + Sync {
         fd: Option<OwnedFd>,
         peer_pid: u32,
     ) -> Result<Box<dyn DeviceRegion>, GpuError>;
+    /// Opens one registration of `peer`: what the pool calls. HostProcess checks with
+    /// `peer.verify` that the pid still is the process that connected (and runs as its uid)
+    /// before and after it takes its handle on that process's memory; the GPU backends keep
+    /// IPC mappings per `peer.attachment`. The default forwards to [`Self::open_region`].
+    fn open_region_for(
+        &self,
+        reg: &MemoryRegistration,
+        fd: Option<OwnedFd>,
+        peer: &Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+        self.open_region(reg, fd, peer.pid)
+    }
     /// Peer allocations this process holds open (GPU: IPC mappings). A worker that died
     /// must leave none behind once its regions are dropped.
     fn open_mappings(&self) -> usize {

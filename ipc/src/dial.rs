@@ -52,6 +52,7 @@ impl std::fmt::Display for DialError {
 /// A handshake in progress.
 pub struct Dial {
     sock: UnixStream,
+    pool: crate::peer::PeerCred,
     deadline: Instant,
     reply_timeout: Duration,
 }
@@ -59,6 +60,9 @@ pub struct Dial {
 /// What a successful handshake hands over.
 pub struct Attached {
     pub sock: UnixStream,
+    /// The pool's credentials, checked against the trusted uids before anything was sent;
+    /// `pool.pid` is the pool's pid as the kernel reports it (0: another pid namespace).
+    pub pool: crate::peer::PeerCred,
     pub reply: HelloReply,
     pub fds: Vec<OwnedFd>,
 }
@@ -77,17 +81,23 @@ impl Dial {
     /// Connects and sends `hello`. Never waits on the pool: a unix-socket connect either
     /// completes at once or fails (EAGAIN when the listener's backlog is full, which a
     /// blocking connect would wait out).
-    pub fn start(path: &Path, hello: &Hello, reply_timeout: Duration) -> Result<Self, DialError> {
+    ///
+    /// Before sending anything, the listening process must run as this process's uid, root,
+    /// or `pool_uid` (None: `UMBP_POOL_UID`); anyone else (a socket put in place of the
+    /// pool's) is `Refused` with a message naming its uid.
+    pub fn start(path: &Path, hello: &Hello, reply_timeout: Duration, pool_uid: Option<u32>) -> Result<Self, DialError> {
         let fd = socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC | SocketFlags::NONBLOCK, None)
             .map_err(|e| DialError::Unreachable(e.into()))?;
         let addr = SocketAddrUnix::new(path).map_err(|e| DialError::Unreachable(e.into()))?;
         connect(&fd, &addr).map_err(|e| DialError::Unreachable(e.into()))?;
         let sock = UnixStream::from(fd);
+        let pool = crate::peer::check_pool_peer(std::os::fd::AsFd::as_fd(&sock), pool_uid)
+            .map_err(|m| DialError::Refused(format!("{}: {m}", path.display())))?;
         // Messages are read with SO_RCVTIMEO deadlines, which need a blocking socket.
         sock.set_nonblocking(false).map_err(|e| DialError::Broken(e.to_string()))?;
         send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(reply_timeout))
             .map_err(|e| DialError::Broken(format!("sending Hello: {e}")))?;
-        Ok(Self { sock, deadline: Instant::now() + reply_timeout, reply_timeout })
+        Ok(Self { sock, pool, deadline: Instant::now() + reply_timeout, reply_timeout })
     }
 
     /// Waits up to `wait` (zero: just looks) for the reply. Ok(None): not there yet and the
@@ -127,12 +137,12 @@ impl Dial {
     }
 
     pub fn into_attached(self, reply: HelloReply, fds: Vec<OwnedFd>) -> Attached {
-        Attached { sock: self.sock, reply, fds }
+        Attached { sock: self.sock, pool: self.pool, reply, fds }
     }
 
     /// Start and finish, waiting for the reply up to `reply_timeout`.
-    pub fn blocking(path: &Path, hello: &Hello, reply_timeout: Duration) -> Result<Attached, DialError> {
-        let mut d = Self::start(path, hello, reply_timeout)?;
+    pub fn blocking(path: &Path, hello: &Hello, reply_timeout: Duration, pool_uid: Option<u32>) -> Result<Attached, DialError> {
+        let mut d = Self::start(path, hello, reply_timeout, pool_uid)?;
         loop {
             if let Some((reply, fds)) = d.finish(reply_timeout)? {
                 return Ok(d.into_attached(reply, fds));

@@ -6,7 +6,9 @@ pub mod backoff;
 pub mod dial;
 pub mod doorbell;
 pub mod message;
+pub mod peer;
 pub mod shm;
+pub mod sockdir;
 
 pub use message::{recv_message, send_message, Message, MessageError};
 pub use shm::{SharedMemory, ShmError};

@@ -68,8 +68,11 @@ pub struct CopySlots {
 pub struct Attachment {
     pub id: u32,
     pub role: Role,
+    /// SO_PEERCRED pid; 0 when the peer runs in a pid namespace the pool cannot see.
     pub pid: u32,
     pub uid: u32,
+    /// The process that connected, held by a pidfd from accept on (docs/security.md).
+    pub process: umbp_ipc::peer::PeerProcess,
     pub namespace: u128,
     pub tp_rank: u32,
     pub tp_size: u32,
@@ -104,8 +107,7 @@ impl Attachment {
     pub fn create(
         id: u32,
         role: Role,
-        pid: u32,
-        uid: u32,
+        process: umbp_ipc::peer::PeerProcess,
         hello: &umbp_protocol::wire::Hello,
         layout: AttachmentLayout,
         socket: UnixStream,
@@ -128,9 +130,11 @@ impl Attachment {
             let arena = Arena::new(base.add(layout.arena_offset), layout.arena_bytes);
             (sq, cq, hints, arena)
         };
+        let (pid, uid) = (process.cred.pid, process.cred.uid);
         Ok(Self {
             id,
             role,
+            process,
             pid,
             uid,
             namespace: hello.namespace(),

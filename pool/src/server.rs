@@ -33,8 +33,10 @@ const TOKEN_WAKE: u64 = u64::MAX - 1;
 /// socket file (its pool died) is replaced.
 pub fn bind(path: &Path, group: Option<u32>) -> Result<UnixListener, PoolError> {
     let err = |message: String| PoolError::Socket { path: path.to_path_buf(), message };
+    // Whoever may rename entries in the directory may put their socket in place of ours:
+    // refuse a directory of another user or one others may write (docs/security.md).
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| err(format!("cannot create directory {}: {e}", dir.display())))?;
+        umbp_ipc::sockdir::prepare_socket_dir(dir, group).map_err(|e| err(e.to_string()))?;
     }
     match std::fs::symlink_metadata(path) {
         Ok(meta) => {
@@ -145,8 +147,10 @@ fn refuse(sock: &UnixStream, inner: &PoolInner, status: ReplyStatus, message: St
 
 fn handshake(inner: &Arc<PoolInner>, sock: UnixStream) -> Result<(), String> {
     sock.set_nonblocking(false).map_err(|e| e.to_string())?;
-    let cred = rustix::net::sockopt::socket_peercred(&sock).map_err(|e| format!("SO_PEERCRED: {e}"))?;
-    let (uid, pid) = (cred.uid.as_raw(), cred.pid.as_raw_nonzero().get() as u32);
+    // Identity first, before reading anything: SO_PEERCRED (pid 0 = another pid namespace,
+    // served without process memory) and a pidfd of the process that connected.
+    let process = umbp_ipc::peer::PeerProcess::capture(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    let (uid, pid) = (process.cred.uid, process.cred.pid);
     let msg = recv_message(&sock, Some(HANDSHAKE_TIMEOUT)).map_err(|e| format!("pid {pid}: {e}"))?;
     if msg.kind != MessageKind::Hello {
         return Err(refuse(&sock, inner, ReplyStatus::InvalidRequest, format!("expected Hello, got {:?}", msg.kind)));
@@ -163,7 +167,7 @@ fn handshake(inner: &Arc<PoolInner>, sock: UnixStream) -> Result<(), String> {
     early.map_err(|r| refuse(&sock, inner, r.status, r.message))?;
     let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
     let sock2 = sock.try_clone().map_err(|e| e.to_string())?;
-    let att = Attachment::create(id, role, pid, uid, &hello, layout, sock2)
+    let att = Attachment::create(id, role, process, &hello, layout, sock2)
         .map_err(|e| refuse(&sock, inner, ReplyStatus::Internal, format!("cannot create rings: {e}")))?;
     let att = Arc::new(att);
     {
@@ -259,8 +263,11 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
             return Reply::error(ReplyStatus::Unsupported, &format!("{kind:?} memory: {e}{hint}"));
         }
     };
-    // The pid comes from SO_PEERCRED, never from the message.
-    match backend.open_region(&reg, fds.into_iter().next(), att.pid) {
+    // The pid comes from SO_PEERCRED, never from the message, and is checked to still be
+    // the process that connected, running as the peer's uid (HostProcess; item 1 of #13).
+    let verify = || att.process.verify();
+    let peer = umbp_gpu::Peer { attachment: att.id, pid: att.pid, pidfd: att.process.pidfd(), verify: &verify };
+    match backend.open_region_for(&reg, fds.into_iter().next(), &peer) {
         Ok(region) => {
             // The opened size is what copies may touch; check it too.
             if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits) {

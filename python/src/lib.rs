@@ -170,7 +170,9 @@ fn statuses(s: &[BlockStatus]) -> Vec<u32> {
 #[pymethods]
 impl Worker {
     #[new]
-    #[pyo3(signature = (endpoint, namespace, tp_rank=0, tp_size=1, dp_rank=0, timeout_ms=5000, startup_timeout_ms=10000))]
+    /// `pool_uid`: a uid accepted as the pool's besides this process's own and root (the
+    /// pool's service user); None: `UMBP_POOL_UID`.
+    #[pyo3(signature = (endpoint, namespace, tp_rank=0, tp_size=1, dp_rank=0, timeout_ms=5000, startup_timeout_ms=10000, pool_uid=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -181,6 +183,7 @@ impl Worker {
         dp_rank: u32,
         timeout_ms: u64,
         startup_timeout_ms: u64,
+        pool_uid: Option<u32>,
     ) -> PyResult<Self> {
         let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
         let mut cfg = umbp_worker::WorkerConfig::new(endpoint, ns);
@@ -189,6 +192,7 @@ impl Worker {
         cfg.dp_rank = dp_rank;
         cfg.timeout = Duration::from_millis(timeout_ms);
         cfg.startup_timeout = Duration::from_millis(startup_timeout_ms);
+        cfg.pool_uid = pool_uid;
         let w = py.detach(|| umbp_worker::Worker::connect(cfg)).map_err(err)?;
         Ok(Self { inner: Mutex::new(Some(w)) })
     }
@@ -310,17 +314,18 @@ impl Index {
     /// With `timeout_ms` > 0 the pool must answer in time (error names the socket);
     /// with 0 the index attaches lazily whenever the pool is reachable.
     #[new]
-    #[pyo3(signature = (endpoint, namespace=None, timeout_ms=5000))]
-    fn new(py: Python<'_>, endpoint: String, namespace: Option<&[u8]>, timeout_ms: u64) -> PyResult<Self> {
+    #[pyo3(signature = (endpoint, namespace=None, timeout_ms=5000, pool_uid=None))]
+    fn new(py: Python<'_>, endpoint: String, namespace: Option<&[u8]>, timeout_ms: u64, pool_uid: Option<u32>) -> PyResult<Self> {
         let ns = match namespace {
             Some(n) => u128::from_le_bytes(key16(n, "namespace")?),
             None => 0,
         };
         let path = PathBuf::from(endpoint);
         let client = if timeout_ms == 0 {
-            umbp_scheduler::IndexClient::lazy(&path, ns)
+            umbp_scheduler::IndexClient::lazy_with_pool_uid(&path, ns, pool_uid)
         } else {
-            py.detach(|| umbp_scheduler::IndexClient::connect(&path, ns, Duration::from_millis(timeout_ms))).map_err(err)?
+            py.detach(|| umbp_scheduler::IndexClient::connect_with_pool_uid(&path, ns, Duration::from_millis(timeout_ms), pool_uid))
+                .map_err(err)?
         };
         Ok(Self { inner: Mutex::new(client) })
     }

@@ -178,6 +178,8 @@ pub struct IndexClient {
     events_lost: u64,
     dial: Option<Dial>,
     backoff: Backoff,
+    /// Trusted pool uid besides ours and root (None: `UMBP_POOL_UID`).
+    pool_uid: Option<u32>,
 }
 
 impl IndexClient {
@@ -185,13 +187,25 @@ impl IndexClient {
     /// socket path. After a successful attach it behaves like [`Self::lazy`]: it detaches
     /// when the pool dies and reattaches when it comes back.
     pub fn connect(endpoint: &Path, namespace: u128, timeout: Duration) -> Result<IndexClient, SchedulerError> {
+        Self::connect_with_pool_uid(endpoint, namespace, timeout, None)
+    }
+
+    /// [`Self::connect`], also accepting a pool that runs as `pool_uid` (besides this
+    /// process's uid and root; None: `UMBP_POOL_UID`). A socket served by anyone else is
+    /// refused before anything is sent to it.
+    pub fn connect_with_pool_uid(
+        endpoint: &Path,
+        namespace: u128,
+        timeout: Duration,
+        pool_uid: Option<u32>,
+    ) -> Result<IndexClient, SchedulerError> {
         let start = Instant::now();
         let deadline = start + timeout;
         let hello = Hello::new(Role::Scheduler, namespace, std::process::id());
         let mut backoff = Backoff::default();
         let attached = loop {
             let left = deadline.saturating_duration_since(Instant::now());
-            match Dial::blocking(endpoint, &hello, left.max(Duration::from_millis(50))) {
+            match Dial::blocking(endpoint, &hello, left.max(Duration::from_millis(50)), pool_uid) {
                 Ok(a) => break a,
                 Err(DialError::Refused(message)) => {
                     tracing::error!(endpoint = %endpoint.display(), %message, "UMBP pool refused this scheduler");
@@ -218,13 +232,20 @@ impl IndexClient {
             events_lost: 0,
             dial: None,
             backoff: Backoff::default(),
+            pool_uid,
         })
     }
 
     /// A client that attaches whenever the pool is reachable, starting now. Never fails;
     /// until attached every lookup is a miss.
     pub fn lazy(endpoint: &Path, namespace: u128) -> IndexClient {
+        Self::lazy_with_pool_uid(endpoint, namespace, None)
+    }
+
+    /// [`Self::lazy`] with a trusted pool uid (see [`Self::connect_with_pool_uid`]).
+    pub fn lazy_with_pool_uid(endpoint: &Path, namespace: u128, pool_uid: Option<u32>) -> IndexClient {
         let mut c = IndexClient {
+            pool_uid,
             endpoint: endpoint.to_path_buf(),
             namespace,
             reply_timeout: REATTACH_REPLY_TIMEOUT,
@@ -324,7 +345,7 @@ impl IndexClient {
                 return;
             }
             let hello = Hello::new(Role::Scheduler, self.namespace, std::process::id());
-            match Dial::start(&self.endpoint, &hello, self.reply_timeout) {
+            match Dial::start(&self.endpoint, &hello, self.reply_timeout, self.pool_uid) {
                 Ok(d) => self.dial = Some(d),
                 Err(e) => {
                     let delay = self.backoff.failed(now);

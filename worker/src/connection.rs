@@ -35,6 +35,8 @@ pub(crate) struct Connection {
     owed_replies: u32,
     pub attachment_id: u32,
     pub cq_capacity: u32,
+    /// The pool's pid from SO_PEERCRED of this socket (0: another pid namespace).
+    pub pool_pid: u32,
     // Last field, so dropped last: `sq`, `cq` and `arena` point into this mapping.
     _shm: SharedMemory,
 }
@@ -70,6 +72,7 @@ impl Connection {
             owed_replies: 0,
             attachment_id: r.attachment_id,
             cq_capacity: layout.cq_entries,
+            pool_pid: a.pool.pid,
             _shm: shm,
         })
     }
@@ -118,6 +121,11 @@ impl Connection {
         timeout: Duration,
     ) -> Result<u32, WorkerError> {
         let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+        if reg.kind == umbp_protocol::wire::MemoryKind::HostProcess as u32 {
+            // Under Yama, let exactly this pool (its verified pid) open our memory; done on
+            // every (re)registration, so a restarted pool is named, not the old one.
+            umbp_gpu::host::allow_pool_ptrace(self.pool_pid).map_err(|e| WorkerError::Invalid(e.to_string()))?;
+        }
         let value = self.control(MessageKind::RegisterMemory, bytemuck::bytes_of(reg), &fds, timeout)?;
         u32::try_from(value).map_err(|_| WorkerError::Invalid(format!("pool returned alloc id {value}, not a u32")))
     }

@@ -45,6 +45,10 @@ pub struct WorkerConfig {
     pub sq_entries: u32,
     /// Arena bytes (0 = pool default).
     pub arena_bytes: u64,
+    /// A uid accepted as the pool's besides this process's own and root (the pool's
+    /// service user); None: `UMBP_POOL_UID`, if set. A socket served by anyone else is
+    /// refused before anything is sent to it (docs/security.md).
+    pub pool_uid: Option<u32>,
 }
 
 impl WorkerConfig {
@@ -59,6 +63,7 @@ impl WorkerConfig {
             startup_timeout: Duration::from_secs(10),
             sq_entries: 0,
             arena_bytes: 0,
+            pool_uid: None,
         }
     }
 
@@ -214,7 +219,7 @@ impl Worker {
         let attached = loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let reply_timeout = cfg.timeout.min(left).max(Duration::from_millis(50));
-            match Dial::blocking(&cfg.endpoint, &hello, reply_timeout) {
+            match Dial::blocking(&cfg.endpoint, &hello, reply_timeout, cfg.pool_uid) {
                 Ok(a) => break a,
                 Err(DialError::Refused(message)) => {
                     tracing::error!(endpoint = %cfg.endpoint.display(), %message, "UMBP pool refused this worker");
@@ -428,7 +433,7 @@ impl Worker {
             return Ok(());
         }
         self.dial = None;
-        let result = match Dial::blocking(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout) {
+        let result = match Dial::blocking(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout, self.cfg.pool_uid) {
             Ok(a) => self.finish_reconnect(a),
             Err(DialError::Refused(message)) => Err(WorkerError::Refused { message }),
             Err(e) => Err(WorkerError::Unreachable { path: self.cfg.endpoint.clone(), source: e.into_io() }),
@@ -646,7 +651,7 @@ impl Worker {
             if !self.backoff.due(now) {
                 return;
             }
-            match Dial::start(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout) {
+            match Dial::start(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout, self.cfg.pool_uid) {
                 Ok(d) => self.dial = Some(d),
                 Err(e) => {
                     let delay = self.backoff.failed(now);

@@ -22,6 +22,7 @@ Keys (all optional):
 | `timeout_ms` | int > 0 | 5000 | a transfer pending longer is treated as failed by synchronous waits |
 | `lookup_timeout_ms` | int > 0 | 1000 | scheduler, embedded mode: how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
 | `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
+| `pool_uid` | int >= 0 | `$UMBP_POOL_UID` | standalone: the pool's service uid; a socket served by another uid than this process's, root or this one is refused |
 
 Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
 machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
@@ -57,6 +58,7 @@ KNOWN_KEYS = frozenset(
         "timeout_ms",
         "lookup_timeout_ms",
         "startup_timeout_ms",
+        "pool_uid",
         "dram_high_watermark",
         "dram_low_watermark",
     }
@@ -167,6 +169,7 @@ class UMBPConnectorConfig:
     timeout_ms: int = 5000
     lookup_timeout_ms: int = 1000
     startup_timeout_ms: int = 10000
+    pool_uid: int | None = None
 
     @property
     def embedded(self) -> bool:
@@ -280,6 +283,11 @@ class UMBPConnectorConfig:
         for k in ("timeout_ms", "lookup_timeout_ms", "startup_timeout_ms"):
             if has(k):
                 kw[k] = parse_positive_int(extra[k], k)
+        if has("pool_uid"):
+            uid = extra["pool_uid"]
+            if isinstance(uid, bool) or not isinstance(uid, (int, str)) or not str(uid).strip().isdigit():
+                raise ValueError(f"pool_uid: expected a uid (an int >= 0), got {uid!r}")
+            kw["pool_uid"] = int(str(uid).strip())
         if has("key_namespace"):
             ns = extra["key_namespace"]
             if not isinstance(ns, str) or not ns.strip():

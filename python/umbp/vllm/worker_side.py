@@ -84,6 +84,7 @@ class WorkerSide:
                 dp_rank=c._dp_rank,
                 timeout_ms=self.cfg.timeout_ms,
                 startup_timeout_ms=self.cfg.startup_timeout_ms,
+                pool_uid=self.cfg.pool_uid,
             )
         except Exception as e:
             if self.pool is not None:

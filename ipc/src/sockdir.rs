@@ -1,0 +1,151 @@
+//! The directory a pool socket lives in (docs/security.md, "Impersonation"): whoever may
+//! rename entries in it may put their own socket in place of the pool's, and engines would
+//! hand that process their KV memory. So the pool refuses a directory (or any directory
+//! above it) that is owned by another non-root user, or that others may write without the
+//! sticky bit, and creates a missing one itself: mode 0750, not through a symlink, with the
+//! mode and group set through the opened directory's fd.
+
+use std::io;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
+
+/// Why a socket directory was refused (the message names the directory and the fix).
+#[derive(Debug)]
+pub struct UnsafeDir {
+    pub dir: PathBuf,
+    pub message: String,
+}
+
+impl std::fmt::Display for UnsafeDir {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "socket directory {}: {}", self.dir.display(), self.message)
+    }
+}
+
+impl std::error::Error for UnsafeDir {}
+
+fn refuse(dir: &Path, message: impl Into<String>) -> UnsafeDir {
+    UnsafeDir { dir: dir.to_path_buf(), message: message.into() }
+}
+
+const STICKY: u32 = 0o1000;
+
+/// Checks one directory's owner and mode: owned by `me` or root; not writable by group or
+/// others unless sticky.
+fn check_one(dir: &Path, uid: u32, mode: u32, me: u32) -> Result<(), UnsafeDir> {
+    if uid != me && uid != 0 {
+        return Err(refuse(
+            dir,
+            format!(
+                "owned by uid {uid}, neither this process's uid {me} nor root: its owner could replace the socket; \
+                 use a directory of your own (e.g. remove it and let the pool create it, or pick another --socket)"
+            ),
+        ));
+    }
+    if mode & 0o022 != 0 && mode & STICKY == 0 {
+        return Err(refuse(
+            dir,
+            format!(
+                "mode {:04o} lets other users rename or replace the socket (writable by group or others without the \
+                 sticky bit); chmod go-w it or pick another --socket",
+                mode & 0o7777
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Makes `dir` a safe home for a socket: creates it (0750, group `group` when given) if it
+/// is missing, then checks it and every directory above it. Returns whether it created it.
+pub fn prepare_socket_dir(dir: &Path, group: Option<u32>) -> Result<bool, UnsafeDir> {
+    let me = rustix::process::geteuid().as_raw();
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
+    if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if std::fs::symlink_metadata(parent).is_err() {
+            std::fs::create_dir_all(parent).map_err(|e| refuse(parent, format!("cannot create it: {e}")))?;
+        }
+    }
+    // mkdir never follows a symlink at the last component (it fails with EEXIST), and the
+    // O_NOFOLLOW open below refuses one, so an attacker's link is never used.
+    let created = match rustix::fs::mkdir(dir, Mode::from_raw_mode(0o700)) {
+        Ok(()) => true,
+        Err(rustix::io::Errno::EXIST) => false,
+        Err(e) => return Err(refuse(dir, format!("cannot create it: {}", io::Error::from(e)))),
+    };
+    let fd = rustix::fs::open(dir, OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+        .map_err(|e| match e {
+            rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
+                refuse(dir, "is a symbolic link or not a directory; give the real directory")
+            }
+            e => refuse(dir, format!("cannot open it: {}", io::Error::from(e))),
+        })?;
+    if created {
+        if let Some(gid) = group {
+            rustix::fs::fchown(&fd, None, Some(rustix::fs::Gid::from_raw(gid)))
+                .map_err(|e| refuse(dir, format!("cannot give it to group {gid}: {}", io::Error::from(e))))?;
+        }
+        // Group members reach the socket through it (the socket itself is 0660).
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o750))
+            .map_err(|e| refuse(dir, format!("cannot set its mode: {}", io::Error::from(e))))?;
+    }
+    let st = rustix::fs::fstat(&fd).map_err(|e| refuse(dir, format!("fstat: {}", io::Error::from(e))))?;
+    check_one(dir, st.st_uid, st.st_mode, me)?;
+    // Every directory above: whoever may rename one of them may swap the whole subtree.
+    let canon = std::fs::canonicalize(dir).map_err(|e| refuse(dir, format!("cannot resolve it: {e}")))?;
+    for up in canon.ancestors().skip(1) {
+        let m = std::fs::symlink_metadata(up).map_err(|e| refuse(up, format!("stat: {e}")))?;
+        check_one(up, m.uid(), m.mode(), me).map_err(|e| UnsafeDir {
+            dir: dir.to_path_buf(),
+            message: format!("the directory above it, {}: {}", up.display(), e.message),
+        })?;
+    }
+    Ok(created)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    fn scratch(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("umbp-sockdir-{}-{tag}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        d
+    }
+
+    #[test]
+    fn creates_a_private_directory() {
+        let base = scratch("create");
+        let dir = base.join("umbp");
+        assert!(prepare_socket_dir(&dir, None).unwrap());
+        assert_eq!(std::fs::metadata(&dir).unwrap().permissions().mode() & 0o7777, 0o750);
+        assert!(!prepare_socket_dir(&dir, None).unwrap(), "second call reuses it");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn refuses_world_writable_and_symlinks() {
+        let base = scratch("refuse");
+        let open = base.join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = prepare_socket_dir(&open, None).unwrap_err().to_string();
+        assert!(e.contains(&open.display().to_string()) && e.contains("0777"), "{e}");
+        // Sticky is fine (/tmp itself).
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        prepare_socket_dir(&open, None).unwrap();
+        let link = base.join("link");
+        std::os::unix::fs::symlink(&open, &link).unwrap();
+        let e = prepare_socket_dir(&link, None).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        // Below a world-writable, non-sticky directory: refused, naming that one.
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let e = prepare_socket_dir(&open.join("umbp"), None).unwrap_err().to_string();
+        assert!(e.contains("directory above it"), "{e}");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+}
