@@ -72,6 +72,9 @@ pub struct ObjectStore {
     index: IndexWriter<'static>,
     namespaces: HashMap<u128, NamespaceUsage>,
     evictions: u64,
+    /// Objects with `pins > 0`, kept as pins change so reports and scrapes never walk
+    /// the objects under the store lock.
+    pinned_objects: usize,
     quarantined_bytes: u64,
     events: Vec<ObjectEvent>,
     /// The same events in shared memory, for schedulers (absent in unit tests).
@@ -100,6 +103,7 @@ impl ObjectStore {
             index: IndexWriter::new(view),
             namespaces: HashMap::new(),
             evictions: 0,
+            pinned_objects: 0,
             quarantined_bytes: 0,
             events: Vec::new(),
             event_log: None,
@@ -212,6 +216,9 @@ impl ObjectStore {
 
     fn drop_object(&mut self, key: ObjectKey) {
         if let Some(o) = self.objects.remove(&key) {
+            if o.pins > 0 {
+                self.pinned_objects -= 1;
+            }
             self.lru.remove(&o.tick);
             self.alloc.free(o.offset, o.size);
             if o.state == ObjectState::Published {
@@ -268,6 +275,9 @@ impl ObjectStore {
             return LoadReservation::SizeMismatch { stored: o.size };
         }
         o.pins += 1;
+        if o.pins == 1 {
+            self.pinned_objects += 1;
+        }
         let offset = o.offset;
         self.touch_lru(key);
         LoadReservation::Pinned { offset }
@@ -275,6 +285,9 @@ impl ObjectStore {
 
     pub fn finish_load(&mut self, key: ObjectKey) {
         if let Some(o) = self.objects.get_mut(&key) {
+            if o.pins == 1 {
+                self.pinned_objects -= 1;
+            }
             o.pins = o.pins.saturating_sub(1);
         }
     }
@@ -331,8 +344,9 @@ impl ObjectStore {
         self.objects.values().filter(|o| o.state == ObjectState::Writing { owner }).count()
     }
 
+    /// Objects pinned by loads in flight (a running count: O(1)).
     pub fn pinned_count(&self) -> usize {
-        self.objects.values().filter(|o| o.pins > 0).count()
+        self.pinned_objects
     }
 }
 
@@ -402,6 +416,12 @@ mod tests {
             assert!(r.lookup(ObjectKey(i)).is_none(), "{i} is the oldest unprotected");
         }
         assert_eq!(s.evictions(), 5);
+        assert_eq!(s.pinned_count(), 1, "running count: key 0 pinned, key 2 pinned and released");
         assert_eq!(s.reset_namespace(0), 4, "the pinned one stays");
+        s.reserve_load(ObjectKey(0), 64 << 10);
+        assert_eq!(s.pinned_count(), 1, "a second pin of one object counts once");
+        s.finish_load(ObjectKey(0));
+        s.finish_load(ObjectKey(0));
+        assert_eq!(s.pinned_count(), 0);
     }
 }
