@@ -255,7 +255,7 @@ fn clients_bound_a_trickled_reply_by_their_deadline() {
 #[test]
 fn per_attachment_limits_do_not_multiply_across_one_uids_attachments() {
     let socket = unique_socket("peruid");
-    let pool = PoolProcess::start(&socket, &["--capacity", "64MiB", "--max-regions", "2"]);
+    let _pool = PoolProcess::start(&socket, &["--capacity", "64MiB", "--max-regions", "2"]);
     let mut peers = Vec::new();
     let mut keep = Vec::new();
     let mut registered = 0;
