@@ -22,7 +22,7 @@ cargo test --workspace --exclude umbp-python --locked
 
 step "loom models (rings, seqlock index, event log)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$ROOT/target/loom" \
-  cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index --test loom_events
+  cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index --test loom_events --test loom_cancel
 
 if [ "${UMBP_FUZZ_SECS:-10}" != "0" ]; then
   step "fuzz targets, ${UMBP_FUZZ_SECS:-10} s each from the committed corpus (nightly + cargo-fuzz)"

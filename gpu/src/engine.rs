@@ -551,6 +551,24 @@ pub(crate) fn balance(items: &[Item], n: usize) -> Vec<std::ops::Range<usize>> {
     runs
 }
 
+/// Builds stage `s` while earlier stages may be copying on `set`'s streams. If the
+/// caller's builder panics, every stream is synchronized before the panic goes on: the
+/// caller gives the pool memory of those copies back while unwinding, and a DMA must not
+/// still read or write it then.
+fn build_or_drain<A: DeviceApi>(api: &A, set: &StreamSet<A>, build: &mut StageBuilder<'_>, s: usize, items: &mut Vec<Item>) -> Result<(), GpuError> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| build(s, items))) {
+        Ok(r) => r,
+        Err(panic) => {
+            for &stream in &set.streams {
+                if let Err(e) = api.synchronize(stream) {
+                    tracing::error!(api = A::API, "stream synchronize after a panic failed: {e}");
+                }
+            }
+            std::panic::resume_unwind(panic)
+        }
+    }
+}
+
 impl<A: DeviceApi> Engine<A> {
     fn take_set(&self, api: &A, want: usize) -> Result<StreamSet<A>, GpuError> {
         let mut set = lock(&self.idle).pop().unwrap_or(StreamSet {
@@ -710,7 +728,7 @@ impl<A: DeviceApi> Engine<A> {
                 'stages: for s in 0..stages {
                     if s > 0 {
                         items.clear();
-                        if let Err(e) = build(s, &mut items) {
+                        if let Err(e) = build_or_drain(api, &set, build, s, &mut items) {
                             first_err = Some(e);
                             break;
                         }
@@ -754,7 +772,7 @@ impl<A: DeviceApi> Engine<A> {
                 if !rest_built {
                     // Events turned out unusable: one stage after all.
                     for s in 1..stages {
-                        if let Err(e) = build(s, &mut items) {
+                        if let Err(e) = build_or_drain(api, &set, build, s, &mut items) {
                             first_err.get_or_insert(e);
                             break;
                         }
@@ -1198,6 +1216,7 @@ mod tests {
         events: bool,
         events_lag: bool,
         copies: AtomicUsize,
+        syncs: AtomicUsize,
     }
 
     impl DeviceApi for SimulatedDevice {
@@ -1237,6 +1256,7 @@ mod tests {
             Ok(())
         }
         fn synchronize(&self, _: usize) -> Result<(), GpuError> {
+            self.syncs.fetch_add(1, Ordering::Relaxed);
             Ok(())
         }
         fn create_event(&self) -> Result<usize, GpuError> {
@@ -1275,7 +1295,7 @@ mod tests {
     }
 
     fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (SimulatedDevice, Engine<SimulatedDevice>) {
-        let api = SimulatedDevice { fail_len, events, events_lag, copies: AtomicUsize::new(0) };
+        let api = SimulatedDevice { fail_len, events, events_lag, copies: AtomicUsize::new(0), syncs: AtomicUsize::new(0) };
         let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true) };
         (api, engine)
     }
@@ -1313,6 +1333,33 @@ mod tests {
         // SAFETY: items point into `src`/`dst`, alive for the call.
         let r = unsafe { engine.run(api, Dir::DeviceToHost, stage_items(0), 4, &mut build, &Fence::None, false, &|| true, &mut done) };
         (r, reported, landed_when_reported, built_in_order)
+    }
+
+    /// A panic in the caller's stage builder (a pool bug while it reserves the next
+    /// stage) must not unwind past copies still in flight: the pool unpins and may reuse
+    /// their memory while unwinding.
+    #[test]
+    fn a_panicking_stage_builder_drains_the_streams_first() {
+        for events in [true, false] {
+            let (api, engine) = simulated(usize::MAX, events, true);
+            let src = vec![5u8; 4096];
+            let mut dst = vec![0u8; 4096];
+            let item = |i: usize, dst: *mut u8| Item { host: dst.wrapping_add(i * 1024), device: src[i * 1024..].as_ptr() as u64, len: 1024 };
+            let dst_ptr = dst.as_mut_ptr();
+            let mut build = |s: usize, items: &mut Vec<Item>| {
+                if s == 2 {
+                    panic!("injected builder panic");
+                }
+                items.push(item(s, dst_ptr));
+                Ok(())
+            };
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // SAFETY: items point into `src`/`dst`, alive for the call.
+                unsafe { engine.run(&api, Dir::DeviceToHost, vec![item(0, dst_ptr)], 4, &mut build, &Fence::None, false, &|| true, &mut |_| {}) }
+            }));
+            assert!(r.is_err(), "the panic goes on to the caller");
+            assert!(api.syncs.load(Ordering::Relaxed) > 0, "streams left running under a panic (events {events})");
+        }
     }
 
     #[test]

@@ -7,7 +7,7 @@
 //! driver (device-mapped), so streams of either process can write or wait on it.
 //!
 //! - **Store** (worker -> pool): the worker submits the store with
-//!   `Sqe::fence_value = v` and `Sqe::reserved[0] = encode_ref(fence_alloc, slot)`, then
+//!   `Sqe::fence_value = v` and `Sqe::fence_ref = encode_ref(fence_alloc, slot)`, then
 //!   enqueues `cuStreamWriteValue64(slot, v)` on its compute stream after the forward pass.
 //!   The pool's copy streams `cuStreamWaitValue64(slot >= v)` before their device-to-host
 //!   copies, so the copies start the moment the KV is final; no CPU waits for the GPU.
@@ -52,7 +52,7 @@ pub fn aborted(word: u64, value: u64) -> bool {
     (d as i64) >= 0 && d >= ABORT / 2
 }
 
-/// `Sqe::reserved[0]` of a fenced submission: which registered allocation holds the fence
+/// `Sqe::fence_ref` of a fenced submission: which registered allocation holds the fence
 /// page, and which slot of it.
 pub fn encode_ref(alloc_id: u32, slot: u32) -> u64 {
     ((slot as u64) << 32) | alloc_id as u64

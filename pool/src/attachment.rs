@@ -18,7 +18,11 @@ use umbp_protocol::wire::Role;
 use umbp_protocol::ProtocolError;
 
 /// Completion side: CQEs that did not fit wait in `overflow` (the pool never blocks on a
-/// slow reaper) and go out in order before newer ones.
+/// slow reaper) and go out in order before newer ones. The overflow is bounded: once it
+/// holds a CQ's worth ([`Attachment::completions_backed_up`]) the service thread stops
+/// reading that peer's SQ until it reaps, so only the submissions already admitted
+/// (at most a CQ's worth, `validate::admit`) and one batch can still add to it: at most
+/// `2 x cq_entries + 64` entries of 32 B per peer.
 pub struct CompletionQueue {
     producer: Producer<'static, Cqe>,
     overflow: VecDeque<Cqe>,
@@ -48,6 +52,17 @@ pub struct AttachmentCounters {
     pub blocks: AtomicU64,
     /// Submissions refused with `Busy` (over a per-peer in-flight limit).
     pub busy: AtomicU64,
+    /// Times its SQ was paused because it did not reap its completions.
+    pub sq_pauses: AtomicU64,
+}
+
+/// This peer's share of the copy threads: how many of its jobs run now, and the jobs
+/// waiting for one of its slots (`--copy-threads-per-peer`). A leaf lock: nothing else is
+/// locked while it is held.
+#[derive(Default)]
+pub struct CopySlots {
+    pub running: usize,
+    pub waiting: VecDeque<crate::transfer::Job>,
 }
 
 pub struct Attachment {
@@ -62,11 +77,14 @@ pub struct Attachment {
     pub socket: UnixStream,
     pub doorbell: Doorbell,
     pub alive: AtomicBool,
+    /// Its SQ is not read: its completion overflow is full (it does not reap).
+    pub sq_paused: AtomicBool,
     /// Submissions accepted and not yet completed.
     pub inflight: AtomicU32,
     /// Bytes those submissions may move (blocks x object bytes), for `--max-inflight-bytes`.
     pub inflight_bytes: AtomicU64,
     pub counters: AttachmentCounters,
+    pub copy_slots: Mutex<CopySlots>,
     pub regions: RwLock<HashMap<u32, Arc<dyn DeviceRegion>>>,
     /// Device UUID of each registered region (zero for host memory), for reports.
     pub region_devices: Mutex<HashMap<u32, [u8; 16]>>,
@@ -122,9 +140,11 @@ impl Attachment {
             socket,
             doorbell: Doorbell::new()?,
             alive: AtomicBool::new(true),
+            sq_paused: AtomicBool::new(false),
             inflight: AtomicU32::new(0),
             inflight_bytes: AtomicU64::new(0),
             counters: AttachmentCounters::default(),
+            copy_slots: Mutex::new(CopySlots::default()),
             regions: RwLock::new(HashMap::new()),
             region_devices: Mutex::new(HashMap::new()),
             layouts: RwLock::new(HashMap::new()),
@@ -174,5 +194,26 @@ impl Attachment {
 
     pub fn overflow_len(&self) -> usize {
         self.cq.lock().expect("cq lock").overflow.len()
+    }
+
+    /// Whether the completions waiting for room in the CQ reached a CQ's worth: the peer
+    /// does not reap, and its SQ must not be read until it does (the overflow would grow
+    /// 32 B per submission otherwise). Tracks the transitions in `sq_paused` and returns it.
+    pub fn completions_backed_up(&self) -> bool {
+        let full = self.overflow_len() >= self.layout.cq_entries as usize;
+        if self.sq_paused.swap(full, Ordering::AcqRel) != full {
+            if full {
+                self.counters.sq_pauses.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    attachment = self.id,
+                    pid = self.pid,
+                    cq_entries = self.layout.cq_entries,
+                    "peer does not reap its completions: its submission ring is paused until it does"
+                );
+            } else {
+                tracing::info!(attachment = self.id, pid = self.pid, "peer reaped its completions: submission ring resumed");
+            }
+        }
+        full
     }
 }

@@ -34,6 +34,9 @@ pub struct PoolConfig {
     pub lease: Duration,
     /// Threads that run copies.
     pub copy_threads: usize,
+    /// Copy threads one attachment may occupy at once (0 = all but one): a peer whose
+    /// copies wait (an unwritten store fence, slow memory) never holds every thread.
+    pub copy_threads_per_peer: usize,
     /// A submission moving more than this is copied in stages of about this size, each
     /// published as it lands while the next ones copy; 0 = one stage.
     pub copy_stage_bytes: u64,
@@ -160,6 +163,7 @@ impl Default for PoolConfig {
             min_object_bytes: 64 << 10,
             lease: Duration::from_millis(2000),
             copy_threads: std::thread::available_parallelism().map(|n| n.get().clamp(2, 8)).unwrap_or(2),
+            copy_threads_per_peer: 0,
             copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
             max_attachments: 1024,
             default_sq_entries: 1024,
@@ -281,6 +285,15 @@ pub fn default_capacity() -> u64 {
 }
 
 impl PoolConfig {
+    /// Copy threads one attachment may occupy at once (`copy_threads_per_peer`, 0 = all
+    /// but one, at least one).
+    pub fn copy_threads_per_peer(&self) -> usize {
+        match self.copy_threads_per_peer {
+            0 => self.copy_threads.saturating_sub(1).max(1),
+            n => n.min(self.copy_threads),
+        }
+    }
+
     /// Checks relations between values; messages name the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let inv = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });

@@ -411,6 +411,7 @@ impl Collector for PoolCollector {
         )?;
         counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", g(&c.submissions))?;
         counter(&mut enc, "umbp_rejected_submissions", "Submissions answered with an error CQE", g(&c.rejected_submissions))?;
+        counter(&mut enc, "umbp_transfers_cancelled", "Transfers abandoned by their worker before the pool issued all their stages", g(&c.transfers_cancelled))?;
         counter(&mut enc, "umbp_hints", "Touch hints drained from schedulers", g(&c.hints))?;
         labelled_gauge(
             &mut enc,

@@ -74,10 +74,9 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "probe_histogram": v.probe_histogram(8),
         })
     });
-    let attachments: Vec<_> = inner
-        .attachments
-        .lock()
-        .expect("attachments lock")
+    // A copy of the list: no per-attachment lock is taken under `attachments` (lock order).
+    let list = inner.attachments.lock().expect("attachments lock").clone();
+    let attachments: Vec<_> = list
         .iter()
         .map(|a| {
             let (sq, cq, hints) = a.ring_snapshots();
@@ -87,6 +86,8 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
                 "tp_rank": a.tp_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
                 "sq": ring_json(sq), "cq": ring_json(cq), "hints": ring_json(hints),
                 "cq_overflow": a.overflow_len(),
+                "sq_paused": a.sq_paused.load(Ordering::Relaxed),
+                "sq_pauses": a.counters.sq_pauses.load(Ordering::Relaxed),
                 "inflight": a.inflight.load(Ordering::Relaxed),
                 "submissions": a.counters.submissions.load(Ordering::Relaxed),
                 "errors": a.counters.errors.load(Ordering::Relaxed),

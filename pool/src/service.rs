@@ -23,6 +23,8 @@ const BATCH: usize = 64;
 /// How long the thread keeps polling after the last work before it sleeps.
 const SPIN: Duration = Duration::from_micros(50);
 const TOKEN_WAKE: u64 = u64::MAX;
+/// How often a peer whose SQ is paused (it does not reap) is checked for having reaped.
+const PAUSED_POLL: Duration = Duration::from_millis(2);
 
 pub fn run(inner: &Arc<PoolInner>) {
     let mut poller = Poller::new().expect("epoll");
@@ -35,11 +37,19 @@ pub fn run(inner: &Arc<PoolInner>) {
         let current = inner.attachments.lock().expect("attachments lock").clone();
         sync_watch_list(&mut poller, &mut watched, &current);
         let mut worked = false;
+        let mut paused = false;
         for att in &current {
             if !att.is_alive() {
                 continue;
             }
             if att.role == Role::Worker {
+                att.flush_completions();
+                // A peer that does not reap is not read: its SQ fills and it gets
+                // backpressure, instead of the pool queueing its completions forever.
+                if att.completions_backed_up() {
+                    paused = true;
+                    continue;
+                }
                 worked |= drain_submissions(inner, att, &mut sqes);
                 att.flush_completions();
             }
@@ -57,9 +67,15 @@ pub fn run(inner: &Arc<PoolInner>) {
             continue;
         }
         // Arm every ring; sleep only if all are still empty.
+        crate::fault::pass(crate::fault::HoldPoint::ServiceBeforeArm);
         let mut all_empty = true;
-        for att in current.iter().filter(|a| a.role == Role::Worker && a.is_alive()) {
-            match att.sq.lock().expect("sq lock").prepare_sleep() {
+        // A paused SQ is not armed: its pending entries are not work until its peer reaps.
+        for att in current.iter().filter(|a| a.role == Role::Worker && a.is_alive() && !a.sq_paused.load(Ordering::Acquire)) {
+            // The guard must end before `corrupt` (which takes `attachments`): a guard
+            // taken in a `match` head lives through every arm (docs/architecture.md,
+            // "Lock order").
+            let armed = att.sq.lock().expect("sq lock").prepare_sleep();
+            match armed {
                 Ok(true) => {}
                 Ok(false) => all_empty = false,
                 Err(e) => corrupt(inner, att, e),
@@ -67,7 +83,14 @@ pub fn run(inner: &Arc<PoolInner>) {
         }
         if all_empty {
             let has_schedulers = current.iter().any(|a| a.role == Role::Scheduler);
-            let timeout = if has_schedulers { Duration::from_millis(10) } else { Duration::from_millis(100) };
+            // A paused peer is polled for reaping (it rings no doorbell when it reaps).
+            let timeout = if paused {
+                PAUSED_POLL
+            } else if has_schedulers {
+                Duration::from_millis(10)
+            } else {
+                Duration::from_millis(100)
+            };
             for token in poller.wait(Some(timeout)) {
                 if token == TOKEN_WAKE {
                     inner.service_wake.drain();
@@ -101,6 +124,7 @@ fn sync_watch_list(poller: &mut Poller, watched: &mut HashMap<u32, Arc<Attachmen
 
 fn corrupt(inner: &PoolInner, att: &Arc<Attachment>, e: umbp_protocol::ProtocolError) {
     tracing::warn!(attachment = att.id, pid = att.pid, "submission ring corrupted: {e}; detaching");
+    crate::fault::pass(crate::fault::HoldPoint::ServiceCorrupt);
     crate::server::detach(inner, att, "detached after ring corruption");
 }
 
@@ -167,7 +191,7 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         }
         return reject_with(inner, att, &sqe, CqeError::Busy, reason as u64);
     }
-    let validate::Submission { op, layout, refs, in_range } = sub;
+    let validate::Submission { op, layout, refs, in_range, state_offset } = sub;
     att.counters.blocks.fetch_add(refs.len() as u64, Ordering::Relaxed);
     let mut statuses = vec![BlockStatus::Pending; refs.len()];
     let mut candidates = Vec::with_capacity(refs.len());
@@ -190,14 +214,15 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         candidates,
         blocks: Vec::new(),
         statuses,
+        state_offset,
+        cancelled: false,
         accepted,
         submitted: Instant::now(),
     };
     if job.candidates.is_empty() {
         crate::transfer::finish(inner, job, &[], 0);
-    } else if let Err(e) = inner.jobs.send(job) {
-        // Only at shutdown: nothing is reserved yet; the blocks fail.
-        crate::transfer::finish_cancelled(inner, e.into_inner());
+    } else {
+        crate::transfer::dispatch(inner, job);
     }
 }
 

@@ -6,6 +6,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 pub struct Counters {
     pub submissions: AtomicU64,
     pub rejected_submissions: AtomicU64,
+    /// Transfers their worker abandoned (timed out) before the pool started a stage of
+    /// them or before all stages were issued: never touched after that.
+    pub transfers_cancelled: AtomicU64,
     pub blocks_stored: AtomicU64,
     pub blocks_already_present: AtomicU64,
     pub blocks_not_stored: AtomicU64,
@@ -93,6 +96,7 @@ impl Counters {
         serde_json::json!({
             "submissions": g(&self.submissions),
             "rejected_submissions": g(&self.rejected_submissions),
+            "transfers_cancelled": g(&self.transfers_cancelled),
             "blocks_stored": g(&self.blocks_stored),
             "blocks_already_present": g(&self.blocks_already_present),
             "blocks_not_stored": g(&self.blocks_not_stored),

@@ -9,8 +9,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use umbp_protocol::entries::{BlockStatus, Cqe, Opcode, Sqe};
+use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
 use umbp_protocol::layout::{push_coalesced, CopyOp, KvLayout};
+use umbp_protocol::transfer_state::TransferState;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
@@ -47,10 +48,56 @@ pub struct Job {
     /// Candidates reserved so far (the copy thread reserves stage by stage), in order.
     pub blocks: Vec<JobBlock>,
     pub statuses: Vec<BlockStatus>,
+    /// Arena offset of the transfer's state word, when the worker may cancel it
+    /// (umbp_protocol::transfer_state: the pool claims each stage before issuing it).
+    pub state_offset: Option<u64>,
+    /// The worker abandoned it before the pool started it: it completes as `Cancelled`.
+    pub cancelled: bool,
     /// When the service thread took the submission from the ring.
     pub accepted: Instant,
     /// When the service thread queued it for a copy thread (transfer latency metric).
     pub submitted: Instant,
+}
+
+/// Hands a job to the copy threads, or queues it behind the peer's own jobs when the peer
+/// already occupies its share of them (`copy_threads_per_peer`): one peer whose copies
+/// wait never stalls the others.
+pub fn dispatch(inner: &PoolInner, job: Job) {
+    let att = job.att.clone();
+    {
+        let mut slots = att.copy_slots.lock().expect("copy slots lock");
+        if slots.running >= inner.config.copy_threads_per_peer() {
+            slots.waiting.push_back(job);
+            return;
+        }
+        slots.running += 1;
+    }
+    send(inner, job);
+}
+
+fn send(inner: &PoolInner, job: Job) {
+    if let Err(e) = inner.jobs.send(job) {
+        // Only at shutdown: nothing is reserved yet; the blocks fail.
+        finish_cancelled(inner, e.into_inner());
+    }
+}
+
+/// A copy thread is done with one of `att`'s jobs: its slot goes to the peer's next
+/// waiting job, if any.
+fn release_slot(inner: &PoolInner, att: &Attachment) {
+    let next = {
+        let mut slots = att.copy_slots.lock().expect("copy slots lock");
+        match slots.waiting.pop_front() {
+            Some(job) => Some(job),
+            None => {
+                slots.running -= 1;
+                None
+            }
+        }
+    };
+    if let Some(job) = next {
+        send(inner, job);
+    }
 }
 
 /// How long a copy thread that just finished a job polls for the next before it sleeps:
@@ -75,8 +122,10 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
             },
             Err(crossbeam_channel::TryRecvError::Disconnected) => return,
         };
-        if !job.att.is_alive() || inner.is_shutting_down() {
+        let att = job.att.clone();
+        if !att.is_alive() || inner.is_shutting_down() {
             finish_cancelled(inner, job);
+            release_slot(inner, &att);
             continue;
         }
         let picked = Instant::now();
@@ -89,7 +138,9 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
             Err(panic) => contain_panic(inner, &mut job, panic.as_ref()),
         };
         let tail = Instant::now();
+        job.cancelled = copied.cancelled;
         finish(inner, job, &copied.failed, copied.settled);
+        release_slot(inner, &att);
         Counters::add(&phases.finish_ns, tail.elapsed().as_nanos() as u64);
         Counters::add(&phases.jobs, 1);
         last_job = Instant::now();
@@ -122,7 +173,7 @@ fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + 
     if leaked > 0 {
         tracing::error!(bytes = leaked, "DRAM of the failed stores quarantined (not reused until the pool restarts)");
     }
-    Copied { failed: Vec::new(), settled: job.blocks.len() }
+    Copied { failed: Vec::new(), settled: job.blocks.len(), cancelled: false }
 }
 
 fn ns_between(a: Instant, b: Instant) -> u64 {
@@ -148,6 +199,8 @@ const MAX_STAGES: usize = 64;
 struct Copied {
     failed: Vec<usize>,
     settled: usize,
+    /// The worker abandoned the transfer before its first stage: nothing was touched.
+    cancelled: bool,
 }
 
 /// The copy thread's view of a job while its stages run: the planning closure reserves
@@ -159,6 +212,9 @@ struct Progress<'j> {
     /// `blocks` range of each stage planned so far.
     stage_blocks: Vec<std::ops::Range<usize>>,
     settled: usize,
+    /// A stage could not be claimed (the worker abandoned the transfer): none is issued
+    /// from then on.
+    abandoned: bool,
     reserve_ns: u64,
     plan_ns: u64,
     publish_ns: u64,
@@ -200,7 +256,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             Some(r) => group_regions.push(r.as_ref()),
             None => {
                 tracing::warn!(attachment = job.att.id, alloc, "copy refused: the layout names an allocation that is not registered");
-                return Copied { failed: Vec::new(), settled: 0 };
+                return Copied { failed: Vec::new(), settled: 0, cancelled: false };
             }
         }
     }
@@ -209,7 +265,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         (Some(Err(e)), Opcode::Store) => {
             // Without its fence a store could read KV the engine has not written yet.
             tracing::warn!(attachment = job.att.id, "store fence unusable: {e}");
-            return Copied { failed: Vec::new(), settled: 0 };
+            return Copied { failed: Vec::new(), settled: 0, cancelled: false };
         }
         (Some(Err(_)), _) => umbp_gpu::Fence::None,
         (Some(Ok((word, value))), Opcode::Store) => umbp_gpu::Fence::WaitBefore(word, value),
@@ -218,7 +274,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     let to_host = match job.op {
         Opcode::Store => true,
         Opcode::Load => false,
-        Opcode::Nop => return Copied { failed: Vec::new(), settled: 0 },
+        Opcode::Nop => return Copied { failed: Vec::new(), settled: 0, cancelled: false },
     };
     let size = job.layout.object_bytes();
     let stages = stage_count(job.candidates.len(), size, inner.copy_stage_bytes.load(Ordering::Relaxed));
@@ -229,15 +285,24 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         statuses: &mut job.statuses,
         stage_blocks: Vec::with_capacity(stages),
         settled: 0,
+        abandoned: false,
         reserve_ns: 0,
         plan_ns: 0,
         publish_ns: 0,
     });
     let (att, op) = (&job.att, job.op);
+    let state = job.state_offset.and_then(|o| att.arena.atomic_u64(o).ok()).map(TransferState::new);
     let mut plan = |s: usize| -> umbp_gpu::StagePlan<'_> {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let from = p.blocks.len();
+        // The cancel contract: claim the stage before anything of it is issued; a worker
+        // that gave up keeps its blocks, so nothing more is reserved, copied or published.
+        p.abandoned = p.abandoned || state.is_some_and(|st| !st.begin_stage(s as u64));
+        if p.abandoned {
+            p.stage_blocks.push(from..from);
+            return group_regions.iter().map(|r| (*r, Vec::new())).collect();
+        }
         reserve(inner, att, op, size, &p.candidates[s * n / stages..(s + 1) * n / stages], p.blocks, p.statuses);
         crate::fault::check_copy(&p.blocks[from..]);
         let t_plan = Instant::now();
@@ -267,7 +332,13 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let range = p.stage_blocks[s].clone();
-        settle(inner, op, &p.blocks[range.clone()], p.statuses, &[]);
+        // A store the worker abandoned may have read blocks that are another request's
+        // by now: its landed stage is dropped, never published.
+        let dropped: Vec<usize> = match (op, state) {
+            (Opcode::Store, Some(st)) if st.abandoned() => p.blocks[range.clone()].iter().map(|b| b.index).collect(),
+            _ => Vec::new(),
+        };
+        settle(inner, op, &p.blocks[range.clone()], p.statuses, &dropped);
         p.settled = range.end;
         p.publish_ns += t.elapsed().as_nanos() as u64;
         Counters::add(&phases.stages, 1);
@@ -283,8 +354,14 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     if let Err(e) = &result {
         tracing::warn!(attachment = att.id, "copy failed: {e}");
     }
-    // On failure every reserved block not settled yet failed.
-    let failed: Vec<usize> = if result.is_err() { p.blocks[p.settled..].iter().map(|b| b.index).collect() } else { Vec::new() };
+    // On failure every reserved block not settled yet failed; so did those of a store the
+    // worker abandoned (see stage_landed).
+    let store_abandoned = op == Opcode::Store && state.is_some_and(|st| st.abandoned());
+    let failed: Vec<usize> =
+        if result.is_err() || store_abandoned { p.blocks[p.settled..].iter().map(|b| b.index).collect() } else { Vec::new() };
+    if p.abandoned {
+        Counters::add(&inner.counters.transfers_cancelled, 1);
+    }
     // Time in the device call, less the planning and publishing done inside it.
     let copy_only = copy_ns.saturating_sub(p.reserve_ns + p.plan_ns + p.publish_ns);
     inner.counters.latency.observe_copy(op, copy_only as f64 * 1e-9);
@@ -292,7 +369,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     Counters::add(&phases.plan_ns, p.plan_ns + ns_between(started, copy_started));
     Counters::add(&phases.copy_ns, copy_only);
     Counters::add(&phases.publish_ns, p.publish_ns);
-    Copied { failed, settled: p.settled }
+    Copied { failed, settled: p.settled, cancelled: p.abandoned && p.stage_blocks.first().is_some_and(|r| r.is_empty()) }
 }
 
 /// Reserves (store) or pins (load) the objects of `candidates`: reserved ones are
@@ -368,12 +445,12 @@ fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [Bl
 type Regions = HashMap<u32, Arc<dyn umbp_gpu::DeviceRegion>>;
 
 /// The fence word and value of a fenced submission: `fence_value` != 0, the word in slot
-/// `decode_ref(reserved[0])` of a HostMemfd region the worker registered (umbp_gpu::fence).
+/// `decode_ref(fence_ref)` of a HostMemfd region the worker registered (umbp_gpu::fence).
 fn fence_word<'a>(sqe: &Sqe, regions: &'a Regions) -> Option<Result<(umbp_gpu::FenceWord<'a>, u64), umbp_gpu::GpuError>> {
     if sqe.fence_value == 0 {
         return None;
     }
-    let (alloc, slot) = umbp_gpu::fence::decode_ref(sqe.reserved[0]);
+    let (alloc, slot) = umbp_gpu::fence::decode_ref(sqe.fence_ref);
     Some(match regions.get(&alloc) {
         Some(r) => r.fence_word(slot).map(|w| (w, sqe.fence_value)),
         None => Err(umbp_gpu::GpuError::Unsupported(format!("fence page alloc_id {alloc} is not registered"))),
@@ -437,12 +514,16 @@ pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize], settled: usize)
     if !att.is_alive() {
         return;
     }
+    // Every path of a fenced load ends here (copied, failed, refused by the device layer,
+    // cancelled, panicked, nothing in range): the worker's stream waits for this word. The
+    // copies have all landed or stopped by now, so the CPU write never releases it early.
+    signal_load_fence(att, &job.sqe, ok_count as usize == job.statuses.len());
     let raw: Vec<u8> = job.statuses.iter().map(|s| *s as u8).collect();
     // Checked at submission; the arena cannot shrink (sealed memfd).
     let _ = att.arena.write(job.sqe.status_offset, &raw);
     att.complete(Cqe {
         user_data: job.sqe.user_data,
-        result: 0,
+        result: if job.cancelled { -(CqeError::Cancelled as i32) } else { 0 },
         ok_count,
         failed_count: job.statuses.len() as u32 - ok_count,
         ..Cqe::default()

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use umbp_protocol::arena::Arena;
 use umbp_protocol::attachment::AttachmentLayout;
-use umbp_protocol::entries::{BlockRef, BusyReason, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
+use umbp_protocol::entries::{BlockRef, BusyReason, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE, SQE_CANCELLABLE};
 use umbp_protocol::layout::{KvLayout, Segment};
 use umbp_protocol::ring::MAX_RING_CAPACITY;
 use umbp_protocol::wire::{self, Hello, LayoutHeader, MemoryKind, MemoryRegistration, ReplyStatus, Role};
@@ -181,6 +181,9 @@ pub struct Submission {
     pub refs: Vec<BlockRef>,
     /// Per block: its id is inside the layout (the others complete as `Invalid`).
     pub in_range: Vec<bool>,
+    /// Arena offset of the transfer's state word when the worker may cancel it
+    /// (`SQE_CANCELLABLE`; checked in range and aligned).
+    pub state_offset: Option<u64>,
 }
 
 impl Submission {
@@ -217,8 +220,14 @@ pub fn check_sqe(
     let layout = layout_of(sqe.group).ok_or(CqeError::UnknownGroup)?;
     let refs: Vec<BlockRef> = arena.read(sqe.refs_offset, sqe.count as u64).map_err(|_| CqeError::ArenaOutOfRange)?;
     arena.check_range::<u8>(sqe.status_offset, sqe.count as u64).map_err(|_| CqeError::ArenaOutOfRange)?;
+    let state_offset = if sqe.flags & SQE_CANCELLABLE != 0 {
+        arena.check_range::<u64>(sqe.state_offset, 1).map_err(|_| CqeError::ArenaOutOfRange)?;
+        Some(sqe.state_offset)
+    } else {
+        None
+    };
     let in_range = refs.iter().map(|r| r.block_id < layout.num_blocks()).collect();
-    Ok(SqeCheck::Transfer(Submission { op, layout, refs, in_range }))
+    Ok(SqeCheck::Transfer(Submission { op, layout, refs, in_range, state_offset }))
 }
 
 /// Admission of a submission of `bytes` for an attachment with `inflight` submissions

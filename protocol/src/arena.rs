@@ -73,6 +73,17 @@ impl Arena {
         Ok(())
     }
 
+    /// The 8-byte word at `offset`, for atomic access shared with the peer (a transfer's
+    /// state word, [`crate::transfer_state`]).
+    #[cfg(not(loom))]
+    pub fn atomic_u64(&self, offset: u64) -> Result<&core::sync::atomic::AtomicU64, ProtocolError> {
+        let p = self.check::<u64>(offset, 1)?;
+        // SAFETY: in range and 8-byte aligned (checked); the region outlives `self` (the
+        // constructor's contract) and AtomicU64 has u64's layout; both sides access the
+        // word only atomically.
+        Ok(unsafe { &*(p as *const core::sync::atomic::AtomicU64) })
+    }
+
     /// Checks a range without touching it (validation before queueing work).
     pub fn check_range<T>(&self, offset: u64, count: u64) -> Result<(), ProtocolError> {
         self.check::<T>(offset, count).map(|_| ())

@@ -27,6 +27,10 @@ impl Opcode {
     }
 }
 
+/// `Sqe::flags` bit: `state_offset` names the transfer's state word; the worker may
+/// abandon the transfer ([`crate::transfer_state`]).
+pub const SQE_CANCELLABLE: u8 = 1;
+
 /// Submission queue entry, worker -> pool. Variable-size data lives in the arena.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, Pod, Zeroable, PartialEq, Eq)]
@@ -45,7 +49,14 @@ pub struct Sqe {
     pub status_offset: u64,
     /// GPU path: wait until the fence word reaches this value before reading (0 = none).
     pub fence_value: u64,
-    pub reserved: [u64; 3],
+    /// With `fence_value`: which registered allocation and slot hold the fence word
+    /// (`umbp_gpu::fence::encode_ref`).
+    pub fence_ref: u64,
+    /// With [`SQE_CANCELLABLE`] in `flags`: arena offset of the transfer's state word
+    /// (8-byte aligned), the cancel contract between worker and pool
+    /// ([`crate::transfer_state`]). Without the flag the transfer cannot be cancelled.
+    pub state_offset: u64,
+    pub reserved: u64,
 }
 assert_layout!(Sqe, size = 64, align = 8);
 
@@ -117,6 +128,9 @@ pub enum CqeError {
     /// Stalled, draining or out of transfer slots: try again later.
     Busy = 5,
     Internal = 6,
+    /// The worker abandoned the transfer before the pool started it (its blocks were never
+    /// touched); the pool's completion for it only frees the arena record.
+    Cancelled = 7,
 }
 
 impl CqeError {
@@ -128,6 +142,7 @@ impl CqeError {
             4 => Self::UnknownGroup,
             5 => Self::Busy,
             6 => Self::Internal,
+            7 => Self::Cancelled,
             _ => return None,
         })
     }

@@ -17,6 +17,7 @@ pub mod key;
 pub mod layout;
 pub mod arena;
 pub mod ring;
+pub mod transfer_state;
 mod sync;
 pub mod wire;
 

@@ -250,6 +250,28 @@ impl Worker {
         })
     }
 
+    /// Gives up on a transfer (the cancel contract, docs/protocol.md): "cancelled" when
+    /// its blocks are the caller's again at once (any store; a load the pool had not
+    /// started) — its completion, every block failed, is then ready for `wait`/`poll`;
+    /// "started" for a load the pool already writes, whose blocks stay in use until it
+    /// completes; "not_in_flight" when it already completed or is unknown. Never blocks.
+    fn cancel(&self, py: Python<'_>, transfer_id: u64) -> PyResult<&'static str> {
+        self.with(py, |w| {
+            Ok(match w.cancel(umbp_worker::TransferId(transfer_id)) {
+                umbp_worker::CancelOutcome::Cancelled => "cancelled",
+                umbp_worker::CancelOutcome::Started => "started",
+                umbp_worker::CancelOutcome::NotInFlight => "not_in_flight",
+            })
+        })
+    }
+
+    /// Whether a transfer has waited past timeout_ms for the pool (which then refuses
+    /// new ones until it answers or dies).
+    #[getter]
+    fn stalled(&self) -> bool {
+        self.inner.lock().expect("worker lock").as_ref().is_some_and(|w| w.is_stalled())
+    }
+
     #[getter]
     fn connected(&self) -> bool {
         self.inner.lock().expect("worker lock").as_ref().is_some_and(|w| w.is_connected())

@@ -169,11 +169,21 @@ class PoolProc:
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
+            self.resume()  # a stopped process does not handle SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+    def pause(self) -> None:
+        """SIGSTOP: a stalled pool (alive, socket open, answering nothing)."""
+        assert self.proc is not None and self.proc.poll() is None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
 
     def restart(self) -> "PoolProc":
         self.kill()

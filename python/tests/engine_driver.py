@@ -10,6 +10,8 @@ It starts the engine, prints a `ready` record, then executes commands (from --co
 one per stdin line) and prints one JSON record per command:
 
     run [TAG]   generate the test prompt greedily -> tokens, num_cached_tokens, seconds
+    batch [TAG] generate --prompts distinct prompts at once (seeds PROMPT_SEED, +1, ...)
+                -> tokens (one list per prompt), num_cached_tokens (per prompt), seconds
     reset       llm.reset_prefix_cache(), retried (see below) -> ok, tries
     reset_all   the same with reset_connector=True (the pool forgets this engine's KV too),
                 then a 1-token request so that the next step carries the reset to the workers
@@ -94,6 +96,9 @@ def main() -> int:
     ap.add_argument("--prompt-seed", type=int, default=PROMPT_SEED)
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     ap.add_argument("--commands", default=None, help="comma-separated; default: read stdin")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts of the batch command")
+    ap.add_argument("--num-gpu-blocks", type=int, default=None,
+                    help="KV cache blocks (num_gpu_blocks_override): small to force preemption")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -116,6 +121,8 @@ def main() -> int:
             seed=0,
             disable_log_stats=False,
         )
+        if args.num_gpu_blocks:
+            kw["num_gpu_blocks_override"] = args.num_gpu_blocks
         if not args.no_connector:
             extra: dict = {"mode": args.mode}
             if args.endpoint:
@@ -156,6 +163,15 @@ def main() -> int:
                 "num_cached_tokens": o.num_cached_tokens, "seconds": round(time.monotonic() - t, 3)}
 
     dummy = TokensPrompt(prompt_token_ids=[tokens[0]])
+    batch_prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(args.prompt_seed + i, args.prompt_len))
+                     for i in range(args.prompts)]
+
+    def batch(tag: str) -> dict:
+        t = time.monotonic()
+        outs = llm.generate(batch_prompts, sp, use_tqdm=False)
+        return {"cmd": "batch", "tag": tag, "tokens": [list(o.outputs[0].token_ids) for o in outs],
+                "num_cached_tokens": [o.num_cached_tokens for o in outs],
+                "seconds": round(time.monotonic() - t, 3)}
 
     def reset(connector: bool = False) -> dict:
         name = "reset_all" if connector else "reset"
@@ -184,6 +200,8 @@ def main() -> int:
         try:
             if cmd == "run":
                 emit(run(parts[1] if len(parts) > 1 else ""))
+            elif cmd == "batch":
+                emit(batch(parts[1] if len(parts) > 1 else ""))
             elif cmd == "reset":
                 emit(reset())
             elif cmd == "reset_all":

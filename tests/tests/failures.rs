@@ -3,96 +3,15 @@
 //! (real `umbp_worker::Worker`, real socket); the pool is a real `umbp-pool` process.
 
 mod common;
+mod engine;
 use common::*;
+use engine::*;
 
 use std::time::{Duration, Instant};
 
 use umbp_protocol::ObjectKey;
 use umbp_scheduler::IndexClient;
-use umbp_worker::{BlockStatus, MemorySpec, Segment, Worker, WorkerConfig, WorkerError};
-
-const PAGE: u64 = 64 << 10;
-const LAYERS: u64 = 8;
-const BLOCKS: u64 = 64;
-
-/// A worker over 8 layers x 64 blocks x 64 KiB of this process's memory (32 MiB).
-struct Engine {
-    w: Worker,
-    mem: Vec<u8>,
-}
-
-impl Engine {
-    fn connect(socket: &std::path::Path, timeout: Duration) -> Engine {
-        let mut cfg = WorkerConfig::new(socket, 7);
-        cfg.timeout = timeout;
-        let mut w = Worker::connect(cfg).expect("connect");
-        let mem = vec![0x11u8; (LAYERS * BLOCKS * PAGE) as usize];
-        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).unwrap();
-        let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
-        w.register_layout(0, segs).unwrap();
-        Engine { w, mem }
-    }
-
-    fn fill(&mut self, block: u64, key: ObjectKey) {
-        let mut obj = vec![0u8; (LAYERS * PAGE) as usize];
-        fill_pattern(key.0, &mut obj);
-        for l in 0..LAYERS {
-            let off = (l * BLOCKS * PAGE + block * PAGE) as usize;
-            self.mem[off..off + PAGE as usize].copy_from_slice(&obj[(l * PAGE) as usize..((l + 1) * PAGE) as usize]);
-        }
-    }
-
-    fn verify(&self, block: u64, key: ObjectKey) -> bool {
-        let mut obj = vec![0u8; (LAYERS * PAGE) as usize];
-        fill_pattern(key.0, &mut obj);
-        (0..LAYERS).all(|l| {
-            let off = (l * BLOCKS * PAGE + block * PAGE) as usize;
-            self.mem[off..off + PAGE as usize] == obj[(l * PAGE) as usize..((l + 1) * PAGE) as usize]
-        })
-    }
-
-    fn batch(first: u128, n: u64) -> Vec<(ObjectKey, u64)> {
-        (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect()
-    }
-
-    fn store(&mut self, first: u128, n: u64) -> Result<umbp_worker::TransferId, WorkerError> {
-        let b = Self::batch(first, n);
-        for &(k, i) in &b {
-            self.fill(i, k);
-        }
-        self.w.store(0, &b)
-    }
-
-    fn store_wait(&mut self, first: u128, n: u64) -> Vec<BlockStatus> {
-        let id = self.store(first, n).expect("submit store");
-        self.w.wait(id, Duration::from_secs(10)).expect("store completes").statuses
-    }
-
-    fn load_wait(&mut self, first: u128, n: u64) -> Vec<BlockStatus> {
-        self.mem.fill(0);
-        let id = self.w.load(0, &Self::batch(first, n)).expect("submit load");
-        let st = self.w.wait(id, Duration::from_secs(10)).expect("load completes").statuses;
-        for (i, s) in st.iter().enumerate() {
-            if *s == BlockStatus::Loaded {
-                assert!(self.verify(i as u64, ObjectKey(first + i as u128)), "block {i} loaded wrong bytes");
-            }
-        }
-        st
-    }
-}
-
-/// Worker attachments in a report (the report's own observer attachment is not one).
-fn workers(report: &serde_json::Value) -> usize {
-    report["attachments"].as_array().unwrap().iter().filter(|a| a["role"] == "worker").count()
-}
-
-fn keys(first: u128, n: u64) -> Vec<ObjectKey> {
-    (0..n).map(|i| ObjectKey(first + i as u128)).collect()
-}
-
-fn all(st: &[BlockStatus], s: BlockStatus) -> bool {
-    st.iter().all(|x| *x == s)
-}
+use umbp_worker::{BlockStatus, Worker, WorkerConfig, WorkerError};
 
 #[test]
 fn pool_absent_at_startup_names_the_socket() {

@@ -93,9 +93,10 @@ impl ArenaAllocator {
     }
 }
 
-/// Bytes a submission of `n` blocks needs: refs, then one status byte per block.
+/// Bytes a submission of `n` blocks needs: its state word (the cancel contract), refs,
+/// then one status byte per block.
 pub fn submission_bytes(n: u64) -> u64 {
-    n * core::mem::size_of::<umbp_protocol::entries::BlockRef>() as u64 + n
+    umbp_protocol::transfer_state::STATE_BYTES + n * core::mem::size_of::<umbp_protocol::entries::BlockRef>() as u64 + n
 }
 
 #[cfg(test)]
@@ -184,7 +185,7 @@ mod tests {
 
     #[test]
     fn submission_sizes() {
-        assert_eq!(submission_bytes(1), 25);
-        assert_eq!(submission_bytes(4), 100);
+        assert_eq!(submission_bytes(1), 8 + 25);
+        assert_eq!(submission_bytes(4), 8 + 100);
     }
 }

@@ -115,6 +115,16 @@ impl Fences {
         let mut w = self.page.watch();
         self.page.release_loads(&mut w);
     }
+
+    /// Releases the GPU wait of load `id`, cancelled before the pool started it (the pool
+    /// never writes its word then). The completion says the blocks did not load.
+    pub(crate) fn release_load(&self, id: u64) {
+        let mut w = self.page.watch();
+        if let Some(i) = w.loads.iter().position(|&(_, v)| v == id) {
+            let (slot, value) = w.loads.swap_remove(i);
+            self.page.word(slot).signal(value);
+        }
+    }
 }
 
 impl Drop for Fences {

@@ -24,7 +24,7 @@ mod fence;
 mod worker;
 
 pub use error::WorkerError;
-pub use worker::{default_endpoint, Completion, MemorySpec, TransferId, Worker, WorkerConfig};
+pub use worker::{default_endpoint, CancelOutcome, Completion, MemorySpec, TransferId, Worker, WorkerConfig};
 
 pub use umbp_protocol::entries::{BlockStatus, CqeError};
 pub use umbp_protocol::layout::Segment;

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use umbp_ipc::message::peer_gone;
 use umbp_protocol::attachment::MAX_ARENA_BYTES;
-use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
+use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE, SQE_CANCELLABLE};
+use umbp_protocol::transfer_state::{Abandoned, TransferState, STATE_BYTES};
 use umbp_protocol::layout::Segment;
 use umbp_protocol::ring::MAX_RING_CAPACITY;
 use umbp_protocol::wire::{Hello, MemoryRegistration, MessageKind, Role, MAX_SEGMENTS};
@@ -139,11 +140,35 @@ struct Registered {
 }
 
 struct InFlight {
-    /// Arena range (offset, rounded size) holding refs then statuses.
+    /// Arena range (offset, rounded size) holding the state word, refs, then statuses.
     range: (u64, u64),
     status_offset: u64,
     count: u32,
+    op: Opcode,
     submitted: Instant,
+}
+
+impl InFlight {
+    /// The transfer's state word (the cancel contract) is the first word of its range.
+    fn state_offset(&self) -> u64 {
+        self.range.0
+    }
+}
+
+/// What [`Worker::cancel`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The transfer is cancelled and its blocks are the caller's again: the pool had not
+    /// started it and never will (a load), or will publish nothing it reads from now on (a
+    /// store). Its completion, all blocks `Failed` with error `Cancelled`, is ready for
+    /// [`Worker::wait`] / [`Worker::poll`].
+    Cancelled,
+    /// A load the pool has started: its copies may still write the blocks, which stay in
+    /// use until its completion arrives (or the pool is known dead: then it completes as
+    /// failed). No further stage of it starts.
+    Started,
+    /// Not in flight: already completed (its completion is returned as usual) or unknown.
+    NotInFlight,
 }
 
 /// Spins before sleeping on the CQ futex: copies take tens of microseconds at least, so a
@@ -165,6 +190,9 @@ pub struct Worker {
     next_transfer: u64,
     next_alloc: u32,
     inflight: HashMap<u64, InFlight>,
+    /// Transfers cancelled before the pool answered: their arena range (and state word)
+    /// stays allocated until the pool's completion for them arrives, which is dropped.
+    abandoned: HashMap<u64, InFlight>,
     ready: VecDeque<Completion>,
     stall_warned: bool,
     /// GPU fence page, made at the first stream-ordered transfer (crate::fence).
@@ -220,6 +248,7 @@ impl Worker {
             next_transfer: 1,
             next_alloc: 0,
             inflight: HashMap::new(),
+            abandoned: HashMap::new(),
             ready: VecDeque::new(),
             stall_warned: false,
             fences: None,
@@ -327,6 +356,48 @@ impl Worker {
         }
     }
 
+    /// Gives up on transfer `id` (the cancel contract, docs/protocol.md "Cancelling a
+    /// transfer"): a load the pool has not started, or any store, is cancelled and its
+    /// blocks are the caller's again at once, with no help from the pool (which may be
+    /// stopped); a load the pool has started keeps its blocks until it completes. Never
+    /// blocks.
+    pub fn cancel(&mut self, id: TransferId) -> CancelOutcome {
+        self.reap();
+        let Some(conn) = self.conn.as_ref() else { return CancelOutcome::NotInFlight };
+        let Some(f) = self.inflight.get(&id.0) else { return CancelOutcome::NotInFlight };
+        let state = match conn.arena.atomic_u64(f.state_offset()) {
+            Ok(w) => TransferState::new(w).abandon(),
+            // Our own offset inside our own arena: cannot fail.
+            Err(_) => return CancelOutcome::Started,
+        };
+        let cancelled = match (f.op, state) {
+            (Opcode::Load, Abandoned::AfterStages(_)) => false,
+            (_, Abandoned::Already) => !matches!(f.op, Opcode::Load),
+            _ => true,
+        };
+        if !cancelled {
+            tracing::debug!(transfer = id.0, "cancel: the pool started this load; its blocks stay in use until it completes");
+            return CancelOutcome::Started;
+        }
+        let f = self.inflight.remove(&id.0).expect("looked up above");
+        if f.op == Opcode::Load {
+            // The pool will never write this load's fence word; release a stream waiting on it.
+            if let Some(fences) = &self.fences {
+                fences.release_load(id.0);
+            }
+        }
+        tracing::debug!(transfer = id.0, op = ?f.op, "transfer cancelled; its blocks are the caller's again");
+        self.ready.push_back(Completion::failed(id.0, f.count as usize, Some(CqeError::Cancelled)));
+        self.abandoned.insert(id.0, f);
+        CancelOutcome::Cancelled
+    }
+
+    /// Whether a transfer has gone without an answer from the pool past `timeout` (new
+    /// transfers are refused with `Stalled` meanwhile).
+    pub fn is_stalled(&self) -> bool {
+        self.overdue_ms(Instant::now()).is_some()
+    }
+
     /// Whether an attachment is up and the pool's end of the socket is open.
     pub fn is_connected(&self) -> bool {
         self.conn.as_ref().is_some_and(|c| !peer_gone(&c.sock))
@@ -406,7 +477,7 @@ impl Worker {
         let Some(conn) = self.conn.as_mut() else {
             return Err(WorkerError::Disconnected);
         };
-        if self.inflight.len() >= conn.cq_capacity as usize {
+        if self.inflight.len() + self.abandoned.len() >= conn.cq_capacity as usize {
             // The pool must always find room for a completion; more in flight than the CQ
             // holds could make it drop one.
             return Err(WorkerError::Full);
@@ -416,10 +487,13 @@ impl Worker {
             return Err(WorkerError::Full);
         };
         let refs: Vec<BlockRef> = blocks.iter().map(|&(k, b)| BlockRef::new(k, b)).collect();
-        let status_offset = off + n * core::mem::size_of::<BlockRef>() as u64;
+        let refs_offset = off + STATE_BYTES;
+        let status_offset = refs_offset + n * core::mem::size_of::<BlockRef>() as u64;
         let written = conn
             .arena
-            .write(off, &refs)
+            .atomic_u64(off)
+            .map(|w| TransferState::new(w).reset())
+            .and_then(|()| conn.arena.write(refs_offset, &refs))
             .and_then(|()| conn.arena.write(status_offset, &vec![BlockStatus::Pending as u8; n as usize]));
         if let Err(e) = written {
             conn.alloc.free(off, size);
@@ -437,14 +511,16 @@ impl Worker {
         };
         let sqe = Sqe {
             opcode: op as u8,
-            flags: 0,
+            flags: SQE_CANCELLABLE,
             group,
             count: n as u32,
             user_data: id,
-            refs_offset: off,
+            refs_offset,
             status_offset,
             fence_value: if fence_ref.is_some() { id } else { 0 },
-            reserved: [fence_ref.unwrap_or(0), 0, 0],
+            fence_ref: fence_ref.unwrap_or(0),
+            state_offset: off,
+            reserved: 0,
         };
         match conn.sq.try_push(sqe) {
             Ok(true) => {}
@@ -462,13 +538,14 @@ impl Worker {
             conn.doorbell.ring();
         }
         self.next_transfer += 1;
-        self.inflight.insert(id, InFlight { range: (off, size), status_offset, count: n as u32, submitted: now });
+        self.inflight.insert(id, InFlight { range: (off, size), status_offset, count: n as u32, op, submitted: now });
         Ok(TransferId(id))
     }
 
-    /// Whether transfer `id` was submitted and its completion not reaped yet.
+    /// Whether transfer `id` was submitted and the pool has not completed it yet (also
+    /// when it was cancelled: the pool may still look at its fence slot until then).
     pub(crate) fn in_flight(&self, id: u64) -> bool {
-        self.inflight.contains_key(&id)
+        self.inflight.contains_key(&id) || self.abandoned.contains_key(&id)
     }
 
     /// The current attachment's id and socket (the fence watchdog watches it).
@@ -510,8 +587,10 @@ impl Worker {
     }
 
     fn overdue_ms(&self, now: Instant) -> Option<u64> {
+        // A cancelled transfer the pool has not answered still says the pool is stuck.
         self.inflight
             .values()
+            .chain(self.abandoned.values())
             .map(|f| now.saturating_duration_since(f.submitted))
             .filter(|age| *age > self.cfg.timeout)
             .max()
@@ -520,7 +599,7 @@ impl Worker {
 
     fn reap(&mut self) {
         let Some(conn) = self.conn.as_mut() else { return };
-        if let Err(e) = reap_into(conn, &mut self.inflight, &mut self.ready) {
+        if let Err(e) = reap_into(conn, &mut self.inflight, &mut self.abandoned, &mut self.ready) {
             self.lose(&format!("completion ring: {e}"));
         }
     }
@@ -540,7 +619,9 @@ impl Worker {
             f.release_loads();
         }
         // Completions published before the pool went are real; keep them.
-        let _ = reap_into(&mut conn, &mut self.inflight, &mut self.ready);
+        let _ = reap_into(&mut conn, &mut self.inflight, &mut self.abandoned, &mut self.ready);
+        // Their completions went with the pool; the arena goes with the attachment.
+        self.abandoned.clear();
         let mut failed: Vec<(u64, InFlight)> = self.inflight.drain().collect();
         failed.sort_unstable_by_key(|(id, _)| *id);
         tracing::warn!(
@@ -647,11 +728,17 @@ impl Worker {
 fn reap_into(
     conn: &mut Connection,
     inflight: &mut HashMap<u64, InFlight>,
+    abandoned: &mut HashMap<u64, InFlight>,
     ready: &mut VecDeque<Completion>,
 ) -> Result<(), ProtocolError> {
     let mut any = false;
     while let Some(cqe) = conn.cq.try_pop()? {
         any = true;
+        if let Some(f) = abandoned.remove(&cqe.user_data) {
+            // Its completion was returned at cancel time; the pool is done with the range.
+            conn.alloc.free(f.range.0, f.range.1);
+            continue;
+        }
         let Some(f) = inflight.remove(&cqe.user_data) else {
             tracing::warn!(user_data = cqe.user_data, "UMBP pool completed a transfer this worker does not have");
             continue;

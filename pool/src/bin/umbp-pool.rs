@@ -47,6 +47,11 @@ struct Args {
     /// Threads that run copies [default: CPU count clamped to 2..8].
     #[arg(long = "copy-threads", env = "UMBP_COPY_THREADS", value_name = "N")]
     copy_threads: Option<usize>,
+    /// Copy threads one attachment may occupy at once, so that one peer whose copies wait
+    /// (e.g. on a store fence its stream never writes) cannot stall the others; its further
+    /// submissions queue per peer [default: 0 = all copy threads but one].
+    #[arg(long = "copy-threads-per-peer", env = "UMBP_COPY_THREADS_PER_PEER", value_name = "N", default_value_t = 0)]
+    copy_threads_per_peer: usize,
     /// A submission moving more than this is copied in stages of about this size; each
     /// stage's blocks are published (stores) or released (loads) as soon as it lands, while
     /// the next stages still copy. 0 copies every submission in one piece.
@@ -144,6 +149,7 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
     if let Some(n) = args.copy_threads {
         c.copy_threads = n;
     }
+    c.copy_threads_per_peer = args.copy_threads_per_peer;
     c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size).map_err(|e| e.to_string())?;
     if let Some(g) = &args.socket_group {
         c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g).map_err(|e| e.to_string())?);

@@ -129,7 +129,12 @@ impl RawPeer {
 /// every byte `fill`, registered as alloc 0, and layout group 0 of one segment over it
 /// (objects of one page).
 pub fn memfd_worker(pool: &PoolProcess, ns: u128, page: u64, blocks: u64, fill: u8) -> (RawPeer, SharedMemory) {
-    let mut peer = RawPeer::attach(&pool.socket, Role::Worker, ns).unwrap();
+    memfd_worker_at(&pool.socket, ns, page, blocks, fill)
+}
+
+/// [`memfd_worker`] for a pool listening at `socket` (also an in-process one).
+pub fn memfd_worker_at(socket: &Path, ns: u128, page: u64, blocks: u64, fill: u8) -> (RawPeer, SharedMemory) {
+    let mut peer = RawPeer::attach(socket, Role::Worker, ns).unwrap();
     let mem = SharedMemory::create("kv", (page * blocks) as usize, false).unwrap();
     // SAFETY: inside the mapping.
     unsafe { std::ptr::write_bytes(mem.as_ptr(), fill, (page * blocks) as usize) };

@@ -34,6 +34,9 @@ COUNTERS = (
     "store_not_stored_blocks",  # refused / failed / pool unreachable
     "store_bytes",
     "store_ns",
+    # worker: the cancel contract (docs/protocol.md)
+    "cancelled_transfers",  # past timeout_ms, cancelled: blocks given back at once
+    "cancel_refused",  # a load the pool had started: its blocks were held until it finished
 )
 
 
@@ -79,6 +82,8 @@ class UMBPConnectorStats(KVConnectorStats):
             "store_not_stored_blocks": d.get("store_not_stored_blocks", 0),
             "stored_bytes": d.get("store_bytes", 0),
             "store_GBps": gbps(d.get("store_bytes", 0), d.get("store_ns", 0)),
+            "cancelled_transfers": d.get("cancelled_transfers", 0),
+            "cancel_refused": d.get("cancel_refused", 0),
         }
 
     def take(self) -> "UMBPConnectorStats | None":

@@ -4,6 +4,12 @@ reaping the transfers the scheduler planned, in each worker process (one per TP 
 Transfers never block a step: stores are submitted after the forward and reaped later;
 only synchronous loads are waited for (bounded by `timeout_ms`), because the forward
 needs their bytes.
+
+Cancel, never abandon: a transfer that outlives `timeout_ms` is cancelled through the
+pool's cancel contract (docs/protocol.md), never just dropped. A cancelled store or a load
+the pool had not started gives its blocks back at once (the pool will never touch them
+again, even if it was only stopped and resumes later); only a load the pool has already
+started keeps its blocks until the pool finishes it or dies.
 """
 
 from __future__ import annotations
@@ -164,16 +170,12 @@ class WorkerSide:
         return make_keys(self.n, meta.namespace, meta.group, self.tp_rank, hashes)
 
     def handle_preemptions(self, meta: UMBPConnectorMetadata) -> None:
-        """Preempted requests' blocks are reused right after: finish their stores first."""
+        """Preempted requests' blocks are reused right after: their stores finish first,
+        or are cancelled (after timeout_ms, at once while the pool is stalled) so that
+        the pool never reads the next owner's KV into them."""
         for rid in meta.preempted:
             for tid in list(self._req_stores.get(rid, ())):
-                if self._wait(tid) is None:
-                    logger.warning(
-                        "UMBP: store %d of preempted request %s still pending after %d ms",
-                        tid,
-                        rid,
-                        self.cfg.timeout_ms,
-                    )
+                self._wait(tid)
 
     def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
         for op in meta.loads:
@@ -207,15 +209,7 @@ class WorkerSide:
             job = self._jobs.pop(tid, None)
             if job is None:
                 continue
-            res = self._wait(tid)
-            if res is None:
-                logger.warning(
-                    "UMBP: load %d for %s pending after %d ms; recomputing its blocks",
-                    tid,
-                    job.req_id,
-                    self.cfg.timeout_ms,
-                )
-            self._finish_load(job, res)
+            self._finish_load(job, self._wait(tid))
 
     def wait_for_save(self, meta: UMBPConnectorMetadata) -> None:
         # Synchronous loads not waited for by an attention layer still finish this step, so
@@ -246,6 +240,7 @@ class WorkerSide:
         # Which requests to report as sent comes from the scheduler
         # (metadata.finish_after_stores); other finished requests have nothing in flight.
         self._reap()
+        self._cancel_overdue()
         for rid in finished_req_ids:
             if rid not in self._finishing and not self._req_stores.get(rid):
                 self._req_stores.pop(rid, None)
@@ -268,20 +263,73 @@ class WorkerSide:
         return meta
 
     # -- completions --------------------------------------------------------------------
-    def _wait(self, tid: int) -> list[int] | None:
-        """Wait for one transfer; on completion dispatch it and return its statuses."""
+    def _wait(self, tid: int) -> list[int]:
+        """Wait for one transfer (at most timeout_ms, not at all while the pool is
+        stalled), then cancel it; return its statuses and dispatch a store's.
+
+        Never returns while the pool may still write the transfer's blocks: a load the
+        pool has started is waited for until it completes or the pool dies (its blocks
+        belong to a request of this step, which cannot run without them).
+        """
         try:
-            res = self.w.wait(tid, self.cfg.timeout_ms)
+            res = None if self.w.stalled else self.w.wait(tid, self.cfg.timeout_ms)
+            if res is None:
+                res = self._cancel(tid)
         except Exception as e:  # noqa: BLE001 - treat as failed
             logger.warning("UMBP: wait(%d) failed: %s", tid, e)
             res = []
-        if res is None:
-            return None
         job = self._jobs.get(tid)
         if job is not None and job.kind == "store":
             self._jobs.pop(tid, None)
             self._finish_store(tid, job, list(res))
         return list(res)
+
+    def _cancel(self, tid: int) -> list[int]:
+        """Cancel a transfer past its time; returns its statuses (all failed when
+        cancelled). A load the pool has started is waited for instead, without bound."""
+        outcome = self.w.cancel(tid)
+        self.c._stats.add("cancelled_transfers" if outcome == "cancelled" else "cancel_refused", 1)
+        waited = 0
+        while True:
+            res = self.w.wait(tid, 0 if outcome != "started" else self.cfg.timeout_ms)
+            if res is not None:
+                return list(res)
+            if outcome != "started":
+                return []  # already returned elsewhere: nothing of it is usable here
+            waited += self.cfg.timeout_ms
+            logger.warning(
+                "UMBP: load %d was started by a stalled pool; its blocks stay in use until "
+                "the pool finishes it or dies (%d ms so far)",
+                tid,
+                waited,
+            )
+
+    def _cancel_overdue(self) -> None:
+        """Cancel stores and asynchronous loads past timeout_ms, so that a stalled pool
+        never holds the engine's blocks (a finished request's blocks wait for its stores;
+        an async load's wait for the load). A started load keeps its blocks."""
+        deadline = time.perf_counter_ns() - self.cfg.timeout_ms * 1_000_000
+        for tid, job in list(self._jobs.items()):
+            if job.t0 > deadline or job.sync:
+                continue
+            outcome = self.w.cancel(tid)
+            if outcome == "started":
+                continue
+            self.c._stats.add("cancelled_transfers", 1)
+            res = self.w.wait(tid, 0)
+            self._jobs.pop(tid, None)
+            statuses = list(res) if res is not None else []
+            logger.warning(
+                "UMBP: %s %d for %s got no answer in %d ms; cancelled, its blocks are free",
+                job.kind,
+                tid,
+                job.req_id,
+                self.cfg.timeout_ms,
+            )
+            if job.kind == "store":
+                self._finish_store(tid, job, statuses)
+            else:
+                self._finish_load(job, statuses)
 
     def _reap(self) -> None:
         try:
@@ -345,6 +393,9 @@ class WorkerSide:
         while any(j.kind == "store" for j in self._jobs.values()) and time.monotonic() < deadline:
             self._reap()
             time.sleep(0.005)
+        for tid, job in list(self._jobs.items()):
+            if job.kind == "store":
+                self.w.cancel(tid)  # never published after the blocks go back
         for closer in (getattr(self, "w", None), self.pool):
             if closer is None:
                 continue

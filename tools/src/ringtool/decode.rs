@@ -170,7 +170,7 @@ macro_rules! record {
     };
 }
 
-record!(sqe_json, sqe_from, Sqe { opcode, flags, group, count, user_data, refs_offset, status_offset, fence_value, reserved });
+record!(sqe_json, sqe_from, Sqe { opcode, flags, group, count, user_data, refs_offset, status_offset, fence_value, fence_ref, state_offset, reserved });
 record!(cqe_json, cqe_from, Cqe { user_data, result, ok_count, failed_count, _pad, reserved });
 record!(blockref_json, blockref_from, BlockRef { key, block_id });
 record!(hint_json, hint_from, Hint { key });
@@ -469,7 +469,9 @@ mod tests {
             refs_offset: 4096,
             status_offset: 8192,
             fence_value: 7,
-            reserved: [1, 2, 3],
+            fence_ref: 1,
+            state_offset: 2,
+            reserved: 3,
         };
         round_trip(RecordType::Sqe, bytemuck::bytes_of(&sqe));
         let j = decode_one(RecordType::Sqe, bytemuck::bytes_of(&sqe)).unwrap();

@@ -1,0 +1,156 @@
+//! Fence words on every path, and copy threads no peer can hold (docs/gpu.md, fences).
+//!
+//! A worker's GPU stream waits on a fenced load's word, so the pool must write it however
+//! the load ends: loaded, missing, every block id out of range, cancelled, or failed by a
+//! panicking copy. Before, only a refused submission wrote it, and the stream waited
+//! forever. Host fence pages (a small memfd) behave as on a GPU machine without stream
+//! memory operations: the pool writes the word from the CPU, the test reads it.
+//!
+//! And one peer whose stores wait for a fence its stream never writes occupies at most its
+//! share of the copy threads (`--copy-threads-per-peer`): other peers' transfers keep their
+//! normal latency (before, two such stores held both copy threads for 30 s each).
+
+mod common;
+use common::*;
+
+use std::time::{Duration, Instant};
+
+use umbp_ipc::SharedMemory;
+use umbp_pool::{Pool, PoolConfig};
+use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, Opcode, Sqe, SQE_CANCELLABLE};
+use umbp_protocol::transfer_state::ABANDONED;
+use umbp_protocol::wire::MessageKind;
+use umbp_protocol::ObjectKey;
+
+const PAGE: u64 = 4096;
+const BLOCKS: u64 = 16;
+const FENCE_ALLOC: u32 = 1;
+
+fn start(tag: &str, copy_threads: usize) -> (Pool, std::path::PathBuf) {
+    let socket = unique_socket(tag);
+    let cfg = PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, min_object_bytes: PAGE, copy_threads, ..PoolConfig::default() };
+    (Pool::start(cfg).expect("pool starts"), socket)
+}
+
+/// A raw worker with KV memory (alloc 0) and a fence page (alloc 1).
+fn fenced_worker(socket: &std::path::Path, ns: u128) -> (RawPeer, SharedMemory, SharedMemory) {
+    let (mut peer, kv) = memfd_worker_at(socket, ns, PAGE, BLOCKS, 0x5a);
+    let fences = SharedMemory::create("fences", 4096, false).unwrap();
+    let reg = umbp_gpu::host::export_memfd(fences.fd(), 0, 4096, FENCE_ALLOC).unwrap();
+    let (r, _) = peer.control(MessageKind::RegisterMemory, bytemuck::bytes_of(&reg), &[fences.fd()]);
+    assert_eq!(r.status, 0, "{}", r.message());
+    (peer, kv, fences)
+}
+
+fn word(fences: &SharedMemory, slot: u32) -> &std::sync::atomic::AtomicU64 {
+    // SAFETY: slot * 8 is inside the 4 KiB page, 8-aligned; accessed only atomically.
+    unsafe { &*(fences.as_ptr().add(slot as usize * 8) as *const std::sync::atomic::AtomicU64) }
+}
+
+/// A fenced submission of `refs` (at arena offset 64), fence slot `slot`, value `value`.
+fn fenced(peer: &RawPeer, op: Opcode, refs: &[BlockRef], slot: u32, value: u64, user_data: u64) -> Sqe {
+    peer.arena().write(64, refs).unwrap();
+    Sqe {
+        opcode: op as u8,
+        count: refs.len() as u32,
+        user_data,
+        refs_offset: 64,
+        status_offset: 2048,
+        fence_value: value,
+        fence_ref: umbp_gpu::fence::encode_ref(FENCE_ALLOC, slot),
+        ..Sqe::default()
+    }
+}
+
+fn statuses(peer: &RawPeer, n: usize) -> Vec<BlockStatus> {
+    peer.arena().read::<u8>(2048, n as u64).unwrap().into_iter().map(BlockStatus::from_u8).collect()
+}
+
+fn run(peer: &RawPeer, sqe: Sqe) -> Cqe {
+    peer.submit_and_reap(&[sqe])[0]
+}
+
+#[test]
+fn a_fenced_load_gets_its_word_however_it_ends() {
+    let (_pool, socket) = start("fence-paths", 2);
+    let (peer, _kv, fences) = fenced_worker(&socket, 3);
+    let stored = BlockRef::new(ObjectKey(10), 0);
+    let c = run(&peer, Sqe { opcode: Opcode::Store as u8, count: 1, refs_offset: 64, status_offset: 2048, ..fenced(&peer, Opcode::Store, &[stored], 0, 0, 1) });
+    assert_eq!((c.result, c.ok_count), (0, 1), "{c:?}");
+
+    // Loaded.
+    let c = run(&peer, fenced(&peer, Opcode::Load, &[BlockRef::new(ObjectKey(10), 1)], 1, 11, 11));
+    assert_eq!(c.ok_count, 1, "{c:?}");
+    assert_eq!(word(&fences, 1).load(std::sync::atomic::Ordering::SeqCst), 11, "loaded");
+    // Missing: nothing to copy.
+    let c = run(&peer, fenced(&peer, Opcode::Load, &[BlockRef::new(ObjectKey(99), 1)], 2, 12, 12));
+    assert_eq!(statuses(&peer, 1), vec![BlockStatus::Missing], "{c:?}");
+    assert_eq!(word(&fences, 2).load(std::sync::atomic::Ordering::SeqCst), 12, "missing key");
+    // Every block id out of range: the submission never reaches a copy thread.
+    let c = run(&peer, fenced(&peer, Opcode::Load, &[BlockRef::new(ObjectKey(10), BLOCKS + 5)], 3, 13, 13));
+    assert_eq!(statuses(&peer, 1), vec![BlockStatus::Invalid], "{c:?}");
+    assert_eq!(word(&fences, 3).load(std::sync::atomic::Ordering::SeqCst), 13, "ids out of range");
+    // Cancelled by the worker before the pool started it.
+    peer.arena().atomic_u64(0).unwrap().store(ABANDONED, std::sync::atomic::Ordering::SeqCst);
+    let s = Sqe { flags: SQE_CANCELLABLE, state_offset: 0, ..fenced(&peer, Opcode::Load, &[BlockRef::new(ObjectKey(10), 2)], 4, 14, 14) };
+    let c = run(&peer, s);
+    assert_eq!(c.result, -(umbp_protocol::entries::CqeError::Cancelled as i32), "{c:?}");
+    assert_eq!(word(&fences, 4).load(std::sync::atomic::Ordering::SeqCst), 14, "cancelled");
+    // A copy thread panicking mid-load.
+    umbp_pool::fault::panic_on_copy_of(Some(ObjectKey(10)));
+    let c = run(&peer, fenced(&peer, Opcode::Load, &[BlockRef::new(ObjectKey(10), 3)], 5, 15, 15));
+    umbp_pool::fault::panic_on_copy_of(None);
+    assert_eq!(statuses(&peer, 1), vec![BlockStatus::Failed], "{c:?}");
+    assert_eq!(word(&fences, 5).load(std::sync::atomic::Ordering::SeqCst), 15, "copy thread panicked");
+}
+
+#[test]
+fn a_peer_waiting_on_its_fences_never_holds_every_copy_thread() {
+    let (_pool, socket) = start("fence-hog", 2);
+    let (hog, _kv, hog_fences) = fenced_worker(&socket, 4);
+    let (peer, _kv2) = memfd_worker_at(&socket, 5, PAGE, BLOCKS, 0x11);
+    // Two stores whose fences the hog's stream never writes (each would wait 30 s).
+    {
+        let mut sq = hog.sq();
+        for i in 0..2u32 {
+            hog.arena().write(64 + i as u64 * 256, &[BlockRef::new(ObjectKey(500 + i as u128), i as u64)]).unwrap();
+            let s = Sqe {
+                opcode: Opcode::Store as u8,
+                count: 1,
+                user_data: i as u64,
+                refs_offset: 64 + i as u64 * 256,
+                status_offset: 2048 + i as u64 * 8,
+                fence_value: 7,
+                fence_ref: umbp_gpu::fence::encode_ref(FENCE_ALLOC, i),
+                ..Sqe::default()
+            };
+            assert!(sq.try_push(s).unwrap());
+        }
+        sq.publish();
+        hog.ring_doorbell();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    // The other peer's transfers run at their normal latency meanwhile.
+    for round in 0..5u64 {
+        let t = Instant::now();
+        peer.arena().write(0, &[BlockRef::new(ObjectKey(600 + round as u128), round)]).unwrap();
+        let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Store as u8, count: 1, refs_offset: 0, status_offset: 1024, user_data: round, ..Sqe::default() }]);
+        assert_eq!(c[0].ok_count, 1, "{c:?}");
+        let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Load as u8, count: 1, refs_offset: 0, status_offset: 1024, user_data: round, ..Sqe::default() }]);
+        assert_eq!(c[0].ok_count, 1, "{c:?}");
+        assert!(t.elapsed() < Duration::from_secs(2), "round {round}: {:?} behind a peer stuck on its fences", t.elapsed());
+    }
+    // The hog's stores run once their fences are written.
+    for i in 0..2 {
+        word(&hog_fences, i).store(7, std::sync::atomic::Ordering::SeqCst);
+    }
+    let mut cq = hog.cq();
+    let mut done = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while done.len() < 2 && Instant::now() < deadline {
+        cq.wait(100, Some(Duration::from_millis(100))).unwrap();
+        cq.pop_batch(&mut done, 8).unwrap();
+    }
+    assert_eq!(done.len(), 2, "the hog's stores completed once fenced");
+    assert!(done.iter().all(|c| c.ok_count == 1), "{done:?}");
+}

@@ -1,0 +1,106 @@
+//! Loom model of the cancel contract (`umbp_protocol::transfer_state`, docs/protocol.md
+//! "Cancelling a transfer"): a worker that gives up on a transfer races the pool's
+//! copy thread on the transfer's state word; whoever wins decides, and the blocks the
+//! worker took back are never read into a published object nor written by the pool.
+//!
+//! A block of the worker's KV is one atomic word here: the pool's DMA read of it is an
+//! Acquire load observed before the pool checks the state (the pool waits for the copy's
+//! completion event), and the new owner's write is a Release store made after the worker's
+//! abandon (the engine launches its kernels after the connector returned the blocks).
+//!
+//! Run with `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p umbp-protocol --release --test loom_cancel`.
+#![cfg(loom)]
+
+mod common;
+
+use loom::sync::atomic::{AtomicU64, Ordering};
+use loom::sync::Arc;
+use loom::thread;
+use umbp_protocol::transfer_state::{Abandoned, TransferState};
+
+const OLD: u64 = 1;
+const NEW: u64 = 2;
+const POOLED: u64 = 3;
+const NONE: u64 = 0;
+
+/// A two-stage store: the pool claims and copies each stage, then publishes it unless
+/// the worker abandoned the transfer. The worker abandons at any point and at once lets
+/// another request write the blocks. Published bytes are always the old owner's.
+#[test]
+fn an_abandoned_store_never_publishes_the_new_owners_bytes() {
+    let runs = common::loom_model::check(3, || {
+        let state = Arc::new(AtomicU64::new(0));
+        let blocks = Arc::new([AtomicU64::new(OLD), AtomicU64::new(OLD)]);
+        let (s2, b2) = (state.clone(), blocks.clone());
+        let pool = thread::spawn(move || {
+            let st = TransferState::new(&s2);
+            let mut published = [NONE; 2];
+            for (stage, slot) in published.iter_mut().enumerate() {
+                if !st.begin_stage(stage as u64) {
+                    break;
+                }
+                let copied = b2[stage].load(Ordering::Acquire);
+                if !st.abandoned() {
+                    *slot = copied;
+                }
+            }
+            published
+        });
+        let st = TransferState::new(&state);
+        let outcome = st.abandon();
+        assert_ne!(outcome, Abandoned::Already);
+        // A store's blocks go back at once, started or not.
+        for b in blocks.iter() {
+            b.store(NEW, Ordering::Release);
+        }
+        let published = pool.join().unwrap();
+        assert!(published.iter().all(|p| *p == NONE || *p == OLD), "published {published:?}");
+        if outcome == Abandoned::BeforeStart {
+            assert_eq!(published, [NONE; 2], "nothing of a transfer abandoned before its start");
+        }
+    });
+    assert!(runs >= 10, "the model explored only {runs} executions");
+}
+
+/// A two-stage load: the pool claims each stage and writes its block. The worker abandons;
+/// only when nothing was started does it hand the blocks to a new owner, who must find
+/// its own bytes there after the pool is done. Stages after the abandon never start.
+#[test]
+fn a_load_abandoned_before_it_started_never_writes_the_blocks() {
+    let runs = common::loom_model::check(3, || {
+        let state = Arc::new(AtomicU64::new(0));
+        let blocks = Arc::new([AtomicU64::new(OLD), AtomicU64::new(OLD)]);
+        let (s2, b2) = (state.clone(), blocks.clone());
+        let pool = thread::spawn(move || {
+            let st = TransferState::new(&s2);
+            let mut started = 0;
+            for stage in 0..2u64 {
+                if !st.begin_stage(stage) {
+                    break;
+                }
+                b2[stage as usize].store(POOLED, Ordering::Release);
+                started += 1;
+            }
+            started
+        });
+        let outcome = TransferState::new(&state).abandon();
+        if outcome == Abandoned::BeforeStart {
+            for b in blocks.iter() {
+                b.store(NEW, Ordering::Release);
+            }
+        }
+        let started = pool.join().unwrap();
+        match outcome {
+            Abandoned::BeforeStart => {
+                assert_eq!(started, 0);
+                assert!(blocks.iter().all(|b| b.load(Ordering::Acquire) == NEW), "the pool wrote a block it gave up");
+            }
+            Abandoned::AfterStages(n) => {
+                // The worker held the blocks; exactly the stages it saw started ran.
+                assert_eq!(started, n, "a stage started after the abandon");
+            }
+            Abandoned::Already => panic!("abandoned once"),
+        }
+    });
+    assert!(runs >= 5, "the model explored only {runs} executions");
+}
