@@ -248,6 +248,106 @@ fn clients_bound_a_trickled_reply_by_their_deadline() {
     fake.join().unwrap();
 }
 
+/// Memory whose pages never arrive: an anonymous mapping registered with userfaultfd
+/// (missing-page mode) whose faults nobody handles. Any access, including the pool's
+/// `process_vm_readv` probe, blocks until the userfaultfd is closed.
+struct StallingMemory {
+    /// Closing it fails the pending faults.
+    _uffd: std::os::fd::OwnedFd,
+    ptr: *mut libc::c_void,
+    len: usize,
+}
+
+impl StallingMemory {
+    fn new(len: usize) -> Result<Self, String> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: plain syscall, no memory passed.
+        let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) } as i32;
+        if fd < 0 {
+            return Err(format!("userfaultfd: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh fd we own.
+        let uffd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+        // struct uffdio_api { api, features, ioctls }; UFFDIO_API = _IOWR(0xAA, 0x3F, 24 bytes).
+        let mut api = [0xAAu64, 0, 0];
+        // SAFETY: `api` is the 24-byte struct the ioctl reads and writes.
+        if unsafe { libc::ioctl(fd, 0xc018_aa3f, api.as_mut_ptr()) } != 0 {
+            return Err(format!("UFFDIO_API: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a fresh anonymous mapping.
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        if ptr == libc::MAP_FAILED {
+            return Err("mmap".into());
+        }
+        // struct uffdio_register { start, len, mode, ioctls }; UFFDIO_REGISTER = _IOWR(0xAA, 0x00, 32 bytes);
+        // mode MISSING = 1.
+        let mut reg = [ptr as u64, len as u64, 1u64, 0];
+        // SAFETY: `reg` is the 32-byte struct the ioctl reads and writes; the range is ours.
+        if unsafe { libc::ioctl(fd, 0xc020_aa00, reg.as_mut_ptr()) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: our mapping.
+            unsafe { libc::munmap(ptr, len) };
+            return Err(format!("UFFDIO_REGISTER: {e}"));
+        }
+        Ok(Self { _uffd: uffd, ptr, len })
+    }
+}
+
+impl Drop for StallingMemory {
+    fn drop(&mut self) {
+        // SAFETY: our mapping; nothing of ours touches it.
+        unsafe { libc::munmap(self.ptr, self.len) };
+    }
+}
+
+/// Item 6, long operations: registering process memory probes it with
+/// `process_vm_readv`, which blocks for as long as the page takes to arrive. A peer whose
+/// page never arrives (userfaultfd) used to hold the single control thread for as long as
+/// it liked: no accepts, handshakes or registrations for anyone. Now the probe runs on a
+/// registration thread of that peer's uid; other peers attach, register and get reports.
+#[test]
+fn a_stalled_memory_probe_holds_only_its_own_peer() {
+    let stall = match StallingMemory::new(2 << 20) {
+        Ok(s) => s,
+        Err(e) => {
+            println!("skipped: cannot build memory whose pages never arrive ({e})");
+            return;
+        }
+    };
+    let socket = unique_socket("stallprobe");
+    let pool = PoolProcess::start(&socket, &["--capacity", "64MiB"]);
+    let attacker = UnixStream::connect(&socket).unwrap();
+    attach(&attacker, Role::Worker, Duration::from_secs(3)).unwrap();
+    let mut reg: MemoryRegistration = bytemuck::Zeroable::zeroed();
+    reg.kind = MemoryKind::HostProcess as u32;
+    reg.alloc_id = 0;
+    reg.address = stall.ptr as u64;
+    reg.size = stall.len as u64;
+    send_message(&attacker, MessageKind::RegisterMemory, bytemuck::bytes_of(&reg), &[], Some(Duration::from_secs(2))).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    // Another peer (another connection; the same uid is fine: it is a different attachment
+    // that registers memfd memory, no probe) is served at once.
+    let t = Instant::now();
+    let other = UnixStream::connect(&socket).unwrap();
+    attach(&other, Role::Worker, Duration::from_secs(3)).expect("attach while a probe stalls");
+    let (r, _) = control(&other, MessageKind::StatsRequest, &[], &[]).expect("report while a probe stalls");
+    assert_eq!(r.status, 0);
+    // Old code: the control thread sat in the probe; nothing was accepted.
+    assert!(t.elapsed() < Duration::from_secs(1), "served in {:?} while a probe stalls", t.elapsed());
+    // The probe really stalls: no answer yet.
+    let mut b = [0u8; 1];
+    use std::os::fd::AsRawFd;
+    // SAFETY: one writable byte; a peek that never blocks.
+    let pending = unsafe { libc::recv(attacker.as_raw_fd(), b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    assert_eq!(pending, -1, "the probe of never-arriving pages was answered at once");
+    // The stalled peer's registration ends once its pages fail (the userfaultfd closes).
+    drop(stall);
+    let m = recv_message(&attacker, Some(Duration::from_secs(5))).expect("the stalled registration is answered once the probe fails");
+    let r: Reply = wire::decode(&m.payload).unwrap();
+    assert_ne!(r.status, 0, "memory that cannot be read is not registered");
+    drop(pool);
+}
+
 /// Item 9: per-attachment limits multiplied by the attachments of a uid. With
 /// --max-regions 2, one uid used to register 2 regions in each of up to 256 attachments
 /// (each an fd and a mapping in the pool). Now all attachments of a uid together hold at
