@@ -152,7 +152,14 @@ struct Control<'a> {
     scratch: Vec<u8>,
     timeouts: Timeouts,
     next_deadline: Option<Instant>,
+    /// Connections refused at accept, kept (write side shut) until their Hello had time to
+    /// land, so the peer's send succeeds and it reads the refusal instead of EPIPE.
+    lingering: VecDeque<(Instant, UnixStream)>,
 }
+
+/// How long a connection refused at accept is kept, and how many at most.
+const LINGER: Duration = Duration::from_millis(250);
+const MAX_LINGERING: usize = 64;
 
 fn open_spare() -> Option<OwnedFd> {
     std::fs::File::open("/dev/null").ok().map(OwnedFd::from)
@@ -184,6 +191,7 @@ impl<'a> Control<'a> {
             scratch: vec![0u8; control::READ_CHUNK],
             timeouts: Timeouts { handshake: c.handshake_timeout, message: c.message_timeout },
             next_deadline: None,
+            lingering: VecDeque::new(),
         }
     }
 
@@ -257,8 +265,7 @@ impl<'a> Control<'a> {
             let uid = id.uid;
             let m = format!("uid {uid} is not allowed by this pool (start it with --allow-uid {uid})");
             tracing::info!(pid = id.pid, "handshake refused: {m}");
-            refuse_now(&sock, inner, ReplyStatus::PermissionDenied, m);
-            return;
+            return self.refuse_at_accept(sock, ReplyStatus::PermissionDenied, m);
         }
         let of_uid = self.handshakes_by_uid.get(&id.uid).copied().unwrap_or(0);
         let over = if self.handshakes >= cfg.max_handshakes {
@@ -273,8 +280,7 @@ impl<'a> Control<'a> {
         };
         if let Some(m) = over {
             tracing::info!(pid = id.pid, uid = id.uid, "handshake refused: {m}");
-            refuse_now(&sock, inner, ReplyStatus::ResourceExhausted, m);
-            return;
+            return self.refuse_at_accept(sock, ReplyStatus::ResourceExhausted, m);
         }
         let token = self.next_token;
         self.next_token += 1;
@@ -289,6 +295,18 @@ impl<'a> Control<'a> {
         let conn = PeerConn::new(now, self.timeouts);
         self.note_deadline(conn.deadline());
         self.peers.insert(token, Peer { sock, conn, id, att: None, interest, handshaking: true });
+    }
+
+    /// Refuses a connection the pool keeps no state for; it lingers (bounded) so that the
+    /// peer's Hello lands and it reads the refusal.
+    fn refuse_at_accept(&mut self, sock: UnixStream, status: ReplyStatus, message: String) {
+        refuse_now(&sock, self.inner, status, message);
+        if self.lingering.len() < MAX_LINGERING {
+            let _ = sock.shutdown(std::net::Shutdown::Write);
+            let until = Instant::now() + LINGER;
+            self.lingering.push_back((until, sock));
+            self.note_deadline(Some(until));
+        }
     }
 
     fn note_deadline(&mut self, d: Option<Instant>) {
@@ -494,7 +512,7 @@ impl<'a> Control<'a> {
             }
             let token = job.token;
             let (inner, tx) = (self.inner.clone(), self.reg_tx.clone());
-            let spawned = std::thread::Builder::new().name("umbp-register".into()).spawn(move || {
+            let spawned = std::thread::Builder::new().name("umbp-regmem".into()).spawn(move || {
                 let reply = register_memory(&inner, &job.att, &job.payload, job.fds);
                 let _ = tx.send(RegDone { token: job.token, uid, reply });
                 inner.control_wake.ring();
@@ -577,6 +595,13 @@ impl<'a> Control<'a> {
             for (token, why) in gone {
                 self.drop_peer(token, &why);
             }
+        }
+        while self.lingering.front().is_some_and(|(until, _)| *until <= now) {
+            self.lingering.pop_front();
+        }
+        if let Some((until, _)) = self.lingering.front() {
+            let until = *until;
+            self.note_deadline(Some(until));
         }
         if self.accept_paused_until.is_some_and(|t| t <= now) {
             self.accept_paused_until = None;
