@@ -17,6 +17,7 @@ mod event_log;
 mod evictor;
 #[doc(hidden)]
 pub mod fault;
+mod liveness;
 mod metrics;
 mod objects;
 mod poller;
@@ -164,6 +165,8 @@ impl Pool {
         threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(&i3)))?);
         let i4 = inner.clone();
         threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
+        let i6 = inner.clone();
+        threads.push(spawn("umbp-liveness", Box::new(move || liveness::run(&i6)))?);
         if let Some(l) = metrics_listener {
             let i5 = inner.clone();
             threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);
@@ -222,10 +225,18 @@ impl Pool {
         if self.inner.shutdown.swap(true, Ordering::AcqRel) {
             return;
         }
+        // Schedulers stop trusting the index before anything it names is released
+        // (docs/protocol.md, "Pool liveness").
+        // SAFETY: the pool's own writable mapping of the index, alive as long as `inner`.
+        if let Ok(view) = unsafe { umbp_protocol::index::IndexView::attach(self.inner.index_mem.as_ptr(), self.inner.index_mem.len()) } {
+            // SAFETY: that mapping is writable (the pool is the index's writer).
+            unsafe { view.mark_closed() };
+        }
         self.inner.service_wake.ring();
         self.inner.control_wake.ring();
         self.inner.wake_evictor();
         for t in self.threads.drain(..) {
+            t.thread().unpark();
             let _ = t.join();
         }
         if let Some(reg) = self.registration.take() {
@@ -234,7 +245,10 @@ impl Pool {
                 let _ = unsafe { backend.unregister_host_memory(base as *mut u8) };
             }
         }
-        for a in self.inner.attachments.lock().expect("attachments lock").drain(..) {
+        // Taken out first: dropping the last reference to an attachment closes its GPU
+        // regions (gpu locks), which must not happen under `attachments` (lock order).
+        let attachments = std::mem::take(&mut *self.inner.attachments.lock().expect("attachments lock"));
+        for a in attachments {
             a.alive.store(false, Ordering::Release);
             let _ = a.socket.shutdown(std::net::Shutdown::Both);
         }

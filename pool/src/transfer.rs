@@ -338,6 +338,11 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             (Opcode::Store, Some(st)) if st.abandoned() => p.blocks[range.clone()].iter().map(|b| b.index).collect(),
             _ => Vec::new(),
         };
+        if op == Opcode::Store {
+            // SAFETY: these objects are reserved for this job, their copies landed, and only
+            // the settle below publishes them.
+            unsafe { crate::fault::stored(inner.dram.base(), &p.blocks[range.clone()], size) };
+        }
         settle(inner, op, &p.blocks[range.clone()], p.statuses, &dropped);
         p.settled = range.end;
         p.publish_ns += t.elapsed().as_nanos() as u64;

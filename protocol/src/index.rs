@@ -54,7 +54,25 @@ pub struct IndexInfo {
     pub slot_count: AtomicU64,
     /// Byte offsets of the two tables from the start of the region.
     pub table_offset: [AtomicU64; 2],
+    /// Non-zero once the writer shut down (see [`IndexView::mark_closed`]): every entry is
+    /// stale from then on. Zero in a fresh region, so a pool that predates the word reads
+    /// as open and readers fall back to their socket check.
+    pub closed: AtomicU32,
+    pub reserved: AtomicU32,
+    /// The pool's death notice, a Linux robust-futex entry: `robust_next` is the `next`
+    /// pointer of a robust list entry (in the pool's address space; readers ignore it) and
+    /// `owner` its futex word. A pool thread registers the list and stores its thread id in
+    /// `owner`; when that thread exits, however the process dies (SIGKILL included), the
+    /// kernel sets [`OWNER_DIED`] in `owner` before the process can be reaped. 0 = not armed
+    /// (a pool that could not register it, or predates it): readers rely on their socket.
+    pub robust_next: AtomicU64,
+    pub owner: AtomicU32,
 }
+#[cfg(not(loom))]
+crate::assert_layout!(IndexInfo, size = 56, align = 8);
+
+/// Bit the kernel sets in a robust futex word whose owner thread died (linux/futex.h).
+pub const OWNER_DIED: u32 = 0x4000_0000;
 
 /// Counters the writer maintains for tools (ringtool, metrics).
 #[repr(C)]
@@ -120,6 +138,12 @@ fn home(key: ObjectKey, mask: u64) -> u64 {
     x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
     x ^= x >> 33;
     x & mask
+}
+
+/// Home slot of `key` in a table of `slot_count` slots (a power of two): where its probe
+/// starts. For tests and tools that need keys sharing (or not sharing) a slot.
+pub fn home_slot(key: ObjectKey, slot_count: u64) -> u64 {
+    home(key, slot_count.wrapping_sub(1))
 }
 
 #[cfg(not(loom))]
@@ -219,6 +243,10 @@ impl LoomIndexStorage {
                 version: AtomicU32::new(PROTOCOL_VERSION),
                 slot_count: AtomicU64::new(slot_count),
                 table_offset: [z(), z()],
+                closed: AtomicU32::new(0),
+                reserved: AtomicU32::new(0),
+                robust_next: z(),
+                owner: AtomicU32::new(0),
             }),
             epoch: CachePadded::new(z()),
             stats: CachePadded::new(IndexStats { live: z(), tombstones: z(), inserts: z(), removes: z(), rebuilds: z() }),
@@ -269,6 +297,36 @@ impl<'a> IndexView<'a> {
 
     pub fn header(&self) -> &'a IndexHeader {
         self.header
+    }
+
+    /// Whether the writer marked the index closed (it shut down): no entry may be trusted.
+    /// One Acquire load of a header word the writer stores once, so cheap enough for every
+    /// lookup.
+    pub fn is_closed(&self) -> bool {
+        self.header.info.closed.load(Ordering::Acquire) != 0
+    }
+
+    /// Whether the writer is gone: it marked the index closed, or the kernel marked its
+    /// death word ([`IndexInfo::owner`]) with [`OWNER_DIED`]. Two loads of one cache line
+    /// the writer (or the kernel) stores once, cheap enough for every lookup.
+    pub fn writer_gone(&self) -> bool {
+        self.is_closed() || self.header.info.owner.load(Ordering::Acquire) & OWNER_DIED != 0
+    }
+
+    /// Whether the writer armed its death word (non-zero `owner`).
+    pub fn death_word_armed(&self) -> bool {
+        self.header.info.owner.load(Ordering::Acquire) != 0
+    }
+
+    /// Marks the index closed: readers stop trusting it from their next lookup on. The
+    /// writer calls it first thing when it shuts down, before it releases any object the
+    /// index names (Release, so a reader that sees the word also sees everything before).
+    ///
+    /// # Safety
+    /// The view's mapping is writable (the writer's own; a reader's read-only mapping
+    /// would fault).
+    pub unsafe fn mark_closed(&self) {
+        self.header.info.closed.store(1, Ordering::Release);
     }
 
     /// Seqlock read of one slot; None when the writer kept it busy for every retry.

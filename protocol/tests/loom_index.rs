@@ -23,15 +23,33 @@ use loom::sync::atomic::Ordering;
 use loom::sync::Arc;
 use loom::thread;
 use umbp_protocol::index::{
-    IndexSlot, IndexView, IndexWriter, Insert, LoomIndexStorage, SLOT_FULL,
+    home_slot, IndexSlot, IndexView, IndexWriter, Insert, LoomIndexStorage, SLOT_FULL,
 };
 use umbp_protocol::ObjectKey;
 
-/// Two keys with the same home slot (home = (lo ^ hi) & mask = 1 for 2 and 4 slots), so
-/// inserting the second one reuses the first one's tombstone: the same slot is rewritten
-/// with a different key and location.
-const K1: ObjectKey = ObjectKey(1);
-const K2: ObjectKey = ObjectKey(1 | (4u128 << 64));
+/// Two keys with the same home slot (slot 1 of a 4-slot table, hence also of a 2-slot
+/// one), found by searching with the index's own home function: inserting the second one
+/// reuses the first one's tombstone, so the same slot is rewritten with a different key and
+/// location. The home function mixes the key words (murmur3 finalizer), so fixed keys
+/// would silently stop sharing a slot when it changes; searching keeps the models honest,
+/// and `same_home_keys` asserts what it found.
+fn same_home_keys() -> (ObjectKey, ObjectKey) {
+    let wanted = 1;
+    let mut found = (1u128..).map(|i| ObjectKey(i | (i << 64))).filter(|k| home_slot(*k, 4) == wanted);
+    let (k1, k2) = (found.next().unwrap(), found.next().unwrap());
+    assert_ne!(k1, k2);
+    assert_eq!((home_slot(k1, 4), home_slot(k2, 4)), (wanted, wanted));
+    assert_eq!((home_slot(k1, 2), home_slot(k2, 2)), (wanted & 1, wanted & 1));
+    (k1, k2)
+}
+
+fn k1() -> ObjectKey {
+    same_home_keys().0
+}
+
+fn k2() -> ObjectKey {
+    same_home_keys().1
+}
 
 fn consistent(k: ObjectKey, found: Option<u64>) {
     if let Some(loc) = found {
@@ -61,9 +79,9 @@ fn reader_races_writer(
     check(2, move || {
         let st = Arc::new(LoomIndexStorage::new(slot_count));
         let mut w = IndexWriter::new(st.view());
-        w.insert(K1, checksum(K1)).unwrap();
+        w.insert(k1(), checksum(k1())).unwrap();
         if let Start::K1Removed = start {
-            w.remove(K1);
+            w.remove(k1());
         }
         let st2 = st.clone();
         let reader = thread::spawn(move || read(&st2.view()));
@@ -81,13 +99,18 @@ fn seqlock_reader_never_sees_torn_slot() {
         4,
         Start::K1Removed,
         |view| {
-            consistent(K1, view.lookup(K1));
-            consistent(K2, view.lookup(K2));
+            consistent(k1(), view.lookup(k1()));
+            consistent(k2(), view.lookup(k2()));
         },
-        |w| assert_eq!(w.insert(K2, checksum(K2)), Ok(Insert::Inserted)),
+        |w| {
+            assert_eq!(w.view().snapshot().tombstones, 1);
+            assert_eq!(w.insert(k2(), checksum(k2())), Ok(Insert::Inserted));
+        },
         |view| {
-            assert_eq!(view.lookup(K1), None);
-            assert_eq!(view.lookup(K2), Some(checksum(K2)));
+            // K2 went into K1's tombstone (a reuse of that slot), not into a free slot.
+            assert_eq!(view.snapshot().tombstones, 0, "K2 did not reuse K1's slot");
+            assert_eq!(view.lookup(k1()), None);
+            assert_eq!(view.lookup(k2()), Some(checksum(k2())));
         },
     );
     assert!(runs > 100, "loom explored only {runs} executions");
@@ -101,11 +124,11 @@ fn seqlock_match_prefix_during_remove() {
         4,
         Start::K1Live,
         |view| {
-            let n = view.match_prefix(&[K1]);
+            let n = view.match_prefix(&[k1()]);
             assert!(n <= 1);
         },
-        |w| assert_eq!(w.remove(K1), Some(checksum(K1))),
-        |view| assert_eq!(view.match_prefix(&[K1]), 0),
+        |w| assert_eq!(w.remove(k1()), Some(checksum(k1()))),
+        |view| assert_eq!(view.match_prefix(&[k1()]), 0),
     );
     assert!(runs > 20, "loom explored only {runs} executions");
 }
@@ -119,14 +142,14 @@ fn rebuild_epoch_flip_keeps_live_key_visible() {
     let runs = reader_races_writer(
         2,
         Start::K1Live,
-        |view| assert_eq!(view.lookup(K1), Some(checksum(K1))),
+        |view| assert_eq!(view.lookup(k1()), Some(checksum(k1()))),
         |w| {
             w.rebuild();
             w.rebuild();
         },
         |view| {
             assert_eq!(view.snapshot().epoch, 2);
-            assert_eq!(view.lookup(K1), Some(checksum(K1)));
+            assert_eq!(view.lookup(k1()), Some(checksum(k1())));
         },
     );
     assert!(runs > 100, "loom explored only {runs} executions");
@@ -140,12 +163,12 @@ fn rebuild_with_remove_and_insert_no_wrong_hit() {
     let runs = reader_races_writer(
         2,
         Start::K1Removed,
-        |view| consistent(K2, view.lookup(K2)),
+        |view| consistent(k2(), view.lookup(k2())),
         |w| {
             w.rebuild();
-            w.insert(K2, checksum(K2)).unwrap();
+            w.insert(k2(), checksum(k2())).unwrap();
         },
-        |view| assert_eq!(view.lookup(K2), Some(checksum(K2))),
+        |view| assert_eq!(view.lookup(k2()), Some(checksum(k2()))),
     );
     assert!(runs > 100, "loom explored only {runs} executions");
 }

@@ -244,3 +244,22 @@ def test_pipeline_parallel_rejected():
     C.check_parallelism(1)
     with pytest.raises(ValueError, match="pipeline_parallel_size.*pipeline parallelism"):
         C.check_parallelism(2)
+
+
+def test_prefill_context_parallel_rejected():
+    C.check_parallelism(1, prefill_context_parallel_size=1)
+    with pytest.raises(ValueError, match="prefill_context_parallel_size.*prefill context parallelism"):
+        C.check_parallelism(1, prefill_context_parallel_size=2)
+    # PP is still named first when both are set.
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        C.check_parallelism(2, prefill_context_parallel_size=2)
+
+
+def test_load_failure_policy_warning():
+    assert C.load_failure_policy_warning("recompute") is None
+    for policy in ("fail", None, "something-new"):
+        w = C.load_failure_policy_warning(policy)
+        assert w is not None and "kv_load_failure_policy" in w and "recompute" in w, w
+        assert repr(policy) in w
+    # A connector that never loads (kv_producer) cannot fail a load.
+    assert C.load_failure_policy_warning("fail", loads=False) is None

@@ -52,6 +52,23 @@ fn dead_pool_misses_and_restarted_pool_is_found() {
     assert!(!idx.contains(ObjectKey(1)), "the new pool's index, not the old one");
 }
 
+/// A pool that shut down marks its index closed before it releases anything: the very
+/// next lookup misses, without waiting for the socket check (LIVENESS_INTERVAL), and the
+/// client never reads that mapping again.
+#[test]
+fn closed_index_misses_at_once() {
+    let path = socket_path("sched-closed");
+    let pool = MockPool::start(&path);
+    let mut idx = IndexClient::connect(&path, 7, Duration::from_secs(2)).unwrap();
+    pool.insert_index(ObjectKey(1));
+    assert_eq!(idx.match_prefix(&[ObjectKey(1)]), 1);
+    pool.mark_index_closed();
+    // The mock keeps the socket open: only the word can turn this into a miss.
+    assert_eq!(idx.match_prefix(&[ObjectKey(1)]), 0, "a closed index must not hit");
+    assert!(!idx.is_attached());
+    assert_eq!(idx.match_prefix(&[ObjectKey(1)]), 0);
+}
+
 #[test]
 fn lazy_client_attaches_when_the_pool_appears() {
     let path = socket_path("sched-lazy");

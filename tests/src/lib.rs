@@ -34,8 +34,10 @@ pub fn unique_socket(tag: &str) -> PathBuf {
 
 /// `UMBP_POOL_WRAPPER`: a command every test pool runs under, e.g.
 /// `valgrind --tool=memcheck --error-exitcode=99 --log-file=/tmp/vg-%p.log` or a script
-/// that runs a sanitizer build (docs/reliability.md). Wrapped pools are stopped with
-/// SIGTERM (a clean shutdown, so the tool can report) instead of SIGKILL at the end.
+/// that runs a sanitizer build (scripts/sanitize.sh, docs/reliability.md). Wrapped pools
+/// are stopped with SIGTERM (a clean shutdown, so the tool can report) instead of SIGKILL
+/// at the end, and their exit status must be 0: the test fails on the tool's error exit
+/// code (nothing reads its logs).
 pub fn pool_wrapper() -> Option<Vec<String>> {
     std::env::var("UMBP_POOL_WRAPPER").ok().filter(|w| !w.trim().is_empty()).map(|w| w.split_whitespace().map(String::from).collect())
 }
@@ -52,19 +54,25 @@ pub fn pool_command(bin: &Path) -> Command {
     }
 }
 
-/// Stops a wrapped pool with SIGTERM and waits for its clean exit (up to 60 s).
-pub fn stop_gracefully(child: &mut Child) {
-    // SAFETY: signalling our own child.
+/// Stops a wrapped pool with SIGTERM and waits for its clean exit (up to 60 s); returns
+/// its exit status (None: it did not exit in time). A pool that already exited is not
+/// signalled (its pid may be reused); its status is returned.
+pub fn stop_gracefully(child: &mut Child) -> Option<std::process::ExitStatus> {
+    if let Ok(Some(st)) = child.try_wait() {
+        return Some(st);
+    }
+    // SAFETY: signalling our own child, not reaped yet (checked above).
     unsafe { libc::kill(child.id() as i32, libc::SIGCONT) };
     // SAFETY: as above.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(60);
     while Instant::now() < deadline {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
+        if let Ok(Some(st)) = child.try_wait() {
+            return Some(st);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+    None
 }
 
 /// A `umbp-pool` child process; killed on drop.
@@ -72,6 +80,8 @@ pub struct PoolProcess {
     pub child: Child,
     pub socket: PathBuf,
     pub args: Vec<String>,
+    /// The test SIGKILLed the current process itself (`kill`): no exit status to check.
+    killed: bool,
 }
 
 /// A workspace binary: test executables live in `target/<profile>/deps`, binaries one up.
@@ -120,7 +130,7 @@ impl PoolProcess {
     pub fn start(socket: &Path, args: &[&str]) -> Self {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
         let child = Self::spawn(socket, &args);
-        let p = Self { child, socket: socket.to_path_buf(), args };
+        let p = Self { child, socket: socket.to_path_buf(), args, killed: false };
         p.wait_listening();
         p
     }
@@ -140,6 +150,7 @@ impl PoolProcess {
     pub fn restart(&mut self) {
         self.kill();
         self.child = Self::spawn(&self.socket, &self.args);
+        self.killed = false;
         self.wait_listening();
     }
 
@@ -161,6 +172,7 @@ impl PoolProcess {
     }
 
     pub fn kill(&mut self) {
+        self.killed = true;
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -176,13 +188,22 @@ impl PoolProcess {
 }
 
 impl Drop for PoolProcess {
+    /// A wrapped pool (sanitizer, valgrind) must end with exit status 0: its tool's error
+    /// exit code fails the test here.
     fn drop(&mut self) {
-        if pool_wrapper().is_some() {
-            stop_gracefully(&mut self.child);
-        }
+        let wrapped = (pool_wrapper().is_some() && !self.killed).then(|| stop_gracefully(&mut self.child));
         self.kill();
         if let Some(d) = self.socket.parent() {
             let _ = std::fs::remove_dir_all(d);
+        }
+        if let Some(st) = wrapped {
+            if !st.is_some_and(|s| s.success()) && !std::thread::panicking() {
+                panic!(
+                    "pool at {} under UMBP_POOL_WRAPPER ended with {} (a sanitizer's or valgrind's error exit code, or a crash)",
+                    self.socket.display(),
+                    st.map_or("no exit within 60 s of SIGTERM".to_string(), |s| s.to_string())
+                );
+            }
         }
     }
 }

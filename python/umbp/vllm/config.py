@@ -20,7 +20,7 @@ Keys (all optional):
 | `save_decode_cache` | bool | false | also store blocks filled by generated tokens |
 | `key_namespace` | str | derived | override the key namespace (share KV across configs you know are compatible) |
 | `timeout_ms` | int > 0 | 5000 | a transfer pending longer is treated as failed by synchronous waits |
-| `lookup_timeout_ms` | int > 0 | 1000 | scheduler: how long attaching the index may take |
+| `lookup_timeout_ms` | int > 0 | 1000 | scheduler, embedded mode: how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
 | `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
 
 Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
@@ -305,14 +305,39 @@ def transfer_directions(kv_role: Any) -> tuple[bool, bool]:
     return _ROLE_DIRECTIONS[kv_role]
 
 
-def check_parallelism(pipeline_parallel_size: int) -> None:
+def check_parallelism(pipeline_parallel_size: int, prefill_context_parallel_size: int = 1) -> None:
     """Refuse topologies the key scheme does not describe.
 
     Keys name (block, TP rank); with pipeline parallelism each stage holds different layers
     of the same block, which would need a stage in the key and a hit check over all stages.
+    With prefill context parallelism (PCP) each PCP rank holds a different part of a
+    block's tokens under the same TP rank, so one key would name different bytes on each:
+    it would need the PCP rank in the key and a hit check over all of them.
     """
     if pipeline_parallel_size > 1:
         raise ValueError(
             "pipeline_parallel_size: UMBPStoreConnector does not support pipeline parallelism "
             f"(pipeline_parallel_size={pipeline_parallel_size}); use tensor or data parallelism"
         )
+    if prefill_context_parallel_size > 1:
+        raise ValueError(
+            "prefill_context_parallel_size: UMBPStoreConnector does not support prefill "
+            f"context parallelism (prefill_context_parallel_size={prefill_context_parallel_size}): "
+            "its keys do not name the PCP rank; use tensor or data parallelism"
+        )
+
+
+def load_failure_policy_warning(policy: Any, loads: bool = True) -> str | None:
+    """The warning to log at start for vLLM's `kv_load_failure_policy`, or None.
+
+    An object can be evicted between the scheduler's lookup and the worker's load; with
+    "recompute" vLLM recomputes the missing blocks, with any other policy ("fail", vLLM's
+    default) that request fails. Only a connector that loads can hit this.
+    """
+    if not loads or policy == "recompute":
+        return None
+    return (
+        f"UMBP: kv_transfer_config kv_load_failure_policy={policy!r}: a block evicted from the "
+        "pool between lookup and load then FAILS its request; set "
+        "kv_load_failure_policy='recompute' to recompute such blocks instead"
+    )

@@ -54,7 +54,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ._logging import get_logger
-from .config import UMBPConnectorConfig, check_parallelism, transfer_directions
+from .config import (
+    UMBPConnectorConfig,
+    check_parallelism,
+    load_failure_policy_warning,
+    transfer_directions,
+)
 from .endpoints import embedded_socket_path, load_native
 from .keys import canonical_namespace_text, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
@@ -101,7 +106,9 @@ class UMBPStoreConnector(KVConnectorBase_V1):
             ktc.kv_connector_extra_config, self._native.default_socket_path
         )
         pc = vllm_config.parallel_config
-        check_parallelism(pc.pipeline_parallel_size)
+        check_parallelism(
+            pc.pipeline_parallel_size, int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+        )
         if kv_cache_config is None:
             raise ValueError("UMBPStoreConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
 
@@ -121,6 +128,11 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         self._dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
         self._engine_id = str(ktc.engine_id)
         self._do_load, self._do_store = transfer_directions(ktc.kv_role)
+        warning = load_failure_policy_warning(
+            getattr(ktc, "kv_load_failure_policy", None), loads=self._do_load
+        )
+        if warning and role == KVConnectorRole.SCHEDULER:
+            logger.warning(warning)
         # BlockStored events cost a little per stored block: only when someone listens.
         kec = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(getattr(kec, "enable_kv_cache_events", False))

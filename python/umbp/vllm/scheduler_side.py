@@ -2,7 +2,9 @@
 and KV events, in the engine's scheduler process.
 
 Lookups read the pool's shared-memory index (`umbp._native.Index`): no RPC, never blocks,
-a dead pool is a miss. Each step's plan goes to every worker as `UMBPConnectorMetadata`;
+a dead pool is a miss. The scheduler never waits on the pool after startup: an index whose
+pool died re-attaches by itself (`IndexClient` dials without waiting, lookup by lookup),
+and a missing index is created lazily (timeout 0). Each step's plan goes to every worker as `UMBPConnectorMetadata`;
 the workers' answers come back as `UMBPWorkerMetadata`.
 """
 
@@ -88,7 +90,6 @@ class SchedulerSide:
         self._indexes: list[Any | None] = [None] * len(self._index_paths)
         self._index_was_up = [False] * len(self._index_paths)
         self._next_attach = 0.0
-        self._attach_backoff = self._RETRY_ATTACH_S
         if (self.c._do_load and self.cfg.enable_lookup) or self.c._events_enabled:
             self._attach(startup=True)
 
@@ -100,6 +101,7 @@ class SchedulerSide:
         the workers' pools exist before the scheduler's connector is built (vLLM creates the
         workers and their connectors first), so a normal attach works; if a pool is not
         there (yet), a lazy index (timeout 0) attaches whenever it is, missing meanwhile.
+        After startup nothing here waits: only lazy indexes are created.
         """
         now = time.monotonic()
         if not startup and now < self._next_attach:
@@ -107,12 +109,13 @@ class SchedulerSide:
         self._next_attach = now + self._RETRY_ATTACH_S
         strict = startup and not self.cfg.embedded
         timeout = self.cfg.startup_timeout_ms if strict else self.cfg.lookup_timeout_ms
-        for i, path in enumerate(self._index_paths):
+        # Only at startup may an attach wait (the engine is not serving yet); later, only
+        # lazy indexes (below) are created: the scheduler never waits on a pool.
+        for i, path in enumerate(self._index_paths if startup else ()):
             if self._indexes[i] is not None:
                 continue
             try:
                 self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout)
-                continue
             except Exception as e:  # noqa: BLE001 - UmbpError / OSError
                 if strict:
                     raise RuntimeError(
@@ -121,35 +124,15 @@ class SchedulerSide:
                         "'endpoint'/'lookup_instance' or UMBP_STANDALONE_ADDRESS."
                     ) from e
                 logger.warning("UMBP: index at %s not attached yet (%s); lookups miss", path, e)
+        for i, path in enumerate(self._index_paths):
+            if self._indexes[i] is not None:
+                continue
             try:  # never blocks, never fails: attaches when the pool is reachable
                 self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0)
             except Exception as e:  # noqa: BLE001
                 logger.debug("UMBP: lazy index for %s: %s", path, e)
                 return False
         return True
-
-    def _reattach(self, rank: int) -> None:
-        """Replace a disconnected index by a fresh attachment (rate-limited, backing off).
-
-        A restarted pool is a new process with a new index memfd, so the old mapping can
-        never see new objects; the old handle is kept until a new one attaches.
-        """
-        now = time.monotonic()
-        if now < self._next_attach:
-            return
-        i = rank if self.cfg.embedded else 0
-        try:
-            self._indexes[i] = self.n.Index(
-                self._index_paths[i],
-                namespace=self.c._base_namespace,
-                timeout_ms=self.cfg.lookup_timeout_ms,
-            )
-            self._attach_backoff = self._RETRY_ATTACH_S
-            logger.info("UMBP: re-attached the index at %s", self._index_paths[i])
-        except Exception as e:  # noqa: BLE001
-            self._attach_backoff = min(self._attach_backoff * 2, 10.0)
-            logger.debug("UMBP: index at %s not back yet: %s", self._index_paths[i], e)
-        self._next_attach = now + self._attach_backoff
 
     def _rank_index(self, rank: int) -> Any | None:
         return self._indexes[rank] if self.cfg.embedded else self._indexes[0]
@@ -178,10 +161,9 @@ class SchedulerSide:
             except Exception as e:  # noqa: BLE001 - never fail a lookup
                 logger.debug("UMBP: match_prefix failed (%s); treating as a miss", e)
                 m = 0
-            if m == 0 and not getattr(idx, "connected", True):
-                # The pool died or restarted (a restarted pool has a new index memfd):
-                # misses until an index attaches again.
-                self._reattach(rank)
+            # A pool that died or restarted (a restarted pool has a new index memfd) is a
+            # miss: the index notices and re-attaches by itself, without waiting, on a
+            # later lookup. Building a new Index here would wait on the pool.
             n = min(n, m)
             if n == 0:
                 break

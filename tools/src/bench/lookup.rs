@@ -1,7 +1,9 @@
 //! `umbp-bench lookup`: what the engine's scheduler pays to find a cached prefix. The
 //! shared-index `match_prefix` of a real pool (in this process) while another worker
 //! streams stores into it, beside the same lookup done as a request/response over a unix
-//! socket to a thread that owns the index (what an RPC design would cost).
+//! socket to a thread that owns the index (what an RPC design would cost). The shared-index
+//! figure includes the client's liveness check (the index's `closed` word every call, a
+//! socket poll at most once per `LIVENESS_INTERVAL`; docs/protocol.md "Pool liveness").
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;

@@ -59,6 +59,12 @@ pub struct SoakCli {
     /// Extra flags for every `umbp-pool` start (space separated).
     #[arg(long = "pool-args", default_value = "", allow_hyphen_values = true)]
     pub pool_args: String,
+    /// Negative control, TEST ONLY: the pool flips one byte of its DRAM copy of one object
+    /// in every N stored, so the run must fail with `corrupted_bytes` > 0. The pool is then
+    /// this binary (hidden `__soak-pool`), which arms the fault inside its own process;
+    /// `umbp-pool` has no flag, variable or message that arms it.
+    #[arg(long = "inject-corruption", value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub inject_corruption: Option<u64>,
     /// One JSON object per case and line.
     #[arg(long)]
     pub json: bool,
@@ -76,6 +82,57 @@ pub struct SoakWorkerCli {
     timeout_ms: u64,
     #[arg(long, default_value = "process")]
     memory: String,
+}
+
+/// The pool process of `soak --inject-corruption` (hidden `__soak-pool`): the pool library
+/// with [`umbp_pool::fault::corrupt_every_nth_store`] armed, stopped by SIGTERM/SIGINT
+/// like `umbp-pool`. Only the flags the soak passes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SoakPoolCli {
+    #[arg(long)]
+    socket: PathBuf,
+    #[arg(long)]
+    capacity: String,
+    #[arg(long = "min-object-size")]
+    min_object_size: String,
+    /// Flip one byte in every N stored objects (0: never).
+    #[arg(long = "inject-corruption", default_value_t = 0)]
+    inject_corruption: u64,
+}
+
+impl SoakPoolCli {
+    pub fn run(self) -> Result<(), String> {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+            .with_writer(std::io::stderr)
+            .try_init();
+        let config = umbp_pool::PoolConfig {
+            socket_path: self.socket.clone(),
+            capacity_bytes: umbp_pool::parse_size("capacity", &self.capacity).map_err(|e| e.to_string())?,
+            min_object_bytes: umbp_pool::parse_size("min-object-size", &self.min_object_size).map_err(|e| e.to_string())?,
+            ..Default::default()
+        };
+        config.validate().map_err(|e| e.to_string())?;
+        // Before any thread starts, so all inherit the mask and only sigwait sees the signal.
+        // SAFETY: plain libc signal-mask calls on a local sigset.
+        let set = unsafe {
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            libc::sigaddset(&mut set, libc::SIGINT);
+            libc::sigaddset(&mut set, libc::SIGTERM);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+            set
+        };
+        umbp_pool::fault::corrupt_every_nth_store(self.inject_corruption);
+        tracing::warn!(every = self.inject_corruption, "TEST POOL: corrupting one stored object in every N (umbp-bench soak --inject-corruption)");
+        let pool = umbp_pool::Pool::start(config).map_err(|e| e.to_string())?;
+        let mut sig = 0;
+        // SAFETY: waits on the set blocked above.
+        unsafe { libc::sigwait(&set, &mut sig) };
+        tracing::warn!(flipped_bytes = umbp_pool::fault::corrupted_bytes(), "TEST POOL: stopping");
+        pool.shutdown();
+        Ok(())
+    }
 }
 
 const NS: u128 = 0x736f_616b;
@@ -115,6 +172,9 @@ fn key_of(k: u64) -> ObjectKey {
 struct Pending {
     /// (key number, key, block)
     batch: Vec<(u64, ObjectKey, u64)>,
+    submitted: Instant,
+    /// Cancel was tried and the pool had started it (a load): wait for its completion.
+    cancel_refused: bool,
 }
 
 #[derive(Default)]
@@ -125,12 +185,15 @@ struct Tally {
     loaded: u64,
     failed: u64,
     corrupt_bytes: u64,
+    corrupt_blocks: u64,
     max_blocked_ms: f64,
     /// Which call that was.
     max_blocked_call: &'static str,
     busy: u64,
     stalled: u64,
     disconnected: u64,
+    /// Transfers past the timeout cancelled (their blocks reused at once, as an engine does).
+    cancelled: u64,
 }
 
 /// A worker's KV memory: a heap buffer or a mapped memfd.
@@ -172,7 +235,15 @@ struct SoakWorker {
     recent: std::collections::VecDeque<u64>,
     t: Tally,
     rng: u64,
+    /// The engine timeout: a transfer older than this is cancelled.
     timeout: Duration,
+}
+
+/// How long a call that was allowed to wait `wait` blocked beyond it, in ms. The run fails
+/// when this passes the engine timeout: `wait(t)` is bounded by `t + timeout`, the other
+/// calls by `timeout` (docs/reliability.md).
+fn blocked_ms(wait: Duration, took: Duration) -> f64 {
+    took.saturating_sub(wait).as_secs_f64() * 1e3
 }
 
 fn page_offsets(b: u64) -> impl Iterator<Item = usize> {
@@ -185,11 +256,12 @@ impl SoakWorker {
         self.rng
     }
 
-    /// Runs `f` (a worker-library call) and records how far past `allowed` it returned.
-    fn timed<R>(&mut self, call: &'static str, allowed: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
+    /// Runs `f` (a worker-library call that may wait up to `wait`: `wait(t)`'s `t`, zero
+    /// for the others) and records how long it blocked beyond that.
+    fn timed<R>(&mut self, call: &'static str, wait: Duration, f: impl FnOnce(&mut Worker) -> R) -> R {
         let started = Instant::now();
         let r = f(&mut self.w);
-        let over = started.elapsed().saturating_sub(allowed).as_secs_f64() * 1e3;
+        let over = blocked_ms(wait, started.elapsed());
         if over > self.t.max_blocked_ms {
             self.t.max_blocked_ms = over;
             self.t.max_blocked_call = call;
@@ -225,7 +297,11 @@ impl SoakWorker {
                     }
                     if bad > 0 {
                         self.t.corrupt_bytes += bad;
-                        eprintln!("soak worker {}: key {n} (block {b}): {bad} corrupted bytes", self.id);
+                        self.t.corrupt_blocks += 1;
+                        // The first few by name; all of them are counted.
+                        if self.t.corrupt_blocks <= 5 {
+                            eprintln!("soak worker {}: key {n} (block {b}): {bad} corrupted bytes", self.id);
+                        }
                         self.report("corrupt");
                     }
                 }
@@ -267,7 +343,7 @@ impl SoakWorker {
         let blocks: Vec<(ObjectKey, u64)> = batch.iter().map(|&(_, k, b)| (k, b)).collect();
         let r = self.timed(if store { "store" } else { "load" }, Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
         match r {
-            Ok(id) => self.pending.push((id, Pending { batch })),
+            Ok(id) => self.pending.push((id, Pending { batch, submitted: Instant::now(), cancel_refused: false })),
             Err(e) => {
                 match e {
                     WorkerError::Stalled { .. } => self.t.stalled += 1,
@@ -285,13 +361,29 @@ impl SoakWorker {
         for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
             self.complete(c);
         }
+        // Cancel, never abandon: a transfer past the timeout is cancelled and, unless the
+        // pool already writes it (a started load), its blocks are reused at once for other
+        // keys, as an engine hands them to other requests. A pool that touched them after
+        // that would show up as corrupted bytes.
+        let overdue = self.pending.iter().position(|(_, p)| !p.cancel_refused && p.submitted.elapsed() > self.timeout);
+        if let Some(pos) = overdue {
+            let id = self.pending[pos].0;
+            match self.timed("cancel", Duration::ZERO, |w| w.cancel(id)) {
+                umbp_worker::CancelOutcome::Started => self.pending[pos].1.cancel_refused = true,
+                umbp_worker::CancelOutcome::Cancelled => self.t.cancelled += 1,
+                umbp_worker::CancelOutcome::NotInFlight => {}
+            }
+            for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
+                self.complete(c);
+            }
+        }
         if submit && self.pending.len() < DEPTH && self.free.len() >= 8 {
             self.submit();
         } else if let Some(&(id, _)) = self.pending.first() {
             let slice = Duration::from_millis(20);
-            let timeout = self.timeout;
-            // wait(t) must come back within t (plus the engine timeout at most).
-            if let Some(c) = self.timed("wait", slice + timeout, |w| w.wait(id, slice)) {
+            // wait(t) must come back within t: what it takes beyond t is "blocked", and the
+            // run fails when that passes the engine timeout (the bound is t + timeout).
+            if let Some(c) = self.timed("wait", slice, |w| w.wait(id, slice)) {
                 self.complete(c);
             }
         } else {
@@ -307,7 +399,7 @@ impl SoakWorker {
             "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
             "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
             "max_blocked_call": t.max_blocked_call,
-            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected,
+            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled,
             "connected": self.w.is_connected(), "pending": self.pending.len(),
         });
         let mut out = std::io::stdout().lock();
@@ -409,6 +501,8 @@ struct WorkerProc {
     child: Child,
     stdin: ChildStdin,
     state: Arc<Mutex<WorkerState>>,
+    /// Disconnected when the reader of the worker's stdout has seen EOF (read all it printed).
+    reader_done: std::sync::mpsc::Receiver<()>,
 }
 
 impl WorkerProc {
@@ -428,7 +522,9 @@ impl WorkerProc {
         let stdout = child.stdout.take().expect("piped");
         let state = Arc::new(Mutex::new(WorkerState::default()));
         let s2 = state.clone();
+        let (done_tx, reader_done) = std::sync::mpsc::channel::<()>();
         std::thread::spawn(move || {
+            let _done = done_tx; // dropped at EOF: the worker's last report is in
             for line in BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
                 let Ok(v) = serde_json::from_str::<Value>(&line) else { continue };
@@ -439,7 +535,7 @@ impl WorkerProc {
                 s.last = v;
             }
         });
-        Ok(Self { child, stdin, state })
+        Ok(Self { child, stdin, state, reader_done })
     }
 
     fn send(&mut self, cmd: &str) {
@@ -453,9 +549,14 @@ impl WorkerProc {
 
     fn kill(&mut self) -> Value {
         let _ = self.child.kill();
+        self.reap()
+    }
+
+    /// Waits for the worker's exit and for its reader to have read everything it printed
+    /// (EOF; at most 10 s: nothing else holds the pipe), then returns its last report.
+    fn reap(&mut self) -> Value {
         let _ = self.child.wait();
-        // Let the reader drain what the worker printed before it died.
-        std::thread::sleep(Duration::from_millis(20));
+        let _ = self.reader_done.recv_timeout(Duration::from_secs(10));
         self.last()
     }
 }
@@ -471,6 +572,7 @@ struct Totals {
     blocks: f64,
     loaded: f64,
     corrupt_bytes: f64,
+    cancelled: f64,
     max_blocked_ms: f64,
     max_blocked_call: Option<&'static str>,
 }
@@ -481,6 +583,7 @@ impl Totals {
         self.blocks += num(v, "blocks");
         self.loaded += num(v, "loaded");
         self.corrupt_bytes += num(v, "corrupt_bytes");
+        self.cancelled += num(v, "cancelled");
         if num(v, "max_blocked_ms") > self.max_blocked_ms {
             self.max_blocked_ms = num(v, "max_blocked_ms");
             self.max_blocked_call = match v["max_blocked_call"].as_str() {
@@ -488,33 +591,64 @@ impl Totals {
                 Some("load") => Some("load"),
                 Some("poll") => Some("poll"),
                 Some("wait") => Some("wait"),
+                Some("cancel") => Some("cancel"),
                 _ => None,
             };
         }
     }
 }
 
+/// How the pool is started: `bin [subcommand...] --socket S args...`.
+#[derive(Clone)]
+struct PoolCmd {
+    bin: PathBuf,
+    /// Before `--socket` (`__soak-pool --inject-corruption N` for the negative control).
+    pre_args: Vec<String>,
+    args: Vec<String>,
+}
+
 struct PoolProc {
     child: Child,
-    bin: PathBuf,
+    cmd: PoolCmd,
     socket: PathBuf,
-    args: Vec<String>,
     log: PathBuf,
+    /// Pool processes started so far.
+    starts: u64,
+}
+
+/// How a pool process ended, in words ("exit status: 99", "signal: 11 (SIGSEGV)").
+fn describe(st: &std::process::ExitStatus) -> String {
+    st.to_string()
+}
+
+/// Whether the pool ended by the soak's own SIGKILL (an injected restart).
+fn killed_by_us(st: &std::process::ExitStatus) -> bool {
+    use std::os::unix::process::ExitStatusExt;
+    st.signal() == Some(libc::SIGKILL)
+}
+
+/// The last `n` lines of a log file (for failure messages).
+fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
 }
 
 impl PoolProc {
-    fn start(bin: &Path, socket: &Path, args: &[String], log: &Path) -> Result<Self, String> {
-        let mut p = Self { child: Self::spawn(bin, socket, args, log)?, bin: bin.into(), socket: socket.into(), args: args.to_vec(), log: log.into() };
+    fn start(cmd: &PoolCmd, socket: &Path, log: &Path) -> Result<Self, String> {
+        let mut p = Self { child: Self::spawn(cmd, socket, log)?, cmd: cmd.clone(), socket: socket.into(), log: log.into(), starts: 1 };
         p.wait_listening()?;
         Ok(p)
     }
 
-    fn spawn(bin: &Path, socket: &Path, args: &[String], log: &Path) -> Result<Child, String> {
+    fn spawn(cmd: &PoolCmd, socket: &Path, log: &Path) -> Result<Child, String> {
+        let bin = &cmd.bin;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(|e| e.to_string())?;
         Command::new(bin)
+            .args(&cmd.pre_args)
             .arg("--socket")
             .arg(socket)
-            .args(args)
+            .args(&cmd.args)
             .env("RUST_LOG", "warn")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -541,21 +675,56 @@ impl PoolProc {
         self.child.id() as i32
     }
 
-    fn signal(&self, sig: Signal) {
+    /// Signals the pool, unless it already exited (and was reaped: its pid may be reused).
+    fn signal(&mut self, sig: Signal) {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
         if let Some(pid) = rustix::process::Pid::from_raw(self.pid()) {
             let _ = rustix::process::kill_process(pid, sig);
         }
     }
 
-    fn restart(&mut self) -> Result<(), String> {
-        self.kill();
-        self.child = Self::spawn(&self.bin, &self.socket, &self.args, &self.log)?;
+    /// How the pool ended if it is no longer running (without waiting).
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// A new pool process at the same socket (the old one has exited and been reaped).
+    fn respawn(&mut self) -> Result<(), String> {
+        self.child = Self::spawn(&self.cmd, &self.socket, &self.log)?;
+        self.starts += 1;
         self.wait_listening()
     }
 
-    fn kill(&mut self) {
+    /// The injected restart: SIGKILL and a new process. Returns how the old one ended if
+    /// that was not this SIGKILL (it had exited or crashed on its own before).
+    fn restart(&mut self) -> Result<Option<std::process::ExitStatus>, String> {
+        let st = self.kill();
+        self.respawn()?;
+        Ok(st.filter(|st| !killed_by_us(st)))
+    }
+
+    fn kill(&mut self) -> Option<std::process::ExitStatus> {
         let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.wait().ok()
+    }
+
+    /// The clean stop at the end: SIGTERM, then the exit status, which must be success: a
+    /// sanitizer's or valgrind's error exit code (`--error-exitcode`, ASAN/LSAN `exitcode`)
+    /// shows here. SIGKILL after `grace`.
+    fn stop(&mut self, grace: Duration) -> Result<std::process::ExitStatus, String> {
+        self.signal(SIGCONT); // in case it is stopped
+        self.signal(Signal::TERM);
+        let deadline = Instant::now() + grace;
+        while Instant::now() < deadline {
+            if let Some(st) = self.exited() {
+                return Ok(st);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill();
+        Err(format!("umbp-pool did not exit within {} s of SIGTERM (killed)", grace.as_secs()))
     }
 
     /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...).
@@ -595,15 +764,9 @@ impl PoolProc {
 
 impl Drop for PoolProc {
     /// A clean stop (SIGTERM) so that a tool wrapping the pool (valgrind) can report; SIGKILL
-    /// after 30 s.
+    /// after 30 s. (A finished run has stopped it already and checked its exit status.)
     fn drop(&mut self) {
-        self.signal(SIGCONT); // in case it is stopped
-        self.signal(Signal::TERM);
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.kill();
+        let _ = self.stop(Duration::from_secs(30));
     }
 }
 
@@ -672,10 +835,32 @@ struct Soak {
     leaked_bytes: u64,
     leaked_fds: i64,
     leak_checks: u64,
+    /// Pool processes that ended other than by the soak's own SIGKILL (an injected
+    /// restart) or, at the end, by its SIGTERM with exit status 0.
+    pool_crashes: u64,
     failures: Vec<String>,
 }
 
 impl Soak {
+    /// Records a pool process that ended on its own.
+    fn pool_crashed(&mut self, when: &str, st: &std::process::ExitStatus) {
+        self.pool_crashes += 1;
+        let msg = format!("{when}: umbp-pool crashed or exited on its own ({}); its log ends: {}", describe(st), log_tail(&self.pool.log, 5));
+        eprintln!("soak: {msg}");
+        self.failures.push(msg);
+    }
+
+    /// Fails the run if the pool ended on its own since the last look, and starts a new
+    /// one so that the rest of the run still measures. Called before every injected fault,
+    /// around every leak check and at the end, so a crash is never taken for a fault.
+    fn check_pool(&mut self, when: &str) -> Result<(), String> {
+        if let Some(st) = self.pool.exited() {
+            self.pool_crashed(when, &st);
+            self.pool.respawn()?;
+        }
+        Ok(())
+    }
+
     fn spawn_worker(&mut self) -> Result<(), String> {
         let id = self.next_id;
         self.next_id += 1;
@@ -713,6 +898,7 @@ impl Soak {
     /// With every worker paused: the pool holds only published, unpinned objects, all its
     /// allocated bytes belong to them, and it has its baseline fds plus the live workers'.
     fn leak_check(&mut self, when: &str) -> Result<(), String> {
+        self.check_pool(when)?;
         self.pause_all()?;
         let live = self.workers.len();
         let mut last = Value::Null;
@@ -726,6 +912,8 @@ impl Soak {
         });
         if !settled {
             self.failures.push(format!("{when}: pool did not settle: {} worker attachments of {live}, pool {}", worker_attachments(&last), last["pool"]));
+            // A pool that died meanwhile explains it (and must be counted as a crash).
+            self.check_pool(when)?;
         }
         let allocated = last["pool"]["allocated_bytes"].as_u64().unwrap_or(0);
         let published = last["pool"]["published_objects"].as_u64().unwrap_or(0);
@@ -761,9 +949,15 @@ impl Soak {
 
 impl SoakCli {
     pub fn run(self) -> Result<(), String> {
-        let bin = match &self.pool_bin {
-            Some(b) => b.clone(),
-            None => std::env::current_exe().map_err(|e| e.to_string())?.with_file_name("umbp-pool"),
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let (bin, pre_args) = match (self.inject_corruption, &self.pool_bin) {
+            (Some(_), Some(_)) => return Err("--inject-corruption runs its own test pool (this binary): it cannot be combined with --pool-bin".into()),
+            (Some(_), None) if !self.pool_args.trim().is_empty() => {
+                return Err("--inject-corruption runs its own test pool, which takes no --pool-args".into())
+            }
+            (Some(n), None) => (exe.clone(), vec!["__soak-pool".to_string(), "--inject-corruption".into(), n.to_string()]),
+            (None, Some(b)) => (b.clone(), Vec::new()),
+            (None, None) => (exe.with_file_name("umbp-pool"), Vec::new()),
         };
         if !bin.exists() {
             return Err(format!("{} not found: build it (cargo build --bins) or pass --pool-bin", bin.display()));
@@ -775,7 +969,7 @@ impl SoakCli {
         let log = dir.join("pool.log");
         let mut args: Vec<String> = vec!["--capacity".into(), self.capacity.clone(), "--min-object-size".into(), "64KiB".into()];
         args.extend(self.pool_args.split_whitespace().map(String::from));
-        let pool = PoolProc::start(&bin, &socket, &args, &log)?;
+        let pool = PoolProc::start(&PoolCmd { bin, pre_args, args }, &socket, &log)?;
         let base_fds = settled_fds(&pool, |_| true);
         let base_kinds = pool.fd_kinds();
         let mut s = Soak {
@@ -791,6 +985,7 @@ impl SoakCli {
             leaked_bytes: 0,
             leaked_fds: 0,
             leak_checks: 0,
+            pool_crashes: 0,
             failures: Vec::new(),
         };
         for _ in 0..self.workers.max(1) {
@@ -823,6 +1018,7 @@ impl SoakCli {
         std::thread::sleep(warmup);
         let t1 = s.totals();
         let base_rate = (t1.transfers - t0.transfers) / warmup.as_secs_f64();
+        eprintln!("soak: warm-up done ({base_rate:.0} transfers/s without faults); chaos phase for {} s", self.seconds);
 
         let bar = if self.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(self.seconds) };
         bar.set_style(
@@ -838,6 +1034,8 @@ impl SoakCli {
         let deadline = start + Duration::from_secs(self.seconds);
         while Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(200 + rand(1000)));
+            // A pool that died on its own since the last fault is a crash, not a fault.
+            s.check_pool(&format!("chaos phase, {:.1} s in", start.elapsed().as_secs_f64()))?;
             if Instant::now() >= deadline {
                 break;
             }
@@ -859,14 +1057,18 @@ impl SoakCli {
                 }
                 _ => {
                     std::thread::sleep(Duration::from_millis(rand(300)));
-                    s.pool.restart()?;
-                    restarts += 1;
+                    match s.pool.restart()? {
+                        // It had ended on its own before our SIGKILL: a crash, not a fault.
+                        Some(st) => s.pool_crashed(&format!("chaos phase, {:.1} s in (before a restart)", start.elapsed().as_secs_f64()), &st),
+                        None => restarts += 1,
+                    }
                 }
             }
             bar.set_position(start.elapsed().as_secs().min(self.seconds));
             bar.set_message(format!("{kills} worker kills, {stops} pool stops, {restarts} pool restarts"));
         }
         bar.finish_and_clear();
+        s.check_pool("after the chaos phase")?;
 
         // All workers must come back (the last fault may have been a pool restart).
         let reattached = eventually(Duration::from_secs(30), || {
@@ -883,11 +1085,23 @@ impl SoakCli {
             w.send("quit");
         }
         for w in &mut s.workers {
-            let _ = w.child.wait();
-            std::thread::sleep(Duration::from_millis(10));
-            total.add(&w.last());
+            total.add(&w.reap());
         }
-        let _ = std::fs::remove_dir_all(&dir);
+        // The clean stop: exit status 0, or the run fails (a sanitizer's or valgrind's
+        // error exit code comes back here, as does a crash during shutdown).
+        let final_exit = match s.pool.stop(Duration::from_secs(120)) {
+            Ok(st) if st.success() => describe(&st),
+            Ok(st) => {
+                s.pool_crashed("at the clean stop (SIGTERM)", &st);
+                describe(&st)
+            }
+            Err(e) => {
+                s.pool_crashes += 1;
+                s.failures.push(e.clone());
+                e
+            }
+        };
+        let injected_flips = std::fs::read_to_string(&log).map_or(0, |t| t.matches("TEST FAULT: flipped a byte").count() as u64);
 
         let chaos_s = start.elapsed().as_secs_f64();
         let ops = total.transfers - t1.transfers;
@@ -899,6 +1113,10 @@ impl SoakCli {
             s.failures.push(format!("a worker call blocked {} ms past what it allowed (bound {} ms)", total.max_blocked_ms, self.timeout_ms));
         }
         let pass = s.failures.is_empty();
+        // Kept for reading when the run failed, unless it was meant to (negative control).
+        if pass || self.inject_corruption.is_some() {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
         let ctx = |c: Case| c.extra("seconds", self.seconds).extra("workers", n as u64).extra("pass", pass);
         let cases = vec![
             ctx(Case::new("soak", "operations", ops, "transfers", base_rate * chaos_s, "fault-free rate x duration (warm-up phase)", Better::Higher))
@@ -910,7 +1128,13 @@ impl SoakCli {
                 .extra("pool_restarts", restarts),
             ctx(Case::new("soak", "corrupted_bytes", total.corrupt_bytes, "bytes", 0.0, "allowed", Better::Lower))
                 .extra("verified_blocks", total.loaded as u64)
-                .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES),
+                .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES)
+                .extra("cancelled_transfers", total.cancelled as u64)
+                .extra("inject_corruption", self.inject_corruption.unwrap_or(0))
+                .extra("injected_flips", injected_flips),
+            ctx(Case::new("soak", "pool_crashes", s.pool_crashes as f64, "crashes", 0.0, "allowed", Better::Lower))
+                .extra("pool_processes", s.pool.starts)
+                .extra("final_exit", final_exit),
             ctx(Case::new("soak", "leaked_bytes", s.leaked_bytes as f64, "bytes", 0.0, "allowed", Better::Lower))
                 .extra("leak_checks", s.leak_checks)
                 .extra("leaked_fds", s.leaked_fds)
@@ -923,7 +1147,26 @@ impl SoakCli {
         if pass {
             Ok(())
         } else {
-            Err(format!("soak failed: {}", s.failures.join("; ")))
+            Err(format!("soak failed: {} (pool log: {})", s.failures.join("; "), log.display()))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `wait(t)` may take `t` + timeout, not `t` + 2 x timeout: a 20 ms wait that took
+    /// 1.5 timeouts more blocked 1.5 timeouts (before: the allowance was `t` + timeout, so it
+    /// counted as 0.5 and a run with a 1 s timeout passed a wait that returned 1.52 s late).
+    #[test]
+    fn wait_bound_is_t_plus_timeout() {
+        let (t, timeout) = (Duration::from_millis(20), Duration::from_millis(1000));
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        assert!((blocked_ms(t, t + timeout * 3 / 2) - ms(timeout * 3 / 2)).abs() < 1e-6);
+        assert!(blocked_ms(t, t + timeout * 3 / 2) > ms(timeout), "fails the run");
+        assert!(blocked_ms(t, t + timeout / 2) < ms(timeout), "within the bound");
+        assert_eq!(blocked_ms(t, t / 2), 0.0);
+        assert_eq!(blocked_ms(Duration::ZERO, timeout), ms(timeout));
     }
 }

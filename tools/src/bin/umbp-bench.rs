@@ -73,6 +73,9 @@ enum Cmd {
     /// Internal: a worker process of `soak`.
     #[command(name = "__soak-worker", hide = true)]
     SoakWorker(bench::soak::SoakWorkerCli),
+    /// Internal: the pool process of `soak --inject-corruption` (a test-only fault armed).
+    #[command(name = "__soak-pool", hide = true)]
+    SoakPool(bench::soak::SoakPoolCli),
     /// Internal: a worker process of `transfer`.
     #[command(name = "__transfer-worker", hide = true)]
     TransferWorker(bench::transfer::TransferWorkerCli),
@@ -121,6 +124,7 @@ fn main() -> ExitCode {
         Cmd::TransferWorker(t) => t.run(),
         Cmd::Soak(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakWorker(s) => s.run().map_err(std::io::Error::other),
+        Cmd::SoakPool(s) => s.run().map_err(std::io::Error::other),
         Cmd::RingPeer {
             fd,
             sock_fd,

@@ -87,6 +87,14 @@ impl MockPool {
         self.shared.index.lock().unwrap().insert(key, 1).unwrap();
     }
 
+    /// Marks the index closed, as a pool does first thing when it shuts down; the sockets
+    /// stay open.
+    pub fn mark_index_closed(&self) {
+        let view = self.shared.index.lock().unwrap().view();
+        // SAFETY: the writer's own writable mapping (leaked, lives for the process).
+        unsafe { view.mark_closed() };
+    }
+
     pub fn hints(&self) -> Vec<ObjectKey> {
         self.shared.hints.lock().unwrap().clone()
     }

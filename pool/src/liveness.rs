@@ -1,0 +1,64 @@
+//! The pool's death notice in the index header (docs/protocol.md, "Pool liveness"): a
+//! thread that registers a Linux robust futex list whose one entry lives in the shared
+//! index header, with its thread id in the entry's futex word (`IndexInfo::owner`). When
+//! that thread exits, whatever kills the process, the kernel's exit path sets
+//! `OWNER_DIED` in the word before the process can be reaped, so schedulers see the pool's
+//! death with one load per lookup, without a syscall.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use umbp_protocol::index::IndexView;
+
+use crate::PoolInner;
+
+/// `struct robust_list_head` (linux/futex.h): the list (its first entry, circular back to
+/// the head), the offset from an entry to its futex word, and the entry being changed.
+#[repr(C)]
+struct RobustListHead {
+    list: *mut libc::c_void,
+    futex_offset: libc::c_long,
+    list_op_pending: *mut libc::c_void,
+}
+const _: () = assert!(std::mem::size_of::<RobustListHead>() == 24);
+
+pub fn run(inner: &PoolInner) {
+    if let Err(e) = arm(inner) {
+        tracing::warn!("pool death word not armed ({e}); schedulers notice a dead pool by its socket only (within 1 ms)");
+    }
+    while !inner.is_shutting_down() {
+        std::thread::park_timeout(Duration::from_millis(200));
+    }
+    // Returning ends the thread: the kernel marks the word OWNER_DIED (after `Pool::stop`
+    // set `closed`, so a graceful stop is seen through both).
+}
+
+fn arm(inner: &PoolInner) -> Result<(), String> {
+    // SAFETY: the pool's own index mapping, alive as long as `inner` (longer than this
+    // thread, which `Pool::stop` joins before it drops `inner`).
+    let view = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) }.map_err(|e| e.to_string())?;
+    let info = &view.header().info;
+    let entry = &info.robust_next as *const _ as *mut libc::c_void;
+    let word = &info.owner as *const _ as usize;
+    // Leaked: the kernel reads the head when this thread exits, after `run` returned.
+    let head: &'static mut RobustListHead = Box::leak(Box::new(RobustListHead {
+        list: entry,
+        futex_offset: (word - entry as usize) as libc::c_long,
+        list_op_pending: std::ptr::null_mut(),
+    }));
+    // The entry's `next` closes the circle back to the head.
+    info.robust_next.store(head as *mut RobustListHead as u64, Ordering::Relaxed);
+    // SAFETY: `head` is a valid robust_list_head for the life of the thread (leaked); its
+    // one entry and futex word lie in the index mapping, which outlives this thread. This
+    // replaces the list glibc registered for this thread, which takes no robust pthread
+    // mutex.
+    let rc = unsafe { libc::syscall(libc::SYS_set_robust_list, head as *mut RobustListHead, std::mem::size_of::<RobustListHead>()) };
+    if rc != 0 {
+        return Err(format!("set_robust_list: {}", std::io::Error::last_os_error()));
+    }
+    // Armed only once the kernel knows the list: a word with our tid is always cleaned.
+    let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
+    info.owner.store(tid, Ordering::Release);
+    tracing::debug!(tid, "pool death word armed");
+    Ok(())
+}
