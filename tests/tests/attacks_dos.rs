@@ -381,8 +381,24 @@ fn per_attachment_limits_do_not_multiply_across_one_uids_attachments() {
     assert!(m.contains("--max-regions-per-uid"), "{m}");
 }
 
+/// A pool process started by hand (with a low RLIMIT_NOFILE); killed on drop.
+struct LimitedPool {
+    child: std::process::Child,
+    socket: std::path::PathBuf,
+}
+
+impl Drop for LimitedPool {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if let Some(d) = self.socket.parent() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}
+
 /// Starts a pool whose RLIMIT_NOFILE is `nofile`.
-fn pool_with_nofile(tag: &str, nofile: u64, extra: &[&str]) -> PoolProcess {
+fn pool_with_nofile(tag: &str, nofile: u64, extra: &[&str]) -> LimitedPool {
     let socket = unique_socket(tag);
     let mut cmd = pool_command(&pool_binary());
     cmd.arg("--socket").arg(&socket).args(["--capacity", "64MiB"]).args(extra);
@@ -397,9 +413,17 @@ fn pool_with_nofile(tag: &str, nofile: u64, extra: &[&str]) -> PoolProcess {
             Ok(())
         });
     }
-    let child = cmd.env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into())).stdin(std::process::Stdio::null()).spawn().unwrap();
-    let pool = PoolProcess { child, socket, args: Vec::new() };
-    pool.wait_listening();
+    let child = cmd
+        .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()))
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let pool = LimitedPool { child, socket };
+    assert!(
+        eventually(Duration::from_secs(20), || UnixStream::connect(&pool.socket).is_ok()),
+        "pool did not start listening at {}",
+        pool.socket.display()
+    );
     pool
 }
 
