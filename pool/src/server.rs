@@ -330,16 +330,28 @@ impl<'a> Control<'a> {
             }
             return;
         }
+        // Read on while the socket has bytes (a header and its payload usually arrive
+        // together), at most a few reads per event so one peer cannot hog the loop.
         let mut scratch = std::mem::take(&mut self.scratch);
-        let result = match recv_chunk(&peer.sock, &mut scratch[..want], RecvFlags::DONTWAIT) {
-            Ok(chunk) => {
-                tracing::trace!(pid = peer.id.pid, bytes = chunk.bytes, fds = chunk.fds.len(), truncated = chunk.truncated, "control read");
-                peer.conn.feed(Instant::now(), &scratch[..chunk.bytes], chunk.fds, chunk.truncated)
+        let mut result = Ok(None);
+        for _ in 0..4 {
+            let want = peer.conn.want();
+            if want == 0 {
+                break;
             }
-            Err(MessageError::Timeout) => Ok(None),
-            Err(MessageError::Closed) => Err(Violation::Closed),
-            Err(e) => Err(Violation::Malformed(e.to_string())),
-        };
+            result = match recv_chunk(&peer.sock, &mut scratch[..want], RecvFlags::DONTWAIT) {
+                Ok(chunk) => {
+                    tracing::trace!(pid = peer.id.pid, bytes = chunk.bytes, fds = chunk.fds.len(), truncated = chunk.truncated, "control read");
+                    peer.conn.feed(Instant::now(), &scratch[..chunk.bytes], chunk.fds, chunk.truncated)
+                }
+                Err(MessageError::Timeout) => break,
+                Err(MessageError::Closed) => Err(Violation::Closed),
+                Err(e) => Err(Violation::Malformed(e.to_string())),
+            };
+            if !matches!(result, Ok(None)) {
+                break;
+            }
+        }
         self.scratch = scratch;
         match result {
             Ok(Some(event)) => self.handle(token, event),
