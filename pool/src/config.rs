@@ -58,6 +58,15 @@ pub struct PoolConfig {
     pub metrics_addr: Option<String>,
     /// Entries of the shared KV event log (power of two).
     pub event_log_entries: u32,
+    // --- Tenant defences (docs/security.md "Index flooding", "Touch hints") ---
+    /// Share of the index's entries and of DRAM that one namespace may hold (1 = no
+    /// quota); above this share times the high watermark the evictor evicts that
+    /// namespace's own least recently used objects, and at the share its stores are
+    /// `NotStored`.
+    pub namespace_share: f64,
+    /// Share of DRAM that one uid's touch hints may keep leased at once; past it, that
+    /// uid's oldest leases end early.
+    pub lease_share: f64,
     /// Deadlines and caps of the control plane (handshakes, control messages, fds).
     pub control: ControlLimits,
     /// Limits on what all attachments of one uid hold together (docs/security.md):
@@ -175,6 +184,8 @@ impl Default for PoolConfig {
             event_log_entries: umbp_protocol::events::DEFAULT_EVENT_CAPACITY,
             control: ControlLimits::default(),
             uid_limits: UidLimits::default(),
+            namespace_share: 1.0,
+            lease_share: 0.5,
         }
     }
 }
@@ -309,6 +320,11 @@ impl PoolConfig {
         }
         if self.min_object_bytes == 0 {
             return inv("min-object-size", "must be positive".into());
+        }
+        for (key, v) in [("namespace-share", self.namespace_share), ("lease-share", self.lease_share)] {
+            if !(v > 0.0 && v <= 1.0) {
+                return inv(key, format!("{v} is not a fraction in (0, 1]"));
+            }
         }
         if self.copy_threads == 0 {
             return inv("copy-threads", "must be at least 1".into());

@@ -1,13 +1,13 @@
-//! Background eviction between the watermarks, so the store path never evicts itself.
+//! Background eviction between the watermarks, so the store path never evicts itself:
+//! DRAM bytes, used index slots (live entries and tombstones: a pool of objects smaller
+//! than the index was sized for fills the index before DRAM), and each namespace's quota
+//! (`--namespace-share`). The policy lives in [`crate::objects::Policy`].
 
 use std::time::{Duration, Instant};
 
 use crate::PoolInner;
 
 pub fn run(inner: &PoolInner) {
-    let cap = inner.config.capacity_bytes as f64;
-    let high = (cap * inner.config.high_watermark) as u64;
-    let low = (cap * inner.config.low_watermark) as u64;
     let (lock, cv) = &inner.evict_wake;
     while !inner.is_shutting_down() {
         {
@@ -18,10 +18,17 @@ pub fn run(inner: &PoolInner) {
             *woken = false;
         }
         let mut store = inner.store.lock().expect("store lock");
-        if store.allocated_bytes() > high {
-            let before = store.allocated_bytes();
-            let n = store.evict_to(low, Instant::now());
-            tracing::debug!(evicted = n, before, after = store.allocated_bytes(), "evicted to the low watermark");
+        if store.needs_eviction() {
+            let (bytes, entries) = (store.allocated_bytes(), store.published_count());
+            let n = store.evict(Instant::now());
+            tracing::debug!(
+                evicted = n,
+                bytes_before = bytes,
+                bytes_after = store.allocated_bytes(),
+                entries_before = entries,
+                entries_after = store.published_count(),
+                "evicted to the low watermarks"
+            );
         }
     }
 }

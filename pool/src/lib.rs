@@ -120,12 +120,13 @@ impl Pool {
         let index_mem = SharedMemory::create("umbp-index", umbp_protocol::index::region_bytes(slots), false)
             .map_err(|e| PoolError::Dram(format!("index: {e}")))?;
         // SAFETY: a fresh zeroed mapping that only this pool writes.
-        unsafe { umbp_protocol::index::IndexView::init(index_mem.as_ptr(), index_mem.len(), slots) }
+        unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, objects::index_seed()) }
             .map_err(|e| PoolError::Dram(format!("index: {e}")))?;
         // Schedulers map it read-only: no writable mapping can be made from now on.
         index_mem.seal_read_only().map_err(|e| PoolError::Dram(format!("index: {e}")))?;
         let index_mem = Arc::new(index_mem);
         let mut store = ObjectStore::new(dram.len() as u64, index_mem.clone());
+        store.set_policy(objects::Policy::from_config(&config, dram.len() as u64, store.index_capacity()));
         let event_log = event_log::SharedEventLog::create(config.event_log_entries)
             .map_err(|e| PoolError::Dram(format!("event log: {e}")))?;
         let events_mem = event_log.memory().clone();

@@ -2,12 +2,12 @@
 //! leases; and the index writer that makes published objects visible to schedulers.
 //! One instance behind one mutex; every method is short (no copies under the lock).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umbp_ipc::SharedMemory;
-use umbp_protocol::index::{IndexView, IndexWriter, Insert};
+use umbp_protocol::index::{IndexView, IndexWriter, Insert, InsertError};
 use umbp_protocol::ObjectKey;
 
 use crate::alloc::SlabAllocator;
@@ -27,8 +27,8 @@ struct Object {
     state: ObjectState,
     /// Loads in flight; a pinned object is never evicted or freed.
     pins: u32,
-    /// Protected from eviction until then (scheduler touch hints).
-    lease_until: Option<Instant>,
+    /// Protected from eviction until then by a touch hint of this uid (scheduler hints).
+    lease: Option<Lease>,
     /// Position in `lru`.
     tick: u64,
 }
@@ -64,6 +64,102 @@ pub struct NamespaceUsage {
     pub bytes: u64,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Lease {
+    uid: u32,
+    until: Instant,
+}
+
+/// The leases one uid's touch hints hold, oldest first, and the bytes of those still in
+/// force (an entry is in force while its object's lease is exactly that uid and time).
+#[derive(Debug, Default)]
+struct LeaseBook {
+    queue: VecDeque<(ObjectKey, Instant)>,
+    bytes: u64,
+}
+
+/// What the evictor and the store path hold the store to (docs/security.md): byte and
+/// index watermarks, per-namespace quotas, per-uid lease caps. `Default` is "no limits"
+/// (unit tests); the pool builds it from its config with [`Policy::from_config`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Policy {
+    /// The evictor runs above `high` allocated bytes, down to `low`.
+    pub high_bytes: u64,
+    pub low_bytes: u64,
+    /// ... and above `index_high` used index slots (live entries and tombstones), down to
+    /// `index_low` live entries.
+    pub index_high: u64,
+    pub index_low: u64,
+    /// Most objects / bytes (slab footprint) one namespace may hold, written or being
+    /// written; its own least recently used objects are evicted above `namespace_high`.
+    pub namespace_max_objects: u64,
+    pub namespace_max_bytes: u64,
+    pub namespace_high: f64,
+    pub namespace_low: f64,
+    /// Bytes of objects one uid's touch hints may keep leased at once.
+    pub lease_max_bytes: u64,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            high_bytes: u64::MAX,
+            low_bytes: u64::MAX,
+            index_high: u64::MAX,
+            index_low: u64::MAX,
+            namespace_max_objects: u64::MAX,
+            namespace_max_bytes: u64::MAX,
+            namespace_high: 1.0,
+            namespace_low: 1.0,
+            lease_max_bytes: u64::MAX,
+        }
+    }
+}
+
+impl Policy {
+    /// `capacity` bytes of DRAM, an index that takes `index_capacity` live entries.
+    pub fn from_config(c: &crate::PoolConfig, capacity: u64, index_capacity: u64) -> Self {
+        let frac = |n: u64, f: f64| (n as f64 * f) as u64;
+        let share = c.namespace_share;
+        Self {
+            high_bytes: frac(capacity, c.high_watermark),
+            low_bytes: frac(capacity, c.low_watermark),
+            index_high: frac(index_capacity, c.high_watermark),
+            index_low: frac(index_capacity, c.low_watermark),
+            namespace_max_objects: frac(index_capacity, share).max(1),
+            namespace_max_bytes: frac(capacity, share).max(1),
+            namespace_high: c.high_watermark,
+            namespace_low: c.low_watermark,
+            lease_max_bytes: frac(capacity, c.lease_share),
+        }
+    }
+}
+
+/// Objects and bytes (slab footprint) a namespace holds, published or being written.
+#[derive(Debug, Default, Clone, Copy)]
+struct Held {
+    objects: u64,
+    bytes: u64,
+}
+
+/// A fresh random key for the index's home-slot hash (`/dev/urandom`, else the std
+/// hasher's random keys).
+pub fn index_seed() -> [u64; 2] {
+    use std::io::Read;
+    let mut b = [0u8; 16];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok() {
+        return [u64::from_le_bytes(b[..8].try_into().expect("8")), u64::from_le_bytes(b[8..].try_into().expect("8"))];
+    }
+    use std::hash::{BuildHasher, Hasher};
+    let r = std::collections::hash_map::RandomState::new();
+    let word = |salt: u64| {
+        let mut h = r.build_hasher();
+        h.write_u64(salt);
+        h.finish()
+    };
+    [word(1), word(2)]
+}
+
 pub struct ObjectStore {
     alloc: SlabAllocator,
     objects: HashMap<ObjectKey, Object>,
@@ -71,10 +167,22 @@ pub struct ObjectStore {
     next_tick: u64,
     index: IndexWriter<'static>,
     namespaces: HashMap<u128, NamespaceUsage>,
+    held: HashMap<u128, Held>,
+    leases: HashMap<u32, LeaseBook>,
+    policy: Policy,
     evictions: u64,
     /// Objects with `pins > 0`, kept as pins change so reports and scrapes never walk
     /// the objects under the store lock.
     pinned_objects: usize,
+    /// Evictions made for index pressure and for namespace quotas (also in `evictions`).
+    index_evictions: u64,
+    quota_evictions: u64,
+    /// Stores refused because their namespace was at its quota.
+    quota_refusals: u64,
+    /// Touch hints ignored: the key is of another namespace than the hinting peer's.
+    foreign_hints: u64,
+    /// Leases ended early because their uid was over its lease cap.
+    leases_dropped: u64,
     quarantined_bytes: u64,
     events: Vec<ObjectEvent>,
     /// The same events in shared memory, for schedulers (absent in unit tests).
@@ -82,6 +190,10 @@ pub struct ObjectStore {
     // Declared last: the index writer borrows this mapping.
     _index_mem: Arc<SharedMemory>,
 }
+
+/// Lease entries one uid may have queued (re-touches of one key add entries); past it
+/// its oldest leases end early, like past its byte cap.
+const MAX_LEASE_QUEUE: usize = 1 << 18;
 
 /// Events kept for observers before the oldest are dropped.
 const MAX_EVENTS: usize = 1 << 16;
@@ -102,8 +214,16 @@ impl ObjectStore {
             next_tick: 0,
             index: IndexWriter::new(view),
             namespaces: HashMap::new(),
+            held: HashMap::new(),
+            leases: HashMap::new(),
+            policy: Policy::default(),
             evictions: 0,
             pinned_objects: 0,
+            index_evictions: 0,
+            quota_evictions: 0,
+            quota_refusals: 0,
+            foreign_hints: 0,
+            leases_dropped: 0,
             quarantined_bytes: 0,
             events: Vec::new(),
             event_log: None,
@@ -131,6 +251,108 @@ impl ObjectStore {
         self.evictions
     }
 
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.policy = policy;
+    }
+
+    /// Live entries the index takes at most.
+    pub fn index_capacity(&self) -> u64 {
+        self.index.capacity()
+    }
+
+    /// Counters of the defences in this file, for reports.
+    pub fn defence_counters(&self) -> serde_json::Value {
+        serde_json::json!({
+            "index_evictions": self.index_evictions,
+            "quota_evictions": self.quota_evictions,
+            "quota_refusals": self.quota_refusals,
+            "foreign_hints_ignored": self.foreign_hints,
+            "leases_dropped": self.leases_dropped,
+        })
+    }
+
+    /// Used index slots (live entries and tombstones).
+    fn index_used(&self) -> u64 {
+        self.index.len() + self.index.tombstones()
+    }
+
+    fn namespace_over(&self, h: &Held, f: f64) -> bool {
+        let p = &self.policy;
+        h.objects as f64 > p.namespace_max_objects as f64 * f || h.bytes as f64 > p.namespace_max_bytes as f64 * f
+    }
+
+    /// Whether the evictor has work: bytes or index slots above their high watermark, or
+    /// a namespace above its quota's.
+    pub fn needs_eviction(&self) -> bool {
+        let p = &self.policy;
+        self.alloc.allocated_bytes() > p.high_bytes
+            || self.index_used() > p.index_high
+            || self.held.values().any(|h| self.namespace_over(h, p.namespace_high))
+    }
+
+    /// One evictor pass (evictor.rs): LRU eviction down to the low watermarks of bytes and
+    /// of index entries, and of each namespace over its quota's high mark down to its low
+    /// mark. Skips objects being written, pinned or leased. Returns how many went.
+    pub fn evict(&mut self, now: Instant) -> usize {
+        let p = self.policy;
+        let mut n = 0;
+        if self.alloc.allocated_bytes() > p.high_bytes {
+            n += self.evict_to(p.low_bytes, now);
+        }
+        if self.index_used() > p.index_high {
+            // Tombstones go by rebuilding; only live entries need evicting.
+            if self.index.tombstones() > 0 {
+                self.index.rebuild();
+            }
+            if self.index.len() > p.index_high {
+                let excess = self.index.len() - p.index_low.min(self.index.len());
+                let k = self.evict_lru(None, now, |_, evicted| evicted as u64 >= excess);
+                self.index_evictions += k as u64;
+                n += k;
+            }
+        }
+        let over: Vec<(u128, Held)> =
+            self.held.iter().filter(|(_, h)| self.namespace_over(h, p.namespace_high)).map(|(ns, h)| (*ns, *h)).collect();
+        for (ns, h) in over {
+            let (max_o, max_b) = (p.namespace_max_objects as f64 * p.namespace_low, p.namespace_max_bytes as f64 * p.namespace_low);
+            let (mut objects, mut bytes) = (h.objects, h.bytes);
+            let k = self.evict_lru(Some(ns), now, |size, _| {
+                objects -= 1;
+                bytes = bytes.saturating_sub(SlabAllocator::footprint(size));
+                objects as f64 <= max_o && bytes as f64 <= max_b
+            });
+            self.quota_evictions += k as u64;
+            n += k;
+        }
+        n
+    }
+
+    /// Evicts least recently used evictable objects (of `namespace`, if given) until
+    /// `enough(size of the one just chosen, count chosen so far)` says so.
+    fn evict_lru(&mut self, namespace: Option<u128>, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> usize {
+        let mut victims = Vec::new();
+        for (_, key) in self.lru.iter() {
+            let o = &self.objects[key];
+            if namespace.is_some_and(|ns| ns != o.namespace) || !Self::evictable(o, now) {
+                continue;
+            }
+            victims.push(*key);
+            if enough(o.size, victims.len()) {
+                break;
+            }
+        }
+        for k in &victims {
+            self.drop_object(*k);
+        }
+        self.evictions += victims.len() as u64;
+        victims.len()
+    }
+
+    fn evictable(o: &Object, now: Instant) -> bool {
+        let leased = o.lease.is_some_and(|l| l.until > now);
+        o.state == ObjectState::Published && o.pins == 0 && !leased
+    }
+
     pub fn namespaces(&self) -> &HashMap<u128, NamespaceUsage> {
         &self.namespaces
     }
@@ -150,19 +372,39 @@ impl ObjectStore {
     }
 
     /// First writer wins: a key that exists (published or being written) is not stored
-    /// again. Never evicts: no room is `NoRoom`.
+    /// again. Never evicts: no room, or a namespace at its quota, is `NoRoom` (the caller
+    /// wakes the evictor).
     pub fn reserve_store(&mut self, namespace: u128, key: ObjectKey, size: u64, owner: u32) -> StoreReservation {
         if self.objects.contains_key(&key) {
             return StoreReservation::AlreadyPresent;
         }
+        let held = self.held.get(&namespace).copied().unwrap_or_default();
+        let footprint = SlabAllocator::footprint(size);
+        if held.objects >= self.policy.namespace_max_objects
+            || held.bytes.saturating_add(footprint) > self.policy.namespace_max_bytes
+        {
+            if self.quota_refusals.is_multiple_of(1024) {
+                tracing::warn!(
+                    namespace = format!("{namespace:032x}"),
+                    objects = held.objects,
+                    bytes = held.bytes,
+                    "namespace at its quota (--namespace-share): store refused until its own LRU is evicted"
+                );
+            }
+            self.quota_refusals += 1;
+            return StoreReservation::NoRoom;
+        }
         let Some(offset) = self.alloc.alloc(size) else {
             return StoreReservation::NoRoom;
         };
+        let h = self.held.entry(namespace).or_default();
+        h.objects += 1;
+        h.bytes += footprint;
         let tick = self.next_tick;
         self.next_tick += 1;
         self.objects.insert(
             key,
-            Object { offset, size, namespace, state: ObjectState::Writing { owner }, pins: 0, lease_until: None, tick },
+            Object { offset, size, namespace, state: ObjectState::Writing { owner }, pins: 0, lease: None, tick },
         );
         self.lru.insert(tick, key);
         StoreReservation::Reserved { offset }
@@ -186,7 +428,8 @@ impl ObjectStore {
                     return true;
                 }
                 Ok(Insert::Exists(_)) => unreachable!("the store reserves keys before copying"),
-                Err(full) => tracing::warn!("{full}: object not stored"),
+                Err(e @ InsertError::Full(_)) => tracing::warn!("{e}: object not stored (the evictor frees index entries)"),
+                Err(e @ InsertError::ProbeLimit { .. }) => tracing::debug!(key = format!("{:032x}", key.0), "{e}: object not stored"),
             }
         }
         self.drop_object(key);
@@ -202,6 +445,7 @@ impl ObjectStore {
             Some(o) if matches!(o.state, ObjectState::Writing { .. }) => {
                 let o = self.objects.remove(&key).expect("present");
                 self.lru.remove(&o.tick);
+                self.release_held(o.namespace, o.size);
                 self.quarantined_bytes += o.size;
                 o.size
             }
@@ -214,12 +458,26 @@ impl ObjectStore {
         self.quarantined_bytes
     }
 
+    fn release_held(&mut self, namespace: u128, size: u64) {
+        if let Some(h) = self.held.get_mut(&namespace) {
+            h.objects -= 1;
+            h.bytes -= SlabAllocator::footprint(size);
+            if h.objects == 0 {
+                self.held.remove(&namespace);
+            }
+        }
+    }
+
     fn drop_object(&mut self, key: ObjectKey) {
         if let Some(o) = self.objects.remove(&key) {
             if o.pins > 0 {
                 self.pinned_objects -= 1;
             }
             self.lru.remove(&o.tick);
+            self.release_held(o.namespace, o.size);
+            if let Some(l) = o.lease {
+                self.leases.get_mut(&l.uid).expect("a lease has its book").bytes -= o.size;
+            }
             self.alloc.free(o.offset, o.size);
             if o.state == ObjectState::Published {
                 self.index.remove(key);
@@ -292,36 +550,91 @@ impl ObjectStore {
         }
     }
 
-    /// A scheduler hit: counts as use, and protects the object for `lease`.
-    pub fn touch(&mut self, key: ObjectKey, lease: Duration, now: Instant) {
-        if let Some(o) = self.objects.get_mut(&key) {
-            o.lease_until = Some(now + lease);
-            self.touch_lru(key);
+    /// A scheduler hit from a peer of `uid` attached with namespace `namespace`: counts as
+    /// use and protects the object for `lease`, if the object is of `namespace` or of one
+    /// `also_allowed` (the uid's ACL). A hint for another namespace's key is ignored
+    /// (counted), so a peer cannot pin what it may not load. The uid's leases are a FIFO of
+    /// at most `Policy::lease_max_bytes`: past it, its oldest leases end early. Returns
+    /// whether the hint was applied.
+    pub fn touch_hint(
+        &mut self,
+        uid: u32,
+        namespace: u128,
+        also_allowed: &[u128],
+        key: ObjectKey,
+        lease: Duration,
+        now: Instant,
+    ) -> bool {
+        let Some(o) = self.objects.get_mut(&key) else { return false };
+        if o.namespace != namespace && !also_allowed.contains(&o.namespace) {
+            self.foreign_hints += 1;
+            return false;
         }
+        if o.state != ObjectState::Published {
+            return false;
+        }
+        let until = now + lease;
+        let size = o.size;
+        if let Some(old) = o.lease.replace(Lease { uid, until }) {
+            // The old entry (this uid's or another's) is no longer in force.
+            self.leases.get_mut(&old.uid).expect("a lease has its book").bytes -= size;
+        }
+        let book = self.leases.entry(uid).or_default();
+        book.queue.push_back((key, until));
+        book.bytes += size;
+        self.touch_lru(key);
+        self.trim_leases(uid, now);
+        true
+    }
+
+    /// Ends `uid`'s expired leases and, while it is over its cap, its oldest ones.
+    fn trim_leases(&mut self, uid: u32, now: Instant) {
+        let cap = self.policy.lease_max_bytes;
+        let Some(book) = self.leases.get_mut(&uid) else { return };
+        while let Some(&(key, until)) = book.queue.front() {
+            if until > now && book.bytes <= cap && book.queue.len() <= MAX_LEASE_QUEUE {
+                break;
+            }
+            book.queue.pop_front();
+            let Some(o) = self.objects.get_mut(&key) else { continue };
+            if o.lease == Some(Lease { uid, until }) {
+                o.lease = None;
+                book.bytes -= o.size;
+                if until > now {
+                    self.leases_dropped += 1;
+                }
+            }
+        }
+        if book.queue.is_empty() {
+            self.leases.remove(&uid);
+        }
+    }
+
+    /// Bytes of objects `uid`'s hints keep leased now (expired leases still count until
+    /// that uid's next hint trims them; they protect nothing).
+    #[cfg(test)]
+    pub fn leased_bytes(&self, uid: u32) -> u64 {
+        self.leases.get(&uid).map_or(0, |b| b.bytes)
+    }
+
+    /// A hint from a scheduler of the object's own namespace, uid 0 (tests).
+    #[cfg(test)]
+    pub fn touch(&mut self, key: ObjectKey, lease: Duration, now: Instant) {
+        let ns = self.objects.get(&key).map(|o| o.namespace).unwrap_or_default();
+        self.touch_hint(0, ns, &[], key, lease, now);
     }
 
     /// Evicts least recently used objects until allocated bytes are at most `target`.
     /// Skips objects being written, pinned by loads, or leased. Returns how many went.
     pub fn evict_to(&mut self, target: u64, now: Instant) -> usize {
-        let mut victims = Vec::new();
         let mut projected = self.alloc.allocated_bytes();
-        for (_, key) in self.lru.iter() {
-            if projected <= target {
-                break;
-            }
-            let o = &self.objects[key];
-            let leased = o.lease_until.is_some_and(|t| t > now);
-            if o.state != ObjectState::Published || o.pins > 0 || leased {
-                continue;
-            }
-            projected = projected.saturating_sub(SlabAllocator::footprint(o.size));
-            victims.push(*key);
+        if projected <= target {
+            return 0;
         }
-        for k in &victims {
-            self.drop_object(*k);
-        }
-        self.evictions += victims.len() as u64;
-        victims.len()
+        self.evict_lru(None, now, |size, _| {
+            projected = projected.saturating_sub(SlabAllocator::footprint(size));
+            projected <= target
+        })
     }
 
     /// Drops every unpinned published object of `namespace` (vLLM reset_cache).
@@ -423,5 +736,106 @@ mod tests {
         s.finish_load(ObjectKey(0));
         s.finish_load(ObjectKey(0));
         assert_eq!(s.pinned_count(), 0);
+    }
+
+    fn publish(s: &mut ObjectStore, ns: u128, key: u128, size: u64) -> bool {
+        matches!(s.reserve_store(ns, ObjectKey(key), size, 1), StoreReservation::Reserved { .. }) && s.finish_store(ObjectKey(key), true)
+    }
+
+    /// Objects smaller than the index was sized for fill the index before DRAM: 4 KiB
+    /// objects in an index sized for 64 KiB ones (2048 slots, 1536 entries) in 64 MiB. Without
+    /// index-pressure eviction every store past 1536 objects failed, with DRAM at 9 %.
+    #[test]
+    fn index_pressure_evicts_so_stores_keep_succeeding() {
+        let cap = 64u64 << 20;
+        let slots = index::slots_for(cap, 64 << 10);
+        let mem = SharedMemory::create("idx", index::region_bytes(slots), false).unwrap();
+        // SAFETY: fresh zeroed mapping we own.
+        unsafe { IndexView::init(mem.as_ptr(), mem.len(), slots) }.unwrap();
+        let mut s = ObjectStore::new(cap, Arc::new(mem));
+        let cfg = crate::PoolConfig { capacity_bytes: cap, ..Default::default() };
+        s.set_policy(Policy::from_config(&cfg, cap, s.index_capacity()));
+        assert_eq!(s.index_capacity(), 1536);
+        let now = Instant::now();
+        for i in 0..5000u128 {
+            assert!(publish(&mut s, 1, i, 4096), "store {i} failed");
+            if s.needs_eviction() {
+                s.evict(now);
+            }
+        }
+        assert!(s.published_count() <= 1536 && s.published_count() > 1000, "{}", s.published_count());
+        assert!(s.index_evictions > 0 && s.allocated_bytes() < cap / 10);
+        // The newest survive.
+        assert!(reader(&s).lookup(ObjectKey(4999)).is_some());
+    }
+
+    /// --namespace-share 0.5: a namespace is refused at its share, and its own LRU goes
+    /// first; another namespace's objects are not touched.
+    #[test]
+    fn namespace_quota_evicts_its_own_lru() {
+        let cap = 64u64 << 20;
+        let mut s = store(cap);
+        let cfg = crate::PoolConfig { capacity_bytes: cap, namespace_share: 0.5, ..Default::default() };
+        s.set_policy(Policy::from_config(&cfg, cap, s.index_capacity()));
+        for i in 0..64u128 {
+            assert!(publish(&mut s, 2, 1_000_000 + i, 64 << 10));
+        }
+        let now = Instant::now();
+        let mut refused = 0;
+        for i in 0..2000u128 {
+            if !publish(&mut s, 1, i, 64 << 10) {
+                refused += 1;
+            }
+            if i % 256 == 255 && s.needs_eviction() {
+                s.evict(now);
+            }
+        }
+        assert!(refused > 0 && refused < 1000, "{refused}");
+        assert!(s.quota_evictions > 0);
+        let r = reader(&s);
+        assert!((0..64u128).all(|i| r.lookup(ObjectKey(1_000_000 + i)).is_some()), "namespace 2 kept everything");
+        assert!(s.namespaces()[&1].bytes <= cap / 2);
+        assert!(r.lookup(ObjectKey(1800)).is_some() && r.lookup(ObjectKey(0)).is_none(), "namespace 1 kept its newest");
+    }
+
+    #[test]
+    fn hints_only_for_own_namespace_and_leases_capped_per_uid() {
+        let cap = 4u64 << 20;
+        let mut s = store(cap);
+        s.set_policy(Policy { lease_max_bytes: 4 * 4096, ..Policy::default() });
+        for i in 0..10u128 {
+            assert!(publish(&mut s, if i < 8 { 1 } else { 2 }, i, 4096));
+        }
+        let now = Instant::now();
+        let lease = Duration::from_secs(60);
+        // A scheduler of namespace 2 cannot lease namespace 1's objects (unless its ACL
+        // lists namespace 1).
+        assert!(!s.touch_hint(50, 2, &[], ObjectKey(0), lease, now));
+        assert_eq!(s.foreign_hints, 1);
+        assert!(s.touch_hint(50, 2, &[1], ObjectKey(0), lease, now));
+        assert!(s.touch_hint(50, 2, &[], ObjectKey(8), lease, now));
+        // uid 60 leases all 8 of namespace 1: only its last 4 stay leased (16 KiB cap).
+        for i in 0..8u128 {
+            assert!(s.touch_hint(60, 1, &[], ObjectKey(i), lease, now));
+        }
+        assert_eq!(s.leased_bytes(60), 4 * 4096);
+        assert_eq!(s.leased_bytes(50), 4096, "key 0 moved to uid 60, key 8 stays uid 50's");
+        // Re-touching does not grow the count.
+        for _ in 0..3 {
+            for i in 4..8u128 {
+                s.touch_hint(60, 1, &[], ObjectKey(i), lease, now);
+            }
+        }
+        assert_eq!(s.leased_bytes(60), 4 * 4096);
+        assert_eq!(s.evict_to(0, now), 5, "0..4 (uid 60's leases ended early) and 9 are evictable");
+        let r = reader(&s);
+        assert!((4..9u128).all(|i| r.lookup(ObjectKey(i)).is_some()));
+        // A reset drops leased objects too and their bytes leave the books.
+        assert_eq!(s.reset_namespace(1), 4);
+        assert_eq!(s.leased_bytes(60), 0);
+        // Expired leases protect nothing.
+        let later = now + Duration::from_secs(61);
+        assert_eq!(s.evict_to(0, later), 1);
+        assert_eq!(s.allocated_bytes(), 0);
     }
 }

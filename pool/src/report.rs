@@ -1,9 +1,14 @@
 //! The pool state report (JSON): what `ringtool dump` shows and tests assert against.
+//! The full report goes to peers of the pool's own uid and root only (operators, ringtool);
+//! any other peer gets [`tenant`]: its own uid's attachments and namespaces, nothing of
+//! other tenants (docs/security.md).
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use umbp_protocol::index::IndexView;
 
+use crate::attachment::Attachment;
 use crate::PoolInner;
 
 fn ring_json(s: umbp_protocol::ring::RingSnapshot) -> serde_json::Value {
@@ -18,7 +23,7 @@ fn uuid_hex(u: &[u8; 16]) -> String {
 }
 
 /// Registered regions of one attachment: alloc id, memory kind, bytes, device UUID.
-fn regions_json(a: &crate::attachment::Attachment) -> Vec<serde_json::Value> {
+fn regions_json(a: &Attachment) -> Vec<serde_json::Value> {
     let devices = a.region_devices.lock().expect("devices lock").clone();
     let mut regions: Vec<_> = a
         .regions
@@ -43,6 +48,73 @@ fn open_fds() -> Option<usize> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
 }
 
+/// The report a StatsRequest from `att` gets: the full one for the pool's uid and root,
+/// the tenant one for everyone else.
+pub fn for_peer(inner: &PoolInner, att: &Attachment) -> serde_json::Value {
+    if att.uid == inner.uid || att.uid == 0 {
+        build(inner)
+    } else {
+        tenant(inner, att.uid)
+    }
+}
+
+/// What a peer of `uid` may know: its own attachments, the usage of the namespaces they
+/// are attached with, and the pool's size and watermarks. No pids, uids or namespaces of
+/// anyone else, no pool-wide counters.
+pub fn tenant(inner: &PoolInner, uid: u32) -> serde_json::Value {
+    let own: Vec<Arc<Attachment>> =
+        inner.attachments.lock().expect("attachments lock").iter().filter(|a| a.uid == uid).cloned().collect();
+    let mut mine: Vec<u128> = own.iter().map(|a| a.namespace).collect();
+    mine.sort_unstable();
+    mine.dedup();
+    let (pool, namespaces) = {
+        let store = inner.store.lock().expect("store lock");
+        let namespaces: Vec<_> = mine
+            .iter()
+            .map(|ns| {
+                let u = store.namespaces().get(ns).copied().unwrap_or_default();
+                serde_json::json!({ "namespace": format!("{ns:032x}"), "objects": u.objects, "bytes": u.bytes })
+            })
+            .collect();
+        let pool = serde_json::json!({
+            "capacity_bytes": store.capacity_bytes(),
+            "high_watermark": inner.config.high_watermark,
+            "low_watermark": inner.config.low_watermark,
+        });
+        (pool, namespaces)
+    };
+    serde_json::json!({
+        "scope": "tenant",
+        "uid": uid,
+        "version": env!("CARGO_PKG_VERSION"),
+        "protocol_version": umbp_protocol::PROTOCOL_VERSION,
+        "pool": pool,
+        "namespaces": namespaces,
+        "attachments": own.iter().map(|a| attachment_json(a)).collect::<Vec<_>>(),
+    })
+}
+
+fn attachment_json(a: &Attachment) -> serde_json::Value {
+    let (sq, cq, hints) = a.ring_snapshots();
+    serde_json::json!({
+        "id": a.id, "pid": a.pid, "uid": a.uid, "role": format!("{:?}", a.role).to_lowercase(),
+        "namespace": format!("{:032x}", a.namespace),
+        "tp_rank": a.tp_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
+        "sq": ring_json(sq), "cq": ring_json(cq), "hints": ring_json(hints),
+        "cq_overflow": a.overflow_len(),
+        "sq_paused": a.sq_paused.load(Ordering::Relaxed),
+        "sq_pauses": a.counters.sq_pauses.load(Ordering::Relaxed),
+        "inflight": a.inflight.load(Ordering::Relaxed),
+        "submissions": a.counters.submissions.load(Ordering::Relaxed),
+        "errors": a.counters.errors.load(Ordering::Relaxed),
+        "blocks": a.counters.blocks.load(Ordering::Relaxed),
+        "registered_bytes": a.registered_bytes(),
+        "regions": a.regions.read().expect("regions lock").len(),
+        "devices": regions_json(a),
+        "layouts": a.layouts.read().expect("layouts lock").keys().collect::<Vec<_>>(),
+    })
+}
+
 pub fn build(inner: &PoolInner) -> serde_json::Value {
     let (pool, namespaces) = {
         let store = inner.store.lock().expect("store lock");
@@ -59,6 +131,10 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "pinned_objects": store.pinned_count(),
             "evictions": store.evictions(),
             "quarantined_bytes": store.quarantined_bytes(),
+            "index_capacity": store.index_capacity(),
+            "defences": store.defence_counters(),
+            "namespace_share": inner.config.namespace_share,
+            "lease_share": inner.config.lease_share,
             "events_written": store.events_written(),
             "high_watermark": inner.config.high_watermark,
             "low_watermark": inner.config.low_watermark,
@@ -74,31 +150,9 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "probe_histogram": v.probe_histogram(8),
         })
     });
-    // A copy of the list: no per-attachment lock is taken under `attachments` (lock order).
-    let list = inner.attachments.lock().expect("attachments lock").clone();
-    let attachments: Vec<_> = list
-        .iter()
-        .map(|a| {
-            let (sq, cq, hints) = a.ring_snapshots();
-            serde_json::json!({
-                "id": a.id, "pid": a.pid, "uid": a.uid, "role": format!("{:?}", a.role).to_lowercase(),
-                "namespace": format!("{:032x}", a.namespace),
-                "tp_rank": a.tp_rank, "tp_size": a.tp_size, "dp_rank": a.dp_rank,
-                "sq": ring_json(sq), "cq": ring_json(cq), "hints": ring_json(hints),
-                "cq_overflow": a.overflow_len(),
-                "sq_paused": a.sq_paused.load(Ordering::Relaxed),
-                "sq_pauses": a.counters.sq_pauses.load(Ordering::Relaxed),
-                "inflight": a.inflight.load(Ordering::Relaxed),
-                "submissions": a.counters.submissions.load(Ordering::Relaxed),
-                "errors": a.counters.errors.load(Ordering::Relaxed),
-                "blocks": a.counters.blocks.load(Ordering::Relaxed),
-                "registered_bytes": a.registered_bytes(),
-                "regions": a.regions.read().expect("regions lock").len(),
-                "devices": regions_json(a),
-                "layouts": a.layouts.read().expect("layouts lock").keys().collect::<Vec<_>>(),
-            })
-        })
-        .collect();
+    // Snapshot the list first: no attachment's locks are taken under `attachments`.
+    let list: Vec<Arc<Attachment>> = inner.attachments.lock().expect("attachments lock").clone();
+    let attachments: Vec<_> = list.iter().map(|a| attachment_json(a)).collect();
     serde_json::json!({
         "version": env!("CARGO_PKG_VERSION"),
         "protocol_version": umbp_protocol::PROTOCOL_VERSION,

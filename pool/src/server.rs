@@ -492,7 +492,7 @@ impl<'a> Control<'a> {
                 (Reply::ok(n), Vec::new())
             }
             MessageKind::StatsRequest => {
-                let json = serde_json::to_vec(&crate::report::build(inner)).unwrap_or_default();
+                let json = serde_json::to_vec(&crate::report::for_peer(inner, &att)).unwrap_or_default();
                 (Reply::ok(json.len() as u64), json)
             }
             other => (Reply::error(ReplyStatus::InvalidRequest, &format!("unexpected message {other:?}")), Vec::new()),
@@ -755,6 +755,10 @@ fn register_layout(inner: &PoolInner, att: &Attachment, payload: &[u8]) -> Reply
     match layout {
         Ok(l) => {
             let bytes = l.object_bytes();
+            if let Err(r) = validate::check_layout_object(group, bytes, inner.config.min_object_bytes) {
+                tracing::warn!(attachment = att.id, pid = att.pid, "{}", r.message);
+                return Reply::error(r.status, &r.message);
+            }
             tracing::info!(attachment = att.id, group, object_bytes = bytes, blocks = l.num_blocks(), "layout registered");
             att.layouts.write().expect("layouts lock").insert(group, Arc::new(l));
             Reply::ok(bytes)

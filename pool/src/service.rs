@@ -226,22 +226,26 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
     }
 }
 
-/// Touch hints from schedulers: count as use and protect the object for the lease.
+/// Touch hints from schedulers: count as use and protect the object for the lease, for
+/// keys of the scheduler's own namespace (or its uid's, under --namespace-acl) only, within
+/// its uid's lease cap (`ObjectStore::touch_hint`).
 fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
     let mut hints: Vec<Hint> = Vec::new();
     for att in current.iter().filter(|a| a.role == Role::Scheduler && a.is_alive()) {
+        hints.clear();
         let r = att.hints.lock().expect("hints lock").pop_batch(&mut hints, 4096);
         if let Err(e) = r {
             corrupt(inner, att, e);
         }
-    }
-    if hints.is_empty() {
-        return;
-    }
-    Counters::add(&inner.counters.hints, hints.len() as u64);
-    let now = Instant::now();
-    let mut store = inner.store.lock().expect("store lock");
-    for h in hints {
-        store.touch(ObjectKey::from_words(h.key), inner.config.lease, now);
+        if hints.is_empty() {
+            continue;
+        }
+        Counters::add(&inner.counters.hints, hints.len() as u64);
+        let acl = inner.config.namespace_acl.get(&att.uid).map_or(&[][..], |v| v.as_slice());
+        let now = Instant::now();
+        let mut store = inner.store.lock().expect("store lock");
+        for h in &hints {
+            store.touch_hint(att.uid, att.namespace, acl, ObjectKey::from_words(h.key), inner.config.lease, now);
+        }
     }
 }

@@ -412,11 +412,8 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
             Opcode::Nop => {}
         }
     }
-    if op == Opcode::Store {
-        let high = (inner.config.capacity_bytes as f64 * inner.config.high_watermark) as u64;
-        if store.allocated_bytes() > high || no_room {
-            inner.wake_evictor();
-        }
+    if op == Opcode::Store && (store.needs_eviction() || no_room) {
+        inner.wake_evictor();
     }
 }
 

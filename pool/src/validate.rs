@@ -173,6 +173,23 @@ pub fn check_layout_count(layouts: usize, replaces: bool, limits: &PeerLimits) -
     Ok(())
 }
 
+/// A layout's objects must be at least `--min-object-size` (`min_object_bytes`): the
+/// shared index is sized for `capacity / min_object_bytes` objects, so smaller ones would
+/// fill it long before DRAM (16 KiB objects in a pool sized for 64 KiB: at 37.5 % of DRAM)
+/// and one tenant could fill it for everyone with tiny objects.
+pub fn check_layout_object(group: u16, object_bytes: u64, min_object_bytes: u64) -> Result<(), Refusal> {
+    if object_bytes < min_object_bytes {
+        return Err(Refusal::new(
+            ReplyStatus::InvalidRequest,
+            format!(
+                "RegisterLayout group {group}: objects of {object_bytes} bytes < this pool's --min-object-size \
+                 {min_object_bytes} (its index is sized for that); restart it with --min-object-size {object_bytes} or less"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// What a valid store or load asks for, all of it private copies.
 #[derive(Debug, Clone)]
 pub struct Submission {
@@ -291,6 +308,19 @@ mod tests {
         // The pool's own uid and root are not restricted.
         assert!(check_hello(bytemuck::bytes_of(&h(6)), 1000, 1000, &c).is_ok());
         assert!(check_hello(bytemuck::bytes_of(&h(6)), 0, 1000, &c).is_ok());
+    }
+
+    #[test]
+    fn layouts_below_the_min_object_size_are_refused() {
+        assert!(check_layout_object(0, 65536, 65536).is_ok());
+        let e = check_layout_object(3, 16384, 65536).unwrap_err();
+        assert_eq!(e.status, ReplyStatus::InvalidRequest);
+        for part in ["group 3", "16384", "65536", "--min-object-size 16384"] {
+            assert!(e.message.contains(part), "{part}: {}", e.message);
+        }
+        // It fits a Reply message (191 bytes) whole with realistic sizes.
+        let e = check_layout_object(u16::MAX, 1536, 1 << 40);
+        assert!(e.unwrap_err().message.len() < umbp_protocol::wire::REPLY_MESSAGE_LEN);
     }
 
     #[test]

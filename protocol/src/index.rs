@@ -54,6 +54,9 @@ pub struct IndexInfo {
     pub slot_count: AtomicU64,
     /// Byte offsets of the two tables from the start of the region.
     pub table_offset: [AtomicU64; 2],
+    /// Key of the home-slot hash (SipHash-1-3), drawn at random by the pool when it formats
+    /// the region (protocol v3). Readers hash with it too.
+    pub seed: [AtomicU64; 2],
     /// Non-zero once the writer shut down (see [`IndexView::mark_closed`]): every entry is
     /// stale from then on. Zero in a fresh region, so a pool that predates the word reads
     /// as open and readers fall back to their socket check.
@@ -69,7 +72,7 @@ pub struct IndexInfo {
     pub owner: AtomicU32,
 }
 #[cfg(not(loom))]
-crate::assert_layout!(IndexInfo, size = 56, align = 8);
+crate::assert_layout!(IndexInfo, size = 72, align = 8);
 
 /// Bit the kernel sets in a robust futex word whose owner thread died (linux/futex.h).
 pub const OWNER_DIED: u32 = 0x4000_0000;
@@ -117,6 +120,12 @@ pub fn region_bytes(slot_count: u64) -> usize {
 const SLOT_RETRIES: u32 = 64;
 /// Retries a reader spends on epoch changes (concurrent rebuilds) before a miss.
 const EPOCH_RETRIES: u32 = 4;
+/// No entry sits this many slots or more past its home slot: the writer refuses an insert
+/// that would ([`IndexFull::ProbeLimit`]) and readers stop probing here. Keys a client
+/// chose to collide cost every probe at most this much. With the pool's load (at most one
+/// half live when objects respect `--min-object-size`), random keys come nowhere near it:
+/// the longest displacement expected in 2^30 slots at load 1/2 is about 110.
+pub const MAX_PROBE: u64 = 512;
 
 /// Checked view over an index region: header plus two tables.
 #[derive(Clone, Copy)]
@@ -124,37 +133,78 @@ pub struct IndexView<'a> {
     header: &'a IndexHeader,
     tables: [&'a [IndexSlot]; 2],
     mask: u64,
+    seed: [u64; 2],
 }
 
-/// Home slot of `key`. The key words are mixed (murmur3's 64-bit finalizer) rather than
-/// used as they are: keys made by [`crate::key`] are uniform already, but a client that
-/// picks its own keys (counters, keys a fixed stride apart) would otherwise pile them onto
-/// one run of slots and turn every probe of the whole pool into a linear scan.
-fn home(key: ObjectKey, mask: u64) -> u64 {
-    let mut x = key.0 as u64 ^ ((key.0 >> 64) as u64).rotate_left(32);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^= x >> 33;
-    x & mask
+/// Home slot of `key` in a table of `mask + 1` slots: SipHash-1-3 of the key's two words,
+/// keyed with the region's `seed`. Keys made by [`crate::key`] are uniform already, but a
+/// client that picks its own keys (counters, strides, or keys made to collide under an
+/// unkeyed mix: protocol v2 used murmur3's fmix64 of `lo ^ rotl(hi, 32)`, so any keys with
+/// equal `lo ^ rotl(hi, 32)` shared one home in every pool) would pile them onto one run
+/// of slots. A keyed PRF makes such keys as hard to find as random ones for anyone who
+/// does not hold the seed; [`MAX_PROBE`] bounds what a peer that reads the seed can do.
+pub fn home_slot(key: ObjectKey, mask: u64, seed: [u64; 2]) -> u64 {
+    siphash::<1, 3>(seed, key.0 as u64, (key.0 >> 64) as u64) & mask
 }
 
-/// Home slot of `key` in a table of `slot_count` slots (a power of two): where its probe
-/// starts. For tests and tools that need keys sharing (or not sharing) a slot.
-pub fn home_slot(key: ObjectKey, slot_count: u64) -> u64 {
-    home(key, slot_count.wrapping_sub(1))
+/// SipHash-C-D of a 16-byte message (two little-endian words), key `k`.
+fn siphash<const C: usize, const D: usize>(k: [u64; 2], m0: u64, m1: u64) -> u64 {
+    let mut v = [
+        k[0] ^ 0x736f_6d65_7073_6575,
+        k[1] ^ 0x646f_7261_6e64_6f6d,
+        k[0] ^ 0x6c79_6765_6e65_7261,
+        k[1] ^ 0x7465_6462_7974_6573,
+    ];
+    fn round(v: &mut [u64; 4]) {
+        v[0] = v[0].wrapping_add(v[1]);
+        v[1] = v[1].rotate_left(13) ^ v[0];
+        v[0] = v[0].rotate_left(32);
+        v[2] = v[2].wrapping_add(v[3]);
+        v[3] = v[3].rotate_left(16) ^ v[2];
+        v[0] = v[0].wrapping_add(v[3]);
+        v[3] = v[3].rotate_left(21) ^ v[0];
+        v[2] = v[2].wrapping_add(v[1]);
+        v[1] = v[1].rotate_left(17) ^ v[2];
+        v[2] = v[2].rotate_left(32);
+    }
+    for m in [m0, m1, 16u64 << 56] {
+        v[3] ^= m;
+        for _ in 0..C {
+            round(&mut v);
+        }
+        v[0] ^= m;
+    }
+    v[2] ^= 0xff;
+    for _ in 0..D {
+        round(&mut v);
+    }
+    v[0] ^ v[1] ^ v[2] ^ v[3]
+}
+
+/// Slots a probe looks at: the whole table when it is smaller than [`MAX_PROBE`].
+fn probe_len(mask: u64) -> u64 {
+    (mask + 1).min(MAX_PROBE)
 }
 
 #[cfg(not(loom))]
 impl<'a> IndexView<'a> {
-    /// Formats a region for `slot_count` slots per table. The region must be zeroed
-    /// (a fresh memfd is).
+    /// Formats a region for `slot_count` slots per table with the home-slot seed 0 (tests
+    /// and tools; the pool uses [`Self::init_seeded`]).
+    ///
+    /// # Safety
+    /// As [`Self::init_seeded`].
+    pub unsafe fn init(mem: *mut u8, len: usize, slot_count: u64) -> Result<Self, ProtocolError> {
+        // SAFETY: same contract.
+        unsafe { Self::init_seeded(mem, len, slot_count, [0, 0]) }
+    }
+
+    /// Formats a region for `slot_count` slots per table, homing keys with `seed` (draw it
+    /// at random: see [`home_slot`]). The region must be zeroed (a fresh memfd is).
     ///
     /// # Safety
     /// `mem` valid for reads and writes of `len` bytes for `'a`; no other user until this
     /// returns.
-    pub unsafe fn init(mem: *mut u8, len: usize, slot_count: u64) -> Result<Self, ProtocolError> {
+    pub unsafe fn init_seeded(mem: *mut u8, len: usize, slot_count: u64, seed: [u64; 2]) -> Result<Self, ProtocolError> {
         if !slot_count.is_power_of_two() || !(MIN_SLOTS..=MAX_SLOTS).contains(&slot_count) {
             return Err(ProtocolError::InvalidField { what: "index slot count", value: slot_count });
         }
@@ -165,6 +215,8 @@ impl<'a> IndexView<'a> {
         let table_bytes = slot_count * core::mem::size_of::<IndexSlot>() as u64;
         header.info.table_offset[0].store(TABLES_OFFSET as u64, Ordering::Relaxed);
         header.info.table_offset[1].store(TABLES_OFFSET as u64 + table_bytes, Ordering::Relaxed);
+        header.info.seed[0].store(seed[0], Ordering::Relaxed);
+        header.info.seed[1].store(seed[1], Ordering::Relaxed);
         header.info.version.store(PROTOCOL_VERSION, Ordering::Relaxed);
         header.info.magic.store(MAGIC, Ordering::Release);
         // SAFETY: same contract.
@@ -209,7 +261,8 @@ impl<'a> IndexView<'a> {
                 core::slice::from_raw_parts(mem.add(off as usize) as *const IndexSlot, slot_count as usize)
             };
         }
-        Ok(Self { header, tables, mask: slot_count - 1 })
+        let seed = [header.info.seed[0].load(Ordering::Relaxed), header.info.seed[1].load(Ordering::Relaxed)];
+        Ok(Self { header, tables, mask: slot_count - 1, seed })
     }
 }
 
@@ -243,6 +296,7 @@ impl LoomIndexStorage {
                 version: AtomicU32::new(PROTOCOL_VERSION),
                 slot_count: AtomicU64::new(slot_count),
                 table_offset: [z(), z()],
+                seed: [z(), z()],
                 closed: AtomicU32::new(0),
                 reserved: AtomicU32::new(0),
                 robust_next: z(),
@@ -266,7 +320,7 @@ impl LoomIndexStorage {
 
     pub fn view(&self) -> IndexView<'_> {
         let n = self.tables[0].len() as u64;
-        IndexView { header: &self.header, tables: [&self.tables[0], &self.tables[1]], mask: n - 1 }
+        IndexView { header: &self.header, tables: [&self.tables[0], &self.tables[1]], mask: n - 1, seed: [0, 0] }
     }
 }
 
@@ -297,6 +351,11 @@ impl<'a> IndexView<'a> {
 
     pub fn header(&self) -> &'a IndexHeader {
         self.header
+    }
+
+    /// Home slot of `key` in this region (its seed and size).
+    pub fn home(&self, key: ObjectKey) -> u64 {
+        home_slot(key, self.mask, self.seed)
     }
 
     /// Whether the writer marked the index closed (it shut down): no entry may be trusted.
@@ -364,8 +423,8 @@ impl<'a> IndexView<'a> {
     }
 
     fn probe(&self, table: &[IndexSlot], key: ObjectKey) -> Option<u64> {
-        let mut i = home(key, self.mask);
-        for _ in 0..=self.mask {
+        let mut i = self.home(key);
+        for _ in 0..probe_len(self.mask) {
             let copy = Self::read_slot(&table[i as usize])?;
             match copy.state {
                 SLOT_EMPTY => return None,
@@ -403,7 +462,7 @@ impl<'a> IndexView<'a> {
         for (i, slot) in table.iter().enumerate() {
             if let Some(c) = Self::read_slot(slot) {
                 if c.state == SLOT_FULL {
-                    let dist = (i as u64).wrapping_sub(home(c.key, self.mask)) & self.mask;
+                    let dist = (i as u64).wrapping_sub(self.home(c.key)) & self.mask;
                     let last = hist.len() - 1;
                     hist[(dist as usize).min(last)] += 1;
                 }
@@ -427,6 +486,16 @@ pub enum Insert {
 pub struct IndexFull {
     pub live: u64,
     pub slots: u64,
+}
+
+/// Why an insert was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum InsertError {
+    #[error(transparent)]
+    Full(#[from] IndexFull),
+    /// Every slot within [`MAX_PROBE`] of the key's home is taken (keys piled up there).
+    #[error("index probe limit: the {limit} slots from home slot {home} are all taken")]
+    ProbeLimit { home: u64, limit: u64 },
 }
 
 /// The single writer. Lives in the pool; all updates go through one instance.
@@ -488,9 +557,9 @@ impl<'a> IndexWriter<'a> {
     fn find(&self, key: ObjectKey) -> (Option<usize>, Option<usize>) {
         let table = self.active();
         let mask = self.view.mask;
-        let mut i = home(key, mask);
+        let mut i = self.view.home(key);
         let mut reusable = None;
-        for _ in 0..=mask {
+        for _ in 0..probe_len(mask) {
             let c = Self::plain_read(&table[i as usize]);
             match c.state {
                 SLOT_EMPTY => return (None, reusable.or(Some(i as usize))),
@@ -507,21 +576,37 @@ impl<'a> IndexWriter<'a> {
         self.find(key).0.map(|i| Self::plain_read(&self.active()[i]).location)
     }
 
+    /// Most live entries the table takes (3/4 of its slots).
+    pub fn capacity(&self) -> u64 {
+        self.view.slot_count() / 4 * 3
+    }
+
+    /// Tombstones in the active table.
+    pub fn tombstones(&self) -> u64 {
+        self.tombstones
+    }
+
     /// Inserts unless present (first writer wins). Rebuilds first when tombstones or the
-    /// load factor call for it.
-    pub fn insert(&mut self, key: ObjectKey, location: u64) -> Result<Insert, IndexFull> {
+    /// load factor call for it. Refused when the table holds [`Self::capacity`] entries, or
+    /// when no slot within [`MAX_PROBE`] of the key's home is free (after a rebuild, when
+    /// tombstones might be what fills them).
+    pub fn insert(&mut self, key: ObjectKey, location: u64) -> Result<Insert, InsertError> {
         if let (Some(i), _) = self.find(key) {
             return Ok(Insert::Exists(Self::plain_read(&self.active()[i]).location));
         }
         let slots = self.view.slot_count();
         if (self.live + 1) * 4 > slots * 3 {
-            return Err(IndexFull { live: self.live, slots });
+            return Err(IndexFull { live: self.live, slots }.into());
         }
         if (self.live + self.tombstones + 1) * 4 > slots * 3 || self.tombstones * 4 > slots {
             self.rebuild();
         }
-        let (_, free) = self.find(key);
-        let i = free.ok_or(IndexFull { live: self.live, slots })?;
+        let mut free = self.find(key).1;
+        if free.is_none() && self.tombstones > 0 {
+            self.rebuild();
+            free = self.find(key).1;
+        }
+        let i = free.ok_or(InsertError::ProbeLimit { home: self.view.home(key), limit: probe_len(self.view.mask) })?;
         let slot = &self.active()[i];
         if slot.state.load(Ordering::Relaxed) == SLOT_TOMBSTONE {
             self.tombstones -= 1;
@@ -548,6 +633,13 @@ impl<'a> IndexWriter<'a> {
 
     /// Copies the live entries into the other table and flips the epoch. Readers of the old
     /// table notice the flip and retry.
+    ///
+    /// Each run of occupied slots is copied in the order of its entries' home slots (the
+    /// layout Robin Hood hashing gives), which never places an entry farther from its home
+    /// than the farthest one was before: for an entry that lands `d` past its home `h`, the
+    /// run in the new table from its start `c` to that entry holds `d + h - c + 1` entries
+    /// homed in `c..=h`, which cannot all have fitted before `h + d` in the old table. So
+    /// every entry stays within [`MAX_PROBE`] of its home, where readers look.
     pub fn rebuild(&mut self) {
         let target = self.view.tables[((self.epoch + 1) & 1) as usize];
         for slot in target {
@@ -556,16 +648,28 @@ impl<'a> IndexWriter<'a> {
             }
         }
         let mask = self.view.mask;
-        for slot in self.active() {
-            let c = Self::plain_read(slot);
-            if c.state != SLOT_FULL {
+        let active = self.active();
+        // At most 3/4 of the slots are ever in use, so there is an empty one; runs start
+        // after it and never wrap past it.
+        let start = active.iter().position(|s| s.state.load(Ordering::Relaxed) == SLOT_EMPTY).unwrap_or(0) as u64;
+        let mut run: Vec<(u64, SlotCopy)> = Vec::new();
+        for step in 1..=mask + 1 {
+            let c = Self::plain_read(&active[((start + step) & mask) as usize]);
+            if c.state == SLOT_FULL {
+                run.push(((self.view.home(c.key).wrapping_sub(start)) & mask, c));
+            }
+            if c.state != SLOT_EMPTY && step <= mask {
                 continue;
             }
-            let mut i = home(c.key, mask);
-            while target[i as usize].state.load(Ordering::Relaxed) != SLOT_EMPTY {
-                i = (i + 1) & mask;
+            run.sort_unstable_by_key(|(off, _)| *off);
+            for (off, c) in run.drain(..) {
+                let mut i = (start + off) & mask;
+                while target[i as usize].state.load(Ordering::Relaxed) != SLOT_EMPTY {
+                    i = (i + 1) & mask;
+                }
+                debug_assert!((i.wrapping_sub(start + off) & mask) < probe_len(mask), "rebuild moved an entry past MAX_PROBE");
+                Self::write_slot(&target[i as usize], SLOT_FULL, c.key, c.location);
             }
-            Self::write_slot(&target[i as usize], SLOT_FULL, c.key, c.location);
         }
         self.epoch += 1;
         self.view.header.epoch.store(self.epoch, Ordering::Release);
@@ -685,7 +789,135 @@ mod tests {
             n += 1;
         }
         assert_eq!(n, 768);
-        assert!(matches!(w.insert(ObjectKey(u128::MAX), 0), Err(IndexFull { live: 768, .. })));
+        assert!(matches!(w.insert(ObjectKey(u128::MAX), 0), Err(InsertError::Full(IndexFull { live: 768, .. }))));
+    }
+
+    /// Keys chosen so that protocol v2's unkeyed mix gave them all one home slot (equal
+    /// `lo ^ rotl(hi, 32)`): v2 put 600 of them in one run of 600 slots, so every probe
+    /// near there walked it. Keyed, they spread like random keys.
+    #[test]
+    fn keys_colliding_under_the_unkeyed_mix_spread() {
+        let slots = 4 * MIN_SLOTS;
+        let mut r = Region::new(slots);
+        // SAFETY: region outlives the view.
+        let view = unsafe { IndexView::init_seeded(r.ptr(), region_bytes(slots), slots, [0x1234, 0x5678]) }.unwrap();
+        let mut w = IndexWriter::new(view);
+        for i in 0..600u64 {
+            let key = ((i as u128) << 64) | (i.rotate_left(32) ^ 0xdead_beef) as u128;
+            w.insert(ObjectKey(key), 1).unwrap();
+        }
+        let hist = view.probe_histogram(32);
+        assert_eq!(hist.iter().sum::<u64>(), 600);
+        assert!(hist[31] == 0 && hist[0] > 400, "far-from-home entries: {hist:?}");
+    }
+
+    /// Keys found (knowing the seed) to share one home slot: the writer takes
+    /// MAX_PROBE of them and refuses the rest with ProbeLimit; a key homed elsewhere is
+    /// unaffected, and a lookup never probes more than MAX_PROBE slots.
+    #[test]
+    fn probe_runs_are_bounded_even_for_keys_chosen_with_the_seed() {
+        let slots = 4 * MIN_SLOTS;
+        let seed = [7, 9];
+        let mut r = Region::new(slots);
+        // SAFETY: region outlives the view.
+        let view = unsafe { IndexView::init_seeded(r.ptr(), region_bytes(slots), slots, seed) }.unwrap();
+        let mut w = IndexWriter::new(view);
+        let colliding: Vec<ObjectKey> = (1u128..).map(ObjectKey).filter(|k| view.home(*k) == 100).take(800).collect();
+        let mut refused = 0;
+        for k in &colliding {
+            match w.insert(*k, 1) {
+                Ok(Insert::Inserted) => {}
+                Err(InsertError::ProbeLimit { home: 100, limit: MAX_PROBE }) => refused += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(refused, 800 - MAX_PROBE as usize);
+        assert_eq!(view.lookup(colliding[0]), Some(1));
+        assert_eq!(view.lookup(colliding[799]), None);
+        let elsewhere = (1u128..).map(ObjectKey).find(|k| view.home(*k) == 2000).unwrap();
+        assert_eq!(w.insert(elsewhere, 5), Ok(Insert::Inserted));
+        assert_eq!(view.lookup(elsewhere), Some(5));
+        // Removing half and churning forces rebuilds; every live one stays within reach.
+        for k in colliding.iter().take(MAX_PROBE as usize).step_by(2) {
+            w.remove(*k).unwrap();
+        }
+        for round in 0..3000u128 {
+            let k = ObjectKey(1 << 100 | round);
+            w.insert(k, 1).unwrap();
+            w.remove(k).unwrap();
+        }
+        assert!(view.snapshot().rebuilds > 0);
+        for k in colliding.iter().take(MAX_PROBE as usize).skip(1).step_by(2) {
+            assert_eq!(view.lookup(*k), Some(1));
+        }
+        assert_eq!(view.lookup(elsewhere), Some(5));
+        // Room again near slot 100: colliding keys go in up to the bound once more.
+        let mut more = 0;
+        for k in &colliding[MAX_PROBE as usize..] {
+            if w.insert(*k, 1).is_ok() {
+                more += 1;
+            }
+        }
+        assert_eq!(more, MAX_PROBE as usize / 2);
+    }
+
+    /// Random keys at the pool's loads stay far inside MAX_PROBE (2^20 slots, filled to
+    /// one half and then to the 3/4 limit).
+    #[test]
+    fn random_keys_stay_far_inside_the_probe_limit() {
+        let slots = 1u64 << 20;
+        let mut r = Region::new(slots);
+        // SAFETY: region outlives the view.
+        let view = unsafe { IndexView::init_seeded(r.ptr(), region_bytes(slots), slots, [11, 13]) }.unwrap();
+        let mut w = IndexWriter::new(view);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let max_dist = |v: &IndexView<'_>| {
+            let hist = v.probe_histogram(MAX_PROBE as usize + 1);
+            hist.iter().rposition(|&n| n > 0).unwrap_or(0)
+        };
+        for (load, bound) in [(slots / 2, 128), (slots / 4 * 3, MAX_PROBE as usize)] {
+            while w.len() < load {
+                w.insert(ObjectKey(((next() as u128) << 64) | next() as u128), 1).unwrap();
+            }
+            let d = max_dist(&view);
+            eprintln!("load {load}/{slots}: longest displacement {d}");
+            assert!(d < bound, "{d}");
+        }
+    }
+
+    #[test]
+    fn the_seed_is_in_the_header_and_changes_homes() {
+        let mut a = Region::new(MIN_SLOTS);
+        let mut b = Region::new(MIN_SLOTS);
+        let len = region_bytes(MIN_SLOTS);
+        // SAFETY: regions outlive the views.
+        let va = unsafe { IndexView::init_seeded(a.ptr(), len, MIN_SLOTS, [1, 2]) }.unwrap();
+        // SAFETY: as above.
+        let vb = unsafe { IndexView::init_seeded(b.ptr(), len, MIN_SLOTS, [3, 4]) }.unwrap();
+        // SAFETY: as above; a reader attaching later reads the seed from the header.
+        let ra = unsafe { IndexView::attach(a.ptr(), len) }.unwrap();
+        let same = (0..1000u128).filter(|i| va.home(ObjectKey(*i)) == vb.home(ObjectKey(*i))).count();
+        assert!(same < 10, "{same} of 1000 keys kept their home under another seed");
+        assert!((0..1000u128).all(|i| ra.home(ObjectKey(i)) == va.home(ObjectKey(i))));
+    }
+
+    /// The SipHash rounds against std's SipHash-2-4 (the 1-3 variant differs only in the
+    /// round counts).
+    #[test]
+    #[allow(deprecated)]
+    fn siphash_matches_std() {
+        use std::hash::Hasher;
+        for (k0, k1, key) in [(0u64, 0u64, 0u128), (1, 2, 3), (0x0706050403020100, 0x0f0e0d0c0b0a0908, u128::MAX / 7)] {
+            let mut h = std::hash::SipHasher::new_with_keys(k0, k1);
+            h.write(&key.to_le_bytes());
+            assert_eq!(siphash::<2, 4>([k0, k1], key as u64, (key >> 64) as u64), h.finish());
+        }
     }
 
     #[test]

@@ -27,7 +27,7 @@ pub use key::ObjectKey;
 /// First word of every handshake message and shared-memory header: "UMBP".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"UMBP");
 /// Bumped on any incompatible change of a layout in this crate.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// Compile-time size and alignment check for a shared-memory or wire type.
 #[macro_export]

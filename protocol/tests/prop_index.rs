@@ -105,7 +105,8 @@ impl Harness {
                     Err(IndexFull {
                         live: MAX_LIVE as u64,
                         slots: MIN_SLOTS
-                    })
+                    }
+                    .into())
                 )
             }
             None => {

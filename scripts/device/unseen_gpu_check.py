@@ -33,7 +33,7 @@ def main():
     visible = os.environ.get("POOL_VISIBLE", "")
     worker_gpu = int(os.environ.get("WORKER_GPU", "0"))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES=visible)
-    pool = subprocess.Popen([sys.argv[1], "--socket", sock, "--capacity", "1GiB"], env=env)
+    pool = subprocess.Popen([sys.argv[1], "--socket", sock, "--capacity", "1GiB", "--min-object-size", "4KiB"], env=env)
     try:
         for _ in range(200):
             if os.path.exists(sock):

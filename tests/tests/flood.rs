@@ -13,7 +13,10 @@ use std::process::{Command, Stdio};
 /// Runs the flood against a fresh pool started with `pool_args`; returns (flooder result,
 /// well-behaved worker result).
 fn flood_vs_latency(tag: &str, pool_args: &[&str]) -> (serde_json::Value, serde_json::Value) {
-    let pool = PoolProcess::start(&unique_socket(tag), pool_args);
+    // The well-behaved worker's objects are 16 KiB (layouts below --min-object-size are refused).
+    let mut args = vec!["--min-object-size", "16KiB"];
+    args.extend_from_slice(pool_args);
+    let pool = PoolProcess::start(&unique_socket(tag), &args);
     let mut flooder = Command::new(workspace_binary("umbp-test-worker"))
         .arg("--socket")
         .arg(&pool.socket)

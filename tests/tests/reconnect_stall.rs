@@ -74,7 +74,7 @@ impl Proxy {
 #[test]
 fn reregistration_with_a_slow_pool_blocks_at_most_one_timeout() {
     let timeout = Duration::from_millis(300);
-    let pool = PoolProcess::start(&unique_socket("slowreg"), &["--capacity", "64MiB"]);
+    let pool = PoolProcess::start(&unique_socket("slowreg"), &["--capacity", "64MiB", "--min-object-size", "4KiB"]);
     let proxy_path = pool.socket.with_file_name("proxy.sock");
     let proxy = Proxy::start(&proxy_path, &pool.socket);
     let mut cfg = WorkerConfig::new(&proxy_path, 9);

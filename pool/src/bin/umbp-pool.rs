@@ -95,6 +95,15 @@ struct Args {
     /// Largest submission ring a peer may ask for in its Hello (power of two).
     #[arg(long = "max-sq-entries", env = "UMBP_MAX_SQ_ENTRIES", value_name = "N", default_value_t = 16384, help_heading = "Limits per peer")]
     max_sq_entries: u32,
+    /// Share (0..1] of the index and of DRAM that one namespace may hold; above it times
+    /// --high-wm the evictor evicts that namespace's own oldest objects first. 1 = no quota;
+    /// on a node shared by tenants, e.g. 0.5.
+    #[arg(long = "namespace-share", env = "UMBP_NAMESPACE_SHARE", value_name = "FRACTION", default_value = "1", help_heading = "Isolation")]
+    namespace_share: String,
+    /// Share (0..1] of DRAM that one uid's scheduler touch hints may keep leased (protected
+    /// from eviction) at once; past it, that uid's oldest leases end early.
+    #[arg(long = "lease-share", env = "UMBP_LEASE_SHARE", value_name = "FRACTION", default_value = "0.5", help_heading = "Isolation")]
+    lease_share: String,
     /// Regions all attachments of one uid may register together [default: 4 x --max-regions].
     #[arg(long = "max-regions-per-uid", env = "UMBP_MAX_REGIONS_PER_UID", value_name = "N", help_heading = "Limits per uid")]
     max_regions_per_uid: Option<usize>,
@@ -186,6 +195,8 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
         fd_reserve: args.fd_reserve,
     };
     c.metrics_addr = args.metrics_addr.filter(|a| !a.is_empty());
+    c.namespace_share = parse_fraction("namespace-share (UMBP_NAMESPACE_SHARE)", &args.namespace_share).map_err(|e| e.to_string())?;
+    c.lease_share = parse_fraction("lease-share (UMBP_LEASE_SHARE)", &args.lease_share).map_err(|e| e.to_string())?;
     c.validate().map_err(|e| e.to_string())?;
     Ok(c)
 }

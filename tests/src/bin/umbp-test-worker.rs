@@ -18,6 +18,14 @@ enum Layout {
     Cross,
 }
 
+#[derive(Clone, Copy, ValueEnum, Debug, PartialEq)]
+enum KeyMode {
+    Derived,
+    Colliding,
+}
+
+static KEY_MODE: std::sync::OnceLock<KeyMode> = std::sync::OnceLock::new();
+
 #[derive(Parser)]
 struct Args {
     #[arg(long)]
@@ -34,6 +42,11 @@ struct Args {
     blocks: u64,
     #[arg(long, default_value_t = 5000)]
     timeout_ms: u64,
+    /// How block numbers become keys: `derived` as the vLLM connector derives them,
+    /// `colliding` chosen so that all share one home slot under the index's old unkeyed
+    /// mix (an attacker's keys: docs/security.md).
+    #[arg(long, value_enum, default_value = "derived")]
+    keys: KeyMode,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -77,6 +90,19 @@ enum Cmd {
         #[arg(long)]
         seconds: u64,
     },
+    /// Store keys first_key..first_key+count, touching (scheduler hints, through an index
+    /// client of the same namespace) every key stored so far after each batch; print
+    /// "pinned", then keep re-touching all of them for `seconds` (a peer pinning the pool).
+    StorePin {
+        #[arg(long)]
+        first_key: u128,
+        #[arg(long)]
+        count: u64,
+        #[arg(long)]
+        seconds: u64,
+    },
+    /// Print the pool's state report as this process's uid gets it (no worker attach).
+    Stats,
 }
 
 struct Kv {
@@ -149,6 +175,11 @@ struct Tally {
 fn main() {
     tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
     let args = Args::parse();
+    KEY_MODE.set(args.keys).expect("set once");
+    if let Cmd::Stats = args.cmd {
+        println!("{}", umbp_integration_tests::report(&args.socket));
+        return;
+    }
     let mut kv = Kv::new(&args);
     let mut cfg = WorkerConfig::new(&args.socket, args.namespace);
     cfg.timeout = Duration::from_millis(args.timeout_ms);
@@ -161,7 +192,13 @@ fn main() {
     };
     let alloc = w.register_memory(MemorySpec::HostProcess { ptr: kv.mem.as_ptr() as usize, len: kv.mem.len() }).expect("register memory");
     assert_eq!(alloc, 0);
-    let obj = w.register_layout(0, kv.segments.clone()).expect("register layout");
+    let obj = match w.register_layout(0, kv.segments.clone()) {
+        Ok(o) => o,
+        Err(e) => {
+            println!("{}", serde_json::json!({ "error": e.to_string() }));
+            std::process::exit(3);
+        }
+    };
     assert_eq!(obj as usize, kv.object_bytes);
     let mut t = Tally::default();
     match args.cmd {
@@ -181,6 +218,8 @@ fn main() {
             return flood(&mut w, &args, first_key, seconds, depth);
         }
         Cmd::Latency { first_key, seconds } => return latency(&mut w, &mut kv, first_key, seconds),
+        Cmd::StorePin { first_key, count, seconds } => store_pin(&mut w, &mut kv, &mut t, &args, first_key, count, seconds),
+        Cmd::Stats => unreachable!("handled before attaching"),
     }
     println!(
         "{}",
@@ -192,9 +231,49 @@ fn main() {
     );
 }
 
-/// Key of the `i`-th block hash in namespace `ns`, derived as the vLLM connector does.
+/// Key of the `i`-th block hash in namespace `ns`, derived as the vLLM connector does
+/// (or chosen to collide: `--keys colliding`).
 fn key_of(ns: u128, i: u128) -> ObjectKey {
-    ObjectKey::derive(ns, 0, 0, &i.to_le_bytes())
+    match KEY_MODE.get().copied().unwrap_or(KeyMode::Derived) {
+        KeyMode::Derived => ObjectKey::derive(ns, 0, 0, &i.to_le_bytes()),
+        KeyMode::Colliding => {
+            // lo ^ rotl(hi, 32) is the same for every i: protocol v2 homed them all alike.
+            let hi = i as u64;
+            let lo = hi.rotate_left(32) ^ 0x5eed_5eed_5eed_5eed;
+            ObjectKey(((hi as u128) << 64) | lo as u128)
+        }
+    }
+}
+
+/// Hints for `keys`, in chunks the hint ring takes (the pool drains it every few ms).
+fn touch_all(idx: &mut umbp_scheduler::IndexClient, keys: &[ObjectKey]) {
+    for chunk in keys.chunks(512) {
+        idx.touch(chunk);
+        std::thread::sleep(Duration::from_millis(6));
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn store_pin(w: &mut Worker, kv: &mut Kv, t: &mut Tally, args: &Args, first: u128, count: u64, seconds: u64) {
+    use std::io::Write;
+    let ns = w.config().namespace;
+    let mut idx = umbp_scheduler::IndexClient::connect(&args.socket, ns, Duration::from_secs(5)).expect("index client");
+    let mut keys = Vec::new();
+    let mut done = 0;
+    while done < count {
+        let n = args.blocks.min(count - done);
+        run(w, kv, t, first + done as u128, n, true);
+        keys.extend((0..n).map(|i| key_of(ns, first + (done + i) as u128)));
+        done += n;
+        touch_all(&mut idx, &keys);
+    }
+    println!("pinned");
+    let _ = std::io::stdout().flush();
+    let end = Instant::now() + Duration::from_secs(seconds);
+    while Instant::now() < end {
+        touch_all(&mut idx, &keys);
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn run(w: &mut Worker, kv: &mut Kv, t: &mut Tally, first: u128, count: u64, store: bool) {

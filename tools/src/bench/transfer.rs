@@ -216,6 +216,8 @@ pub(super) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         socket_path: socket.clone(),
         capacity_bytes: args.capacity,
         prefault: true,
+        // pool_overhead's objects: 24 pages of 64 B (layouts below this are refused).
+        min_object_bytes: 24 * 64,
         ..PoolConfig::default()
     };
     let started = Instant::now();
@@ -1726,6 +1728,7 @@ mod tests {
         let pool = umbp_pool::Pool::start(umbp_pool::PoolConfig {
             socket_path: socket.clone(),
             capacity_bytes: 64 << 20,
+            min_object_bytes: 4096,
             ..Default::default()
         })
         .expect("pool");
