@@ -4,6 +4,8 @@
 #   sqe        SQE + arena validation against a registered layout, in-flight admission
 #   index      the index reader over arbitrary memory (attach, lookup, match_prefix, probe_histogram)
 #   ring       ring consumer and producer over a corrupted header
+#   control    the control plane's per-peer state machine: arbitrary bytes, fds, EOFs,
+#              clock jumps, replies and partial writes against a framing model
 #
 # Usage:
 #   scripts/fuzz.sh --ci            every target for UMBP_FUZZ_SECS (default 10) seconds from
@@ -17,7 +19,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT/fuzz"
-TARGETS=(handshake sqe index ring)
+TARGETS=(handshake sqe index ring control)
 
 ensure_tools() {
   if ! rustup toolchain list | grep -q '^nightly'; then

@@ -586,3 +586,212 @@ pub mod ring {
         }
     }
 }
+
+pub mod control {
+    //! The control plane's per-peer state machine (`umbp_pool::control::PeerConn`), fed
+    //! arbitrary byte/fd sequences, EOFs, clock jumps, replies and partial writes, the way
+    //! the pool's event loop drives it. Checked against an independent framing model:
+    //! every message it hands out is exactly the next frame of the byte stream, with the
+    //! fds that came with it; it never asks for bytes past the current frame, never holds
+    //! more than one message or 8 fds, only hands out a Hello before the handshake is
+    //! answered, and a deadline failure only happens at or after the deadline it reported.
+
+    use std::os::fd::OwnedFd;
+    use std::time::{Duration, Instant};
+
+    use umbp_pool::control::{Event, Next, PeerConn, Phase, Timeouts, MAX_FDS, READ_CHUNK};
+    use umbp_protocol::wire::{MessageHeader, MessageKind, MAX_MESSAGE_PAYLOAD};
+    use umbp_protocol::MAGIC;
+
+    const TIMEOUTS: Timeouts = Timeouts { handshake: Duration::from_millis(2000), message: Duration::from_millis(1000) };
+
+    fn fds(n: usize, proto: &OwnedFd) -> Vec<OwnedFd> {
+        (0..n).filter_map(|_| proto.try_clone().ok()).collect()
+    }
+
+    /// A byte source that mostly produces well-formed frames (so the fuzzer gets past the
+    /// header check) and sometimes garbage.
+    struct Source<'a> {
+        data: &'a [u8],
+    }
+
+    impl Source<'_> {
+        fn byte(&mut self) -> Option<u8> {
+            let (&b, rest) = self.data.split_first()?;
+            self.data = rest;
+            Some(b)
+        }
+
+        fn take(&mut self, n: usize) -> &[u8] {
+            let n = n.min(self.data.len());
+            let (a, b) = self.data.split_at(n);
+            self.data = b;
+            a
+        }
+    }
+
+    /// The stream the fuzzer sends: frames built from the input, interleaved with garbage.
+    fn stream(src: &mut Source<'_>) -> Vec<u8> {
+        let mut out = Vec::new();
+        let kinds = [
+            MessageKind::Hello,
+            MessageKind::HelloReply,
+            MessageKind::RegisterMemory,
+            MessageKind::RegisterLayout,
+            MessageKind::Reply,
+            MessageKind::StatsRequest,
+            MessageKind::ResetNamespace,
+        ];
+        for _ in 0..4 {
+            let Some(ctl) = src.byte() else { break };
+            if ctl & 0x80 != 0 {
+                let n = (ctl & 0x1f) as usize;
+                out.extend_from_slice(src.take(n));
+                continue;
+            }
+            let kind = kinds[(ctl as usize & 0x7) % kinds.len()];
+            let len = src.byte().unwrap_or(0) as usize * if ctl & 0x40 != 0 { 97 } else { 1 };
+            let fd_count = ((ctl >> 3) & 0x3) as usize;
+            let mut h = MessageHeader::new(kind, len, fd_count);
+            if ctl & 0x20 != 0 && ctl & 0x40 != 0 {
+                h.magic = MAGIC ^ 1;
+            }
+            out.extend_from_slice(bytemuck::bytes_of(&h));
+            let payload = src.take(len).to_vec();
+            out.extend_from_slice(&payload);
+            out.resize(out.len() + len - payload.len(), 0);
+        }
+        out
+    }
+
+    pub fn run(data: &[u8]) {
+        let proto: OwnedFd = match std::fs::File::open("/dev/null") {
+            Ok(f) => f.into(),
+            Err(_) => return,
+        };
+        let mut src = Source { data };
+        let bytes = stream(&mut src);
+        let t0 = Instant::now();
+        let mut now = t0;
+        let mut conn = PeerConn::new(now, TIMEOUTS);
+        // Model: bytes consumed since the last message; fds fed with them.
+        let mut pos = 0usize;
+        let mut frame_start = 0usize;
+        let mut frame_fds = 0usize;
+        let mut frame_truncated = false;
+        let mut awaiting = false;
+        let mut answered_hello = false;
+        while let Some(op) = src.byte() {
+            let want = conn.want();
+            assert!(want <= READ_CHUNK);
+            match op % 6 {
+                // Feed up to `want` bytes with 0..3 fds, maybe truncated.
+                0 | 1 => {
+                    if want == 0 {
+                        continue;
+                    }
+                    let n = (src.byte().unwrap_or(1) as usize % want.min(64) + 1).min(bytes.len() - pos);
+                    if n == 0 {
+                        // The stream ran dry: EOF.
+                        assert!(conn.feed(now, &[], Vec::new(), false).is_err(), "EOF ends the connection");
+                        return;
+                    }
+                    let nfds = ((op >> 3) & 0x3) as usize;
+                    let truncated = op & 0x40 != 0 && op & 0x80 != 0;
+                    let chunk = &bytes[pos..pos + n];
+                    pos += n;
+                    frame_fds += nfds;
+                    frame_truncated |= truncated;
+                    let got = conn.feed(now, chunk, fds(nfds, &proto), truncated);
+                    let event = match got {
+                        Err(_) => return,
+                        Ok(None) => {
+                            assert!(pos - frame_start < 16 + MAX_MESSAGE_PAYLOAD as usize);
+                            assert!(frame_fds <= MAX_FDS, "{frame_fds} fds held");
+                            continue;
+                        }
+                        Ok(Some(e)) => e,
+                    };
+                    // The model: the frame is bytes[frame_start..pos].
+                    let frame = &bytes[frame_start..pos];
+                    let header: MessageHeader = bytemuck::pod_read_unaligned(&frame[..16]);
+                    let kind = header.validate().expect("a message with a bad header was handed out");
+                    assert_eq!(frame.len(), 16 + header.len as usize, "message is exactly one frame");
+                    match event {
+                        Event::Hello(p) => {
+                            assert!(!answered_hello && kind == MessageKind::Hello);
+                            assert_eq!(p, &frame[16..]);
+                            assert!(!frame_truncated);
+                            assert_eq!(frame_fds, header.fd_count as usize);
+                        }
+                        Event::Request(r) => {
+                            assert!(answered_hello, "a request before the Hello was answered");
+                            assert_eq!((r.kind, &r.payload[..]), (kind, &frame[16..]));
+                            assert_eq!(r.fds.len(), header.fd_count as usize);
+                            assert_eq!(frame_fds, r.fds.len());
+                            assert!(!frame_truncated);
+                        }
+                        Event::Truncated(k) => {
+                            assert!(frame_truncated && k == kind);
+                        }
+                    }
+                    frame_start = pos;
+                    frame_fds = 0;
+                    frame_truncated = false;
+                    awaiting = true;
+                    assert_eq!(conn.want(), 0, "nothing is read while a message awaits its answer");
+                }
+                // Time passes.
+                2 => {
+                    let before = conn.deadline();
+                    now += Duration::from_millis(src.byte().unwrap_or(0) as u64 * 16);
+                    if conn.check(now).is_err() {
+                        let d = before.expect("a deadline failure without a deadline");
+                        assert!(now >= d, "failed before its deadline");
+                        return;
+                    }
+                    if let Some(d) = before {
+                        assert!(now < d || awaiting, "passed its deadline without failing");
+                    }
+                }
+                // The driver answers.
+                3 => {
+                    if !awaiting {
+                        continue;
+                    }
+                    let next = match (conn.phase(), src.byte().unwrap_or(0) % 4) {
+                        (_, 0) => Next::Close,
+                        (Phase::Handshake, _) => Next::Attach,
+                        _ => Next::Continue,
+                    };
+                    let len = src.byte().unwrap_or(0) as usize;
+                    let nfds = (op >> 3) as usize % 5;
+                    conn.respond(now, MessageKind::Reply, &vec![0u8; len], fds(nfds, &proto), next);
+                    awaiting = false;
+                    if next == Next::Attach {
+                        answered_hello = true;
+                        assert_eq!(conn.phase(), Phase::Attached);
+                    }
+                    let (out, out_fds) = conn.output();
+                    assert!(out.len() >= 16 + len && out_fds.len() >= nfds);
+                }
+                // Part of the output is written.
+                4 => {
+                    let (out, _) = conn.output();
+                    let n = (src.byte().unwrap_or(0) as usize).min(out.len());
+                    conn.wrote(n);
+                    if conn.is_done() {
+                        return;
+                    }
+                }
+                // EOF.
+                _ => {
+                    if want > 0 {
+                        assert!(conn.feed(now, &[], Vec::new(), false).is_err());
+                        return;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -95,9 +95,17 @@ impl Dial {
             .map_err(|m| DialError::Refused(format!("{}: {m}", path.display())))?;
         // Messages are read with SO_RCVTIMEO deadlines, which need a blocking socket.
         sock.set_nonblocking(false).map_err(|e| DialError::Broken(e.to_string()))?;
-        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(reply_timeout))
-            .map_err(|e| DialError::Broken(format!("sending Hello: {e}")))?;
-        Ok(Self { sock, pool, deadline: Instant::now() + reply_timeout, reply_timeout })
+        let sent = send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(reply_timeout));
+        let mut d = Self { sock, pool, deadline: Instant::now() + reply_timeout, reply_timeout };
+        if let Err(e) = sent {
+            // A pool that refuses at accept (a limit, its uid allow-list) answers and closes
+            // before our Hello lands: its refusal is the reason, not the broken pipe.
+            if let Err(refused @ DialError::Refused(_)) = d.finish(Duration::ZERO) {
+                return Err(refused);
+            }
+            return Err(DialError::Broken(format!("sending Hello: {e}")));
+        }
+        Ok(d)
     }
 
     /// Waits up to `wait` (zero: just looks) for the reply. Ok(None): not there yet and the

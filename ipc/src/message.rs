@@ -1,12 +1,16 @@
 //! Framed messages on a unix stream socket: a `MessageHeader`, a payload, and fds as
-//! SCM_RIGHTS on the first byte. Reads and writes take a deadline so a silent or slow peer
-//! costs a bounded wait, never a hung thread.
+//! SCM_RIGHTS on the first byte. Reads and writes take a timeout that bounds the whole
+//! message (not each read): a peer that trickles one byte at a time still costs at most
+//! `timeout`, never a hung thread.
+//!
+//! The pool's control loop does not block on peers at all: it reads whatever is there with
+//! [`recv_chunk`] and frames messages with its own per-peer state machine.
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -27,6 +31,10 @@ pub enum MessageError {
     Protocol(#[from] ProtocolError),
     #[error("peer sent {got} fds with a message that carries {want}")]
     FdCount { got: usize, want: usize },
+    /// MSG_CTRUNC: the kernel dropped fds passed with the message (this process is out of
+    /// file descriptors, or the sender passed more than fit).
+    #[error("file descriptors passed with the message were dropped by the kernel (MSG_CTRUNC): this process is out of fds or the peer sent more than 8")]
+    FdsTruncated,
 }
 
 /// One received message.
@@ -36,11 +44,35 @@ pub struct Message {
     pub fds: Vec<OwnedFd>,
 }
 
-const MAX_FDS: usize = 8;
+/// Most fds one message carries.
+pub const MAX_FDS: usize = 8;
 
-fn set_timeout(sock: &UnixStream, timeout: Option<Duration>) -> std::io::Result<()> {
-    sock.set_read_timeout(timeout)?;
-    sock.set_write_timeout(timeout)
+/// A deadline for one whole message. Before each read or write the socket's timeout is set
+/// to what is left of it, so many slow reads cannot add up past it.
+struct Deadline(Option<Instant>);
+
+impl Deadline {
+    fn new(timeout: Option<Duration>) -> Self {
+        Self(timeout.map(|t| Instant::now() + t))
+    }
+
+    /// Sets SO_RCVTIMEO/SO_SNDTIMEO to the time left; Timeout when none is.
+    fn arm(&self, sock: &UnixStream) -> Result<(), MessageError> {
+        let left = match self.0 {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                // A zero socket timeout means "block forever": never set one.
+                if left < Duration::from_micros(1) {
+                    return Err(MessageError::Timeout);
+                }
+                Some(left)
+            }
+        };
+        sock.set_read_timeout(left)?;
+        sock.set_write_timeout(left)?;
+        Ok(())
+    }
 }
 
 fn map_io(e: std::io::Error) -> MessageError {
@@ -53,7 +85,7 @@ fn map_io(e: std::io::Error) -> MessageError {
     }
 }
 
-/// Sends `kind` with `payload` and `fds`.
+/// Sends `kind` with `payload` and `fds`; `timeout` bounds the whole message.
 pub fn send_message(
     sock: &UnixStream,
     kind: MessageKind,
@@ -61,7 +93,8 @@ pub fn send_message(
     fds: &[BorrowedFd<'_>],
     timeout: Option<Duration>,
 ) -> Result<(), MessageError> {
-    set_timeout(sock, timeout)?;
+    let deadline = Deadline::new(timeout);
+    deadline.arm(sock)?;
     let header = MessageHeader::new(kind, payload.len(), fds.len());
     let mut buf = Vec::with_capacity(16 + payload.len());
     buf.extend_from_slice(bytemuck::bytes_of(&header));
@@ -75,6 +108,7 @@ pub fn send_message(
     let mut sent = sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL)
         .map_err(|e| map_io(e.into()))?;
     while sent < buf.len() {
+        deadline.arm(sock)?;
         let n = sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)
             .map_err(|e| map_io(e.into()))?;
         sent += n;
@@ -82,26 +116,24 @@ pub fn send_message(
     Ok(())
 }
 
-/// Receives one message. `timeout` bounds each read; None blocks.
+/// Receives one message. `timeout` bounds the whole message (header, fds and payload
+/// together), however the peer spreads its bytes; None blocks.
 pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Message, MessageError> {
-    set_timeout(sock, timeout)?;
+    let deadline = Deadline::new(timeout);
     let mut head = [0u8; 16];
     let mut fds = Vec::new();
     let mut got = 0;
     while got < head.len() {
-        let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let r = recvmsg(sock.as_fd(), &mut [IoSliceMut::new(&mut head[got..])], &mut control, RecvFlags::CMSG_CLOEXEC)
-            .map_err(|e| map_io(e.into()))?;
-        for msg in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(rights) = msg {
-                fds.extend(rights);
-            }
+        deadline.arm(sock)?;
+        let chunk = recv_chunk(sock, &mut head[got..], RecvFlags::empty())?;
+        fds.extend(chunk.fds);
+        if chunk.truncated {
+            return Err(MessageError::FdsTruncated);
         }
-        if r.bytes == 0 {
+        if chunk.bytes == 0 {
             return Err(MessageError::Closed);
         }
-        got += r.bytes;
+        got += chunk.bytes;
     }
     let header: MessageHeader = bytemuck::pod_read_unaligned(&head);
     let kind = header.validate()?;
@@ -111,6 +143,7 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
     let mut payload = vec![0u8; header.len as usize];
     let mut off = 0;
     while off < payload.len() {
+        deadline.arm(sock)?;
         let n = rustix::io::read(sock.as_fd(), &mut payload[off..]).map_err(|e| map_io(e.into()))?;
         if n == 0 {
             return Err(MessageError::Closed);
@@ -118,6 +151,43 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
         off += n;
     }
     Ok(Message { kind, payload, fds })
+}
+
+/// What one `recvmsg` returned: `bytes` read into the buffer (0: EOF), the fds that came
+/// with them, and whether the kernel dropped some fds (MSG_CTRUNC).
+pub struct Chunk {
+    pub bytes: usize,
+    pub fds: Vec<OwnedFd>,
+    pub truncated: bool,
+}
+
+/// One `recvmsg` into `buf` (fds close-on-exec), with `flags` added (e.g. DONTWAIT for a
+/// non-blocking read). Would-block and timeouts are `MessageError::Timeout`.
+pub fn recv_chunk(sock: &UnixStream, buf: &mut [u8], flags: RecvFlags) -> Result<Chunk, MessageError> {
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let r = recvmsg(sock.as_fd(), &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC | flags)
+        .map_err(|e| map_io(e.into()))?;
+    let mut fds = Vec::new();
+    for msg in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = msg {
+            fds.extend(rights);
+        }
+    }
+    Ok(Chunk { bytes: r.bytes, fds, truncated: r.flags.contains(rustix::net::ReturnFlags::CTRUNC) })
+}
+
+/// One non-blocking `sendmsg` of `bytes`, `fds` (when not empty) passed with the first
+/// byte. Returns the bytes written; would-block is `MessageError::Timeout`.
+pub fn send_chunk(sock: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) -> Result<usize, MessageError> {
+    let borrowed: Vec<BorrowedFd<'_>> = fds.iter().map(|f| f.as_fd()).collect();
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !borrowed.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&borrowed)) {
+        return Err(MessageError::FdCount { got: fds.len(), want: MAX_FDS });
+    }
+    sendmsg(sock.as_fd(), &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL | SendFlags::DONTWAIT)
+        .map_err(|e| map_io(e.into()))
 }
 
 /// True when the peer has hung up (EOF or error pending), without consuming data.
@@ -163,6 +233,32 @@ mod tests {
         drop(a);
         assert!(peer_gone(&b));
         assert!(matches!(recv_message(&b, Some(Duration::from_millis(100))), Err(MessageError::Closed)));
+    }
+
+    /// Issue #12: a peer trickling one byte at a time held a reader forever, since the
+    /// timeout bounded each read. Now it bounds the message.
+    #[test]
+    fn trickling_peer_times_out_per_message() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let hello = Hello::new(Role::Worker, 5, 6);
+        let header = MessageHeader::new(MessageKind::Hello, std::mem::size_of::<Hello>(), 0);
+        let mut bytes = bytemuck::bytes_of(&header).to_vec();
+        bytes.extend_from_slice(bytemuck::bytes_of(&hello));
+        let writer = std::thread::spawn(move || {
+            use std::io::Write;
+            for byte in bytes {
+                if (&a).write_all(&[byte]).is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let t = Instant::now();
+        let r = recv_message(&b, Some(Duration::from_millis(200)));
+        assert!(matches!(r, Err(MessageError::Timeout)), "trickled message must time out");
+        assert!(t.elapsed() < Duration::from_millis(600), "deadline is per message: took {:?}", t.elapsed());
+        drop(b);
+        writer.join().unwrap();
     }
 
     #[test]

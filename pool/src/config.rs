@@ -67,6 +67,58 @@ pub struct PoolConfig {
     /// Share of DRAM that one uid's touch hints may keep leased at once; past it, that
     /// uid's oldest leases end early.
     pub lease_share: f64,
+    /// Deadlines and caps of the control plane (handshakes, control messages, fds).
+    pub control: ControlLimits,
+    /// Limits on what all attachments of one uid hold together (docs/security.md):
+    /// without them the per-attachment limits multiply by `attachments_per_uid`.
+    pub uid_limits: UidLimits,
+}
+
+/// Control-plane deadlines and caps (docs/security.md, "Denial of service").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlLimits {
+    /// A connection's whole Hello must arrive within this, counted from accept (after
+    /// the uid check), however the peer spreads its bytes.
+    pub handshake_timeout: std::time::Duration,
+    /// Each control message must be complete within this of its first byte, and each
+    /// reply taken by the peer within this of being sent.
+    pub message_timeout: std::time::Duration,
+    /// Handshakes in progress at once, all uids together.
+    pub max_handshakes: usize,
+    /// Handshakes in progress at once for one uid.
+    pub handshakes_per_uid: usize,
+    /// File descriptors kept free below RLIMIT_NOFILE: a peer accepted into fewer is
+    /// refused at once (`ResourceExhausted`), so attached peers can still pass memfds.
+    pub fd_reserve: u64,
+}
+
+impl Default for ControlLimits {
+    fn default() -> Self {
+        Self {
+            handshake_timeout: Duration::from_secs(2),
+            message_timeout: Duration::from_secs(2),
+            max_handshakes: 256,
+            handshakes_per_uid: 16,
+            fd_reserve: 128,
+        }
+    }
+}
+
+/// What all live attachments of one uid may hold together.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UidLimits {
+    /// Registered regions (each an fd and a mapping in the pool; fence pages included).
+    pub regions: usize,
+    /// Registered bytes, all regions together.
+    pub registered_bytes: u64,
+    /// KV layouts (each pool memory).
+    pub layouts: usize,
+}
+
+impl Default for UidLimits {
+    fn default() -> Self {
+        Self { regions: 4096, registered_bytes: 4 << 40, layouts: 4096 }
+    }
 }
 
 /// Per-peer resource limits.
@@ -130,6 +182,8 @@ impl Default for PoolConfig {
             namespace_acl: Default::default(),
             metrics_addr: None,
             event_log_entries: umbp_protocol::events::DEFAULT_EVENT_CAPACITY,
+            control: ControlLimits::default(),
+            uid_limits: UidLimits::default(),
             namespace_share: 1.0,
             lease_share: 0.5,
         }
@@ -284,6 +338,13 @@ impl PoolConfig {
             ("max-layouts", l.layouts as u64),
             ("max-inflight", l.inflight as u64),
             ("max-inflight-bytes", l.inflight_bytes),
+            ("max-handshakes", self.control.max_handshakes as u64),
+            ("max-handshakes-per-uid", self.control.handshakes_per_uid as u64),
+            ("max-regions-per-uid", self.uid_limits.regions as u64),
+            ("max-registered-bytes-per-uid", self.uid_limits.registered_bytes),
+            ("max-layouts-per-uid", self.uid_limits.layouts as u64),
+            ("handshake-timeout-ms", self.control.handshake_timeout.as_millis() as u64),
+            ("control-timeout-ms", self.control.message_timeout.as_millis() as u64),
         ] {
             if v == 0 {
                 return inv(key, "must be at least 1".into());

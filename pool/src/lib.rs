@@ -1,14 +1,17 @@
 //! The UMBP pool (DESIGN §2, §7–§9). A library so that the same code runs as the
 //! standalone `umbp-pool` daemon and embedded inside one engine worker.
 //!
-//! Threads: one control thread (accepts, handshakes on short-lived threads, control
-//! messages, peer liveness), one service thread (drains submission rings of every
+//! Threads: one control thread (an event loop over the listener and every peer socket:
+//! accepts, handshakes and control messages as per-peer state machines with deadlines,
+//! peer liveness; memory registrations run on short-lived threads), one service thread (drains submission rings of every
 //! attachment, sleeping on their eventfd doorbells when idle), `copy_threads` copy threads,
 //! and one evictor.
 
 mod alloc;
 mod attachment;
 pub mod config;
+#[doc(hidden)]
+pub mod control;
 mod dram;
 mod event_log;
 mod evictor;
@@ -32,7 +35,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 pub use alloc::PAGE_BYTES;
-pub use config::{parse_fraction, parse_size, ConfigError, PeerLimits, PoolConfig};
+pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, UidLimits};
 pub use objects::ObjectEvent;
 
 use attachment::Attachment;

@@ -3,15 +3,23 @@
 //!
 //! Counters and gauges are read at scrape time from the pool's own atomics and state (a
 //! [`Collector`]), so the data path pays nothing extra for them; only the latency
-//! histograms are observed as transfers finish (`transfer.rs`). The HTTP side is a tiny
-//! std `TcpListener` loop on its own thread: one request per connection, `Connection:
-//! close`, nothing but `GET /metrics` (and a pointer to it on `GET /`).
+//! histograms are observed as transfers finish (`transfer.rs`). A scrape takes the store
+//! lock only to copy a few running counters, never to walk the objects.
+//!
+//! The HTTP side is a tiny non-blocking loop on its own thread (epoll over the listener and
+//! each connection): one request per connection, `Connection: close`, nothing but `GET
+//! /metrics` (and a pointer to it on `GET /`). Each connection has [`CONNECTION_DEADLINE`]
+//! in all to send its request and take the answer, and at most [`MAX_CONNECTIONS`] are
+//! open (a new one closes the oldest), so a slow or silent client never stalls another
+//! scrape. `--metrics-addr PORT` binds loopback; another host is bound only when named.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -76,11 +84,30 @@ impl Latencies {
     }
 }
 
+/// A connection's whole time: its request in, the answer out.
+pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(2);
+/// Connections open at once; a new one closes the oldest.
+pub const MAX_CONNECTIONS: usize = 32;
+/// Largest request head read.
+const MAX_REQUEST: usize = 16 << 10;
+
+/// `PORT` alone means loopback (`127.0.0.1:PORT`); `HOST:PORT` is taken as given.
+pub fn resolve_addr(addr: &str) -> String {
+    let a = addr.trim();
+    let port_only = a.strip_prefix(':').unwrap_or(a);
+    if !port_only.is_empty() && port_only.bytes().all(|b| b.is_ascii_digit()) {
+        format!("127.0.0.1:{port_only}")
+    } else {
+        a.to_string()
+    }
+}
+
 /// Binds the metrics listener at start, so a bad or busy address is a startup error that
-/// names it.
+/// names it. `PORT` alone binds loopback only.
 pub fn bind(addr: &str) -> Result<TcpListener, PoolError> {
     let err = |message: String| PoolError::Metrics { addr: addr.to_string(), message };
-    let addrs: Vec<_> = addr
+    let resolved = resolve_addr(addr);
+    let addrs: Vec<_> = resolved
         .to_socket_addrs()
         .map_err(|e| err(format!("not a host:port address ({e})")))?
         .collect();
@@ -106,44 +133,116 @@ pub fn serve(inner: &Arc<PoolInner>, listener: TcpListener) {
     if let Ok(a) = listener.local_addr() {
         tracing::info!(address = %a, "metrics on http://{a}/metrics");
     }
+    let Ok(mut poller) = crate::poller::Poller::new() else {
+        tracing::warn!("metrics: cannot create an epoll set; metrics are off");
+        return;
+    };
+    const LISTENER: u64 = u64::MAX;
+    if poller.add(listener.as_fd(), LISTENER).is_err() {
+        tracing::warn!("metrics: cannot watch the listener; metrics are off");
+        return;
+    }
+    let mut conns: HashMap<u64, HttpConn> = HashMap::new();
+    let mut next = 0u64;
     while !inner.is_shutting_down() {
-        let mut fds = [rustix::event::PollFd::new(&listener, rustix::event::PollFlags::IN)];
-        let timeout = rustix::time::Timespec { tv_sec: 0, tv_nsec: 200_000_000 };
-        if !matches!(rustix::event::poll(&mut fds, Some(&timeout)), Ok(n) if n > 0) {
-            continue;
-        }
-        loop {
-            match listener.accept() {
-                Ok((stream, _)) => {
-                    if let Err(e) = answer(stream, &registry) {
-                        tracing::debug!("metrics request: {e}");
+        let now = Instant::now();
+        let wait = conns.values().map(|c| c.deadline.saturating_duration_since(now)).min().unwrap_or(Duration::from_millis(200));
+        for ready in poller.wait_ready(Some(wait.clamp(Duration::from_millis(1), Duration::from_millis(200)))) {
+            if ready.token == LISTENER {
+                while let Ok((stream, _)) = listener.accept() {
+                    if stream.set_nonblocking(true).is_err() {
+                        continue;
+                    }
+                    if conns.len() >= MAX_CONNECTIONS {
+                        if let Some(oldest) = conns.iter().min_by_key(|(_, c)| c.deadline).map(|(t, _)| *t) {
+                            let c = conns.remove(&oldest).expect("present");
+                            poller.remove(c.stream.as_fd());
+                        }
+                    }
+                    next += 1;
+                    let interest = crate::poller::Interest { read: true, write: false };
+                    if poller.add_with(stream.as_fd(), next, interest).is_ok() {
+                        let c = HttpConn { stream, request: Vec::new(), out: Vec::new(), sent: 0, deadline: Instant::now() + CONNECTION_DEADLINE };
+                        conns.insert(next, c);
                     }
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                continue;
+            }
+            let Some(c) = conns.get_mut(&ready.token) else { continue };
+            let done = match c.progress(&registry) {
+                Ok(done) => done,
                 Err(e) => {
-                    tracing::warn!("metrics accept: {e}");
-                    break;
+                    tracing::debug!("metrics request: {e}");
+                    true
                 }
+            };
+            if done || ready.hangup {
+                let c = conns.remove(&ready.token).expect("present");
+                poller.remove(c.stream.as_fd());
+            } else if !c.out.is_empty() {
+                let _ = poller.modify(c.stream.as_fd(), ready.token, crate::poller::Interest { read: false, write: true });
             }
         }
+        let now = Instant::now();
+        conns.retain(|_, c| {
+            let keep = c.deadline > now;
+            if !keep {
+                tracing::debug!("metrics connection closed: not done within {CONNECTION_DEADLINE:?}");
+                poller.remove(c.stream.as_fd());
+            }
+            keep
+        });
     }
 }
 
-/// Reads one request (headers only) and writes one response.
-fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(5)))?;
-    let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && buf.len() < 16 << 10 {
-        let n = stream.read(&mut chunk)?;
-        if n == 0 {
-            break;
+/// One HTTP connection: its request head so far, then the answer going out.
+struct HttpConn {
+    stream: TcpStream,
+    request: Vec<u8>,
+    out: Vec<u8>,
+    sent: usize,
+    deadline: Instant,
+}
+
+impl HttpConn {
+    /// Reads what is there and writes what it can; Ok(true) once the answer is out.
+    fn progress(&mut self, registry: &Registry) -> std::io::Result<bool> {
+        let would_block = |e: &std::io::Error| e.kind() == std::io::ErrorKind::WouldBlock;
+        if self.out.is_empty() {
+            let mut chunk = [0u8; 1024];
+            loop {
+                match self.stream.read(&mut chunk) {
+                    Ok(0) => break,
+                    Ok(n) => self.request.extend_from_slice(&chunk[..n]),
+                    Err(e) if would_block(&e) => break,
+                    Err(e) => return Err(e),
+                }
+                if self.request.len() >= MAX_REQUEST || self.request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let complete = self.request.windows(4).any(|w| w == b"\r\n\r\n") || self.request.len() >= MAX_REQUEST;
+            if !complete {
+                return Ok(false);
+            }
+            self.out = answer(&self.request, registry);
         }
-        buf.extend_from_slice(&chunk[..n]);
+        while self.sent < self.out.len() {
+            match self.stream.write(&self.out[self.sent..]) {
+                Ok(0) => return Ok(true),
+                Ok(n) => self.sent += n,
+                Err(e) if would_block(&e) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        let _ = self.stream.flush();
+        Ok(true)
     }
-    let head = String::from_utf8_lossy(&buf);
+}
+
+/// The response to one request head.
+fn answer(request: &[u8], registry: &Registry) -> Vec<u8> {
+    let head = String::from_utf8_lossy(request);
     let mut parts = head.lines().next().unwrap_or("").split_whitespace();
     let (method, target) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
     let path = target.split('?').next().unwrap_or("");
@@ -159,15 +258,13 @@ fn answer(mut stream: TcpStream, registry: &Registry) -> std::io::Result<()> {
         ("GET", _) => ("404 Not Found", "text/plain", "not found; metrics are at /metrics\n".to_string()),
         _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
     };
-    let header = format!(
+    let mut out = format!(
         "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
-    );
-    stream.write_all(header.as_bytes())?;
-    if method != "HEAD" {
-        stream.write_all(body.as_bytes())?;
-    }
-    stream.flush()
+    )
+    .into_bytes();
+    out.extend_from_slice(body.as_bytes());
+    out
 }
 
 /// Reads counters and state at scrape time.

@@ -172,6 +172,9 @@ pub struct ObjectStore {
     leases: HashMap<u32, LeaseBook>,
     policy: Policy,
     evictions: u64,
+    /// Objects with `pins > 0`, kept as pins change so reports and scrapes never walk
+    /// the objects under the store lock.
+    pinned_objects: usize,
     /// Evictions made for index pressure and for namespace quotas (also in `evictions`).
     index_evictions: u64,
     quota_evictions: u64,
@@ -216,6 +219,7 @@ impl ObjectStore {
             leases: HashMap::new(),
             policy: Policy::default(),
             evictions: 0,
+            pinned_objects: 0,
             index_evictions: 0,
             quota_evictions: 0,
             quota_refusals: 0,
@@ -467,6 +471,9 @@ impl ObjectStore {
 
     fn drop_object(&mut self, key: ObjectKey) {
         if let Some(o) = self.objects.remove(&key) {
+            if o.pins > 0 {
+                self.pinned_objects -= 1;
+            }
             self.lru.remove(&o.tick);
             self.release_held(o.namespace, o.size);
             if let Some(l) = o.lease {
@@ -527,6 +534,9 @@ impl ObjectStore {
             return LoadReservation::SizeMismatch { stored: o.size };
         }
         o.pins += 1;
+        if o.pins == 1 {
+            self.pinned_objects += 1;
+        }
         let offset = o.offset;
         self.touch_lru(key);
         LoadReservation::Pinned { offset }
@@ -534,6 +544,9 @@ impl ObjectStore {
 
     pub fn finish_load(&mut self, key: ObjectKey) {
         if let Some(o) = self.objects.get_mut(&key) {
+            if o.pins == 1 {
+                self.pinned_objects -= 1;
+            }
             o.pins = o.pins.saturating_sub(1);
         }
     }
@@ -645,8 +658,9 @@ impl ObjectStore {
         self.objects.values().filter(|o| o.state == ObjectState::Writing { owner }).count()
     }
 
+    /// Objects pinned by loads in flight (a running count: O(1)).
     pub fn pinned_count(&self) -> usize {
-        self.objects.values().filter(|o| o.pins > 0).count()
+        self.pinned_objects
     }
 }
 
@@ -716,7 +730,13 @@ mod tests {
             assert!(r.lookup(ObjectKey(i)).is_none(), "{i} is the oldest unprotected");
         }
         assert_eq!(s.evictions(), 5);
+        assert_eq!(s.pinned_count(), 1, "running count: key 0 pinned, key 2 pinned and released");
         assert_eq!(s.reset_namespace(0), 4, "the pinned one stays");
+        s.reserve_load(ObjectKey(0), 64 << 10);
+        assert_eq!(s.pinned_count(), 1, "a second pin of one object counts once");
+        s.finish_load(ObjectKey(0));
+        s.finish_load(ObjectKey(0));
+        assert_eq!(s.pinned_count(), 0);
     }
 
     fn publish(s: &mut ObjectStore, ns: u128, key: u128, size: u64) -> bool {

@@ -1,32 +1,27 @@
-//! The socket side: binding (never stealing a live socket), handshakes, control messages
-//! and peer liveness (EOF on the socket = peer gone).
+//! The socket side: binding (never stealing a live socket), and the control loop:
+//! accepts, handshakes, control messages and peer liveness (EOF on the socket = peer gone)
+//! as one non-blocking event loop over per-peer state machines (control.rs).
 
-use std::os::fd::AsFd;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use umbp_ipc::message::{peer_gone, recv_message, send_message, MessageError};
+use rustix::net::RecvFlags;
+use umbp_ipc::message::{recv_chunk, send_chunk, MessageError};
 use umbp_protocol::layout::KvLayout;
 use umbp_protocol::wire::{HelloReply, MessageKind, Reply, ReplyStatus, Role};
 use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
 
 use crate::attachment::Attachment;
-use crate::poller::Poller;
+use crate::control::{self, Event, Next, PeerConn, Phase, Request, Timeouts, Violation};
+use crate::poller::{Interest, Poller};
 use crate::validate::{self, AcceptedHello};
 use crate::{PoolError, PoolInner};
-
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(2);
-const CONTROL_TIMEOUT: Duration = Duration::from_secs(1);
-const TOKEN_LISTENER: u64 = u64::MAX;
-/// Handshakes in progress (each on its own short-lived thread), in this process.
-static HANDSHAKES: AtomicUsize = AtomicUsize::new(0);
-/// More concurrent handshakes than this are refused at once (connection floods).
-const MAX_HANDSHAKES: usize = 64;
-const TOKEN_WAKE: u64 = u64::MAX - 1;
 
 /// Binds the pool socket (mode 0660, group `group` when given: its members may connect;
 /// the uid allow-list still applies). A live pool at the path is never displaced; a stale
@@ -65,173 +60,630 @@ pub fn bind(path: &Path, group: Option<u32>) -> Result<UnixListener, PoolError> 
     Ok(listener)
 }
 
+/// The control thread: one epoll loop over the listener, the wake doorbell and every peer
+/// socket. Each peer is a [`PeerConn`] state machine (control.rs) fed with what its socket
+/// has, never blocking on it: a peer that trickles bytes, stalls mid-message or never
+/// reads its replies costs its own deadline and nothing else. Memory registrations (a
+/// region probe can be slow) run on short-lived threads, one per uid at a time, at most
+/// [`MAX_REGISTRATIONS`] in all; everything else a peer asks is bounded work done here.
 pub fn run_control(inner: &Arc<PoolInner>, listener: UnixListener) {
-    let mut poller = Poller::new().expect("epoll");
-    poller.add(listener.as_fd(), TOKEN_LISTENER).expect("epoll add listener");
-    poller.add(inner.control_wake.fd(), TOKEN_WAKE).expect("epoll add wake");
-    let mut known: std::collections::HashMap<u32, Arc<Attachment>> = Default::default();
+    let mut c = Control::new(inner, listener);
     while !inner.is_shutting_down() {
-        for token in poller.wait(Some(Duration::from_millis(200))) {
-            match token {
-                TOKEN_LISTENER => accept_all(inner, &listener),
+        let now = Instant::now();
+        let timeout = c.next_deadline.map_or(TICK, |d| d.saturating_duration_since(now).min(TICK));
+        for ready in c.poller.wait_ready(Some(timeout.max(Duration::from_millis(1)))) {
+            match ready.token {
+                TOKEN_LISTENER => c.accept_all(),
                 TOKEN_WAKE => {
                     inner.control_wake.drain();
                 }
-                id => {
-                    let Some(att) = known.get(&(id as u32)).cloned() else { continue };
-                    if let Err(why) = serve_control(inner, &att) {
-                        detach(inner, &att, &why);
-                        poller.remove(att.socket.as_fd());
-                        known.remove(&att.id);
-                    }
-                }
+                token => c.serve(token, ready.hangup),
             }
         }
-        // Pick up attachments whose handshake finished; drop ones that died elsewhere.
-        let current = inner.attachments.lock().expect("attachments lock").clone();
-        for att in &current {
-            if let std::collections::hash_map::Entry::Vacant(slot) = known.entry(att.id) {
-                let _ = poller.add(att.socket.as_fd(), att.id as u64);
-                slot.insert(att.clone());
-            }
-        }
-        known.retain(|id, att| {
-            let keep = att.is_alive() && current.iter().any(|a| a.id == *id);
-            if !keep {
-                poller.remove(att.socket.as_fd());
-                detach(inner, att, "detached");
-            }
-            keep
-        });
+        c.finish_registrations();
+        c.expire(Instant::now());
     }
 }
 
-fn accept_all(inner: &Arc<PoolInner>, listener: &UnixListener) {
-    loop {
-        match listener.accept() {
-            Ok((sock, _)) => {
-                // A peer that stalls mid-handshake costs one short-lived thread, not the
-                // control loop; a flood of them is refused past MAX_HANDSHAKES.
-                if HANDSHAKES.fetch_add(1, Ordering::AcqRel) >= MAX_HANDSHAKES {
-                    HANDSHAKES.fetch_sub(1, Ordering::AcqRel);
-                    let _ = sock.set_nonblocking(true);
-                    refuse(&sock, inner, ReplyStatus::ResourceExhausted, format!("{MAX_HANDSHAKES} handshakes in progress; retry"));
-                    continue;
-                }
-                let inner = inner.clone();
-                let spawned = std::thread::Builder::new().name("umbp-handshake".into()).spawn(move || {
-                    if let Err(e) = handshake(&inner, sock) {
-                        tracing::info!("handshake refused: {e}");
+const TOKEN_LISTENER: u64 = u64::MAX;
+const TOKEN_WAKE: u64 = u64::MAX - 1;
+/// Memory registrations running at once, all uids together (one per uid at a time).
+const MAX_REGISTRATIONS: usize = 16;
+/// The longest the loop sleeps (shutdown, deadlines).
+const TICK: Duration = Duration::from_millis(200);
+/// How long accepting pauses when the pool is out of fds and has no spare to refuse with.
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Who is on the other end, captured once at accept (SO_PEERCRED), before anything else.
+#[derive(Debug, Clone, Copy)]
+struct PeerIdentity {
+    uid: u32,
+    pid: u32,
+}
+
+/// SO_PEERCRED (pid 0 = another pid namespace, served without process memory) and a
+/// pidfd of the process that connected, taken before anything is read from it.
+fn peer_identity(sock: &UnixStream) -> Result<(PeerIdentity, umbp_ipc::peer::PeerProcess), String> {
+    let process = umbp_ipc::peer::PeerProcess::capture(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    Ok((PeerIdentity { uid: process.cred.uid, pid: process.cred.pid }, process))
+}
+
+/// The uid allow-list (the same rule as `validate::check_hello`), checked at accept so a
+/// uid that may not attach holds nothing, not even a handshake slot.
+fn uid_allowed(inner: &PoolInner, uid: u32) -> bool {
+    uid == inner.uid || uid == 0 || inner.config.allow_uids.contains(&uid)
+}
+
+struct Peer {
+    sock: UnixStream,
+    conn: PeerConn,
+    id: PeerIdentity,
+    /// The process identity taken at accept, moved into the attachment at Hello.
+    process: Option<umbp_ipc::peer::PeerProcess>,
+    att: Option<Arc<Attachment>>,
+    interest: Interest,
+    /// Counted in the handshake caps (until attached or gone).
+    handshaking: bool,
+}
+
+struct RegJob {
+    token: u64,
+    att: Arc<Attachment>,
+    payload: Vec<u8>,
+    fds: Vec<OwnedFd>,
+}
+
+struct RegDone {
+    token: u64,
+    uid: u32,
+    reply: Reply,
+}
+
+struct Control<'a> {
+    inner: &'a Arc<PoolInner>,
+    listener: UnixListener,
+    poller: Poller,
+    peers: HashMap<u64, Peer>,
+    next_token: u64,
+    handshakes: usize,
+    handshakes_by_uid: HashMap<u32, usize>,
+    /// Closed to accept-and-refuse a connection when the pool is out of fds.
+    spare_fd: Option<OwnedFd>,
+    accept_paused_until: Option<Instant>,
+    nofile: u64,
+    reg_queue: VecDeque<RegJob>,
+    reg_uids: HashSet<u32>,
+    reg_tx: crossbeam_channel::Sender<RegDone>,
+    reg_rx: crossbeam_channel::Receiver<RegDone>,
+    scratch: Vec<u8>,
+    timeouts: Timeouts,
+    next_deadline: Option<Instant>,
+    /// Connections refused at accept, kept (write side shut) until their Hello had time to
+    /// land, so the peer's send succeeds and it reads the refusal instead of EPIPE.
+    lingering: VecDeque<(Instant, UnixStream)>,
+}
+
+/// How long a connection refused at accept is kept, and how many at most.
+const LINGER: Duration = Duration::from_millis(250);
+const MAX_LINGERING: usize = 64;
+
+fn open_spare() -> Option<OwnedFd> {
+    std::fs::File::open("/dev/null").ok().map(OwnedFd::from)
+}
+
+impl<'a> Control<'a> {
+    fn new(inner: &'a Arc<PoolInner>, listener: UnixListener) -> Self {
+        let poller = Poller::new().expect("epoll");
+        poller.add(listener.as_fd(), TOKEN_LISTENER).expect("epoll add listener");
+        poller.add(inner.control_wake.fd(), TOKEN_WAKE).expect("epoll add wake");
+        let nofile = rustix::process::getrlimit(rustix::process::Resource::Nofile).current.unwrap_or(u64::MAX);
+        let (reg_tx, reg_rx) = crossbeam_channel::unbounded();
+        let c = &inner.config.control;
+        Self {
+            inner,
+            listener,
+            poller,
+            peers: HashMap::new(),
+            next_token: 1,
+            handshakes: 0,
+            handshakes_by_uid: HashMap::new(),
+            spare_fd: open_spare(),
+            accept_paused_until: None,
+            nofile,
+            reg_queue: VecDeque::new(),
+            reg_uids: HashSet::new(),
+            reg_tx,
+            reg_rx,
+            scratch: vec![0u8; control::READ_CHUNK],
+            timeouts: Timeouts { handshake: c.handshake_timeout, message: c.message_timeout },
+            next_deadline: None,
+            lingering: VecDeque::new(),
+        }
+    }
+
+    fn accept_all(&mut self) {
+        loop {
+            match self.listener.accept() {
+                Ok((sock, _)) => self.admit(sock),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EMFILE) | Some(libc::ENFILE)) => {
+                    // Out of fds: free the spare, take the connection, refuse it, close it,
+                    // so the listener does not stay readable forever.
+                    // (accept fails with EMFILE before it looks at the queue: an empty
+                    // queue shows only once an fd is free.)
+                    if self.spare_fd.take().is_some() {
+                        let accepted = match self.listener.accept() {
+                            Ok((sock, _)) => {
+                                refuse_now(&sock, self.inner, ReplyStatus::ResourceExhausted, "the pool is out of file descriptors; retry later".into());
+                                true
+                            }
+                            Err(_) => false,
+                        };
+                        self.spare_fd = open_spare();
+                        if !accepted {
+                            return;
+                        }
+                        if self.spare_fd.is_some() {
+                            continue;
+                        }
                     }
-                    HANDSHAKES.fetch_sub(1, Ordering::AcqRel);
-                });
-                if spawned.is_err() {
-                    HANDSHAKES.fetch_sub(1, Ordering::AcqRel);
+                    tracing::warn!("accept: {e}; not accepting for {ACCEPT_PAUSE:?}");
+                    self.poller.remove(self.listener.as_fd());
+                    self.accept_paused_until = Some(Instant::now() + ACCEPT_PAUSE);
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!("accept failed: {e}");
+                    return;
                 }
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+        }
+    }
+
+    /// A new connection: fd headroom, identity, uid allow-list and handshake caps, in that
+    /// order, before the pool keeps anything for it.
+    fn admit(&mut self, sock: UnixStream) {
+        let inner = self.inner;
+        if sock.set_nonblocking(true).is_err() {
+            return;
+        }
+        let cfg = &inner.config.control;
+        let fd_number = sock.as_raw_fd() as u64;
+        // fds are numbered lowest-free first: all below this one are in use.
+        if fd_number.saturating_add(cfg.fd_reserve) >= self.nofile {
+            let m = format!(
+                "the pool is near its file descriptor limit (fd {fd_number}, RLIMIT_NOFILE {}, {} kept for attached peers by \
+                 --fd-reserve); retry later",
+                self.nofile, cfg.fd_reserve
+            );
+            tracing::warn!("connection refused: {m}");
+            refuse_now(&sock, inner, ReplyStatus::ResourceExhausted, m);
+            return;
+        }
+        let (id, process) = match peer_identity(&sock) {
+            Ok(id) => id,
             Err(e) => {
-                tracing::warn!("accept failed: {e}");
+                tracing::info!("connection dropped: {e}");
                 return;
             }
+        };
+        if !uid_allowed(inner, id.uid) {
+            let uid = id.uid;
+            let m = format!("uid {uid} is not allowed by this pool (start it with --allow-uid {uid})");
+            tracing::info!(pid = id.pid, "handshake refused: {m}");
+            return self.refuse_at_accept(sock, ReplyStatus::PermissionDenied, m);
+        }
+        let of_uid = self.handshakes_by_uid.get(&id.uid).copied().unwrap_or(0);
+        let over = if self.handshakes >= cfg.max_handshakes {
+            Some(format!("{} handshakes in progress, the limit (--max-handshakes); retry", self.handshakes))
+        } else if of_uid >= cfg.handshakes_per_uid {
+            Some(format!(
+                "uid {} has {of_uid} handshakes in progress, the limit per uid (--max-handshakes-per-uid); retry",
+                id.uid
+            ))
+        } else {
+            None
+        };
+        if let Some(m) = over {
+            tracing::info!(pid = id.pid, uid = id.uid, "handshake refused: {m}");
+            return self.refuse_at_accept(sock, ReplyStatus::ResourceExhausted, m);
+        }
+        let token = self.next_token;
+        self.next_token += 1;
+        let interest = Interest { read: true, write: false };
+        if let Err(e) = self.poller.add_with(sock.as_fd(), token, interest) {
+            tracing::warn!("epoll add: {e}");
+            return;
+        }
+        self.handshakes += 1;
+        *self.handshakes_by_uid.entry(id.uid).or_default() += 1;
+        let now = Instant::now();
+        let conn = PeerConn::new(now, self.timeouts);
+        self.note_deadline(conn.deadline());
+        self.peers.insert(token, Peer { sock, conn, id, process: Some(process), att: None, interest, handshaking: true });
+    }
+
+    /// Refuses a connection the pool keeps no state for; it lingers (bounded) so that the
+    /// peer's Hello lands and it reads the refusal.
+    fn refuse_at_accept(&mut self, sock: UnixStream, status: ReplyStatus, message: String) {
+        refuse_now(&sock, self.inner, status, message);
+        if self.lingering.len() < MAX_LINGERING {
+            let _ = sock.shutdown(std::net::Shutdown::Write);
+            let until = Instant::now() + LINGER;
+            self.lingering.push_back((until, sock));
+            self.note_deadline(Some(until));
+        }
+    }
+
+    fn note_deadline(&mut self, d: Option<Instant>) {
+        if let Some(d) = d {
+            self.next_deadline = Some(self.next_deadline.map_or(d, |n| n.min(d)));
+        }
+    }
+
+    /// An event on a peer socket: write what is owed, read what is wanted.
+    fn serve(&mut self, token: u64, hangup: bool) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        if peer.conn.has_output() {
+            self.flush(token);
+        }
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        let want = peer.conn.want();
+        if want == 0 {
+            if hangup {
+                // Nothing to read (a request is being answered): the peer is gone.
+                self.drop_peer(token, &Violation::Closed.to_string());
+            }
+            return;
+        }
+        // Read on while the socket has bytes (a header and its payload usually arrive
+        // together), at most a few reads per event so one peer cannot hog the loop.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mut result = Ok(None);
+        for _ in 0..4 {
+            let want = peer.conn.want();
+            if want == 0 {
+                break;
+            }
+            result = match recv_chunk(&peer.sock, &mut scratch[..want], RecvFlags::DONTWAIT) {
+                Ok(chunk) => {
+                    tracing::trace!(pid = peer.id.pid, bytes = chunk.bytes, fds = chunk.fds.len(), truncated = chunk.truncated, "control read");
+                    peer.conn.feed(Instant::now(), &scratch[..chunk.bytes], chunk.fds, chunk.truncated)
+                }
+                Err(MessageError::Timeout) => break,
+                Err(MessageError::Closed) => Err(Violation::Closed),
+                Err(e) => Err(Violation::Malformed(e.to_string())),
+            };
+            if !matches!(result, Ok(None)) {
+                break;
+            }
+        }
+        self.scratch = scratch;
+        match result {
+            Ok(Some(event)) => self.handle(token, event),
+            Ok(None) => {
+                let d = peer.conn.deadline();
+                self.note_deadline(d);
+            }
+            Err(v) => self.drop_peer(token, &v.to_string()),
+        }
+        self.update_interest(token);
+    }
+
+    fn handle(&mut self, token: u64, event: Event) {
+        match event {
+            Event::Hello(payload) => self.hello(token, &payload),
+            Event::Truncated(kind) => {
+                let Some(peer) = self.peers.get(&token) else { return };
+                let m = format!(
+                    "{kind:?} refused: the file descriptors sent with it were dropped by the kernel (MSG_CTRUNC): \
+                     the pool is out of file descriptors or more than 8 were sent; nothing was done, retry later"
+                );
+                tracing::warn!(pid = peer.id.pid, uid = peer.id.uid, "{m}");
+                if peer.conn.phase() == Phase::Handshake {
+                    self.refuse(token, ReplyStatus::ResourceExhausted, m);
+                } else {
+                    self.reply(token, Reply::error(ReplyStatus::ResourceExhausted, &m), Vec::new());
+                }
+            }
+            Event::Request(req) => self.request(token, req),
+        }
+    }
+
+    /// A refusal in the handshake phase: the reply, then close.
+    fn refuse(&mut self, token: u64, status: ReplyStatus, message: String) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        self.inner.counters.refusals.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(pid = peer.id.pid, uid = peer.id.uid, "handshake refused: {message}");
+        let reply = HelloReply::refusal(status, &message);
+        peer.conn.respond(Instant::now(), MessageKind::HelloReply, bytemuck::bytes_of(&reply), Vec::new(), Next::Close);
+        self.leave_handshake(token);
+        self.flush(token);
+    }
+
+    fn leave_handshake(&mut self, token: u64) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        if std::mem::replace(&mut peer.handshaking, false) {
+            self.handshakes -= 1;
+            let uid = peer.id.uid;
+            if let Some(n) = self.handshakes_by_uid.get_mut(&uid) {
+                *n -= 1;
+                if *n == 0 {
+                    self.handshakes_by_uid.remove(&uid);
+                }
+            }
+        }
+    }
+
+    /// A complete Hello: the checks, the attachment, the reply with its fds.
+    fn hello(&mut self, token: u64, payload: &[u8]) {
+        let inner = self.inner;
+        let Some(peer) = self.peers.get(&token) else { return };
+        let PeerIdentity { uid, pid } = peer.id;
+        // Magic, version, role, uid allow-list, namespace ACL, ring and arena limits.
+        let AcceptedHello { hello, role, layout } = match validate::check_hello(payload, uid, inner.uid, &inner.config) {
+            Ok(a) => a,
+            Err(r) => return self.refuse(token, r.status, r.message),
+        };
+        let count_check = |list: &[Arc<Attachment>]| {
+            let of_uid = list.iter().filter(|a| a.uid == uid).count();
+            validate::check_attachment_count(list.len(), of_uid, uid, &inner.config)
+        };
+        if let Err(r) = count_check(&inner.attachments.lock().expect("attachments lock")) {
+            return self.refuse(token, r.status, r.message);
+        }
+        let sock2 = match peer.sock.try_clone() {
+            Ok(s) => s,
+            Err(e) => return self.refuse(token, ReplyStatus::ResourceExhausted, fd_hint(format!("cannot keep the socket: {e}"))),
+        };
+        let Some(process) = self.peers.get_mut(&token).and_then(|p| p.process.take()) else {
+            return self.refuse(token, ReplyStatus::Internal, "the peer's identity was already used".into());
+        };
+        let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let att = match Attachment::create(id, role, process, &hello, layout, sock2) {
+            Ok(a) => Arc::new(a),
+            Err(e) => return self.refuse(token, ReplyStatus::Internal, fd_hint(format!("cannot create rings: {e}"))),
+        };
+        let dup = |f: std::os::fd::BorrowedFd<'_>| f.try_clone_to_owned();
+        let fds = match [att.ring_mem.fd(), inner.index_mem.fd(), att.doorbell.fd(), inner.events_mem.fd()]
+            .into_iter()
+            .map(dup)
+            .collect::<Result<Vec<_>, _>>()
+        {
+            Ok(f) => f,
+            Err(e) => {
+                return self.refuse(token, ReplyStatus::ResourceExhausted, format!("the pool is out of file descriptors: {e}"))
+            }
+        };
+        {
+            let mut list = inner.attachments.lock().expect("attachments lock");
+            if let Err(r) = count_check(&list) {
+                drop(list);
+                return self.refuse(token, r.status, r.message);
+            }
+            list.push(att.clone());
+        }
+        let mut reply = HelloReply::refusal(ReplyStatus::Ok, "");
+        reply.magic = MAGIC;
+        reply.protocol_version = PROTOCOL_VERSION;
+        reply.attachment_id = id;
+        reply.sq_entries = layout.sq_entries;
+        reply.cq_entries = layout.cq_entries;
+        reply.hint_entries = layout.hint_entries;
+        reply.arena_bytes = layout.arena_bytes as u64;
+        reply.ring_region_bytes = layout.total_bytes as u64;
+        reply.index_region_bytes = inner.index_mem.len() as u64;
+        reply.event_log_bytes = inner.events_mem.len() as u64;
+        reply.pool_pid = std::process::id();
+        tracing::info!(attachment = id, pid, uid, ?role, namespace = format!("{:032x}", hello.namespace()), "attached");
+        inner.counters.attachments_total.fetch_add(1, Ordering::Relaxed);
+        inner.service_wake.ring();
+        let peer = self.peers.get_mut(&token).expect("present");
+        peer.att = Some(att);
+        peer.conn.respond(Instant::now(), MessageKind::HelloReply, bytemuck::bytes_of(&reply), fds, Next::Attach);
+        self.leave_handshake(token);
+        self.flush(token);
+    }
+
+    fn request(&mut self, token: u64, req: Request) {
+        let inner = self.inner;
+        let Some(att) = self.peers.get(&token).and_then(|p| p.att.clone()) else { return };
+        let (reply, extra) = match req.kind {
+            MessageKind::RegisterMemory => {
+                self.reg_queue.push_back(RegJob { token, att, payload: req.payload, fds: req.fds });
+                self.start_registrations();
+                return;
+            }
+            MessageKind::RegisterLayout => (register_layout(inner, &att, &req.payload), Vec::new()),
+            MessageKind::ResetNamespace => {
+                let n = inner.store.lock().expect("store lock").reset_namespace(att.namespace);
+                tracing::info!(attachment = att.id, dropped = n, "namespace reset");
+                (Reply::ok(n), Vec::new())
+            }
+            MessageKind::StatsRequest => {
+                let json = serde_json::to_vec(&crate::report::for_peer(inner, &att)).unwrap_or_default();
+                (Reply::ok(json.len() as u64), json)
+            }
+            other => (Reply::error(ReplyStatus::InvalidRequest, &format!("unexpected message {other:?}")), Vec::new()),
+        };
+        self.reply(token, reply, extra);
+    }
+
+    fn reply(&mut self, token: u64, reply: Reply, extra: Vec<u8>) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        let mut payload = bytemuck::bytes_of(&reply).to_vec();
+        payload.extend_from_slice(&extra);
+        peer.conn.respond(Instant::now(), MessageKind::Reply, &payload, Vec::new(), Next::Continue);
+        self.flush(token);
+    }
+
+    /// Starts queued registrations: one per uid at a time (so per-uid totals are exact and
+    /// one uid's slow probes never hold another's), at most MAX_REGISTRATIONS in all.
+    fn start_registrations(&mut self) {
+        let mut i = 0;
+        while i < self.reg_queue.len() && self.reg_uids.len() < MAX_REGISTRATIONS {
+            let uid = self.reg_queue[i].att.uid;
+            if self.reg_uids.contains(&uid) {
+                i += 1;
+                continue;
+            }
+            let job = self.reg_queue.remove(i).expect("in range");
+            if !self.peers.contains_key(&job.token) || !job.att.is_alive() {
+                continue;
+            }
+            let token = job.token;
+            let (inner, tx) = (self.inner.clone(), self.reg_tx.clone());
+            let spawned = std::thread::Builder::new().name("umbp-regmem".into()).spawn(move || {
+                let reply = register_memory(&inner, &job.att, &job.payload, job.fds);
+                let _ = tx.send(RegDone { token: job.token, uid, reply });
+                inner.control_wake.ring();
+            });
+            match spawned {
+                Ok(_) => {
+                    self.reg_uids.insert(uid);
+                }
+                Err(e) => self.reply(token, Reply::error(ReplyStatus::Internal, &format!("cannot start a registration thread: {e}")), Vec::new()),
+            }
+        }
+    }
+
+    fn finish_registrations(&mut self) {
+        while let Ok(done) = self.reg_rx.try_recv() {
+            self.reg_uids.remove(&done.uid);
+            self.reply(done.token, done.reply, Vec::new());
+            self.update_interest(done.token);
+        }
+        if !self.reg_queue.is_empty() {
+            self.start_registrations();
+        }
+    }
+
+    /// Writes what the peer is owed, as far as its socket takes it now.
+    fn flush(&mut self, token: u64) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        while peer.conn.has_output() {
+            let (bytes, fds) = peer.conn.output();
+            match send_chunk(&peer.sock, bytes, fds) {
+                Ok(n) => peer.conn.wrote(n),
+                Err(MessageError::Timeout) => break,
+                Err(e) => {
+                    let why = format!("sending a reply: {e}");
+                    return self.drop_peer(token, &why);
+                }
+            }
+        }
+        if peer.conn.is_done() {
+            return self.drop_peer(token, "refused");
+        }
+        let d = peer.conn.deadline();
+        self.note_deadline(d);
+        self.update_interest(token);
+    }
+
+    fn update_interest(&mut self, token: u64) {
+        let Some(peer) = self.peers.get_mut(&token) else { return };
+        let want = Interest { read: peer.conn.want() > 0, write: peer.conn.has_output() };
+        if want != peer.interest && self.poller.modify(peer.sock.as_fd(), token, want).is_ok() {
+            peer.interest = want;
+        }
+    }
+
+    fn drop_peer(&mut self, token: u64, why: &str) {
+        self.leave_handshake(token);
+        let Some(peer) = self.peers.remove(&token) else { return };
+        self.poller.remove(peer.sock.as_fd());
+        match &peer.att {
+            Some(att) => detach(self.inner, att, why),
+            None => tracing::info!(pid = peer.id.pid, uid = peer.id.uid, "handshake failed: {why}"),
+        }
+    }
+
+    /// Deadlines; attachments detached elsewhere (a corrupted ring); the paused listener.
+    fn expire(&mut self, now: Instant) {
+        if self.next_deadline.is_some_and(|d| d <= now) || self.peers.values().any(|p| p.att.as_ref().is_some_and(|a| !a.is_alive())) {
+            let mut gone = Vec::new();
+            let mut next: Option<Instant> = None;
+            for (token, peer) in &self.peers {
+                if let Err(v) = peer.conn.check(now) {
+                    gone.push((*token, v.to_string()));
+                } else if peer.att.as_ref().is_some_and(|a| !a.is_alive()) {
+                    gone.push((*token, "detached".to_string()));
+                } else if let Some(d) = peer.conn.deadline() {
+                    next = Some(next.map_or(d, |n| n.min(d)));
+                }
+            }
+            self.next_deadline = next;
+            for (token, why) in gone {
+                self.drop_peer(token, &why);
+            }
+        }
+        while self.lingering.front().is_some_and(|(until, _)| *until <= now) {
+            self.lingering.pop_front();
+        }
+        if let Some((until, _)) = self.lingering.front() {
+            let until = *until;
+            self.note_deadline(Some(until));
+        }
+        if self.accept_paused_until.is_some_and(|t| t <= now) {
+            self.accept_paused_until = None;
+            if self.spare_fd.is_none() {
+                self.spare_fd = open_spare();
+            }
+            let _ = self.poller.add(self.listener.as_fd(), TOKEN_LISTENER);
+            self.accept_all();
         }
     }
 }
 
-fn refuse(sock: &UnixStream, inner: &PoolInner, status: ReplyStatus, message: String) -> String {
+/// Says plainly when an error is the pool running out of fds (EMFILE / ENFILE).
+fn fd_hint(message: String) -> String {
+    if message.contains("os error 24") || message.contains("os error 23") || message.contains("Too many open files") {
+        format!("the pool is out of file descriptors: {message}")
+    } else {
+        message
+    }
+}
+
+/// Refuses a connection the pool keeps nothing for: one non-blocking HelloReply, best
+/// effort, then the socket closes.
+fn refuse_now(sock: &UnixStream, inner: &PoolInner, status: ReplyStatus, message: String) {
     inner.counters.refusals.fetch_add(1, Ordering::Relaxed);
     let reply = HelloReply::refusal(status, &message);
-    let _ = send_message(sock, MessageKind::HelloReply, bytemuck::bytes_of(&reply), &[], Some(HANDSHAKE_TIMEOUT));
-    message
+    let header = umbp_protocol::wire::MessageHeader::new(MessageKind::HelloReply, std::mem::size_of::<HelloReply>(), 0);
+    let mut bytes = bytemuck::bytes_of(&header).to_vec();
+    bytes.extend_from_slice(bytemuck::bytes_of(&reply));
+    let _ = send_chunk(sock, &bytes, &[]);
 }
 
-fn handshake(inner: &Arc<PoolInner>, sock: UnixStream) -> Result<(), String> {
-    sock.set_nonblocking(false).map_err(|e| e.to_string())?;
-    // Identity first, before reading anything: SO_PEERCRED (pid 0 = another pid namespace,
-    // served without process memory) and a pidfd of the process that connected.
-    let process = umbp_ipc::peer::PeerProcess::capture(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
-    let (uid, pid) = (process.cred.uid, process.cred.pid);
-    let msg = recv_message(&sock, Some(HANDSHAKE_TIMEOUT)).map_err(|e| format!("pid {pid}: {e}"))?;
-    if msg.kind != MessageKind::Hello {
-        return Err(refuse(&sock, inner, ReplyStatus::InvalidRequest, format!("expected Hello, got {:?}", msg.kind)));
+/// What all live attachments of `uid` hold: (regions, registered bytes, layouts).
+fn uid_usage(inner: &PoolInner, uid: u32) -> (usize, u64, usize) {
+    let list = inner.attachments.lock().expect("attachments lock").clone();
+    list.iter().filter(|a| a.uid == uid && a.is_alive()).fold((0, 0, 0), |(r, b, l), a| {
+        (
+            r + a.regions.read().expect("regions lock").len(),
+            b.saturating_add(a.registered_bytes()),
+            l + a.layouts.read().expect("layouts lock").len(),
+        )
+    })
+}
+
+/// The per-uid totals (`--max-regions-per-uid`, `--max-registered-bytes-per-uid`) for one
+/// more region of `size` bytes.
+fn check_uid_registration(inner: &PoolInner, uid: u32, size: u64) -> Result<(), validate::Refusal> {
+    let l = &inner.config.uid_limits;
+    let (regions, bytes, _) = uid_usage(inner, uid);
+    let refuse = |message: String| Err(validate::Refusal { status: ReplyStatus::ResourceExhausted, message });
+    if regions >= l.regions {
+        return refuse(format!("uid {uid} already has {regions} regions registered, the limit per uid (--max-regions-per-uid)"));
     }
-    // Magic, version, role, uid allow-list, namespace ACL, ring and arena limits.
-    let AcceptedHello { hello, role, layout } = validate::check_hello(&msg.payload, uid, inner.uid, &inner.config)
-        .map_err(|r| refuse(&sock, inner, r.status, r.message))?;
-    let count_check = |list: &[Arc<Attachment>]| {
-        let of_uid = list.iter().filter(|a| a.uid == uid).count();
-        validate::check_attachment_count(list.len(), of_uid, uid, &inner.config)
-    };
-    // A cheap early check; the binding one is below, under the same lock as the insert.
-    let early = count_check(&inner.attachments.lock().expect("attachments lock"));
-    early.map_err(|r| refuse(&sock, inner, r.status, r.message))?;
-    let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-    let sock2 = sock.try_clone().map_err(|e| e.to_string())?;
-    let att = Attachment::create(id, role, process, &hello, layout, sock2)
-        .map_err(|e| refuse(&sock, inner, ReplyStatus::Internal, format!("cannot create rings: {e}")))?;
-    let att = Arc::new(att);
-    {
-        let mut list = inner.attachments.lock().expect("attachments lock");
-        if let Err(r) = count_check(&list) {
-            drop(list);
-            return Err(refuse(&sock, inner, r.status, r.message));
-        }
-        // Counted from now on, so concurrent handshakes of one uid cannot overshoot.
-        list.push(att.clone());
+    if bytes.checked_add(size).is_none_or(|t| t > l.registered_bytes) {
+        return refuse(format!(
+            "registering {size} more bytes would exceed the {} bytes uid {uid} may register in all its attachments \
+             (--max-registered-bytes-per-uid; {bytes} registered)",
+            l.registered_bytes
+        ));
     }
-    let mut reply = HelloReply::refusal(ReplyStatus::Ok, "");
-    reply.magic = MAGIC;
-    reply.protocol_version = PROTOCOL_VERSION;
-    reply.attachment_id = id;
-    reply.sq_entries = layout.sq_entries;
-    reply.cq_entries = layout.cq_entries;
-    reply.hint_entries = layout.hint_entries;
-    reply.arena_bytes = layout.arena_bytes as u64;
-    reply.ring_region_bytes = layout.total_bytes as u64;
-    reply.index_region_bytes = inner.index_mem.len() as u64;
-    reply.event_log_bytes = inner.events_mem.len() as u64;
-    reply.pool_pid = std::process::id();
-    let fds = [att.ring_mem.fd(), inner.index_mem.fd(), att.doorbell.fd(), inner.events_mem.fd()];
-    if let Err(e) = send_message(&sock, MessageKind::HelloReply, bytemuck::bytes_of(&reply), &fds, Some(HANDSHAKE_TIMEOUT)) {
-        detach(inner, &att, "handshake reply not delivered");
-        return Err(format!("pid {pid}: sending reply: {e}"));
-    }
-    tracing::info!(attachment = id, pid, uid, ?role, namespace = format!("{:032x}", hello.namespace()), "attached");
-    inner.counters.attachments_total.fetch_add(1, Ordering::Relaxed);
-    inner.service_wake.ring();
-    inner.control_wake.ring();
     Ok(())
-}
-
-/// Handles one readable event on a peer socket; Err means the peer is gone or broke the
-/// protocol and must be detached.
-fn serve_control(inner: &PoolInner, att: &Arc<Attachment>) -> Result<(), String> {
-    if peer_gone(&att.socket) {
-        return Err("peer closed its socket".into());
-    }
-    let msg = match recv_message(&att.socket, Some(CONTROL_TIMEOUT)) {
-        Ok(m) => m,
-        Err(MessageError::Closed) => return Err("peer closed its socket".into()),
-        Err(e) => return Err(format!("control message: {e}")),
-    };
-    let (reply, extra) = match msg.kind {
-        MessageKind::RegisterMemory => (register_memory(inner, att, &msg.payload, msg.fds), Vec::new()),
-        MessageKind::RegisterLayout => (register_layout(inner, att, &msg.payload), Vec::new()),
-        MessageKind::ResetNamespace => {
-            let n = inner.store.lock().expect("store lock").reset_namespace(att.namespace);
-            tracing::info!(attachment = att.id, dropped = n, "namespace reset");
-            (Reply::ok(n), Vec::new())
-        }
-        MessageKind::StatsRequest => {
-            let json = serde_json::to_vec(&crate::report::for_peer(inner, att)).unwrap_or_default();
-            (Reply::ok(json.len() as u64), json)
-        }
-        other => (Reply::error(ReplyStatus::InvalidRequest, &format!("unexpected message {other:?}")), Vec::new()),
-    };
-    let mut payload = bytemuck::bytes_of(&reply).to_vec();
-    payload.extend_from_slice(&extra);
-    send_message(&att.socket, MessageKind::Reply, &payload, &[], Some(CONTROL_TIMEOUT))
-        .map_err(|e| format!("sending reply: {e}"))
 }
 
 fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> Reply {
@@ -248,6 +700,11 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
     // --max-regions / --max-registered-bytes, on the claimed size before opening anything.
     let (count, bytes) = (att.regions.read().expect("regions lock").len(), att.registered_bytes());
     if let Err(r) = validate::check_registration(count, bytes, reg.size, &inner.config.limits) {
+        tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
+        return Reply::error(r.status, &r.message);
+    }
+    // --max-regions-per-uid / --max-registered-bytes-per-uid: all attachments of the uid.
+    if let Err(r) = check_uid_registration(inner, att.uid, reg.size) {
         tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
         return Reply::error(r.status, &r.message);
     }
@@ -270,7 +727,9 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
     match backend.open_region_for(&reg, fds.into_iter().next(), &peer) {
         Ok(region) => {
             // The opened size is what copies may touch; check it too.
-            if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits) {
+            if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits)
+                .and_then(|()| check_uid_registration(inner, att.uid, region.len()))
+            {
                 return Reply::error(r.status, &r.message);
             }
             tracing::info!(attachment = att.id, alloc = reg.alloc_id, ?kind, bytes = region.len(), "memory registered");
@@ -291,6 +750,14 @@ fn register_layout(inner: &PoolInner, att: &Attachment, payload: &[u8]) -> Reply
         let layouts = att.layouts.read().expect("layouts lock");
         if let Err(r) = validate::check_layout_count(layouts.len(), layouts.contains_key(&group), &inner.config.limits) {
             return Reply::error(r.status, &r.message);
+        }
+        let replaces = layouts.contains_key(&group);
+        drop(layouts);
+        // --max-layouts-per-uid: all attachments of the uid.
+        let (_, _, of_uid) = uid_usage(inner, att.uid);
+        if !replaces && of_uid >= inner.config.uid_limits.layouts {
+            let m = format!("uid {} already has {of_uid} layouts, the limit per uid (--max-layouts-per-uid)", att.uid);
+            return Reply::error(ReplyStatus::ResourceExhausted, &m);
         }
     }
     let layout = {

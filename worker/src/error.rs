@@ -38,7 +38,9 @@ impl From<MessageError> for WorkerError {
             MessageError::Timeout => WorkerError::Io(io::Error::new(io::ErrorKind::TimedOut, "UMBP pool did not answer in time")),
             MessageError::Io(e) => WorkerError::Io(e),
             MessageError::Protocol(p) => WorkerError::Protocol(p),
-            e @ MessageError::FdCount { .. } => WorkerError::Io(io::Error::new(io::ErrorKind::InvalidData, e.to_string())),
+            e @ (MessageError::FdCount { .. } | MessageError::FdsTruncated) => {
+                WorkerError::Io(io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+            }
         }
     }
 }

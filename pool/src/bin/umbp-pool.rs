@@ -104,9 +104,38 @@ struct Args {
     /// from eviction) at once; past it, that uid's oldest leases end early.
     #[arg(long = "lease-share", env = "UMBP_LEASE_SHARE", value_name = "FRACTION", default_value = "0.5", help_heading = "Isolation")]
     lease_share: String,
-    /// Serve Prometheus metrics on GET /metrics at this address, e.g. 127.0.0.1:9464
-    /// [default: off]. A bad or busy address stops the pool at start.
-    #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "HOST:PORT")]
+    /// Regions all attachments of one uid may register together [default: 4 x --max-regions].
+    #[arg(long = "max-regions-per-uid", env = "UMBP_MAX_REGIONS_PER_UID", value_name = "N", help_heading = "Limits per uid")]
+    max_regions_per_uid: Option<usize>,
+    /// Bytes all attachments of one uid may register together [default: 4 x --max-registered-bytes].
+    #[arg(long = "max-registered-bytes-per-uid", env = "UMBP_MAX_REGISTERED_BYTES_PER_UID", value_name = "SIZE", help_heading = "Limits per uid")]
+    max_registered_bytes_per_uid: Option<String>,
+    /// KV layouts all attachments of one uid may register together [default: 4 x --max-layouts].
+    #[arg(long = "max-layouts-per-uid", env = "UMBP_MAX_LAYOUTS_PER_UID", value_name = "N", help_heading = "Limits per uid")]
+    max_layouts_per_uid: Option<usize>,
+    /// Handshakes in progress at once for one uid; more connections of that uid are
+    /// refused at once (ResourceExhausted) until one finishes.
+    #[arg(long = "max-handshakes-per-uid", env = "UMBP_MAX_HANDSHAKES_PER_UID", value_name = "N", default_value_t = 16, help_heading = "Limits per uid")]
+    max_handshakes_per_uid: usize,
+    /// Handshakes in progress at once, all uids together.
+    #[arg(long = "max-handshakes", env = "UMBP_MAX_HANDSHAKES", value_name = "N", default_value_t = 256, help_heading = "Control plane")]
+    max_handshakes: usize,
+    /// A connection's whole Hello must arrive within this many ms of being accepted.
+    #[arg(long = "handshake-timeout-ms", env = "UMBP_HANDSHAKE_TIMEOUT_MS", value_name = "MS", default_value_t = 2000, help_heading = "Control plane")]
+    handshake_timeout_ms: u64,
+    /// Each control message must be complete within this many ms of its first byte, and
+    /// each reply taken by the peer within as long; otherwise the peer is detached.
+    #[arg(long = "control-timeout-ms", env = "UMBP_CONTROL_TIMEOUT_MS", value_name = "MS", default_value_t = 2000, help_heading = "Control plane")]
+    control_timeout_ms: u64,
+    /// File descriptors kept free below RLIMIT_NOFILE for attached peers' memfds: a new
+    /// connection that would eat into them is refused at once.
+    #[arg(long = "fd-reserve", env = "UMBP_FD_RESERVE", value_name = "N", default_value_t = 128, help_heading = "Control plane")]
+    fd_reserve: u64,
+    /// Serve Prometheus metrics on GET /metrics at PORT on loopback (127.0.0.1), or at
+    /// HOST:PORT; e.g. 9464 or 127.0.0.1:9464 [default: off]. The endpoint is
+    /// unauthenticated: name a non-loopback HOST (0.0.0.0, a management address) only on a
+    /// trusted network. A bad or busy address stops the pool at start.
+    #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "[HOST:]PORT")]
     metrics_addr: Option<String>,
 }
 
@@ -149,6 +178,21 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
         inflight_bytes: size("max-inflight-bytes (UMBP_MAX_INFLIGHT_BYTES)", &args.max_inflight_bytes)?,
         arena_bytes: size("max-arena-bytes (UMBP_MAX_ARENA_BYTES)", &args.max_arena_bytes)?,
         sq_entries: args.max_sq_entries,
+    };
+    c.uid_limits = umbp_pool::UidLimits {
+        regions: args.max_regions_per_uid.unwrap_or(c.limits.regions.saturating_mul(4)),
+        registered_bytes: match &args.max_registered_bytes_per_uid {
+            Some(v) => size("max-registered-bytes-per-uid (UMBP_MAX_REGISTERED_BYTES_PER_UID)", v)?,
+            None => c.limits.registered_bytes.saturating_mul(4),
+        },
+        layouts: args.max_layouts_per_uid.unwrap_or(c.limits.layouts.saturating_mul(4)),
+    };
+    c.control = umbp_pool::ControlLimits {
+        handshake_timeout: std::time::Duration::from_millis(args.handshake_timeout_ms),
+        message_timeout: std::time::Duration::from_millis(args.control_timeout_ms),
+        max_handshakes: args.max_handshakes,
+        handshakes_per_uid: args.max_handshakes_per_uid,
+        fd_reserve: args.fd_reserve,
     };
     c.metrics_addr = args.metrics_addr.filter(|a| !a.is_empty());
     c.namespace_share = parse_fraction("namespace-share (UMBP_NAMESPACE_SHARE)", &args.namespace_share).map_err(|e| e.to_string())?;
