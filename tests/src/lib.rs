@@ -166,9 +166,16 @@ impl PoolProcess {
         self.child.id() as i32
     }
 
+    /// Sends `sig`. For SIGSTOP, returns once every thread of the pool is stopped: kill()
+    /// returns before a running thread has actually stopped, and a test that submits work
+    /// right after must not race a pool thread still picking it up.
     pub fn signal(&self, sig: i32) {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(self.pid(), sig) };
+        if sig == libc::SIGSTOP {
+            let stopped = eventually(Duration::from_secs(5), || all_threads_stopped(self.pid()));
+            assert!(stopped, "pool {} did not stop within 5 s of SIGSTOP", self.pid());
+        }
     }
 
     pub fn kill(&mut self) {
@@ -238,4 +245,15 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+}
+
+/// Whether every thread of process `pid` is in state T (stopped), per /proc.
+fn all_threads_stopped(pid: i32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat"))
+            .ok()
+            .and_then(|stat| stat.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('T')))
+            .unwrap_or(false)
+    })
 }
