@@ -121,6 +121,11 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         self._group = groups[0]
         spec = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec
         self._block_size = int(spec.block_size)
+        # One object = one block of every layer of the group: the embedded pool sizes its
+        # index for objects this small (it refuses layouts below its minimum object size).
+        page = getattr(spec, "page_size_bytes", None)
+        layers = len(kv_cache_config.kv_cache_groups[self._group].layer_names)
+        self._object_bytes_estimate = int(page) * layers if page else None
         self._hash_block_size = int(
             getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
         )

@@ -59,12 +59,16 @@ class WorkerSide:
                 self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank
             )
             cap = self.cfg.capacity_per_worker(c._tp_size)
+            # The pool's default (64 KiB) unless this engine's objects are smaller.
+            est = getattr(c, "_object_bytes_estimate", None)
+            min_object = min(64 << 10, est) if est else None
             try:
                 self.pool = self.n.EmbeddedPool(
                     cap,
                     socket_path=path,
                     high_wm=self.cfg.dram_high_watermark,
                     low_wm=self.cfg.dram_low_watermark,
+                    min_object_bytes=min_object,
                 )
             except Exception as e:
                 raise RuntimeError(
