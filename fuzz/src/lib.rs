@@ -300,6 +300,8 @@ pub mod sqe {
             Err(CqeError::UnknownGroup)
         } else if !range_ok(sqe.refs_offset, sqe.count as u128 * 24, 8, arena_len)
             || !range_ok(sqe.status_offset, sqe.count as u128, 1, arena_len)
+            // A cancellable transfer's state word: 8 aligned bytes inside the arena.
+            || (sqe.flags & 1 != 0 && !range_ok(sqe.state_offset, 8, 8, arena_len))
         {
             Err(CqeError::ArenaOutOfRange)
         } else {
