@@ -1,0 +1,247 @@
+//! One io_uring per drive: a fixed set of block-aligned buffers registered once, and batched
+//! reads and writes split into buffer-sized chunks with up to `depth` of them in flight.
+//!
+//! Callers describe whole records; the ring copies them through its registered buffers
+//! (gather on write, a caller's sink on read), so the caller's memory needs no alignment.
+
+use std::io;
+use std::os::fd::RawFd;
+
+use io_uring::{opcode, types, IoUring};
+
+use super::segment::AlignedBuf;
+
+/// A write of `len` bytes (block multiple) at `offset`: the concatenation of `pieces`,
+/// zero padded to `len`.
+pub struct WriteJob<'a> {
+    pub fd: RawFd,
+    pub offset: u64,
+    pub len: u64,
+    pub pieces: Vec<&'a [u8]>,
+}
+
+/// A read of `len` bytes (block multiple) at `offset`; every chunk is handed to `sink` with
+/// its offset inside the job, in completion order.
+pub struct ReadJob<'a> {
+    pub fd: RawFd,
+    pub offset: u64,
+    pub len: u64,
+    pub sink: &'a mut dyn FnMut(u64, &[u8]),
+}
+
+pub struct Ring {
+    ring: IoUring,
+    bufs: Vec<AlignedBuf>,
+    chunk: usize,
+    /// Buffers were registered (READ_FIXED/WRITE_FIXED); else plain READ/WRITE.
+    fixed: bool,
+}
+
+struct Chunk {
+    job: usize,
+    at: u64,
+    len: usize,
+}
+
+impl Ring {
+    /// A ring with `depth` entries and `depth` registered buffers of `chunk` bytes.
+    pub fn new(depth: u32, chunk: usize) -> io::Result<Self> {
+        let depth = depth.clamp(1, 4096);
+        let chunk = chunk.max(4096).next_multiple_of(4096);
+        let ring = IoUring::new(depth)?;
+        let bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(chunk)).collect();
+        let iovecs: Vec<libc::iovec> =
+            bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast(), iov_len: b.len() }).collect();
+        // SAFETY: the buffers live as long as the ring (both are fields of Self; the ring is
+        // dropped, unregistering them, before or with them) and are never reallocated.
+        let fixed = match unsafe { ring.submitter().register_buffers(&iovecs) } {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, "io_uring buffer registration failed; using unregistered buffers");
+                false
+            }
+        };
+        Ok(Self { ring, bufs, chunk, fixed })
+    }
+
+    pub fn depth(&self) -> usize {
+        self.bufs.len()
+    }
+
+    pub fn chunk_bytes(&self) -> usize {
+        self.chunk
+    }
+
+    fn chunks(&self, lens: impl Iterator<Item = u64>) -> Vec<Chunk> {
+        let mut out = Vec::new();
+        for (job, len) in lens.enumerate() {
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(self.chunk as u64) as usize;
+                out.push(Chunk { job, at, len: n });
+                at += n as u64;
+            }
+        }
+        out
+    }
+
+    /// Runs `ops` chunks, at most `depth` in flight. `fill(chunk, buf)` prepares a write
+    /// buffer; `done(chunk, buf, result)` consumes a completion. Returns per-job errors.
+    fn run(
+        &mut self,
+        write: bool,
+        fds: &[(RawFd, u64)],
+        chunks: &[Chunk],
+        mut fill: impl FnMut(&Chunk, &mut [u8]),
+        mut done: impl FnMut(&Chunk, &[u8]),
+    ) -> Vec<Option<io::Error>> {
+        let mut errors: Vec<Option<io::Error>> = (0..fds.len()).map(|_| None).collect();
+        let mut free: Vec<u16> = (0..self.bufs.len() as u16).rev().collect();
+        // Chunk index per buffer in flight.
+        let mut owner: Vec<usize> = vec![usize::MAX; self.bufs.len()];
+        let mut next = 0;
+        let mut in_flight = 0usize;
+        while next < chunks.len() || in_flight > 0 {
+            while next < chunks.len() {
+                let Some(&b) = free.last() else { break };
+                let c = &chunks[next];
+                if errors[c.job].is_some() {
+                    next += 1;
+                    continue;
+                }
+                free.pop();
+                let (fd, base) = fds[c.job];
+                let buf = &mut self.bufs[b as usize];
+                if write {
+                    fill(c, &mut buf[..c.len]);
+                }
+                let ptr = buf.as_ptr();
+                let fd = types::Fd(fd);
+                let off = base + c.at;
+                let entry = match (write, self.fixed) {
+                    (true, true) => opcode::WriteFixed::new(fd, ptr, c.len as u32, b).offset(off).build(),
+                    (true, false) => opcode::Write::new(fd, ptr, c.len as u32).offset(off).build(),
+                    (false, true) => opcode::ReadFixed::new(fd, ptr, c.len as u32, b).offset(off).build(),
+                    (false, false) => opcode::Read::new(fd, ptr, c.len as u32).offset(off).build(),
+                };
+                owner[b as usize] = next;
+                // SAFETY: the buffer stays allocated and untouched by us until its
+                // completion is reaped below (we wait for every in-flight entry before
+                // returning), and the fd outlives this call (the caller holds the file).
+                let pushed = unsafe { self.ring.submission().push(&entry.user_data(b as u64)) };
+                if pushed.is_err() {
+                    // Cannot happen: entries == buffers, and each entry holds a buffer.
+                    free.push(b);
+                    break;
+                }
+                next += 1;
+                in_flight += 1;
+            }
+            if in_flight == 0 {
+                continue;
+            }
+            match self.ring.submit_and_wait(1) {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
+                Err(e) => {
+                    // The ring itself failed: in-flight entries may still complete; wait
+                    // for them so no buffer is reused under the kernel, then fail all jobs.
+                    tracing::error!(error = %e, "io_uring submit failed");
+                    let kind = e.kind();
+                    while in_flight > 0 {
+                        if self.ring.submit_and_wait(1).is_err() {
+                            break;
+                        }
+                        in_flight -= self.ring.completion().count();
+                    }
+                    for err in errors.iter_mut().filter(|e| e.is_none()) {
+                        *err = Some(io::Error::new(kind, format!("io_uring submit failed: {e}")));
+                    }
+                    return errors;
+                }
+            }
+            let cqes: Vec<(u16, i32)> = self.ring.completion().map(|c| (c.user_data() as u16, c.result())).collect();
+            for (b, res) in cqes {
+                in_flight -= 1;
+                let c = &chunks[owner[b as usize]];
+                if res < 0 {
+                    errors[c.job].get_or_insert(io::Error::from_raw_os_error(-res));
+                } else if res as usize != c.len {
+                    errors[c.job].get_or_insert(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("short {} ({res} of {} bytes)", if write { "write" } else { "read" }, c.len),
+                    ));
+                } else if !write {
+                    done(c, &self.bufs[b as usize][..c.len]);
+                }
+                free.push(b);
+            }
+        }
+        errors
+    }
+
+    /// Writes every job; per-job result.
+    pub fn write_batch(&mut self, jobs: &[WriteJob<'_>]) -> Vec<io::Result<()>> {
+        let chunks = self.chunks(jobs.iter().map(|j| j.len));
+        let fds: Vec<(RawFd, u64)> = jobs.iter().map(|j| (j.fd, j.offset)).collect();
+        let errors = self.run(
+            true,
+            &fds,
+            &chunks,
+            |c, buf| gather(&jobs[c.job].pieces, c.at, buf),
+            |_, _| {},
+        );
+        errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
+    }
+
+    /// Reads every job; per-job result (a job with an error may have had some chunks sunk).
+    pub fn read_batch(&mut self, jobs: &mut [ReadJob<'_>]) -> Vec<io::Result<()>> {
+        let chunks = self.chunks(jobs.iter().map(|j| j.len));
+        let fds: Vec<(RawFd, u64)> = jobs.iter().map(|j| (j.fd, j.offset)).collect();
+        let errors = self.run(false, &fds, &chunks, |_, _| {}, |c, data| (jobs[c.job].sink)(c.at, data));
+        errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
+    }
+}
+
+/// Copies bytes `[at, at + buf.len())` of the concatenation of `pieces` into `buf`, zero
+/// filling past their end.
+fn gather(pieces: &[&[u8]], at: u64, buf: &mut [u8]) {
+    let mut pos = 0u64; // start of the current piece in the stream
+    let mut filled = 0usize;
+    let end = at + buf.len() as u64;
+    for p in pieces {
+        let p_end = pos + p.len() as u64;
+        if p_end > at && pos < end {
+            let from = at.max(pos);
+            let to = end.min(p_end);
+            let n = (to - from) as usize;
+            let dst = (from - at) as usize;
+            buf[dst..dst + n].copy_from_slice(&p[(from - pos) as usize..(to - pos) as usize]);
+            filled = filled.max(dst + n);
+        }
+        pos = p_end;
+        if pos >= end {
+            break;
+        }
+    }
+    buf[filled..].fill(0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gather_concatenates_and_pads() {
+        let pieces: Vec<&[u8]> = vec![b"abc", b"", b"defgh"];
+        let mut buf = [9u8; 4];
+        gather(&pieces, 0, &mut buf);
+        assert_eq!(&buf, b"abcd");
+        gather(&pieces, 2, &mut buf);
+        assert_eq!(&buf, b"cdef");
+        gather(&pieces, 6, &mut buf);
+        assert_eq!(&buf, b"gh\0\0");
+        gather(&pieces, 100, &mut buf);
+        assert_eq!(&buf, b"\0\0\0\0");
+    }
+}
