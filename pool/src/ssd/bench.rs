@@ -97,7 +97,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
         let m = (n - i).min(batch as u64);
         let mut outs: Vec<Vec<u8>> = (0..m).map(|_| vec![0u8; object as usize]).collect();
         {
-            let mut sinks: Vec<Box<dyn FnMut(u64, &[u8]) + '_>> = outs
+            let mut sinks: Vec<Box<super::uring::Sink<'_>>> = outs
                 .iter_mut()
                 .map(|o| {
                     Box::new(move |at: u64, d: &[u8]| {
@@ -105,7 +105,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
                         if (at as usize) < end {
                             o[at as usize..end].copy_from_slice(&d[..end - at as usize]);
                         }
-                    }) as Box<dyn FnMut(u64, &[u8])>
+                    }) as Box<super::uring::Sink<'_>>
                 })
                 .collect();
             let mut jobs: Vec<ReadJob<'_>> = sinks

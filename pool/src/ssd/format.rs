@@ -219,7 +219,7 @@ impl Trailer {
             .checked_mul(ENTRY_BYTES as u64)
             .and_then(|n| t.entries_offset.checked_add(align_up(n)))
             .and_then(|n| n.checked_add(TRAILER_BYTES as u64));
-        if end != Some(file_len) || t.entries_offset % BLOCK != 0 {
+        if end != Some(file_len) || !t.entries_offset.is_multiple_of(BLOCK) {
             return Err(FormatError::BadLength);
         }
         Ok(t)

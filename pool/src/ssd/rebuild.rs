@@ -43,7 +43,7 @@ impl<'a> Window<'a> {
 
 /// The footer's entries, if the segment has a valid footer that describes sane records.
 fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdError> {
-    if len < BLOCK || len % BLOCK != 0 {
+    if len < BLOCK || !len.is_multiple_of(BLOCK) {
         return Ok(None);
     }
     let mut last = AlignedBuf::new(BLOCK as usize);
@@ -58,7 +58,7 @@ fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdE
     }
     let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
     let sane = entries.iter().all(|e| {
-        e.offset % BLOCK == 0
+        e.offset.is_multiple_of(BLOCK)
             && e.offset.checked_add(format::record_len(e.header.size)).is_some_and(|end| end <= t.entries_offset)
     });
     Ok(sane.then_some(entries))
@@ -118,7 +118,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
     for id in ids {
         shard.next_id = shard.next_id.max(id + 1);
         let seg = shard.dir.open_segment(id)?;
-        let len = seg.len()?;
+        let len = seg.file_len()?;
         if len == 0 {
             let _ = std::fs::remove_file(&seg.path);
             continue;

@@ -35,6 +35,10 @@ impl AlignedBuf {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -192,7 +196,7 @@ pub struct Segment {
 }
 
 impl Segment {
-    pub fn len(&self) -> Result<u64, SsdError> {
+    pub fn file_len(&self) -> Result<u64, SsdError> {
         self.file.metadata().map(|m| m.len()).map_err(|e| io_err(&self.path, "stat segment", e))
     }
 

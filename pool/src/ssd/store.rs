@@ -419,7 +419,7 @@ impl Shard {
             o.resize(l.header.size as usize, 0);
         }
         let results = {
-            let mut sinks: Vec<Box<dyn FnMut(u64, &[u8]) + '_>> = Vec::with_capacity(n);
+            let mut sinks: Vec<Box<super::uring::Sink<'_>>> = Vec::with_capacity(n);
             for ((out, hdr), (crc, loc)) in outs.iter_mut().zip(hdrs.iter_mut()).zip(crcs.iter_mut().zip(locs)) {
                 let size = loc.header.size;
                 sinks.push(Box::new(move |at: u64, data: &[u8]| {
@@ -502,7 +502,7 @@ impl SsdStore {
                 c.low_watermark, c.high_watermark
             )));
         }
-        if c.segment_bytes % format::BLOCK != 0 || c.segment_bytes < 4 * format::BLOCK {
+        if !c.segment_bytes.is_multiple_of(format::BLOCK) || c.segment_bytes < 4 * format::BLOCK {
             return Err(SsdError::Config(format!(
                 "segment size {} must be a multiple of {} and at least 4 blocks",
                 c.segment_bytes,

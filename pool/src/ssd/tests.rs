@@ -388,6 +388,9 @@ fn sigkill_mid_write_keeps_everything_acknowledged() {
             acked = n.parse().unwrap();
         }
     }
+    // Land the kill at some point inside a later batch's writes (0-20 ms on).
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    std::thread::sleep(std::time::Duration::from_micros(u64::from(nanos % 20_000)));
     // SAFETY: kill has no memory preconditions; the pid is our live child.
     unsafe { libc::kill(child.id() as i32, libc::SIGKILL) };
     // Acks printed after we stopped reading still count as acknowledged.
@@ -456,4 +459,45 @@ fn disk_full_gives_a_clear_error() {
     assert!(line.ends_with("true"), "{line}");
     let msg = text.lines().find(|l| l.contains("MESSAGE")).unwrap();
     assert!(msg.contains(d.path().to_str().unwrap()) && msg.contains("disk full"), "{msg}");
+}
+
+#[test]
+fn tmpfs_directory_works_with_or_without_o_direct() {
+    let Ok(d) = tempfile::Builder::new().prefix("umbp-ssd-test").tempdir_in("/dev/shm") else {
+        println!("skipped: no /dev/shm");
+        return;
+    };
+    let store = SsdStore::open(&cfg(&[d.path()], 64 << 20, 1 << 20)).unwrap();
+    put_all(&store, 0..50);
+    check_all(&store, 0..50);
+    if store.stats().direct_io {
+        println!("skipped (fallback part): this kernel's tmpfs accepts O_DIRECT, so the buffered fallback was not exercised");
+    }
+    drop(store);
+    let store = SsdStore::open(&cfg(&[d.path()], 64 << 20, 1 << 20)).unwrap();
+    check_all(&store, 0..50);
+}
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// `cargo test -p umbp-pool --lib ssd::tests::bench_ssd -- --ignored --nocapture`; sizes
+/// from UMBP_SSD_BENCH_BYTES, UMBP_SSD_BENCH_OBJECT, UMBP_SSD_BENCH_REBUILD_OBJECTS and
+/// the directory from UMBP_SSD_BENCH_DIR (default /var/tmp). Prints JSON lines.
+#[test]
+#[ignore = "measurement, run by hand"]
+fn bench_ssd() {
+    let base = std::env::var("UMBP_SSD_BENCH_DIR").unwrap_or_else(|_| "/var/tmp".into());
+    let d = tempfile::Builder::new().prefix("umbp-ssd-bench").tempdir_in(base).unwrap();
+    let c = SsdConfig::default();
+    let total = env_u64("UMBP_SSD_BENCH_BYTES", 1 << 30);
+    let object = env_u64("UMBP_SSD_BENCH_OBJECT", 256 << 10);
+    let r = super::bench::run(d.path(), total, object, 64, &c).unwrap();
+    println!("{}", serde_json::to_string(&r).unwrap());
+    // Rebuild of many small objects (one block each).
+    let n = env_u64("UMBP_SSD_BENCH_REBUILD_OBJECTS", 100_000);
+    let small = 4096 - HEADER_BYTES as u64;
+    let r = super::bench::run(d.path(), n * small, small, 256, &c).unwrap();
+    println!("{}", serde_json::to_string(&r).unwrap());
 }

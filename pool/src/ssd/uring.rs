@@ -20,13 +20,16 @@ pub struct WriteJob<'a> {
     pub pieces: Vec<&'a [u8]>,
 }
 
+/// Receives read chunks: (offset inside the job, bytes).
+pub type Sink<'a> = dyn FnMut(u64, &[u8]) + 'a;
+
 /// A read of `len` bytes (block multiple) at `offset`; every chunk is handed to `sink` with
 /// its offset inside the job, in completion order.
 pub struct ReadJob<'a> {
     pub fd: RawFd,
     pub offset: u64,
     pub len: u64,
-    pub sink: &'a mut dyn FnMut(u64, &[u8]),
+    pub sink: &'a mut Sink<'a>,
 }
 
 pub struct Ring {
