@@ -62,7 +62,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
     cfg.dirs = vec![store_dir.clone()];
     cfg.capacity_bytes = cfg.capacity_bytes.max(total * 2 + cfg.segment_bytes * 4);
 
-    // Raw io_uring O_DIRECT: the same record-sized writes, same depth and chunk size.
+    // Raw io_uring O_DIRECT: the same objects (no headers), same depth and chunk size.
     let rec = align_up(object);
     let raw = {
         use std::os::unix::fs::OpenOptionsExt;
@@ -90,6 +90,24 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
         i += m;
     }
     let raw_write = t.elapsed().as_secs_f64();
+    // Interleaved (raw write, store write, raw read, store read) so a busy disk's drift
+    // affects both sides alike.
+    // The store.
+    let store = SsdStore::open(&cfg)?;
+    let key = |i: u64| ObjectKey(((i as u128) << 64) | (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) as u128));
+    let t = Instant::now();
+    let mut i = 0u64;
+    while i < n {
+        let m = (n - i).min(batch as u64);
+        let items: Vec<(ObjectKey, u128, u64, &[u8])> =
+            (0..m).map(|k| (key(i + k), 1u128, object, &payloads[k as usize][..])).collect();
+        for r in store.put_batch(&items) {
+            r?;
+        }
+        i += m;
+    }
+    let ssd_write = t.elapsed().as_secs_f64();
+
     let mut sink_bytes = 0u64;
     let t = Instant::now();
     let mut i = 0u64;
@@ -124,22 +142,6 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
     drop(raw);
     let _ = std::fs::remove_file(&raw_path);
     std::hint::black_box(sink_bytes);
-
-    // The store.
-    let store = SsdStore::open(&cfg)?;
-    let key = |i: u64| ObjectKey(((i as u128) << 64) | (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) as u128));
-    let t = Instant::now();
-    let mut i = 0u64;
-    while i < n {
-        let m = (n - i).min(batch as u64);
-        let items: Vec<(ObjectKey, u128, u64, &[u8])> =
-            (0..m).map(|k| (key(i + k), 1u128, object, &payloads[k as usize][..])).collect();
-        for r in store.put_batch(&items) {
-            r?;
-        }
-        i += m;
-    }
-    let ssd_write = t.elapsed().as_secs_f64();
     let t = Instant::now();
     let mut i = 0u64;
     let mut found = 0u64;

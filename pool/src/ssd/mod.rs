@@ -40,7 +40,8 @@ pub struct SsdConfig {
     pub compact_live_ratio: f64,
     /// io_uring entries and registered buffers per drive.
     pub queue_depth: u32,
-    /// Bytes per registered buffer (one I/O).
+    /// Bytes per registered buffer: the largest single I/O (a record is split into the
+    /// fewest near-equal chunks).
     pub chunk_bytes: usize,
 }
 
@@ -54,7 +55,7 @@ impl Default for SsdConfig {
             segment_bytes: 256 << 20,
             compact_live_ratio: 0.5,
             queue_depth: 64,
-            chunk_bytes: 256 << 10,
+            chunk_bytes: 1 << 20,
         }
     }
 }

@@ -77,12 +77,18 @@ impl Ring {
 
     fn chunks(&self, lens: impl Iterator<Item = u64>) -> Vec<Chunk> {
         let mut out = Vec::new();
+        // Each job in the fewest chunks, of near-equal block-aligned sizes (a record one
+        // block over the chunk size is two half chunks, not a chunk and a block).
         for (job, len) in lens.enumerate() {
+            let blocks = len.div_ceil(4096);
+            let n = len.div_ceil(self.chunk as u64).max(1);
             let mut at = 0;
-            while at < len {
-                let n = (len - at).min(self.chunk as u64) as usize;
-                out.push(Chunk { job, at, len: n });
-                at += n as u64;
+            for i in 0..n {
+                let end = (blocks * (i + 1) / n * 4096).min(len);
+                if end > at {
+                    out.push(Chunk { job, at, len: (end - at) as usize });
+                }
+                at = end;
             }
         }
         out
@@ -246,5 +252,17 @@ mod tests {
         assert_eq!(&buf, b"gh\0\0");
         gather(&pieces, 100, &mut buf);
         assert_eq!(&buf, b"\0\0\0\0");
+    }
+
+    #[test]
+    fn records_split_into_the_fewest_near_equal_aligned_chunks() {
+        let r = Ring::new(4, 64 << 10).expect("io_uring");
+        let sizes = |len: u64| r.chunks(std::iter::once(len)).iter().map(|c| c.len).collect::<Vec<_>>();
+        assert_eq!(sizes(4096), vec![4096]);
+        assert_eq!(sizes(64 << 10), vec![64 << 10]);
+        assert_eq!(sizes((64 << 10) + 4096), vec![32768, 36864]);
+        let c = r.chunks([3 * 4096, 200 << 10].into_iter());
+        assert_eq!(c.iter().filter(|c| c.job == 1).map(|c| c.len).sum::<usize>(), 200 << 10);
+        assert!(c.iter().all(|c| c.len % 4096 == 0 && c.len <= 64 << 10));
     }
 }
