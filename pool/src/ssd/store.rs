@@ -455,12 +455,12 @@ impl Shard {
         let mut ok = vec![false; n];
         for i in 0..n {
             let loc = locs[i];
-            let path = self.segments.get(&loc.seg).map(|m| m.seg.path.clone()).unwrap_or_default();
-            let key = format_args!("{:032x}", loc.header.key).to_string();
+            let path = || self.segments.get(&loc.seg).map(|m| m.seg.path.clone()).unwrap_or_default();
+            let key = format_args!("{:032x}", loc.header.key);
             match &results[i] {
                 Err(e) => {
                     bump(&counters.read_errors, 1);
-                    tracing::warn!(path = %path.display(), key, error = %e, "SSD read failed: served as a miss");
+                    tracing::warn!(path = %path().display(), key = %key, error = %e, "SSD read failed: served as a miss");
                 }
                 Ok(()) => {
                     let crc = crcs[i].finish();
@@ -469,7 +469,7 @@ impl Shard {
                         ok[i] = true;
                     } else {
                         bump(&counters.crc_failures, 1);
-                        tracing::warn!(path = %path.display(), offset = loc.offset, key, "SSD record failed its CRC32C check: served as a miss");
+                        tracing::warn!(path = %path().display(), offset = loc.offset, key = %key, "SSD record failed its CRC32C check: served as a miss");
                     }
                 }
             }
