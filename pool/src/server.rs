@@ -102,9 +102,14 @@ struct PeerIdentity {
 }
 
 /// SO_PEERCRED (pid 0 = another pid namespace, served without process memory) and a
-/// pidfd of the process that connected, taken before anything is read from it.
-fn peer_identity(sock: &UnixStream) -> Result<(PeerIdentity, umbp_ipc::peer::PeerProcess), String> {
-    let process = umbp_ipc::peer::PeerProcess::capture(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+/// pidfd of the process that connected, taken before anything is read from it
+/// (`SO_PEERPIDFD`, else, or with `--peer-pidfd-fallback`, `pidfd_open` + start time).
+fn peer_identity(inner: &PoolInner, sock: &UnixStream) -> Result<(PeerIdentity, umbp_ipc::peer::PeerProcess), String> {
+    let process = umbp_ipc::peer::PeerProcess::capture_with(sock.as_fd(), !inner.config.peer_pidfd_fallback)
+        .map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    if process.source == umbp_ipc::peer::PidfdSource::PidfdOpen {
+        inner.counters.pidfd_open_peers.fetch_add(1, Ordering::Relaxed);
+    }
     Ok((PeerIdentity { uid: process.cred.uid, pid: process.cred.pid }, process))
 }
 
@@ -260,7 +265,7 @@ impl<'a> Control<'a> {
             refuse_now(&sock, inner, ReplyStatus::ResourceExhausted, m);
             return;
         }
-        let (id, process) = match peer_identity(&sock) {
+        let (id, process) = match peer_identity(inner, &sock) {
             Ok(id) => id,
             Err(e) => {
                 tracing::info!("connection dropped: {e}");

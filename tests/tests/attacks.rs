@@ -73,8 +73,10 @@ fn next_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
 
 /// Item 1: the attacker connects, forks, and the process the pool knows by SO_PEERCRED
 /// executes a setuid-root program holding a secret. Returns the attacker's JSON report, or
-/// None when the setup is impossible here (printed).
-fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
+/// None when the setup is impossible here (printed). `fallback`: the pool takes pidfds with
+/// `pidfd_open` + start time (`--peer-pidfd-fallback`, the path of kernels without
+/// SO_PEERPIDFD); the pool's report must then show that it did.
+fn exec_swap(tag: &str, before: bool, fallback: bool) -> Option<serde_json::Value> {
     if !is_root() {
         println!("skipped: needs root (a second uid and a setuid-root victim)");
         return None;
@@ -82,10 +84,11 @@ fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
     let dir = scratch(tag);
     let (attacker, victim) = install_attacker(&dir);
     // A root pool (CAP_SYS_PTRACE: the kernel's own ptrace check lets it into anything).
-    let pool = PoolProcess::start(
-        &dir.join("sock").join("pool.sock"),
-        &["--capacity", "64MiB", "--min-object-size", "4KiB", "--allow-uid", "65534", "--socket-group", "65534"],
-    );
+    let mut args = vec!["--capacity", "64MiB", "--min-object-size", "4KiB", "--allow-uid", "65534", "--socket-group", "65534"];
+    if fallback {
+        args.push("--peer-pidfd-fallback");
+    }
+    let pool = PoolProcess::start(&dir.join("sock").join("pool.sock"), &args);
     let mut cmd = Command::new(&attacker);
     cmd.arg("exec-swap").arg("--socket").arg(&pool.socket).arg("--victim").arg(&victim).args(["--addr", &FIXED_ADDR.to_string()]);
     if before {
@@ -95,6 +98,9 @@ fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
     let line = next_line(&rx, "attacker report");
     let _ = child.kill();
     let _ = child.wait();
+    let fallbacks = pool.report()["counters"]["pidfd_open_peers"].as_u64().expect("pidfd_open_peers in the report");
+    // Without the flag this kernel's SO_PEERPIDFD is used (where it has one: 6.5+).
+    assert!(if fallback { fallbacks >= 1 } else { fallbacks == 0 || !so_peerpidfd_here() }, "pidfd_open_peers {fallbacks}");
     let _ = std::fs::remove_dir_all(&dir);
     let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad report {line:?}: {e}"));
     println!("{v}");
@@ -108,7 +114,7 @@ fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
 
 #[test]
 fn exec_of_a_setuid_program_after_connect_cannot_be_registered() {
-    let Some(v) = exec_swap("swap-after", false) else { return };
+    let Some(v) = exec_swap("swap-after", false, false) else { return };
     let register = v["register"].as_str().unwrap();
     assert_ne!(register, "ok", "the pool registered memory of a setuid program that replaced the peer: {v}");
     assert!(register.contains("setuid") || register.contains("uid"), "refusal should say why: {register}");
@@ -117,10 +123,40 @@ fn exec_of_a_setuid_program_after_connect_cannot_be_registered() {
 
 #[test]
 fn exec_of_a_setuid_program_after_registration_cannot_be_read() {
-    let Some(v) = exec_swap("swap-before", true) else { return };
+    let Some(v) = exec_swap("swap-before", true, false) else { return };
     assert_eq!(v["register"], "ok", "registered while still the attacker's own process: {v}");
     assert_eq!(v["leaked"], false, "the pool copied the setuid program's secret to the attacker: {v}");
     assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "store from the swapped process must fail: {v}");
+}
+
+/// The same two attacks against the fallback path of kernels without SO_PEERPIDFD:
+/// `pidfd_open` of the SO_PEERCRED pid at accept plus its start time, forced with
+/// `--peer-pidfd-fallback`. Before, nothing ran this path.
+#[test]
+fn exec_of_a_setuid_program_is_caught_on_the_pidfd_open_fallback_too() {
+    let Some(v) = exec_swap("swap-after-fb", false, true) else { return };
+    let register = v["register"].as_str().unwrap();
+    assert_ne!(register, "ok", "fallback path: the pool registered memory of a setuid program: {v}");
+    assert!(register.contains("setuid") || register.contains("uid"), "refusal should say why: {register}");
+    assert_eq!(v["leaked"], serde_json::Value::Null, "{v}");
+    let Some(v) = exec_swap("swap-before-fb", true, true) else { return };
+    assert_eq!(v["register"], "ok", "registered while still the attacker's own process: {v}");
+    assert_eq!(v["leaked"], false, "fallback path: the pool copied the setuid program's secret: {v}");
+    assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "store from the swapped process must fail: {v}");
+}
+
+/// Whether this kernel answers SO_PEERPIDFD (Linux 6.5+) on a socketpair.
+fn so_peerpidfd_here() -> bool {
+    let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`.
+    let rc = unsafe { libc::getsockopt(std::os::fd::AsRawFd::as_raw_fd(&a), libc::SOL_SOCKET, 77, (&mut fd as *mut libc::c_int).cast(), &mut len) };
+    if rc == 0 && fd >= 0 {
+        // SAFETY: the kernel gave us this fd.
+        unsafe { libc::close(fd) };
+    }
+    rc == 0
 }
 
 // ---------------------------------------------------------------------------------------
