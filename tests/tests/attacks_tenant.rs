@@ -378,4 +378,13 @@ fn another_tenants_keys_are_invisible_in_index_and_event_log() {
     let groups = report["groups"].as_array().unwrap_or_else(|| panic!("no groups in the report: {report}"));
     assert_eq!(groups.len(), 3, "{}", report["groups"]);
     assert_eq!(report["index"]["live"], 128, "the summed index: {}", report["index"]);
+    for g in &groups[1..] {
+        assert_eq!(g["index"]["live"], 64, "each tenant's own index: {g}");
+        assert_eq!(g["events"]["written"], 64, "each tenant's own event log: {g}");
+    }
+    // ringtool (the pool's uid) still shows the live pool, with a section per group.
+    let out = Command::new(workspace_binary("ringtool")).args(["dump", "--socket"]).arg(&pool.socket).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "ringtool dump: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("TENANT GROUPS") && text.contains("group 2  uids 65534"), "{text}");
 }
