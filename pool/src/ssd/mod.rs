@@ -40,6 +40,9 @@ pub struct SsdConfig {
     pub compact_live_ratio: f64,
     /// io_uring entries and registered buffers per drive.
     pub queue_depth: u32,
+    /// Open segment files with O_DIRECT where the file system takes it (false: always
+    /// buffered, through the page cache).
+    pub direct_io: bool,
     /// Bytes per registered buffer: the largest single I/O (a record is split into the
     /// fewest near-equal chunks).
     pub chunk_bytes: usize,
@@ -56,6 +59,7 @@ impl Default for SsdConfig {
             compact_live_ratio: 0.5,
             queue_depth: 64,
             chunk_bytes: 1 << 20,
+            direct_io: true,
         }
     }
 }

@@ -93,8 +93,9 @@ fn io_err(path: &Path, what: &str, e: io::Error) -> SsdError {
 }
 
 impl Directory {
-    /// Checks that `path` is an existing, writable directory, locks it, and probes O_DIRECT.
-    pub fn open(path: &Path) -> Result<Self, SsdError> {
+    /// Checks that `path` is an existing, writable directory, locks it, and (with
+    /// `try_direct`) probes O_DIRECT.
+    pub fn open(path: &Path, try_direct: bool) -> Result<Self, SsdError> {
         let meta = std::fs::metadata(path).map_err(|e| io_err(path, "SSD directory is not accessible", e))?;
         if !meta.is_dir() {
             return Err(SsdError::NotADirectory(path.to_path_buf()));
@@ -114,6 +115,9 @@ impl Directory {
             SsdError::Locked { path: path.to_path_buf(), source: io::Error::from_raw_os_error(e.raw_os_error()) }
         })?;
         let probe_path = path.join(".umbp-ssd.probe");
+        if !try_direct {
+            return Ok(Self { path: path.to_path_buf(), direct: false, _lock: lock });
+        }
         let direct = match OpenOptions::new()
             .create(true)
             .truncate(true)

@@ -552,7 +552,7 @@ impl SsdStore {
         let mut max_seq = 0;
         let n = c.dirs.len();
         for (i, path) in c.dirs.iter().enumerate() {
-            let dir = Directory::open(path)?;
+            let dir = Directory::open(path, c.direct_io)?;
             let ring = Ring::new(c.queue_depth, c.chunk_bytes)
                 .map_err(|source| SsdError::Uring { path: path.clone(), source })?;
             let mut shard = Shard::new(dir, ring, per_shard, c);

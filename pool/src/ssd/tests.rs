@@ -478,6 +478,21 @@ fn tmpfs_directory_works_with_or_without_o_direct() {
     check_all(&store, 0..50);
 }
 
+#[test]
+fn buffered_mode_works_and_survives_a_restart() {
+    let d = tempdir();
+    let c = SsdConfig { direct_io: false, ..cfg(&[d.path()], 64 << 20, 256 << 10) };
+    {
+        let store = SsdStore::open(&c).unwrap();
+        assert!(!store.stats().direct_io);
+        put_all(&store, 0..200);
+        check_all(&store, 0..200);
+    }
+    let store = SsdStore::open(&c).unwrap();
+    assert_eq!(store.stats().segments_scanned, 0);
+    check_all(&store, 0..200);
+}
+
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
