@@ -78,7 +78,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
             .open(&raw_path)
             .map_err(|e| SsdError::Io { path: raw_path.clone(), what: "opening raw file (O_DIRECT)".into(), source: e })?
     };
-    let mut ring = Ring::new(cfg.queue_depth, cfg.chunk_bytes).map_err(|source| SsdError::Uring { path: raw_path.clone(), source })?;
+    let mut ring = Ring::new(cfg.queue_depth, cfg.chunk_bytes, true).map_err(|source| SsdError::Uring { path: raw_path.clone(), source })?;
     let fd = raw.as_raw_fd();
     let t = Instant::now();
     let mut i = 0u64;

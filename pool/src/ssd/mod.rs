@@ -40,6 +40,8 @@ pub struct SsdConfig {
     pub compact_live_ratio: f64,
     /// io_uring entries and registered buffers per drive.
     pub queue_depth: u32,
+    /// Use io_uring (false, or where the kernel refuses it: synchronous pread/pwrite).
+    pub io_uring: bool,
     /// Open segment files with O_DIRECT where the file system takes it (false: always
     /// buffered, through the page cache).
     pub direct_io: bool,
@@ -60,6 +62,7 @@ impl Default for SsdConfig {
             queue_depth: 64,
             chunk_bytes: 1 << 20,
             direct_io: true,
+            io_uring: true,
         }
     }
 }

@@ -67,6 +67,8 @@ pub struct SsdStats {
     pub capacity_bytes: u64,
     pub segments: u64,
     pub direct_io: bool,
+    /// I/O goes through io_uring on every drive (else synchronous pread/pwrite somewhere).
+    pub io_uring: bool,
     pub puts: u64,
     pub put_bytes: u64,
     pub hits: u64,
@@ -553,7 +555,7 @@ impl SsdStore {
         let n = c.dirs.len();
         for (i, path) in c.dirs.iter().enumerate() {
             let dir = Directory::open(path, c.direct_io)?;
-            let ring = Ring::new(c.queue_depth, c.chunk_bytes)
+            let ring = Ring::new(c.queue_depth, c.chunk_bytes, c.io_uring)
                 .map_err(|source| SsdError::Uring { path: path.clone(), source })?;
             let mut shard = Shard::new(dir, ring, per_shard, c);
             let started = Instant::now();
@@ -778,6 +780,7 @@ impl SsdStore {
             evicted_objects: g(&c.evicted_objects),
             rebuild_ms: g(&c.rebuild_us) as f64 / 1000.0,
             direct_io: true,
+            io_uring: true,
             ..Default::default()
         };
         for s in &self.shards {
@@ -787,6 +790,7 @@ impl SsdStore {
             st.live_bytes += s.segments.values().map(|m| m.live_bytes).sum::<u64>();
             st.segments += s.segments.len() as u64;
             st.direct_io &= s.dir.direct;
+            st.io_uring &= s.ring.is_uring();
         }
         st
     }

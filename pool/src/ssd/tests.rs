@@ -86,6 +86,7 @@ fn put_get_byte_exact_across_segments_and_two_directories() {
     let st = store.stats();
     assert_eq!(st.objects, 400);
     assert!(st.direct_io, "ext4 under /var/tmp should take O_DIRECT");
+    assert!(st.io_uring, "io_uring is allowed on this machine");
     assert!(segment_files(a.path()).len() >= 3 && segment_files(b.path()).len() >= 3, "{st:?}");
     assert!(store.get(key(10_000)).is_none());
     // A batch too: results in order.
@@ -491,6 +492,21 @@ fn buffered_mode_works_and_survives_a_restart() {
     let store = SsdStore::open(&c).unwrap();
     assert_eq!(store.stats().segments_scanned, 0);
     check_all(&store, 0..200);
+}
+
+#[test]
+fn without_io_uring_the_synchronous_path_is_byte_exact() {
+    let d = tempdir();
+    let c = SsdConfig { io_uring: false, ..cfg(&[d.path()], 64 << 20, 256 << 10) };
+    {
+        let store = SsdStore::open(&c).unwrap();
+        assert!(!store.stats().io_uring && store.stats().direct_io);
+        put_all(&store, 0..150);
+        check_all(&store, 0..150);
+    }
+    let store = SsdStore::open(&SsdConfig { io_uring: true, ..c }).unwrap();
+    assert!(store.stats().io_uring);
+    check_all(&store, 0..150);
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {

@@ -33,7 +33,8 @@ pub struct ReadJob<'a> {
 }
 
 pub struct Ring {
-    ring: IoUring,
+    /// None: io_uring is refused here; chunks run one at a time with pread/pwrite.
+    ring: Option<IoUring>,
     bufs: Vec<AlignedBuf>,
     chunk: usize,
     /// Buffers were registered (READ_FIXED/WRITE_FIXED); else plain READ/WRITE.
@@ -47,11 +48,28 @@ struct Chunk {
 }
 
 impl Ring {
-    /// A ring with `depth` entries and `depth` registered buffers of `chunk` bytes.
-    pub fn new(depth: u32, chunk: usize) -> io::Result<Self> {
+    /// A ring with `depth` entries and `depth` registered buffers of `chunk` bytes. Where
+    /// the kernel refuses io_uring (disabled by sysctl, blocked by a seccomp profile: EPERM,
+    /// ENOSYS, EACCES) or `use_uring` is false, the same calls run synchronously with
+    /// pread/pwrite (one warning); other errors are returned.
+    pub fn new(depth: u32, chunk: usize, use_uring: bool) -> io::Result<Self> {
         let depth = depth.clamp(1, 4096);
         let chunk = chunk.max(4096).next_multiple_of(4096);
-        let ring = IoUring::new(depth)?;
+        let ring = if use_uring {
+            match IoUring::new(depth) {
+                Ok(r) => Some(r),
+                Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOSYS | libc::EACCES)) => {
+                    tracing::warn!(error = %e, "io_uring refused by the kernel: SSD I/O falls back to synchronous pread/pwrite (much slower)");
+                    None
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let Some(ring) = ring else {
+            return Ok(Self { ring: None, bufs: vec![AlignedBuf::new(chunk)], chunk, fixed: false });
+        };
         let bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(chunk)).collect();
         let iovecs: Vec<libc::iovec> =
             bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast(), iov_len: b.len() }).collect();
@@ -64,7 +82,12 @@ impl Ring {
                 false
             }
         };
-        Ok(Self { ring, bufs, chunk, fixed })
+        Ok(Self { ring: Some(ring), bufs, chunk, fixed })
+    }
+
+    /// Whether I/O goes through io_uring (else synchronous pread/pwrite).
+    pub fn is_uring(&self) -> bool {
+        self.ring.is_some()
     }
 
     pub fn depth(&self) -> usize {
@@ -105,6 +128,24 @@ impl Ring {
         mut done: impl FnMut(&Chunk, &[u8]),
     ) -> Vec<Option<io::Error>> {
         let mut errors: Vec<Option<io::Error>> = (0..fds.len()).map(|_| None).collect();
+        let Some(ring) = self.ring.as_mut() else {
+            for c in chunks {
+                if errors[c.job].is_some() {
+                    continue;
+                }
+                let (fd, base) = fds[c.job];
+                let buf = &mut self.bufs[0][..c.len];
+                if write {
+                    fill(c, buf);
+                }
+                match sync_io(write, fd, buf, base + c.at) {
+                    Ok(()) if !write => done(c, buf),
+                    Ok(()) => {}
+                    Err(e) => errors[c.job] = Some(e),
+                }
+            }
+            return errors;
+        };
         let mut free: Vec<u16> = (0..self.bufs.len() as u16).rev().collect();
         // Chunk index per buffer in flight.
         let mut owner: Vec<usize> = vec![usize::MAX; self.bufs.len()];
@@ -137,7 +178,7 @@ impl Ring {
                 // SAFETY: the buffer stays allocated and untouched by us until its
                 // completion is reaped below (we wait for every in-flight entry before
                 // returning), and the fd outlives this call (the caller holds the file).
-                let pushed = unsafe { self.ring.submission().push(&entry.user_data(b as u64)) };
+                let pushed = unsafe { ring.submission().push(&entry.user_data(b as u64)) };
                 if pushed.is_err() {
                     // Cannot happen: entries == buffers, and each entry holds a buffer.
                     free.push(b);
@@ -149,7 +190,7 @@ impl Ring {
             if in_flight == 0 {
                 continue;
             }
-            match self.ring.submit_and_wait(1) {
+            match ring.submit_and_wait(1) {
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted || e.raw_os_error() == Some(libc::EBUSY) => {}
                 Err(e) => {
@@ -158,10 +199,10 @@ impl Ring {
                     tracing::error!(error = %e, "io_uring submit failed");
                     let kind = e.kind();
                     while in_flight > 0 {
-                        if self.ring.submit_and_wait(1).is_err() {
+                        if ring.submit_and_wait(1).is_err() {
                             break;
                         }
-                        in_flight -= self.ring.completion().count();
+                        in_flight -= ring.completion().count();
                     }
                     for err in errors.iter_mut().filter(|e| e.is_none()) {
                         *err = Some(io::Error::new(kind, format!("io_uring submit failed: {e}")));
@@ -169,7 +210,7 @@ impl Ring {
                     return errors;
                 }
             }
-            let cqes: Vec<(u16, i32)> = self.ring.completion().map(|c| (c.user_data() as u16, c.result())).collect();
+            let cqes: Vec<(u16, i32)> = ring.completion().map(|c| (c.user_data() as u16, c.result())).collect();
             for (b, res) in cqes {
                 in_flight -= 1;
                 let c = &chunks[owner[b as usize]];
@@ -210,6 +251,35 @@ impl Ring {
         let errors = self.run(false, &fds, &chunks, |_, _| {}, |c, data| (jobs[c.job].sink)(c.at, data));
         errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
     }
+}
+
+/// One whole pread/pwrite of `buf` at `offset` (retried on EINTR and short transfers).
+fn sync_io(write: bool, fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < buf.len() {
+        let rest = &mut buf[done..];
+        let off = (offset + done as u64) as libc::off_t;
+        // SAFETY: `rest` is valid for `rest.len()` bytes (read from for pwrite, written to
+        // for pread) for the duration of the call.
+        let n = unsafe {
+            if write {
+                libc::pwrite(fd, rest.as_ptr().cast(), rest.len(), off)
+            } else {
+                libc::pread(fd, rest.as_mut_ptr().cast(), rest.len(), off)
+            }
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("short {} at {offset}", if write { "write" } else { "read" }))),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Copies bytes `[at, at + buf.len())` of the concatenation of `pieces` into `buf`, zero
@@ -256,7 +326,7 @@ mod tests {
 
     #[test]
     fn records_split_into_the_fewest_near_equal_aligned_chunks() {
-        let r = Ring::new(4, 64 << 10).expect("io_uring");
+        let r = Ring::new(4, 64 << 10, true).expect("io_uring");
         let sizes = |len: u64| r.chunks(std::iter::once(len)).iter().map(|c| c.len).collect::<Vec<_>>();
         assert_eq!(sizes(4096), vec![4096]);
         assert_eq!(sizes(64 << 10), vec![64 << 10]);
