@@ -117,20 +117,50 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
     let mut to_seal = Vec::new();
     for id in ids {
         shard.next_id = shard.next_id.max(id + 1);
-        let seg = shard.dir.open_segment(id)?;
-        let len = seg.file_len()?;
+        // An unreadable segment (EIO, not a file) loses its objects, not the whole tier.
+        let skip = |e: SsdError| {
+            tracing::warn!(error = %e, "SSD segment unreadable at start: skipped, its objects are misses");
+            c.segments_unreadable.fetch_add(1, Ordering::Relaxed);
+        };
+        let seg = match shard.dir.open_segment(id) {
+            Ok(s) => s,
+            Err(e) => {
+                skip(e);
+                continue;
+            }
+        };
+        let len = match seg.file_len() {
+            Ok(l) => l,
+            Err(e) => {
+                skip(e);
+                continue;
+            }
+        };
         if len == 0 {
             let _ = std::fs::remove_file(&seg.path);
             continue;
         }
-        let (records, sealed, file_len) = match read_footer(&seg, len)? {
+        let footer = match read_footer(&seg, len) {
+            Ok(f) => f,
+            Err(e) => {
+                skip(e);
+                continue;
+            }
+        };
+        let (records, sealed, file_len) = match footer {
             Some(entries) => {
                 c.segments_from_footer.fetch_add(1, Ordering::Relaxed);
                 (entries, true, len)
             }
             None => {
                 c.segments_scanned.fetch_add(1, Ordering::Relaxed);
-                let (entries, torn) = scan(&seg, len)?;
+                let (entries, torn) = match scan(&seg, len) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        skip(e);
+                        continue;
+                    }
+                };
                 if torn > 0 {
                     tracing::warn!(path = %seg.path.display(), torn, kept = entries.len(), "SSD segment had torn or corrupt records: skipped");
                 }

@@ -47,6 +47,7 @@ pub(super) struct Counters {
     pub torn_records_skipped: AtomicU64,
     pub misplaced_records: AtomicU64,
     pub segments_scanned: AtomicU64,
+    pub segments_unreadable: AtomicU64,
     pub segments_from_footer: AtomicU64,
     pub compactions: AtomicU64,
     pub compacted_bytes: AtomicU64,
@@ -83,6 +84,8 @@ pub struct SsdStats {
     /// Records found in a directory their key does not map to (the directory list changed).
     pub misplaced_records: u64,
     pub segments_scanned: u64,
+    /// Segments that could not be opened or read at start (skipped; their objects are misses).
+    pub segments_unreadable: u64,
     pub segments_from_footer: u64,
     pub compactions: u64,
     pub compacted_bytes: u64,
@@ -774,6 +777,7 @@ impl SsdStore {
             torn_records_skipped: g(&c.torn_records_skipped),
             misplaced_records: g(&c.misplaced_records),
             segments_scanned: g(&c.segments_scanned),
+            segments_unreadable: g(&c.segments_unreadable),
             segments_from_footer: g(&c.segments_from_footer),
             compactions: g(&c.compactions),
             compacted_bytes: g(&c.compacted_bytes),

@@ -509,6 +509,24 @@ fn without_io_uring_the_synchronous_path_is_byte_exact() {
     check_all(&store, 0..150);
 }
 
+#[test]
+fn an_unreadable_segment_is_skipped_not_fatal() {
+    let d = tempdir();
+    let c = cfg(&[d.path()], 64 << 20, 256 << 10);
+    {
+        let store = SsdStore::open(&c).unwrap();
+        put_all(&store, 0..100);
+    }
+    // A segment name that cannot be opened as a file (EISDIR).
+    std::fs::create_dir(d.path().join(super::segment::segment_name(0xff))).unwrap();
+    let store = SsdStore::open(&c).unwrap();
+    assert_eq!(store.stats().segments_unreadable, 1);
+    check_all(&store, 0..100);
+    // New segments are numbered past it.
+    put_all(&store, 100..150);
+    check_all(&store, 0..150);
+}
+
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
