@@ -550,3 +550,46 @@ fn bench_ssd() {
     let r = super::bench::run(d.path(), n * small, small, 256, &c).unwrap();
     println!("{}", serde_json::to_string(&r).unwrap());
 }
+
+fn rss_bytes() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    s.split_whitespace().nth(1).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0) * 4096
+}
+
+/// Warm restart of many one-block objects (UMBP_SSD_BENCH_REBUILD_OBJECTS, default 1M):
+/// rebuild time and the index's memory per object.
+#[test]
+#[ignore = "measurement, run by hand"]
+fn bench_rebuild() {
+    let base = std::env::var("UMBP_SSD_BENCH_DIR").unwrap_or_else(|_| "/var/tmp".into());
+    let d = tempfile::Builder::new().prefix("umbp-ssd-bench").tempdir_in(base).unwrap();
+    let n = env_u64("UMBP_SSD_BENCH_REBUILD_OBJECTS", 1_000_000);
+    let c = SsdConfig { dirs: vec![d.path().to_path_buf()], capacity_bytes: n * 8192 + (4 << 30), ..SsdConfig::default() };
+    let small = vec![0x5au8; 4096 - HEADER_BYTES];
+    let t = std::time::Instant::now();
+    {
+        let store = SsdStore::open(&c).unwrap();
+        let mut i = 0;
+        while i < n {
+            let m = (n - i).min(1024);
+            let items: Vec<(ObjectKey, u128, u64, &[u8])> = (i..i + m).map(|j| (key(j), 7, 65536, &small[..])).collect();
+            assert!(store.put_batch(&items).iter().all(|r| r.is_ok()));
+            i += m;
+        }
+    }
+    let write_s = t.elapsed().as_secs_f64();
+    let before = rss_bytes();
+    let t = std::time::Instant::now();
+    let store = SsdStore::open(&c).unwrap();
+    let open_ms = t.elapsed().as_secs_f64() * 1000.0;
+    let st = store.stats();
+    let after = rss_bytes();
+    assert_eq!(st.objects, n);
+    assert!(store.get(key(n / 2)).unwrap().1 == small);
+    println!(
+        "{{\"objects\":{n},\"write_s\":{write_s:.1},\"open_ms\":{open_ms:.1},\"rebuild_ms\":{:.1},\"rebuild_ms_per_million\":{:.1},\"index_bytes_per_object\":{}}}",
+        st.rebuild_ms,
+        st.rebuild_ms * 1e6 / n as f64,
+        after.saturating_sub(before) / n.max(1)
+    );
+}
