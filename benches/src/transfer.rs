@@ -1,5 +1,5 @@
 //! `umbp-bench transfer`: KV store/load bandwidth through a real pool, worker(s) in child
-//! processes, each figure beside a baseline measured in the same run (DESIGN §12), and
+//! processes, each figure beside a baseline measured in the same run (docs/benchmarks.md), and
 //! `--check`: the multi-process correctness checks of the GPU data path (docs/gpu.md).
 //!
 //! The pool runs in this process (the same library the `umbp-pool` daemon runs; workers
@@ -550,7 +550,7 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     cases.push(lay(Case::new("transfer", "restore_10k_ms", median(ms), "ms", base_ms, "contiguous pinned cuMemcpyHtoD, same bytes", Better::Lower)
         .extra("lookup_us", median(lookup_us)).extra("tokens", 10_000)));
 
-    // --- fenced store and load (stream-ordered, DESIGN §7): same layout
+    // --- fenced store and load (stream-ordered, docs/gpu.md "Stream-ordered transfers"): same layout
     let mut fs = Vec::new();
     let mut fl = Vec::new();
     for r in 0..reps {

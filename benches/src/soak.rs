@@ -18,7 +18,7 @@
 //! - every worker is attached again at the end.
 //!
 //! A fault-free warm-up phase first measures the operation rate the `operations` case is
-//! compared with (DESIGN §12: the baseline is measured in the same run).
+//! compared with (docs/benchmarks.md: the baseline is measured in the same run).
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
