@@ -162,7 +162,7 @@ fn layout_cases(
 /// The single-object table: objects of `--sizes` MiB, one and eight in flight, both ways,
 /// each checked byte-exact after the timed runs.
 fn object_cases(args: &TransferArgs, a: &mut WorkerProc, ctx: &dyn Fn(Case) -> Case) -> Result<Vec<Case>, String> {
-    let total = if args.quick { 256 * MIB } else { 1 << 30 };
+    let total = if args.quick { 64 * MIB } else { 1 << 30 };
     let reps = args.reps as u64;
     let mut cases = Vec::new();
     for (i, &mib) in args.sizes.iter().enumerate() {
