@@ -78,22 +78,21 @@ impl Base {
     }
 }
 
-/// Byte-exactness of `l` (group `group`, memory filled with pattern `seed`): the blocks
-/// stored under keys `key..` are loaded into a poisoned destination and every word
-/// compared, and cache blocks outside the prefix must still be poison. Refills the pattern
-/// afterwards. An error (the run fails) when a word differs.
+/// Byte-exactness of `l` (group `group`, memory filled with pattern `seed`): every byte of
+/// the worker's memory is poisoned, the blocks stored under keys `key..` are loaded, and
+/// every word compared: the pattern in the prefix's pages (placed by the layout's shape),
+/// poison everywhere else. Refills the pattern afterwards. An error (the run fails) when
+/// one word differs.
 fn check_exact(a: &mut WorkerProc, l: &Layout, group: u16, key: u64, seed: u64) -> Result<Value, String> {
     a.call(&Command::Poison { group })?;
     xfer(a, Op::Load, group, key, &l.blocks, l.blocks.len(), 1)?;
-    let v = a.call(&Command::Verify { group, seed, blocks: l.blocks.clone() })?;
-    let outside: Vec<u64> = (0..l.cache_blocks()).filter(|b| !l.blocks.contains(b)).take(8).collect();
-    let p = a.call(&Command::VerifyPoison { group, blocks: outside })?;
+    let v = a.call(&Command::VerifyAll { group, seed, blocks: l.blocks.clone() })?;
     a.call(&Command::Fill { group, seed })?;
     let want_words = l.bytes() / 8;
-    if u64_of(&v, "bad_words") != 0 || u64_of(&v, "words") != want_words || u64_of(&p, "bad_words") != 0 {
-        return Err(format!("layout {}: load into poisoned memory is not byte-exact: verify {v}, outside the prefix {p}", l.name));
+    if u64_of(&v, "bad_words") != 0 || u64_of(&v, "prefix_words") != want_words {
+        return Err(format!("layout {}: load into poisoned memory is not byte-exact: {v}", l.name));
     }
-    Ok(json!({"byte_exact": true, "verified_words": want_words, "untouched_blocks_checked": u64_of(&p, "words") / (l.object_bytes() / 8).max(1)}))
+    Ok(json!({"byte_exact": true, "prefix_words": want_words, "words_checked": u64_of(&v, "words")}))
 }
 
 /// Store and load GB/s of `l` (`per` blocks a transfer, `inflight` outstanding; median of

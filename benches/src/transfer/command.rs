@@ -113,6 +113,9 @@ pub enum Command {
     Verify { group: u16, seed: u64, blocks: Vec<u64> },
     /// Count words of `blocks`' pages that are not the poison byte.
     VerifyPoison { group: u16, blocks: Vec<u64> },
+    /// Every word of `group`'s memory: pattern `seed` in the pages of `blocks` (placed by
+    /// the group's shape, not by what was registered), poison elsewhere.
+    VerifyAll { group: u16, seed: u64, blocks: Vec<u64> },
     /// Scheduler lookup of keys `key_base + i`, then one load of the hits; end to end.
     Restore { group: u16, key_base: u64, blocks: Vec<u64> },
     /// Store `blocks` with fresh keys for `seconds`, one transfer in flight (replies

@@ -34,6 +34,7 @@ impl Mem {
 }
 
 struct Group {
+    shape: Shape,
     allocs: Vec<(u32, Mem)>,
     segments: Vec<Segment>,
     object_bytes: u64,
@@ -106,6 +107,7 @@ impl WorkerState {
             }
             Command::Verify { group, seed, blocks } => self.verify(group, seed, &blocks, false),
             Command::VerifyPoison { group, blocks } => self.verify(group, 0, &blocks, true),
+            Command::VerifyAll { group, seed, blocks } => self.verify_all(group, seed, &blocks),
             Command::Restore { group, key_base, blocks } => self.restore(group, key_base, &blocks),
             Command::StoreLoop { group, key_base, blocks, seconds, no_reset } => self.store_loop(group, key_base, &blocks, seconds, no_reset, say),
             Command::MemcpyLoop { bytes, seconds } => {
@@ -160,7 +162,7 @@ impl WorkerState {
             })
             .collect();
         let object_bytes = self.w.register_layout(group, segments.clone()).map_err(|e| format!("register_layout: {e}"))?;
-        self.groups.insert(group, Group { allocs, segments, object_bytes });
+        self.groups.insert(group, Group { shape, allocs, segments, object_bytes });
         Ok(json!({"object_bytes": object_bytes}))
     }
 
@@ -291,6 +293,49 @@ impl WorkerState {
             }
         }
         Ok(json!({"words": words, "bad_words": bad, "first_bad": first_bad}))
+    }
+
+    /// Every word of every allocation of `group`: pattern `seed` where the word lies in a
+    /// page of one of `blocks`, poison elsewhere. Where a page lies is computed from the
+    /// group's [`Shape`] alone (not from the segments registered with the pool), so a
+    /// layout registered wrongly, or a load that writes outside its pages, shows up.
+    fn verify_all(&mut self, group: u16, seed: u64, blocks: &[u64]) -> Result<Value, String> {
+        const STEP: usize = 64 << 20;
+        let g = self.groups.get(&group).ok_or("no such group")?;
+        let shape = g.shape;
+        let region = shape.blocks * shape.page;
+        let span = shape.segments_per_layer * region;
+        let mut wanted = vec![false; shape.blocks as usize];
+        for &b in blocks {
+            *wanted.get_mut(b as usize).ok_or_else(|| format!("block {b} outside the cache of {}", shape.blocks))? = true;
+        }
+        let poison = u64::from_ne_bytes([POISON; 8]);
+        let (mut words, mut bad, mut loaded) = (0u64, 0u64, 0u64);
+        let mut first_bad = Value::Null;
+        for (id, mem) in &g.allocs {
+            let mut off = 0usize;
+            while off < mem.len() {
+                let n = STEP.min(mem.len() - off);
+                let bytes = read_mem(self.gpu.as_ref(), mem, off, n)?;
+                for (j, w) in bytes.chunks_exact(8).enumerate() {
+                    let o = (off + j * 8) as u64;
+                    let b = (o % span % region) / shape.page;
+                    let inside = wanted[b as usize];
+                    let want = if inside { word(seed, o / 8) } else { poison };
+                    let got = u64::from_le_bytes(w.try_into().expect("8 bytes"));
+                    words += 1;
+                    loaded += inside as u64;
+                    if got != want {
+                        if bad == 0 {
+                            first_bad = json!({"alloc": id, "byte": o, "block": b, "in_prefix": inside, "got": format!("{got:#x}"), "want": format!("{want:#x}")});
+                        }
+                        bad += 1;
+                    }
+                }
+                off += n;
+            }
+        }
+        Ok(json!({"words": words, "bad_words": bad, "prefix_words": loaded, "first_bad": first_bad}))
     }
 
     /// Lookup through the scheduler's shared index, then load the hits; end to end.
