@@ -109,7 +109,7 @@ impl KvMemory {
     }
 
     fn check(&self, off: usize, len: usize) {
-        assert!(off % 8 == 0 && off.checked_add(len).is_some_and(|e| e <= self.len), "KV access {off}+{len} outside {} bytes", self.len);
+        assert!(off.is_multiple_of(8) && off.checked_add(len).is_some_and(|e| e <= self.len), "KV access {off}+{len} outside {} bytes", self.len);
     }
 
     /// Copies `src` to `off..`. Only for blocks with no transfer in flight (the pool reads

@@ -101,7 +101,7 @@ impl TransferCli {
             tokens: self.tokens.max(16),
             copy_threads: self.copy_threads.unwrap_or_else(|| PoolConfig::default().copy_threads).max(1),
         };
-        if args.sizes.iter().any(|&s| s == 0) {
+        if args.sizes.contains(&0) {
             return Err("--sizes: object sizes are in MiB and must be at least 1".into());
         }
         let cases = run(&args)?;
