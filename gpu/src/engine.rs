@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use crate::error::format_uuid;
 use crate::fence::{self, FenceWord};
+use crate::gather;
 use crate::{
     check_ops, expect_kind, Backend, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind,
     MemoryRegistration, Part, StagePlan,
@@ -279,6 +280,48 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
     /// # Safety
     /// See [`Backend::unregister_host_memory`].
     unsafe fn host_unregister(&self, base: *mut u8) -> Result<(), GpuError>;
+
+    // Kernel path ([`crate::gather`]); defaults report it absent (copy engines only).
+    /// Loads the page copy kernel for `dev` (bound); an opaque function handle.
+    fn copy_kernel(&self, dev: &Self::Device) -> Result<u64, GpuError> {
+        let _ = dev;
+        Err(GpuError::Unsupported(format!("{}: no page copy kernel", Self::API)))
+    }
+    /// Whether host memory registered with [`Self::host_register`] is addressable by
+    /// kernels at its host address.
+    fn host_pointers_are_device_pointers(&self, dev: &Self::Device) -> Result<bool, GpuError> {
+        let _ = dev;
+        Ok(false)
+    }
+    /// Enqueues `kernel` over `n` descriptors at device address `descs` on `stream`.
+    ///
+    /// # Safety
+    /// `descs` holds `n` [`crate::gather::Desc`] readable by the device until the stream
+    /// passed the launch; each names ranges valid as in [`Self::copy_async`].
+    unsafe fn launch_copy_kernel(&self, kernel: u64, descs: u64, n: u64, blocks: u32, threads: u32, stream: Self::Stream) -> Result<(), GpuError> {
+        let _ = (kernel, descs, n, blocks, threads, stream);
+        Err(GpuError::Unsupported(format!("{}: no page copy kernel", Self::API)))
+    }
+    /// Pinned host memory, device-mapped at its host address (a device is bound).
+    fn alloc_mapped(&self, bytes: usize) -> Result<*mut u8, GpuError> {
+        let _ = bytes;
+        Err(GpuError::Unsupported(format!("{}: no mapped allocations", Self::API)))
+    }
+    /// # Safety
+    /// `ptr` came from [`Self::alloc_mapped`] and nothing reads it any more.
+    unsafe fn free_mapped(&self, ptr: *mut u8) {
+        let _ = ptr;
+    }
+    /// Device memory (a device is bound).
+    fn alloc_device(&self, bytes: usize) -> Result<u64, GpuError> {
+        let _ = bytes;
+        Err(GpuError::Unsupported(format!("{}: no device allocations", Self::API)))
+    }
+    /// # Safety
+    /// `ptr` came from [`Self::alloc_device`] and nothing uses it any more.
+    unsafe fn free_device(&self, ptr: u64) {
+        let _ = ptr;
+    }
 }
 
 /// The streams (and lazily made events) one copy call uses exclusively.
@@ -288,6 +331,8 @@ struct StreamSet<A: DeviceApi> {
     events: Vec<A::Event>,
     /// Stage-end markers of staged calls: stage `s`, stream `k` at `s * streams + k`.
     stage_events: Vec<A::Event>,
+    /// Descriptor lists of kernel-path stages.
+    descs: gather::DescBuf,
 }
 
 /// One GPU as seen by the pool: its bound handle and idle stream sets. Stream sets are
@@ -303,6 +348,9 @@ struct Engine<A: DeviceApi> {
     /// Events work (staged calls report finished stages); cleared at the first failure,
     /// after which staged calls run as one stage (reported when the call ends).
     events: AtomicBool,
+    /// The kernel path, calibrated at the first region opened on this GPU; None where it
+    /// cannot run (then copy engines only).
+    gather: std::sync::OnceLock<Option<gather::GatherState>>,
 }
 
 #[derive(Clone, Copy)]
@@ -433,6 +481,7 @@ impl<A: DeviceApi> Shared<A> {
                     idle: Mutex::new(Vec::new()),
                     memops: AtomicBool::new(true),
                     events: AtomicBool::new(true),
+                    gather: std::sync::OnceLock::new(),
                 });
                 tracing::debug!(api = A::API, ordinal, uuid = %format_uuid(uuid), "opened transfer engine");
                 engines.insert(*uuid, engine.clone());
@@ -581,6 +630,7 @@ impl<A: DeviceApi> Engine<A> {
             streams: Vec::new(),
             events: Vec::new(),
             stage_events: Vec::new(),
+            descs: gather::DescBuf::default(),
         });
         while set.streams.len() < want {
             match api.create_stream() {
@@ -627,8 +677,11 @@ impl<A: DeviceApi> Engine<A> {
         signal: bool,
         keep_waiting: &dyn Fn() -> bool,
         stage_done: &mut dyn FnMut(usize),
+        ranges: &[(usize, usize)],
     ) -> Result<(), GpuError> {
         let mut items = first;
+        // One large object: cut over several streams (copy engines), both directions.
+        let large = gather::is_large(&items);
         let stages = stages.max(1);
         let staged = stages > 1 && self.events.load(Ordering::Relaxed);
         let mut rest_built = stages == 1;
@@ -651,9 +704,16 @@ impl<A: DeviceApi> Engine<A> {
         }
         let t_call = Instant::now();
         let (streams, batch) = tuning();
+        let streams = if large { streams.max(gather::LARGE_STREAMS) } else { streams };
+        if large && !staged {
+            gather::split_large(&mut items, streams);
+        }
         let n_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
+        // SAFETY: the set's previous call synchronized its streams before putting it back.
+        unsafe { set.descs.reset(api) };
+        let kernel = self.gather_path();
         let mut used = vec![false; set.streams.len()];
         let mut first_err: Option<GpuError> = None;
         // Store fence: on the GPU when the word is device-mapped and the driver supports
@@ -739,13 +799,25 @@ impl<A: DeviceApi> Engine<A> {
                             break;
                         }
                     }
+                    if large {
+                        gather::split_large(&mut items, n_streams);
+                    }
                     n_items += items.len() as u64;
                     n_bytes += items.iter().map(|i| i.len as u64).sum::<u64>();
-                    for (k, run) in balance(&items, n_streams).into_iter().enumerate() {
-                        used[k] = true;
-                        if let Err(e) = enqueue(&items, set.streams[k], run) {
+                    if let Some(g) = kernel.filter(|g| g.wants(dir, &items, ranges)) {
+                        used[0] = true;
+                        // SAFETY: forwarded caller contract; `wants` checked eligibility.
+                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, dir, &items, set.streams[0]) } {
                             first_err = Some(e);
                             break 'stages;
+                        }
+                    } else {
+                        for (k, run) in balance(&items, n_streams).into_iter().enumerate() {
+                            used[k] = true;
+                            if let Err(e) = enqueue(&items, set.streams[k], run) {
+                                first_err = Some(e);
+                                break 'stages;
+                            }
                         }
                     }
                     let events = &set.stage_events[s * n_streams..][..n_streams];
@@ -788,6 +860,10 @@ impl<A: DeviceApi> Engine<A> {
                 n_bytes = items.iter().map(|i| i.len as u64).sum::<u64>();
                 let runs = balance(&items, n_streams);
                 if first_err.is_some() {
+                } else if let Some(g) = kernel.filter(|g| g.wants(dir, &items, ranges)) {
+                    used[0] = true;
+                    // SAFETY: forwarded caller contract; `wants` checked eligibility.
+                    first_err = unsafe { gather::launch(api, g, &mut set.descs, dir, &items, set.streams[0]) }.err();
                 } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
                     let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
                         let handles: Vec<_> = runs
@@ -873,6 +949,40 @@ impl<A: DeviceApi> Engine<A> {
         STAT_TOTAL.fetch_add(t_call.elapsed().as_nanos() as u64, Ordering::Relaxed);
         STAT_STAGES.fetch_add(reported as u64, Ordering::Relaxed);
         first_err.map_or(Ok(()), Err)
+    }
+
+    /// The kernel path of this GPU unless copy engines are forced or it is unavailable.
+    fn gather_path(&self) -> Option<&gather::GatherState> {
+        match gather::gather_config().mode {
+            gather::GatherMode::CopyEngine => None,
+            _ => self.gather.get().and_then(Option::as_ref),
+        }
+    }
+
+    /// Calibrates the kernel path once (a device is bound); later calls return at once.
+    fn calibrate_once(&self, api: &A) {
+        if gather::gather_config().mode == gather::GatherMode::CopyEngine {
+            return;
+        }
+        self.gather.get_or_init(|| match gather::calibrate(api, &self.dev, gather::gather_config(), batch_max()) {
+            Ok(g) => {
+                let c = &g.calibration;
+                tracing::info!(
+                    api = A::API,
+                    ordinal = self.ordinal,
+                    blocks = c.blocks,
+                    d2h_kernel_up_to = c.d2h_crossover,
+                    h2d_kernel_up_to = c.h2d_crossover,
+                    points = ?c.points,
+                    "page copy kernel calibrated: pages up to these sizes go to the kernel, larger ones to copy engines"
+                );
+                Some(g)
+            }
+            Err(e) => {
+                tracing::info!(api = A::API, ordinal = self.ordinal, "page copy kernel unavailable, copy engines only: {e}");
+                None
+            }
+        });
     }
 
     /// Makes sure `set` has `n` stage events; false (and staging off for this engine from
@@ -978,6 +1088,7 @@ impl<A: DeviceApi> GpuBackend<A> {
         let shared = &self.shared;
         let engine = shared.engine_for(&reg.device_uuid)?;
         let _bound = Bound::new(&shared.api, &engine.dev)?;
+        engine.calibrate_once(&shared.api);
         let (mapping, key) = if peer_pid == std::process::id() {
             (self.local_mapping(reg)?, None)
         } else {
@@ -1128,7 +1239,7 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         let mut build = |s: usize, items: &mut Vec<Item>| push_stage(&plan(s), items);
         // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
         // device ranges inside each region by check_ops and open.
-        Ok(unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done) })
+        Ok(unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done, &ranges) })
     }
 
     /// Claims every unclaimed part from `first` on whose region is a region of this same
@@ -1169,7 +1280,7 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         let mut no_build = |_: usize, _: &mut Vec<Item>| Ok(());
         // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
         // device ranges inside each region by check_ops and open.
-        let r = unsafe { self.engine.run(&self.shared.api, dir, items, 1, &mut no_build, fence, signal, keep_waiting, &mut |_| {}) };
+        let r = unsafe { self.engine.run(&self.shared.api, dir, items, 1, &mut no_build, fence, signal, keep_waiting, &mut |_| {}, &ranges) };
         for i in members {
             results[i] = Some(match &r {
                 Ok(()) => Ok(()),
@@ -1188,7 +1299,9 @@ impl<A: DeviceApi> Drop for Shared<A> {
         let engines = std::mem::take(&mut *lock(&self.engines));
         for engine in engines.values() {
             if let Ok(_bound) = Bound::new(&self.api, &engine.dev) {
-                for set in lock(&engine.idle).drain(..) {
+                for mut set in lock(&engine.idle).drain(..) {
+                    // SAFETY: idle sets were synchronized before they were put back.
+                    unsafe { set.descs.free(&self.api) };
                     set.streams.into_iter().for_each(|s| self.api.destroy_stream(s));
                     set.events.into_iter().chain(set.stage_events).for_each(|e| self.api.destroy_event(e));
                 }
@@ -1325,7 +1438,7 @@ mod tests {
             ipc_opens: AtomicUsize::new(0),
             syncs: AtomicUsize::new(0),
         };
-        let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true) };
+        let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true), gather: std::sync::OnceLock::new() };
         (api, engine)
     }
 
@@ -1360,7 +1473,7 @@ mod tests {
             reported.push(s);
         };
         // SAFETY: items point into `src`/`dst`, alive for the call.
-        let r = unsafe { engine.run(api, Dir::DeviceToHost, stage_items(0), 4, &mut build, &Fence::None, false, &|| true, &mut done) };
+        let r = unsafe { engine.run(api, Dir::DeviceToHost, stage_items(0), 4, &mut build, &Fence::None, false, &|| true, &mut done, &[]) };
         (r, reported, landed_when_reported, built_in_order)
     }
 
@@ -1384,7 +1497,7 @@ mod tests {
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: items point into `src`/`dst`, alive for the call.
-                unsafe { engine.run(&api, Dir::DeviceToHost, vec![item(0, dst_ptr)], 4, &mut build, &Fence::None, false, &|| true, &mut |_| {}) }
+                unsafe { engine.run(&api, Dir::DeviceToHost, vec![item(0, dst_ptr)], 4, &mut build, &Fence::None, false, &|| true, &mut |_| {}, &[]) }
             }));
             assert!(r.is_err(), "the panic goes on to the caller");
             assert!(api.syncs.load(Ordering::Relaxed) > 0, "streams left running under a panic (events {events})");
