@@ -976,6 +976,7 @@ impl<A: DeviceApi> Engine<A> {
                     points = ?c.points,
                     "page copy kernel calibrated: pages up to these sizes go to the kernel, larger ones to copy engines"
                 );
+                gather::record_calibration(self.ordinal, c);
                 Some(g)
             }
             Err(e) => {

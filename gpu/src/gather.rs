@@ -251,6 +251,17 @@ impl GatherState {
     }
 }
 
+static CALIBRATIONS: Mutex<Vec<(i32, Calibration)>> = Mutex::new(Vec::new());
+
+/// Calibrations done in this process: (device ordinal, result), for logs and benchmarks.
+pub fn calibrations() -> Vec<(i32, Calibration)> {
+    CALIBRATIONS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+pub(crate) fn record_calibration(ordinal: i32, c: &Calibration) {
+    CALIBRATIONS.lock().unwrap_or_else(|e| e.into_inner()).push((ordinal, c.clone()));
+}
+
 static LAUNCHES: AtomicU64 = AtomicU64::new(0);
 static LAUNCHED_PAGES: AtomicU64 = AtomicU64::new(0);
 
