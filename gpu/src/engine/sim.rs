@@ -1,0 +1,112 @@
+//! A CPU stand-in for a GPU driver, for the engine's unit tests.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::{DeviceApi, Dir, Engine};
+use crate::{GpuError, MemoryKind};
+
+
+/// A CPU stand-in for a GPU driver (no GPU on the machines that run the unit tests; the
+/// real driver path runs on the device machine): "device" addresses are host
+/// addresses, copies happen at once, events are done when recorded unless
+/// `events_lag` makes only blocking waits see them. A copy of `fail_len` bytes fails.
+pub(super) struct SimulatedDevice {
+    fail_len: usize,
+    events: bool,
+    events_lag: bool,
+    pub(super) copies: AtomicUsize,
+    pub(super) ipc_opens: AtomicUsize,
+    pub(super) syncs: AtomicUsize,
+}
+
+impl DeviceApi for SimulatedDevice {
+    const API: &'static str = "SIM";
+    const KIND: MemoryKind = MemoryKind::Cuda;
+    type Device = ();
+    type Stream = usize;
+    type Event = usize;
+    fn device_count(&self) -> Result<i32, GpuError> {
+        Ok(1)
+    }
+    fn device_uuid(&self, _: i32) -> Result<[u8; 16], GpuError> {
+        Ok([7; 16])
+    }
+    fn open_device(&self, _: i32) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn bind(&self, _: &()) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn unbind(&self) {}
+    fn create_stream(&self) -> Result<usize, GpuError> {
+        Ok(0)
+    }
+    fn destroy_stream(&self, _: usize) {}
+    unsafe fn copy_async(&self, dir: Dir, host: *mut u8, device: u64, len: usize, _: usize) -> Result<(), GpuError> {
+        if len == self.fail_len {
+            return Err(GpuError::Unsupported("simulated copy failure".into()));
+        }
+        self.copies.fetch_add(1, Ordering::Relaxed);
+        let (src, dst) = match dir {
+            Dir::DeviceToHost => (device as *const u8, host),
+            Dir::HostToDevice => (host as *const u8, device as *mut u8),
+        };
+        // SAFETY: the test's items point into its own live buffers.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        Ok(())
+    }
+    fn synchronize(&self, _: usize) -> Result<(), GpuError> {
+        self.syncs.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+    fn create_event(&self) -> Result<usize, GpuError> {
+        if self.events { Ok(0) } else { Err(GpuError::Unsupported("no events".into())) }
+    }
+    fn record(&self, _: usize, _: usize) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn event_done(&self, _: usize) -> Result<bool, GpuError> {
+        Ok(!self.events_lag)
+    }
+    fn event_wait(&self, _: usize) -> Result<(), GpuError> {
+        Ok(())
+    }
+    unsafe fn wait_value64(&self, _: usize, _: u64, _: u64) -> Result<(), GpuError> {
+        Err(GpuError::Unsupported("no memops".into()))
+    }
+    unsafe fn write_value64(&self, _: usize, _: u64, _: u64) -> Result<(), GpuError> {
+        Err(GpuError::Unsupported("no memops".into()))
+    }
+    unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, GpuError> {
+        // Like the driver: any handle bytes map (the first byte picks the "allocation").
+        self.ipc_opens.fetch_add(1, Ordering::Relaxed);
+        Ok(0x7000_0000 + ((handle[0] as u64) << 24))
+    }
+    unsafe fn ipc_close(&self, _: u64) -> Result<(), GpuError> {
+        Ok(())
+    }
+    fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
+        Ok((ptr, 1 << 20))
+    }
+    unsafe fn host_register(&self, _: *mut u8, _: usize) -> Result<(), GpuError> {
+        Ok(())
+    }
+    unsafe fn host_unregister(&self, _: *mut u8) -> Result<(), GpuError> {
+        Ok(())
+    }
+}
+
+pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (SimulatedDevice, Engine<SimulatedDevice>) {
+    let api = SimulatedDevice {
+        fail_len,
+        events,
+        events_lag,
+        copies: AtomicUsize::new(0),
+        ipc_opens: AtomicUsize::new(0),
+        syncs: AtomicUsize::new(0),
+    };
+    let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true) };
+    (api, engine)
+}
+
