@@ -292,15 +292,31 @@ pub(crate) fn average(items: &[Item]) -> usize {
     total.checked_div(items.len()).unwrap_or(0)
 }
 
+/// Largest descriptor: longer copies are cut so that several warps share them.
+pub(crate) const DESC_MAX: usize = 64 << 10;
+
+/// Descriptors [`build_descs`] writes for `items`.
+pub(crate) fn desc_count(items: &[Item]) -> usize {
+    items.iter().map(|i| i.len.div_ceil(DESC_MAX)).sum()
+}
+
 /// Writes the descriptors of `items` (host pointers used as device addresses: the caller
-/// checked that the driver allows it) into `out`.
+/// checked that the driver allows it) into `out` (of [`desc_count`] entries), copies over
+/// [`DESC_MAX`] cut into pieces of at most that.
 pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
-    for (d, it) in out.iter_mut().zip(items) {
-        let host = it.host as u64;
-        *d = match dir {
-            Dir::DeviceToHost => Desc { src: it.device, dst: host, len: it.len as u64 },
-            Dir::HostToDevice => Desc { src: host, dst: it.device, len: it.len as u64 },
-        };
+    let mut out = out.iter_mut();
+    for it in items {
+        let mut done = 0;
+        while done < it.len {
+            let len = DESC_MAX.min(it.len - done);
+            let (host, device) = (it.host as u64 + done as u64, it.device + done as u64);
+            let Some(d) = out.next() else { return };
+            *d = match dir {
+                Dir::DeviceToHost => Desc { src: device, dst: host, len: len as u64 },
+                Dir::HostToDevice => Desc { src: host, dst: device, len: len as u64 },
+            };
+            done += len;
+        }
     }
 }
 
@@ -422,12 +438,13 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
     if items.is_empty() {
         return Ok(());
     }
-    let (slice, dev) = descs.take(api, items.len())?;
+    let n = desc_count(items);
+    let (slice, dev) = descs.take(api, n)?;
     build_descs(dir, items, slice);
-    let blocks = blocks_for(state.calibration.blocks, items.len());
+    let blocks = blocks_for(state.calibration.blocks, n);
     // SAFETY: the descriptors are written and stay untouched until the call synchronized;
     // forwarded contract for the pages.
-    unsafe { api.launch_copy_kernel(state.kernel, dev, items.len() as u64, blocks, THREADS, stream) }?;
+    unsafe { api.launch_copy_kernel(state.kernel, dev, n as u64, blocks, THREADS, stream) }?;
     LAUNCHES.fetch_add(1, Ordering::Relaxed);
     LAUNCHED_PAGES.fetch_add(items.len() as u64, Ordering::Relaxed);
     Ok(())
@@ -625,6 +642,13 @@ mod tests {
         assert_eq!(out[1], Desc { src: 0x980000, dst: 0x11000, len: 8192 });
         build_descs(Dir::HostToDevice, &items, &mut out);
         assert_eq!(out[1], Desc { src: 0x11000, dst: 0x980000, len: 8192 });
+        // A copy over DESC_MAX is cut for several warps; the pieces add up.
+        let big = [it(0x100000, 0x9000000, 2 * DESC_MAX + 4096)];
+        assert_eq!(desc_count(&big), 3);
+        let mut out = [Desc { src: 0, dst: 0, len: 0 }; 3];
+        build_descs(Dir::DeviceToHost, &big, &mut out);
+        assert_eq!(out[1], Desc { src: 0x9000000 + DESC_MAX as u64, dst: 0x100000 + DESC_MAX as u64, len: DESC_MAX as u64 });
+        assert_eq!(out[2].len, 4096);
     }
 
     #[test]

@@ -1647,6 +1647,13 @@ pub struct TransferCli {
     /// One JSON object per case and line.
     #[arg(long)]
     json: bool,
+    /// cuda, in-process pool: page copy path: auto (the pool's calibration), kernel, or
+    /// copy-engine (issue #14).
+    #[arg(long, default_value = "auto")]
+    gather: String,
+    /// cuda, in-process pool: blocks of the page copy kernel (0: calibrated).
+    #[arg(long, default_value_t = 0)]
+    gather_blocks: u32,
 }
 
 impl TransferCli {
@@ -1656,6 +1663,13 @@ impl TransferCli {
 
     fn run_inner(self) -> Result<(), String> {
         init_logs();
+        let mode = match self.gather.as_str() {
+            "auto" => umbp_gpu::GatherMode::Auto,
+            "kernel" => umbp_gpu::GatherMode::Kernel,
+            "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
+            other => return Err(format!("--gather {other}: expected auto, kernel or copy-engine")),
+        };
+        umbp_gpu::set_gather_config(umbp_gpu::GatherConfig { mode, blocks: self.gather_blocks });
         if self.streams.is_some() || self.no_batch {
             let (s, _) = umbp_gpu::tuning();
             umbp_gpu::set_tuning(self.streams.unwrap_or(s), !self.no_batch);
@@ -1679,6 +1693,10 @@ impl TransferCli {
             sweep: self.sweep,
         };
         let cases = run(&args)?;
+        for (ordinal, c) in umbp_gpu::gather::calibrations() {
+            eprintln!("page copy kernel calibration, GPU {ordinal}: {c:?}");
+        }
+        eprintln!("page copy kernel (--gather {}): (launches, pages) {:?}", self.gather, umbp_gpu::gather::kernel_launches());
         if !cases.is_empty() {
             super::report::print(&cases, self.json);
         }
