@@ -16,7 +16,7 @@ cargo build --release -p umbp-gpu --example cuda_ipc_check
 cp target/release/examples/cuda_ipc_check "$out/"
 
 # The transfer benchmark and checks (workers are the same binary) and the pool daemon.
-cargo build --release -p umbp-tools --bin umbp-bench
+cargo build --release -p umbp-bench
 cargo build --release -p umbp-pool --bin umbp-pool
 cp target/release/umbp-bench target/release/umbp-pool "$out/"
 
