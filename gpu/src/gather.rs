@@ -174,7 +174,7 @@ pub enum GatherMode {
 pub struct GatherConfig {
     pub mode: GatherMode,
     /// Blocks (of 512 threads, one SM each at most) the kernel runs on; 0: the smallest
-    /// count the calibration found within 5% of the best rate for 4 KiB pages.
+    /// count the calibration found within 3% of the best rate for 4 KiB pages.
     pub blocks: u32,
 }
 
@@ -207,6 +207,8 @@ pub struct Calibration {
     pub points: Vec<Point>,
     /// Kernel blocks chosen (or configured).
     pub blocks: u32,
+    /// Kernel GB/s (the slower direction) for 4 KiB pages per block count tried.
+    pub block_rates: Vec<(u32, f64)>,
     /// Largest page size at which the kernel beat copy engines, per direction (0: never).
     pub d2h_crossover: usize,
     pub h2d_crossover: usize,
@@ -219,7 +221,7 @@ impl Calibration {
         let cross = |f: &dyn Fn(&Point) -> bool| points.iter().filter(|p| f(p)).map(|p| p.page).max().unwrap_or(0);
         let d2h_crossover = cross(&|p| p.d2h_kernel_gbps > p.d2h_ce_gbps * 1.02);
         let h2d_crossover = cross(&|p| p.h2d_kernel_gbps > p.h2d_ce_gbps * 1.02);
-        Calibration { points, blocks, d2h_crossover, h2d_crossover }
+        Calibration { points, blocks, block_rates: Vec::new(), d2h_crossover, h2d_crossover }
     }
 
     /// Whether a stage of average copy size `avg` in direction `dir` goes to the kernel.
@@ -538,15 +540,23 @@ fn measure_all<A: DeviceApi>(
             unsafe { launch(api, &state, &mut d, dir, items, stream) }
         })
     };
+    // Copy engines as the engine feeds them: a small first batch, then growing ones.
     let ce_rate = |items: &[Item], dir: Dir| -> Result<f64, GpuError> {
+        use crate::engine::batch::{next_batch, FIRST_BATCH};
+        let per_call = batch_max.max(1);
         time(&mut || {
-            for chunk in items.chunks(batch_max.max(1)) {
+            let (mut pos, mut size) = (0, FIRST_BATCH.min(per_call));
+            while pos < items.len() {
+                let end = (pos + size).min(items.len());
                 // SAFETY: as above.
-                unsafe { api.copy_batch_async(dev, dir, chunk, stream, true) }?;
+                unsafe { api.copy_batch_async(dev, dir, &items[pos..end], stream, true) }?;
+                pos = end;
+                size = next_batch(size, per_call);
             }
             Ok(())
         })
     };
+    let mut block_rates = Vec::new();
     let blocks = if config.blocks > 0 {
         config.blocks
     } else {
@@ -556,6 +566,7 @@ fn measure_all<A: DeviceApi>(
             let r = kernel_rate(&small, Dir::DeviceToHost, b)?.min(kernel_rate(&small, Dir::HostToDevice, b)?);
             rates.push((b, r));
         }
+        block_rates.clone_from(&rates);
         pick_blocks(&rates)
     };
     let mut points = Vec::new();
@@ -569,13 +580,13 @@ fn measure_all<A: DeviceApi>(
             h2d_kernel_gbps: kernel_rate(&its, Dir::HostToDevice, blocks)?,
         });
     }
-    Ok(Calibration::from_points(points, blocks))
+    Ok(Calibration { block_rates, ..Calibration::from_points(points, blocks) })
 }
 
-/// The fewest blocks whose rate is within 5% of the best measured.
+/// The fewest blocks whose rate is within 3% of the best measured.
 pub(crate) fn pick_blocks(rates: &[(u32, f64)]) -> u32 {
     let best = rates.iter().map(|r| r.1).fold(0.0, f64::max);
-    rates.iter().filter(|r| r.1 >= best * 0.95).map(|r| r.0).min().unwrap_or(16)
+    rates.iter().filter(|r| r.1 >= best * 0.97).map(|r| r.0).min().unwrap_or(16)
 }
 
 #[cfg(test)]
@@ -609,6 +620,7 @@ mod tests {
     #[test]
     fn fewest_blocks_within_five_percent() {
         assert_eq!(pick_blocks(&[(4, 20.0), (8, 40.0), (16, 49.0), (32, 50.0), (64, 50.5)]), 16);
+        assert_eq!(pick_blocks(&[(4, 47.0), (8, 48.0), (16, 49.0), (32, 50.0), (64, 50.5)]), 16);
         assert_eq!(pick_blocks(&[(4, 50.0), (8, 40.0)]), 4);
         assert_eq!(pick_blocks(&[]), 16);
         // Never more blocks than one warp per page needs.

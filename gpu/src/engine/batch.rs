@@ -8,7 +8,7 @@ pub(super) const SPLIT_BYTES: u64 = 16 << 20;
 
 /// Size of the first batch of each stream's run (then growing by BATCH_GROWTH up to the
 /// batch maximum).
-pub(super) const FIRST_BATCH: usize = 16;
+pub(crate) const FIRST_BATCH: usize = 16;
 /// Batch growth factor, 4/3: the driver takes ~0.85 µs per copy and the DMA drains a
 /// 64 KiB copy in ~1.2 µs (H200, 2026-11-29), so a batch may be at most ~1.4x the one
 /// before for the DMA not to idle while it is handed over (doubling left gaps).
@@ -49,7 +49,7 @@ pub(crate) fn push_items(
 
 /// The batch after one of `size` copies: BATCH_GROWTH larger (at least one more), at most
 /// `per_call`.
-pub(super) fn next_batch(size: usize, per_call: usize) -> usize {
+pub(crate) fn next_batch(size: usize, per_call: usize) -> usize {
     (size * BATCH_GROWTH_NUM / BATCH_GROWTH_DEN).max(size + 1).min(per_call)
 }
 

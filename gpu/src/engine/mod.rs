@@ -25,7 +25,7 @@
 
 mod api;
 mod backend;
-mod batch;
+pub(crate) mod batch;
 mod config;
 mod ipc_cache;
 mod pipeline;
