@@ -176,9 +176,28 @@ pub struct GatherConfig {
     /// Blocks (of 512 threads, one SM each at most) the kernel runs on; 0: the smallest
     /// count the calibration found within 3% of the best rate for 4 KiB pages.
     pub blocks: u32,
+    /// Most bytes one kernel launch moves (a stage is cut into several launches); 0:
+    /// [`DEFAULT_LAUNCH_BYTES`]. Smaller launches hand the SMs back to the engine's own
+    /// kernels sooner.
+    pub launch_bytes: usize,
+    /// Streams one large object (at least 4 MiB per copy on average, few copies) is split
+    /// over; 0: [`LARGE_STREAMS`], 1: no split.
+    pub split_streams: usize,
 }
 
-static CONFIG: Mutex<GatherConfig> = Mutex::new(GatherConfig { mode: GatherMode::Auto, blocks: 0 });
+/// See [`GatherConfig::launch_bytes`].
+pub const DEFAULT_LAUNCH_BYTES: usize = 4 << 20;
+
+impl GatherConfig {
+    pub(crate) fn launch_bytes(&self) -> usize {
+        if self.launch_bytes == 0 { DEFAULT_LAUNCH_BYTES } else { self.launch_bytes.max(ALIGN) }
+    }
+    pub(crate) fn split_streams(&self) -> usize {
+        if self.split_streams == 0 { LARGE_STREAMS } else { self.split_streams.min(16) }
+    }
+}
+
+static CONFIG: Mutex<GatherConfig> = Mutex::new(GatherConfig { mode: GatherMode::Auto, blocks: 0, launch_bytes: 0, split_streams: 0 });
 
 /// Sets the kernel path settings for copy calls that start afterwards (a calibration
 /// already done is kept).
@@ -322,10 +341,12 @@ pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
     }
 }
 
-/// Streams one large object is split over (both directions).
-pub(crate) const LARGE_STREAMS: usize = 4;
-/// Objects of at least this many bytes per item on average are split.
-pub(crate) const LARGE_MIN_AVG: usize = 1 << 20;
+/// Streams one large object is split over (both directions) unless configured.
+pub const LARGE_STREAMS: usize = 4;
+/// Objects of at least this many bytes per item on average are split (H200, 2026-12-01:
+/// a 1 MiB object split over 4 streams went from 26.8 to 17.8 GB/s, the extra streams'
+/// synchronization costing more than the overlap gains).
+pub(crate) const LARGE_MIN_AVG: usize = 4 << 20;
 /// Smallest piece of a split object.
 pub(crate) const LARGE_MIN_PIECE: usize = 256 << 10;
 
@@ -440,16 +461,37 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
     if items.is_empty() {
         return Ok(());
     }
-    let n = desc_count(items);
-    let (slice, dev) = descs.take(api, n)?;
-    build_descs(dir, items, slice);
-    let blocks = blocks_for(state.calibration.blocks, n);
-    // SAFETY: the descriptors are written and stay untouched until the call synchronized;
-    // forwarded contract for the pages.
-    unsafe { api.launch_copy_kernel(state.kernel, dev, n as u64, blocks, THREADS, stream) }?;
-    LAUNCHES.fetch_add(1, Ordering::Relaxed);
-    LAUNCHED_PAGES.fetch_add(items.len() as u64, Ordering::Relaxed);
+    let max_bytes = gather_config().launch_bytes();
+    for chunk in launch_chunks(items, max_bytes) {
+        let items = &items[chunk];
+        let n = desc_count(items);
+        let (slice, dev) = descs.take(api, n)?;
+        build_descs(dir, items, slice);
+        let blocks = blocks_for(state.calibration.blocks, n);
+        // SAFETY: the descriptors are written and stay untouched until the call
+        // synchronized; forwarded contract for the pages.
+        unsafe { api.launch_copy_kernel(state.kernel, dev, n as u64, blocks, THREADS, stream) }?;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        LAUNCHED_PAGES.fetch_add(items.len() as u64, Ordering::Relaxed);
+    }
     Ok(())
+}
+
+/// Contiguous runs of `items` of at most `max_bytes` each (an item larger than that alone).
+pub(crate) fn launch_chunks(items: &[Item], max_bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, it) in items.iter().enumerate() {
+        if i > start && bytes + it.len > max_bytes {
+            out.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += it.len;
+    }
+    if start < items.len() {
+        out.push(start..items.len());
+    }
+    out
 }
 
 /// Blocks for `pages` pages: no more than one warp per page.
@@ -463,7 +505,7 @@ pub(crate) const CALIBRATION_PAGES: [usize; 6] = [4 << 10, 8 << 10, 16 << 10, 32
 /// Bytes moved per calibration measurement.
 const CALIBRATION_BYTES: usize = 16 << 20;
 /// Block counts tried for 4 KiB pages when none is configured.
-const CALIBRATION_BLOCKS: [u32; 5] = [4, 8, 16, 32, 64];
+const CALIBRATION_BLOCKS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
 
 /// Loads the kernel and times copy engines against it on this GPU (a device is bound on
 /// the calling thread). Takes about 0.1–0.3 s; done once per GPU.
@@ -618,7 +660,16 @@ mod tests {
     }
 
     #[test]
-    fn fewest_blocks_within_five_percent() {
+    fn launches_are_cut_by_bytes() {
+        let items: Vec<Item> = (0..10).map(|k| it(k * 4096, 0, 4096)).collect();
+        assert_eq!(launch_chunks(&items, 4 * 4096), vec![0..4, 4..8, 8..10]);
+        assert_eq!(launch_chunks(&items, 1 << 30), vec![0..10]);
+        assert_eq!(launch_chunks(&items, 100), (0..10).map(|k| k..k + 1).collect::<Vec<_>>());
+        assert!(launch_chunks(&[], 4096).is_empty());
+    }
+
+    #[test]
+    fn fewest_blocks_within_three_percent() {
         assert_eq!(pick_blocks(&[(4, 20.0), (8, 40.0), (16, 49.0), (32, 50.0), (64, 50.5)]), 16);
         assert_eq!(pick_blocks(&[(4, 47.0), (8, 48.0), (16, 49.0), (32, 50.0), (64, 50.5)]), 16);
         assert_eq!(pick_blocks(&[(4, 50.0), (8, 40.0)]), 4);
@@ -687,5 +738,7 @@ mod tests {
         split_large(&mut small, 4);
         assert_eq!(small.len(), 1);
         assert!(!is_large(&[it(0, 0, 64 << 10)]));
+        assert!(!is_large(&[it(0, 0, 1 << 20)]), "1 MiB objects are not split");
+        assert!(is_large(&[it(0, 0, 4 << 20)]));
     }
 }

@@ -126,7 +126,7 @@ fn pages(n: usize, page: usize) -> Vec<CopyOp> {
 }
 
 fn set_mode(mode: GatherMode) {
-    set_gather_config(GatherConfig { mode, blocks: 0 });
+    set_gather_config(GatherConfig { mode, ..Default::default() });
 }
 
 #[test]

@@ -73,6 +73,12 @@ pub struct TransferCli {
     /// cuda, in-process pool: blocks of the page copy kernel (0: calibrated).
     #[arg(long, default_value_t = 0)]
     gather_blocks: u32,
+    /// cuda, in-process pool: most KiB one page copy kernel launch moves (0: default 4 MiB).
+    #[arg(long, default_value_t = 0)]
+    gather_launch_kib: usize,
+    /// cuda, in-process pool: streams one large object is split over (0: default 4, 1: no split).
+    #[arg(long, default_value_t = 0)]
+    split_streams: usize,
 }
 
 impl TransferCli {
@@ -88,7 +94,12 @@ impl TransferCli {
             "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
             other => return Err(format!("--gather {other}: expected auto, kernel or copy-engine")),
         };
-        umbp_gpu::set_gather_config(umbp_gpu::GatherConfig { mode, blocks: self.gather_blocks });
+        umbp_gpu::set_gather_config(umbp_gpu::GatherConfig {
+            mode,
+            blocks: self.gather_blocks,
+            launch_bytes: self.gather_launch_kib << 10,
+            split_streams: self.split_streams,
+        });
         if self.streams.is_some() || self.no_batch {
             let (s, _) = umbp_gpu::tuning();
             umbp_gpu::set_tuning(self.streams.unwrap_or(s), !self.no_batch);

@@ -103,7 +103,7 @@ impl<A: DeviceApi> Engine<A> {
         }
         let t_call = Instant::now();
         let (streams, batch) = tuning();
-        let streams = if large { streams.max(gather::LARGE_STREAMS) } else { streams };
+        let streams = if large { streams.max(gather::gather_config().split_streams()) } else { streams };
         if large && !staged {
             gather::split_large(&mut items, streams);
         }
@@ -456,10 +456,10 @@ mod tests {
     }
 
     /// Issue #14 on the CPU stand-in: with a calibration saying the kernel wins up to
-    /// 16 KiB, a staged call of 4 KiB pages goes to the kernel (one launch per stage, no
-    /// copy-engine copy), 64 KiB pages go to copy engines, pages outside registered host
-    /// memory never go to the kernel, and one large object is cut for 4 streams. Bytes
-    /// land right in every case.
+    /// 16 KiB, a staged call of 4 KiB pages goes to the kernel (one launch per stage of
+    /// 1 MiB, no copy-engine copy), 64 KiB pages go to copy engines, pages outside
+    /// registered host memory never go to the kernel, and one 4 MiB object is cut for 4
+    /// streams. Bytes land right in every case.
     #[test]
     fn stages_take_the_path_the_calibration_chose() {
         use crate::gather::{Calibration, GatherState, Point};
@@ -467,7 +467,7 @@ mod tests {
         let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0 };
         let calibration = Calibration::from_points(vec![p(4096), p(16384)], 8);
         assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration })).is_ok());
-        let total = 1 << 20;
+        let total = 4 << 20;
         let src: Vec<u8> = (0..total).map(|i| (i % 251) as u8).collect();
         let mut dst = vec![0u8; total];
         let dst_ptr = dst.as_mut_ptr();
@@ -499,10 +499,11 @@ mod tests {
             (api.kernels.load(Ordering::Relaxed) - k0, api.copies.load(Ordering::Relaxed) - c0)
         };
         assert_eq!(run(4096, 4, &registered), (4, 0), "4 KiB pages: one launch per stage");
-        assert_eq!(run(16384, 1, &registered), (1, 0));
-        assert_eq!(run(65536, 4, &registered), (0, 16), "64 KiB pages: copy engines");
-        assert_eq!(run(4096, 2, &[]), (0, 256), "unregistered host memory: copy engines");
-        assert_eq!(run(total, 1, &registered), (0, 4), "one 1 MiB object: cut for 4 streams");
+        assert_eq!(run(16384, 1, &registered), (1, 0), "4 MiB of 16 KiB pages: one launch");
+        assert_eq!(run(65536, 4, &registered), (0, 64), "64 KiB pages: copy engines");
+        assert_eq!(run(4096, 2, &[]), (0, 1024), "unregistered host memory: copy engines");
+        assert_eq!(run(total, 1, &registered), (0, 4), "one 4 MiB object: cut for 4 streams");
+        assert_eq!(run(total / 4, 1, &registered), (0, 4), "1 MiB objects: not cut");
         let _ = &mut dst;
     }
 }
