@@ -176,24 +176,25 @@ pub struct GatherConfig {
     /// Blocks (of 512 threads, one SM each at most) the kernel runs on; 0: the smallest
     /// count the calibration found within 3% of the best rate for 4 KiB pages.
     pub blocks: u32,
-    /// Most bytes one kernel launch moves (a stage is cut into several launches); 0:
-    /// [`DEFAULT_LAUNCH_BYTES`]. Smaller launches hand the SMs back to the engine's own
-    /// kernels sooner.
+    /// Most bytes one kernel launch moves (a stage is cut into several launches); 0: one
+    /// launch per stage (the default). Measured on the H200 (2026-12-01): 4 MiB launches
+    /// cut the matmul slowdown under continuous kernel-path stores from 24% to 17% but
+    /// lowered 4 KiB-page throughput from 0.75 to 0.71 of contiguous; neither is good
+    /// enough to be the default.
     pub launch_bytes: usize,
     /// Streams one large object (at least 4 MiB per copy on average, few copies) is split
-    /// over; 0: [`LARGE_STREAMS`], 1: no split.
+    /// over; 0 or 1: no split (the default). Measured on the H200 (2026-12-01): a split over
+    /// 4 streams did not move 16 MiB x1 or 64 MiB x1 beyond run-to-run noise
+    /// (41.4/41.2 and 47.6/50.6 GB/s unsplit, 39.3/43.7 and 45.3/46.7 split, same run).
     pub split_streams: usize,
 }
 
-/// See [`GatherConfig::launch_bytes`].
-pub const DEFAULT_LAUNCH_BYTES: usize = 4 << 20;
-
 impl GatherConfig {
     pub(crate) fn launch_bytes(&self) -> usize {
-        if self.launch_bytes == 0 { DEFAULT_LAUNCH_BYTES } else { self.launch_bytes.max(ALIGN) }
+        if self.launch_bytes == 0 { usize::MAX } else { self.launch_bytes.max(ALIGN) }
     }
     pub(crate) fn split_streams(&self) -> usize {
-        if self.split_streams == 0 { LARGE_STREAMS } else { self.split_streams.min(16) }
+        self.split_streams.clamp(1, 16)
     }
 }
 
@@ -341,8 +342,8 @@ pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
     }
 }
 
-/// Streams one large object is split over (both directions) unless configured.
-pub const LARGE_STREAMS: usize = 4;
+/// A stage of fewer copies than this times the split streams counts as "few large".
+const LARGE_FEW: usize = 16;
 /// Objects of at least this many bytes per item on average are split (H200, 2026-12-01:
 /// a 1 MiB object split over 4 streams went from 26.8 to 17.8 GB/s, the extra streams'
 /// synchronization costing more than the overlap gains).
@@ -350,9 +351,10 @@ pub(crate) const LARGE_MIN_AVG: usize = 4 << 20;
 /// Smallest piece of a split object.
 pub(crate) const LARGE_MIN_PIECE: usize = 256 << 10;
 
-/// Whether a stage of these items is "few large objects": split over [`LARGE_STREAMS`].
+/// Whether a stage of these items is "few large objects", to be split over
+/// [`GatherConfig::split_streams`] streams (none when that is 1).
 pub(crate) fn is_large(items: &[Item]) -> bool {
-    !items.is_empty() && items.len() < LARGE_STREAMS * 4 && average(items) >= LARGE_MIN_AVG
+    gather_config().split_streams() > 1 && !items.is_empty() && items.len() < LARGE_FEW && average(items) >= LARGE_MIN_AVG
 }
 
 /// Cuts items so that there are at least `streams` pieces of about equal size (each at
@@ -632,7 +634,7 @@ pub(crate) fn pick_blocks(rates: &[(u32, f64)]) -> u32 {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn it(host: usize, device: u64, len: usize) -> Item {
@@ -657,6 +659,25 @@ mod tests {
         assert_eq!((c.d2h_crossover, c.h2d_crossover), (0, 0));
         assert!(!c.use_kernel(Dir::DeviceToHost, 4096));
         assert_eq!(Calibration::from_points(vec![], 8).d2h_crossover, 0);
+    }
+
+    /// Sets `split_streams` for one test and puts the default back (lib tests that use
+    /// the split serialize on it).
+    pub(crate) struct SplitConfig(#[allow(dead_code)] std::sync::MutexGuard<'static, ()>);
+
+    impl SplitConfig {
+        pub(crate) fn set(streams: usize) -> SplitConfig {
+            static SERIAL: Mutex<()> = Mutex::new(());
+            let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+            set_gather_config(GatherConfig { split_streams: streams, ..gather_config() });
+            SplitConfig(guard)
+        }
+    }
+
+    impl Drop for SplitConfig {
+        fn drop(&mut self) {
+            set_gather_config(GatherConfig { split_streams: 0, ..gather_config() });
+        }
     }
 
     #[test]
@@ -716,9 +737,10 @@ mod tests {
 
     #[test]
     fn one_large_object_is_split_for_several_streams() {
+        let _config = SplitConfig::set(4);
         let mut items = vec![it(0x1000_0000, 0x9000_0000, 16 << 20)];
         assert!(is_large(&items));
-        split_large(&mut items, LARGE_STREAMS);
+        split_large(&mut items, 4);
         assert_eq!(items.len(), 4);
         assert!(items.iter().all(|i| i.len == 4 << 20));
         for (k, i) in items.iter().enumerate() {
@@ -740,5 +762,7 @@ mod tests {
         assert!(!is_large(&[it(0, 0, 64 << 10)]));
         assert!(!is_large(&[it(0, 0, 1 << 20)]), "1 MiB objects are not split");
         assert!(is_large(&[it(0, 0, 4 << 20)]));
+        set_gather_config(GatherConfig { split_streams: 1, ..gather_config() });
+        assert!(!is_large(&[it(0, 0, 4 << 20)]), "split off");
     }
 }

@@ -73,10 +73,10 @@ pub struct TransferCli {
     /// cuda, in-process pool: blocks of the page copy kernel (0: calibrated).
     #[arg(long, default_value_t = 0)]
     gather_blocks: u32,
-    /// cuda, in-process pool: most KiB one page copy kernel launch moves (0: default 4 MiB).
+    /// cuda, in-process pool: most KiB one page copy kernel launch moves (0: one launch per stage).
     #[arg(long, default_value_t = 0)]
     gather_launch_kib: usize,
-    /// cuda, in-process pool: streams one large object is split over (0: default 4, 1: no split).
+    /// cuda, in-process pool: streams one large object (4 MiB+) is split over (0 or 1: no split).
     #[arg(long, default_value_t = 0)]
     split_streams: usize,
 }

@@ -462,7 +462,8 @@ mod tests {
     /// streams. Bytes land right in every case.
     #[test]
     fn stages_take_the_path_the_calibration_chose() {
-        use crate::gather::{Calibration, GatherState, Point};
+        use crate::gather::{gather_config, set_gather_config, Calibration, GatherConfig, GatherState, Point};
+        let _split = crate::gather::tests::SplitConfig::set(4);
         let (api, engine) = simulated(usize::MAX, true, false);
         let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0 };
         let calibration = Calibration::from_points(vec![p(4096), p(16384)], 8);
@@ -504,6 +505,8 @@ mod tests {
         assert_eq!(run(4096, 2, &[]), (0, 1024), "unregistered host memory: copy engines");
         assert_eq!(run(total, 1, &registered), (0, 4), "one 4 MiB object: cut for 4 streams");
         assert_eq!(run(total / 4, 1, &registered), (0, 4), "1 MiB objects: not cut");
+        set_gather_config(GatherConfig { split_streams: 1, ..gather_config() });
+        assert_eq!(run(total, 1, &registered), (0, 1), "split off: one copy");
         let _ = &mut dst;
     }
 }
