@@ -299,7 +299,7 @@ pub(crate) fn eligible(items: &[Item], ranges: &[(usize, usize)]) -> bool {
     !items.is_empty()
         && items.iter().all(|it| {
             let h = it.host as usize;
-            (h | it.device as usize | it.len) % ALIGN == 0 && in_ranges(ranges, h, it.len)
+            (h | it.device as usize | it.len).is_multiple_of(ALIGN) && in_ranges(ranges, h, it.len)
         })
 }
 
