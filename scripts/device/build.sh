@@ -21,7 +21,7 @@ cargo build --release -p umbp-pool --bin umbp-pool
 cp target/release/umbp-bench target/release/umbp-pool "$out/"
 
 # Integration test binaries have hashed names; cargo's JSON messages say where they are.
-cargo test --release -p umbp-gpu --test cuda --test hip --test host_process --test host_memfd \
+cargo test --release -p umbp-gpu --test cuda --test cuda_gather --test hip --test host_process --test host_memfd \
     --no-run --message-format=json \
   | python3 -c '
 import json, sys

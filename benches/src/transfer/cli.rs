@@ -66,6 +66,19 @@ pub struct TransferCli {
     /// One JSON object per case and line.
     #[arg(long)]
     json: bool,
+    /// cuda, in-process pool: page copy path: auto (the pool's calibration), kernel, or
+    /// copy-engine (issue #14).
+    #[arg(long, default_value = "auto")]
+    gather: String,
+    /// cuda, in-process pool: blocks of the page copy kernel (0: calibrated).
+    #[arg(long, default_value_t = 0)]
+    gather_blocks: u32,
+    /// cuda, in-process pool: most KiB one page copy kernel launch moves (0: one launch per stage).
+    #[arg(long, default_value_t = 0)]
+    gather_launch_kib: usize,
+    /// cuda, in-process pool: streams one large object (4 MiB+) is split over (0 or 1: no split).
+    #[arg(long, default_value_t = 0)]
+    split_streams: usize,
 }
 
 impl TransferCli {
@@ -75,6 +88,18 @@ impl TransferCli {
 
     fn run_inner(self) -> Result<(), String> {
         init_logs();
+        let mode = match self.gather.as_str() {
+            "auto" => umbp_gpu::GatherMode::Auto,
+            "kernel" => umbp_gpu::GatherMode::Kernel,
+            "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
+            other => return Err(format!("--gather {other}: expected auto, kernel or copy-engine")),
+        };
+        umbp_gpu::set_gather_config(umbp_gpu::GatherConfig {
+            mode,
+            blocks: self.gather_blocks,
+            launch_bytes: self.gather_launch_kib << 10,
+            split_streams: self.split_streams,
+        });
         if self.streams.is_some() || self.no_batch {
             let (s, _) = umbp_gpu::tuning();
             umbp_gpu::set_tuning(self.streams.unwrap_or(s), !self.no_batch);
@@ -105,6 +130,10 @@ impl TransferCli {
             return Err("--sizes: object sizes are in MiB and must be at least 1".into());
         }
         let cases = run(&args)?;
+        for (ordinal, c) in umbp_gpu::gather::calibrations() {
+            eprintln!("page copy kernel calibration, GPU {ordinal}: {c:?}");
+        }
+        eprintln!("page copy kernel (--gather {}): (launches, pages) {:?}", self.gather, umbp_gpu::gather::kernel_launches());
         if !cases.is_empty() {
             crate::report::print(&cases, self.json);
         }
