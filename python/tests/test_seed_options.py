@@ -376,3 +376,15 @@ def test_metrics_in_vllms_prometheus_output(cfg_dir):
 
     assert (value("lookups"), value("lookup_hit_tokens"), value("load_bytes")) == (3, 256, 4096)
     assert value("load_seconds") == pytest.approx(2.0)
+
+
+def test_sleep_mode_is_refused():
+    """vLLM >= 0.33 asks the connector before enabling sleep mode (which remaps the KV
+    memory the pool has registered): the answer must be no."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from umbp.vllm import UMBPStoreConnector
+
+    assert UMBPStoreConnector.supports_sleep_mode(None) is False
+    if not hasattr(KVConnectorBase_V1, "supports_sleep_mode"):
+        print("skipped: this vLLM has no supports_sleep_mode hook (< 0.33); checked the answer only")

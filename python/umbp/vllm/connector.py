@@ -188,6 +188,13 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         return UMBPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        # vLLM >= 0.33 asks before enabling sleep mode: the pool holds the KV memory
+        # registered at start (CUDA IPC / process memory), which sleep mode would release
+        # and remap under it.
+        return False
+
+    @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
         return None  # any layout whose blocks are dense pages (checked at registration)
 
