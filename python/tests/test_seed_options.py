@@ -54,13 +54,13 @@ def test_new_keys_defaults():
     assert c.embedded_pool_kwargs() == {"high_wm": 0.9, "low_wm": 0.7}
 
 
-def test_embedded_pool_knobs_reach_the_pool_kwargs(tmp_path):
+def test_embedded_pool_knobs_reach_the_pool_kwargs(short_tmp):
     c = parse({"dram_use_hugepages": "true", "dram_hugepage_size": "2MiB", "dram_numa_node": 0,
                "dram_prefault": 1, "num_workers": 3, "dram_high_watermark": 0.8,
-               "dram_low_watermark": 0.5, "lookup_dir": str(tmp_path)})
+               "dram_low_watermark": 0.5, "lookup_dir": str(short_tmp)})
     assert c.embedded_pool_kwargs() == {"high_wm": 0.8, "low_wm": 0.5, "hugepages": True,
                                         "numa_node": 0, "prefault": True, "copy_threads": 3}
-    assert c.lookup_dir == str(tmp_path) and c.notes == ()
+    assert c.lookup_dir == str(short_tmp) and c.notes == ()
 
 
 @pytest.mark.parametrize("size", ["1GiB", "4KiB", 4096, "3MiB"])
