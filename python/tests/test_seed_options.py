@@ -177,6 +177,31 @@ def _threads(prefix: str) -> int:
     return n
 
 
+def _settled_threads(prefix: str) -> int:
+    """`_threads(prefix)` once pools closed by earlier tests have finished exiting."""
+    import gc
+
+    gc.collect()
+    last, deadline = _threads(prefix), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        time.sleep(0.3)
+        now = _threads(prefix)
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def _new_threads(prefix: str, before: int, want: int) -> int:
+    """Threads named `prefix*` beyond `before`, once `want` of them are there (Rust names a
+    thread from inside it, when it first runs: on a loaded machine that can take a while)."""
+    deadline = time.monotonic() + 20
+    while _threads(prefix) - before < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # and no more than that
+    return _threads(prefix) - before
+
+
 def _meminfo_kb(field: str, path: str = "/proc/self/status") -> int:
     for line in Path(path).read_text().splitlines():
         if line.startswith(field + ":"):
@@ -185,15 +210,16 @@ def _meminfo_kb(field: str, path: str = "/proc/self/status") -> int:
 
 
 def test_num_workers_sets_the_copy_threads(native, short_tmp):
-    before = _threads("umbp-copy-")
+    before = _settled_threads("umbp-copy-")
     pool = native.EmbeddedPool(8 * MiB, socket_path=str(short_tmp / "a.sock"), copy_threads=5)
     try:
-        assert _threads("umbp-copy-") - before == 5
+        assert _new_threads("umbp-copy-", before, 5) == 5
     finally:
         pool.close()
+    before = _settled_threads("umbp-copy-")
     pool = native.EmbeddedPool(8 * MiB, socket_path=str(short_tmp / "b.sock"), copy_threads=1)
     try:
-        assert _threads("umbp-copy-") - before == 1
+        assert _new_threads("umbp-copy-", before, 1) == 1
     finally:
         pool.close()
 
@@ -288,12 +314,12 @@ def make_harness(cfg_dir, native):
 
 
 def test_connector_pool_options_take_effect(make_harness, short_tmp):
-    before = _threads("umbp-copy-")
+    before = _settled_threads("umbp-copy-")
     h = make_harness(extra={"num_workers": 3, "lookup_dir": str(short_tmp / "lk"),
                             "dram_numa_node": 0})
     path = Path(h.worker._worker.endpoint)
     assert path.parent == short_tmp / "lk" and path.is_socket()
-    assert _threads("umbp-copy-") - before == 3
+    assert _new_threads("umbp-copy-", before, 3) == 3
     # The scheduler's lookups read the pool in lookup_dir: a stored prompt hits.
     from sched_harness import tokens
 
