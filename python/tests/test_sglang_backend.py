@@ -117,12 +117,30 @@ def test_pool_killed_misses_no_crash_then_recovers(pool_factory) -> None:
     assert _exact(hp, idx, hp2, i2, 3)
 
 
+def _vllm_keys():
+    """umbp/vllm/keys.py itself (pure Python); loaded from its file when the `umbp.vllm`
+    package cannot be imported (its __init__ imports vLLM, which an SGLang venv may lack)."""
+    try:
+        from umbp.vllm import keys
+
+        return keys
+    except ImportError:
+        import importlib.util as iu
+
+        import umbp
+
+        spec = iu.spec_from_file_location("_umbp_vllm_keys", Path(umbp.__file__).parent / "vllm" / "keys.py")
+        mod = iu.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+
 def test_vllm_and_sglang_objects_never_collide(pool_factory, native) -> None:
     """The same hash bytes stored by a vLLM connector worker are invisible to the SGLang
     backend and vice versa: the namespaces (hence keys) differ by engine."""
     from umbp._keys_common import make_keys
 
-    from umbp.vllm.keys import canonical_namespace_text
+    canonical_namespace_text = _vllm_keys().canonical_namespace_text
 
     pool = pool_factory()
     hp = sh.host_pool("page_first")
