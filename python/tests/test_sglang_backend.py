@@ -65,7 +65,7 @@ def _exact(hp_a, ia, hp_b, ib, n) -> bool:
     return all(sh.page_bytes(hp_a, int(ia[i * ps])) == sh.page_bytes(hp_b, int(ib[i * ps])) for i in range(n))
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct"])
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_head"])
 def test_layouts_roundtrip_between_two_backends(pool_factory, layout: str) -> None:
     pool = pool_factory()
     ha, a, hb, b = _pair(layout, str(pool.socket_path))
