@@ -11,6 +11,7 @@ prints one JSON line with what it did.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
@@ -111,7 +112,7 @@ def main(argv: list[str]) -> int:
         idx = hp.alloc(npages * hp.page_size)
         fill_pages(hp, idx, seed)
         ok = b.batch_set_v1(keys, idx)
-        out = {"op": op, "ok": ok, "pid": __import__("os").getpid()}
+        out = {"op": op, "ok": ok, "pid": os.getpid()}
     else:
         hp.alloc(3 * hp.page_size)  # land the pages elsewhere than the writer had them
         idx = hp.alloc(npages * hp.page_size)
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> int:
         exact = [page_bytes(hp, int(idx[i * hp.page_size])) ==
                  expected_page(hp, seed, i).contiguous().view(torch.uint8).numpy().tobytes()
                  if ok[i] else None for i in range(npages)]
-        out = {"op": op, "hit": hit, "ok": ok, "exact": exact, "pid": __import__("os").getpid()}
+        out = {"op": op, "hit": hit, "ok": ok, "exact": exact, "pid": os.getpid()}
     b.close()
     print(json.dumps(out), flush=True)
     return 0
