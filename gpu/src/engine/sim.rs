@@ -1,9 +1,10 @@
 //! A CPU stand-in for a GPU driver, for the engine's unit tests.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::sync::Mutex;
 
-use super::{DeviceApi, Dir, Engine};
+use super::{DeviceApi, Dir, Engine, Item};
 use crate::{GpuError, MemoryKind};
 
 
@@ -18,6 +19,10 @@ pub(super) struct SimulatedDevice {
     pub(super) copies: AtomicUsize,
     pub(super) ipc_opens: AtomicUsize,
     pub(super) syncs: AtomicUsize,
+    /// Streams created.
+    pub(super) streams_made: AtomicUsize,
+    /// Size of every batch handed to `copy_batch_async`, and whether batching was asked.
+    pub(super) batches: Mutex<Vec<(usize, bool)>>,
 }
 
 impl DeviceApi for SimulatedDevice {
@@ -40,7 +45,7 @@ impl DeviceApi for SimulatedDevice {
     }
     fn unbind(&self) {}
     fn create_stream(&self) -> Result<usize, GpuError> {
-        Ok(0)
+        Ok(self.streams_made.fetch_add(1, Ordering::Relaxed))
     }
     fn destroy_stream(&self, _: usize) {}
     unsafe fn copy_async(&self, dir: Dir, host: *mut u8, device: u64, len: usize, _: usize) -> Result<(), GpuError> {
@@ -54,6 +59,14 @@ impl DeviceApi for SimulatedDevice {
         };
         // SAFETY: the test's items point into its own live buffers.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        Ok(())
+    }
+    unsafe fn copy_batch_async(&self, _: &(), dir: Dir, items: &[Item], stream: usize, batch: bool) -> Result<(), GpuError> {
+        self.batches.lock().unwrap().push((items.len(), batch));
+        for it in items {
+            // SAFETY: forwarded contract.
+            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+        }
         Ok(())
     }
     fn synchronize(&self, _: usize) -> Result<(), GpuError> {
@@ -105,8 +118,10 @@ pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (Sim
         copies: AtomicUsize::new(0),
         ipc_opens: AtomicUsize::new(0),
         syncs: AtomicUsize::new(0),
+        streams_made: AtomicUsize::new(0),
+        batches: Mutex::new(Vec::new()),
     };
-    let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true) };
+    let engine = Engine::new(0, [7; 16], (), false);
     (api, engine)
 }
 

@@ -43,6 +43,8 @@ pub struct TransferArgs {
     /// Use this running pool instead of starting one (checks that need the pool's
     /// internals are skipped).
     pub pool_socket: Option<PathBuf>,
+    /// GPU copy engine tuning of the in-process pool.
+    pub engine: umbp_gpu::EngineConfig,
     /// cuda: only the gpt-oss layout cases (store, load, restore, fenced).
     pub layout_only: bool,
     /// cuda: the multi-GPU run (bench/multi_gpu.rs) instead of the single-GPU cases.
@@ -160,6 +162,20 @@ impl Drop for WorkerProc {
     }
 }
 
+/// Counters of every GPU copy engine of this process (the in-process pool's) together.
+fn engine_totals() -> umbp_gpu::EngineStats {
+    let mut t = umbp_gpu::EngineStats::default();
+    for e in umbp_gpu::loaded_backends().iter().flat_map(|b| b.engine_stats()) {
+        t.calls += e.calls;
+        t.items += e.items;
+        t.bytes += e.bytes;
+        t.enqueue_ns += e.enqueue_ns;
+        t.total_ns += e.total_ns;
+        t.stages += e.stages;
+    }
+    t
+}
+
 /// The pool the workers attach to.
 pub(super) struct PoolHandle {
     pool: Option<Pool>,
@@ -218,6 +234,7 @@ pub(super) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         prefault: true,
         // pool_overhead's objects: 24 pages of 64 B (layouts below this are refused).
         min_object_bytes: 24 * 64,
+        engine: args.engine,
         ..PoolConfig::default()
     };
     let started = Instant::now();
@@ -466,16 +483,19 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         stage_mib: u64,
     }
     let apply = |t: Tune| {
-        umbp_gpu::set_tuning(t.streams, t.batch);
-        umbp_gpu::set_parallel_submit(t.parallel);
-        umbp_gpu::set_batch_max(t.batch_max);
         if let Some(p) = &pool.pool {
+            let mut engine = p.engine_config();
+            engine.streams = t.streams;
+            engine.batch = t.batch;
+            engine.parallel_submit = t.parallel;
+            engine.batch_max = t.batch_max;
+            p.set_engine_config(engine);
             p.set_copy_stage_bytes(t.stage_mib * MIB);
         }
     };
-    let (st0, b0) = umbp_gpu::tuning();
+    let e = args.engine;
     let stage0 = umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB;
-    let mut tuning = Tune { streams: st0, batch: b0, parallel: umbp_gpu::parallel_submit(), batch_max: umbp_gpu::batch_max(), stage_mib: stage0 };
+    let mut tuning = Tune { streams: e.streams, batch: e.batch, parallel: e.parallel_submit, batch_max: e.batch_max, stage_mib: stage0 };
     if args.sweep && pool.pool.is_some() {
         let mut variants = Vec::new();
         for streams in [1usize, 4] {
@@ -493,11 +513,11 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         let mut best = (0.0, tuning);
         for t in variants {
             apply(t);
-            let e0 = umbp_gpu::engine_stats();
+            let e0 = engine_totals();
             let p0 = pool.phases();
             let (s, d) = measure(&mut a, next_key(0), reps.min(5))?;
             let phases = phase_means(&p0, &pool.phases());
-            let e1 = umbp_gpu::engine_stats();
+            let e1 = engine_totals();
             let calls = (e1.calls - e0.calls).max(1);
             let engine = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
             let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / calls as f64 / 1e6;
@@ -517,11 +537,11 @@ fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         eprintln!("tuning: using {tuning:?}");
     }
     apply(tuning);
-    let e0 = umbp_gpu::engine_stats();
+    let e0 = engine_totals();
     let p0 = pool.phases();
     let (s, d) = measure(&mut a, next_key(0), reps)?;
     let phases = phase_means(&p0, &pool.phases());
-    let e1 = umbp_gpu::engine_stats();
+    let e1 = engine_totals();
     let engine_gbps = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
     let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / (e1.calls - e0.calls).max(1) as f64 / 1e6;
     let lay = |c: Case| ctx(c).extra("layout", "24 layers x 64 KiB pages (gpt-oss-20b-like), one allocation per layer").extra("bytes", bytes)
@@ -1638,7 +1658,7 @@ pub struct TransferCli {
     /// then store/load GB/s of each GPU alone and of both at once, beside host memcpy.
     #[arg(long)]
     multi_gpu: bool,
-    /// Copy streams per copy call (default 1 or UMBP_COPY_STREAMS).
+    /// Copy streams per copy call of the in-process pool (default 1).
     #[arg(long)]
     streams: Option<usize>,
     /// Submit copies one call each instead of batched.
@@ -1656,10 +1676,9 @@ impl TransferCli {
 
     fn run_inner(self) -> Result<(), String> {
         init_logs();
-        if self.streams.is_some() || self.no_batch {
-            let (s, _) = umbp_gpu::tuning();
-            umbp_gpu::set_tuning(self.streams.unwrap_or(s), !self.no_batch);
-        }
+        let mut engine = umbp_gpu::EngineConfig::default();
+        engine.streams = self.streams.unwrap_or(engine.streams);
+        engine.batch = !self.no_batch;
         let default_cap = match (self.backend, self.quick) {
             (_, true) => "1536MiB",
             (BackendArg::Cuda, false) => "10GiB",
@@ -1673,6 +1692,7 @@ impl TransferCli {
             capacity,
             reps: self.reps.max(1),
             pool_socket: self.pool_socket,
+            engine,
             layout_only: self.layout_only,
             multi_gpu: self.multi_gpu,
             matmul: self.matmul,
