@@ -62,14 +62,14 @@ struct Args {
     copy_streams: u16,
     /// GPU copies: hand copies to the driver in batches (cuMemcpyBatchAsync) where it has
     /// it; false: one driver call per copy.
-    #[arg(long = "copy-batch", env = "UMBP_COPY_BATCH", value_name = "BOOL", default_value = "true", value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-batch", env = "UMBP_COPY_BATCH", value_name = "BOOL", default_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
     copy_batch: bool,
     /// GPU copies: most copies per batched driver call (1-65536).
     #[arg(long = "copy-batch-max", env = "UMBP_COPY_BATCH_MAX", value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536), help_heading = "GPU copy engine")]
     copy_batch_max: u32,
     /// GPU copies: large copy calls enqueue each stream's share from its own thread
     /// (measured no gain on the H200).
-    #[arg(long = "copy-parallel-submit", env = "UMBP_COPY_PARALLEL", value_name = "BOOL", default_value = "false", value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-parallel-submit", env = "UMBP_COPY_PARALLEL", value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
     copy_parallel_submit: bool,
     /// Group that owns the socket (mode 0660); its members may connect. Name or gid
     /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).
