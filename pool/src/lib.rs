@@ -1,5 +1,6 @@
-//! The UMBP pool (DESIGN §2, §7–§9). A library so that the same code runs as the
-//! standalone `umbp-pool` daemon and embedded inside one engine worker.
+//! The UMBP pool: one node's KV-cache store and copy service (docs/architecture.md). A
+//! library so that the same code runs as the standalone `umbp-pool` daemon and embedded
+//! inside one engine worker.
 //!
 //! Threads: one control thread (an event loop over the listener and every peer socket:
 //! accepts, handshakes and control messages as per-peer state machines with deadlines,
