@@ -8,12 +8,12 @@
 /// spread over several copy engines.
 const DEFAULT_STREAMS: usize = 1;
 /// Most streams a set may have.
-pub const MAX_STREAMS: usize = 16;
+pub(crate) const MAX_STREAMS: usize = 16;
 
 /// Most copies handed to the driver in one batch call by default.
 const DEFAULT_BATCH_MAX: usize = 512;
 /// Largest batch maximum.
-pub const MAX_BATCH: usize = 65536;
+pub(crate) const MAX_BATCH: usize = 65536;
 
 /// Copy calls with at least this many items enqueue each stream's run from its own
 /// thread when parallel submission is on ([`EngineConfig::parallel_submit`]).
@@ -26,12 +26,12 @@ pub(super) const PARALLEL_MIN_ITEMS: usize = 256;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct EngineConfig {
-    /// Streams one copy call spreads its copies over (1..=[`MAX_STREAMS`], default 1).
+    /// Streams one copy call spreads its copies over (1..=16, default 1).
     pub streams: usize,
     /// Batched copy submission (`cuMemcpyBatchAsync`) where the driver has it (default
     /// on); off: one driver call per copy.
     pub batch: bool,
-    /// Most copies per batched driver call (1..=[`MAX_BATCH`], default 512).
+    /// Most copies per batched driver call (1..=65536, default 512).
     pub batch_max: usize,
     /// Large copy calls enqueue each stream's share from its own thread (default off).
     /// Measured on the H200 (2026-11-29): no gain, the driver's enqueue (~0.7 µs per
