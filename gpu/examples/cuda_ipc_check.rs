@@ -334,7 +334,7 @@ fn main() {
     // SAFETY: the baseline allocation is no longer used.
     unsafe { ck("cuMemFree", sys::cuMemFree_v2(local)) };
 
-    // Fences (DESIGN §7): a stream waits on one pool word, then writes another.
+    // Fences (umbp_gpu::fence): a stream waits on one pool word, then writes another.
     // SAFETY: both words lie in the registered pool; the stream is synchronized before the
     // words are reused; the CPU side uses volatile accesses because the GPU writes behind
     // the compiler's back.

@@ -505,8 +505,8 @@ impl DeviceApi for Cuda {
     }
 
     unsafe fn host_register(&self, base: *mut u8, len: usize) -> Result<(), GpuError> {
-        // DEVICEMAP makes pool memory addressable by streams, which the fence words of
-        // DESIGN §7 need; on 64-bit systems with unified addressing it costs nothing more.
+        // DEVICEMAP makes pool memory addressable by streams, which the fence words
+        // ([`crate::fence`]) need; on 64-bit systems with unified addressing it costs nothing more.
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: forwarded contract: the range is mapped memory of this process.
         check("cuMemHostRegister", unsafe {
@@ -666,7 +666,7 @@ pub unsafe fn host_device_pointer(host: *mut u8) -> Result<CUdeviceptr, GpuError
     Ok(d)
 }
 
-/// Fence of DESIGN §7: enqueues on `stream` a write of `value` to the 8-byte word at `addr`
+/// Fence ([`crate::fence`]): enqueues on `stream` a write of `value` to the 8-byte word at `addr`
 /// (a device-mapped pool or worker word), ordered after the stream's earlier work.
 ///
 /// # Safety
@@ -684,7 +684,7 @@ pub unsafe fn stream_write_value64(
     })
 }
 
-/// Fence of DESIGN §7: makes `stream` wait until the word at `addr` is >= `value`
+/// Fence ([`crate::fence`]): makes `stream` wait until the word at `addr` is >= `value`
 /// (sequence numbers only grow). The wait is on the GPU; no CPU thread blocks.
 ///
 /// # Safety

@@ -88,7 +88,7 @@ pub enum GpuError {
     #[error("{0}")]
     Unsupported(String),
 
-    /// A store waited for its fence word (DESIGN §7) and the word never reached the value:
+    /// A store waited for its fence word ([`crate::fence`]) and the word never reached the value:
     /// the worker did not write it in time, or was gone. Nothing was published.
     #[error("fence word never reached {value} (last {last}) within {waited_ms} ms{why}")]
     FenceTimeout {

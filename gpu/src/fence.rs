@@ -1,4 +1,4 @@
-//! Stream-ordered fence words (DESIGN §7): ordering between a worker's compute stream and
+//! Stream-ordered fence words (docs/gpu.md, "Stream-ordered transfers"): ordering between a worker's compute stream and
 //! the pool's copies without a CPU wait on the worker's hot path.
 //!
 //! A fence word is a `u64` in host memory that both processes map: a small sealed memfd

@@ -541,7 +541,7 @@ pub unsafe fn host_device_pointer(host: *mut u8) -> Result<*mut c_void, GpuError
     Ok(d)
 }
 
-/// Fence of DESIGN §7 (`hipStreamWriteValue64`): enqueue a write of `value` to `ptr`.
+/// Fence ([`crate::fence`]; `hipStreamWriteValue64`): enqueue a write of `value` to `ptr`.
 ///
 /// # Safety
 /// `stream` is live; `ptr` is an 8-byte aligned device-accessible word that stays mapped
@@ -558,7 +558,7 @@ pub unsafe fn stream_write_value64(
     })
 }
 
-/// Fence of DESIGN §7 (`hipStreamWaitValue64`, full mask): `stream` waits until the word
+/// Fence ([`crate::fence`]; `hipStreamWaitValue64`, full mask): `stream` waits until the word
 /// at `ptr` is >= `value`.
 ///
 /// # Safety

@@ -1,4 +1,4 @@
-//! Host backends (DESIGN §7): "device" memory that is ordinary DRAM of a worker, for CPU
+//! Host backends (docs/gpu.md): "device" memory that is ordinary DRAM of a worker, for CPU
 //! engines and for tests that run without a GPU.
 //!
 //! - [`MemoryKind::HostMemfd`]: the worker passes a memfd at registration; the pool maps
@@ -36,24 +36,19 @@ pub struct HostMemfdBackend;
 /// Backend of [`MemoryKind::HostProcess`]. Pool memory needs no registration.
 pub struct HostProcessBackend;
 
+impl crate::sealed::Sealed for HostMemfdBackend {}
+impl crate::sealed::Sealed for HostProcessBackend {}
+
 impl Backend for HostMemfdBackend {
     fn kind(&self) -> MemoryKind {
         MemoryKind::HostMemfd
     }
 
-    unsafe fn register_host_memory(&self, _base: *mut u8, _len: usize) -> Result<(), GpuError> {
-        Ok(())
-    }
-
-    unsafe fn unregister_host_memory(&self, _base: *mut u8) -> Result<(), GpuError> {
-        Ok(())
-    }
-
-    fn open_region(
+    fn open_region_for(
         &self,
         reg: &MemoryRegistration,
         fd: Option<OwnedFd>,
-        _peer_pid: u32,
+        _peer: &crate::Peer<'_>,
     ) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(MemoryKind::HostMemfd, reg)?;
         let fd = fd.ok_or_else(|| {
@@ -71,33 +66,6 @@ impl Backend for HostProcessBackend {
         MemoryKind::HostProcess
     }
 
-    unsafe fn register_host_memory(&self, _base: *mut u8, _len: usize) -> Result<(), GpuError> {
-        Ok(())
-    }
-
-    unsafe fn unregister_host_memory(&self, _base: *mut u8) -> Result<(), GpuError> {
-        Ok(())
-    }
-
-    fn open_region(
-        &self,
-        reg: &MemoryRegistration,
-        _fd: Option<OwnedFd>,
-        peer_pid: u32,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
-        expect_kind(MemoryKind::HostProcess, reg)?;
-        // A bare pid (tests, tools): no identity to check beyond the pidfd taken here.
-        let pid = i32::try_from(peer_pid).ok().and_then(Pid::from_raw).ok_or_else(|| {
-            GpuError::invalid(MemoryKind::HostProcess, format!("peer pid {peer_pid} is not a process id"))
-        })?;
-        let pidfd = rustix::process::pidfd_open(pid, PidfdFlags::empty()).map_err(|e| match e {
-            rustix::io::Errno::SRCH => GpuError::PeerGone { pid: peer_pid },
-            e => GpuError::os("pidfd_open", e),
-        })?;
-        let peer = crate::Peer { attachment: 0, pid: peer_pid, pidfd: Some(pidfd.as_fd()), verify: &|| Ok(()) };
-        Ok(Box::new(ProcessRegion::open(reg, &peer)?))
-    }
-
     fn open_region_for(
         &self,
         reg: &MemoryRegistration,
@@ -107,6 +75,18 @@ impl Backend for HostProcessBackend {
         expect_kind(MemoryKind::HostProcess, reg)?;
         Ok(Box::new(ProcessRegion::open(reg, peer)?))
     }
+}
+
+/// A pidfd of `pid`, for opening a HostProcess region of a bare pid
+/// ([`Backend::open_region`]).
+pub(crate) fn pidfd_of(pid: u32) -> Result<OwnedFd, GpuError> {
+    let raw = i32::try_from(pid).ok().and_then(Pid::from_raw).ok_or_else(|| {
+        GpuError::invalid(MemoryKind::HostProcess, format!("peer pid {pid} is not a process id"))
+    })?;
+    rustix::process::pidfd_open(raw, PidfdFlags::empty()).map_err(|e| match e {
+        rustix::io::Errno::SRCH => GpuError::PeerGone { pid },
+        e => GpuError::os("pidfd_open", e),
+    })
 }
 
 /// `statfs` magic of hugetlbfs (MFD_HUGETLB memfds live there).
@@ -261,6 +241,8 @@ impl Drop for MemfdRegion {
         }
     }
 }
+
+impl crate::sealed::RegionHooks for MemfdRegion {}
 
 impl DeviceRegion for MemfdRegion {
     fn kind(&self) -> MemoryKind {
@@ -517,6 +499,8 @@ impl ProcessRegion {
         Ok(())
     }
 }
+
+impl crate::sealed::RegionHooks for ProcessRegion {}
 
 impl DeviceRegion for ProcessRegion {
     fn kind(&self) -> MemoryKind {

@@ -1,23 +1,25 @@
-//! Device backends of UMBP (DESIGN §7): how the pool copies KV bytes between its DRAM and
-//! memory a worker registered. One trait pair, four kinds:
+//! Device backends of UMBP: how the pool copies KV bytes between its DRAM and memory a
+//! worker registered (docs/gpu.md; its place among the crates: docs/architecture.md). One
+//! sealed trait pair, four kinds:
 //!
 //! | kind | module | peer memory reached through |
 //! |---|---|---|
 //! | [`MemoryKind::HostMemfd`] | [`host`] | a sealed memfd the worker passed, mapped shared |
-//! | [`MemoryKind::HostProcess`] | [`host`] | `process_vm_readv/writev` on the worker's pid |
+//! | [`MemoryKind::HostProcess`] | [`host`] | `/proc/<pid>/mem` of the worker |
 //! | [`MemoryKind::Cuda`] | [`cuda`] | `cuIpcOpenMemHandle`, copies on the pool's streams |
 //! | [`MemoryKind::Hip`] | [`hip`] | `hipIpcOpenMemHandle` (never run on AMD hardware yet) |
 //!
 //! GPU libraries are loaded at run time, so this crate builds and its host backends run on
 //! machines without any GPU stack; asking for a GPU kind there is an error naming the
-//! missing library, never a panic.
+//! missing library, never a panic. The crate reads no environment: copy tuning comes in
+//! an [`EngineConfig`] with every transfer ([`TransferArgs`]).
 //!
-//! The pool side uses [`backend_for`], [`Backend`] and [`DeviceRegion`]. Worker side
-//! helpers that fill a [`MemoryRegistration`] are [`host::export_memfd`],
-//! [`host::export_process_memory`], [`cuda::export_cuda_memory`] and
-//! [`hip::export_hip_memory`].
+//! The pool side uses [`backend_for`], [`Backend`], [`DeviceRegion`] and
+//! [`transfer_pipelined`]. Worker side helpers that fill a [`MemoryRegistration`] are
+//! [`host::export_memfd`], [`host::export_process_memory`], [`cuda::export_cuda_memory`]
+//! and [`hip::export_hip_memory`].
 
-use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 pub use umbp_protocol::layout::CopyOp;
@@ -31,12 +33,19 @@ pub mod gather;
 pub mod hip;
 pub mod host;
 
-pub use engine::{
-    batch_max, engine_stats, parallel_submit, set_batch_max, set_parallel_submit, set_tuning, tuning, EngineStats,
-};
+pub use engine::{EngineConfig, EngineStats};
 pub use error::GpuError;
 pub use fence::FenceWord;
 pub use gather::{gather_config, set_gather_config, GatherConfig, GatherMode};
+
+/// Direction of a copy between a registered region ("device") and pool memory ("host").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dir {
+    /// Region -> pool memory: a store.
+    DeviceToHost,
+    /// Pool memory -> region: a load.
+    HostToDevice,
+}
 
 /// One region's share of a [`transfer`].
 pub struct Part<'a> {
@@ -44,7 +53,8 @@ pub struct Part<'a> {
     pub ops: &'a [CopyOp],
 }
 
-/// Ordering of a [`transfer`] against a worker's stream (DESIGN §7, [`fence`]).
+/// Ordering of a [`transfer`] against a worker's stream ([`fence`]; docs/gpu.md,
+/// "Stream-ordered transfers").
 #[derive(Clone, Copy, Default)]
 pub enum Fence<'a> {
     #[default]
@@ -57,70 +67,59 @@ pub enum Fence<'a> {
     SignalAfter(FenceWord<'a>, u64),
 }
 
-/// Copies every part (device -> pool memory when `to_host`, else pool memory -> device)
-/// and returns one result per part. Parts on one GPU run as one batched copy call, so a
-/// block spread over many per-layer allocations costs one submission and one
-/// synchronization, not one per layer. Host parts are copied by their region, after a
-/// CPU wait for a store fence.
-///
-/// `keep_waiting` is asked while a store waits for its fence: returning false (peer gone,
-/// pool stopping) gives up at once; otherwise the wait ends after
-/// [`fence::FENCE_TIMEOUT`].
+/// What every part of one [`transfer`] (or every stage of a [`transfer_pipelined`])
+/// shares.
+#[derive(Clone, Copy)]
+pub struct TransferArgs<'a> {
+    pub dir: Dir,
+    /// Pool memory the ops' `host_offset`s count from.
+    pub host_base: *mut u8,
+    pub fence: Fence<'a>,
+    /// Asked while a store waits for its fence: returning false (peer gone, pool stopping)
+    /// gives up at once; otherwise the wait ends after [`fence::FENCE_TIMEOUT`].
+    pub keep_waiting: &'a dyn Fn() -> bool,
+    /// Tuning of the GPU copy engine for this transfer (host regions ignore it).
+    pub engine: EngineConfig,
+}
+
+/// Copies every part in `args.dir` and returns one result per part. Parts on one GPU run
+/// as one batched copy call, so a block spread over many per-layer allocations costs one
+/// submission and one synchronization, not one per layer. Host parts are copied by their
+/// region, after a CPU wait for a store fence.
 ///
 /// # Safety
-/// For every op, `host_base[host_offset..+len]` is valid pool memory (writable when
-/// `to_host`) that no one else accesses during the call.
-pub unsafe fn transfer(
-    to_host: bool,
-    parts: &[Part<'_>],
-    host_base: *mut u8,
-    fence: Fence<'_>,
-    keep_waiting: &dyn Fn() -> bool,
-) -> Vec<Result<(), GpuError>> {
-    let n = parts.len();
-    let mut results: Vec<Option<Result<(), GpuError>>> = (0..n).map(|_| None).collect();
-    let mut claimed = vec![false; n];
-    for i in 0..n {
-        if !claimed[i] {
+/// For every op, `args.host_base[host_offset..+len]` is valid pool memory (writable for
+/// [`Dir::DeviceToHost`]) that no one else accesses during the call.
+pub unsafe fn transfer(args: &TransferArgs<'_>, parts: &[Part<'_>]) -> Vec<Result<(), GpuError>> {
+    let mut group = sealed::Group::new(parts.len());
+    for i in 0..parts.len() {
+        if !group.claimed[i] {
             // SAFETY: forwarded caller contract.
-            unsafe {
-                parts[i].region.transfer_group(
-                    to_host,
-                    parts,
-                    i,
-                    &mut claimed,
-                    &mut results,
-                    host_base,
-                    &fence,
-                    keep_waiting,
-                )
-            };
+            unsafe { parts[i].region.transfer_group(args, parts, i, &mut group) };
         }
     }
     let mut fence_checked: Option<Result<(), String>> = None;
-    for i in 0..n {
-        if results[i].is_some() {
+    for (i, part) in parts.iter().enumerate() {
+        if group.results[i].is_some() {
             continue;
         }
-        if let (true, Fence::WaitBefore(word, value)) = (to_host, fence) {
+        if let (Dir::DeviceToHost, Fence::WaitBefore(word, value)) = (args.dir, args.fence) {
             let ok = fence_checked
-                .get_or_insert_with(|| word.wait_cpu(value, keep_waiting).map_err(|e| e.to_string()));
+                .get_or_insert_with(|| word.wait_cpu(value, args.keep_waiting).map_err(|e| e.to_string()));
             if let Err(e) = ok {
-                results[i] = Some(Err(GpuError::Unsupported(e.clone())));
+                group.results[i] = Some(Err(GpuError::Unsupported(e.clone())));
                 continue;
             }
         }
-        let (region, ops) = (parts[i].region, parts[i].ops);
         // SAFETY: forwarded caller contract.
-        results[i] = Some(unsafe {
-            if to_host {
-                region.copy_to_host(ops, host_base)
-            } else {
-                region.copy_from_host(ops, host_base)
+        group.results[i] = Some(unsafe {
+            match args.dir {
+                Dir::DeviceToHost => part.region.copy_to_host(part.ops, args.host_base),
+                Dir::HostToDevice => part.region.copy_from_host(part.ops, args.host_base),
             }
         });
     }
-    results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
+    group.results.into_iter().map(|r| r.unwrap_or(Ok(()))).collect()
 }
 
 /// One stage of a [`transfer_pipelined`]: the regions and the ops on each.
@@ -142,14 +141,10 @@ pub type StagePlan<'r> = Vec<(&'r dyn DeviceRegion, Vec<CopyOp>)>;
 ///
 /// # Safety
 /// As [`transfer`], for every op of every stage.
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn transfer_pipelined<'r>(
-    to_host: bool,
+    args: &TransferArgs<'_>,
     stages: usize,
     plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
-    host_base: *mut u8,
-    fence: Fence<'_>,
-    keep_waiting: &dyn Fn() -> bool,
     stage_done: &mut dyn FnMut(usize),
 ) -> Result<(), GpuError> {
     let stages = stages.max(1);
@@ -166,8 +161,9 @@ pub unsafe fn transfer_pipelined<'r>(
     let first = match (group, first.iter().all(|(r, _)| r.batch_group() == group)) {
         (Some(_), true) => {
             let lead = first[0].0;
+            let staged = sealed::Staged { stages, plan, stage_done: &mut report };
             // SAFETY: forwarded caller contract.
-            match unsafe { lead.transfer_pipelined(to_host, stages, first, plan, host_base, &fence, keep_waiting, &mut report) } {
+            match unsafe { lead.transfer_pipelined(args, first, staged) } {
                 Ok(r) => {
                     // Stages the region ran without reporting (no events: one stage).
                     if r.is_ok() {
@@ -185,7 +181,7 @@ pub unsafe fn transfer_pipelined<'r>(
     plans.extend((1..stages).map(&mut *plan));
     let parts: Vec<Part<'_>> = plans.iter().flatten().map(|(region, ops)| Part { region: *region, ops }).collect();
     // SAFETY: forwarded caller contract.
-    let results = unsafe { transfer(to_host, &parts, host_base, fence, keep_waiting) };
+    let results = unsafe { transfer(args, &parts) };
     match results.into_iter().find_map(Result::err) {
         Some(e) => Err(e),
         None => {
@@ -195,9 +191,78 @@ pub unsafe fn transfer_pipelined<'r>(
     }
 }
 
+/// The crate-internal side of [`DeviceRegion`] and [`Backend`]: the set of backends is
+/// closed (host memfd, host process, CUDA, HIP), so no other crate implements them, and
+/// the hooks [`transfer`] uses to batch GPU regions stay out of the public API.
+mod sealed {
+    use super::*;
+
+    /// Per-part bookkeeping of one [`transfer`]: which parts a region's group claimed and
+    /// what each part's copy gave.
+    pub struct Group {
+        pub claimed: Vec<bool>,
+        pub results: Vec<Option<Result<(), GpuError>>>,
+    }
+
+    impl Group {
+        pub fn new(n: usize) -> Self {
+            Self { claimed: vec![false; n], results: (0..n).map(|_| None).collect() }
+        }
+    }
+
+    /// The stages of a [`transfer_pipelined`] after the first.
+    pub struct Staged<'a, 'r> {
+        pub stages: usize,
+        pub plan: &'a mut dyn FnMut(usize) -> StagePlan<'r>,
+        pub stage_done: &'a mut dyn FnMut(usize),
+    }
+
+    pub trait Sealed {}
+
+    pub trait RegionHooks {
+        /// For [`transfer`]'s grouping of GPU regions.
+        fn as_any(&self) -> Option<&dyn std::any::Any> {
+            None
+        }
+
+        /// Regions with the same group run their parts of a [`transfer`] as one copy call
+        /// (GPU regions of one device); None for regions copied on their own (host).
+        fn batch_group(&self) -> Option<usize> {
+            None
+        }
+
+        /// Claims and runs the parts from `first` on that this region can batch with (GPU
+        /// regions of one device), recording their results in `group`. Returns false when it
+        /// runs nothing (host regions).
+        ///
+        /// # Safety
+        /// As [`transfer`].
+        unsafe fn transfer_group(&self, args: &TransferArgs<'_>, parts: &[Part<'_>], first: usize, group: &mut Group) -> bool {
+            let _ = (args, parts, first, group);
+            false
+        }
+
+        /// Runs every stage when this region's group can (GPU regions), else hands `first`
+        /// back.
+        ///
+        /// # Safety
+        /// As [`transfer_pipelined`].
+        unsafe fn transfer_pipelined<'r>(
+            &self,
+            args: &TransferArgs<'_>,
+            first: StagePlan<'r>,
+            rest: Staged<'_, 'r>,
+        ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
+            let _ = (args, rest);
+            Err(first)
+        }
+    }
+}
+
 /// Peer memory the pool may copy to and from, opened from one [`MemoryRegistration`].
-/// Dropping it releases what opening took (mapping, IPC handle).
-pub trait DeviceRegion: Send + Sync {
+/// Dropping it releases what opening took (mapping, IPC handle). Implemented by this
+/// crate's backends only.
+pub trait DeviceRegion: sealed::RegionHooks + Send + Sync {
     fn kind(&self) -> MemoryKind;
     /// Bytes of the registered range; valid device offsets are `0..len`.
     fn len(&self) -> u64;
@@ -205,7 +270,8 @@ pub trait DeviceRegion: Send + Sync {
         self.len() == 0
     }
     /// Copies each op's `region[device_offset..+len]` into `host_base[host_offset..+len]`
-    /// and returns when all are done. Every op is checked against the region first
+    /// and returns when all are done (GPU regions: with the default [`EngineConfig`]; a
+    /// [`transfer`] passes its own). Every op is checked against the region first
     /// ([`check_ops`]): one bad op refuses the whole call before any byte moves. An op whose
     /// `alloc_id` differs from the registration's is refused too (a pool bookkeeping bug).
     ///
@@ -229,63 +295,6 @@ pub trait DeviceRegion: Send + Sync {
             self.kind()
         )))
     }
-
-    /// For [`transfer`]'s grouping of GPU regions; not for callers.
-    #[doc(hidden)]
-    fn as_any(&self) -> Option<&dyn std::any::Any> {
-        None
-    }
-
-    /// Regions with the same group run their parts of a [`transfer`] as one copy call
-    /// (GPU regions of one device); None for regions copied on their own (host).
-    #[doc(hidden)]
-    fn batch_group(&self) -> Option<usize> {
-        None
-    }
-
-    /// For [`transfer`]: claims and runs the parts this region can batch with (GPU
-    /// regions of one device). Returns false when it runs nothing (host regions).
-    ///
-    /// # Safety
-    /// As [`transfer`].
-    #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn transfer_group(
-        &self,
-        to_host: bool,
-        parts: &[Part<'_>],
-        first: usize,
-        claimed: &mut [bool],
-        results: &mut [Option<Result<(), GpuError>>],
-        host_base: *mut u8,
-        fence: &Fence<'_>,
-        keep_waiting: &dyn Fn() -> bool,
-    ) -> bool {
-        let _ = (to_host, parts, first, claimed, results, host_base, fence, keep_waiting);
-        false
-    }
-
-    /// For [`transfer_pipelined`]: runs every stage when this region's group can (GPU
-    /// regions), else hands `first` back.
-    ///
-    /// # Safety
-    /// As [`transfer_pipelined`].
-    #[doc(hidden)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn transfer_pipelined<'r>(
-        &self,
-        to_host: bool,
-        stages: usize,
-        first: StagePlan<'r>,
-        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
-        host_base: *mut u8,
-        fence: &Fence<'_>,
-        keep_waiting: &dyn Fn() -> bool,
-        stage_done: &mut dyn FnMut(usize),
-    ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
-        let _ = (to_host, stages, plan, host_base, fence, keep_waiting, stage_done);
-        Err(first)
-    }
 }
 
 /// The peer a registration comes from, as the pool knows it from the peer's socket.
@@ -302,8 +311,9 @@ pub struct Peer<'a> {
     pub verify: &'a dyn Fn() -> Result<(), String>,
 }
 
-/// Opens regions of one memory kind inside the pool process.
-pub trait Backend: Send + Sync {
+/// Opens regions of one memory kind inside the pool process. Implemented by this crate's
+/// backends only ([`backend_for`]).
+pub trait Backend: sealed::Sealed + Send + Sync {
     fn kind(&self) -> MemoryKind;
     /// Makes `[base, base+len)` of pool DRAM usable for DMA (pinned, registered with the
     /// driver as portable and device-mapped). Host backends: no-op. The pool calls it in
@@ -314,47 +324,70 @@ pub trait Backend: Send + Sync {
     ///
     /// # Safety
     /// The range is mapped memory of this process that stays mapped until unregistered.
-    unsafe fn register_host_memory(&self, base: *mut u8, len: usize) -> Result<(), GpuError>;
+    unsafe fn register_host_memory(&self, base: *mut u8, len: usize) -> Result<(), GpuError> {
+        let _ = (base, len);
+        Ok(())
+    }
     /// Undoes one [`Self::register_host_memory`] call, named by its `base`.
     ///
     /// # Safety
     /// `base` was registered by this backend and no copy on it is in flight.
-    unsafe fn unregister_host_memory(&self, base: *mut u8) -> Result<(), GpuError>;
-    /// Opens one registration. `fd` is the memfd of a HostMemfd registration (ignored
-    /// otherwise); `peer_pid` is the worker's pid for HostProcess and must come from the
-    /// socket's SO_PEERCRED, never from a message (a peer naming another pid would make the
-    /// pool read that process with the pool's rights).
-    fn open_region(
-        &self,
-        reg: &MemoryRegistration,
-        fd: Option<OwnedFd>,
-        peer_pid: u32,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError>;
-    /// Opens one registration of `peer`: what the pool calls. HostProcess checks with
-    /// `peer.verify` that the pid still is the process that connected (and runs as its uid)
-    /// before and after it takes its handle on that process's memory; the GPU backends keep
-    /// IPC mappings per `peer.attachment`. The default forwards to [`Self::open_region`].
+    unsafe fn unregister_host_memory(&self, base: *mut u8) -> Result<(), GpuError> {
+        let _ = base;
+        Ok(())
+    }
+    /// Opens one registration of `peer`: what the pool calls. `fd` is the memfd of a
+    /// HostMemfd registration (ignored otherwise). HostProcess checks with `peer.verify`
+    /// that the pid still is the process that connected (and runs as its uid) before and
+    /// after it takes its handle on that process's memory; the GPU backends keep IPC
+    /// mappings per peer process. `peer.pid` must come from the socket's SO_PEERCRED, never
+    /// from a message (a peer naming another pid would make the pool read that process
+    /// with the pool's rights).
     fn open_region_for(
         &self,
         reg: &MemoryRegistration,
         fd: Option<OwnedFd>,
         peer: &Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError>;
+    /// [`Self::open_region_for`] a bare pid (tests, tools): no identity to check beyond a
+    /// pidfd that HostProcess takes here.
+    fn open_region(
+        &self,
+        reg: &MemoryRegistration,
+        fd: Option<OwnedFd>,
+        peer_pid: u32,
     ) -> Result<Box<dyn DeviceRegion>, GpuError> {
-        self.open_region(reg, fd, peer.pid)
+        let pidfd = match self.kind() {
+            MemoryKind::HostProcess => {
+                expect_kind(MemoryKind::HostProcess, reg)?;
+                Some(host::pidfd_of(peer_pid)?)
+            }
+            _ => None,
+        };
+        let peer = Peer { attachment: 0, pid: peer_pid, pidfd: pidfd.as_ref().map(|f| f.as_fd()), verify: &|| Ok(()) };
+        self.open_region_for(reg, fd, &peer)
     }
     /// Peer allocations this process holds open (GPU: IPC mappings). A worker that died
     /// must leave none behind once its regions are dropped.
     fn open_mappings(&self) -> usize {
         0
     }
+    /// Counters of each GPU copy engine (one per device) this backend opened; empty for
+    /// host backends.
+    fn engine_stats(&self) -> Vec<EngineStats> {
+        Vec::new()
+    }
 }
 
-/// Pool side: the backend for a kind, loading CUDA/HIP at run time. Cached per kind once it
-/// loaded; a failure (library absent) is not cached, so it is retried on the next call.
+static BACKENDS: Mutex<[Option<Arc<dyn Backend>>; 4]> = Mutex::new([None, None, None, None]);
+
+/// Pool side: the backend for a kind, loading CUDA/HIP at run time. Backends hold the
+/// process's driver state (devices, IPC mappings, host registrations), which the driver
+/// keeps per process, so there is one per kind: cached once it loaded; a failure (library
+/// absent) is not cached, so it is retried on the next call.
 pub fn backend_for(kind: MemoryKind) -> Result<Arc<dyn Backend>, GpuError> {
-    static CACHE: Mutex<[Option<Arc<dyn Backend>>; 4]> = Mutex::new([None, None, None, None]);
     let slot = kind as usize - 1;
-    let mut cache = CACHE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut cache = BACKENDS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(b) = &cache[slot] {
         return Ok(b.clone());
     }
@@ -366,6 +399,12 @@ pub fn backend_for(kind: MemoryKind) -> Result<Arc<dyn Backend>, GpuError> {
     };
     cache[slot] = Some(backend.clone());
     Ok(backend)
+}
+
+/// The backends [`backend_for`] loaded so far, without loading any (reports use it: asking
+/// a GPU-less machine for CUDA would try to load the library each time).
+pub fn loaded_backends() -> Vec<Arc<dyn Backend>> {
+    BACKENDS.lock().unwrap_or_else(|e| e.into_inner()).iter().flatten().cloned().collect()
 }
 
 /// Checks every op against a region of `region_len` bytes registered as `alloc_id`:

@@ -14,7 +14,7 @@ use common::{pattern, PoolMem};
 use umbp_gpu::cuda::{self, sys};
 use umbp_gpu::fence::FenceWord;
 use umbp_gpu::gather::{calibrations, kernel_launches};
-use umbp_gpu::{backend_for, set_gather_config, Backend, CopyOp, DeviceRegion, Fence, GatherConfig, GatherMode, MemoryKind, Part};
+use umbp_gpu::{backend_for, set_gather_config, Backend, CopyOp, DeviceRegion, Dir, EngineConfig, Fence, GatherConfig, GatherMode, MemoryKind, Part, TransferArgs};
 
 /// The tests change the process-wide gather mode: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -102,7 +102,9 @@ impl Setup {
     fn transfer(&self, to_host: bool, ops: &[CopyOp], fence: Fence<'_>) {
         let parts = [Part { region: &*self.region, ops }];
         // SAFETY: every op's host range lies inside `pool` (callers build them so).
-        let r = unsafe { umbp_gpu::transfer(to_host, &parts, self.pool.ptr(), fence, &|| true) };
+        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+        let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, keep_waiting: &|| true, engine: EngineConfig::default() };
+        let r = unsafe { umbp_gpu::transfer(&args, &parts) };
         r.into_iter().for_each(|r| r.unwrap());
     }
 }

@@ -40,6 +40,8 @@ pub struct PoolConfig {
     /// A submission moving more than this is copied in stages of about this size, each
     /// published as it lands while the next ones copy; 0 = one stage.
     pub copy_stage_bytes: u64,
+    /// How GPU copy calls are submitted (streams, batching); passed with every transfer.
+    pub engine: umbp_gpu::EngineConfig,
     /// Attachments the pool serves at once (all peers together).
     pub max_attachments: usize,
     pub default_sq_entries: u32,
@@ -177,6 +179,7 @@ impl Default for PoolConfig {
             copy_threads: std::thread::available_parallelism().map(|n| n.get().clamp(2, 8)).unwrap_or(2),
             copy_threads_per_peer: 0,
             copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
+            engine: umbp_gpu::EngineConfig::default(),
             max_attachments: 1024,
             default_sq_entries: 1024,
             default_arena_bytes: 4 << 20,

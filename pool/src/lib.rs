@@ -1,5 +1,6 @@
-//! The UMBP pool (DESIGN §2, §7–§9). A library so that the same code runs as the
-//! standalone `umbp-pool` daemon and embedded inside one engine worker.
+//! The UMBP pool: one node's KV-cache store and copy service (docs/architecture.md). A
+//! library so that the same code runs as the standalone `umbp-pool` daemon and embedded
+//! inside one engine worker.
 //!
 //! Threads: one control thread (an event loop over the listener and every peer socket:
 //! accepts, handshakes and control messages as per-peer state machines with deadlines,
@@ -88,6 +89,8 @@ pub(crate) struct PoolInner {
     pub counters: stats::Counters,
     /// `config.copy_stage_bytes`, changeable while running ([`Pool::set_copy_stage_bytes`]).
     pub copy_stage_bytes: AtomicU64,
+    /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
+    pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
@@ -172,6 +175,7 @@ impl Pool {
             shutdown: AtomicBool::new(false),
             counters: stats::Counters::default(),
             copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
+            engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
@@ -227,6 +231,16 @@ impl Pool {
     /// Changes `--copy-stage-size` for submissions copied from now on (0 = one stage).
     pub fn set_copy_stage_bytes(&self, bytes: u64) {
         self.inner.copy_stage_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Changes the GPU copy engine's tuning for submissions copied from now on.
+    pub fn set_engine_config(&self, engine: umbp_gpu::EngineConfig) {
+        *self.inner.engine.lock().expect("engine config lock") = engine;
+    }
+
+    /// The GPU copy engine's tuning in effect.
+    pub fn engine_config(&self) -> umbp_gpu::EngineConfig {
+        *self.inner.engine.lock().expect("engine config lock")
     }
 
     /// Bytes of DRAM handed to objects (published or being written).

@@ -163,5 +163,22 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "region_bytes": events_region_bytes,
         },
         "counters": inner.counters.to_json(),
+        "gpu_engines": gpu_engines_json(),
     })
+}
+
+/// Counters of each GPU copy engine (one per device and GPU backend) this process opened;
+/// empty without GPU registrations.
+fn gpu_engines_json() -> Vec<serde_json::Value> {
+    umbp_gpu::loaded_backends()
+        .iter()
+        .flat_map(|b| b.engine_stats().into_iter().map(move |e| (b.kind(), e)))
+        .map(|(kind, e)| {
+            serde_json::json!({
+                "kind": format!("{kind:?}"), "ordinal": e.ordinal, "device_uuid": uuid_hex(&e.device_uuid),
+                "calls": e.calls, "items": e.items, "bytes": e.bytes,
+                "enqueue_ns": e.enqueue_ns, "total_ns": e.total_ns, "stages": e.stages,
+            })
+        })
+        .collect()
 }

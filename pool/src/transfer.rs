@@ -279,9 +279,9 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         (Some(Ok((word, value))), Opcode::Store) => umbp_gpu::Fence::WaitBefore(word, value),
         (Some(Ok((word, value))), _) => umbp_gpu::Fence::SignalAfter(word, value),
     };
-    let to_host = match job.op {
-        Opcode::Store => true,
-        Opcode::Load => false,
+    let dir = match job.op {
+        Opcode::Store => umbp_gpu::Dir::DeviceToHost,
+        Opcode::Load => umbp_gpu::Dir::HostToDevice,
         Opcode::Nop => return Copied { failed: Vec::new(), settled: 0, cancelled: false },
     };
     let size = job.layout.object_bytes();
@@ -358,10 +358,17 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     };
     let keep_waiting = || att.is_alive() && !inner.is_shutting_down();
     let copy_started = Instant::now();
+    let args = umbp_gpu::TransferArgs {
+        dir,
+        host_base: inner.dram.base(),
+        fence,
+        keep_waiting: &keep_waiting,
+        engine: *inner.engine.lock().expect("engine config lock"),
+    };
     // SAFETY: every op's host range is an object reserved (store) or pinned (load) for this
     // job in the object store, inside DRAM; nobody else writes it meanwhile (an object is
     // settled only once its stage's copies all landed).
-    let result = unsafe { umbp_gpu::transfer_pipelined(to_host, stages, &mut plan, inner.dram.base(), fence, &keep_waiting, &mut stage_landed) };
+    let result = unsafe { umbp_gpu::transfer_pipelined(&args, stages, &mut plan, &mut stage_landed) };
     let copy_ns = copy_started.elapsed().as_nanos() as u64;
     let p = progress.into_inner();
     if let Err(e) = &result {

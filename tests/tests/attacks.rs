@@ -4,7 +4,7 @@
 //! when they cannot get it.
 //!
 //! Items 1, 3, 4, 13 here; item 2 (GPU IPC mappings per peer) is a unit test in
-//! gpu/src/engine.rs (`ipc_mappings_are_not_shared_between_peers`): there is no GPU on the
+//! gpu/src/engine/ipc_cache.rs (`ipc_mappings_are_not_shared_between_peers`): there is no GPU on the
 //! machines that run this suite.
 
 mod common;

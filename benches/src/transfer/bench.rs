@@ -331,14 +331,17 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         key += n + 1000;
         key
     };
-    let (st0, b0) = umbp_gpu::tuning();
+    let e = args.engine;
     let stage0 = umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB;
-    let mut tuning = Tune { streams: st0, batch: b0, parallel: umbp_gpu::parallel_submit(), batch_max: umbp_gpu::batch_max(), stage_mib: stage0 };
+    let mut tuning = Tune { streams: e.streams, batch: e.batch, parallel: e.parallel_submit, batch_max: e.batch_max, stage_mib: stage0 };
     let apply = |t: Tune| {
-        umbp_gpu::set_tuning(t.streams, t.batch);
-        umbp_gpu::set_parallel_submit(t.parallel);
-        umbp_gpu::set_batch_max(t.batch_max);
         if let Some(p) = &pool.pool {
+            let mut engine = p.engine_config();
+            engine.streams = t.streams;
+            engine.batch = t.batch;
+            engine.parallel_submit = t.parallel;
+            engine.batch_max = t.batch_max;
+            p.set_engine_config(engine);
             p.set_copy_stage_bytes(t.stage_mib * MIB);
         }
     };
@@ -384,11 +387,11 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             let mut best = (0.0, tuning);
             for t in variants {
                 apply(t);
-                let e0 = umbp_gpu::engine_stats();
+                let e0 = engine_totals();
                 let p0 = pool.phases();
                 let (s, d) = measure(&mut a, next_key(0), reps.min(5))?;
                 let phases = phase_means(&p0, &pool.phases());
-                let e1 = umbp_gpu::engine_stats();
+                let e1 = engine_totals();
                 let calls = (e1.calls - e0.calls).max(1);
                 let engine = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
                 let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / calls as f64 / 1e6;
@@ -406,11 +409,11 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             eprintln!("tuning: using {tuning:?}");
         }
         apply(tuning);
-        let e0 = umbp_gpu::engine_stats();
+        let e0 = engine_totals();
         let p0 = pool.phases();
         let (s, d) = measure(&mut a, next_key(0), reps)?;
         let phases = phase_means(&p0, &pool.phases());
-        let e1 = umbp_gpu::engine_stats();
+        let e1 = engine_totals();
         let engine_gbps = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
         let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / (e1.calls - e0.calls).max(1) as f64 / 1e6;
         for (op, v, opn) in [(Op::Store, s, "store"), (Op::Load, d, "load")] {
@@ -555,4 +558,18 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool
         .extra("alone_run_to_run_pct", noise)
         .extra("store_gbps_during", gbps(u64_of(&st, "bytes"), u64_of(&st, "ns")))
         .extra("memcpy_gbps_during", gbps(u64_of(&cp, "bytes"), u64_of(&cp, "ns"))))
+}
+
+/// Counters of every GPU copy engine of this process (the in-process pool's) together.
+fn engine_totals() -> umbp_gpu::EngineStats {
+    let mut t = umbp_gpu::EngineStats::default();
+    for e in umbp_gpu::loaded_backends().iter().flat_map(|b| b.engine_stats()) {
+        t.calls += e.calls;
+        t.items += e.items;
+        t.bytes += e.bytes;
+        t.enqueue_ns += e.enqueue_ns;
+        t.total_ns += e.total_ns;
+        t.stages += e.stages;
+    }
+    t
 }

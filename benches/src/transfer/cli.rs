@@ -57,7 +57,7 @@ pub struct TransferCli {
     /// memcpy baseline [default: the pool's default, min(CPUs, 8), at least 2].
     #[arg(long)]
     copy_threads: Option<usize>,
-    /// Copy streams per copy call (default 1 or UMBP_COPY_STREAMS).
+    /// Copy streams per copy call of the in-process pool (default 1).
     #[arg(long)]
     streams: Option<usize>,
     /// Submit copies one call each instead of batched.
@@ -100,10 +100,9 @@ impl TransferCli {
             launch_bytes: self.gather_launch_kib << 10,
             split_streams: self.split_streams,
         });
-        if self.streams.is_some() || self.no_batch {
-            let (s, _) = umbp_gpu::tuning();
-            umbp_gpu::set_tuning(self.streams.unwrap_or(s), !self.no_batch);
-        }
+        let mut engine = umbp_gpu::EngineConfig::default();
+        engine.streams = self.streams.unwrap_or(engine.streams);
+        engine.batch = !self.no_batch;
         let default_cap = match (self.backend, self.quick) {
             (_, true) => "1536MiB",
             (BackendArg::Cuda, false) => "10GiB",
@@ -117,6 +116,7 @@ impl TransferCli {
             capacity,
             reps: self.reps.max(1),
             pool_socket: self.pool_socket,
+            engine,
             layout_only: self.layout_only,
             multi_gpu: self.multi_gpu,
             matmul: self.matmul,

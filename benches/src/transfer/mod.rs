@@ -53,6 +53,8 @@ pub struct TransferArgs {
     /// Use this running pool instead of starting one (checks that need the pool's
     /// internals are skipped).
     pub pool_socket: Option<PathBuf>,
+    /// GPU copy engine tuning of the in-process pool.
+    pub engine: umbp_gpu::EngineConfig,
     /// cuda: only the gpt-oss layout cases (store, load, restore, fenced).
     pub layout_only: bool,
     /// cuda: the multi-GPU run (multi_gpu.rs) instead of the single-GPU cases.

@@ -158,6 +158,7 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         // pool_overhead's objects: 24 pages of 64 B (layouts below this are refused).
         min_object_bytes: 24 * 64,
         copy_threads: args.copy_threads,
+        engine: args.engine,
         ..PoolConfig::default()
     };
     let started = Instant::now();

@@ -2,12 +2,11 @@
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, RwLock};
 
 use super::ipc_cache::{open_ipc_mappings, IpcKey, IpcMapping};
 use super::region::GpuRegion;
-use super::{lock, Bound, DeviceApi, Engine};
+use super::{lock, Bound, DeviceApi, Engine, EngineStats};
 use crate::error::format_uuid;
 use crate::{expect_kind, Backend, DeviceRegion, GpuError, MemoryKind, MemoryRegistration};
 
@@ -50,14 +49,7 @@ impl<A: DeviceApi> Shared<A> {
         for ordinal in 0..self.api.device_count()? {
             if &self.api.device_uuid(ordinal)? == uuid {
                 let dev = self.api.open_device(ordinal)?;
-                let engine = Arc::new(Engine {
-                    ordinal,
-                    dev,
-                    idle: Mutex::new(Vec::new()),
-                    memops: AtomicBool::new(true),
-                    events: AtomicBool::new(true),
-                    gather: std::sync::OnceLock::new(),
-                });
+                let engine = Arc::new(Engine::new(ordinal, *uuid, dev, true));
                 tracing::debug!(api = A::API, ordinal, uuid = %format_uuid(uuid), "opened transfer engine");
                 engines.insert(*uuid, engine.clone());
                 return Ok(engine);
@@ -83,6 +75,8 @@ impl<A: DeviceApi> Shared<A> {
     }
 
 }
+
+impl<A: DeviceApi> crate::sealed::Sealed for GpuBackend<A> {}
 
 impl<A: DeviceApi> Backend for GpuBackend<A> {
     fn kind(&self) -> MemoryKind {
@@ -112,18 +106,9 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
         unsafe { self.shared.api.host_unregister(base) }
     }
 
-    /// `peer_pid` equal to this process (embedded mode: the pool runs inside the worker)
-    /// uses the worker's device pointer directly, because a process cannot open its own
-    /// IPC handle (CUDA refuses it).
-    fn open_region(
-        &self,
-        reg: &MemoryRegistration,
-        _fd: Option<OwnedFd>,
-        peer_pid: u32,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
-        self.open_gpu_region(reg, peer_pid)
-    }
-
+    /// A peer that is this very process (embedded mode: the pool runs inside the worker)
+    /// has its device pointer used directly, because a process cannot open its own IPC
+    /// handle (CUDA refuses it).
     fn open_region_for(
         &self,
         reg: &MemoryRegistration,
@@ -135,6 +120,13 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
 
     fn open_mappings(&self) -> usize {
         open_ipc_mappings(self)
+    }
+
+    fn engine_stats(&self) -> Vec<EngineStats> {
+        let mut stats: Vec<EngineStats> =
+            lock(&self.shared.engines).values().map(|e| e.stats.snapshot(e.ordinal, e.uuid)).collect();
+        stats.sort_by_key(|s| s.ordinal);
+        stats
     }
 }
 

@@ -1,86 +1,69 @@
-//! Copy tuning knobs of the GPU engine.
+//! Copy tuning of the GPU engine: [`EngineConfig`], built by whoever runs the pool (the
+//! daemon from its flags) and passed with every transfer.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-/// Streams per copy call unless tuned ([`set_tuning`], `UMBP_COPY_STREAMS`). One stream
-/// measured best on the H200 (2026-11-29) with pipelined stages: 64 KiB pages 50.9/50.5
-/// GB/s store/load vs 48.5/48.5 with 4 streams (each stream's share of a stage starts
-/// with small batches again, and every stream needs its own stage events); more streams
-/// may still help where a batch can spread over several copy engines.
+/// Streams per copy call by default. One stream measured best on the H200 (2026-11-29)
+/// with pipelined stages: 64 KiB pages 50.9/50.5 GB/s store/load vs 48.5/48.5 with 4
+/// streams (each stream's share of a stage starts with small batches again, and every
+/// stream needs its own stage events); more streams may still help where a batch can
+/// spread over several copy engines.
 const DEFAULT_STREAMS: usize = 1;
 /// Most streams a set may have.
 pub(crate) const MAX_STREAMS: usize = 16;
 
-/// Most copies handed to the driver in one batch call unless tuned
-/// ([`set_batch_max`], `UMBP_COPY_BATCH_MAX`).
+/// Most copies handed to the driver in one batch call by default.
 const DEFAULT_BATCH_MAX: usize = 512;
-static BATCH_MAX: AtomicUsize = AtomicUsize::new(0);
-
-/// Most copies per batched driver call (1..=65536).
-pub fn set_batch_max(n: usize) {
-    BATCH_MAX.store(n.clamp(1, 65536), Ordering::Relaxed);
-}
-
-/// See [`set_batch_max`].
-pub fn batch_max() -> usize {
-    let mut n = BATCH_MAX.load(Ordering::Relaxed);
-    if n == 0 {
-        n = std::env::var("UMBP_COPY_BATCH_MAX").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_BATCH_MAX).clamp(1, 65536);
-        BATCH_MAX.store(n, Ordering::Relaxed);
-    }
-    n
-}
-
-static STREAMS: AtomicUsize = AtomicUsize::new(0);
-static BATCH: AtomicUsize = AtomicUsize::new(0);
-static PARALLEL: AtomicUsize = AtomicUsize::new(0);
+/// Largest batch maximum.
+pub(crate) const MAX_BATCH: usize = 65536;
 
 /// Copy calls with at least this many items enqueue each stream's run from its own
-/// thread when parallel submission is on ([`set_parallel_submit`]).
+/// thread when parallel submission is on ([`EngineConfig::parallel_submit`]).
 pub(super) const PARALLEL_MIN_ITEMS: usize = 256;
 
-/// Whether large copy calls enqueue each stream's share from its own thread (default
-/// off, `UMBP_COPY_PARALLEL=1` turns it on). Measured on the H200 (2026-11-29): no gain,
-/// the driver's enqueue (~0.7 µs per batched copy) stays ahead of the DMA from one
-/// thread, and 4 submitting threads made 64 KiB-page calls ~5% slower.
-pub fn set_parallel_submit(on: bool) {
-    PARALLEL.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+/// How the GPU engine submits one copy call; built once by whoever runs the pool (the
+/// daemon from its flags, see docs/operations.md) and passed with every transfer
+/// ([`crate::TransferArgs::engine`]). Start from `EngineConfig::default()` and set fields;
+/// the engine clamps out-of-range values ([`Self::clamped`]). Host regions ignore it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// Streams one copy call spreads its copies over (1..=16, default 1).
+    pub streams: usize,
+    /// Batched copy submission (`cuMemcpyBatchAsync`) where the driver has it (default
+    /// on); off: one driver call per copy.
+    pub batch: bool,
+    /// Most copies per batched driver call (1..=65536, default 512).
+    pub batch_max: usize,
+    /// Large copy calls enqueue each stream's share from its own thread (default off).
+    /// Measured on the H200 (2026-11-29): no gain, the driver's enqueue (~0.7 µs per
+    /// batched copy) stays ahead of the DMA from one thread, and 4 submitting threads made
+    /// 64 KiB-page calls ~5% slower.
+    pub parallel_submit: bool,
 }
 
-/// See [`set_parallel_submit`].
-pub fn parallel_submit() -> bool {
-    let mut p = PARALLEL.load(Ordering::Relaxed);
-    if p == 0 {
-        p = if std::env::var("UMBP_COPY_PARALLEL").is_ok_and(|v| v == "1") { 1 } else { 2 };
-        PARALLEL.store(p, Ordering::Relaxed);
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { streams: DEFAULT_STREAMS, batch: true, batch_max: DEFAULT_BATCH_MAX, parallel_submit: false }
     }
-    p == 1
 }
 
-/// Copy tuning of this process: streams per copy call (1..=16) and whether batched copy
-/// submission is used where the driver has it. Defaults: `UMBP_COPY_STREAMS` (else 1) and
-/// `UMBP_COPY_BATCH` (`0` turns batching off). For benchmarks and operators; takes effect
-/// for copy calls that start afterwards.
-pub fn set_tuning(streams: usize, batch: bool) {
-    STREAMS.store(streams.clamp(1, MAX_STREAMS), Ordering::Relaxed);
-    BATCH.store(if batch { 1 } else { 2 }, Ordering::Relaxed);
+impl EngineConfig {
+    /// The config with `streams` and `batch_max` brought into their ranges.
+    pub fn clamped(self) -> Self {
+        Self { streams: self.streams.clamp(1, MAX_STREAMS), batch_max: self.batch_max.clamp(1, MAX_BATCH), ..self }
+    }
 }
 
-/// The tuning in effect: `(streams, batch)`.
-pub fn tuning() -> (usize, bool) {
-    let mut s = STREAMS.load(Ordering::Relaxed);
-    if s == 0 {
-        s = std::env::var("UMBP_COPY_STREAMS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(DEFAULT_STREAMS)
-            .clamp(1, MAX_STREAMS);
-        STREAMS.store(s, Ordering::Relaxed);
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_clamping() {
+        let c = EngineConfig::default();
+        assert_eq!((c.streams, c.batch, c.batch_max, c.parallel_submit), (1, true, 512, false));
+        let low = EngineConfig { streams: 0, batch_max: 0, ..c }.clamped();
+        assert_eq!((low.streams, low.batch_max), (1, 1));
+        let high = EngineConfig { streams: 99, batch_max: 1 << 20, ..c }.clamped();
+        assert_eq!((high.streams, high.batch_max), (MAX_STREAMS, MAX_BATCH));
     }
-    let mut b = BATCH.load(Ordering::Relaxed);
-    if b == 0 {
-        b = if std::env::var("UMBP_COPY_BATCH").is_ok_and(|v| v == "0") { 2 } else { 1 };
-        BATCH.store(b, Ordering::Relaxed);
-    }
-    (s, b == 1)
 }

@@ -42,15 +42,11 @@ use crate::GpuError;
 
 pub(crate) use api::DeviceApi;
 pub(crate) use backend::GpuBackend;
-pub use config::{batch_max, parallel_submit, set_batch_max, set_parallel_submit, set_tuning, tuning};
-pub use stats::{engine_stats, EngineStats};
+pub use config::EngineConfig;
+pub(crate) use crate::Dir;
+pub use stats::EngineStats;
+use stats::EngineCounters;
 use streams::StreamSet;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Dir {
-    DeviceToHost,
-    HostToDevice,
-}
 
 /// One contiguous copy between host memory and device memory, in absolute addresses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,6 +67,7 @@ unsafe impl Sync for Item {}
 /// on each other's work.
 struct Engine<A: DeviceApi> {
     ordinal: i32,
+    uuid: [u8; 16],
     dev: A::Device,
     idle: Mutex<Vec<StreamSet<A>>>,
     /// Stream memory operations (GPU-side fence waits/writes) work; cleared at the first
@@ -82,6 +79,23 @@ struct Engine<A: DeviceApi> {
     /// The kernel path, calibrated at the first region opened on this GPU; None where it
     /// cannot run (then copy engines only).
     gather: std::sync::OnceLock<Option<crate::gather::GatherState>>,
+    /// Counters of this engine's copy calls.
+    stats: EngineCounters,
+}
+
+impl<A: DeviceApi> Engine<A> {
+    fn new(ordinal: i32, uuid: [u8; 16], dev: A::Device, memops: bool) -> Self {
+        Engine {
+            ordinal,
+            uuid,
+            dev,
+            idle: Mutex::new(Vec::new()),
+            memops: AtomicBool::new(memops),
+            events: AtomicBool::new(true),
+            stats: EngineCounters::default(),
+            gather: std::sync::OnceLock::new(),
+        }
+    }
 }
 
 /// A device bound on this thread until dropped; the thread's previous context or device is

@@ -5,13 +5,26 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::batch::{balance, next_batch, FIRST_BATCH};
-use super::config::{batch_max, parallel_submit, tuning, PARALLEL_MIN_ITEMS};
-use super::stats::{STAT_BYTES, STAT_CALLS, STAT_ENQUEUE, STAT_ITEMS, STAT_STAGES, STAT_TOTAL};
+use super::config::PARALLEL_MIN_ITEMS;
+use super::stats::CallCounts;
 use super::streams::StreamSet;
-use super::{Bound, DeviceApi, Dir, Engine, Item};
+use super::{Bound, DeviceApi, Engine, Item};
 use crate::fence::{self, FenceWord};
 use crate::gather;
-use crate::{Fence, GpuError};
+use crate::{Fence, GpuError, TransferArgs};
+
+/// What one copy call on one engine does besides its items.
+pub(super) struct Call<'a> {
+    /// Direction, pool memory base, fence, `keep_waiting` and tuning of the transfer.
+    pub args: &'a TransferArgs<'a>,
+    /// Stages of the call (1: all items at once).
+    pub stages: usize,
+    /// Write a load fence from the GPU: set when this call covers every part of the
+    /// transfer (else the caller writes it from the CPU afterwards).
+    pub signal: bool,
+    /// Registered host ranges (start, end): pages outside them never go to the kernel.
+    pub ranges: &'a [(usize, usize)],
+}
 
 /// Appends the items of stage `s` (s >= 1) of a staged [`Engine::run`].
 type StageBuilder<'a> = dyn FnMut(usize, &mut Vec<Item>) -> Result<(), GpuError> + 'a;
@@ -47,12 +60,12 @@ fn build_or_drain<A: DeviceApi>(api: &A, set: &StreamSet<A>, build: &mut StageBu
 }
 
 impl<A: DeviceApi> Engine<A> {
-    /// Runs a copy call in direction `dir` on this engine: fence wait (stores), copies
-    /// spread over the stream set, fence signal (loads, when `signal` is set), then
+    /// Runs a copy call in direction `call.args.dir` on this engine: fence wait (stores), copies
+    /// spread over the stream set, fence signal (loads, when `call.signal` is set), then
     /// synchronizes every stream used, also after an error: returning while a DMA still
     /// targets pool memory would let the pool reuse that memory under it.
     ///
-    /// The call has `stages` stages: `first` holds stage 0's items, and `build(s, items)`
+    /// The call has `call.stages` stages: `first` holds stage 0's items, and `build(s, items)`
     /// appends stage `s`'s (s >= 1), called only once stage `s - 1` is enqueued, so the
     /// caller's planning of a stage overlaps the DMA of the ones before. Each stage is
     /// spread over the streams on its own and followed by an event per stream, and
@@ -64,24 +77,22 @@ impl<A: DeviceApi> Engine<A> {
     /// # Safety
     /// Every item's host range is valid (writable for DeviceToHost) for the call and its
     /// device range lies inside an open allocation.
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn run(
         &self,
         api: &A,
-        dir: Dir,
+        call: &Call<'_>,
         first: Vec<Item>,
-        stages: usize,
         build: &mut StageBuilder<'_>,
-        fence: &Fence<'_>,
-        signal: bool,
-        keep_waiting: &dyn Fn() -> bool,
         stage_done: &mut dyn FnMut(usize),
-        ranges: &[(usize, usize)],
     ) -> Result<(), GpuError> {
+        let TransferArgs { dir, fence, keep_waiting, engine: config, .. } = *call.args;
+        let config = config.clamped();
+        let signal = call.signal;
+        let ranges = call.ranges;
         let mut items = first;
         // One large object: cut over several streams (copy engines), both directions.
         let large = gather::is_large(&items);
-        let stages = stages.max(1);
+        let stages = call.stages.max(1);
         let staged = stages > 1 && self.events.load(Ordering::Relaxed);
         let mut rest_built = stages == 1;
         if !staged && !rest_built {
@@ -90,11 +101,11 @@ impl<A: DeviceApi> Engine<A> {
             }
             rest_built = true;
         }
-        let wait = match fence {
+        let wait = match &fence {
             Fence::WaitBefore(word, value) if !items.is_empty() || staged => Some((*word, *value)),
             _ => None,
         };
-        let signal = match fence {
+        let signal = match &fence {
             Fence::SignalAfter(word, value) if signal => Some((*word, *value)),
             _ => None,
         };
@@ -102,7 +113,7 @@ impl<A: DeviceApi> Engine<A> {
             return Ok(());
         }
         let t_call = Instant::now();
-        let (streams, batch) = tuning();
+        let (streams, batch) = (config.streams, config.batch);
         let streams = if large { streams.max(gather::gather_config().split_streams()) } else { streams };
         if large && !staged {
             gather::split_large(&mut items, streams);
@@ -173,7 +184,7 @@ impl<A: DeviceApi> Engine<A> {
         let (mut n_items, mut n_bytes) = (0u64, 0u64);
         let t_enqueue = Instant::now();
         if first_err.is_none() {
-            let per_call = batch_max();
+            let per_call = config.batch_max;
             // Batches grow from FIRST_BATCH by BATCH_GROWTH: the DMA starts after the first
             // batch call returns (~0.7-0.9 µs per copy on the H200's driver), so a small
             // first batch starts it within microseconds; growing slower than the DMA drains
@@ -265,7 +276,7 @@ impl<A: DeviceApi> Engine<A> {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.
                     first_err = unsafe { gather::launch(api, g, &mut set.descs, dir, &items, set.streams[0]) }.err();
-                } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && parallel_submit() {
+                } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && config.parallel_submit {
                     let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
                         let handles: Vec<_> = runs
                             .iter()
@@ -298,7 +309,7 @@ impl<A: DeviceApi> Engine<A> {
                 }
             }
         }
-        STAT_ENQUEUE.fetch_add(t_enqueue.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let enqueue_ns = t_enqueue.elapsed().as_nanos() as u64;
         // Load fence from the GPU: stream 0 waits for the others, then writes the value.
         if let (None, Some((word, value)), Some(addr)) = (&first_err, signal, signal.and_then(|(w, _)| w.device())) {
             if self.memops.load(Ordering::Relaxed) {
@@ -344,11 +355,13 @@ impl<A: DeviceApi> Engine<A> {
             }
         }
         self.put_set(set);
-        STAT_CALLS.fetch_add(1, Ordering::Relaxed);
-        STAT_ITEMS.fetch_add(n_items, Ordering::Relaxed);
-        STAT_BYTES.fetch_add(n_bytes, Ordering::Relaxed);
-        STAT_TOTAL.fetch_add(t_call.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        STAT_STAGES.fetch_add(reported as u64, Ordering::Relaxed);
+        self.stats.add(CallCounts {
+            items: n_items,
+            bytes: n_bytes,
+            enqueue_ns,
+            total_ns: t_call.elapsed().as_nanos() as u64,
+            stages: reported as u64,
+        });
         first_err.map_or(Ok(()), Err)
     }
 }
@@ -358,6 +371,13 @@ mod tests {
     use super::*;
     use super::super::sim::{simulated, SimulatedDevice};
     use std::sync::atomic::Ordering;
+
+    use crate::{Dir, EngineConfig};
+
+    /// A device-to-host transfer, no fence, default tuning.
+    fn args() -> TransferArgs<'static> {
+        TransferArgs { dir: Dir::DeviceToHost, host_base: std::ptr::null_mut(), fence: Fence::None, keep_waiting: &|| true, engine: EngineConfig::default() }
+    }
 
     /// 64 pages of 1 KiB "device" memory copied to host in 4 stages of 16 pages, each
     /// stage built only when asked for. Returns the result, the stages reported, whether
@@ -390,7 +410,7 @@ mod tests {
             reported.push(s);
         };
         // SAFETY: items point into `src`/`dst`, alive for the call.
-        let r = unsafe { engine.run(api, Dir::DeviceToHost, stage_items(0), 4, &mut build, &Fence::None, false, &|| true, &mut done, &[]) };
+        let r = unsafe { engine.run(api, &Call { args: &args(), stages: 4, signal: false, ranges: &[] }, stage_items(0), &mut build, &mut done) };
         (r, reported, landed_when_reported, built_in_order)
     }
 
@@ -414,7 +434,7 @@ mod tests {
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: items point into `src`/`dst`, alive for the call.
-                unsafe { engine.run(&api, Dir::DeviceToHost, vec![item(0, dst_ptr)], 4, &mut build, &Fence::None, false, &|| true, &mut |_| {}, &[]) }
+                unsafe { engine.run(&api, &Call { args: &args(), stages: 4, signal: false, ranges: &[] }, vec![item(0, dst_ptr)], &mut build, &mut |_| {}) }
             }));
             assert!(r.is_err(), "the panic goes on to the caller");
             assert!(api.syncs.load(Ordering::Relaxed) > 0, "streams left running under a panic (events {events})");
@@ -490,7 +510,7 @@ mod tests {
                 Ok(())
             };
             // SAFETY: items point into `src`/`dst`, alive for the call.
-            let r = unsafe { engine.run(&api, Dir::DeviceToHost, stage(0), stages, &mut build, &Fence::None, false, &|| true, &mut |_| {}, ranges) };
+            let r = unsafe { engine.run(&api, &Call { args: &args(), stages, signal: false, ranges }, stage(0), &mut build, &mut |_| {}) };
             assert!(r.is_ok(), "{r:?}");
             for i in 0..n {
                 // SAFETY: reads the test's buffer after the call.
@@ -508,5 +528,44 @@ mod tests {
         set_gather_config(GatherConfig { split_streams: 1, ..gather_config() });
         assert_eq!(run(total, 1, &registered), (0, 1), "split off: one copy");
         let _ = &mut dst;
+    }
+
+    /// The tuning a transfer passes is the one its copy call uses (it used to be read from
+    /// process-wide statics): streams, batch maximum and batching.
+    #[test]
+    fn a_call_uses_the_engine_config_it_is_given() {
+        let (api, engine) = simulated(usize::MAX, true, false);
+        let src = vec![3u8; 300 * 1024];
+        let mut dst = vec![0u8; src.len()];
+        let items: Vec<Item> = (0..300)
+            // SAFETY: offsets inside `dst`.
+            .map(|i| Item { host: unsafe { dst.as_mut_ptr().add(i * 1024) }, device: src[i * 1024..].as_ptr() as u64, len: 1024 })
+            .collect();
+        let mut tuned = args();
+        tuned.engine.streams = 3;
+        tuned.engine.batch_max = 20;
+        tuned.engine.batch = false;
+        // SAFETY: items point into `src`/`dst`, alive for the call.
+        let r = unsafe { engine.run(&api, &Call { args: &tuned, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(dst, src);
+        assert_eq!(api.streams_made.load(Ordering::Relaxed), 3, "streams of the config");
+        let batches = api.batches.lock().unwrap().clone();
+        assert!(batches.iter().all(|&(n, batch)| n <= 20 && !batch), "{batches:?}");
+        assert_eq!(batches.iter().map(|b| b.0).sum::<usize>(), 300);
+        assert!(batches.iter().any(|&(n, _)| n == 20), "batches grow to the configured maximum: {batches:?}");
+    }
+
+    /// Counters are per engine: a call on one engine shows in its counters only.
+    #[test]
+    fn counters_are_per_engine() {
+        let (api, engine) = simulated(usize::MAX, true, false);
+        let (_, other) = simulated(usize::MAX, true, false);
+        let (r, reported, _, _) = staged_copy(&api, &engine, &[1024; 64]);
+        assert!(r.is_ok() && reported.len() == 4);
+        let s = engine.stats.snapshot(0, [7; 16]);
+        assert_eq!((s.calls, s.items, s.bytes, s.stages), (1, 64, 64 * 1024, 4), "{s:?}");
+        assert!(s.total_ns >= s.enqueue_ns);
+        assert_eq!(other.stats.snapshot(0, [7; 16]).calls, 0);
     }
 }

@@ -7,8 +7,10 @@ use std::sync::Arc;
 use super::backend::Shared;
 use super::batch::{push_items, SPLIT_BYTES};
 use super::ipc_cache::IpcKey;
-use super::{duplicate, DeviceApi, Dir, Engine, Item};
-use crate::{check_ops, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan};
+use super::pipeline::Call;
+use super::{duplicate, DeviceApi, Dir, Engine, EngineConfig, Item};
+use crate::sealed::{Group, RegionHooks, Staged};
+use crate::{check_ops, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan, TransferArgs};
 
 pub(crate) struct GpuRegion<A: DeviceApi> {
     pub(super) shared: Arc<Shared<A>>,
@@ -35,17 +37,17 @@ impl<A: DeviceApi> GpuRegion<A> {
         region.as_any().and_then(|a| a.downcast_ref::<GpuRegion<A>>()).filter(|r| Arc::ptr_eq(&r.engine, &self.engine))
     }
 
+    /// One part on this region alone, with the default [`EngineConfig`].
+    ///
     /// # Safety
     /// Host ranges of all ops are valid (writable for DeviceToHost) for the call.
-    unsafe fn run_one(&self, ops: &[CopyOp], host: *mut u8, dir: Dir) -> Result<(), GpuError> {
+    unsafe fn run_one(&self, ops: &[CopyOp], host_base: *mut u8, dir: Dir) -> Result<(), GpuError> {
         let part = [Part { region: self, ops }];
-        let mut results = [None];
-        let mut claimed = [false];
+        let args = TransferArgs { dir, host_base, fence: Fence::None, keep_waiting: &|| true, engine: EngineConfig::default() };
+        let mut group = Group::new(1);
         // SAFETY: forwarded caller contract.
-        unsafe {
-            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true)
-        };
-        results[0].take().unwrap_or(Ok(()))
+        unsafe { self.transfer_group(&args, &part, 0, &mut group) };
+        group.results[0].take().unwrap_or(Ok(()))
     }
 }
 
@@ -67,7 +69,9 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         // SAFETY: forwarded caller contract; host-to-device copies only read host memory.
         unsafe { self.run_one(ops, host_base.cast_mut(), Dir::HostToDevice) }
     }
+}
 
+impl<A: DeviceApi> RegionHooks for GpuRegion<A> {
     fn as_any(&self) -> Option<&dyn Any> {
         Some(self)
     }
@@ -78,16 +82,10 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
 
     unsafe fn transfer_pipelined<'r>(
         &self,
-        to_host: bool,
-        stages: usize,
+        args: &TransferArgs<'_>,
         first: StagePlan<'r>,
-        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
-        host_base: *mut u8,
-        fence: &Fence<'_>,
-        keep_waiting: &dyn Fn() -> bool,
-        stage_done: &mut dyn FnMut(usize),
+        rest: Staged<'_, 'r>,
     ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
-        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
         let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
         let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
             for (region, ops) in stage {
@@ -96,7 +94,7 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
                 })?;
                 check_ops(ops, r.alloc_id, r.len)?;
                 for op in ops {
-                    push_items(items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+                    push_items(items, args.host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
                 }
             }
             Ok(())
@@ -105,58 +103,49 @@ impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
         if let Err(e) = push_stage(&first, &mut items) {
             return Ok(Err(e));
         }
+        let Staged { stages, plan, stage_done } = rest;
         let mut build = |s: usize, items: &mut Vec<Item>| push_stage(&plan(s), items);
+        let call = Call { args, stages, signal: true, ranges: &ranges };
         // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
         // device ranges inside each region by check_ops and open.
-        Ok(unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done, &ranges) })
+        Ok(unsafe { self.engine.run(&self.shared.api, &call, items, &mut build, stage_done) })
     }
 
     /// Claims every unclaimed part from `first` on whose region is a region of this same
     /// engine, and runs them all as one copy call.
-    unsafe fn transfer_group(
-        &self,
-        to_host: bool,
-        parts: &[Part<'_>],
-        first: usize,
-        claimed: &mut [bool],
-        results: &mut [Option<Result<(), GpuError>>],
-        host_base: *mut u8,
-        fence: &Fence<'_>,
-        keep_waiting: &dyn Fn() -> bool,
-    ) -> bool {
-        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+    unsafe fn transfer_group(&self, args: &TransferArgs<'_>, parts: &[Part<'_>], first: usize, group: &mut Group) -> bool {
         let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
         let mut items = Vec::new();
         let mut members = Vec::new();
         for (i, p) in parts.iter().enumerate().skip(first) {
-            if claimed[i] {
+            if group.claimed[i] {
                 continue;
             }
             let Some(r) = self.same_engine(p.region) else {
                 continue;
             };
-            claimed[i] = true;
+            group.claimed[i] = true;
             if let Err(e) = check_ops(p.ops, r.alloc_id, r.len) {
-                results[i] = Some(Err(e));
+                group.results[i] = Some(Err(e));
                 continue;
             }
             for op in p.ops {
-                push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+                push_items(&mut items, args.host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
             }
             members.push(i);
         }
-        let signal = claimed.iter().all(|c| *c);
+        // The GPU writes a load fence only when this call covers every part.
+        let call = Call { args, stages: 1, signal: group.claimed.iter().all(|c| *c), ranges: &ranges };
         let mut no_build = |_: usize, _: &mut Vec<Item>| Ok(());
         // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
         // device ranges inside each region by check_ops and open.
-        let r = unsafe { self.engine.run(&self.shared.api, dir, items, 1, &mut no_build, fence, signal, keep_waiting, &mut |_| {}, &ranges) };
+        let r = unsafe { self.engine.run(&self.shared.api, &call, items, &mut no_build, &mut |_| {}) };
         for i in members {
-            results[i] = Some(match &r {
+            group.results[i] = Some(match &r {
                 Ok(()) => Ok(()),
                 Err(e) => Err(duplicate(e)),
             });
         }
         true
     }
-
 }

@@ -1,9 +1,10 @@
 //! A CPU stand-in for a GPU driver, for the engine's unit tests.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use std::sync::Mutex;
 
-use super::{DeviceApi, Dir, Engine};
+use super::{DeviceApi, Dir, Engine, Item};
 use crate::{GpuError, MemoryKind};
 
 
@@ -20,6 +21,10 @@ pub(super) struct SimulatedDevice {
     pub(super) syncs: AtomicUsize,
     /// Page copy kernel launches (the kernel runs on the CPU at once).
     pub(super) kernels: AtomicUsize,
+    /// Streams created.
+    pub(super) streams_made: AtomicUsize,
+    /// Size of every batch handed to `copy_batch_async`, and whether batching was asked.
+    pub(super) batches: Mutex<Vec<(usize, bool)>>,
 }
 
 impl DeviceApi for SimulatedDevice {
@@ -42,7 +47,7 @@ impl DeviceApi for SimulatedDevice {
     }
     fn unbind(&self) {}
     fn create_stream(&self) -> Result<usize, GpuError> {
-        Ok(0)
+        Ok(self.streams_made.fetch_add(1, Ordering::Relaxed))
     }
     fn destroy_stream(&self, _: usize) {}
     unsafe fn copy_async(&self, dir: Dir, host: *mut u8, device: u64, len: usize, _: usize) -> Result<(), GpuError> {
@@ -56,6 +61,14 @@ impl DeviceApi for SimulatedDevice {
         };
         // SAFETY: the test's items point into its own live buffers.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        Ok(())
+    }
+    unsafe fn copy_batch_async(&self, _: &(), dir: Dir, items: &[Item], stream: usize, batch: bool) -> Result<(), GpuError> {
+        self.batches.lock().unwrap().push((items.len(), batch));
+        for it in items {
+            // SAFETY: forwarded contract.
+            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+        }
         Ok(())
     }
     fn synchronize(&self, _: usize) -> Result<(), GpuError> {
@@ -136,8 +149,10 @@ pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (Sim
         ipc_opens: AtomicUsize::new(0),
         syncs: AtomicUsize::new(0),
         kernels: AtomicUsize::new(0),
+        streams_made: AtomicUsize::new(0),
+        batches: Mutex::new(Vec::new()),
     };
-    let engine = Engine { ordinal: 0, dev: (), idle: Mutex::new(Vec::new()), memops: AtomicBool::new(false), events: AtomicBool::new(true), gather: std::sync::OnceLock::new() };
+    let engine = Engine::new(0, [7; 16], (), false);
     (api, engine)
 }
 

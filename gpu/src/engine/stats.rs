@@ -1,11 +1,18 @@
-//! Counters of the GPU engine's copy calls.
+//! Counters of one GPU copy engine (one device of one backend).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Engine counters of this process (all GPU copy calls), for benchmarks.
+/// Counters of one GPU's copy engine since the backend opened it, as
+/// [`crate::Backend::engine_stats`] and the pool report show them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct EngineStats {
+    /// Device ordinal in the pool process.
+    pub ordinal: i32,
+    /// Device UUID (HIP: the identity of `hip::device_identity`).
+    pub device_uuid: [u8; 16],
+    /// Copy calls (one per transfer group or pipelined transfer on this GPU).
     pub calls: u64,
+    /// Copies handed to the driver (ops cut at 16 MiB and at registration ends).
     pub items: u64,
     pub bytes: u64,
     /// Time spent handing copies to the driver.
@@ -16,21 +23,46 @@ pub struct EngineStats {
     pub stages: u64,
 }
 
-pub(super) static STAT_CALLS: AtomicU64 = AtomicU64::new(0);
-pub(super) static STAT_ITEMS: AtomicU64 = AtomicU64::new(0);
-pub(super) static STAT_BYTES: AtomicU64 = AtomicU64::new(0);
-pub(super) static STAT_ENQUEUE: AtomicU64 = AtomicU64::new(0);
-pub(super) static STAT_TOTAL: AtomicU64 = AtomicU64::new(0);
-pub(super) static STAT_STAGES: AtomicU64 = AtomicU64::new(0);
+/// The live counters behind [`EngineStats`].
+#[derive(Default)]
+pub(super) struct EngineCounters {
+    calls: AtomicU64,
+    items: AtomicU64,
+    bytes: AtomicU64,
+    enqueue_ns: AtomicU64,
+    total_ns: AtomicU64,
+    stages: AtomicU64,
+}
 
-/// Snapshot of [`EngineStats`].
-pub fn engine_stats() -> EngineStats {
-    EngineStats {
-        calls: STAT_CALLS.load(Ordering::Relaxed),
-        items: STAT_ITEMS.load(Ordering::Relaxed),
-        bytes: STAT_BYTES.load(Ordering::Relaxed),
-        enqueue_ns: STAT_ENQUEUE.load(Ordering::Relaxed),
-        total_ns: STAT_TOTAL.load(Ordering::Relaxed),
-        stages: STAT_STAGES.load(Ordering::Relaxed),
+/// What one copy call adds.
+pub(super) struct CallCounts {
+    pub items: u64,
+    pub bytes: u64,
+    pub enqueue_ns: u64,
+    pub total_ns: u64,
+    pub stages: u64,
+}
+
+impl EngineCounters {
+    pub(super) fn add(&self, c: CallCounts) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        self.items.fetch_add(c.items, Ordering::Relaxed);
+        self.bytes.fetch_add(c.bytes, Ordering::Relaxed);
+        self.enqueue_ns.fetch_add(c.enqueue_ns, Ordering::Relaxed);
+        self.total_ns.fetch_add(c.total_ns, Ordering::Relaxed);
+        self.stages.fetch_add(c.stages, Ordering::Relaxed);
+    }
+
+    pub(super) fn snapshot(&self, ordinal: i32, device_uuid: [u8; 16]) -> EngineStats {
+        EngineStats {
+            ordinal,
+            device_uuid,
+            calls: self.calls.load(Ordering::Relaxed),
+            items: self.items.load(Ordering::Relaxed),
+            bytes: self.bytes.load(Ordering::Relaxed),
+            enqueue_ns: self.enqueue_ns.load(Ordering::Relaxed),
+            total_ns: self.total_ns.load(Ordering::Relaxed),
+            stages: self.stages.load(Ordering::Relaxed),
+        }
     }
 }

@@ -54,7 +54,7 @@ impl<A: DeviceApi> Engine<A> {
         if gather::gather_config().mode == gather::GatherMode::CopyEngine {
             return;
         }
-        self.gather.get_or_init(|| match gather::calibrate(api, &self.dev, gather::gather_config(), super::batch_max()) {
+        self.gather.get_or_init(|| match gather::calibrate(api, &self.dev, gather::gather_config(), super::EngineConfig::default().batch_max) {
             Ok(g) => {
                 let c = &g.calibration;
                 tracing::info!(
