@@ -169,7 +169,8 @@ pub enum GatherMode {
     CopyEngine,
 }
 
-/// Kernel path settings of this process.
+/// Kernel path settings: [`crate::EngineConfig::gather`], passed with every transfer
+/// (the calibration, done at a GPU's first region, uses those of that registration).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct GatherConfig {
     pub mode: GatherMode,
@@ -196,19 +197,6 @@ impl GatherConfig {
     pub(crate) fn split_streams(&self) -> usize {
         self.split_streams.clamp(1, 16)
     }
-}
-
-static CONFIG: Mutex<GatherConfig> = Mutex::new(GatherConfig { mode: GatherMode::Auto, blocks: 0, launch_bytes: 0, split_streams: 0 });
-
-/// Sets the kernel path settings for copy calls that start afterwards (a calibration
-/// already done is kept).
-pub fn set_gather_config(config: GatherConfig) {
-    *CONFIG.lock().unwrap_or_else(|e| e.into_inner()) = config;
-}
-
-/// See [`set_gather_config`].
-pub fn gather_config() -> GatherConfig {
-    *CONFIG.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// One measured page size.
@@ -263,8 +251,8 @@ pub(crate) struct GatherState {
 impl GatherState {
     /// Whether a stage of `items` goes to the kernel: by the calibration (or forced by
     /// [`GatherMode::Kernel`]) and only where [`eligible`].
-    pub(crate) fn wants(&self, dir: Dir, items: &[Item], ranges: &[(usize, usize)]) -> bool {
-        let chosen = match gather_config().mode {
+    pub(crate) fn wants(&self, mode: GatherMode, dir: Dir, items: &[Item], ranges: &[(usize, usize)]) -> bool {
+        let chosen = match mode {
             GatherMode::CopyEngine => false,
             GatherMode::Kernel => true,
             GatherMode::Auto => self.calibration.use_kernel(dir, average(items)),
@@ -353,8 +341,8 @@ pub(crate) const LARGE_MIN_PIECE: usize = 256 << 10;
 
 /// Whether a stage of these items is "few large objects", to be split over
 /// [`GatherConfig::split_streams`] streams (none when that is 1).
-pub(crate) fn is_large(items: &[Item]) -> bool {
-    gather_config().split_streams() > 1 && !items.is_empty() && items.len() < LARGE_FEW && average(items) >= LARGE_MIN_AVG
+pub(crate) fn is_large(config: &GatherConfig, items: &[Item]) -> bool {
+    config.split_streams() > 1 && !items.is_empty() && items.len() < LARGE_FEW && average(items) >= LARGE_MIN_AVG
 }
 
 /// Cuts items so that there are at least `streams` pieces of about equal size (each at
@@ -456,6 +444,7 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
     api: &A,
     state: &GatherState,
     descs: &mut DescBuf,
+    config: &GatherConfig,
     dir: Dir,
     items: &[Item],
     stream: A::Stream,
@@ -463,7 +452,7 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
     if items.is_empty() {
         return Ok(());
     }
-    let max_bytes = gather_config().launch_bytes();
+    let max_bytes = config.launch_bytes();
     for chunk in launch_chunks(items, max_bytes) {
         let items = &items[chunk];
         let n = desc_count(items);
@@ -581,7 +570,7 @@ fn measure_all<A: DeviceApi>(
             // SAFETY: the stream was synchronized after every launch of this function.
             unsafe { d.reset(api) };
             // SAFETY: items lie in our two allocations, 16-byte aligned.
-            unsafe { launch(api, &state, &mut d, dir, items, stream) }
+            unsafe { launch(api, &state, &mut d, &config, dir, items, stream) }
         })
     };
     // Copy engines as the engine feeds them: a small first batch, then growing ones.
@@ -661,25 +650,6 @@ pub(crate) mod tests {
         assert_eq!(Calibration::from_points(vec![], 8).d2h_crossover, 0);
     }
 
-    /// Sets `split_streams` for one test and puts the default back (lib tests that use
-    /// the split serialize on it).
-    pub(crate) struct SplitConfig(#[allow(dead_code)] std::sync::MutexGuard<'static, ()>);
-
-    impl SplitConfig {
-        pub(crate) fn set(streams: usize) -> SplitConfig {
-            static SERIAL: Mutex<()> = Mutex::new(());
-            let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-            set_gather_config(GatherConfig { split_streams: streams, ..gather_config() });
-            SplitConfig(guard)
-        }
-    }
-
-    impl Drop for SplitConfig {
-        fn drop(&mut self) {
-            set_gather_config(GatherConfig { split_streams: 0, ..gather_config() });
-        }
-    }
-
     #[test]
     fn launches_are_cut_by_bytes() {
         let items: Vec<Item> = (0..10).map(|k| it(k * 4096, 0, 4096)).collect();
@@ -737,9 +707,9 @@ pub(crate) mod tests {
 
     #[test]
     fn one_large_object_is_split_for_several_streams() {
-        let _config = SplitConfig::set(4);
+        let split = GatherConfig { split_streams: 4, ..GatherConfig::default() };
         let mut items = vec![it(0x1000_0000, 0x9000_0000, 16 << 20)];
-        assert!(is_large(&items));
+        assert!(is_large(&split, &items));
         split_large(&mut items, 4);
         assert_eq!(items.len(), 4);
         assert!(items.iter().all(|i| i.len == 4 << 20));
@@ -759,10 +729,10 @@ pub(crate) mod tests {
         let mut small = vec![it(0, 0, 300 << 10)];
         split_large(&mut small, 4);
         assert_eq!(small.len(), 1);
-        assert!(!is_large(&[it(0, 0, 64 << 10)]));
-        assert!(!is_large(&[it(0, 0, 1 << 20)]), "1 MiB objects are not split");
-        assert!(is_large(&[it(0, 0, 4 << 20)]));
-        set_gather_config(GatherConfig { split_streams: 1, ..gather_config() });
-        assert!(!is_large(&[it(0, 0, 4 << 20)]), "split off");
+        assert!(!is_large(&split, &[it(0, 0, 64 << 10)]));
+        assert!(!is_large(&split, &[it(0, 0, 1 << 20)]), "1 MiB objects are not split");
+        assert!(is_large(&split, &[it(0, 0, 4 << 20)]));
+        assert!(!is_large(&GatherConfig { split_streams: 1, ..split }, &[it(0, 0, 4 << 20)]), "split off");
+        assert!(!is_large(&GatherConfig::default(), &[it(0, 0, 4 << 20)]), "no split by default");
     }
 }

@@ -36,7 +36,7 @@ pub mod host;
 pub use engine::{EngineConfig, EngineStats};
 pub use error::GpuError;
 pub use fence::FenceWord;
-pub use gather::{gather_config, set_gather_config, GatherConfig, GatherMode};
+pub use gather::{GatherConfig, GatherMode};
 
 /// Direction of a copy between a registered region ("device") and pool memory ("host").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -309,6 +309,10 @@ pub struct Peer<'a> {
     /// Checks that `pid` still names the process that connected and that it still runs as
     /// the peer's uid; Err says what changed.
     pub verify: &'a dyn Fn() -> Result<(), String>,
+    /// The pool's GPU copy tuning when the registration comes: the page copy kernel of a
+    /// GPU is calibrated at its first region under `engine.gather` (not at all while the
+    /// mode is [`GatherMode::CopyEngine`]). Host backends ignore it.
+    pub engine: EngineConfig,
 }
 
 /// Opens regions of one memory kind inside the pool process. Implemented by this crate's
@@ -364,7 +368,7 @@ pub trait Backend: sealed::Sealed + Send + Sync {
             }
             _ => None,
         };
-        let peer = Peer { attachment: 0, pid: peer_pid, pidfd: pidfd.as_ref().map(|f| f.as_fd()), verify: &|| Ok(()) };
+        let peer = Peer { attachment: 0, pid: peer_pid, pidfd: pidfd.as_ref().map(|f| f.as_fd()), verify: &|| Ok(()), engine: EngineConfig::default() };
         self.open_region_for(reg, fd, &peer)
     }
     /// Peer allocations this process holds open (GPU: IPC mappings). A worker that died

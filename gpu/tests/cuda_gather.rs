@@ -14,7 +14,7 @@ use common::{pattern, PoolMem};
 use umbp_gpu::cuda::{self, sys};
 use umbp_gpu::fence::FenceWord;
 use umbp_gpu::gather::{calibrations, kernel_launches};
-use umbp_gpu::{backend_for, set_gather_config, Backend, CopyOp, DeviceRegion, Dir, EngineConfig, Fence, GatherConfig, GatherMode, MemoryKind, Part, TransferArgs};
+use umbp_gpu::{backend_for, Backend, CopyOp, DeviceRegion, Dir, EngineConfig, Fence, GatherMode, MemoryKind, Part, TransferArgs};
 
 /// The tests change the process-wide gather mode: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -59,10 +59,12 @@ struct Setup {
     region: Box<dyn DeviceRegion>,
     pool: PoolMem,
     pool_len: usize,
+    /// Page copy path every transfer of this setup passes in its EngineConfig.
+    mode: std::cell::Cell<GatherMode>,
 }
 
 impl Setup {
-    fn new(backend: Arc<dyn Backend>, dev_len: usize, pool_len: usize) -> Setup {
+    fn new(backend: Arc<dyn Backend>, dev_len: usize, pool_len: usize, mode: GatherMode) -> Setup {
         bind_primary_context();
         let mut dptr: sys::CUdeviceptr = 0;
         // SAFETY: out-pointer to a local.
@@ -73,7 +75,7 @@ impl Setup {
         let pool = PoolMem::new(pool_len + 4096);
         // SAFETY: the range is `pool`, alive until Drop unregisters it.
         unsafe { backend.register_host_memory(pool.ptr(), pool_len + 4096) }.unwrap();
-        Setup { backend, dptr, dev_len, region, pool, pool_len }
+        Setup { backend, dptr, dev_len, region, pool, pool_len, mode: std::cell::Cell::new(mode) }
     }
 
     fn upload(&self, bytes: &[u8]) {
@@ -103,7 +105,9 @@ impl Setup {
         let parts = [Part { region: &*self.region, ops }];
         // SAFETY: every op's host range lies inside `pool` (callers build them so).
         let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
-        let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, keep_waiting: &|| true, engine: EngineConfig::default() };
+        let mut engine = EngineConfig::default();
+        engine.gather.mode = self.mode.get();
+        let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, keep_waiting: &|| true, engine };
         let r = unsafe { umbp_gpu::transfer(&args, &parts) };
         r.into_iter().for_each(|r| r.unwrap());
     }
@@ -127,17 +131,12 @@ fn pages(n: usize, page: usize) -> Vec<CopyOp> {
         .collect()
 }
 
-fn set_mode(mode: GatherMode) {
-    set_gather_config(GatherConfig { mode, ..Default::default() });
-}
-
 #[test]
 fn kernel_gather_and_scatter_are_byte_exact() {
     let _s = serial();
     let Some(backend) = cuda_or_skip() else { return };
-    set_mode(GatherMode::Kernel);
     let dev_len = 64 << 20;
-    let s = Setup::new(backend, dev_len, 32 << 20);
+    let s = Setup::new(backend, dev_len, 32 << 20, GatherMode::Kernel);
     for (mode, page) in [
         (GatherMode::Kernel, 4096),
         (GatherMode::Kernel, 8192),
@@ -149,7 +148,7 @@ fn kernel_gather_and_scatter_are_byte_exact() {
         (GatherMode::Auto, 4096),
         (GatherMode::Auto, 65536),
     ] {
-        set_mode(mode);
+        s.mode.set(mode);
         let n = ((16 << 20) / page).min(dev_len / (2 * page));
         let ops = pages(n, page);
         let src: Vec<u8> = (0..dev_len).map(|i| pattern(3, i)).collect();
@@ -183,7 +182,6 @@ fn kernel_gather_and_scatter_are_byte_exact() {
             GatherMode::Auto => {}
         }
     }
-    set_mode(GatherMode::Auto);
     for (ordinal, c) in calibrations() {
         println!("calibration GPU {ordinal}: blocks {} d2h kernel up to {} B, h2d kernel up to {} B", c.blocks, c.d2h_crossover, c.h2d_crossover);
         for p in c.points {
@@ -327,9 +325,8 @@ impl Worker {
 fn kernel_path_fenced_store_after_a_slow_kernel() {
     let _s = serial();
     let Some(backend) = cuda_or_skip() else { return };
-    set_mode(GatherMode::Kernel);
     let dev_len = 16 << 20;
-    let s = Setup::new(backend, dev_len, 8 << 20);
+    let s = Setup::new(backend, dev_len, 8 << 20, GatherMode::Kernel);
     let w = Worker::new();
     s.upload(&vec![0u8; dev_len]);
     let word = s.fence_word();
@@ -353,7 +350,6 @@ fn kernel_path_fenced_store_after_a_slow_kernel() {
         }
     }
     println!("fenced store after a 300 ms kernel: byte-exact, store call took {waited:?}");
-    set_mode(GatherMode::Auto);
 }
 
 /// Load fence: the worker's reading kernel waits on the fence word before it runs; the
@@ -363,9 +359,8 @@ fn kernel_path_fenced_store_after_a_slow_kernel() {
 fn kernel_path_fenced_load_before_a_reading_kernel() {
     let _s = serial();
     let Some(backend) = cuda_or_skip() else { return };
-    set_mode(GatherMode::Kernel);
     let dev_len = 16 << 20;
-    let s = Setup::new(backend, dev_len, 8 << 20);
+    let s = Setup::new(backend, dev_len, 8 << 20, GatherMode::Kernel);
     let w = Worker::new();
     s.upload(&vec![0u8; dev_len]);
     let word = s.fence_word();
@@ -406,5 +401,4 @@ fn kernel_path_fenced_load_before_a_reading_kernel() {
     unsafe { ck("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2((&mut bad as *mut u64).cast(), w.bad, 8)) };
     assert_eq!(bad, 0, "the reading kernel saw {bad} words before the load landed");
     println!("fenced load before a reading kernel: 0 stale words");
-    set_mode(GatherMode::Auto);
 }

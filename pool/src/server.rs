@@ -732,7 +732,8 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
     // The pid comes from SO_PEERCRED, never from the message, and is checked to still be
     // the process that connected, running as the peer's uid (HostProcess; item 1 of #13).
     let verify = || att.process.verify();
-    let peer = umbp_gpu::Peer { attachment: att.id, pid: att.pid, pidfd: att.process.pidfd(), verify: &verify };
+    let engine = *inner.engine.lock().expect("engine config lock");
+    let peer = umbp_gpu::Peer { attachment: att.id, pid: att.pid, pidfd: att.process.pidfd(), verify: &verify, engine };
     match backend.open_region_for(&reg, fds.into_iter().next(), &peer) {
         Ok(region) => {
             // The opened size is what copies may touch; check it too.

@@ -94,13 +94,13 @@ impl TransferCli {
             "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
             other => return Err(format!("--gather {other}: expected auto, kernel or copy-engine")),
         };
-        umbp_gpu::set_gather_config(umbp_gpu::GatherConfig {
+        let mut engine = umbp_gpu::EngineConfig::default();
+        engine.gather = umbp_gpu::GatherConfig {
             mode,
             blocks: self.gather_blocks,
             launch_bytes: self.gather_launch_kib << 10,
             split_streams: self.split_streams,
-        });
-        let mut engine = umbp_gpu::EngineConfig::default();
+        };
         engine.streams = self.streams.unwrap_or(engine.streams);
         engine.batch = !self.no_batch;
         let default_cap = match (self.backend, self.quick) {

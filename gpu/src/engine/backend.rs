@@ -115,7 +115,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
         _fd: Option<OwnedFd>,
         peer: &crate::Peer<'_>,
     ) -> Result<Box<dyn DeviceRegion>, GpuError> {
-        self.open_gpu_region(reg, peer.pid)
+        self.open_gpu_region(reg, peer.pid, &peer.engine)
     }
 
     fn open_mappings(&self) -> usize {
@@ -131,7 +131,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
 }
 
 impl<A: DeviceApi> GpuBackend<A> {
-    fn open_gpu_region(&self, reg: &MemoryRegistration, peer_pid: u32) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_gpu_region(&self, reg: &MemoryRegistration, peer_pid: u32, config: &super::EngineConfig) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(A::KIND, reg)?;
         if reg.size == 0 {
             return Err(GpuError::invalid(A::KIND, "size is 0"));
@@ -139,7 +139,7 @@ impl<A: DeviceApi> GpuBackend<A> {
         let shared = &self.shared;
         let engine = shared.engine_for(&reg.device_uuid)?;
         let _bound = Bound::new(&shared.api, &engine.dev)?;
-        engine.calibrate_once(&shared.api);
+        engine.calibrate_once(&shared.api, config);
         let (mapping, key) = if peer_pid == std::process::id() {
             (self.local_mapping(reg)?, None)
         } else {

@@ -1,6 +1,8 @@
 //! Copy tuning of the GPU engine: [`EngineConfig`], built by whoever runs the pool (the
 //! daemon from its flags) and passed with every transfer.
 
+use crate::gather::GatherConfig;
+
 /// Streams per copy call by default. One stream measured best on the H200 (2026-11-29)
 /// with pipelined stages: 64 KiB pages 50.9/50.5 GB/s store/load vs 48.5/48.5 with 4
 /// streams (each stream's share of a stage starts with small batches again, and every
@@ -38,11 +40,14 @@ pub struct EngineConfig {
     /// batched copy) stays ahead of the DMA from one thread, and 4 submitting threads made
     /// 64 KiB-page calls ~5% slower.
     pub parallel_submit: bool,
+    /// The page copy kernel path ([`crate::gather`]): mode, blocks, launch size and the
+    /// split of large objects (default: by the calibration, no split).
+    pub gather: GatherConfig,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { streams: DEFAULT_STREAMS, batch: true, batch_max: DEFAULT_BATCH_MAX, parallel_submit: false }
+        Self { streams: DEFAULT_STREAMS, batch: true, batch_max: DEFAULT_BATCH_MAX, parallel_submit: false, gather: GatherConfig::default() }
     }
 }
 

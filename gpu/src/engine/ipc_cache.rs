@@ -113,7 +113,7 @@ mod tests {
         reg.device_uuid = [7; 16];
         reg.ipc_handle = [42; 64];
         let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
-        let peer = |pid: u32, attachment: u32| crate::Peer { attachment, pid, pidfd: None, verify: &|| Ok(()) };
+        let peer = |pid: u32, attachment: u32| crate::Peer { attachment, pid, pidfd: None, verify: &|| Ok(()), engine: crate::EngineConfig::default() };
         let victim = backend.open_region_for(&reg, None, &peer(1_000_001, 1)).unwrap();
         assert_eq!(opens(&backend), 1);
         let again = backend.open_region_for(&reg, None, &peer(1_000_001, 2)).unwrap();

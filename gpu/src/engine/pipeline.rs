@@ -91,7 +91,7 @@ impl<A: DeviceApi> Engine<A> {
         let ranges = call.ranges;
         let mut items = first;
         // One large object: cut over several streams (copy engines), both directions.
-        let large = gather::is_large(&items);
+        let large = gather::is_large(&config.gather, &items);
         let stages = call.stages.max(1);
         let staged = stages > 1 && self.events.load(Ordering::Relaxed);
         let mut rest_built = stages == 1;
@@ -114,7 +114,7 @@ impl<A: DeviceApi> Engine<A> {
         }
         let t_call = Instant::now();
         let (streams, batch) = (config.streams, config.batch);
-        let streams = if large { streams.max(gather::gather_config().split_streams()) } else { streams };
+        let streams = if large { streams.max(config.gather.split_streams()) } else { streams };
         if large && !staged {
             gather::split_large(&mut items, streams);
         }
@@ -123,7 +123,7 @@ impl<A: DeviceApi> Engine<A> {
         let mut set = self.take_set(api, n_streams)?;
         // SAFETY: the set's previous call synchronized its streams before putting it back.
         unsafe { set.descs.reset(api) };
-        let kernel = self.gather_path();
+        let kernel = self.gather_path(config.gather.mode);
         let mut used = vec![false; set.streams.len()];
         let mut first_err: Option<GpuError> = None;
         // Store fence: on the GPU when the word is device-mapped and the driver supports
@@ -214,12 +214,12 @@ impl<A: DeviceApi> Engine<A> {
                     }
                     n_items += items.len() as u64;
                     n_bytes += items.iter().map(|i| i.len as u64).sum::<u64>();
-                    if let Some(g) = kernel.filter(|g| g.wants(dir, &items, ranges)) {
+                    if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
                         // Same stream, same place as the copies: after the store fence's
                         // wait, before the stage event and the load fence's write.
                         used[0] = true;
                         // SAFETY: forwarded caller contract; `wants` checked eligibility.
-                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, dir, &items, set.streams[0]) } {
+                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, set.streams[0]) } {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -272,10 +272,10 @@ impl<A: DeviceApi> Engine<A> {
                 n_bytes = items.iter().map(|i| i.len as u64).sum::<u64>();
                 let runs = balance(&items, n_streams);
                 if first_err.is_some() {
-                } else if let Some(g) = kernel.filter(|g| g.wants(dir, &items, ranges)) {
+                } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.
-                    first_err = unsafe { gather::launch(api, g, &mut set.descs, dir, &items, set.streams[0]) }.err();
+                    first_err = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, set.streams[0]) }.err();
                 } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && config.parallel_submit {
                     let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
                         let handles: Vec<_> = runs
@@ -482,8 +482,8 @@ mod tests {
     /// streams. Bytes land right in every case.
     #[test]
     fn stages_take_the_path_the_calibration_chose() {
-        use crate::gather::{gather_config, set_gather_config, Calibration, GatherConfig, GatherState, Point};
-        let _split = crate::gather::tests::SplitConfig::set(4);
+        use crate::gather::{Calibration, GatherConfig, GatherMode, GatherState, Point};
+        let split = GatherConfig { split_streams: 4, ..GatherConfig::default() };
         let (api, engine) = simulated(usize::MAX, true, false);
         let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0 };
         let calibration = Calibration::from_points(vec![p(4096), p(16384)], 8);
@@ -494,7 +494,7 @@ mod tests {
         let dst_ptr = dst.as_mut_ptr();
         let registered = [(dst_ptr as usize, dst_ptr as usize + total)];
         // Pages of `page` bytes in reverse order; returns (kernel launches, copies).
-        let run = |page: usize, stages: usize, ranges: &[(usize, usize)]| {
+        let run = |gather: GatherConfig, page: usize, stages: usize, ranges: &[(usize, usize)]| {
             let n = total / page;
             let per = n / stages;
             let stage = |s: usize| -> Vec<Item> {
@@ -509,8 +509,10 @@ mod tests {
                 items.extend(stage(s));
                 Ok(())
             };
+            let mut a = args();
+            a.engine.gather = gather;
             // SAFETY: items point into `src`/`dst`, alive for the call.
-            let r = unsafe { engine.run(&api, &Call { args: &args(), stages, signal: false, ranges }, stage(0), &mut build, &mut |_| {}) };
+            let r = unsafe { engine.run(&api, &Call { args: &a, stages, signal: false, ranges }, stage(0), &mut build, &mut |_| {}) };
             assert!(r.is_ok(), "{r:?}");
             for i in 0..n {
                 // SAFETY: reads the test's buffer after the call.
@@ -519,14 +521,22 @@ mod tests {
             }
             (api.kernels.load(Ordering::Relaxed) - k0, api.copies.load(Ordering::Relaxed) - c0)
         };
-        assert_eq!(run(4096, 4, &registered), (4, 0), "4 KiB pages: one launch per stage");
-        assert_eq!(run(16384, 1, &registered), (1, 0), "4 MiB of 16 KiB pages: one launch");
-        assert_eq!(run(65536, 4, &registered), (0, 64), "64 KiB pages: copy engines");
-        assert_eq!(run(4096, 2, &[]), (0, 1024), "unregistered host memory: copy engines");
-        assert_eq!(run(total, 1, &registered), (0, 4), "one 4 MiB object: cut for 4 streams");
-        assert_eq!(run(total / 4, 1, &registered), (0, 4), "1 MiB objects: not cut");
-        set_gather_config(GatherConfig { split_streams: 1, ..gather_config() });
-        assert_eq!(run(total, 1, &registered), (0, 1), "split off: one copy");
+        assert_eq!(run(split, 4096, 4, &registered), (4, 0), "4 KiB pages: one launch per stage");
+        assert_eq!(run(split, 16384, 1, &registered), (1, 0), "4 MiB of 16 KiB pages: one launch");
+        assert_eq!(run(split, 65536, 4, &registered), (0, 64), "64 KiB pages: copy engines");
+        assert_eq!(run(split, 4096, 2, &[]), (0, 1024), "unregistered host memory: copy engines");
+        assert_eq!(run(split, total, 1, &registered), (0, 4), "one 4 MiB object: cut for 4 streams");
+        assert_eq!(run(split, total / 4, 1, &registered), (0, 4), "1 MiB objects: not cut");
+        assert_eq!(run(GatherConfig { split_streams: 1, ..split }, total, 1, &registered), (0, 1), "split off: one copy");
+        assert_eq!(run(GatherConfig::default(), total, 1, &registered), (0, 1), "no split by default");
+        // The mode each call passes is the one it follows (no process-wide setting).
+        let ce = GatherConfig { mode: GatherMode::CopyEngine, ..split };
+        assert_eq!(run(ce, 4096, 4, &registered), (0, 1024), "copy engines forced: no launch");
+        let kernel = GatherConfig { mode: GatherMode::Kernel, ..split };
+        assert_eq!(run(kernel, 65536, 4, &registered), (4, 0), "kernel forced: 64 KiB pages too");
+        assert_eq!(run(kernel, 4096, 2, &[]), (0, 1024), "kernel forced, unregistered: copy engines");
+        let cut = GatherConfig { launch_bytes: 256 << 10, ..split };
+        assert_eq!(run(cut, 4096, 4, &registered), (16, 0), "1 MiB stages cut into 256 KiB launches");
         let _ = &mut dst;
     }
 

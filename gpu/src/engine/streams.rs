@@ -41,20 +41,23 @@ impl<A: DeviceApi> Engine<A> {
     }
 
     /// The kernel path of this GPU unless copy engines are forced or it is unavailable.
-    pub(super) fn gather_path(&self) -> Option<&crate::gather::GatherState> {
-        match crate::gather::gather_config().mode {
+    pub(super) fn gather_path(&self, mode: crate::gather::GatherMode) -> Option<&crate::gather::GatherState> {
+        match mode {
             crate::gather::GatherMode::CopyEngine => None,
             _ => self.gather.get().and_then(Option::as_ref),
         }
     }
 
     /// Calibrates the kernel path once (a device is bound); later calls return at once.
-    pub(super) fn calibrate_once(&self, api: &A) {
+    /// Not while `config` forces copy engines (a later region opened under another mode
+    /// calibrates then).
+    pub(super) fn calibrate_once(&self, api: &A, config: &super::EngineConfig) {
         use crate::gather;
-        if gather::gather_config().mode == gather::GatherMode::CopyEngine {
+        if config.gather.mode == gather::GatherMode::CopyEngine {
             return;
         }
-        self.gather.get_or_init(|| match gather::calibrate(api, &self.dev, gather::gather_config(), super::EngineConfig::default().batch_max) {
+        let config = config.clamped();
+        self.gather.get_or_init(|| match gather::calibrate(api, &self.dev, config.gather, config.batch_max) {
             Ok(g) => {
                 let c = &g.calibration;
                 tracing::info!(

@@ -71,6 +71,22 @@ struct Args {
     /// (measured no gain on the H200).
     #[arg(long = "copy-parallel-submit", env = "UMBP_COPY_PARALLEL", value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
     copy_parallel_submit: bool,
+    /// GPU copies of small pages: auto (the kernel where the GPU's calibration, done at its
+    /// first registration, found it faster than copy engines), kernel (wherever it can
+    /// run), copy-engine (never; no SM is used for copies, no calibration).
+    #[arg(long = "copy-kernel", env = "UMBP_COPY_KERNEL", value_name = "MODE", default_value = "auto", value_parser = ["auto", "kernel", "copy-engine"], help_heading = "GPU copy engine")]
+    copy_kernel: String,
+    /// GPU copies: blocks (SMs) the page copy kernel runs on (0: chosen by the calibration).
+    #[arg(long = "copy-kernel-blocks", env = "UMBP_COPY_KERNEL_BLOCKS", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096), help_heading = "GPU copy engine")]
+    copy_kernel_blocks: u32,
+    /// GPU copies: most bytes one page copy kernel launch moves (a stage is cut into
+    /// several launches); 0: one launch per stage.
+    #[arg(long = "copy-kernel-launch-size", env = "UMBP_COPY_KERNEL_LAUNCH_SIZE", value_name = "SIZE", default_value = "0", help_heading = "GPU copy engine")]
+    copy_kernel_launch_size: String,
+    /// GPU copies: streams one large object (4 MiB+ per copy, few copies) is split over
+    /// (0 or 1: no split).
+    #[arg(long = "copy-split-streams", env = "UMBP_COPY_SPLIT_STREAMS", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=16), help_heading = "GPU copy engine")]
+    copy_split_streams: u16,
     /// Group that owns the socket (mode 0660); its members may connect. Name or gid
     /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).
     #[arg(long = "socket-group", env = "UMBP_SOCKET_GROUP", value_name = "NAME|GID", help_heading = "Isolation")]
@@ -184,6 +200,19 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
     c.engine.batch = args.copy_batch;
     c.engine.batch_max = args.copy_batch_max as usize;
     c.engine.parallel_submit = args.copy_parallel_submit;
+    c.engine.gather = umbp_gpu::GatherConfig {
+        mode: match args.copy_kernel.as_str() {
+            "kernel" => umbp_gpu::GatherMode::Kernel,
+            "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
+            _ => umbp_gpu::GatherMode::Auto,
+        },
+        blocks: args.copy_kernel_blocks,
+        launch_bytes: usize::try_from(
+            parse_size("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE)", &args.copy_kernel_launch_size).map_err(|e| e.to_string())?,
+        )
+        .map_err(|_| "copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE): too large".to_string())?,
+        split_streams: args.copy_split_streams.into(),
+    };
     if let Some(g) = &args.socket_group {
         c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g).map_err(|e| e.to_string())?);
     }
@@ -284,7 +313,27 @@ mod tests {
         )
         .unwrap();
         assert_eq!((c.engine.streams, c.engine.batch, c.engine.batch_max, c.engine.parallel_submit), (4, false, 64, true));
-        for bad in [["--copy-streams", "0"], ["--copy-streams", "17"], ["--copy-batch-max", "0"], ["--copy-batch", "maybe"]] {
+        let g = config_from(parse(&[]).unwrap()).unwrap().engine.gather;
+        assert_eq!(g, umbp_gpu::GatherConfig::default(), "page copy kernel defaults");
+        let g = config_from(
+            parse(&["--copy-kernel", "copy-engine", "--copy-kernel-blocks", "12", "--copy-kernel-launch-size", "4MiB", "--copy-split-streams", "4"]).unwrap(),
+        )
+        .unwrap()
+        .engine
+        .gather;
+        assert_eq!((g.mode, g.blocks, g.launch_bytes, g.split_streams), (umbp_gpu::GatherMode::CopyEngine, 12, 4 << 20, 4));
+        let g = config_from(parse(&["--copy-kernel", "kernel"]).unwrap()).unwrap().engine.gather;
+        assert_eq!(g.mode, umbp_gpu::GatherMode::Kernel);
+        let err = config_from(parse(&["--copy-kernel-launch-size", "lots"]).unwrap()).unwrap_err();
+        assert!(err.contains("copy-kernel-launch-size"), "{err}");
+        for bad in [
+            ["--copy-streams", "0"],
+            ["--copy-streams", "17"],
+            ["--copy-batch-max", "0"],
+            ["--copy-batch", "maybe"],
+            ["--copy-kernel", "gpu"],
+            ["--copy-split-streams", "17"],
+        ] {
             let err = parse(&bad).unwrap_err().to_string();
             assert!(err.contains(bad[0]), "{bad:?}: {err}");
         }
