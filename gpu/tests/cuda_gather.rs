@@ -103,11 +103,11 @@ impl Setup {
 
     fn transfer(&self, to_host: bool, ops: &[CopyOp], fence: Fence<'_>) {
         let parts = [Part { region: &*self.region, ops }];
-        // SAFETY: every op's host range lies inside `pool` (callers build them so).
         let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
         let mut engine = EngineConfig::default();
         engine.gather.mode = self.mode.get();
         let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, keep_waiting: &|| true, engine };
+        // SAFETY: every op's host range lies inside `pool` (callers build them so).
         let r = unsafe { umbp_gpu::transfer(&args, &parts) };
         r.into_iter().for_each(|r| r.unwrap());
     }
