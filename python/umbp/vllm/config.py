@@ -349,3 +349,36 @@ def load_failure_policy_warning(policy: Any, loads: bool = True) -> str | None:
         "pool between lookup and load then FAILS its request; set "
         "kv_load_failure_policy='recompute' to recompute such blocks instead"
     )
+
+
+# ---- hybrid models and lazy offload: lazy_offload, lazy_offload_max_blocks,
+# enable_partial_hash_hits (parsed apart from UMBPConnectorConfig; connector.py reads them).
+OFFLOAD_KEYS = frozenset({"lazy_offload", "lazy_offload_max_blocks", "enable_partial_hash_hits"})
+KNOWN_KEYS = KNOWN_KEYS | OFFLOAD_KEYS
+DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS = 256
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """`lazy_offload` (false): store reusable blocks picked from vLLM's GPU free queue (the
+    next eviction candidates) instead of every newly computed block after each step;
+    `lazy_offload_max_blocks` (256): free-queue blocks examined per step in lazy mode;
+    `enable_partial_hash_hits` (false): hits may end inside a KV block, at vLLM's
+    `cache_config.prefix_match_unit` (needs a model and vLLM version that have such hits)."""
+
+    lazy_offload: bool = False
+    lazy_offload_max_blocks: int = DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS
+    enable_partial_hash_hits: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadOptions":
+        extra = dict(extra or {})
+        kw: dict[str, Any] = {}
+        for k in ("lazy_offload", "enable_partial_hash_hits"):
+            if extra.get(k) is not None:
+                kw[k] = parse_bool(extra[k], k)
+        if extra.get("lazy_offload_max_blocks") is not None:
+            kw["lazy_offload_max_blocks"] = parse_positive_int(
+                extra["lazy_offload_max_blocks"], "lazy_offload_max_blocks"
+            )
+        return cls(**kw)
