@@ -224,6 +224,15 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def has_pending_push_work(self) -> bool:
+        # Pinned stores (sliding-window/Mamba blocks, lazy offload) end with a worker report:
+        # keep the engine stepping until they did, or their blocks stay pinned while idle.
+        return self._sched is not None and self._sched.has_pins()
+
+    def has_pending_block_frees(self) -> bool:
+        # Pinned blocks come back within a transfer: wait for them rather than preempt.
+        return self._sched is not None and self._sched.has_pins()
+
     def request_finished_all_groups(
         self, request: "Request", block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:

@@ -97,7 +97,8 @@ def describe_groups(kv_cache_config: Any) -> list[GroupInfo]:
                 "needs mamba_cache_mode='align'"
             )
         try:
-            page = int(spec.page_size_bytes)
+            # A Mamba page may be padded to the attention page: only the state is stored.
+            page = int(spec.real_page_size_bytes if kind == MAMBA else spec.page_size_bytes)
         except Exception:  # noqa: BLE001
             page = None
         sw = getattr(spec, "sliding_window", None)

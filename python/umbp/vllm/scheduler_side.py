@@ -388,6 +388,9 @@ class SchedulerSide:
         self._pins[op_id] = (blocks, 0)
         return BlockOp(rid, hashes, [b.block_id for b in blocks], group=group, op_id=op_id)
 
+    def has_pins(self) -> bool:
+        return bool(self._pins)
+
     def _unpin(self, op_id: int, ranks: int) -> None:
         pin = self._pins.get(op_id)
         if pin is None:
