@@ -71,29 +71,33 @@ def test_sliding_window_hybrid_restores_identical_tokens(gemma2, native, tmp_pat
 
 def test_lazy_offload_restores_evicted_prompt(tiny_model, native, tmp_path):
     """lazy_offload: nothing is stored after each step; blocks are stored from vLLM's free
-    queue before they are evicted. Prompt 7 is pushed out of a 16-block KV cache by other
-    prompts, then comes back: restored from the pool, same tokens. Eager offload on the
-    same workload is measured for comparison."""
-    work = ["run:7", "run:8", "run:9", "run:10", "run:11", "run:7", "metrics", "totals"]
-    (ref,) = drive(tiny_model, ["run:7"], "--no-connector", "--prompt-len", "700", log=tmp_path / "ref.log")
-    blocks = ["--num-gpu-blocks", "16"]
-    lazy = drive(tiny_model, work, *blocks, "--extra", json.dumps({"lazy_offload": True}),
-                 log=tmp_path / "lazy.log")
+    queue before they are evicted. Prompt 7 is pushed out of a 40-block KV cache by nine
+    other prompts (prompt 12, used between each, stays in vLLM's cache), then comes back:
+    restored from the pool, same tokens. Eager offload on the same workload is measured for
+    comparison (stored bytes)."""
+    others = [8, 9, 10, 11, 13, 14, 15, 16, 17]
+    work = ["run:7"] + [f"run:{s}" for o in others for s in (12, o)] + ["run:7", "metrics", "totals"]
+    (ref,) = drive(tiny_model, ["run:7"], "--no-connector", log=tmp_path / "ref.log")
+    blocks = ["--num-gpu-blocks", "40"]
+    lazy_cfg = {"lazy_offload": True, "lazy_offload_max_blocks": 8}
+    lazy = drive(tiny_model, work, *blocks, "--extra", json.dumps(lazy_cfg), log=tmp_path / "lazy.log")
     eager = drive(tiny_model, work, *blocks, log=tmp_path / "eager.log")
     for name, recs in (("lazy", lazy), ("eager", eager)):
-        first, back, metrics, totals = recs[0], recs[5], recs[6], recs[7]
+        first, back, metrics, totals = recs[0], recs[-3], recs[-2], recs[-1]
         assert first["tokens"] == ref["tokens"]
         assert back["num_cached_tokens"] == FULL, (name, back)
         assert back["tokens"] == ref["tokens"], f"{name}: restored KV changed the output"
         # vLLM's own cache had lost the prompt: the hit came through the connector.
         assert metrics["metrics"].get("vllm:external_prefix_cache_hits", 0) >= FULL, (name, metrics)
         assert totals["pinned_ops"] == 0, (name, totals)
-    lt, et = lazy[7], eager[7]
+    lt, et = lazy[-1], eager[-1]
     assert lt["lazy_stored_blocks"] > 0 and et["lazy_stored_blocks"] == 0
+    assert lt["stored_bytes"] < et["stored_bytes"], (lt, et)
     print(
-        f"\nMEASURE lazy_offload: 6 prompts x 700 tokens, 16-block KV cache: stored "
-        f"{lt['stored_blocks']} blocks / {lt['stored_bytes']} bytes lazily vs "
-        f"{et['stored_blocks']} blocks / {et['stored_bytes']} bytes eagerly"
+        f"\nMEASURE lazy_offload: 19 prompts of 700 tokens (10 distinct, one hot), 40-block KV "
+        f"cache, lazy_offload_max_blocks=8: stored {lt['stored_blocks']} blocks / "
+        f"{lt['stored_bytes']} bytes lazily vs {et['stored_blocks']} blocks / "
+        f"{et['stored_bytes']} bytes eagerly"
     )
 
 
