@@ -22,7 +22,9 @@ HEADS, HEAD_SIZE = 2, 32
 
 
 class HybridHarness(Harness):
-    def __init__(self, model_dir: str, extra: dict | None = None, num_blocks: int = 64):
+    def __init__(
+        self, model_dir: str, extra: dict | None = None, num_blocks: int = 64, prefix_match_unit: int | None = None
+    ):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -47,6 +49,7 @@ class HybridHarness(Harness):
             model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
             enable_prefix_caching=True, enforce_eager=True, max_model_len=1024,
             block_size=BLOCK, seed=0, kv_transfer_config=ktc, mamba_cache_mode="align",
+            prefix_match_unit=prefix_match_unit,
         )
         vc = self.vllm_config = args.create_engine_config()
         bs = vc.cache_config.block_size

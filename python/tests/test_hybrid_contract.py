@@ -5,6 +5,8 @@ so the engine is driven step by step without a model (hybrid_harness.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sched_harness import block_value, config_only_model_dir, tokens as T
@@ -92,3 +94,42 @@ def test_mamba_state_missing_means_no_hit(make):
     hashes = [bytes(x) for x in b.block_hashes]
     assert h.conn._sched._pool_prefix(hashes[: 2 * h.block // h.hash_block], h.gid("attn")) > 0
     assert h.conn.get_num_new_matched_tokens(b, 0) == (0, False)
+
+
+def test_partial_hash_hits_land_inside_a_block(granite, native):
+    """enable_partial_hash_hits with prefix_match_unit=32 (128-token blocks): a prompt that
+    shares 672 tokens (5 blocks + 32 x 1) with a stored one hits at 672, inside block 5,
+    from the stored prompt tail and the Mamba state at 672."""
+    from hybrid_harness import HybridHarness
+
+    h = HybridHarness(granite, extra={"enable_partial_hash_hits": True}, prefix_match_unit=32)
+    try:
+        assert h.conn._partial_hits and h.hash_block == 32 and h.block == 128
+        a_tokens = T(5, 700)
+        h.add("a", a_tokens, max_tokens=2)
+        h.run()
+        h.reset_local_cache()
+        b = h.request("b", a_tokens[:672] + T(9, 100))
+        assert h.conn.get_num_new_matched_tokens(b, 0) == (672, True)
+        h.sched.add_request(b)
+        so = h.step()
+        loads = {op.group: op for op in so.kv_connector_metadata.loads}
+        assert len(loads[h.gid("attn")].block_ids) == 6  # 5 full blocks + the tail block
+        (state_block,) = loads[h.gid("mamba")].block_ids
+        # The restored state, before b's own forward moves it on.
+        w = h.worker._worker
+        deadline = time.monotonic() + 10
+        while w._async_loads and time.monotonic() < deadline:
+            w._reap()
+            time.sleep(0.005)
+        assert h.state_holds(state_block, bytes(b.block_hashes[672 // 32 - 1]))
+        h.step_until(lambda: h.sched.requests["b"].num_computed_tokens > 672)
+        ids = h.group_block_ids("b", "attn")
+        assert all(
+            bool((h.kv[h.attn_layers[0]][ids[j]] == block_value(b.block_hashes[j])).all())
+            for j in range(5)
+        )
+        h.run()
+        assert h.external_tokens("b") == 672
+    finally:
+        h.close()

@@ -49,6 +49,7 @@ class ReqState:
     load_block_ids: tuple[int, ...] = ()  # blocks of the last planned load (all groups)
     load_first: int = 0  # first token of that load
     load_failed: bool = False  # a load failed: never offer hits again (no retry loops)
+    tail_stored: bool = False  # enable_partial_hash_hits: the prompt's partial block planned
 
     @property
     def has_store(self) -> bool:
@@ -247,6 +248,24 @@ class SchedulerSide:
                     return 0
         unit = self.c._hash_block_size if self.c._partial_hits else self.c._block_size
         others = [g for g in self.c._groups if g.kind != FULL]
+        fulls = [g for g in self.c._groups if g.kind == FULL]
+        if self.c._partial_hits and fulls:
+            # enable_partial_hash_hits: the hit may end inside the full-attention block
+            # after the prefix, where the pool holds that block as the tail of an earlier
+            # prompt (keyed by the hash of the prefix ending at the tail).
+            hb = self.c._hash_block_size
+            bsz = fulls[0].block_size
+            t = min(limit, len(request.block_hashes) * hb, max_t + bsz - 1) // hb * hb
+            while t > max_t:
+                h = self._state_hash(request, t)
+                if (
+                    t % bsz
+                    and h is not None
+                    and all(self._present(g.gid, h) for g in fulls)
+                    and all(self._group_has(request, g, t, cache) for g in others)
+                ):
+                    return t
+                t -= hb
         t = max_t // unit * unit
         for _ in range(_MAX_HIT_PROBES):
             if t <= 0:
@@ -330,6 +349,10 @@ class SchedulerSide:
                     ops.append(BlockOp(rid, [h], [ids[need.stop - 1]], is_async, group=g.gid))
                 continue
             hashes = self._group_hashes(request, g)
+            if g.kind == FULL and end_tok % g.block_size:
+                # A partial hit: the last block is a prompt tail, keyed by its prefix hash.
+                tail = self._state_hash(request, end_tok)
+                hashes = hashes[: end_tok // g.block_size] + ([tail] if tail is not None else [])
             if need.stop > len(hashes) or need.stop > len(ids):  # cannot happen per vLLM
                 logger.error("UMBP: load plan out of range for %s; not loading", rid)
                 return
@@ -418,6 +441,8 @@ class SchedulerSide:
             upto = req.num_computed_tokens + n_sched - len(spec.get(rid, ()))
             if not self.cfg.save_decode_cache:
                 upto = min(upto, req.num_prompt_tokens)
+            if self.c._partial_hits and not st.tail_stored and upto >= req.num_prompt_tokens:
+                self._plan_tail_store(st, block_state, meta)
             upto = min(upto, len(req.block_hashes) * self.c._hash_block_size) // bs * bs
             if upto <= st.stored_upto:
                 continue  # most steps (decode): nothing newly full, skip the hashes
@@ -460,6 +485,26 @@ class SchedulerSide:
                     meta.stores.append(op)
             st.stored_upto = upto
         self._plan_state_stores(so, meta)
+
+    def _plan_tail_store(self, st: ReqState, block_state: Any, meta: UMBPConnectorMetadata) -> None:
+        """enable_partial_hash_hits: store the prompt's last, partial full-attention block,
+        up to its last prefix-match-unit boundary, keyed by the hash of that prefix (a later
+        prompt sharing exactly that prefix can then hit inside the block)."""
+        st.tail_stored = True
+        req = st.request
+        hb = self.c._hash_block_size
+        p = req.num_prompt_tokens // hb * hb
+        h = self._state_hash(req, p)
+        ids = block_state.get_block_ids(req.request_id) if block_state is not None else None
+        if h is None or ids is None:
+            return
+        for g in self.c._groups:
+            if g.kind != FULL or p % g.block_size == 0:
+                continue
+            k = p // g.block_size
+            if k < len(ids[g.gid]):
+                meta.stores.append(BlockOp(req.request_id, [h], [ids[g.gid][k]], group=g.gid))
+                st.store_ops += 1
 
     def _plan_state_stores(self, so: "SchedulerOutput", meta: UMBPConnectorMetadata) -> None:
         """Mamba "align" states vLLM hands off at block (or prefix-match-unit) boundaries."""
