@@ -424,14 +424,22 @@ impl Collector for PoolCollector {
         counter(&mut enc, "umbp_attachments_accepted", "Handshakes accepted since start", g(&c.attachments_total))?;
         counter(&mut enc, "umbp_handshake_refusals", "Handshakes refused since start", g(&c.refusals))?;
 
-        // SAFETY: the pool's own index mapping, alive as long as `inner`.
-        if let Ok(v) = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) } {
-            let s = v.snapshot();
-            gauge(&mut enc, "umbp_index_slots", "Slots per index table", s.slot_count as f64)?;
-            gauge(&mut enc, "umbp_index_live", "Live index entries", s.live as f64)?;
-            gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", s.tombstones as f64)?;
-            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1)", s.epoch as f64)?;
-            counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", s.rebuilds)?;
+        // Summed over the tenant groups' indexes (one without --namespace-acl).
+        let mut ix: Option<(u64, u64, u64, u64, u64)> = None;
+        for g in &inner.group_mem {
+            // SAFETY: the pool's own index mapping, alive as long as `inner`.
+            if let Ok(v) = unsafe { IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) } {
+                let s = v.snapshot();
+                let t = ix.get_or_insert((0, 0, 0, s.epoch, 0));
+                *t = (t.0 + s.slot_count, t.1 + s.live, t.2 + s.tombstones, t.3, t.4 + s.rebuilds);
+            }
+        }
+        if let Some((slots, live, tombstones, epoch, rebuilds)) = ix {
+            gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", slots as f64)?;
+            gauge(&mut enc, "umbp_index_live", "Live index entries", live as f64)?;
+            gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", tombstones as f64)?;
+            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1; group 0's)", epoch as f64)?;
+            counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", rebuilds)?;
         }
         gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;
         Ok(())

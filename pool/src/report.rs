@@ -6,8 +6,6 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use umbp_protocol::index::IndexView;
-
 use crate::attachment::Attachment;
 use crate::PoolInner;
 
@@ -116,7 +114,7 @@ fn attachment_json(a: &Attachment) -> serde_json::Value {
 }
 
 pub fn build(inner: &PoolInner) -> serde_json::Value {
-    let (pool, namespaces) = {
+    let (pool, namespaces, group_events) = {
         let store = inner.store.lock().expect("store lock");
         let namespaces: Vec<_> = store
             .namespaces()
@@ -139,17 +137,11 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
             "high_watermark": inner.config.high_watermark,
             "low_watermark": inner.config.low_watermark,
         });
-        (pool, namespaces)
+        let group_events: Vec<u64> = (0..store.group_count() as u32).map(|g| store.group_events_written(g)).collect();
+        (pool, namespaces, group_events)
     };
-    // SAFETY: the pool's own index mapping, alive as long as `inner`.
-    let index = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) }.ok().map(|v| {
-        let s = v.snapshot();
-        serde_json::json!({
-            "slots": s.slot_count, "epoch": s.epoch, "live": s.live, "tombstones": s.tombstones,
-            "inserts": s.inserts, "removes": s.removes, "rebuilds": s.rebuilds,
-            "probe_histogram": v.probe_histogram(8),
-        })
-    });
+    // Summed over the tenant groups' indexes; each group's in `groups`.
+    let (index, groups, events_region_bytes) = crate::group_report::build(inner, &group_events);
     // Snapshot the list first: no attachment's locks are taken under `attachments`.
     let list: Vec<Arc<Attachment>> = inner.attachments.lock().expect("attachments lock").clone();
     let attachments: Vec<_> = list.iter().map(|a| attachment_json(a)).collect();
@@ -163,11 +155,12 @@ pub fn build(inner: &PoolInner) -> serde_json::Value {
         "pool": pool,
         "namespaces": namespaces,
         "index": index,
+        "groups": groups,
         "attachments": attachments,
         "events": {
             "capacity": inner.config.event_log_entries,
             "written": pool["events_written"],
-            "region_bytes": inner.events_mem.len(),
+            "region_bytes": events_region_bytes,
         },
         "counters": inner.counters.to_json(),
     })

@@ -188,6 +188,30 @@ pub fn dump(r: &Value) -> String {
             .collect();
         out.push_str(&format!("  probe lengths  {}\n", hist.join("  ")));
     }
+    // With --namespace-acl: one index and event log per tenant group (the INDEX above is
+    // their sum).
+    let groups = r["groups"].as_array().map(Vec::as_slice).unwrap_or_default();
+    if groups.len() > 1 {
+        out.push_str("\nTENANT GROUPS (own index and event log each)\n");
+        for g in groups {
+            let list = |v: &serde_json::Value| {
+                let items: Vec<String> = v.as_array().into_iter().flatten().map(|x| x.to_string().trim_matches('"').to_string()).collect();
+                if items.is_empty() { "-".to_string() } else { items.join(",") }
+            };
+            out.push_str(&format!(
+                "  group {}  uids {}  namespaces {}\n    index slots {}  live {}  tombstones {}  inserts {}  removes {}  events written {}\n",
+                s(&g["group"]),
+                if g["group"] == 0 { "(pool's, root)".to_string() } else { list(&g["uids"]) },
+                if g["group"] == 0 { "(not listed)".to_string() } else { list(&g["namespaces"]) },
+                s(&g["index"]["slots"]),
+                s(&g["index"]["live"]),
+                s(&g["index"]["tombstones"]),
+                s(&g["index"]["inserts"]),
+                s(&g["index"]["removes"]),
+                s(&g["events"]["written"]),
+            ));
+        }
+    }
     let c = &r["counters"];
     out.push_str(&format!(
         "\nTRAFFIC\n  submissions {} (rejected {})  hints {}\n  blocks stored {}  already present {}  not stored {}\n  blocks loaded {}  missing {}  failed {}  invalid {}\n  bytes stored {}  loaded {}\n  attachments accepted {}  refused {}\n",
