@@ -344,7 +344,8 @@ class SchedulerSide:
                 h = self._state_hash(request, end_tok)
                 if need.stop > len(ids) or h is None:
                     logger.error("UMBP: no state block for %s's load; not loading", rid)
-                    return
+                    ops = self._failing_load(rid, all_ids, first_tok, end_tok, is_async)
+                    break
                 if ids[need.stop - 1] != null:
                     ops.append(BlockOp(rid, [h], [ids[need.stop - 1]], is_async, group=g.gid))
                 continue
@@ -355,12 +356,17 @@ class SchedulerSide:
                 hashes = hashes[: end_tok // g.block_size] + ([tail] if tail is not None else [])
             if need.stop > len(hashes) or need.stop > len(ids):  # cannot happen per vLLM
                 logger.error("UMBP: load plan out of range for %s; not loading", rid)
-                return
+                ops = self._failing_load(rid, all_ids, first_tok, end_tok, is_async)
+                break
             pick = [i for i in range(lo, need.stop) if ids[i] != null]
             if pick:
                 ops.append(
                     BlockOp(rid, [hashes[i] for i in pick], [ids[i] for i in pick], is_async, group=g.gid)
                 )
+        if is_async and not ops:
+            # vLLM waits for this request's "received" report: an empty op makes the
+            # workers send it.
+            ops = [BlockOp(rid, [], [], True)]
         self._pending_loads.extend(ops)
         st.stored_upto = max(st.stored_upto, end_tok // self.c._block_size * self.c._block_size, st.pool_hit_tokens)
         st.async_load_pending = is_async and bool(ops)
@@ -370,6 +376,17 @@ class SchedulerSide:
             for op in ops:  # already in the pool: lazy offload need not store them again
                 for h in op.hashes:
                     self._lazy_remember(op.group, h)
+
+    def _failing_load(
+        self, rid: str, all_ids: Any, first_tok: int, end_tok: int, is_async: bool
+    ) -> list[BlockOp]:
+        """A load that cannot be planned: its first group's blocks are "loaded" under keys
+        the pool cannot hold, so the workers report them failed and vLLM recomputes them
+        (never a hit whose bytes were not loaded)."""
+        g = self._g0
+        ids = list(all_ids[g.gid])[first_tok // g.block_size : -(-end_tok // g.block_size)]
+        ids = [b for b in ids if b != self._null_block_id()]
+        return [BlockOp(rid, [b""] * len(ids), ids, is_async, group=g.gid)]
 
     def _null_block_id(self) -> int:
         bp = self.c._gpu_block_pool

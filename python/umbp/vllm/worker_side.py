@@ -204,6 +204,8 @@ class WorkerSide:
     def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
         for op in meta.loads:
             if not op.block_ids:
+                if op.is_async and not self._async_loads.get(op.req_id):
+                    self._finished_recving.add(op.req_id)  # nothing to wait for
                 continue
             group = meta.group if op.group is None else op.group
             job = Job(
