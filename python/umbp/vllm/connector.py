@@ -23,7 +23,9 @@ The pool copies the bytes (DESIGN §7); no KV byte goes through Python. Modes:
   (`endpoint`, else `$UMBP_STANDALONE_ADDRESS`, else the binding's default socket).
 
 Correctness rules this file keeps (vLLM contract, DESIGN §9):
-* only whole blocks, keyed by vLLM's chained block hashes + a namespace (keys.py);
+* only whole blocks, keyed by vLLM's chained block hashes + a namespace + the KV cache group
+  (keys.py); hybrid models (several groups: full attention, sliding window, Mamba state) are
+  described in groups.py and docs/vllm-hybrid.md;
 * a hit is reported only for leading blocks present for *every* TP rank;
 * stores are submitted after the forward (`wait_for_save`) and never block the step; a
   finished request whose stores are still in flight keeps its blocks (`request_finished`
