@@ -23,6 +23,9 @@ Keys (all optional):
 | `lookup_timeout_ms` | int > 0 | 1000 | scheduler, embedded mode: how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
 | `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
 | `pool_uid` | int >= 0 | `$UMBP_POOL_UID` | standalone: the pool's service uid; a socket served by another uid than this process's, root or this one is refused |
+| `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
+| `lazy_offload_max_blocks` | int > 0 | 256 | lazy offload: free-queue blocks examined per step |
+| `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
 
 Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
 machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
