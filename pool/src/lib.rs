@@ -26,6 +26,7 @@ mod poller;
 mod report;
 mod server;
 mod service;
+pub mod ssd;
 mod stats;
 mod transfer;
 pub mod validate;
