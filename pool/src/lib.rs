@@ -1,4 +1,5 @@
-//! The UMBP pool (DESIGN §2, §7–§9). A library so that the same code runs as the
+//! The UMBP pool (docs/architecture.md): DRAM tier, allocator, eviction, index writer,
+//! transfers and the socket server. A library so that the same code runs as the
 //! standalone `umbp-pool` daemon and embedded inside one engine worker.
 //!
 //! Threads: one control thread (an event loop over the listener and every peer socket:
@@ -21,6 +22,7 @@ mod liveness;
 mod metrics;
 mod objects;
 mod poller;
+pub mod pool_report;
 mod report;
 mod server;
 mod service;
@@ -37,6 +39,7 @@ use std::time::Instant;
 pub use alloc::PAGE_BYTES;
 pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, UidLimits};
 pub use objects::ObjectEvent;
+pub use pool_report::{PoolReport, Report, TenantReport};
 
 use attachment::Attachment;
 use objects::ObjectStore;
@@ -187,8 +190,8 @@ impl Pool {
         &self.socket_path
     }
 
-    /// The state report that ringtool shows (JSON).
-    pub fn report(&self) -> serde_json::Value {
+    /// The state report that ringtool shows (serializes to its JSON form).
+    pub fn report(&self) -> PoolReport {
         report::build(&self.inner)
     }
 

@@ -123,7 +123,7 @@ fn namespace_acl_refuses_other_namespaces_and_unlisted_uids() {
     assert!(unlisted.contains("not allowed for uid 65533") && unlisted.contains("--namespace-acl"), "{unlisted}");
     // The pool's own uid is not restricted.
     assert!(RawPeer::attach(&pool.socket, Role::Scheduler, 0x1234).is_ok());
-    assert!(pool.report()["counters"]["refusals"].as_u64().unwrap() >= 2);
+    assert!(pool.report().counters.refusals >= 2);
 }
 
 fn one(peer: &RawPeer, op: Opcode, key: u128, block: u64) -> BlockStatus {

@@ -107,7 +107,7 @@ impl EmbeddedPool {
     fn report(&self) -> PyResult<String> {
         let g = self.pool.lock().expect("pool lock");
         let p = g.as_ref().ok_or_else(|| err("pool is closed"))?;
-        Ok(p.report().to_string())
+        serde_json::to_string(&p.report()).map_err(|e| err(format!("report: {e}")))
     }
 
     /// Keys stored ("stored") or removed ("removed", evictions included) since the last call.

@@ -54,7 +54,7 @@ fn a_store_cancelled_while_the_pool_is_stopped_publishes_nothing() {
     until_pool_answered_all(&mut e, 50_000);
     let st = e.load_wait(100, 8);
     assert!(st.iter().all(|s| *s == BlockStatus::Missing), "a cancelled store must publish nothing, got {st:?}");
-    assert!(pool.report()["counters"]["transfers_cancelled"].as_u64().unwrap() >= 1, "{}", pool.report()["counters"]);
+    assert!(pool.report().counters.transfers_cancelled >= 1, "{}", pool.report().counters);
 }
 
 #[test]

@@ -30,8 +30,8 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     assert_eq!(c.statuses, vec![BlockStatus::Failed; 8], "{c:?}");
     umbp_pool::fault::panic_on_copy_of(None);
     let report = pool.report();
-    assert_eq!(report["pool"]["quarantined_bytes"], 8 * PAGE, "reserved objects are never reused: {report}");
-    assert_eq!(report["pool"]["objects"], 0, "{report}");
+    assert_eq!(report.pool.quarantined_bytes, 8 * PAGE, "reserved objects are never reused: {report}");
+    assert_eq!(report.pool.objects, 0, "{report}");
 
     // The same thread serves on; the keys of the failed store can be stored again.
     for round in 0..3 {
@@ -41,5 +41,5 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     }
     let id = w.load(0, &job(1000, 8)).unwrap();
     assert!(w.wait(id, Duration::from_secs(10)).expect("load completes").all_ok());
-    assert_eq!(pool.report()["pool"]["published_objects"], 24);
+    assert_eq!(pool.report().pool.published_objects, 24);
 }

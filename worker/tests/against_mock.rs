@@ -6,7 +6,7 @@ mod common;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use common::{socket_path, MockPool, REFUSED_NAMESPACE};
+use common::{eventually, socket_path, MockPool, REFUSED_NAMESPACE};
 use umbp_worker::*;
 
 const PAGE: usize = 256;
@@ -59,15 +59,6 @@ fn attach(path: &std::path::Path, kv: &mut Kv) -> Worker {
 
 fn done(w: &mut Worker, id: TransferId) -> Completion {
     w.wait(id, Duration::from_secs(5)).expect("completion in time")
-}
-
-/// Polls until `f` holds or 5 s pass.
-fn eventually(mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(5), "condition not reached in 5 s");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[test]

@@ -177,7 +177,7 @@ fn main() {
     let args = Args::parse();
     KEY_MODE.set(args.keys).expect("set once");
     if let Cmd::Stats = args.cmd {
-        println!("{}", umbp_integration_tests::report(&args.socket));
+        println!("{}", umbp_integration_tests::report_json(&args.socket));
         return;
     }
     let mut kv = Kv::new(&args);

@@ -80,8 +80,8 @@ impl Engine {
 }
 
 /// Worker attachments in a report (the report's own observer attachment is not one).
-pub fn workers(report: &serde_json::Value) -> usize {
-    report["attachments"].as_array().unwrap().iter().filter(|a| a["role"] == "worker").count()
+pub fn workers(report: &umbp_pool::PoolReport) -> usize {
+    report.attachments_of(umbp_pool::pool_report::PeerRole::Worker).count()
 }
 
 pub fn keys(first: u128, n: u64) -> Vec<ObjectKey> {
