@@ -16,8 +16,12 @@ pub mod control;
 mod dram;
 mod event_log;
 mod evictor;
-#[doc(hidden)]
+/// Fault injection and hold points for tests (feature `fault-injection`; off in the daemon).
+#[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(not(feature = "fault-injection"))]
+#[path = "fault_off.rs"]
+mod fault;
 mod liveness;
 mod metrics;
 mod objects;
@@ -37,9 +41,22 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 pub use alloc::PAGE_BYTES;
-pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, UidLimits};
+pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, ProgressFn, UidLimits};
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
+
+/// Whether this build can arm test faults ([`fault`], feature `fault-injection`); the
+/// daemon warns at start when it can.
+pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
+
+/// Progress of a long start-up step (prefaulting DRAM), for [`PoolConfig::progress`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// What is being done, e.g. "prefaulting DRAM".
+    pub what: &'static str,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+}
 
 use attachment::Attachment;
 use objects::ObjectStore;
@@ -56,11 +73,25 @@ pub enum PoolError {
     Socket { path: PathBuf, message: String },
     #[error("metrics endpoint {addr}: {message}")]
     Metrics { addr: String, message: String },
-    #[error("DRAM tier: {0}")]
-    Dram(String),
+    #[error("DRAM tier: {source} (capacity {capacity_bytes} bytes){}", if *.hugepages { HUGEPAGES_HINT } else { "" })]
+    Dram { capacity_bytes: u64, hugepages: bool, source: umbp_ipc::ShmError },
+    #[error("DRAM tier: numa-node {0} is out of range")]
+    NumaNodeRange(u32),
+    #[error("DRAM tier: numa-node {node}: mbind failed: {source} (is there such a node in /sys/devices/system/node?)")]
+    Mbind { node: u32, source: std::io::Error },
+    #[error("DRAM tier: index: {0}")]
+    IndexMemory(#[source] umbp_ipc::ShmError),
+    #[error("DRAM tier: index: {0}")]
+    IndexFormat(#[source] umbp_protocol::ProtocolError),
+    /// The event log's creation reports a message (event_log.rs).
+    #[error("DRAM tier: event log: {0}")]
+    EventLog(String),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
+
+const HUGEPAGES_HINT: &str =
+    "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)";
 
 pub(crate) struct PoolInner {
     pub config: PoolConfig,
@@ -121,17 +152,17 @@ impl Pool {
         let dram = dram::Dram::create(&config)?;
         let slots = umbp_protocol::index::slots_for(config.capacity_bytes, config.min_object_bytes);
         let index_mem = SharedMemory::create("umbp-index", umbp_protocol::index::region_bytes(slots), false)
-            .map_err(|e| PoolError::Dram(format!("index: {e}")))?;
+            .map_err(PoolError::IndexMemory)?;
         // SAFETY: a fresh zeroed mapping that only this pool writes.
         unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, objects::index_seed()) }
-            .map_err(|e| PoolError::Dram(format!("index: {e}")))?;
+            .map_err(PoolError::IndexFormat)?;
         // Schedulers map it read-only: no writable mapping can be made from now on.
-        index_mem.seal_read_only().map_err(|e| PoolError::Dram(format!("index: {e}")))?;
+        index_mem.seal_read_only().map_err(PoolError::IndexMemory)?;
         let index_mem = Arc::new(index_mem);
         let mut store = ObjectStore::new(dram.len() as u64, index_mem.clone());
         store.set_policy(objects::Policy::from_config(&config, dram.len() as u64, store.index_capacity()));
         let event_log = event_log::SharedEventLog::create(config.event_log_entries)
-            .map_err(|e| PoolError::Dram(format!("event log: {e}")))?;
+            .map_err(PoolError::EventLog)?;
         let events_mem = event_log.memory().clone();
         store.set_event_log(event_log);
         let metrics_listener = config.metrics_addr.as_deref().map(metrics::bind).transpose()?;

@@ -68,7 +68,7 @@ fn socket_is_0660_and_belongs_to_the_socket_group() {
     assert_eq!(meta.gid(), rustix::process::getgid().as_raw(), "default group: the pool's");
     drop(pool);
 
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-pool"))
+    let bad = std::process::Command::new(umbp_integration_tests::pool_binary())
         .args(["--socket-group", "no-such-group-umbp", "--capacity", "16MiB"])
         .output()
         .unwrap();

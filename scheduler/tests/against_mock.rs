@@ -3,7 +3,7 @@
 #[path = "../../worker/tests/common/mod.rs"]
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{eventually, socket_path, MockPool, REFUSED_NAMESPACE};
 use umbp_scheduler::*;

@@ -236,7 +236,7 @@ fn hugetlb_hole_punch_cannot_kill_the_pool() {
     map_and_fill(mfd.as_file(), HUGE as usize, 0x5a);
     let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 3)).unwrap();
     let fd: OwnedFd = mfd.as_file().try_clone().unwrap().into();
-    match w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: HUGE }) {
+    match w.register_memfd(fd, 0, HUGE) {
         Ok(id) => {
             // The pool took it: punch the page out from under the pool's mapping, take the
             // freed huge page elsewhere, and ask for a copy.
@@ -289,7 +289,7 @@ fn shmem_hole_punch_reads_zeros() {
     let map = map_and_fill(mfd.as_file(), 2 * 4096, 0x77);
     let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 4)).unwrap();
     let fd: OwnedFd = mfd.as_file().try_clone().unwrap().into();
-    let id = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: 2 * 4096 }).unwrap();
+    let id = w.register_memfd(fd, 0, 2 * 4096).unwrap();
     w.register_layout(0, vec![Segment::new(id, 0, 4096, 4096, 2)]).unwrap();
     punch_hole(mfd.as_file(), 4096);
     let t = w.store(0, &[(key(10), 0)]).unwrap();
@@ -453,7 +453,10 @@ fn peer_in_another_pid_namespace_is_served_without_process_memory() {
     }
     let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).unwrap();
     let mut buf = vec![0u8; 4096];
-    let e = w.register_memory(MemorySpec::HostProcess { ptr: buf.as_mut_ptr() as usize, len: buf.len() }).unwrap_err().to_string();
+    // SAFETY: `buf` outlives `w` within this test, and the registration is refused anyway.
+    let e = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: buf.as_mut_ptr() as usize, len: buf.len() }) }
+        .unwrap_err()
+        .to_string();
     assert!(e.contains("pid namespace"), "HostProcess from pid 0 must be refused, saying why: {e}");
     // Memfds need no pid: served.
     let mfd = memfd::MemfdOptions::default().allow_sealing(true).create("kv").unwrap();
@@ -461,7 +464,7 @@ fn peer_in_another_pid_namespace_is_served_without_process_memory() {
     mfd.add_seals(&[memfd::FileSeal::SealShrink]).unwrap();
     map_and_fill(mfd.as_file(), 4096, 9);
     let fd: OwnedFd = mfd.as_file().try_clone().unwrap().into();
-    let id = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: 4096 }).unwrap();
+    let id = w.register_memfd(fd, 0, 4096).unwrap();
     w.register_layout(0, vec![Segment::new(id, 0, 4096, 4096, 1)]).unwrap();
     let t = w.store(0, &[(key(20), 0)]).unwrap();
     assert_eq!(wait_status(&mut w, t), vec![BlockStatus::Stored]);

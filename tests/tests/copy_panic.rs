@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use umbp_integration_tests::unique_socket;
 use umbp_pool::{Pool, PoolConfig};
-use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
+use umbp_worker::{BlockStatus, ObjectKey, Segment, Worker, WorkerConfig};
 
 const PAGE: u64 = 64 << 10;
 const BLOCKS: u64 = 64;
@@ -20,7 +20,7 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).expect("worker attaches");
     let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
     let fd = kv.fd().try_clone_to_owned().unwrap();
-    let alloc = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: PAGE * BLOCKS }).unwrap();
+    let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
     w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
     let job = |first: u128, n: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect() };
 

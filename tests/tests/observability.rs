@@ -32,7 +32,9 @@ impl TestWorker {
     fn connect(socket: &Path, ns: u128) -> Self {
         let mem = vec![0u8; (LAYERS * BLOCKS * PAGE) as usize];
         let mut w = Worker::connect(WorkerConfig::new(socket, ns)).expect("worker connects");
-        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).unwrap();
+        // SAFETY: `mem` moves into the `TestWorker` with `w` and drops after it (field
+        // order); it is only touched between transfers.
+        unsafe { w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }) }.unwrap();
         let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
         assert_eq!(w.register_layout(0, segs).unwrap(), OBJECT);
         Self { w, _mem: mem }

@@ -995,7 +995,9 @@ impl WorkerState {
                 },
                 Mem::Cuda { ptr, len } => MemorySpec::Cuda { ptr: *ptr, len: *len as u64 },
             };
-            let id = self.w.register_memory(spec).map_err(|e| format!("register_memory: {e}"))?;
+            // SAFETY: `mem` (a memfd or a CUDA allocation) is kept in `allocs` for as long as
+            // the worker lives.
+            let id = unsafe { self.w.register_memory(spec) }.map_err(|e| format!("register_memory: {e}"))?;
             allocs.push((id, mem));
         }
         let segments: Vec<Segment> = (0..layers)
@@ -1734,8 +1736,8 @@ mod tests {
         .expect("pool");
         let mut w = Worker::connect(WorkerConfig::new(&socket, 7)).expect("connect");
         let mut kv = vec![0u8; 16 << 10];
-        let alloc = w
-            .register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() })
+        // SAFETY: `kv` lives to the end of the test and no transfer ever runs.
+        let alloc = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() }) }
             .expect("register");
         w.register_layout(0, vec![Segment::new(alloc, 0, 4096, 4096, 4)]).expect("layout");
         let e = w.store_after_stream(0, &[(ObjectKey(1), 0)], 0).unwrap_err();
