@@ -92,11 +92,18 @@ fn gone(pid: u32) -> String {
 impl PeerProcess {
     /// Captures the peer of `sock`. Call it as soon as the connection is accepted.
     pub fn capture(sock: BorrowedFd<'_>) -> io::Result<Self> {
+        Self::capture_with(sock, true)
+    }
+
+    /// [`Self::capture`]; with `so_peerpidfd` false it takes the fallback path (`pidfd_open`
+    /// of the `SO_PEERCRED` pid plus its start time) even where the kernel has
+    /// `SO_PEERPIDFD`, as on kernels before 6.5 (tests of that path).
+    pub fn capture_with(sock: BorrowedFd<'_>, so_peerpidfd: bool) -> io::Result<Self> {
         let cred = peer_cred(sock)?;
         if cred.pid == 0 {
             return Ok(Self { cred, pidfd: None, start_time: None, source: PidfdSource::None });
         }
-        let (pidfd, source) = match peer_pidfd(sock) {
+        let (pidfd, source) = match so_peerpidfd.then(|| peer_pidfd(sock)).flatten() {
             Some(fd) => (Some(fd), PidfdSource::SoPeerPidfd),
             None => {
                 let pid = rustix::process::Pid::from_raw(cred.pid as i32);

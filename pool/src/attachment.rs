@@ -74,6 +74,9 @@ pub struct Attachment {
     /// The process that connected, held by a pidfd from accept on (docs/security.md).
     pub process: umbp_ipc::peer::PeerProcess,
     pub namespace: u128,
+    /// The tenant group of `namespace` (groups.rs): whose index, event log and objects
+    /// this peer's lookups, hints, stores and loads use.
+    pub group: u32,
     pub tp_rank: u32,
     pub tp_size: u32,
     pub dp_rank: u32,
@@ -109,6 +112,7 @@ impl Attachment {
         role: Role,
         process: umbp_ipc::peer::PeerProcess,
         hello: &umbp_protocol::wire::Hello,
+        group: u32,
         layout: AttachmentLayout,
         socket: UnixStream,
     ) -> std::io::Result<Self> {
@@ -138,6 +142,7 @@ impl Attachment {
             pid,
             uid,
             namespace: hello.namespace(),
+            group,
             tp_rank: hello.tp_rank,
             tp_size: hello.tp_size,
             dp_rank: hello.dp_rank,

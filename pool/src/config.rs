@@ -54,6 +54,9 @@ pub struct PoolConfig {
     /// other than the pool's own and root must be listed and may only use its namespaces,
     /// and a load only finds objects stored under the loader's own namespace.
     pub namespace_acl: std::collections::BTreeMap<u32, Vec<u128>>,
+    /// Take peers' pidfds with `pidfd_open` + start time even where `SO_PEERPIDFD`
+    /// exists (tests of the older kernels' path; docs/security.md item 1).
+    pub peer_pidfd_fallback: bool,
     /// Serve Prometheus metrics on GET /metrics at this address (host:port).
     pub metrics_addr: Option<String>,
     /// Entries of the shared KV event log (power of two).
@@ -203,6 +206,7 @@ impl Default for PoolConfig {
             limits: PeerLimits::default(),
             socket_group: None,
             namespace_acl: Default::default(),
+            peer_pidfd_fallback: false,
             metrics_addr: None,
             event_log_entries: umbp_protocol::events::DEFAULT_EVENT_CAPACITY,
             control: ControlLimits::default(),

@@ -18,8 +18,8 @@ pub struct SharedEventLog {
 
 impl SharedEventLog {
     /// Creates, formats and seals (read-only for everyone else) a log of `capacity` events.
-    pub fn create(capacity: u32) -> Result<Self, String> {
-        let mem = SharedMemory::create("umbp-events", events::region_bytes(capacity), false).map_err(|e| e.to_string())?;
+    pub fn create(name: &str, capacity: u32) -> Result<Self, String> {
+        let mem = SharedMemory::create(name, events::region_bytes(capacity), false).map_err(|e| e.to_string())?;
         // SAFETY: a fresh zeroed mapping that only this pool writes.
         unsafe { EventLog::init(mem.as_ptr(), mem.len(), capacity) }.map_err(|e| e.to_string())?;
         mem.seal_read_only().map_err(|e| e.to_string())?;

@@ -16,12 +16,14 @@ pub mod control;
 mod dram;
 mod event_log;
 mod evictor;
+mod group_report;
 /// Fault injection and hold points for tests (feature `fault-injection`; off in the daemon).
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 #[path = "fault_off.rs"]
 mod fault;
+pub mod groups;
 mod liveness;
 mod metrics;
 mod objects;
@@ -30,6 +32,7 @@ pub mod pool_report;
 mod report;
 mod server;
 mod service;
+pub mod ssd;
 mod stats;
 mod transfer;
 pub mod validate;
@@ -79,13 +82,13 @@ pub enum PoolError {
     NumaNodeRange(u32),
     #[error("DRAM tier: numa-node {node}: mbind failed: {source} (is there such a node in /sys/devices/system/node?)")]
     Mbind { node: u32, source: std::io::Error },
-    #[error("DRAM tier: index: {0}")]
-    IndexMemory(#[source] umbp_ipc::ShmError),
-    #[error("DRAM tier: index: {0}")]
-    IndexFormat(#[source] umbp_protocol::ProtocolError),
+    #[error("DRAM tier: index of tenant group {group}: {source}")]
+    IndexMemory { group: u32, source: umbp_ipc::ShmError },
+    #[error("DRAM tier: index of tenant group {group}: {source}")]
+    IndexFormat { group: u32, source: umbp_protocol::ProtocolError },
     /// The event log's creation reports a message (event_log.rs).
-    #[error("DRAM tier: event log: {0}")]
-    EventLog(String),
+    #[error("DRAM tier: event log of tenant group {group}: {message}")]
+    EventLog { group: u32, message: String },
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -93,12 +96,20 @@ pub enum PoolError {
 const HUGEPAGES_HINT: &str =
     "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)";
 
+/// One tenant group's shared regions (groups.rs): its index and its KV event log, both
+/// read-only for peers, written through `store`.
+pub(crate) struct GroupMemory {
+    pub index_mem: Arc<SharedMemory>,
+    pub events_mem: Arc<SharedMemory>,
+}
+
 pub(crate) struct PoolInner {
     pub config: PoolConfig,
     pub dram: dram::Dram,
-    pub index_mem: Arc<SharedMemory>,
-    /// The KV event log (read-only for peers), written through `store`.
-    pub events_mem: Arc<SharedMemory>,
+    /// The tenant groups of `config.namespace_acl` (one without an ACL).
+    pub tenant_groups: groups::TenantGroups,
+    /// By group number: the index and event log a peer of that group is handed.
+    pub group_mem: Vec<GroupMemory>,
     pub store: Mutex<ObjectStore>,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
     /// Wakes the service thread when attachments come or go, and at shutdown.
@@ -150,29 +161,43 @@ impl Pool {
 
     fn start_bound(config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
         let dram = dram::Dram::create(&config)?;
+        let tenant_groups = groups::TenantGroups::from_acl(&config.namespace_acl);
+        if tenant_groups.len() > groups::MAX_GROUPS {
+            return Err(ConfigError::Invalid {
+                key: "namespace-acl".into(),
+                message: format!(
+                    "{} tenant groups (namespaces listed for distinct sets of uids); a pool makes at most {}",
+                    tenant_groups.len(),
+                    groups::MAX_GROUPS
+                ),
+            }
+            .into());
+        }
         let slots = umbp_protocol::index::slots_for(config.capacity_bytes, config.min_object_bytes);
-        let index_mem = SharedMemory::create("umbp-index", umbp_protocol::index::region_bytes(slots), false)
-            .map_err(PoolError::IndexMemory)?;
-        // SAFETY: a fresh zeroed mapping that only this pool writes.
-        unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, objects::index_seed()) }
-            .map_err(PoolError::IndexFormat)?;
-        // Schedulers map it read-only: no writable mapping can be made from now on.
-        index_mem.seal_read_only().map_err(PoolError::IndexMemory)?;
-        let index_mem = Arc::new(index_mem);
-        let mut store = ObjectStore::new(dram.len() as u64, index_mem.clone());
-        store.set_policy(objects::Policy::from_config(&config, dram.len() as u64, store.index_capacity()));
-        let event_log = event_log::SharedEventLog::create(config.event_log_entries)
-            .map_err(PoolError::EventLog)?;
-        let events_mem = event_log.memory().clone();
-        store.set_event_log(event_log);
+        // One index and one event log per tenant group (one without --namespace-acl).
+        let mut group_mem = Vec::with_capacity(tenant_groups.len());
+        for g in 0..tenant_groups.len() as u32 {
+            let share = tenant_groups.index_share(g, config.namespace_share);
+            let sized_for = ((config.capacity_bytes as f64 * share) as u64).max(1);
+            group_mem.push(create_group(&config, g, tenant_groups.len(), umbp_protocol::index::slots_for(sized_for, config.min_object_bytes))?);
+        }
+        let (index_mems, logs): (Vec<_>, Vec<_>) = group_mem.into_iter().unzip();
+        let mut store = ObjectStore::with_groups(dram.len() as u64, index_mems.clone());
+        // Namespace quotas are shares of an index sized for the whole pool (3/4 of its slots).
+        store.set_policy(objects::Policy::from_config(&config, dram.len() as u64, slots / 4 * 3));
+        let mut group_mem = Vec::with_capacity(logs.len());
+        for (g, (index_mem, log)) in index_mems.into_iter().zip(logs).enumerate() {
+            group_mem.push(GroupMemory { index_mem, events_mem: log.memory().clone() });
+            store.set_event_log(g as u32, log);
+        }
         let metrics_listener = config.metrics_addr.as_deref().map(metrics::bind).transpose()?;
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
         let socket_path = config.socket_path.clone();
         let inner = Arc::new(PoolInner {
             store: Mutex::new(store),
             dram,
-            index_mem,
-            events_mem,
+            tenant_groups,
+            group_mem,
             attachments: Mutex::new(Vec::new()),
             service_wake: Doorbell::new()?,
             control_wake: Doorbell::new()?,
@@ -211,6 +236,7 @@ impl Pool {
             socket = %socket_path.display(),
             capacity_bytes = inner.config.capacity_bytes,
             index_slots = slots,
+            tenant_groups = inner.tenant_groups.len(),
             copy_threads = inner.config.copy_threads,
             "umbp pool listening"
         );
@@ -262,10 +288,12 @@ impl Pool {
         }
         // Schedulers stop trusting the index before anything it names is released
         // (docs/protocol.md, "Pool liveness").
-        // SAFETY: the pool's own writable mapping of the index, alive as long as `inner`.
-        if let Ok(view) = unsafe { umbp_protocol::index::IndexView::attach(self.inner.index_mem.as_ptr(), self.inner.index_mem.len()) } {
-            // SAFETY: that mapping is writable (the pool is the index's writer).
-            unsafe { view.mark_closed() };
+        for g in &self.inner.group_mem {
+            // SAFETY: the pool's own writable mapping of the index, alive as long as `inner`.
+            if let Ok(view) = unsafe { umbp_protocol::index::IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) } {
+                // SAFETY: that mapping is writable (the pool is the index's writer).
+                unsafe { view.mark_closed() };
+            }
         }
         self.inner.service_wake.ring();
         self.inner.control_wake.ring();
@@ -290,6 +318,27 @@ impl Pool {
         let _ = std::fs::remove_file(&self.socket_path);
         tracing::info!(socket = %self.socket_path.display(), "umbp pool stopped");
     }
+}
+
+/// Creates, formats and seals group `g`'s index (`slots` slots, its own random seed) and
+/// event log. Names: `umbp-index` / `umbp-events` when there is one group, else with `-gN`.
+fn create_group(
+    config: &PoolConfig,
+    g: u32,
+    groups: usize,
+    slots: u64,
+) -> Result<(Arc<SharedMemory>, event_log::SharedEventLog), PoolError> {
+    let suffix = if groups == 1 { String::new() } else { format!("-g{g}") };
+    let index_mem = SharedMemory::create(&format!("umbp-index{suffix}"), umbp_protocol::index::region_bytes(slots), false)
+        .map_err(|source| PoolError::IndexMemory { group: g, source })?;
+    // SAFETY: a fresh zeroed mapping that only this pool writes.
+    unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, objects::index_seed()) }
+        .map_err(|source| PoolError::IndexFormat { group: g, source })?;
+    // Schedulers map it read-only: no writable mapping can be made from now on.
+    index_mem.seal_read_only().map_err(|source| PoolError::IndexMemory { group: g, source })?;
+    let log = event_log::SharedEventLog::create(&format!("umbp-events{suffix}"), config.event_log_entries)
+        .map_err(|message| PoolError::EventLog { group: g, message })?;
+    Ok((Arc::new(index_mem), log))
 }
 
 impl Drop for Pool {

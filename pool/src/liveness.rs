@@ -4,6 +4,10 @@
 //! that thread exits, whatever kills the process, the kernel's exit path sets
 //! `OWNER_DIED` in the word before the process can be reaped, so schedulers see the pool's
 //! death with one load per lookup, without a syscall.
+//!
+//! With tenant groups (groups.rs) there is one index per group; the list then has one
+//! entry per index header (all at the same offset from their futex word), so every
+//! group's schedulers see the death word set.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -34,22 +38,31 @@ pub fn run(inner: &PoolInner) {
 }
 
 fn arm(inner: &PoolInner) -> Result<(), String> {
-    // SAFETY: the pool's own index mapping, alive as long as `inner` (longer than this
-    // thread, which `Pool::stop` joins before it drops `inner`).
-    let view = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) }.map_err(|e| e.to_string())?;
-    let info = &view.header().info;
-    let entry = &info.robust_next as *const _ as *mut libc::c_void;
-    let word = &info.owner as *const _ as usize;
+    let mut views = Vec::with_capacity(inner.group_mem.len());
+    for g in &inner.group_mem {
+        // SAFETY: the pool's own index mapping, alive as long as `inner` (longer than this
+        // thread, which `Pool::stop` joins before it drops `inner`).
+        views.push(unsafe { IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) }.map_err(|e| e.to_string())?);
+    }
+    let infos: Vec<&umbp_protocol::index::IndexInfo> = views.iter().map(|v| &*v.header().info).collect();
+    let entry_of = |info: &umbp_protocol::index::IndexInfo| &info.robust_next as *const _ as *mut libc::c_void;
+    let first = *infos.first().ok_or("no index")?;
+    let entry = entry_of(first);
+    let word = &first.owner as *const _ as usize;
     // Leaked: the kernel reads the head when this thread exits, after `run` returned.
     let head: &'static mut RobustListHead = Box::leak(Box::new(RobustListHead {
         list: entry,
         futex_offset: (word - entry as usize) as libc::c_long,
         list_op_pending: std::ptr::null_mut(),
     }));
-    // The entry's `next` closes the circle back to the head.
-    info.robust_next.store(head as *mut RobustListHead as u64, Ordering::Relaxed);
+    // Each entry's `next` is the next group's entry (all at the same offset from their
+    // futex word); the last closes the circle back to the head.
+    for (i, info) in infos.iter().enumerate() {
+        let next = infos.get(i + 1).map_or(head as *mut RobustListHead as u64, |n| entry_of(n) as u64);
+        info.robust_next.store(next, Ordering::Relaxed);
+    }
     // SAFETY: `head` is a valid robust_list_head for the life of the thread (leaked); its
-    // one entry and futex word lie in the index mapping, which outlives this thread. This
+    // entries and futex words lie in the index mappings, which outlive this thread. This
     // replaces the list glibc registered for this thread, which takes no robust pthread
     // mutex.
     let rc = unsafe { libc::syscall(libc::SYS_set_robust_list, head as *mut RobustListHead, std::mem::size_of::<RobustListHead>()) };
@@ -58,7 +71,9 @@ fn arm(inner: &PoolInner) -> Result<(), String> {
     }
     // Armed only once the kernel knows the list: a word with our tid is always cleaned.
     let tid = rustix::thread::gettid().as_raw_nonzero().get() as u32;
-    info.owner.store(tid, Ordering::Release);
+    for info in &infos {
+        info.owner.store(tid, Ordering::Release);
+    }
     tracing::debug!(tid, "pool death word armed");
     Ok(())
 }

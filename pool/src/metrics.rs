@@ -414,12 +414,13 @@ impl Collector for PoolCollector {
         counter(&mut enc, "umbp_attachments_accepted", "Handshakes accepted since start", c.attachments_total)?;
         counter(&mut enc, "umbp_handshake_refusals", "Handshakes refused since start", c.refusals)?;
 
-        // The header only: a scrape never walks the table for the probe histogram.
-        if let Some(s) = crate::report::index(inner, false) {
-            gauge(&mut enc, "umbp_index_slots", "Slots per index table", s.slots as f64)?;
+        // Summed over the tenant groups' indexes (one without --namespace-acl); headers
+        // only: a scrape never walks the tables for the probe histogram.
+        if let Some(s) = crate::group_report::index_totals(inner) {
+            gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", s.slots as f64)?;
             gauge(&mut enc, "umbp_index_live", "Live index entries", s.live as f64)?;
             gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", s.tombstones as f64)?;
-            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1)", s.epoch as f64)?;
+            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1; group 0's)", s.epoch as f64)?;
             counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", s.rebuilds)?;
         }
         gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;

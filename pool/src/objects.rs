@@ -1,6 +1,11 @@
 //! The object store: which keys the pool holds, where, in what state; LRU order, pins,
-//! leases; and the index writer that makes published objects visible to schedulers.
+//! leases; and the index writers that make published objects visible to schedulers.
 //! One instance behind one mutex; every method is short (no copies under the lock).
+//!
+//! Objects are keyed by (tenant group, key) (groups.rs): each group has its own index and
+//! KV event log, so the same key stored in two groups is two objects and neither group's
+//! index, log or store statuses show the other's. DRAM, the LRU and the byte watermarks
+//! are one for the whole pool; index watermarks are per group.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
@@ -11,6 +16,26 @@ use umbp_protocol::index::{IndexView, IndexWriter, Insert, InsertError};
 use umbp_protocol::ObjectKey;
 
 use crate::alloc::SlabAllocator;
+
+/// An object's identity in the store: the tenant group whose index holds it and its key.
+/// A bare `ObjectKey` converts to group 0 (pools without `--namespace-acl` have no other).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupKey {
+    pub group: u32,
+    pub key: ObjectKey,
+}
+
+impl GroupKey {
+    pub fn new(group: u32, key: ObjectKey) -> Self {
+        Self { group, key }
+    }
+}
+
+impl From<ObjectKey> for GroupKey {
+    fn from(key: ObjectKey) -> Self {
+        Self { group: 0, key }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ObjectState {
@@ -74,7 +99,7 @@ struct Lease {
 /// force (an entry is in force while its object's lease is exactly that uid and time).
 #[derive(Debug, Default)]
 struct LeaseBook {
-    queue: VecDeque<(ObjectKey, Instant)>,
+    queue: VecDeque<(GroupKey, Instant)>,
     bytes: u64,
 }
 
@@ -86,10 +111,10 @@ pub struct Policy {
     /// The evictor runs above `high` allocated bytes, down to `low`.
     pub high_bytes: u64,
     pub low_bytes: u64,
-    /// ... and above `index_high` used index slots (live entries and tombstones), down to
-    /// `index_low` live entries.
-    pub index_high: u64,
-    pub index_low: u64,
+    /// ... and, for each group's index, above this fraction of its capacity in used slots
+    /// (live entries and tombstones), down to `index_low_wm` of it in live entries.
+    pub index_high_wm: f64,
+    pub index_low_wm: f64,
     /// Most objects / bytes (slab footprint) one namespace may hold, written or being
     /// written; its own least recently used objects are evicted above `namespace_high`.
     pub namespace_max_objects: u64,
@@ -105,8 +130,8 @@ impl Default for Policy {
         Self {
             high_bytes: u64::MAX,
             low_bytes: u64::MAX,
-            index_high: u64::MAX,
-            index_low: u64::MAX,
+            index_high_wm: f64::INFINITY,
+            index_low_wm: f64::INFINITY,
             namespace_max_objects: u64::MAX,
             namespace_max_bytes: u64::MAX,
             namespace_high: 1.0,
@@ -117,15 +142,16 @@ impl Default for Policy {
 }
 
 impl Policy {
-    /// `capacity` bytes of DRAM, an index that takes `index_capacity` live entries.
+    /// `capacity` bytes of DRAM; `index_capacity`: the live entries an index sized for the
+    /// whole pool takes (namespace quotas are shares of it, whatever group they are in).
     pub fn from_config(c: &crate::PoolConfig, capacity: u64, index_capacity: u64) -> Self {
         let frac = |n: u64, f: f64| (n as f64 * f) as u64;
         let share = c.namespace_share;
         Self {
             high_bytes: frac(capacity, c.high_watermark),
             low_bytes: frac(capacity, c.low_watermark),
-            index_high: frac(index_capacity, c.high_watermark),
-            index_low: frac(index_capacity, c.low_watermark),
+            index_high_wm: c.high_watermark,
+            index_low_wm: c.low_watermark,
             // Share 1: no quota (a full pool is the byte and index watermarks' business).
             namespace_max_objects: if share >= 1.0 { u64::MAX } else { frac(index_capacity, share).max(1) },
             namespace_max_bytes: if share >= 1.0 { u64::MAX } else { frac(capacity, share).max(1) },
@@ -161,12 +187,40 @@ pub fn index_seed() -> [u64; 2] {
     [word(1), word(2)]
 }
 
+/// One tenant group's index writer and event log.
+struct GroupIndex {
+    index: IndexWriter<'static>,
+    /// The group's events in shared memory, for its schedulers (absent in unit tests).
+    event_log: Option<crate::event_log::SharedEventLog>,
+    // Declared last: the index writer borrows this mapping.
+    _index_mem: Arc<SharedMemory>,
+}
+
+impl GroupIndex {
+    fn new(index_mem: Arc<SharedMemory>) -> Self {
+        // SAFETY: the pool formatted this mapping (`Pool::start`) and keeps it alive in
+        // `_index_mem` for as long as the writer exists; the store is its only writer.
+        let view = unsafe { IndexView::attach(index_mem.as_ptr(), index_mem.len()) }
+            .expect("the pool formats its own index region");
+        // SAFETY: extends the borrow to 'static; `_index_mem` outlives `index` (field
+        // order) and the mapping never moves.
+        let view: IndexView<'static> = unsafe { std::mem::transmute::<IndexView<'_>, IndexView<'static>>(view) };
+        Self { index: IndexWriter::new(view), event_log: None, _index_mem: index_mem }
+    }
+
+    /// Used slots (live entries and tombstones).
+    fn used(&self) -> u64 {
+        self.index.len() + self.index.tombstones()
+    }
+}
+
 pub struct ObjectStore {
     alloc: SlabAllocator,
-    objects: HashMap<ObjectKey, Object>,
-    lru: BTreeMap<u64, ObjectKey>,
+    objects: HashMap<GroupKey, Object>,
+    lru: BTreeMap<u64, GroupKey>,
     next_tick: u64,
-    index: IndexWriter<'static>,
+    /// One per tenant group, by group number.
+    groups: Vec<GroupIndex>,
     namespaces: HashMap<u128, NamespaceUsage>,
     held: HashMap<u128, Held>,
     leases: HashMap<u32, LeaseBook>,
@@ -186,10 +240,6 @@ pub struct ObjectStore {
     leases_dropped: u64,
     quarantined_bytes: u64,
     events: Vec<ObjectEvent>,
-    /// The same events in shared memory, for schedulers (absent in unit tests).
-    event_log: Option<crate::event_log::SharedEventLog>,
-    // Declared last: the index writer borrows this mapping.
-    _index_mem: Arc<SharedMemory>,
 }
 
 /// Lease entries one uid may have queued (re-touches of one key add entries); past it
@@ -200,20 +250,21 @@ const MAX_LEASE_QUEUE: usize = 1 << 18;
 const MAX_EVENTS: usize = 1 << 16;
 
 impl ObjectStore {
+    /// A store with one group (no `--namespace-acl`).
+    #[cfg(test)]
     pub fn new(capacity_bytes: u64, index_mem: Arc<SharedMemory>) -> Self {
-        // SAFETY: the pool formatted this mapping (`Pool::start`) and keeps it alive in
-        // `_index_mem` for as long as the writer exists; the store is its only writer.
-        let view = unsafe { IndexView::attach(index_mem.as_ptr(), index_mem.len()) }
-            .expect("the pool formats its own index region");
-        // SAFETY: extends the borrow to 'static; `_index_mem` outlives `index` (field
-        // order) and the mapping never moves.
-        let view: IndexView<'static> = unsafe { std::mem::transmute::<IndexView<'_>, IndexView<'static>>(view) };
+        Self::with_groups(capacity_bytes, vec![index_mem])
+    }
+
+    /// A store with one index per tenant group (`index_mems[g]` is group g's, formatted).
+    pub fn with_groups(capacity_bytes: u64, index_mems: Vec<Arc<SharedMemory>>) -> Self {
+        assert!(!index_mems.is_empty(), "a store has at least group 0");
         Self {
             alloc: SlabAllocator::new(capacity_bytes),
             objects: HashMap::new(),
             lru: BTreeMap::new(),
             next_tick: 0,
-            index: IndexWriter::new(view),
+            groups: index_mems.into_iter().map(GroupIndex::new).collect(),
             namespaces: HashMap::new(),
             held: HashMap::new(),
             leases: HashMap::new(),
@@ -227,8 +278,6 @@ impl ObjectStore {
             leases_dropped: 0,
             quarantined_bytes: 0,
             events: Vec::new(),
-            event_log: None,
-            _index_mem: index_mem,
         }
     }
 
@@ -244,9 +293,15 @@ impl ObjectStore {
         self.objects.len()
     }
 
+    /// Published objects, all groups.
     pub fn published_count(&self) -> u64 {
-        self.index.len()
+        self.groups.iter().map(|g| g.index.len()).sum()
     }
+
+    pub fn group_count(&self) -> usize {
+        self.groups.len()
+    }
+
 
     pub fn evictions(&self) -> u64 {
         self.evictions
@@ -256,9 +311,9 @@ impl ObjectStore {
         self.policy = policy;
     }
 
-    /// Live entries the index takes at most.
+    /// Live entries the indexes take at most, all groups.
     pub fn index_capacity(&self) -> u64 {
-        self.index.capacity()
+        self.groups.iter().map(|g| g.index.capacity()).sum()
     }
 
     /// Counters of the defences in this file, for reports.
@@ -272,9 +327,9 @@ impl ObjectStore {
         }
     }
 
-    /// Used index slots (live entries and tombstones).
-    fn index_used(&self) -> u64 {
-        self.index.len() + self.index.tombstones()
+    /// A group's index watermark in entries (`wm` of its capacity).
+    fn index_mark(g: &GroupIndex, wm: f64) -> u64 {
+        (g.index.capacity() as f64 * wm) as u64
     }
 
     fn namespace_over(&self, h: &Held, f: f64) -> bool {
@@ -287,7 +342,7 @@ impl ObjectStore {
     pub fn needs_eviction(&self) -> bool {
         let p = &self.policy;
         self.alloc.allocated_bytes() > p.high_bytes
-            || self.index_used() > p.index_high
+            || self.groups.iter().any(|g| g.used() > Self::index_mark(g, p.index_high_wm))
             || self.held.values().any(|h| self.namespace_over(h, p.namespace_high))
     }
 
@@ -300,14 +355,19 @@ impl ObjectStore {
         if self.alloc.allocated_bytes() > p.high_bytes {
             n += self.evict_to(p.low_bytes, now);
         }
-        if self.index_used() > p.index_high {
-            // Tombstones go by rebuilding; only live entries need evicting.
-            if self.index.tombstones() > 0 {
-                self.index.rebuild();
+        for group in 0..self.groups.len() {
+            let g = &mut self.groups[group];
+            let (high, low) = (Self::index_mark(g, p.index_high_wm), Self::index_mark(g, p.index_low_wm));
+            if g.used() <= high {
+                continue;
             }
-            if self.index.len() > p.index_high {
-                let excess = self.index.len() - p.index_low.min(self.index.len());
-                let k = self.evict_lru(None, now, |_, evicted| evicted as u64 >= excess);
+            // Tombstones go by rebuilding; only live entries need evicting.
+            if g.index.tombstones() > 0 {
+                g.index.rebuild();
+            }
+            if g.index.len() > high {
+                let excess = g.index.len() - low.min(g.index.len());
+                let k = self.evict_lru(Victims::Group(group as u32), now, |_, evicted| evicted as u64 >= excess);
                 self.index_evictions += k as u64;
                 n += k;
             }
@@ -317,7 +377,7 @@ impl ObjectStore {
         for (ns, h) in over {
             let (max_o, max_b) = (p.namespace_max_objects as f64 * p.namespace_low, p.namespace_max_bytes as f64 * p.namespace_low);
             let (mut objects, mut bytes) = (h.objects, h.bytes);
-            let k = self.evict_lru(Some(ns), now, |size, _| {
+            let k = self.evict_lru(Victims::Namespace(ns), now, |size, _| {
                 objects -= 1;
                 bytes = bytes.saturating_sub(SlabAllocator::footprint(size));
                 objects as f64 <= max_o && bytes as f64 <= max_b
@@ -328,13 +388,18 @@ impl ObjectStore {
         n
     }
 
-    /// Evicts least recently used evictable objects (of `namespace`, if given) until
+    /// Evicts least recently used evictable objects (of `which`) until
     /// `enough(size of the one just chosen, count chosen so far)` says so.
-    fn evict_lru(&mut self, namespace: Option<u128>, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> usize {
+    fn evict_lru(&mut self, which: Victims, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> usize {
         let mut victims = Vec::new();
         for (_, key) in self.lru.iter() {
             let o = &self.objects[key];
-            if namespace.is_some_and(|ns| ns != o.namespace) || !Self::evictable(o, now) {
+            let mine = match which {
+                Victims::Any => true,
+                Victims::Namespace(ns) => o.namespace == ns,
+                Victims::Group(g) => key.group == g,
+            };
+            if !mine || !Self::evictable(o, now) {
                 continue;
             }
             victims.push(*key);
@@ -362,7 +427,7 @@ impl ObjectStore {
         self.alloc.set_page_limit(pages);
     }
 
-    fn touch_lru(&mut self, key: ObjectKey) {
+    fn touch_lru(&mut self, key: GroupKey) {
         let tick = self.next_tick;
         self.next_tick += 1;
         if let Some(o) = self.objects.get_mut(&key) {
@@ -375,7 +440,8 @@ impl ObjectStore {
     /// First writer wins: a key that exists (published or being written) is not stored
     /// again. Never evicts: no room, or a namespace at its quota, is `NoRoom` (the caller
     /// wakes the evictor).
-    pub fn reserve_store(&mut self, namespace: u128, key: ObjectKey, size: u64, owner: u32) -> StoreReservation {
+    pub fn reserve_store(&mut self, namespace: u128, key: impl Into<GroupKey>, size: u64, owner: u32) -> StoreReservation {
+        let key = key.into();
         if self.objects.contains_key(&key) {
             return StoreReservation::AlreadyPresent;
         }
@@ -414,23 +480,24 @@ impl ObjectStore {
     /// Ends a store: on success the object becomes visible in the index (only now that
     /// its bytes are complete); otherwise its allocation is freed. Returns whether the
     /// object is now published.
-    pub fn finish_store(&mut self, key: ObjectKey, copied: bool) -> bool {
+    pub fn finish_store(&mut self, key: impl Into<GroupKey>, copied: bool) -> bool {
+        let key = key.into();
         let Some(o) = self.objects.get(&key) else { return false };
         debug_assert!(matches!(o.state, ObjectState::Writing { .. }));
         if copied {
-            match self.index.insert(key, o.offset) {
+            match self.groups[key.group as usize].index.insert(key.key, o.offset) {
                 Ok(Insert::Inserted) => {
                     let o = self.objects.get_mut(&key).expect("present");
                     o.state = ObjectState::Published;
                     let ns = self.namespaces.entry(o.namespace).or_default();
                     ns.objects += 1;
                     ns.bytes += o.size;
-                    self.push_event(ObjectEvent::Stored(key));
+                    self.push_event(key.group, ObjectEvent::Stored(key.key));
                     return true;
                 }
                 Ok(Insert::Exists(_)) => unreachable!("the store reserves keys before copying"),
                 Err(e @ InsertError::Full(_)) => tracing::warn!("{e}: object not stored (the evictor frees index entries)"),
-                Err(e @ InsertError::ProbeLimit { .. }) => tracing::debug!(key = format!("{:032x}", key.0), "{e}: object not stored"),
+                Err(e @ InsertError::ProbeLimit { .. }) => tracing::debug!(key = format!("{:032x}", key.key.0), "{e}: object not stored"),
             }
         }
         self.drop_object(key);
@@ -441,7 +508,8 @@ impl ObjectStore {
     /// thread panicked mid-transfer): the key is forgotten, so it can be stored again, but
     /// its DRAM is never handed out again — a DMA still writing there must not land in
     /// someone else's object. Returns the bytes leaked.
-    pub fn quarantine(&mut self, key: ObjectKey) -> u64 {
+    pub fn quarantine(&mut self, key: impl Into<GroupKey>) -> u64 {
+        let key = key.into();
         match self.objects.get(&key) {
             Some(o) if matches!(o.state, ObjectState::Writing { .. }) => {
                 let o = self.objects.remove(&key).expect("present");
@@ -469,7 +537,7 @@ impl ObjectStore {
         }
     }
 
-    fn drop_object(&mut self, key: ObjectKey) {
+    fn drop_object(&mut self, key: GroupKey) {
         if let Some(o) = self.objects.remove(&key) {
             if o.pins > 0 {
                 self.pinned_objects -= 1;
@@ -481,7 +549,7 @@ impl ObjectStore {
             }
             self.alloc.free(o.offset, o.size);
             if o.state == ObjectState::Published {
-                self.index.remove(key);
+                self.groups[key.group as usize].index.remove(key.key);
                 if let Some(ns) = self.namespaces.get_mut(&o.namespace) {
                     ns.objects -= 1;
                     ns.bytes -= o.size;
@@ -489,23 +557,28 @@ impl ObjectStore {
                         self.namespaces.remove(&o.namespace);
                     }
                 }
-                self.push_event(ObjectEvent::Removed(key));
+                self.push_event(key.group, ObjectEvent::Removed(key.key));
             }
         }
     }
 
-    /// From now on every event also goes to this shared-memory log.
-    pub fn set_event_log(&mut self, log: crate::event_log::SharedEventLog) {
-        self.event_log = Some(log);
+    /// From now on every event of `group` also goes to this shared-memory log.
+    pub fn set_event_log(&mut self, group: u32, log: crate::event_log::SharedEventLog) {
+        self.groups[group as usize].event_log = Some(log);
     }
 
-    /// Events written to the shared log so far.
+    /// Events written to the shared logs so far, all groups.
     pub fn events_written(&self) -> u64 {
-        self.event_log.as_ref().map_or(0, |l| l.written())
+        (0..self.groups.len() as u32).map(|g| self.group_events_written(g)).sum()
     }
 
-    fn push_event(&mut self, e: ObjectEvent) {
-        if let Some(log) = self.event_log.as_mut() {
+    /// Events written to one group's shared log so far.
+    pub fn group_events_written(&self, group: u32) -> u64 {
+        self.groups[group as usize].event_log.as_ref().map_or(0, |l| l.written())
+    }
+
+    fn push_event(&mut self, group: u32, e: ObjectEvent) {
+        if let Some(log) = self.groups[group as usize].event_log.as_mut() {
             log.push(e);
         }
         if self.events.len() >= MAX_EVENTS {
@@ -514,18 +587,19 @@ impl ObjectStore {
         self.events.push(e);
     }
 
-    /// Events since the last call.
+    /// Events since the last call, all groups (the embedded pool's own engine).
     pub fn take_events(&mut self) -> Vec<ObjectEvent> {
         std::mem::take(&mut self.events)
     }
 
     /// Namespace of the peer that stored `key` (None: not held).
-    pub fn namespace_of(&self, key: ObjectKey) -> Option<u128> {
-        self.objects.get(&key).map(|o| o.namespace)
+    pub fn namespace_of(&self, key: impl Into<GroupKey>) -> Option<u128> {
+        self.objects.get(&key.into()).map(|o| o.namespace)
     }
 
     /// Pins a published object for a load of `size` bytes.
-    pub fn reserve_load(&mut self, key: ObjectKey, size: u64) -> LoadReservation {
+    pub fn reserve_load(&mut self, key: impl Into<GroupKey>, size: u64) -> LoadReservation {
+        let key = key.into();
         let Some(o) = self.objects.get_mut(&key) else { return LoadReservation::Missing };
         if o.state != ObjectState::Published {
             return LoadReservation::Missing;
@@ -542,7 +616,8 @@ impl ObjectStore {
         LoadReservation::Pinned { offset }
     }
 
-    pub fn finish_load(&mut self, key: ObjectKey) {
+    pub fn finish_load(&mut self, key: impl Into<GroupKey>) {
+        let key = key.into();
         if let Some(o) = self.objects.get_mut(&key) {
             if o.pins == 1 {
                 self.pinned_objects -= 1;
@@ -562,10 +637,11 @@ impl ObjectStore {
         uid: u32,
         namespace: u128,
         also_allowed: &[u128],
-        key: ObjectKey,
+        key: impl Into<GroupKey>,
         lease: Duration,
         now: Instant,
     ) -> bool {
+        let key = key.into();
         let Some(o) = self.objects.get_mut(&key) else { return false };
         if o.namespace != namespace && !also_allowed.contains(&o.namespace) {
             self.foreign_hints += 1;
@@ -620,7 +696,8 @@ impl ObjectStore {
 
     /// A hint from a scheduler of the object's own namespace, uid 0 (tests).
     #[cfg(test)]
-    pub fn touch(&mut self, key: ObjectKey, lease: Duration, now: Instant) {
+    pub fn touch(&mut self, key: impl Into<GroupKey>, lease: Duration, now: Instant) {
+        let key = key.into();
         let ns = self.objects.get(&key).map(|o| o.namespace).unwrap_or_default();
         self.touch_hint(0, ns, &[], key, lease, now);
     }
@@ -632,7 +709,7 @@ impl ObjectStore {
         if projected <= target {
             return 0;
         }
-        self.evict_lru(None, now, |size, _| {
+        self.evict_lru(Victims::Any, now, |size, _| {
             projected = projected.saturating_sub(SlabAllocator::footprint(size));
             projected <= target
         })
@@ -664,6 +741,14 @@ impl ObjectStore {
     }
 }
 
+/// Which objects an eviction pass may take.
+#[derive(Debug, Clone, Copy)]
+enum Victims {
+    Any,
+    Namespace(u128),
+    Group(u32),
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -678,8 +763,13 @@ mod tests {
     }
 
     fn reader(s: &ObjectStore) -> IndexView<'_> {
+        group_reader(s, 0)
+    }
+
+    fn group_reader(s: &ObjectStore, group: u32) -> IndexView<'_> {
+        let m = &s.groups[group as usize]._index_mem;
         // SAFETY: the mapping lives as long as the store.
-        unsafe { IndexView::attach(s._index_mem.as_ptr(), s._index_mem.len()) }.unwrap()
+        unsafe { IndexView::attach(m.as_ptr(), m.len()) }.unwrap()
     }
 
     #[test]
@@ -797,6 +887,74 @@ mod tests {
         assert!((0..64u128).all(|i| r.lookup(ObjectKey(1_000_000 + i)).is_some()), "namespace 2 kept everything");
         assert!(s.namespaces()[&1].bytes <= cap / 2);
         assert!(r.lookup(ObjectKey(1800)).is_some() && r.lookup(ObjectKey(0)).is_none(), "namespace 1 kept its newest");
+    }
+
+    /// Tenant groups (`--namespace-acl`): the same key stored in two groups is two objects,
+    /// each in its own group's index and event log only; a load or hint of one group never
+    /// finds the other's. DRAM and byte eviction stay pool-wide (LRU across groups), index
+    /// watermarks are per group.
+    #[test]
+    fn tenant_groups_have_their_own_objects_indexes_and_logs() {
+        let cap = 4u64 << 20;
+        let mems: Vec<_> = (0..3)
+            .map(|_| {
+                let slots = index::slots_for(cap, 64 << 10);
+                let mem = SharedMemory::create("idx", index::region_bytes(slots), false).unwrap();
+                // SAFETY: fresh zeroed mapping we own.
+                unsafe { IndexView::init(mem.as_ptr(), mem.len(), slots) }.unwrap();
+                Arc::new(mem)
+            })
+            .collect();
+        let mut s = ObjectStore::with_groups(cap, mems);
+        let logs: Vec<_> = (0..3).map(|g| crate::event_log::SharedEventLog::create(&format!("ev{g}"), 64).unwrap()).collect();
+        let log_mems: Vec<_> = logs.iter().map(|l| l.memory().clone()).collect();
+        for (g, l) in logs.into_iter().enumerate() {
+            s.set_event_log(g as u32, l);
+        }
+        let (a, b) = (GroupKey::new(1, ObjectKey(42)), GroupKey::new(2, ObjectKey(42)));
+        let StoreReservation::Reserved { offset } = s.reserve_store(0xa, a, 64 << 10, 1) else { panic!() };
+        // Group 2 does not see group 1's object, even while it is being written.
+        assert!(matches!(s.reserve_store(0xb, b, 64 << 10, 2), StoreReservation::Reserved { .. }), "not AlreadyPresent");
+        assert!(s.finish_store(a, true));
+        assert_eq!(group_reader(&s, 1).lookup(ObjectKey(42)), Some(offset));
+        assert_eq!(group_reader(&s, 2).lookup(ObjectKey(42)), None, "group 2's index: not yet published");
+        assert_eq!(group_reader(&s, 0).lookup(ObjectKey(42)), None);
+        assert!(s.finish_store(b, true));
+        assert_eq!(s.published_count(), 2);
+        assert_eq!(s.events_written(), 2);
+        assert_eq!((s.group_events_written(0), s.group_events_written(1), s.group_events_written(2)), (0, 1, 1));
+        // Each log holds its own group's event only.
+        for (g, m) in log_mems.iter().enumerate() {
+            // SAFETY: the log's mapping lives as long as `log_mems`.
+            let log = unsafe { umbp_protocol::events::EventLog::attach(m.as_ptr(), m.len()) }.unwrap();
+            assert_eq!(log.snapshot().head, if g == 0 { 0 } else { 1 }, "group {g}");
+        }
+        // Loads and hints are per group: a key of group 1 is Missing for group 0.
+        assert_eq!(s.reserve_load(ObjectKey(42), 64 << 10), LoadReservation::Missing);
+        assert!(matches!(s.reserve_load(a, 64 << 10), LoadReservation::Pinned { .. }));
+        s.finish_load(a);
+        assert!(!s.touch_hint(5, 0xc, &[], GroupKey::new(0, ObjectKey(42)), Duration::from_secs(60), Instant::now()));
+        // Bytes are pool-wide: eviction to 0 takes both groups' objects (LRU order).
+        assert_eq!(s.allocated_bytes(), 2 * (64 << 10));
+        assert_eq!(s.evict_to(0, Instant::now()), 2);
+        assert_eq!(group_reader(&s, 1).lookup(ObjectKey(42)), None);
+        assert_eq!((s.group_events_written(1), s.group_events_written(2)), (2, 2), "Removed events in each group's log");
+        // Index pressure is per group: group 1 full of small objects, group 2 untouched.
+        s.set_policy(Policy { index_high_wm: 0.9, index_low_wm: 0.5, ..Policy::default() });
+        let cap1 = s.groups[1].index.capacity();
+        for i in 0..(cap1 - 8) as u128 {
+            assert!(publish_in(&mut s, 1, 0xa, i, 4096), "store {i}");
+        }
+        assert!(publish_in(&mut s, 2, 0xb, 7, 4096));
+        assert!(s.needs_eviction());
+        s.evict(Instant::now());
+        assert!(s.groups[1].index.len() <= cap1 / 2, "{}", s.groups[1].index.len());
+        assert!(group_reader(&s, 2).lookup(ObjectKey(7)).is_some(), "group 2 keeps its object");
+    }
+
+    fn publish_in(s: &mut ObjectStore, group: u32, ns: u128, key: u128, size: u64) -> bool {
+        let k = GroupKey::new(group, ObjectKey(key));
+        matches!(s.reserve_store(ns, k, size, 1), StoreReservation::Reserved { .. }) && s.finish_store(k, true)
     }
 
     #[test]

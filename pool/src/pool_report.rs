@@ -40,8 +40,11 @@ pub struct PoolReport {
     pub open_fds: Option<usize>,
     pub pool: PoolSection,
     pub namespaces: Vec<NamespaceReport>,
-    /// None when the index mapping cannot be read (never in a healthy pool).
+    /// Summed over the tenant groups' indexes (one group without `--namespace-acl`);
+    /// None when no index mapping can be read (never in a healthy pool).
     pub index: Option<IndexReport>,
+    /// Each tenant group's uids, namespaces, index and event log.
+    pub groups: Vec<GroupReport>,
     pub attachments: Vec<AttachmentReport>,
     pub events: EventsReport,
     pub counters: CountersReport,
@@ -120,6 +123,25 @@ pub struct IndexReport {
     pub rebuilds: u64,
     /// Live entries by probe distance 0..7 (the last bucket is 7 and more).
     pub probe_histogram: Vec<u64>,
+}
+
+/// One tenant group (docs/security.md): the peers of `uids` see only its index and
+/// event log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupReport {
+    pub group: u32,
+    pub uids: Vec<u32>,
+    /// 32 hex digits each.
+    pub namespaces: Vec<String>,
+    pub index: Option<IndexReport>,
+    pub events: GroupEvents,
+}
+
+/// One tenant group's event log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupEvents {
+    pub written: u64,
+    pub region_bytes: u64,
 }
 
 /// The role a peer attached with.
@@ -205,9 +227,11 @@ pub struct AttachmentReport {
 /// The shared KV event log.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EventsReport {
+    /// Entries of each group's event log.
     pub capacity: u32,
     pub written: u64,
-    pub region_bytes: usize,
+    /// Bytes of all groups' event logs.
+    pub region_bytes: u64,
 }
 
 /// Pool-wide traffic counters since start.
@@ -229,6 +253,8 @@ pub struct CountersReport {
     pub attachments_total: u64,
     pub refusals: u64,
     pub busy_refusals: u64,
+    /// Peers whose pidfd was taken with `pidfd_open` at accept (no `SO_PEERPIDFD`).
+    pub pidfd_open_peers: u64,
     pub store_copy_ns: u64,
     pub load_copy_ns: u64,
     pub phases: Phases,
@@ -316,6 +342,7 @@ display_as_json!(
     Defences,
     NamespaceReport,
     IndexReport,
+    GroupReport,
     AttachmentReport,
     CountersReport,
     Phases,

@@ -6,12 +6,10 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use umbp_protocol::index::IndexView;
-
 use crate::attachment::Attachment;
 use crate::objects::ObjectStore;
 use crate::pool_report::{
-    AttachmentReport, EventsReport, IndexReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report,
+    AttachmentReport, EventsReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report,
     TenantPool, TenantReport, TenantScope,
 };
 use crate::PoolInner;
@@ -139,29 +137,15 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
     }
 }
 
-/// The index header's counters and the probe-length histogram (which walks the table).
-pub fn index(inner: &PoolInner, histogram: bool) -> Option<IndexReport> {
-    // SAFETY: the pool's own index mapping, alive as long as `inner`.
-    let v = unsafe { IndexView::attach(inner.index_mem.as_ptr(), inner.index_mem.len()) }.ok()?;
-    let s = v.snapshot();
-    Some(IndexReport {
-        slots: s.slot_count,
-        epoch: s.epoch,
-        live: s.live,
-        tombstones: s.tombstones,
-        inserts: s.inserts,
-        removes: s.removes,
-        rebuilds: s.rebuilds,
-        probe_histogram: if histogram { v.probe_histogram(8) } else { Vec::new() },
-    })
-}
-
 pub fn build(inner: &PoolInner) -> PoolReport {
-    let (pool, namespaces) = {
+    let (pool, namespaces, group_events) = {
         let store = inner.store.lock().expect("store lock");
         let namespaces: Vec<_> = store.namespaces().iter().map(|(ns, u)| namespace(*ns, *u)).collect();
-        (pool_section(inner, &store), namespaces)
+        let group_events: Vec<u64> = (0..store.group_count() as u32).map(|g| store.group_events_written(g)).collect();
+        (pool_section(inner, &store), namespaces, group_events)
     };
+    // Summed over the tenant groups' indexes; each group's in `groups`.
+    let (index, groups, events_region_bytes) = crate::group_report::build(inner, &group_events);
     // Snapshot the list first: no attachment's locks are taken under `attachments`.
     let list: Vec<Arc<Attachment>> = inner.attachments.lock().expect("attachments lock").clone();
     PoolReport {
@@ -174,11 +158,12 @@ pub fn build(inner: &PoolInner) -> PoolReport {
         events: EventsReport {
             capacity: inner.config.event_log_entries,
             written: pool.events_written,
-            region_bytes: inner.events_mem.len(),
+            region_bytes: events_region_bytes,
         },
         pool,
         namespaces,
-        index: index(inner, true),
+        index,
+        groups,
         attachments: list.iter().map(|a| attachment(a)).collect(),
         counters: inner.counters.snapshot(),
     }

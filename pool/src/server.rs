@@ -102,9 +102,14 @@ struct PeerIdentity {
 }
 
 /// SO_PEERCRED (pid 0 = another pid namespace, served without process memory) and a
-/// pidfd of the process that connected, taken before anything is read from it.
-fn peer_identity(sock: &UnixStream) -> Result<(PeerIdentity, umbp_ipc::peer::PeerProcess), String> {
-    let process = umbp_ipc::peer::PeerProcess::capture(sock.as_fd()).map_err(|e| format!("SO_PEERCRED: {e}"))?;
+/// pidfd of the process that connected, taken before anything is read from it
+/// (`SO_PEERPIDFD`, else, or with `--peer-pidfd-fallback`, `pidfd_open` + start time).
+fn peer_identity(inner: &PoolInner, sock: &UnixStream) -> Result<(PeerIdentity, umbp_ipc::peer::PeerProcess), String> {
+    let process = umbp_ipc::peer::PeerProcess::capture_with(sock.as_fd(), !inner.config.peer_pidfd_fallback)
+        .map_err(|e| format!("SO_PEERCRED: {e}"))?;
+    if process.source == umbp_ipc::peer::PidfdSource::PidfdOpen {
+        inner.counters.pidfd_open_peers.fetch_add(1, Ordering::Relaxed);
+    }
     Ok((PeerIdentity { uid: process.cred.uid, pid: process.cred.pid }, process))
 }
 
@@ -260,7 +265,7 @@ impl<'a> Control<'a> {
             refuse_now(&sock, inner, ReplyStatus::ResourceExhausted, m);
             return;
         }
-        let (id, process) = match peer_identity(&sock) {
+        let (id, process) = match peer_identity(inner, &sock) {
             Ok(id) => id,
             Err(e) => {
                 tracing::info!("connection dropped: {e}");
@@ -440,12 +445,16 @@ impl<'a> Control<'a> {
             return self.refuse(token, ReplyStatus::Internal, "the peer's identity was already used".into());
         };
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let att = match Attachment::create(id, role, process, &hello, layout, sock2) {
+        // The peer gets the index and event log of its namespace's tenant group only
+        // (check_hello made sure the namespace is one its uid may use).
+        let group = inner.tenant_groups.group_of(hello.namespace());
+        let gm = &inner.group_mem[group as usize];
+        let att = match Attachment::create(id, role, process, &hello, group, layout, sock2) {
             Ok(a) => Arc::new(a),
             Err(e) => return self.refuse(token, ReplyStatus::Internal, fd_hint(format!("cannot create rings: {e}"))),
         };
         let dup = |f: std::os::fd::BorrowedFd<'_>| f.try_clone_to_owned();
-        let fds = match [att.ring_mem.fd(), inner.index_mem.fd(), att.doorbell.fd(), inner.events_mem.fd()]
+        let fds = match [att.ring_mem.fd(), gm.index_mem.fd(), att.doorbell.fd(), gm.events_mem.fd()]
             .into_iter()
             .map(dup)
             .collect::<Result<Vec<_>, _>>()
@@ -472,10 +481,10 @@ impl<'a> Control<'a> {
         reply.hint_entries = layout.hint_entries;
         reply.arena_bytes = layout.arena_bytes as u64;
         reply.ring_region_bytes = layout.total_bytes as u64;
-        reply.index_region_bytes = inner.index_mem.len() as u64;
-        reply.event_log_bytes = inner.events_mem.len() as u64;
+        reply.index_region_bytes = gm.index_mem.len() as u64;
+        reply.event_log_bytes = gm.events_mem.len() as u64;
         reply.pool_pid = std::process::id();
-        tracing::info!(attachment = id, pid, uid, ?role, namespace = format!("{:032x}", hello.namespace()), "attached");
+        tracing::info!(attachment = id, pid, uid, ?role, namespace = format!("{:032x}", hello.namespace()), group, "attached");
         inner.counters.attachments_total.fetch_add(1, Ordering::Relaxed);
         inner.service_wake.ring();
         let peer = self.peers.get_mut(&token).expect("present");

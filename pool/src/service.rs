@@ -245,7 +245,8 @@ fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
         let now = Instant::now();
         let mut store = inner.store.lock().expect("store lock");
         for h in &hints {
-            store.touch_hint(att.uid, att.namespace, acl, ObjectKey::from_words(h.key), inner.config.lease, now);
+            let key = crate::objects::GroupKey::new(att.group, ObjectKey::from_words(h.key));
+            store.touch_hint(att.uid, att.namespace, acl, key, inner.config.lease, now);
         }
     }
 }

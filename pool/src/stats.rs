@@ -25,6 +25,8 @@ pub struct Counters {
     pub refusals: AtomicU64,
     /// Submissions refused with `Busy` because their peer was over an in-flight limit.
     pub busy_refusals: AtomicU64,
+    /// Peers whose pidfd was taken with `pidfd_open` at accept (no `SO_PEERPIDFD`).
+    pub pidfd_open_peers: AtomicU64,
     /// Where the time of stores and of loads goes (copy time also gives GB/s).
     pub store_phases: PhaseCounters,
     pub load_phases: PhaseCounters,
@@ -106,6 +108,7 @@ impl Counters {
             attachments_total: g(&self.attachments_total),
             refusals: g(&self.refusals),
             busy_refusals: g(&self.busy_refusals),
+            pidfd_open_peers: g(&self.pidfd_open_peers),
             store_copy_ns: store.copy_ns,
             load_copy_ns: load.copy_ns,
             phases: Phases { store, load },

@@ -15,7 +15,7 @@ use umbp_protocol::transfer_state::TransferState;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
-use crate::objects::{LoadReservation, StoreReservation};
+use crate::objects::{GroupKey, LoadReservation, StoreReservation};
 use crate::stats::Counters;
 use crate::PoolInner;
 
@@ -33,9 +33,17 @@ pub struct JobBlock {
     /// Position in the submission (and in `statuses`).
     pub index: usize,
     pub key: ObjectKey,
+    /// The submitter's tenant group: the object is (group, key) in the store.
+    pub group: u32,
     pub block_id: u64,
     /// Object offset in DRAM.
     pub offset: u64,
+}
+
+impl JobBlock {
+    fn object(&self) -> GroupKey {
+        GroupKey::new(self.group, self.key)
+    }
 }
 
 pub struct Job {
@@ -165,8 +173,8 @@ fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + 
             continue;
         }
         match job.op {
-            Opcode::Store => leaked += store.quarantine(b.key),
-            _ => store.finish_load(b.key),
+            Opcode::Store => leaked += store.quarantine(b.object()),
+            _ => store.finish_load(b.object()),
         }
         job.statuses[b.index] = BlockStatus::Failed;
     }
@@ -386,9 +394,12 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
     let mut store = inner.store.lock().expect("store lock");
     let mut no_room = false;
     for c in candidates {
-        let block = |offset| JobBlock { index: c.index, key: c.key, block_id: c.block_id, offset };
+        let block = |offset| JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset };
+        // Objects are (tenant group, key): another group's object of the same key is
+        // invisible here, for stores (no AlreadyPresent) and loads alike.
+        let key = GroupKey::new(att.group, c.key);
         match op {
-            Opcode::Store => match store.reserve_store(att.namespace, c.key, size, att.id) {
+            Opcode::Store => match store.reserve_store(att.namespace, key, size, att.id) {
                 StoreReservation::Reserved { offset } => blocks.push(block(offset)),
                 StoreReservation::AlreadyPresent => statuses[c.index] = BlockStatus::AlreadyPresent,
                 StoreReservation::NoRoom => {
@@ -398,10 +409,10 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
             },
             // With --namespace-acl, a tenant only loads what its own namespace stored
             // (no reading, no poisoning across tenants: a foreign key is a miss).
-            Opcode::Load if strict && store.namespace_of(c.key).is_some_and(|ns| ns != att.namespace) => {
+            Opcode::Load if strict && store.namespace_of(key).is_some_and(|ns| ns != att.namespace) => {
                 statuses[c.index] = BlockStatus::Missing
             }
-            Opcode::Load => match store.reserve_load(c.key, size) {
+            Opcode::Load => match store.reserve_load(key, size) {
                 LoadReservation::Pinned { offset } => blocks.push(block(offset)),
                 LoadReservation::Missing => statuses[c.index] = BlockStatus::Missing,
                 LoadReservation::SizeMismatch { stored } => {
@@ -428,7 +439,7 @@ fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [Bl
         let ok = failed.binary_search(&b.index).is_err();
         statuses[b.index] = match op {
             Opcode::Store => {
-                if store.finish_store(b.key, ok) {
+                if store.finish_store(b.object(), ok) {
                     BlockStatus::Stored
                 } else if ok {
                     BlockStatus::NotStored
@@ -437,7 +448,7 @@ fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [Bl
                 }
             }
             _ => {
-                store.finish_load(b.key);
+                store.finish_load(b.object());
                 if ok { BlockStatus::Loaded } else { BlockStatus::Failed }
             }
         };

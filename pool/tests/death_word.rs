@@ -38,3 +38,28 @@ fn graceful_stop_closes_the_index() {
     pool.shutdown();
     assert!(view.is_closed() && view.writer_gone());
 }
+
+/// With `--namespace-acl` each tenant group has its own index (docs/security.md): the
+/// death word is armed in every one (one robust-futex list entry per index header), so a
+/// SIGKILLed pool is seen dead by the schedulers of every group, not only group 0's.
+#[test]
+fn every_tenant_groups_index_carries_the_death_word() {
+    let mut pool = start_pool(&unique_socket("death-groups"), &["--namespace-acl", "65533:a1", "--namespace-acl", "65534:b2,b3"]);
+    // Root attaches to the group of the namespace it says: 0 (unlisted), a1's, b2's.
+    let peers: Vec<RawPeer> = [0u128, 0xa1, 0xb2].iter().map(|ns| RawPeer::attach(&pool.socket, Role::Observer, *ns).unwrap()).collect();
+    let views: Vec<IndexView<'_>> = peers.iter().map(index_view).collect();
+    for (i, v) in views.iter().enumerate() {
+        assert!(
+            umbp_integration_tests::eventually(std::time::Duration::from_secs(5), || v.death_word_armed()),
+            "group index {i} never armed its death word"
+        );
+        assert!(!v.writer_gone());
+    }
+    // Three different indexes (own seeds: the headers differ).
+    let seeds: std::collections::BTreeSet<_> = views.iter().map(|v| v.header().info.seed[0].load(std::sync::atomic::Ordering::Relaxed)).collect();
+    assert_eq!(seeds.len(), 3, "each group has its own index");
+    pool.kill();
+    for (i, v) in views.iter().enumerate() {
+        assert!(v.writer_gone() && !v.is_closed(), "group index {i}: death word {:#x} not marked by the kernel", v.header().info.owner.load(std::sync::atomic::Ordering::Acquire));
+    }
+}

@@ -73,8 +73,10 @@ fn next_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
 
 /// Item 1: the attacker connects, forks, and the process the pool knows by SO_PEERCRED
 /// executes a setuid-root program holding a secret. Returns the attacker's JSON report, or
-/// None when the setup is impossible here (printed).
-fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
+/// None when the setup is impossible here (printed). `fallback`: the pool takes pidfds with
+/// `pidfd_open` + start time (`--peer-pidfd-fallback`, the path of kernels without
+/// SO_PEERPIDFD); the pool's report must then show that it did.
+fn exec_swap(tag: &str, before: bool, fallback: bool) -> Option<serde_json::Value> {
     if !is_root() {
         println!("skipped: needs root (a second uid and a setuid-root victim)");
         return None;
@@ -82,10 +84,11 @@ fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
     let dir = scratch(tag);
     let (attacker, victim) = install_attacker(&dir);
     // A root pool (CAP_SYS_PTRACE: the kernel's own ptrace check lets it into anything).
-    let pool = PoolProcess::start(
-        &dir.join("sock").join("pool.sock"),
-        &["--capacity", "64MiB", "--min-object-size", "4KiB", "--allow-uid", "65534", "--socket-group", "65534"],
-    );
+    let mut args = vec!["--capacity", "64MiB", "--min-object-size", "4KiB", "--allow-uid", "65534", "--socket-group", "65534"];
+    if fallback {
+        args.push("--peer-pidfd-fallback");
+    }
+    let pool = PoolProcess::start(&dir.join("sock").join("pool.sock"), &args);
     let mut cmd = Command::new(&attacker);
     cmd.arg("exec-swap").arg("--socket").arg(&pool.socket).arg("--victim").arg(&victim).args(["--addr", &FIXED_ADDR.to_string()]);
     if before {
@@ -95,6 +98,9 @@ fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
     let line = next_line(&rx, "attacker report");
     let _ = child.kill();
     let _ = child.wait();
+    let fallbacks = pool.report().counters.pidfd_open_peers;
+    // Without the flag this kernel's SO_PEERPIDFD is used (where it has one: 6.5+).
+    assert!(if fallback { fallbacks >= 1 } else { fallbacks == 0 || !so_peerpidfd_here() }, "pidfd_open_peers {fallbacks}");
     let _ = std::fs::remove_dir_all(&dir);
     let v: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("bad report {line:?}: {e}"));
     println!("{v}");
@@ -108,7 +114,7 @@ fn exec_swap(tag: &str, before: bool) -> Option<serde_json::Value> {
 
 #[test]
 fn exec_of_a_setuid_program_after_connect_cannot_be_registered() {
-    let Some(v) = exec_swap("swap-after", false) else { return };
+    let Some(v) = exec_swap("swap-after", false, false) else { return };
     let register = v["register"].as_str().unwrap();
     assert_ne!(register, "ok", "the pool registered memory of a setuid program that replaced the peer: {v}");
     assert!(register.contains("setuid") || register.contains("uid"), "refusal should say why: {register}");
@@ -117,10 +123,156 @@ fn exec_of_a_setuid_program_after_connect_cannot_be_registered() {
 
 #[test]
 fn exec_of_a_setuid_program_after_registration_cannot_be_read() {
-    let Some(v) = exec_swap("swap-before", true) else { return };
+    let Some(v) = exec_swap("swap-before", true, false) else { return };
     assert_eq!(v["register"], "ok", "registered while still the attacker's own process: {v}");
     assert_eq!(v["leaked"], false, "the pool copied the setuid program's secret to the attacker: {v}");
     assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "store from the swapped process must fail: {v}");
+}
+
+/// The same two attacks against the fallback path of kernels without SO_PEERPIDFD:
+/// `pidfd_open` of the SO_PEERCRED pid at accept plus its start time, forced with
+/// `--peer-pidfd-fallback`. Before, nothing ran this path.
+#[test]
+fn exec_of_a_setuid_program_is_caught_on_the_pidfd_open_fallback_too() {
+    let Some(v) = exec_swap("swap-after-fb", false, true) else { return };
+    let register = v["register"].as_str().unwrap();
+    assert_ne!(register, "ok", "fallback path: the pool registered memory of a setuid program: {v}");
+    assert!(register.contains("setuid") || register.contains("uid"), "refusal should say why: {register}");
+    assert_eq!(v["leaked"], serde_json::Value::Null, "{v}");
+    let Some(v) = exec_swap("swap-before-fb", true, true) else { return };
+    assert_eq!(v["register"], "ok", "registered while still the attacker's own process: {v}");
+    assert_eq!(v["leaked"], false, "fallback path: the pool copied the setuid program's secret: {v}");
+    assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "store from the swapped process must fail: {v}");
+}
+
+/// Item 1, pid reuse: a process of uid 65534 connects and says Hello, hands its
+/// connection on (here: the fd is shared with its parent) and exits; its pid is then given
+/// to another process of the same uid (forced with `ns_last_pid`), and the connection asks
+/// the pool to register that process's memory. A pool that trusted the SO_PEERCRED pid
+/// (plus a uid check, which passes: same uid) would read and write the new process; the
+/// pidfd and start time taken at accept still name the exited one, so the registration is
+/// refused ("pid N now names another process (start time changed)"). Run on both paths:
+/// SO_PEERPIDFD and the pidfd_open fallback.
+fn pid_reuse(tag: &str, fallback: bool) -> Option<(u32, String)> {
+    use umbp_ipc::message::{recv_message, send_message};
+    use umbp_protocol::wire::{Hello, MemoryKind, MemoryRegistration, MessageHeader, MessageKind, Reply, Role};
+    if !is_root() {
+        println!("skipped: needs root (a second uid and ns_last_pid)");
+        return None;
+    }
+    let dir = scratch(tag);
+    let mut args = vec!["--capacity", "64MiB", "--min-object-size", "4KiB", "--allow-uid", "65534"];
+    if fallback {
+        args.push("--peer-pidfd-fallback");
+    }
+    let pool = PoolProcess::start(&dir.join("sock").join("pool.sock"), &args);
+    std::fs::set_permissions(&pool.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    // Everything the child needs is prepared before fork: it only makes raw syscalls.
+    let mut hello = bytemuck::bytes_of(&MessageHeader::new(MessageKind::Hello, std::mem::size_of::<Hello>(), 0)).to_vec();
+    hello.extend_from_slice(bytemuck::bytes_of(&Hello::new(Role::Worker, 7, 0)));
+    // SAFETY: all-zero is a valid sockaddr_un.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let path = std::os::unix::ffi::OsStrExt::as_bytes(pool.socket.as_os_str());
+    assert!(path.len() < addr.sun_path.len(), "socket path too long");
+    for (d, s) in addr.sun_path.iter_mut().zip(path) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: a plain socket(2).
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0);
+    let reply_len = std::mem::size_of::<MessageHeader>() + std::mem::size_of::<umbp_protocol::wire::HelloReply>();
+    // SAFETY: the child runs only async-signal-safe syscalls on memory prepared above, then
+    // _exit; the parent's threads are not touched.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        // SAFETY: (child) raw syscalls only.
+        unsafe {
+            if libc::syscall(libc::SYS_setresuid, 65534 as libc::c_long, 65534 as libc::c_long, 65534 as libc::c_long) != 0
+                || libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t) != 0
+                || libc::write(fd, hello.as_ptr().cast(), hello.len()) != hello.len() as isize
+            {
+                libc::_exit(2);
+            }
+            // Wait for the HelloReply: the pool has accepted and attached this process.
+            let mut buf = [0u8; 512];
+            let mut got = 0usize;
+            while got < reply_len {
+                let n = libc::read(fd, buf.as_mut_ptr().add(got).cast(), reply_len - got);
+                if n <= 0 {
+                    libc::_exit(3);
+                }
+                got += n as usize;
+            }
+            libc::_exit(0);
+        }
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the connecting child failed: {status:#x}");
+    // SAFETY: `fd` is ours (the child's copy is closed with it).
+    let sock = std::os::unix::net::UnixStream::from(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+    // Give the exited child's pid to a new process of the same uid.
+    let victim = (0..20).find_map(|_| {
+        std::fs::write("/proc/sys/kernel/ns_last_pid", (pid - 1).to_string()).ok()?;
+        let mut c = Command::new("sleep").arg("60").uid(NOBODY).gid(NOBODY).spawn().ok()?;
+        if c.id() == pid as u32 {
+            return Some(c);
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+        None
+    });
+    let Some(mut victim) = victim else {
+        println!("skipped: could not hand pid {pid} to a new process (ns_last_pid; another process took it)");
+        return None;
+    };
+    std::thread::sleep(Duration::from_millis(50));
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let start = u64::from_str_radix(maps.lines().next().unwrap().split('-').next().unwrap(), 16).unwrap();
+    let mut reg: MemoryRegistration = bytemuck::Zeroable::zeroed();
+    reg.kind = MemoryKind::HostProcess as u32;
+    reg.alloc_id = 1;
+    reg.address = start;
+    reg.size = 4096;
+    let t = Some(Duration::from_secs(5));
+    send_message(&sock, MessageKind::RegisterMemory, bytemuck::bytes_of(&reg), &[], t).unwrap();
+    let m = recv_message(&sock, t).unwrap();
+    let reply: Reply = umbp_protocol::wire::decode(&m.payload).unwrap();
+    let fallbacks = pool.report().counters.pidfd_open_peers;
+    let _ = victim.kill();
+    let _ = victim.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(if fallback { fallbacks >= 1 } else { fallbacks == 0 || !so_peerpidfd_here() }, "pidfd_open_peers {fallbacks}");
+    Some((reply.status, reply.message().to_string()))
+}
+
+#[test]
+fn a_reused_pid_cannot_be_registered() {
+    for (tag, fallback) in [("reuse", false), ("reuse-fb", true)] {
+        let Some((status, message)) = pid_reuse(tag, fallback) else { return };
+        println!("pid reuse (fallback {fallback}): status {status}, {message}");
+        assert_ne!(status, 0, "fallback {fallback}: the pool registered memory of the process that took the peer's pid");
+        assert!(
+            message.contains("exited") || message.contains("another process"),
+            "fallback {fallback}: the refusal should say the peer's process is gone: {message}"
+        );
+    }
+}
+
+/// Whether this kernel answers SO_PEERPIDFD (Linux 6.5+) on a socketpair.
+fn so_peerpidfd_here() -> bool {
+    let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
+    let mut fd: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `fd`.
+    let rc = unsafe { libc::getsockopt(std::os::fd::AsRawFd::as_raw_fd(&a), libc::SOL_SOCKET, 77, (&mut fd as *mut libc::c_int).cast(), &mut len) };
+    if rc == 0 && fd >= 0 {
+        // SAFETY: the kernel gave us this fd.
+        unsafe { libc::close(fd) };
+    }
+    rc == 0
 }
 
 // ---------------------------------------------------------------------------------------

@@ -64,10 +64,16 @@ struct Args {
     #[arg(long = "socket-group", env = "UMBP_SOCKET_GROUP", value_name = "NAME|GID", help_heading = "Isolation")]
     socket_group: Option<String>,
     /// Namespaces a uid may attach with, e.g. 1001:9f3c...,0a1b... (hex, repeatable). Once
-    /// any is given, every other uid except the pool's and root is refused, and loads only
-    /// find blocks stored under the loader's own namespace.
+    /// any is given, every other uid except the pool's and root is refused, loads only
+    /// find blocks stored under the loader's own namespace, and each group of namespaces
+    /// listed for the same uids gets its own index and event log (a peer maps only its
+    /// group's).
     #[arg(long = "namespace-acl", value_name = "UID:NSHEX[,NSHEX]", help_heading = "Isolation")]
     namespace_acl: Vec<String>,
+    /// Tests only: take each peer's pidfd with pidfd_open at accept (plus its start time)
+    /// even where the kernel offers SO_PEERPIDFD, to exercise the older kernels' path.
+    #[arg(long = "peer-pidfd-fallback", hide = true)]
+    peer_pidfd_fallback: bool,
     /// Attachments the pool serves at once, all peers together.
     #[arg(long = "max-attachments", env = "UMBP_MAX_ATTACHMENTS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
     max_attachments: usize,
@@ -165,6 +171,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     if let Some(g) = &args.socket_group {
         c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g)?);
     }
+    c.peer_pidfd_fallback = args.peer_pidfd_fallback;
     for acl in &args.namespace_acl {
         let (uid, namespaces) = umbp_pool::config::parse_namespace_acl("namespace-acl", acl)?;
         c.namespace_acl.entry(uid).or_default().extend(namespaces);

@@ -105,8 +105,8 @@ pub enum Cmd {
     },
     /// Inspect a shared region of a live process read-only: give /proc/PID/fd/N of a ring
     /// memfd, an index memfd or an event log memfd (ls -l /proc/PID/fd shows
-    /// memfd:umbp-rings-N, memfd:umbp-index, memfd:umbp-events). The kind is detected from
-    /// its header.
+    /// memfd:umbp-rings-N, memfd:umbp-index, memfd:umbp-events; with tenant groups
+    /// umbp-index-gN, umbp-events-gN). The kind is detected from its header.
     Inspect {
         /// The file to map (usually /proc/PID/fd/N).
         #[arg(long, value_name = "PATH")]

@@ -204,6 +204,27 @@ pub fn dump(r: &PoolReport) -> String {
             .collect();
         out.push_str(&format!("  probe lengths  {}\n", hist.join("  ")));
     }
+    // With --namespace-acl: one index and event log per tenant group (the INDEX above is
+    // their sum).
+    if r.groups.len() > 1 {
+        out.push_str("\nTENANT GROUPS (own index and event log each)\n");
+        for g in &r.groups {
+            let list = |items: Vec<String>| if items.is_empty() { "-".to_string() } else { items.join(",") };
+            let ix = g.index.as_ref();
+            out.push_str(&format!(
+                "  group {}  uids {}  namespaces {}\n    index slots {}  live {}  tombstones {}  inserts {}  removes {}  events written {}\n",
+                g.group,
+                if g.group == 0 { "(pool's, root)".to_string() } else { list(g.uids.iter().map(u32::to_string).collect()) },
+                if g.group == 0 { "(not listed)".to_string() } else { list(g.namespaces.clone()) },
+                opt(ix.map(|i| i.slots)),
+                opt(ix.map(|i| i.live)),
+                opt(ix.map(|i| i.tombstones)),
+                opt(ix.map(|i| i.inserts)),
+                opt(ix.map(|i| i.removes)),
+                g.events.written,
+            ));
+        }
+    }
     let c = &r.counters;
     out.push_str(&format!(
         "\nTRAFFIC\n  submissions {} (rejected {})  hints {}\n  blocks stored {}  already present {}  not stored {}\n  blocks loaded {}  missing {}  failed {}  invalid {}\n  bytes stored {}  loaded {}\n  attachments accepted {}  refused {}\n",

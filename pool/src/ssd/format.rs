@@ -1,0 +1,313 @@
+//! The SSD tier's on-disk format (docs/ssd.md): record headers, segment footers and their
+//! CRC32C framing. Pure encoding and decoding, no I/O.
+//!
+//! A segment file is a sequence of records, each starting on a [`BLOCK`] boundary and
+//! padded to one: a [`HEADER_BYTES`] header, then the payload, then zeros. A sealed
+//! segment ends with a footer: one [`ENTRY_BYTES`] entry per record (padded to a block),
+//! then a one-block trailer that says where the entries are and carries their CRC.
+
+/// Alignment of every record, footer and I/O (O_DIRECT needs the logical block size;
+/// 4 KiB covers every drive we target).
+pub const BLOCK: u64 = 4096;
+pub const HEADER_BYTES: usize = 128;
+pub const ENTRY_BYTES: usize = 72;
+pub const TRAILER_BYTES: usize = BLOCK as usize;
+
+pub const RECORD_MAGIC: u32 = u32::from_le_bytes(*b"UMBR");
+pub const TRAILER_MAGIC: u32 = u32::from_le_bytes(*b"UMBF");
+pub const FORMAT_VERSION: u16 = 1;
+
+/// Record flag: a tombstone (the key was removed; size 0, hides older records of the key).
+pub const FLAG_TOMBSTONE: u16 = 1;
+
+pub fn align_up(n: u64) -> u64 {
+    n.div_ceil(BLOCK) * BLOCK
+}
+
+/// Bytes a record with this payload occupies on disk (header + payload, block aligned).
+pub fn record_len(payload: u64) -> u64 {
+    align_up(HEADER_BYTES as u64 + payload)
+}
+
+/// Bytes the footer of a segment with `entries` records occupies.
+pub fn footer_len(entries: u64) -> u64 {
+    align_up(entries * ENTRY_BYTES as u64) + TRAILER_BYTES as u64
+}
+
+/// What a record header says. `payload_crc` is CRC32C of the payload bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordHeader {
+    pub flags: u16,
+    pub key: u128,
+    pub namespace: u128,
+    pub size: u64,
+    /// The layout's object size the payload was stored under (checked on promotion).
+    pub layout_object_size: u64,
+    /// Store-wide sequence number: the highest one of a key wins on rebuild.
+    pub seq: u64,
+    pub payload_crc: u32,
+}
+
+/// Why a header or footer did not decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatError {
+    BadMagic,
+    BadVersion(u16),
+    BadCrc,
+    BadLength,
+}
+
+impl std::fmt::Display for FormatError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::BadMagic => f.write_str("bad magic"),
+            Self::BadVersion(v) => write!(f, "unknown format version {v}"),
+            Self::BadCrc => f.write_str("CRC32C mismatch"),
+            Self::BadLength => f.write_str("length out of range"),
+        }
+    }
+}
+
+fn get_u16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes(b[at..at + 2].try_into().expect("2 bytes"))
+}
+fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+fn get_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+fn get_u128(b: &[u8], at: usize) -> u128 {
+    u128::from_le_bytes(b[at..at + 16].try_into().expect("16 bytes"))
+}
+
+impl RecordHeader {
+    /// Header layout (little endian): magic u32 @0, version u16 @4, flags u16 @6, key u128 @8,
+    /// namespace u128 @24, size u64 @40, layout object size u64 @48, seq u64 @56,
+    /// payload CRC32C u32 @64, zeros up to @124, header CRC32C of bytes 0..124 u32 @124.
+    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+        let mut b = [0u8; HEADER_BYTES];
+        b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..24].copy_from_slice(&self.key.to_le_bytes());
+        b[24..40].copy_from_slice(&self.namespace.to_le_bytes());
+        b[40..48].copy_from_slice(&self.size.to_le_bytes());
+        b[48..56].copy_from_slice(&self.layout_object_size.to_le_bytes());
+        b[56..64].copy_from_slice(&self.seq.to_le_bytes());
+        b[64..68].copy_from_slice(&self.payload_crc.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..124]);
+        b[124..128].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes and checks a header (magic, version, header CRC). The payload CRC is the
+    /// caller's to check against the payload.
+    pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
+        if b.len() < HEADER_BYTES {
+            return Err(FormatError::BadLength);
+        }
+        if get_u32(b, 0) != RECORD_MAGIC {
+            return Err(FormatError::BadMagic);
+        }
+        if crc32c::crc32c(&b[..124]) != get_u32(b, 124) {
+            return Err(FormatError::BadCrc);
+        }
+        let version = get_u16(b, 4);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::BadVersion(version));
+        }
+        Ok(Self {
+            flags: get_u16(b, 6),
+            key: get_u128(b, 8),
+            namespace: get_u128(b, 24),
+            size: get_u64(b, 40),
+            layout_object_size: get_u64(b, 48),
+            seq: get_u64(b, 56),
+            payload_crc: get_u32(b, 64),
+        })
+    }
+
+    pub fn is_tombstone(&self) -> bool {
+        self.flags & FLAG_TOMBSTONE != 0
+    }
+}
+
+/// One footer entry: a record's header fields plus where it starts in the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FooterEntry {
+    pub header: RecordHeader,
+    pub offset: u64,
+}
+
+impl FooterEntry {
+    /// Entry layout: key u128 @0, namespace u128 @16, size u64 @32, layout object size u64
+    /// @40, offset u64 @48, seq u64 @56, payload CRC u32 @64, flags u16 @68, zero u16 @70.
+    pub fn encode_into(&self, b: &mut [u8]) {
+        let h = &self.header;
+        b[0..16].copy_from_slice(&h.key.to_le_bytes());
+        b[16..32].copy_from_slice(&h.namespace.to_le_bytes());
+        b[32..40].copy_from_slice(&h.size.to_le_bytes());
+        b[40..48].copy_from_slice(&h.layout_object_size.to_le_bytes());
+        b[48..56].copy_from_slice(&self.offset.to_le_bytes());
+        b[56..64].copy_from_slice(&h.seq.to_le_bytes());
+        b[64..68].copy_from_slice(&h.payload_crc.to_le_bytes());
+        b[68..70].copy_from_slice(&h.flags.to_le_bytes());
+        b[70..72].fill(0);
+    }
+
+    pub fn decode(b: &[u8]) -> Self {
+        Self {
+            header: RecordHeader {
+                key: get_u128(b, 0),
+                namespace: get_u128(b, 16),
+                size: get_u64(b, 32),
+                layout_object_size: get_u64(b, 40),
+                seq: get_u64(b, 56),
+                payload_crc: get_u32(b, 64),
+                flags: get_u16(b, 68),
+            },
+            offset: get_u64(b, 48),
+        }
+    }
+}
+
+/// The last block of a sealed segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Trailer {
+    /// Segment offset of the first entry (the end of the records).
+    pub entries_offset: u64,
+    pub count: u64,
+    /// CRC32C of the `count * ENTRY_BYTES` entry bytes.
+    pub entries_crc: u32,
+}
+
+impl Trailer {
+    /// Trailer layout: magic u32 @0, version u16 @4, zero u16 @6, entries offset u64 @8,
+    /// count u64 @16, entries CRC u32 @24, trailer CRC32C of bytes 0..28 u32 @28, zeros.
+    pub fn encode(&self) -> [u8; TRAILER_BYTES] {
+        let mut b = [0u8; TRAILER_BYTES];
+        b[0..4].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+        b[8..16].copy_from_slice(&self.entries_offset.to_le_bytes());
+        b[16..24].copy_from_slice(&self.count.to_le_bytes());
+        b[24..28].copy_from_slice(&self.entries_crc.to_le_bytes());
+        let crc = crc32c::crc32c(&b[..28]);
+        b[28..32].copy_from_slice(&crc.to_le_bytes());
+        b
+    }
+
+    /// Decodes the trailer of a segment `file_len` bytes long and checks that it describes
+    /// exactly the bytes before it.
+    pub fn decode(b: &[u8], file_len: u64) -> Result<Self, FormatError> {
+        if b.len() < 32 {
+            return Err(FormatError::BadLength);
+        }
+        if get_u32(b, 0) != TRAILER_MAGIC {
+            return Err(FormatError::BadMagic);
+        }
+        if crc32c::crc32c(&b[..28]) != get_u32(b, 28) {
+            return Err(FormatError::BadCrc);
+        }
+        let version = get_u16(b, 4);
+        if version != FORMAT_VERSION {
+            return Err(FormatError::BadVersion(version));
+        }
+        let t = Self { entries_offset: get_u64(b, 8), count: get_u64(b, 16), entries_crc: get_u32(b, 24) };
+        let end = t
+            .count
+            .checked_mul(ENTRY_BYTES as u64)
+            .and_then(|n| t.entries_offset.checked_add(align_up(n)))
+            .and_then(|n| n.checked_add(TRAILER_BYTES as u64));
+        if end != Some(file_len) || !t.entries_offset.is_multiple_of(BLOCK) {
+            return Err(FormatError::BadLength);
+        }
+        Ok(t)
+    }
+}
+
+/// Encodes a footer (entries padded to a block, then the trailer) for records ending at
+/// `entries_offset`.
+pub fn encode_footer(entries: &[FooterEntry], entries_offset: u64) -> Vec<u8> {
+    let n = entries.len() as u64;
+    let mut out = vec![0u8; footer_len(n) as usize];
+    for (i, e) in entries.iter().enumerate() {
+        e.encode_into(&mut out[i * ENTRY_BYTES..(i + 1) * ENTRY_BYTES]);
+    }
+    let entries_crc = crc32c::crc32c(&out[..entries.len() * ENTRY_BYTES]);
+    let trailer = Trailer { entries_offset, count: n, entries_crc }.encode();
+    let t = out.len() - TRAILER_BYTES;
+    out[t..].copy_from_slice(&trailer);
+    out
+}
+
+/// Decodes the entries of a footer whose trailer was checked.
+pub fn decode_entries(t: &Trailer, bytes: &[u8]) -> Result<Vec<FooterEntry>, FormatError> {
+    let n = t.count as usize * ENTRY_BYTES;
+    if bytes.len() < n {
+        return Err(FormatError::BadLength);
+    }
+    if crc32c::crc32c(&bytes[..n]) != t.entries_crc {
+        return Err(FormatError::BadCrc);
+    }
+    Ok(bytes[..n].chunks_exact(ENTRY_BYTES).map(FooterEntry::decode).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header() -> RecordHeader {
+        RecordHeader {
+            flags: 0,
+            key: 0x0123_4567_89ab_cdef_fedc_ba98_7654_3210,
+            namespace: 7,
+            size: 12345,
+            layout_object_size: 65536,
+            seq: 99,
+            payload_crc: crc32c::crc32c(b"payload"),
+        }
+    }
+
+    #[test]
+    fn header_roundtrips_and_every_flipped_bit_is_detected() {
+        let h = header();
+        let b = h.encode();
+        assert_eq!(RecordHeader::decode(&b), Ok(h));
+        for i in 0..HEADER_BYTES * 8 {
+            let mut c = b;
+            c[i / 8] ^= 1 << (i % 8);
+            assert!(RecordHeader::decode(&c).is_err(), "bit {i} flipped went unnoticed");
+        }
+        assert_eq!(RecordHeader::decode(&[0u8; HEADER_BYTES]), Err(FormatError::BadMagic));
+        assert_eq!(RecordHeader::decode(&b[..64]), Err(FormatError::BadLength));
+    }
+
+    #[test]
+    fn footer_roundtrips_and_rejects_a_wrong_length_or_crc() {
+        let entries: Vec<_> = (0..100u64)
+            .map(|i| FooterEntry { header: RecordHeader { seq: i, ..header() }, offset: i * BLOCK })
+            .collect();
+        let off = 100 * BLOCK;
+        let f = encode_footer(&entries, off);
+        assert_eq!(f.len() as u64, footer_len(100));
+        let len = off + f.len() as u64;
+        let t = Trailer::decode(&f[f.len() - TRAILER_BYTES..], len).unwrap();
+        assert_eq!(t.count, 100);
+        assert_eq!(decode_entries(&t, &f).unwrap(), entries);
+        assert_eq!(Trailer::decode(&f[f.len() - TRAILER_BYTES..], len + BLOCK), Err(FormatError::BadLength));
+        let mut g = f.clone();
+        g[5] ^= 1;
+        assert_eq!(decode_entries(&t, &g), Err(FormatError::BadCrc));
+    }
+
+    #[test]
+    fn lengths_are_block_aligned() {
+        assert_eq!(record_len(0), BLOCK);
+        assert_eq!(record_len(BLOCK - HEADER_BYTES as u64), BLOCK);
+        assert_eq!(record_len(BLOCK - HEADER_BYTES as u64 + 1), 2 * BLOCK);
+        assert_eq!(footer_len(0), BLOCK);
+        assert_eq!(footer_len(56), 2 * BLOCK);
+        assert_eq!(footer_len(57), 3 * BLOCK);
+    }
+}

@@ -1,0 +1,192 @@
+//! Warm restart: rebuilds a shard's index from its segment files. A sealed segment is read
+//! through its footer (one read of the entries); a segment without a valid footer (the one
+//! being written when the pool stopped) is scanned record by record, every payload checked
+//! against its CRC32C; torn or corrupt records are skipped and counted, then the segment is
+//! sealed so the next start reads its footer.
+
+use std::sync::atomic::Ordering;
+
+use super::format::{self, FooterEntry, RecordHeader, Trailer, BLOCK, HEADER_BYTES};
+use super::segment::{AlignedBuf, Segment};
+use super::store::{Counters, Loc, SegMeta, Shard, SsdStore};
+use super::SsdError;
+
+/// Reads a segment through a sliding aligned window.
+struct Window<'a> {
+    seg: &'a Segment,
+    buf: AlignedBuf,
+    start: u64,
+    valid: usize,
+}
+
+impl<'a> Window<'a> {
+    fn new(seg: &'a Segment, bytes: usize) -> Self {
+        Self { seg, buf: AlignedBuf::new(bytes), start: 0, valid: 0 }
+    }
+
+    /// Bytes `[at, at + len)` (block-aligned `at`), or None past the end of the file.
+    fn get(&mut self, at: u64, len: usize) -> Result<Option<&[u8]>, SsdError> {
+        if at < self.start || at + len as u64 > self.start + self.valid as u64 {
+            if len > self.buf.len() {
+                self.buf = AlignedBuf::new(len);
+            }
+            self.start = at;
+            self.valid = self.seg.read_at(&mut self.buf, at)?;
+            if len > self.valid {
+                return Ok(None);
+            }
+        }
+        let o = (at - self.start) as usize;
+        Ok(Some(&self.buf[o..o + len]))
+    }
+}
+
+/// The footer's entries, if the segment has a valid footer that describes sane records.
+fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdError> {
+    if len < BLOCK || !len.is_multiple_of(BLOCK) {
+        return Ok(None);
+    }
+    let mut last = AlignedBuf::new(BLOCK as usize);
+    if seg.read_at(&mut last, len - BLOCK)? < BLOCK as usize {
+        return Ok(None);
+    }
+    let Ok(t) = Trailer::decode(&last, len) else { return Ok(None) };
+    let n = (len - BLOCK - t.entries_offset) as usize;
+    let mut buf = AlignedBuf::new(n);
+    if seg.read_at(&mut buf, t.entries_offset)? < n {
+        return Ok(None);
+    }
+    let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
+    let sane = entries.iter().all(|e| {
+        e.offset.is_multiple_of(BLOCK)
+            && e.offset.checked_add(format::record_len(e.header.size)).is_some_and(|end| end <= t.entries_offset)
+    });
+    Ok(sane.then_some(entries))
+}
+
+/// Scans records from the start; returns the valid ones and the count of skipped blocks
+/// that held a torn or corrupt record.
+fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
+    let mut w = Window::new(seg, 8 << 20);
+    let mut out = Vec::new();
+    let mut torn = 0u64;
+    let mut pos = 0u64;
+    let mut in_bad_run = false;
+    while pos + BLOCK <= len {
+        let Some(block) = w.get(pos, BLOCK as usize)? else { break };
+        if block.iter().all(|&b| b == 0) {
+            // Zeros: never-written space (a reserved record whose write did not land).
+            pos += BLOCK;
+            continue;
+        }
+        let header = match RecordHeader::decode(block) {
+            Ok(h) if pos + format::record_len(h.size) <= len => h,
+            _ => {
+                if !in_bad_run {
+                    torn += 1;
+                }
+                in_bad_run = true;
+                pos += BLOCK;
+                continue;
+            }
+        };
+        let rl = format::record_len(header.size) as usize;
+        let Some(rec) = w.get(pos, rl)? else {
+            torn += 1;
+            break;
+        };
+        let payload = &rec[HEADER_BYTES..HEADER_BYTES + header.size as usize];
+        if crc32c::crc32c(payload) == header.payload_crc {
+            out.push(FooterEntry { header, offset: pos });
+            pos += rl as u64;
+            in_bad_run = false;
+        } else {
+            // A header whose payload did not (fully) land: skip it, resync block by block.
+            torn += 1;
+            in_bad_run = true;
+            pos += BLOCK;
+        }
+    }
+    Ok((out, torn))
+}
+
+/// Loads every segment of the shard's directory; returns the highest sequence number seen.
+pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize, c: &Counters) -> Result<u64, SsdError> {
+    let ids = shard.dir.list_segments()?;
+    let mut all: Vec<Loc> = Vec::new();
+    let mut to_seal = Vec::new();
+    for id in ids {
+        shard.next_id = shard.next_id.max(id + 1);
+        // An unreadable segment (EIO, not a file) loses its objects, not the whole tier.
+        let skip = |e: SsdError| {
+            tracing::warn!(error = %e, "SSD segment unreadable at start: skipped, its objects are misses");
+            c.segments_unreadable.fetch_add(1, Ordering::Relaxed);
+        };
+        let seg = match shard.dir.open_segment(id) {
+            Ok(s) => s,
+            Err(e) => {
+                skip(e);
+                continue;
+            }
+        };
+        let len = match seg.file_len() {
+            Ok(l) => l,
+            Err(e) => {
+                skip(e);
+                continue;
+            }
+        };
+        if len == 0 {
+            let _ = std::fs::remove_file(&seg.path);
+            continue;
+        }
+        let footer = match read_footer(&seg, len) {
+            Ok(f) => f,
+            Err(e) => {
+                skip(e);
+                continue;
+            }
+        };
+        let (records, sealed, file_len) = match footer {
+            Some(entries) => {
+                c.segments_from_footer.fetch_add(1, Ordering::Relaxed);
+                (entries, true, len)
+            }
+            None => {
+                c.segments_scanned.fetch_add(1, Ordering::Relaxed);
+                let (entries, torn) = match scan(&seg, len) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        skip(e);
+                        continue;
+                    }
+                };
+                if torn > 0 {
+                    tracing::warn!(path = %seg.path.display(), torn, kept = entries.len(), "SSD segment had torn or corrupt records: skipped");
+                }
+                c.torn_records_skipped.fetch_add(torn, Ordering::Relaxed);
+                to_seal.push(id);
+                (entries, false, format::align_up(len))
+            }
+        };
+        for e in &records {
+            all.push(Loc { seg: id, offset: e.offset, header: e.header });
+        }
+        shard.used += file_len;
+        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed });
+    }
+    all.sort_by_key(|l| (l.header.seq, l.seg, l.offset));
+    let mut max_seq = 0;
+    for loc in all {
+        max_seq = max_seq.max(loc.header.seq);
+        if SsdStore::shard_index(loc.header.key, nshards) != shard_idx {
+            c.misplaced_records.fetch_add(1, Ordering::Relaxed);
+            continue;
+        }
+        shard.apply(loc);
+    }
+    for id in to_seal {
+        shard.seal(id);
+    }
+    Ok(max_seq)
+}

@@ -1,0 +1,841 @@
+//! The SSD store: one shard per directory (drive), each with its own ring, segments and
+//! in-memory index; put/get/remove in batches, capacity with high/low watermarks, and
+//! compaction of dead records. I/O runs under the shard's lock (one ring per drive).
+
+use std::collections::{BTreeMap, HashMap};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+use umbp_protocol::ObjectKey;
+
+use super::format::{self, FooterEntry, RecordHeader, FLAG_TOMBSTONE, HEADER_BYTES};
+use super::segment::{AlignedBuf, Directory, Segment};
+use super::uring::{ReadJob, Ring, WriteJob};
+use super::{SsdConfig, SsdError};
+
+pub(super) struct SegMeta {
+    pub seg: Segment,
+    /// Bytes of the file in use: records, plus the footer once sealed.
+    pub len: u64,
+    /// Bytes of records the index still points at.
+    pub live_bytes: u64,
+    pub records: Vec<FooterEntry>,
+    pub sealed: bool,
+}
+
+/// Where an indexed record lives.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Loc {
+    pub seg: u64,
+    pub offset: u64,
+    pub header: RecordHeader,
+}
+
+/// Counters, shared by all shards.
+#[derive(Debug, Default)]
+pub(super) struct Counters {
+    pub puts: AtomicU64,
+    pub put_bytes: AtomicU64,
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub crc_failures: AtomicU64,
+    pub read_errors: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub torn_records_skipped: AtomicU64,
+    pub misplaced_records: AtomicU64,
+    pub segments_scanned: AtomicU64,
+    pub segments_unreadable: AtomicU64,
+    pub segments_from_footer: AtomicU64,
+    pub compactions: AtomicU64,
+    pub compacted_bytes: AtomicU64,
+    pub evicted_objects: AtomicU64,
+    pub rebuild_us: AtomicU64,
+}
+
+fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A snapshot of the store's state and counters.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct SsdStats {
+    pub objects: u64,
+    pub used_bytes: u64,
+    pub live_bytes: u64,
+    pub capacity_bytes: u64,
+    pub segments: u64,
+    pub direct_io: bool,
+    /// I/O goes through io_uring on every drive (else synchronous pread/pwrite somewhere).
+    pub io_uring: bool,
+    pub puts: u64,
+    pub put_bytes: u64,
+    pub hits: u64,
+    pub misses: u64,
+    /// Reads whose header or payload CRC32C did not match: served as misses.
+    pub crc_failures: u64,
+    /// Reads that failed with an I/O error: served as misses.
+    pub read_errors: u64,
+    pub write_errors: u64,
+    /// Torn or corrupt records skipped by the rebuild's record scan.
+    pub torn_records_skipped: u64,
+    /// Records found in a directory their key does not map to (the directory list changed).
+    pub misplaced_records: u64,
+    pub segments_scanned: u64,
+    /// Segments that could not be opened or read at start (skipped; their objects are misses).
+    pub segments_unreadable: u64,
+    pub segments_from_footer: u64,
+    pub compactions: u64,
+    pub compacted_bytes: u64,
+    pub evicted_objects: u64,
+    /// Time `open` spent reading footers and scanning segments (not opening rings).
+    pub rebuild_ms: f64,
+}
+
+/// What a successful put did besides storing.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct PutOutcome {
+    /// Objects dropped to make room (oldest segments first).
+    pub evicted: Vec<ObjectKey>,
+}
+
+/// What the store knows about an object without reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SsdObjectInfo {
+    pub namespace: u128,
+    pub size: u64,
+    pub layout_object_size: u64,
+}
+
+pub(super) struct Shard {
+    pub dir: Directory,
+    pub ring: Ring,
+    pub capacity: u64,
+    pub high: u64,
+    pub low: u64,
+    pub segment_bytes: u64,
+    pub compact_live_ratio: f64,
+    pub segments: BTreeMap<u64, SegMeta>,
+    pub active: Option<u64>,
+    pub next_id: u64,
+    pub index: HashMap<u128, Loc>,
+    /// The newest tombstone of each removed key, while it may hide an older record.
+    pub tombstones: HashMap<u128, Loc>,
+    /// Sum of `len` over segments.
+    pub used: u64,
+}
+
+/// A record placed in the active segment but not yet written.
+struct Pending<'a> {
+    item: usize,
+    seg: u64,
+    offset: u64,
+    header: RecordHeader,
+    hdr: [u8; HEADER_BYTES],
+    data: &'a [u8],
+}
+
+fn write_error(path: PathBuf, e: std::io::Error) -> SsdError {
+    match e.raw_os_error() {
+        Some(libc::ENOSPC) | Some(libc::EFBIG) | Some(libc::EDQUOT) => SsdError::DiskFull { path, source: e },
+        _ => SsdError::Io { path, what: "writing record".into(), source: e },
+    }
+}
+
+impl Shard {
+    pub(super) fn new(dir: Directory, ring: Ring, capacity: u64, c: &SsdConfig) -> Self {
+        Self {
+            dir,
+            ring,
+            capacity,
+            high: (capacity as f64 * c.high_watermark) as u64,
+            low: (capacity as f64 * c.low_watermark) as u64,
+            segment_bytes: c.segment_bytes,
+            compact_live_ratio: c.compact_live_ratio,
+            segments: BTreeMap::new(),
+            active: None,
+            next_id: 0,
+            index: HashMap::new(),
+            tombstones: HashMap::new(),
+            used: 0,
+        }
+    }
+
+    /// Bytes counted against capacity: the files plus the active segment's future footer.
+    fn used_total(&self) -> u64 {
+        let footer = self.active.and_then(|a| self.segments.get(&a)).map_or(0, |m| format::footer_len(m.records.len() as u64));
+        self.used + footer
+    }
+
+    fn mark_dead(&mut self, loc: &Loc) {
+        if let Some(m) = self.segments.get_mut(&loc.seg) {
+            m.live_bytes = m.live_bytes.saturating_sub(format::record_len(loc.header.size));
+        }
+    }
+
+    /// Applies a record that is now on disk to the index (later sequence numbers win).
+    pub(super) fn apply(&mut self, loc: Loc) {
+        let key = loc.header.key;
+        if loc.header.is_tombstone() {
+            if let Some(old) = self.index.get(&key).copied() {
+                if old.header.seq < loc.header.seq {
+                    self.index.remove(&key);
+                    self.mark_dead(&old);
+                }
+            }
+            // An equal sequence number is the same tombstone moved by compaction.
+            if self.tombstones.get(&key).is_none_or(|t| t.header.seq <= loc.header.seq) {
+                self.tombstones.insert(key, loc);
+            }
+            return;
+        }
+        if self.tombstones.get(&key).is_some_and(|t| t.header.seq > loc.header.seq) {
+            return;
+        }
+        if let Some(old) = self.index.get(&key).copied() {
+            // An equal sequence number is the same record moved by compaction: it moves.
+            if old.header.seq > loc.header.seq {
+                return;
+            }
+            self.mark_dead(&old);
+        }
+        self.tombstones.remove(&key);
+        if let Some(m) = self.segments.get_mut(&loc.seg) {
+            m.live_bytes += format::record_len(loc.header.size);
+        }
+        self.index.insert(key, loc);
+    }
+
+    /// Writes the active segment's footer and stops appending to it.
+    fn seal_active(&mut self) {
+        let Some(id) = self.active.take() else { return };
+        self.seal(id);
+    }
+
+    pub(super) fn seal(&mut self, id: u64) {
+        let Some(m) = self.segments.get_mut(&id) else { return };
+        m.sealed = true;
+        let footer = format::encode_footer(&m.records, m.len);
+        let mut buf = AlignedBuf::new(footer.len());
+        buf[..footer.len()].copy_from_slice(&footer);
+        match m.seg.write_all_at(&buf, footer.len(), m.len) {
+            Ok(()) => {
+                m.len += footer.len() as u64;
+                self.used += footer.len() as u64;
+            }
+            // The segment stays without a footer; the next start scans its records.
+            Err(e) => tracing::warn!(error = %e, "SSD segment footer not written; the next start scans this segment"),
+        }
+    }
+
+    /// Frees room until `needed` more bytes fit under the low watermark (or nothing is
+    /// left to free): compaction of mostly dead segments first, then the oldest segments.
+    fn reclaim(&mut self, needed: u64, counters: &Counters) -> Vec<ObjectKey> {
+        let mut evicted = Vec::new();
+        let target = self.low.saturating_sub(needed);
+        let mut guard = 0;
+        while self.used_total() > target && !self.segments.is_empty() && guard < 100_000 {
+            guard += 1;
+            let candidate = self
+                .segments
+                .iter()
+                .filter(|(id, m)| Some(**id) != self.active && m.len > 0)
+                .map(|(id, m)| (*id, m.live_bytes as f64 / m.len as f64))
+                .filter(|(_, r)| *r < self.compact_live_ratio)
+                .min_by(|a, b| a.1.total_cmp(&b.1));
+            match candidate {
+                Some((id, _)) => self.compact(id, counters),
+                None => {
+                    let oldest = *self.segments.keys().next().expect("non-empty");
+                    evicted.extend(self.drop_segment(oldest, counters));
+                }
+            }
+        }
+        evicted
+    }
+
+    /// Removes a segment and its file; returns the live objects it held (now gone).
+    fn drop_segment(&mut self, id: u64, counters: &Counters) -> Vec<ObjectKey> {
+        if self.active == Some(id) {
+            self.active = None;
+        }
+        let Some(m) = self.segments.remove(&id) else { return Vec::new() };
+        let mut gone = Vec::new();
+        for e in &m.records {
+            let key = e.header.key;
+            if self.index.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
+                self.index.remove(&key);
+                gone.push(ObjectKey(key));
+            }
+            if self.tombstones.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
+                self.tombstones.remove(&key);
+            }
+        }
+        self.used -= m.len;
+        bump(&counters.evicted_objects, gone.len() as u64);
+        if let Err(e) = std::fs::remove_file(&m.seg.path) {
+            tracing::warn!(path = %m.seg.path.display(), error = %e, "removing SSD segment");
+        }
+        gone
+    }
+
+    /// Copies a segment's live records (and tombstones still needed) to the active segment,
+    /// then removes it.
+    fn compact(&mut self, id: u64, counters: &Counters) {
+        let Some(m) = self.segments.get(&id) else { return };
+        let records = m.records.clone();
+        let len = m.len;
+        let older_exists = self.segments.keys().next().is_some_and(|&first| first < id);
+        let mut moved = 0u64;
+        for e in records {
+            let key = e.header.key;
+            let at = |l: &Loc| l.seg == id && l.offset == e.offset;
+            if self.index.get(&key).is_some_and(at) {
+                let loc = self.index[&key];
+                let mut data = Vec::new();
+                if self.read_records(&[loc], &mut [&mut data], counters)[0] {
+                    let hdr = loc.header;
+                    if self.put_records(&[(hdr, &data[..])], counters, false)[0].is_ok() {
+                        moved += format::record_len(hdr.size);
+                        continue;
+                    }
+                }
+                // Unreadable or not rewritten: the object is gone (a miss, never wrong).
+                self.index.remove(&key);
+            } else if e.header.is_tombstone() && older_exists && self.tombstones.get(&key).is_some_and(at) {
+                let _ = self.put_records(&[(e.header, &[][..])], counters, false);
+            }
+        }
+        let gone = self.drop_segment(id, counters);
+        debug_assert!(gone.is_empty());
+        bump(&counters.compactions, 1);
+        bump(&counters.compacted_bytes, len.saturating_sub(moved));
+    }
+
+    /// Appends records (headers already carry their sequence numbers); per-record result.
+    /// With `reclaim`, first frees room per the watermarks.
+    fn put_records(
+        &mut self,
+        items: &[(RecordHeader, &[u8])],
+        counters: &Counters,
+        reclaim: bool,
+    ) -> Vec<Result<PutOutcome, SsdError>> {
+        let mut results: Vec<Result<PutOutcome, SsdError>> = (0..items.len()).map(|_| Ok(PutOutcome::default())).collect();
+        let mut pending: Vec<Pending<'_>> = Vec::new();
+        for (i, (header, data)) in items.iter().enumerate() {
+            let rec = format::record_len(header.size);
+            if rec + format::footer_len(1) > self.segment_bytes {
+                results[i] = Err(SsdError::TooLarge { size: header.size, segment_bytes: self.segment_bytes });
+                continue;
+            }
+            if reclaim && self.used_total() + rec > self.high {
+                self.flush(&mut pending, &mut results, counters);
+                let ev = self.reclaim(rec, counters);
+                if let Ok(o) = &mut results[i] {
+                    o.evicted = ev;
+                }
+            }
+            if self.used_total() + rec + format::BLOCK > self.capacity {
+                results[i] =
+                    Err(SsdError::NoRoom { needed: rec, capacity: self.capacity, dir: self.dir.path.clone() });
+                continue;
+            }
+            let fits = self.active.and_then(|a| self.segments.get(&a)).is_some_and(|m| {
+                m.len + rec + format::footer_len(m.records.len() as u64 + 1) <= self.segment_bytes
+            });
+            if !fits {
+                self.flush(&mut pending, &mut results, counters);
+                self.seal_active();
+                let id = self.next_id;
+                match self.dir.create_segment(id) {
+                    Ok(seg) => {
+                        self.next_id += 1;
+                        self.segments.insert(id, SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false });
+                        self.active = Some(id);
+                    }
+                    Err(e) => {
+                        results[i] = Err(e);
+                        continue;
+                    }
+                }
+            }
+            let id = self.active.expect("active segment");
+            let m = self.segments.get_mut(&id).expect("active segment");
+            let offset = m.len;
+            // Reserve the space now so later items of the batch land after this one; a
+            // failed write leaves a dead (torn) region that the rebuild skips.
+            m.len += rec;
+            self.used += rec;
+            m.records.push(FooterEntry { header: *header, offset });
+            pending.push(Pending { item: i, seg: id, offset, header: *header, hdr: header.encode(), data });
+        }
+        self.flush(&mut pending, &mut results, counters);
+        results
+    }
+
+    /// Writes the pending records in one batch and indexes those that landed.
+    fn flush<'a>(&mut self, pending: &mut Vec<Pending<'a>>, results: &mut [Result<PutOutcome, SsdError>], counters: &Counters) {
+        if pending.is_empty() {
+            return;
+        }
+        let jobs: Vec<WriteJob<'_>> = pending
+            .iter()
+            .map(|p| WriteJob {
+                fd: self.segments[&p.seg].seg.file.as_raw_fd(),
+                offset: p.offset,
+                len: format::record_len(p.header.size),
+                pieces: vec![&p.hdr[..], p.data],
+            })
+            .collect();
+        let done = self.ring.write_batch(&jobs);
+        drop(jobs);
+        for (p, r) in pending.drain(..).zip(done) {
+            match r {
+                Ok(()) => {
+                    if !p.header.is_tombstone() {
+                        bump(&counters.puts, 1);
+                        bump(&counters.put_bytes, p.header.size);
+                    }
+                    self.apply(Loc { seg: p.seg, offset: p.offset, header: p.header });
+                }
+                Err(e) => {
+                    bump(&counters.write_errors, 1);
+                    let path = self.segments[&p.seg].seg.path.clone();
+                    tracing::warn!(path = %path.display(), key = format_args!("{:032x}", p.header.key), error = %e, "SSD record write failed");
+                    // Drop the entry from the footer list: the region is dead.
+                    if let Some(m) = self.segments.get_mut(&p.seg) {
+                        m.records.retain(|r| r.offset != p.offset);
+                    }
+                    results[p.item] = Err(write_error(path, e));
+                }
+            }
+        }
+    }
+
+    /// Reads records into `outs` (resized to each payload); `true` where the bytes are
+    /// exactly what was stored (header and payload CRC32C checked). A failure drops the
+    /// object from the index: it is a miss from then on.
+    fn read_records(&mut self, locs: &[Loc], outs: &mut [&mut Vec<u8>], counters: &Counters) -> Vec<bool> {
+        let n = locs.len();
+        let mut hdrs = vec![[0u8; HEADER_BYTES]; n];
+        // Payload CRC per record: chunks that land in order extend a running CRC; others
+        // wait in `later` and are combined at the end (crc32c_combine costs microseconds).
+        let mut crcs: Vec<PayloadCrc> = (0..n).map(|_| PayloadCrc::default()).collect();
+        for (o, l) in outs.iter_mut().zip(locs) {
+            o.resize(l.header.size as usize, 0);
+        }
+        let results = {
+            let mut sinks: Vec<Box<super::uring::Sink<'_>>> = Vec::with_capacity(n);
+            for ((out, hdr), (crc, loc)) in outs.iter_mut().zip(hdrs.iter_mut()).zip(crcs.iter_mut().zip(locs)) {
+                let size = loc.header.size;
+                sinks.push(Box::new(move |at: u64, data: &[u8]| {
+                    let end = at + data.len() as u64;
+                    let h = HEADER_BYTES as u64;
+                    if at < h {
+                        let n = (h - at).min(data.len() as u64) as usize;
+                        hdr[at as usize..at as usize + n].copy_from_slice(&data[..n]);
+                    }
+                    let (ps, pe) = (at.max(h), end.min(h + size));
+                    if ps < pe {
+                        let src = &data[(ps - at) as usize..(pe - at) as usize];
+                        out[(ps - h) as usize..(pe - h) as usize].copy_from_slice(src);
+                        crc.add(ps - h, src);
+                    }
+                }));
+            }
+            let mut jobs: Vec<ReadJob<'_>> = locs
+                .iter()
+                .zip(sinks.iter_mut())
+                .map(|(l, s)| ReadJob {
+                    fd: self.segments.get(&l.seg).map_or(-1, |m| m.seg.file.as_raw_fd()),
+                    offset: l.offset,
+                    len: format::record_len(l.header.size),
+                    sink: &mut **s,
+                })
+                .collect();
+            self.ring.read_batch(&mut jobs)
+        };
+        let mut ok = vec![false; n];
+        for i in 0..n {
+            let loc = locs[i];
+            let path = || self.segments.get(&loc.seg).map(|m| m.seg.path.clone()).unwrap_or_default();
+            let key = format_args!("{:032x}", loc.header.key);
+            match &results[i] {
+                Err(e) => {
+                    bump(&counters.read_errors, 1);
+                    tracing::warn!(path = %path().display(), key = %key, error = %e, "SSD read failed: served as a miss");
+                }
+                Ok(()) => {
+                    let crc = crcs[i].finish();
+                    let header_ok = RecordHeader::decode(&hdrs[i]).is_ok_and(|h| h == loc.header);
+                    if header_ok && crc == loc.header.payload_crc {
+                        ok[i] = true;
+                    } else {
+                        bump(&counters.crc_failures, 1);
+                        tracing::warn!(path = %path().display(), offset = loc.offset, key = %key, "SSD record failed its CRC32C check: served as a miss");
+                    }
+                }
+            }
+            if !ok[i] && self.index.get(&loc.header.key).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
+                self.index.remove(&loc.header.key);
+                self.mark_dead(&loc);
+            }
+        }
+        ok
+    }
+}
+
+/// CRC32C of a payload whose chunks arrive in any order.
+#[derive(Default)]
+struct PayloadCrc {
+    /// CRC of payload bytes `[0, next)`.
+    crc: u32,
+    next: u64,
+    /// Chunks past a gap: (offset, CRC, length).
+    later: Vec<(u64, u32, usize)>,
+}
+
+impl PayloadCrc {
+    fn add(&mut self, at: u64, bytes: &[u8]) {
+        if at == self.next {
+            self.crc = crc32c::crc32c_append(self.crc, bytes);
+            self.next += bytes.len() as u64;
+        } else {
+            self.later.push((at, crc32c::crc32c(bytes), bytes.len()));
+        }
+    }
+
+    fn finish(&mut self) -> u32 {
+        self.later.sort_unstable_by_key(|c| c.0);
+        self.later.iter().fold(self.crc, |acc, &(_, c, len)| crc32c::crc32c_combine(acc, c, len))
+    }
+}
+
+/// The SSD tier's store over one or more directories.
+pub struct SsdStore {
+    shards: Vec<Mutex<Shard>>,
+    seq: AtomicU64,
+    counters: Counters,
+    capacity: u64,
+}
+
+impl SsdStore {
+    /// Opens (creating nothing but lock and segment files) every directory and rebuilds the
+    /// index from the segments already there.
+    pub fn open(config: &SsdConfig) -> Result<Self, SsdError> {
+        let c = config;
+        if c.dirs.is_empty() {
+            return Err(SsdError::Config("no SSD directory given".into()));
+        }
+        if !(0.0 < c.low_watermark && c.low_watermark <= c.high_watermark && c.high_watermark <= 1.0) {
+            return Err(SsdError::Config(format!(
+                "watermarks must satisfy 0 < low ({}) <= high ({}) <= 1",
+                c.low_watermark, c.high_watermark
+            )));
+        }
+        if !c.segment_bytes.is_multiple_of(format::BLOCK) || c.segment_bytes < 4 * format::BLOCK {
+            return Err(SsdError::Config(format!(
+                "segment size {} must be a multiple of {} and at least 4 blocks",
+                c.segment_bytes,
+                format::BLOCK
+            )));
+        }
+        let per_shard = c.capacity_bytes / c.dirs.len() as u64;
+        if per_shard < c.segment_bytes {
+            return Err(SsdError::Config(format!(
+                "capacity {} over {} directories is less than one segment ({}) per directory",
+                c.capacity_bytes,
+                c.dirs.len(),
+                c.segment_bytes
+            )));
+        }
+        let counters = Counters::default();
+        let mut rebuild = std::time::Duration::ZERO;
+        let mut shards = Vec::with_capacity(c.dirs.len());
+        let mut max_seq = 0;
+        let n = c.dirs.len();
+        for (i, path) in c.dirs.iter().enumerate() {
+            let dir = Directory::open(path, c.direct_io)?;
+            let ring = Ring::new(c.queue_depth, c.chunk_bytes, c.io_uring)
+                .map_err(|source| SsdError::Uring { path: path.clone(), source })?;
+            let mut shard = Shard::new(dir, ring, per_shard, c);
+            let started = Instant::now();
+            max_seq = max_seq.max(super::rebuild::rebuild_shard(&mut shard, i, n, &counters)?);
+            rebuild += started.elapsed();
+            shards.push(Mutex::new(shard));
+        }
+        counters.rebuild_us.store(rebuild.as_micros() as u64, Ordering::Relaxed);
+        Ok(Self { shards, seq: AtomicU64::new(max_seq + 1), counters, capacity: per_shard * n as u64 })
+    }
+
+    pub(super) fn shard_index(key: u128, n: usize) -> usize {
+        ((key as u64 ^ (key >> 64) as u64) % n as u64) as usize
+    }
+
+    fn shard(&self, key: ObjectKey) -> std::sync::MutexGuard<'_, Shard> {
+        let i = Self::shard_index(key.0, self.shards.len());
+        self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Stores one object (replacing an older copy of the key).
+    pub fn put(&self, key: ObjectKey, namespace: u128, layout_object_size: u64, data: &[u8]) -> Result<PutOutcome, SsdError> {
+        self.put_batch(&[(key, namespace, layout_object_size, data)]).pop().expect("one result")
+    }
+
+    /// Stores many objects with their writes batched per drive (queue depth up to the
+    /// ring's). Results in input order.
+    pub fn put_batch(&self, items: &[(ObjectKey, u128, u64, &[u8])]) -> Vec<Result<PutOutcome, SsdError>> {
+        let n = self.shards.len();
+        let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (i, it) in items.iter().enumerate() {
+            by_shard[Self::shard_index(it.0 .0, n)].push(i);
+        }
+        let mut results: Vec<Option<Result<PutOutcome, SsdError>>> = (0..items.len()).map(|_| None).collect();
+        for (s, idx) in by_shard.iter().enumerate() {
+            if idx.is_empty() {
+                continue;
+            }
+            let recs: Vec<(RecordHeader, &[u8])> = idx
+                .iter()
+                .map(|&i| {
+                    let (key, namespace, layout, data) = items[i];
+                    let header = RecordHeader {
+                        flags: 0,
+                        key: key.0,
+                        namespace,
+                        size: data.len() as u64,
+                        layout_object_size: layout,
+                        seq: self.seq.fetch_add(1, Ordering::Relaxed),
+                        payload_crc: crc32c::crc32c(data),
+                    };
+                    (header, data)
+                })
+                .collect();
+            let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
+            for (&i, r) in idx.iter().zip(shard.put_records(&recs, &self.counters, true)) {
+                results[i] = Some(r);
+            }
+        }
+        results.into_iter().map(|r| r.expect("every item has a result")).collect()
+    }
+
+    /// Reads one object: its bytes exactly as stored, or `None` (absent, or its read failed
+    /// or its CRC did not match: never wrong bytes).
+    pub fn get(&self, key: ObjectKey) -> Option<(SsdObjectInfo, Vec<u8>)> {
+        let mut out = Vec::new();
+        let info = self.get_batch(&[key], &mut [&mut out])[0]?;
+        Some((info, out))
+    }
+
+    /// Reads many objects into `outs` (each resized to its object); per-key info or None.
+    /// Where the result is None the output's contents are unspecified.
+    pub fn get_batch(&self, keys: &[ObjectKey], outs: &mut [&mut Vec<u8>]) -> Vec<Option<SsdObjectInfo>> {
+        assert_eq!(keys.len(), outs.len(), "one output per key");
+        let n = self.shards.len();
+        let mut results = vec![None; keys.len()];
+        let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (i, k) in keys.iter().enumerate() {
+            by_shard[Self::shard_index(k.0, n)].push(i);
+        }
+        let mut outs: Vec<Option<&mut Vec<u8>>> = outs.iter_mut().map(|o| Some(&mut **o)).collect();
+        for (s, idx) in by_shard.iter().enumerate() {
+            if idx.is_empty() {
+                continue;
+            }
+            let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
+            let mut found = Vec::new();
+            let mut locs = Vec::new();
+            let mut bufs: Vec<&mut Vec<u8>> = Vec::new();
+            for &i in idx {
+                match shard.index.get(&keys[i].0) {
+                    Some(l) => {
+                        found.push(i);
+                        locs.push(*l);
+                        bufs.push(outs[i].take().expect("each output once"));
+                    }
+                    None => bump(&self.counters.misses, 1),
+                }
+            }
+            let ok = shard.read_records(&locs, &mut bufs, &self.counters);
+            for ((i, l), ok) in found.into_iter().zip(locs).zip(ok) {
+                if ok {
+                    bump(&self.counters.hits, 1);
+                    let h = l.header;
+                    results[i] = Some(SsdObjectInfo { namespace: h.namespace, size: h.size, layout_object_size: h.layout_object_size });
+                } else {
+                    bump(&self.counters.misses, 1);
+                }
+            }
+        }
+        results
+    }
+
+    /// What the index says about a key (no I/O).
+    pub fn info(&self, key: ObjectKey) -> Option<SsdObjectInfo> {
+        let shard = self.shard(key);
+        shard.index.get(&key.0).map(|l| SsdObjectInfo {
+            namespace: l.header.namespace,
+            size: l.header.size,
+            layout_object_size: l.header.layout_object_size,
+        })
+    }
+
+    pub fn contains(&self, key: ObjectKey) -> bool {
+        self.info(key).is_some()
+    }
+
+    /// Removes a key; a tombstone record keeps it removed across restarts. Returns whether
+    /// it was present. If the tombstone cannot be written the key is still removed now, but
+    /// may reappear after a restart (logged).
+    pub fn remove(&self, key: ObjectKey) -> bool {
+        let mut shard = self.shard(key);
+        let Some(loc) = shard.index.get(&key.0).copied() else { return false };
+        let tomb = RecordHeader {
+            flags: FLAG_TOMBSTONE,
+            key: key.0,
+            namespace: loc.header.namespace,
+            size: 0,
+            layout_object_size: 0,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            payload_crc: crc32c::crc32c(&[]),
+        };
+        if let Err(e) = shard.put_records(&[(tomb, &[][..])], &self.counters, true).pop().expect("one") {
+            tracing::warn!(key = format_args!("{:032x}", key.0), error = %e, "SSD tombstone not written: the key may reappear after a restart");
+            shard.index.remove(&key.0);
+            shard.mark_dead(&loc);
+        }
+        true
+    }
+
+    /// Keys currently stored (for rebuilding an index above this store).
+    pub fn keys(&self) -> Vec<(ObjectKey, SsdObjectInfo)> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            out.extend(s.index.iter().map(|(k, l)| {
+                (
+                    ObjectKey(*k),
+                    SsdObjectInfo {
+                        namespace: l.header.namespace,
+                        size: l.header.size,
+                        layout_object_size: l.header.layout_object_size,
+                    },
+                )
+            }));
+        }
+        out
+    }
+
+    /// Compacts every sealed segment whose live fraction is below the configured ratio.
+    /// Returns the number of segments compacted.
+    pub fn compact(&self) -> usize {
+        let mut done = 0;
+        for s in &self.shards {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let ids: Vec<u64> = s
+                .segments
+                .iter()
+                .filter(|(id, m)| Some(**id) != s.active && m.len > 0 && (m.live_bytes as f64 / m.len as f64) < s.compact_live_ratio)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in ids {
+                s.compact(id, &self.counters);
+                done += 1;
+            }
+        }
+        done
+    }
+
+    /// Seals the active segments (writes their footers) and fdatasyncs them: after this,
+    /// everything stored survives power loss too, and a restart needs no record scan.
+    pub fn flush(&self) -> Result<(), SsdError> {
+        for s in &self.shards {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let active = s.active;
+            s.seal_active();
+            if let Some(id) = active {
+                s.segments[&id].seg.sync()?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn stats(&self) -> SsdStats {
+        let c = &self.counters;
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut st = SsdStats {
+            capacity_bytes: self.capacity,
+            puts: g(&c.puts),
+            put_bytes: g(&c.put_bytes),
+            hits: g(&c.hits),
+            misses: g(&c.misses),
+            crc_failures: g(&c.crc_failures),
+            read_errors: g(&c.read_errors),
+            write_errors: g(&c.write_errors),
+            torn_records_skipped: g(&c.torn_records_skipped),
+            misplaced_records: g(&c.misplaced_records),
+            segments_scanned: g(&c.segments_scanned),
+            segments_unreadable: g(&c.segments_unreadable),
+            segments_from_footer: g(&c.segments_from_footer),
+            compactions: g(&c.compactions),
+            compacted_bytes: g(&c.compacted_bytes),
+            evicted_objects: g(&c.evicted_objects),
+            rebuild_ms: g(&c.rebuild_us) as f64 / 1000.0,
+            direct_io: true,
+            io_uring: true,
+            ..Default::default()
+        };
+        for s in &self.shards {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            st.objects += s.index.len() as u64;
+            st.used_bytes += s.used_total();
+            st.live_bytes += s.segments.values().map(|m| m.live_bytes).sum::<u64>();
+            st.segments += s.segments.len() as u64;
+            st.direct_io &= s.dir.direct;
+            st.io_uring &= s.ring.is_uring();
+        }
+        st
+    }
+
+    /// Paths of the segment files (tests and tools).
+    pub fn segment_paths(&self) -> Vec<PathBuf> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner());
+            out.extend(s.segments.values().map(|m| m.seg.path.clone()));
+        }
+        out
+    }
+}
+
+impl Drop for SsdStore {
+    /// A clean close seals the active segments so the next start reads only footers.
+    fn drop(&mut self) {
+        for s in &self.shards {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            s.seal_active();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PayloadCrc;
+
+    #[test]
+    fn payload_crc_is_order_independent() {
+        let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + i / 3) as u8).collect();
+        let want = crc32c::crc32c(&data);
+        let chunks: Vec<(u64, &[u8])> = data.chunks(8192).enumerate().map(|(i, c)| (i as u64 * 8192, c)).collect();
+        for order in [vec![0usize, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], vec![3, 0, 1, 2, 12, 5, 4, 6, 7, 8, 9, 11, 10], (0..13).rev().collect()] {
+            let mut p = PayloadCrc::default();
+            for i in order {
+                p.add(chunks[i].0, chunks[i].1);
+            }
+            assert_eq!(p.finish(), want);
+        }
+        assert_eq!(PayloadCrc::default().finish(), crc32c::crc32c(&[]));
+    }
+}
