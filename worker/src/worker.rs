@@ -98,7 +98,7 @@ impl WorkerConfig {
 /// Memory the pool may copy KV blocks to and from.
 #[derive(Debug)]
 pub enum MemorySpec {
-    /// Any memory of this process, reached by the pool through /proc/<pid>/mem. The
+    /// Any memory of this process, reached by the pool through `/proc/<pid>/mem`. The
     /// range must stay mapped while registered (the contract of
     /// [`Worker::register_memory`], an `unsafe fn`).
     HostProcess { ptr: usize, len: usize },
