@@ -48,7 +48,7 @@ pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLim
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
 
-/// Whether this build can arm test faults ([`fault`], feature `fault-injection`); the
+/// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.
 pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
 
