@@ -5,8 +5,8 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-# The daemon alone first: built together with umbp-tools it would link the pool library
-# with the benchmarks' fault-injection feature (cargo unifies features per build).
+# The daemon alone: built together with umbp-bench it would link the pool library with
+# the benchmarks' fault-injection feature (cargo unifies features per build).
 cargo build --release --locked -p umbp-pool-daemon
 cargo build --release --locked -p umbp-tools --bin ringtool
 scripts_dir=python/umbp.data/scripts

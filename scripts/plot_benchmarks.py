@@ -2,7 +2,7 @@
 """Turn `umbp-bench ... --json` output into PNG bar charts for docs/benchmarks.md.
 
 Every `umbp-bench` subcommand prints one JSON object per measured case and line
-(DESIGN §12): {"bench", "case", "value", "unit", "baseline", "baseline_name", "speedup", ...}.
+(docs/benchmarks.md, "How to read"): {"bench", "case", "value", "unit", "baseline", "baseline_name", "speedup", ...}.
 This script reads such lines (files or stdin; other lines are ignored), and writes:
 
   <out>/bench-<bench>.png      per bench: each case's figure beside its baseline, one panel

@@ -20,6 +20,9 @@ cargo build --workspace --bins --locked
 step "cargo test (unit, integration, multi-process)"
 cargo test --workspace --exclude umbp-python --locked
 
+step "umbp-bench transfer --backend host, the small-page layouts and 1 MiB objects, short (a layout that breaks or loads a wrong byte fails here)"
+target/debug/umbp-bench transfer --backend host --layouts kv4k,kv8k,kv16k,obj --sizes 1 --tokens 160 --reps 1 --quick --capacity 256MiB --json >/dev/null
+
 step "loom models (rings, seqlock index, event log)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR="$ROOT/target/loom" \
   cargo test -p umbp-protocol --release --locked --test loom_ring --test loom_index --test loom_events --test loom_cancel

@@ -65,6 +65,13 @@ const SYMBOLS: &[&str] = &[
     "cuStreamWaitEvent",
     "cuDeviceGetAttribute",
     "cuDeviceGetName",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+    "cuMemHostAlloc",
+    "cuMemFreeHost",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
 ];
 
 /// Batched copy entry point, if the driver has one (CUDA 12.8+): `_v2` is the 13.x ABI
@@ -512,6 +519,67 @@ impl DeviceApi for Cuda {
         check("cuMemHostUnregister", unsafe {
             sys::cuMemHostUnregister(base.cast())
         })
+    }
+
+    fn copy_kernel(&self, _dev: &CudaDevice) -> Result<u64, GpuError> {
+        let src = std::ffi::CString::new(crate::gather::PTX).expect("no NUL in PTX");
+        let mut module: sys::CUmodule = std::ptr::null_mut();
+        let mut f: sys::CUfunction = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated PTX image and out-pointers to locals; the device's
+        // context is bound by the caller. The module is never unloaded: the function
+        // stays valid as long as the primary context, which the engine retains.
+        unsafe {
+            check("cuModuleLoadData(umbp_copy_pages)", sys::cuModuleLoadData(&mut module, src.as_ptr().cast()))?;
+            check("cuModuleGetFunction(umbp_copy_pages)", sys::cuModuleGetFunction(&mut f, module, crate::gather::KERNEL_NAME.as_ptr()))?;
+        }
+        Ok(f as u64)
+    }
+
+    fn host_pointers_are_device_pointers(&self, dev: &CudaDevice) -> Result<bool, GpuError> {
+        let attr = |a: sys::CUdevice_attribute| -> Result<i32, GpuError> {
+            let mut v = 0;
+            // SAFETY: out-pointer to a local.
+            check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut v, a, dev.dev) })?;
+            Ok(v)
+        };
+        use sys::CUdevice_attribute::*;
+        Ok(attr(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? == 1
+            && attr(CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)? == 1)
+    }
+
+    unsafe fn launch_copy_kernel(&self, kernel: u64, descs: u64, n: u64, blocks: u32, threads: u32, stream: CudaStream) -> Result<(), GpuError> {
+        let mut args = [descs, n];
+        let mut params: [*mut c_void; 2] = [(&mut args[0] as *mut u64).cast(), (&mut args[1] as *mut u64).cast()];
+        // SAFETY: the kernel takes two 8-byte parameters, pointed to by `params`, which
+        // the driver copies at launch; forwarded contract for what they point to.
+        check("cuLaunchKernel(umbp_copy_pages)", unsafe {
+            sys::cuLaunchKernel(kernel as sys::CUfunction, blocks, 1, 1, threads, 1, 1, 0, stream.0, params.as_mut_ptr(), std::ptr::null_mut())
+        })
+    }
+
+    fn alloc_mapped(&self, bytes: usize) -> Result<*mut u8, GpuError> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_PORTABLE | sys::CU_MEMHOSTALLOC_DEVICEMAP;
+        // SAFETY: out-pointer to a local; a context is bound by the caller.
+        check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut p, bytes, flags) })?;
+        Ok(p.cast())
+    }
+
+    unsafe fn free_mapped(&self, ptr: *mut u8) {
+        // SAFETY: forwarded contract.
+        let _ = unsafe { sys::cuMemFreeHost(ptr.cast()) };
+    }
+
+    fn alloc_device(&self, bytes: usize) -> Result<u64, GpuError> {
+        let mut p: CUdeviceptr = 0;
+        // SAFETY: out-pointer to a local; a context is bound by the caller.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes) })?;
+        Ok(p)
+    }
+
+    unsafe fn free_device(&self, ptr: u64) {
+        // SAFETY: forwarded contract.
+        let _ = unsafe { sys::cuMemFree_v2(ptr) };
     }
 }
 

@@ -27,6 +27,7 @@ pub mod cuda;
 mod engine;
 mod error;
 pub mod fence;
+pub mod gather;
 pub mod hip;
 pub mod host;
 
@@ -35,6 +36,7 @@ pub use engine::{
 };
 pub use error::GpuError;
 pub use fence::FenceWord;
+pub use gather::{gather_config, set_gather_config, GatherConfig, GatherMode};
 
 /// One region's share of a [`transfer`].
 pub struct Part<'a> {

@@ -80,11 +80,30 @@ struct EmbeddedPool {
 #[pymethods]
 impl EmbeddedPool {
     #[new]
-    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None))]
-    fn new(py: Python<'_>, capacity_bytes: u64, socket_path: Option<String>, high_wm: f64, low_wm: f64, min_object_bytes: Option<u64>) -> PyResult<Self> {
-        let mut cfg = umbp_pool::PoolConfig { capacity_bytes, high_watermark: high_wm, low_watermark: low_wm, ..Default::default() };
+    /// `hugepages`, `numa_node`, `prefault` and `copy_threads` are umbp-pool's
+    /// `--hugepages`, `--numa-node`, `--prefault` and `--copy-threads`; with
+    /// `copy_threads` one attachment (this worker) may use all of them.
+    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None, hugepages=false, numa_node=None, prefault=false, copy_threads=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        capacity_bytes: u64,
+        socket_path: Option<String>,
+        high_wm: f64,
+        low_wm: f64,
+        min_object_bytes: Option<u64>,
+        hugepages: bool,
+        numa_node: Option<u32>,
+        prefault: bool,
+        copy_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let mut cfg = umbp_pool::PoolConfig { capacity_bytes, high_watermark: high_wm, low_watermark: low_wm, hugepages, numa_node, prefault, ..Default::default() };
         if let Some(m) = min_object_bytes {
             cfg.min_object_bytes = m;
+        }
+        if let Some(n) = copy_threads {
+            cfg.copy_threads = n;
+            cfg.copy_threads_per_peer = n;
         }
         cfg.socket_path = match socket_path {
             Some(p) => PathBuf::from(p),

@@ -101,7 +101,15 @@ class Harness:
         specs = {n: spec for n in self.layers}
         # What EngineCore._initialize_kv_caches does, with a fixed memory budget.
         resolve_kv_cache_layout(vc, [["LBHNC"]], list(specs.values()))
-        kccs = kcu.get_kv_cache_configs(vc, [specs], [spec.page_size_bytes * len(specs) * num_blocks])
+        mem = [spec.page_size_bytes * len(specs) * num_blocks]
+        if hasattr(kcu, "get_kv_cache_configs"):  # vLLM 0.32
+            kccs = kcu.get_kv_cache_configs(vc, [specs], mem)
+        else:  # vLLM 0.33: planning moved; specs registered, global groups first
+            from vllm.v1.core import kv_cache_planning as kcp
+            from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+            register_all_kvcache_specs(vc)
+            kccs = kcp.get_kv_cache_configs(vc, [specs], mem, kcp.get_global_kv_cache_groups(vc, [specs]))
         for k in kccs:
             k.kv_cache_layout = vc.cache_config.kv_cache_layout
         skcc = kcu.generate_scheduler_kv_cache_config(kccs)

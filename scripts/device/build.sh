@@ -16,12 +16,12 @@ cargo build --release -p umbp-gpu --example cuda_ipc_check
 cp target/release/examples/cuda_ipc_check "$out/"
 
 # The transfer benchmark and checks (workers are the same binary) and the pool daemon.
-cargo build --release -p umbp-tools --bin umbp-bench
+cargo build --release -p umbp-bench
 cargo build --release -p umbp-pool-daemon   # alone: no fault-injection feature in the daemon
 cp target/release/umbp-bench target/release/umbp-pool "$out/"
 
 # Integration test binaries have hashed names; cargo's JSON messages say where they are.
-cargo test --release -p umbp-gpu --test cuda --test hip --test host_process --test host_memfd \
+cargo test --release -p umbp-gpu --test cuda --test cuda_gather --test hip --test host_process --test host_memfd \
     --no-run --message-format=json \
   | python3 -c '
 import json, sys

@@ -12,7 +12,7 @@ fail=0
 {
   nvidia-smi -L 2>&1 || echo "nvidia-smi not found"
   nvidia-smi --query-gpu=driver_version,name,pci.bus_id --format=csv 2>&1 || true
-  for t in cuda host_process host_memfd hip; do
+  for t in cuda cuda_gather host_process host_memfd hip; do
     echo "=== test-$t"
     UMBP_REQUIRE_CUDA=1 "$bin/test-$t" --nocapture --test-threads=1 || fail=1
   done

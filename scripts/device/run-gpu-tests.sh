@@ -11,6 +11,8 @@
 #   check     umbp-bench transfer --check: two workers store/load each other's blocks
 #             byte-exact; fenced store after a slow kernel; fenced load before a reading
 #             kernel; worker killed mid-transfer (in-process pool, mapping counts)
+#   kcheck    the same checks with the page copy kernel forced (--gather kernel): fences
+#             and a killed worker on the kernel path (issue #14)
 #   extpool   the cross-worker checks again against a real umbp-pool process
 #   bench     umbp-bench transfer --backend cuda --json --sweep (+ interference with
 #             scripts/device/matmul_loop.py when torch is there)
@@ -24,7 +26,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin=${BIN:-.device-bin}
 out=${OUT:-/tmp}
-stages=${STAGES:-gpucheck check extpool bench host multigpu}
+stages=${STAGES:-gpucheck check kcheck extpool bench host multigpu}
 fail=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 run() { # name, command...
@@ -49,6 +51,7 @@ fi
 if [ $gpu = 1 ]; then
   has gpucheck && run gpucheck env MIB=${MIB:-1024} bash scripts/device/gpu-check.sh
   has check && run check "$bin/umbp-bench" transfer --backend cuda --check
+  has kcheck && run kcheck "$bin/umbp-bench" transfer --backend cuda --check --gather kernel
   if has extpool; then
     sock=/tmp/umbp-extpool-$$.sock
     RUST_LOG=${RUST_LOG:-info} "$bin/umbp-pool" --socket "$sock" --capacity 4GiB > "$out/extpool-pool.log" 2>&1 &

@@ -1,4 +1,4 @@
-//! The chaos soak, short: `umbp-bench soak` (tools/src/bench/soak.rs) drives a real
+//! The chaos soak, short: `umbp-bench soak` (benches/src/soak.rs) drives a real
 //! `umbp-pool` process and worker processes while it SIGKILLs workers and stops, resumes,
 //! kills and restarts the pool; it fails unless no corrupted byte came back, no call
 //! blocked past the timeout, nothing leaked after any worker death, the pool never

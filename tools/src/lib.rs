@@ -1,6 +1,5 @@
-//! UMBP tools: `umbp-bench` (benchmarks with one output convention, DESIGN §12) and
-//! `ringtool` (see inside a live pool). The binaries in `src/bin/` only parse the command
-//! line; everything else lives here so that tests can call it.
+//! UMBP tools: `ringtool` (see inside a live pool, decode protocol records). The binary in
+//! `src/bin/` only parses the command line; everything else lives here so that tests can
+//! call it. The benchmarks are the `umbp-bench` crate in `benches/`.
 
-pub mod bench;
 pub mod ringtool;

@@ -9,13 +9,20 @@ Keys (all optional):
 | key | type | default | meaning |
 |---|---|---|---|
 | `mode` | `embedded` \\| `standalone` | `embedded` | pool inside each worker, or the node's `umbp-pool` |
-| `endpoint` | socket path | `$UMBP_STANDALONE_ADDRESS`, else the default socket | standalone pool to attach to |
-| `lookup_instance` | socket path | `endpoint` | standalone pool whose index the scheduler reads |
+| `endpoint` | socket path or `unix://` address | `$UMBP_STANDALONE_ADDRESS`, else the default socket | standalone pool to attach to; a TCP address is refused (unix sockets only) |
+| `lookup_instance` | socket path or `unix://` address | `endpoint` | standalone pool whose index the scheduler reads |
+| `lookup_dir` | directory | the default socket's directory | embedded: where each worker's pool socket (which the scheduler's lookups attach to) is created |
 | `capacity_bytes` | size | see below | embedded: DRAM per worker (per TP rank) |
 | `total_capacity_bytes` | size | | embedded: DRAM for the whole engine, split evenly over TP ranks |
 | `dram_high_watermark` / `dram_low_watermark` | float in (0, 1] | 0.9 / 0.7 | embedded: evictor watermarks |
+| `dram_use_hugepages` | bool | false | embedded: back the pool's DRAM with 2 MiB huge pages (reserved beforehand: `vm.nr_hugepages`) |
+| `dram_hugepage_size` | size | 2MiB | embedded: huge page size; only 2 MiB exists in the pool (anything else is refused) |
+| `dram_numa_node` | int >= 0 | none | embedded: bind the pool's DRAM to this NUMA node (mbind) |
+| `dram_prefault` | bool | false | embedded: fault every DRAM page in at start |
+| `num_workers` | int > 0 | the pool's default | embedded: copy threads of the worker's pool; standalone: no effect (logged), the pool's `--copy-threads` decides |
+| `kv_event_max_objects` | int > 0 | 65536 | KV events: blocks tracked for BlockStored/BlockRemoved; when full, new BlockStored events are suppressed until tracked blocks leave the pool (storing and lookups go on) |
 | `load_async` | bool | true | load between steps (request waits, reported via get_finished) or synchronously before the forward |
-| `lookup_async` | bool | false | accepted for compatibility; lookups are shared-memory reads and never block |
+| `lookup_async` | bool | false | accepted, no effect (logged once when true): lookups are shared-memory reads that never block the scheduler, so there is nothing to move off its thread |
 | `enable_lookup` | bool | true | false: never report hits (store only) |
 | `save_decode_cache` | bool | false | also store blocks filled by generated tokens |
 | `key_namespace` | str | derived | override the key namespace (share KV across configs you know are compatible) |
@@ -32,10 +39,15 @@ are all powers of 1024.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from ._logging import get_logger
+
+logger = get_logger("config")
 
 MODE_EMBEDDED = "embedded"
 MODE_STANDALONE = "standalone"
@@ -61,8 +73,35 @@ KNOWN_KEYS = frozenset(
         "pool_uid",
         "dram_high_watermark",
         "dram_low_watermark",
+        "dram_use_hugepages",
+        "dram_hugepage_size",
+        "dram_numa_node",
+        "dram_prefault",
+        "lookup_dir",
+        "num_workers",
+        "kv_event_max_objects",
     }
 )
+
+# Keys that only configure an embedded pool (the pool of the worker itself).
+EMBEDDED_ONLY_KEYS = (
+    "capacity_bytes",
+    "total_capacity_bytes",
+    "dram_high_watermark",
+    "dram_low_watermark",
+    "dram_use_hugepages",
+    "dram_hugepage_size",
+    "dram_numa_node",
+    "dram_prefault",
+    "lookup_dir",
+)
+
+HUGEPAGE_SIZE = 2 << 20  # the only huge page size the pool maps (MFD_HUGETLB | 2 MiB)
+DEFAULT_KV_EVENT_MAX_OBJECTS = 65536
+# Longest socket path (sun_path holds 108 bytes with the terminating NUL).
+MAX_SOCKET_PATH = 107
+# Longest file name embedded_socket_path() puts into lookup_dir.
+EMBEDDED_SOCKET_NAME_MAX = len("umbp-emb-0123456789abcdef-dp99999-tp99999.sock")
 
 # Same units as umbp-pool's parser (pool/src/config.rs): K/KB/KiB are all 1024-based.
 _UNITS = {
@@ -145,6 +184,44 @@ def parse_fraction(value: Any, key: str) -> float:
     return x
 
 
+def parse_nonnegative_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise ValueError(f"{key}: expected an integer >= 0, got {value!r}")
+    return int(str(value).strip())
+
+
+_TCP_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5}$")
+
+
+def parse_endpoint(value: Any, key: str) -> str:
+    """A pool address -> its socket path: a path, or `unix://<path>`.
+
+    The pool only listens on unix sockets (memory is passed as file descriptors, which TCP
+    cannot carry), so `tcp://...`, any other scheme, and a bare `host:port` are refused
+    with a message saying so.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{key}: expected a socket path or unix:// address, got {value!r}")
+    v = value.strip()
+    m = re.match(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", v)
+    if m:
+        scheme, rest = m.group(1).lower(), m.group(2)
+        if scheme != "unix":
+            raise ValueError(
+                f"{key}: {value!r} is a {scheme} address; only unix sockets are supported "
+                "(give a socket path or unix:///path/to/umbp.sock)"
+            )
+        if not rest:
+            raise ValueError(f"{key}: {value!r} names no socket path")
+        return rest
+    if "/" not in v and _TCP_HOST_PORT.match(v):
+        raise ValueError(
+            f"{key}: {value!r} looks like a TCP host:port; only unix sockets are supported "
+            "(give a socket path or unix:///path/to/umbp.sock)"
+        )
+    return v
+
+
 def _physical_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -170,6 +247,32 @@ class UMBPConnectorConfig:
     lookup_timeout_ms: int = 1000
     startup_timeout_ms: int = 10000
     pool_uid: int | None = None
+    dram_use_hugepages: bool = False
+    dram_hugepage_size: int = HUGEPAGE_SIZE
+    dram_numa_node: int | None = None
+    dram_prefault: bool = False
+    lookup_dir: str | None = None  # embedded: directory of the worker pools' sockets
+    num_workers: int | None = None  # embedded: the pool's copy threads (None: pool default)
+    kv_event_max_objects: int = DEFAULT_KV_EVENT_MAX_OBJECTS
+    # Options accepted without effect in this configuration, each with the reason;
+    # from_extra_config logs each once per process.
+    notes: tuple[str, ...] = ()
+
+    def embedded_pool_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `umbp._native.EmbeddedPool` that this config sets."""
+        kw: dict[str, Any] = {
+            "high_wm": self.dram_high_watermark,
+            "low_wm": self.dram_low_watermark,
+        }
+        if self.dram_use_hugepages:
+            kw["hugepages"] = True
+        if self.dram_numa_node is not None:
+            kw["numa_node"] = self.dram_numa_node
+        if self.dram_prefault:
+            kw["prefault"] = True
+        if self.num_workers is not None:
+            kw["copy_threads"] = self.num_workers
+        return kw
 
     @property
     def embedded(self) -> bool:
@@ -217,6 +320,7 @@ class UMBPConnectorConfig:
             return extra.get(k) is not None
 
         kw: dict[str, Any] = {"mode": mode}
+        notes: list[str] = []
 
         if mode == MODE_EMBEDDED:
             # Keys that only make sense for a pool of its own / somebody else's pool.
@@ -252,29 +356,54 @@ class UMBPConnectorConfig:
                     f"{key}: dram_low_watermark ({lo}) must be below dram_high_watermark ({hi})"
                 )
             kw["dram_high_watermark"], kw["dram_low_watermark"] = hi, lo
+            for k in ("dram_use_hugepages", "dram_prefault"):
+                if has(k):
+                    kw[k] = parse_bool(extra[k], k)
+            if has("dram_hugepage_size"):
+                hp = parse_size(extra["dram_hugepage_size"], "dram_hugepage_size")
+                if hp != HUGEPAGE_SIZE:
+                    raise ValueError(
+                        f"dram_hugepage_size: {extra['dram_hugepage_size']!r} ({hp} bytes) is not "
+                        "supported: the pool maps 2 MiB huge pages only (give 2MiB or leave it out)"
+                    )
+                kw["dram_hugepage_size"] = hp
+                if not kw.get("dram_use_hugepages"):
+                    notes.append(
+                        "dram_hugepage_size has no effect without dram_use_hugepages=true "
+                        "(the pool's DRAM is on normal pages)"
+                    )
+            if has("dram_numa_node"):
+                kw["dram_numa_node"] = parse_nonnegative_int(extra["dram_numa_node"], "dram_numa_node")
+            if has("lookup_dir"):
+                d = extra["lookup_dir"]
+                if not isinstance(d, str) or not d.strip():
+                    raise ValueError(f"lookup_dir: expected a directory path, got {d!r}")
+                d = os.path.abspath(os.path.expanduser(d.strip()))
+                if len(d) + 1 + EMBEDDED_SOCKET_NAME_MAX > MAX_SOCKET_PATH:
+                    raise ValueError(
+                        f"lookup_dir: {d!r} is too long: the worker sockets' paths in it would "
+                        f"exceed {MAX_SOCKET_PATH} bytes (the unix socket limit); use a directory "
+                        f"path of at most {MAX_SOCKET_PATH - 1 - EMBEDDED_SOCKET_NAME_MAX} bytes"
+                    )
+                kw["lookup_dir"] = d
         else:
-            for k in (
-                "capacity_bytes",
-                "total_capacity_bytes",
-                "dram_high_watermark",
-                "dram_low_watermark",
-            ):
+            for k in EMBEDDED_ONLY_KEYS:
                 if has(k):
                     raise ValueError(
                         f"{k}: only valid with mode='embedded' (a standalone pool is sized "
                         f"by its own flags / UMBP_DRAM_* environment)"
                     )
             endpoint = extra.get("endpoint")
-            if endpoint is not None and (not isinstance(endpoint, str) or not endpoint):
-                raise ValueError(f"endpoint: expected a socket path, got {endpoint!r}")
-            if endpoint is None:
-                endpoint = os.environ.get(ENV_STANDALONE_ADDRESS) or None
+            if endpoint is not None:
+                endpoint = parse_endpoint(endpoint, "endpoint")
+            elif os.environ.get(ENV_STANDALONE_ADDRESS):
+                endpoint = parse_endpoint(os.environ[ENV_STANDALONE_ADDRESS], ENV_STANDALONE_ADDRESS)
             if endpoint is None and default_socket_path is not None:
                 endpoint = default_socket_path()
             kw["endpoint"] = endpoint
             li = extra.get("lookup_instance")
-            if li is not None and (not isinstance(li, str) or not li):
-                raise ValueError(f"lookup_instance: expected a socket path, got {li!r}")
+            if li is not None:
+                li = parse_endpoint(li, "lookup_instance")
             kw["lookup_instance"] = li or endpoint
 
         for k in ("load_async", "lookup_async", "enable_lookup", "save_decode_cache"):
@@ -293,7 +422,55 @@ class UMBPConnectorConfig:
             if not isinstance(ns, str) or not ns.strip():
                 raise ValueError(f"key_namespace: expected a non-empty string, got {ns!r}")
             kw["key_namespace"] = ns
-        return cls(**kw)
+        if has("num_workers"):
+            kw["num_workers"] = parse_positive_int(extra["num_workers"], "num_workers")
+            if mode == MODE_STANDALONE:
+                notes.append(
+                    f"num_workers={kw['num_workers']} has no effect in standalone mode: the "
+                    "shared pool's own copy threads move the bytes (umbp-pool --copy-threads)"
+                )
+        if has("kv_event_max_objects"):
+            kw["kv_event_max_objects"] = parse_positive_int(
+                extra["kv_event_max_objects"], "kv_event_max_objects"
+            )
+        if kw.get("lookup_async"):
+            notes.append(
+                "lookup_async=true has no effect: lookups read the pool's shared-memory index "
+                "and never block the scheduler, so there is nothing to move off its thread"
+            )
+        kw["notes"] = tuple(notes)
+        cfg = cls(**kw)
+        log_notes_once(cfg.notes)
+        return cfg
+
+
+_LOGGED_NOTES: set[str] = set()
+
+
+def log_notes_once(notes: tuple[str, ...] | list[str], log: logging.Logger | None = None) -> list[str]:
+    """Log each note (an option accepted without effect) once per process; returns the
+    notes logged now."""
+    fresh = [n for n in notes if n not in _LOGGED_NOTES]
+    for n in fresh:
+        _LOGGED_NOTES.add(n)
+        (log or logger).warning("UMBP: %s", n)
+    return fresh
+
+
+def prefix_caching_warning(enable_prefix_caching: Any) -> str | None:
+    """The warning to log when vLLM's prefix caching is off, or None.
+
+    Without it vLLM looks up no cached prefix at all, so every prompt is computed in full:
+    the pool is still written, but a hit can only be reported to an engine that reuses
+    prefixes.
+    """
+    if enable_prefix_caching:
+        return None
+    return (
+        "UMBP: prefix caching is off (enable_prefix_caching=False): UMBPStoreConnector then "
+        "does nothing useful (stored KV is never reused); start vLLM with "
+        "--enable-prefix-caching"
+    )
 
 
 # kv_role -> (loads from the pool, stores into it).

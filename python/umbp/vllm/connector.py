@@ -58,13 +58,14 @@ from .config import (
     UMBPConnectorConfig,
     check_parallelism,
     load_failure_policy_warning,
+    prefix_caching_warning,
     transfer_directions,
 )
 from .endpoints import embedded_socket_path, load_native
 from .keys import canonical_namespace_text, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
 from .scheduler_side import SchedulerSide
-from .stats import UMBPConnectorStats
+from .stats import UMBPConnectorStats, UMBPPromMetrics
 from .worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -138,6 +139,9 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         )
         if warning and role == KVConnectorRole.SCHEDULER:
             logger.warning(warning)
+        pc_warning = prefix_caching_warning(vllm_config.cache_config.enable_prefix_caching)
+        if pc_warning and role == KVConnectorRole.SCHEDULER:
+            logger.warning(pc_warning)
         # BlockStored events cost a little per stored block: only when someone listens.
         kec = getattr(vllm_config, "kv_events_config", None)
         self._events_enabled = bool(getattr(kec, "enable_kv_cache_events", False))
@@ -171,6 +175,24 @@ class UMBPStoreConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> UMBPConnectorStats:
         return UMBPConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: "VllmConfig",
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> UMBPPromMetrics:
+        # Counters vllm:umbp_* in vLLM's own /metrics (stats.py).
+        return UMBPPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        # vLLM >= 0.33 asks before enabling sleep mode: the pool holds the KV memory
+        # registered at start (CUDA IPC / process memory), which sleep mode would release
+        # and remap under it.
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:

@@ -22,13 +22,32 @@ def load_native() -> Any:
     return native
 
 
-def embedded_socket_path(default_socket_path: str, engine_id: str, dp_rank: int, tp_rank: int) -> str:
+def embedded_socket_path(
+    default_socket_path: str,
+    engine_id: str,
+    dp_rank: int,
+    tp_rank: int,
+    lookup_dir: str | None = None,
+) -> str:
     """Private socket of one worker's embedded pool.
 
-    In the default socket directory, named after a digest of the engine id (unix socket
-    paths are limited to 107 bytes) plus the DP and TP rank, so two engines or DP ranks on
-    one host never collide. The pool itself refuses to take over a live listener.
+    In `lookup_dir` (kv_connector_extra_config) if given, else the default socket
+    directory; named after a digest of the engine id (unix socket paths are limited to 107
+    bytes) plus the DP and TP rank, so two engines or DP ranks on one host never collide.
+    The pool itself refuses to take over a live listener. A `lookup_dir` that cannot be
+    created or written is an error naming it (never a silent fallback: the scheduler and
+    the workers must agree on the path).
     """
+    tag = hashlib.sha256(str(engine_id).encode()).hexdigest()[:16]
+    name = f"umbp-emb-{tag}-dp{dp_rank}-tp{tp_rank}.sock"
+    if lookup_dir is not None:
+        try:
+            os.makedirs(lookup_dir, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"lookup_dir: cannot create {lookup_dir!r}: {e}") from e
+        if not os.path.isdir(lookup_dir) or not os.access(lookup_dir, os.W_OK | os.X_OK):
+            raise ValueError(f"lookup_dir: {lookup_dir!r} is not a writable directory")
+        return os.path.join(lookup_dir, name)
     d = os.path.dirname(default_socket_path) or tempfile.gettempdir()
     try:
         os.makedirs(d, exist_ok=True)
@@ -36,5 +55,4 @@ def embedded_socket_path(default_socket_path: str, engine_id: str, dp_rank: int,
             raise PermissionError(d)
     except OSError:
         d = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
-    tag = hashlib.sha256(str(engine_id).encode()).hexdigest()[:16]
-    return os.path.join(d, f"umbp-emb-{tag}-dp{dp_rank}-tp{tp_rank}.sock")
+    return os.path.join(d, name)

@@ -3,18 +3,23 @@
 A key is xxh3-128 over `(namespace, cache group, rank, vLLM block hash)`, computed by the
 binding (`umbp._native.object_key`). vLLM block hashes carry no model or rank identity, so the
 namespace must: it is a digest of a canonical description of everything that makes two
-engines' KV bytes for the same tokens identical or not — model, revision, dtype, KV cache
-dtype, block size, KV layout, the cache groups' shapes, the TP/PCP/DCP topology and the
-block-hash algorithm — and deliberately *not* the data-parallel rank (DP replicas share KV).
-`key_namespace` in the extra config replaces the description by a user string.
+engines' KV bytes for the same tokens identical or not — model, revision, the effective
+model config (dtype, quantization, and the HF config with `hf_overrides` applied: a
+changed rope scaling or layer count changes the KV), KV cache dtype, block size, KV layout,
+the cache groups' shapes, the TP/PCP/DCP topology, the block-hash algorithm and the draft
+model of speculative decoding (its layers can share the KV cache) — and deliberately *not*
+the data-parallel rank (DP replicas share KV). `key_namespace` in the extra config
+replaces the description by a user string.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from typing import Any, Callable, Sequence
 
-NAMESPACE_SCHEME = "umbp-vllm-ns-v1"
+NAMESPACE_SCHEME = "umbp-vllm-ns-v2"  # v2: effective HF config and draft model
 
 
 def canonical_namespace_text(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -61,8 +66,66 @@ def canonical_namespace_text(vllm_config: Any, kv_cache_config: Any) -> str:
         "pcp": getattr(pc, "prefill_context_parallel_size", 1),
         "dcp": getattr(pc, "decode_context_parallel_size", 1),
         "kv_tp_replicas": getattr(kv_cache_config, "kv_tp_replicas", 1),
+        "hf_config": hf_config_digest(getattr(mc, "hf_config", None)),
+        "hf_overrides": _canonical(getattr(mc, "hf_overrides", None)),
+        "draft": draft_model_description(getattr(vllm_config, "speculative_config", None)),
     }
     return json.dumps(desc, sort_keys=True, separators=(",", ":"), default=str)
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def _canonical(x: Any) -> Any:
+    """A JSON-able, process-independent form of a config value.
+
+    Dicts sorted by key, sequences as lists, dtypes and other objects by their text with
+    any memory address dropped (it differs between the scheduler and worker processes),
+    callables (e.g. an `hf_overrides` function, whose effect is in the HF config) by name.
+    """
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    if isinstance(x, dict):
+        return {str(k): _canonical(v) for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(x, (list, tuple)):
+        return [_canonical(v) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return sorted(str(_canonical(v)) for v in x)
+    if callable(x) and not hasattr(x, "to_dict"):
+        return f"<callable {getattr(x, '__qualname__', type(x).__name__)}>"
+    to_dict = getattr(x, "to_dict", None)
+    if callable(to_dict):
+        try:
+            return _canonical(to_dict())
+        except Exception:  # noqa: BLE001 - fall back to the text
+            pass
+    return _ADDRESS.sub("", str(x))
+
+
+def hf_config_digest(hf_config: Any) -> str | None:
+    """sha256 of the effective HF config (vLLM applied `hf_overrides` to it already)."""
+    if hf_config is None:
+        return None
+    text = json.dumps(_canonical(hf_config), sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def draft_model_description(spec: Any) -> dict[str, Any] | None:
+    """What of the speculative-decoding config belongs in the namespace (None without it):
+    the method, the draft model and its revision, effective config, dtype and
+    quantization, and the number of speculative tokens."""
+    if spec is None:
+        return None
+    dmc = getattr(spec, "draft_model_config", None)
+    return {
+        "method": _canonical(getattr(spec, "method", None)),
+        "model": _canonical(getattr(spec, "model", None)),
+        "revision": _canonical(getattr(spec, "revision", None)),
+        "num_speculative_tokens": _canonical(getattr(spec, "num_speculative_tokens", None)),
+        "quantization": _canonical(getattr(spec, "quantization", None)),
+        "draft_dtype": _canonical(getattr(dmc, "dtype", None)) if dmc is not None else None,
+        "draft_hf_config": hf_config_digest(getattr(dmc, "hf_config", None)) if dmc is not None else None,
+    }
 
 
 def _safe(fn: Callable[[], Any]) -> Any:

@@ -33,7 +33,6 @@ logger = get_logger("scheduler")
 
 # Bounds on event bookkeeping: events are advisory and must never grow memory unbounded.
 _MAX_EVENT_PENDING = 1 << 16
-_MAX_PUBLISHED = 1 << 18
 
 
 @dataclass
@@ -81,7 +80,7 @@ class SchedulerSide:
         if self.cfg.embedded:
             default = self.n.default_socket_path()
             self._index_paths = [
-                embedded_socket_path(default, c._engine_id, c._dp_rank, r)
+                embedded_socket_path(default, c._engine_id, c._dp_rank, r, lookup_dir=self.cfg.lookup_dir)
                 for r in range(c._tp_size)
             ]
         else:
@@ -351,6 +350,20 @@ class SchedulerSide:
             bs = self.c._block_size
             tokens = req.all_token_ids
             todo = [b for b in range(lo, hi) if hashes[b] not in self._published]
+            # kv_event_max_objects: when the tracked blocks (announced or about to be)
+            # fill it, new BlockStored events are suppressed until tracked blocks leave
+            # the pool; storing and lookups go on.
+            room = max(0, self.cfg.kv_event_max_objects - len(self._published) - len(self._event_pending))
+            if len(todo) > room:
+                if not getattr(self, "_events_full_logged", False):
+                    self._events_full_logged = True
+                    logger.warning(
+                        "UMBP: kv_event_max_objects=%d blocks tracked: BlockStored events are "
+                        "suppressed until tracked blocks leave the pool",
+                        self.cfg.kv_event_max_objects,
+                    )
+                self.c._stats.add("events_suppressed", len(todo) - room)
+                todo = todo[:room]
             # Keys as the workers will derive them (this step's namespace, every rank), so
             # that the pool's "removed" events can be named by block hash.
             rank_keys = [
@@ -380,10 +393,7 @@ class SchedulerSide:
             logger.debug("UMBP: cannot build KV events: %s", e)
 
     def _publish(self, h: bytes) -> None:
-        self._published[h] = None
-        while len(self._published) > _MAX_PUBLISHED:
-            old, _ = self._published.popitem(last=False)
-            self._forget(old)
+        self._published[h] = None  # bounded by kv_event_max_objects (_remember_for_events)
 
     def _forget(self, h: bytes) -> None:
         self._event_pending.pop(h, None)

@@ -5,6 +5,12 @@ aggregates the per-worker objects (and the scheduler's) with `aggregate`, ships 
 stats logger, which rebuilds objects through `UMBPStoreConnector.build_kv_connector_stats`
 and logs `reduce()` ("KV Transfer metrics: ..."). Everything in `data` is a plain int/float so
 it serializes anywhere.
+
+The same counters reach vLLM's Prometheus endpoint (`/metrics`) through
+`UMBPPromMetrics` (vLLM's `KVConnectorPromMetrics`, built by the connector's
+`build_prom_metrics`): one counter per entry of `COUNTERS`, named `vllm:umbp_<name>`
+(`_total` appended by the Prometheus client; transfer times in seconds), labelled like
+vLLM's own metrics (model name, engine index).
 """
 
 from __future__ import annotations
@@ -12,7 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 # Counters (summed by aggregate). *_ns are summed transfer latencies (submit -> completion).
 COUNTERS = (
@@ -37,7 +46,33 @@ COUNTERS = (
     # worker: the cancel contract (docs/protocol.md)
     "cancelled_transfers",  # past timeout_ms, cancelled: blocks given back at once
     "cancel_refused",  # a load the pool had started: its blocks were held until it finished
+    # scheduler: KV events
+    "events_suppressed",  # BlockStored events not sent: kv_event_max_objects blocks tracked
 )
+
+# Prometheus: counter name (after "vllm:umbp_") and help text per COUNTERS entry; *_ns
+# counters are exported in seconds.
+PROM_COUNTERS = {
+    "lookups": ("lookups", "Prefix lookups in the UMBP pool's index"),
+    "lookup_query_tokens": ("lookup_query_tokens", "Tokens asked about beyond the local prefix-cache hit"),
+    "lookup_hit_tokens": ("lookup_hit_tokens", "Tokens the UMBP pool could supply (external prefix hits)"),
+    "load_ops": ("load_ops", "Load transfers submitted to the UMBP pool"),
+    "load_blocks": ("load_blocks", "KV blocks asked from the UMBP pool"),
+    "load_failed_blocks": ("load_failed_blocks", "KV blocks whose load failed (recomputed)"),
+    "load_bytes": ("load_bytes", "Bytes loaded from the UMBP pool"),
+    "load_ns": ("load_seconds", "Summed latency of loads (submit to completion)"),
+    "store_ops": ("store_ops", "Store transfers submitted to the UMBP pool"),
+    "store_blocks": ("store_blocks", "KV blocks submitted for storing"),
+    "store_stored_blocks": ("stored_blocks", "KV blocks newly written into the UMBP pool"),
+    "store_present_blocks": ("store_present_blocks", "KV blocks already in the pool (no copy)"),
+    "store_not_stored_blocks": ("store_not_stored_blocks", "KV blocks the pool refused or failed to store"),
+    "store_bytes": ("store_bytes", "Bytes stored into the UMBP pool"),
+    "store_ns": ("store_seconds", "Summed latency of stores (submit to completion)"),
+    "cancelled_transfers": ("cancelled_transfers", "Transfers cancelled past timeout_ms"),
+    "cancel_refused": ("cancel_refused", "Cancels refused: a started load kept its blocks until done"),
+    "events_suppressed": ("events_suppressed", "BlockStored events suppressed (kv_event_max_objects reached)"),
+}
+PROM_PREFIX = "vllm:umbp_"
 
 
 @dataclass
@@ -93,3 +128,29 @@ class UMBPConnectorStats(KVConnectorStats):
         out = UMBPConnectorStats(data=dict(self.data))
         self.reset()
         return out
+
+
+class UMBPPromMetrics(KVConnectorPromMetrics):
+    """vLLM's per-connector Prometheus hook: counters `vllm:umbp_*` fed from the stats."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in PROM_COUNTERS.items():
+            c = self._counter_cls(name=PROM_PREFIX + name, documentation=doc, labelnames=labelnames)
+            self.counters[key] = {
+                idx: c.labels(*vals) for idx, vals in per_engine_labelvalues.items()
+            }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self.counters.items():
+            v = (transfer_stats_data or {}).get(key)
+            if not isinstance(v, (int, float)) or v <= 0 or engine_idx not in per_engine:
+                continue
+            per_engine[engine_idx].inc(v / 1e9 if key.endswith("_ns") else v)

@@ -56,7 +56,8 @@ class WorkerSide:
         self.pool = None
         if self.cfg.embedded:
             path = embedded_socket_path(
-                self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank
+                self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank,
+                lookup_dir=self.cfg.lookup_dir,
             )
             cap = self.cfg.capacity_per_worker(c._tp_size)
             # The pool's default (64 KiB) unless this engine's objects are smaller.
@@ -66,9 +67,8 @@ class WorkerSide:
                 self.pool = self.n.EmbeddedPool(
                     cap,
                     socket_path=path,
-                    high_wm=self.cfg.dram_high_watermark,
-                    low_wm=self.cfg.dram_low_watermark,
                     min_object_bytes=min_object,
+                    **self.cfg.embedded_pool_kwargs(),  # watermarks, hugepages, NUMA, ...
                 )
             except Exception as e:
                 raise RuntimeError(

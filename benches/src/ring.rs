@@ -11,7 +11,7 @@
 //!    block in the kernel, like a conventional RPC);
 //! 2. poll: both sides spin on their rings (the consumer never sleeps);
 //! 3. sleep: both sides sleep on the tail futex as soon as their ring is empty, and each
-//!    producer wakes the other side (the `need_wakeup` protocol, DESIGN §4).
+//!    producer wakes the other side (the `need_wakeup` protocol, docs/protocol.md §1).
 
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;

@@ -1,4 +1,4 @@
-//! One output convention for every `umbp-bench` subcommand (DESIGN §12): one JSON object
+//! One output convention for every `umbp-bench` subcommand (docs/benchmarks.md): one JSON object
 //! per measured case and line with `--json`, a readable table otherwise.
 
 use serde::Serialize;

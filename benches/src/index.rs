@@ -9,6 +9,9 @@
 //!   miss loop.
 //! * `miss`: `lookup` of absent keys, time per lookup; baseline: `HashMap::get` of the
 //!   same keys.
+//! * `match_prefix_per_key_vs_fxhash`, `miss_vs_fxhash`: the same index figures against a
+//!   `rustc_hash::FxHashMap` (a fast non-cryptographic hash, no SipHash cost) holding the
+//!   same entries: the honest in-process baseline.
 //!
 //! Each round times the whole key list once; the reported value is the median round
 //! divided by the number of keys. The key lists are small enough to stay in cache after
@@ -19,6 +22,8 @@ use std::hint::black_box;
 use std::io;
 use std::os::fd::AsFd;
 use std::time::Instant;
+
+use rustc_hash::FxHashMap;
 
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value};
@@ -86,6 +91,7 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
     let view = unsafe { IndexView::init(map.ptr(), len, slots) }.map_err(io::Error::other)?;
     let mut writer = IndexWriter::new(view);
     let mut hash = HashMap::<u128, u64>::with_capacity(args.entries as usize);
+    let mut fx = FxHashMap::<u128, u64>::with_capacity_and_hasher(args.entries as usize, Default::default());
 
     let bar = ProgressBar::new(args.entries);
     bar.set_style(ProgressStyle::with_template("fill     [{bar:40}] {pos}/{len} entries").unwrap());
@@ -100,6 +106,7 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
             io::Error::other(format!("{e} (raise --min-object-bytes or lower --entries)"))
         })?;
         hash.insert(k.0, loc);
+        fx.insert(k.0, loc);
         if i % stride == 0 && present.len() < args.keys {
             present.push(k);
         }
@@ -135,6 +142,14 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
                 .take_while(|k| hash.contains_key(&k.0))
                 .count(),
         );
+    });
+    let fx_prefix = time_rounds(args.iterations, || {
+        black_box(black_box(&present).iter().take_while(|k| fx.contains_key(&k.0)).count());
+    });
+    let fx_miss = time_rounds(args.iterations, || {
+        for k in black_box(&absent) {
+            black_box(fx.get(&k.0));
+        }
     });
     let idx_miss = time_rounds(args.iterations, || {
         for k in black_box(&absent) {
@@ -172,11 +187,13 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
         Value::from(fill_ns_per_insert.round()),
     );
     extra.insert("cpus".into(), Value::from(cpus()));
+    let (idx_prefix, idx_miss) = (median_per_key(idx_prefix, n), median_per_key(idx_miss, n));
+    const FX: &str = "rustc-hash FxHashMap lookup (non-cryptographic hash, private memory)";
     Ok(vec![
         Case::new(
             "index",
             "match_prefix_per_key",
-            median_per_key(idx_prefix, n),
+            idx_prefix,
             "ns",
             median_per_key(map_prefix, n),
             "std HashMap lookup (SipHash, private memory)",
@@ -186,12 +203,14 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
         Case::new(
             "index",
             "miss",
-            median_per_key(idx_miss, n),
+            idx_miss,
             "ns",
             median_per_key(map_miss, n),
             "std HashMap lookup (SipHash, private memory)",
             Better::Lower,
         )
         .extras(&extra),
+        Case::new("index", "match_prefix_per_key_vs_fxhash", idx_prefix, "ns", median_per_key(fx_prefix, n), FX, Better::Lower).extras(&extra),
+        Case::new("index", "miss_vs_fxhash", idx_miss, "ns", median_per_key(fx_miss, n), FX, Better::Lower).extras(&extra),
     ])
 }

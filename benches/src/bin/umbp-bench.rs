@@ -1,14 +1,14 @@
-//! `umbp-bench`: protocol benchmarks with one output convention (DESIGN §12): one JSON
+//! `umbp-bench`: benchmarks with one output convention (docs/benchmarks.md): one JSON
 //! object per case and line with `--json`, a table otherwise. The measuring code lives in
-//! `tools/src/bench/`; this file only parses the command line.
+//! the `umbp_bench` library (`benches/src/`); this file only parses the command line.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use umbp_tools::bench;
-use umbp_tools::bench::index::IndexArgs;
-use umbp_tools::bench::ring::RingArgs;
+use umbp_bench as bench;
+use umbp_bench::index::IndexArgs;
+use umbp_bench::ring::RingArgs;
 
 #[derive(Parser)]
 #[command(name = "umbp-bench", about = "UMBP benchmarks (rings, index)", version)]

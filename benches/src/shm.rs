@@ -54,7 +54,7 @@ impl Drop for Mapping {
     }
 }
 
-/// A memfd of `len` bytes, sealed against shrinking and growing (DESIGN §3).
+/// A memfd of `len` bytes, sealed against shrinking and growing (docs/security.md "Sealed shared memory").
 pub fn sealed_memfd(name: &str, len: usize) -> io::Result<memfd::Memfd> {
     let fd = MemfdOptions::new()
         .allow_sealing(true)

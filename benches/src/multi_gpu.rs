@@ -15,7 +15,10 @@ use serde_json::{json, Value};
 use umbp_worker::ObjectKey;
 
 use super::report::{Better, Case};
-use super::transfer::{gbps, gpt_oss, median, start_pool, u64_of, BackendArg, Checks, TransferArgs, WorkerProc, NS};
+use super::transfer::checks::Checks;
+use super::transfer::command::{Command, Op, Xfer};
+use super::transfer::parent::{start_pool, WorkerProc};
+use super::transfer::{gbps, gpt_oss, median, u64_of, BackendArg, TransferArgs, NS};
 
 /// Synthetic vLLM block hashes of prefix `run` (32 bytes each, like sha256 block hashes).
 fn block_hashes(run: u64, n: usize) -> Vec<[u8; 32]> {
@@ -39,9 +42,9 @@ fn hex_keys(keys: &[ObjectKey]) -> Vec<String> {
 
 /// Sends the same kind of command to every worker at once and collects the replies, so the
 /// GPUs work concurrently.
-fn all_at_once(workers: &mut [WorkerProc], cmd: impl Fn(usize) -> Value) -> Result<Vec<Value>, String> {
+fn all_at_once(workers: &mut [WorkerProc], cmd: impl Fn(usize) -> Command) -> Result<Vec<Value>, String> {
     for (i, w) in workers.iter_mut().enumerate() {
-        w.send(cmd(i))?;
+        w.send(&cmd(i))?;
     }
     workers.iter_mut().map(WorkerProc::recv).collect()
 }
@@ -80,10 +83,10 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let mut names = Vec::with_capacity(gpus);
     for g in 0..gpus {
         let mut w = WorkerProc::spawn_with_env(&format!("gpu{g}"), &pool.socket, BackendArg::Cuda, NS, &[("CUDA_VISIBLE_DEVICES", g.to_string())])?;
-        names.push(w.call(json!({"cmd": "info"}))?["gpu"].clone());
+        names.push(w.call(&Command::Info)?["gpu"].clone());
         workers.push(w);
     }
-    let l = gpt_oss(args.quick);
+    let l = gpt_oss();
     let (n, bytes) = (l.blocks.len(), l.bytes());
     for (g, w) in workers.iter_mut().enumerate() {
         l.setup(w, 0, 100 + g as u64)?;
@@ -93,18 +96,18 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     // TP ranks store the same prefix under their own keys, then restore it byte-exact.
     let hashes = block_hashes(1, n);
     let keys: Vec<Vec<ObjectKey>> = (0..gpus as u32).map(|r| rank_keys(r, &hashes)).collect();
-    let xfer = |op: &str, keys: &[ObjectKey]| json!({"cmd": "xfer", "op": op, "group": 0, "blocks": l.blocks, "keys": hex_keys(keys), "per_transfer": n});
-    let stored = all_at_once(&mut workers, |r| xfer("store", &keys[r]))?;
+    let xfer = |op: Op, keys: &[ObjectKey]| Command::Xfer(Xfer { keys: Some(hex_keys(keys)), ..Xfer::new(op, 0, 0, &l.blocks, n, 1) });
+    let stored = all_at_once(&mut workers, |r| xfer(Op::Store, &keys[r]))?;
     let mut index = umbp_scheduler::IndexClient::connect(&pool.socket, NS, Duration::from_secs(5)).map_err(|e| e.to_string())?;
     let per_rank: Vec<usize> = keys.iter().map(|k| index.match_prefix(k)).collect();
     let tp_hit = per_rank.iter().copied().min().unwrap_or(0);
     for w in workers.iter_mut() {
-        w.call(json!({"cmd": "poison", "group": 0}))?;
+        w.call(&Command::Poison { group: 0 })?;
     }
-    let loaded = all_at_once(&mut workers, |r| xfer("load", &keys[r]))?;
+    let loaded = all_at_once(&mut workers, |r| xfer(Op::Load, &keys[r]))?;
     let mut verified = Vec::new();
     for (g, w) in workers.iter_mut().enumerate() {
-        verified.push(w.call(json!({"cmd": "verify", "group": 0, "seed": 100 + g as u64, "blocks": l.blocks}))?);
+        verified.push(w.call(&Command::Verify { group: 0, seed: 100 + g as u64, blocks: l.blocks.clone() })?);
     }
     let exact = verified.iter().all(|v| u64_of(v, "bad_words") == 0 && u64_of(v, "words") > 0);
     let all_ok = stored.iter().chain(&loaded).all(|r| u64_of(r, "bad") == 0 && u64_of(r, "ok") == n as u64);
@@ -119,7 +122,7 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let short = n / 3;
     let replies = all_at_once(&mut workers, |r| {
         let upto = if r == 0 { n } else { short };
-        json!({"cmd": "xfer", "op": "store", "group": 0, "blocks": l.blocks[..upto], "keys": hex_keys(&part_keys[r][..upto]), "per_transfer": upto})
+        Command::Xfer(Xfer { keys: Some(hex_keys(&part_keys[r][..upto])), ..Xfer::new(Op::Store, 0, 0, &l.blocks[..upto], upto, 1) })
     })?;
     let per_rank: Vec<usize> = part_keys.iter().map(|k| index.match_prefix(k)).collect();
     let tp = per_rank.iter().copied().min().unwrap_or(0);
@@ -141,19 +144,19 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     for (g, w) in workers.iter_mut().enumerate() {
         let (mut st, mut ld) = (Vec::new(), Vec::new());
         for _ in 0..reps {
-            w.call(json!({"cmd": "reset"}))?;
+            w.call(&Command::Reset)?;
             let k = fresh(g);
-            st.push(gbps(bytes, u64_of(&w.call(xfer("store", &k))?, "ns")));
-            ld.push(gbps(bytes, u64_of(&w.call(xfer("load", &k))?, "ns")));
+            st.push(gbps(bytes, u64_of(&w.call(&xfer(Op::Store, &k))?, "ns")));
+            ld.push(gbps(bytes, u64_of(&w.call(&xfer(Op::Load, &k))?, "ns")));
         }
         alone.push((median(st), median(ld)));
     }
     let (mut st, mut ld) = (Vec::new(), Vec::new());
     for _ in 0..reps {
-        workers[0].call(json!({"cmd": "reset"}))?;
+        workers[0].call(&Command::Reset)?;
         let k: Vec<Vec<ObjectKey>> = (0..gpus).map(&mut fresh).collect();
-        let s = all_at_once(&mut workers, |g| xfer("store", &k[g]))?;
-        let d = all_at_once(&mut workers, |g| xfer("load", &k[g]))?;
+        let s = all_at_once(&mut workers, |g| xfer(Op::Store, &k[g]))?;
+        let d = all_at_once(&mut workers, |g| xfer(Op::Load, &k[g]))?;
         if s.iter().chain(&d).any(|r| u64_of(r, "bad") != 0) {
             return Err(format!("concurrent transfers failed: {s:?} {d:?}"));
         }

@@ -1,0 +1,196 @@
+
+//! The parent side of `transfer`: the pool the workers attach to (in this process or a
+//! running `umbp-pool`) and the worker child processes, driven by [`Command`]s.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use umbp_pool::{Pool, PoolConfig};
+
+use super::command::{Command, Op, Xfer};
+use super::{u64_of, BackendArg, TransferArgs, MIB};
+
+/// A worker child process driven by JSON lines.
+pub(crate) struct WorkerProc {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    name: String,
+}
+
+impl WorkerProc {
+    pub(crate) fn spawn(name: &str, socket: &Path, backend: BackendArg, namespace: u128) -> Result<Self, String> {
+        Self::spawn_with_env(name, socket, backend, namespace, &[])
+    }
+
+    /// As [`Self::spawn`], with extra environment (e.g. `CUDA_VISIBLE_DEVICES` to put the
+    /// worker on one GPU).
+    pub(crate) fn spawn_with_env(name: &str, socket: &Path, backend: BackendArg, namespace: u128, env: &[(&str, String)]) -> Result<Self, String> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = std::process::Command::new(exe)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .arg("__transfer-worker")
+            .arg("--socket")
+            .arg(socket)
+            .arg("--backend")
+            .arg(match backend {
+                BackendArg::Host => "host",
+                BackendArg::Cuda => "cuda",
+            })
+            .arg("--namespace")
+            .arg(namespace.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("spawning worker {name}: {e}"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = BufReader::new(child.stdout.take().expect("piped"));
+        let mut w = WorkerProc { child, stdin, stdout, name: name.into() };
+        let hello = w.recv()?;
+        if hello.get("ready").is_none() {
+            return Err(format!("worker {name}: {hello}"));
+        }
+        Ok(w)
+    }
+
+    pub(crate) fn send(&mut self, cmd: &Command) -> Result<(), String> {
+        writeln!(self.stdin, "{}", cmd.to_line()).and_then(|()| self.stdin.flush()).map_err(|e| format!("worker {}: {e}", self.name))
+    }
+
+    pub(crate) fn recv(&mut self) -> Result<Value, String> {
+        let mut line = String::new();
+        let n = self.stdout.read_line(&mut line).map_err(|e| format!("worker {}: {e}", self.name))?;
+        if n == 0 {
+            return Err(format!("worker {} exited", self.name));
+        }
+        let v: Value = serde_json::from_str(&line).map_err(|e| format!("worker {}: bad reply {line:?}: {e}", self.name))?;
+        if let Some(e) = v.get("error") {
+            return Err(format!("worker {}: {}", self.name, e.as_str().unwrap_or("?")));
+        }
+        Ok(v)
+    }
+
+    pub(crate) fn call(&mut self, cmd: &Command) -> Result<Value, String> {
+        self.send(cmd)?;
+        self.recv()
+    }
+
+    pub(crate) fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "{}", Command::Exit.to_line());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.kill();
+    }
+}
+
+/// The pool the workers attach to.
+pub(crate) struct PoolHandle {
+    pub(crate) pool: Option<Pool>,
+    pub(crate) socket: PathBuf,
+    _dir: Option<TempDir>,
+}
+
+struct TempDir(PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+impl PoolHandle {
+    /// The in-process pool's per-phase time counters (none for an external pool).
+    pub(crate) fn phases(&self) -> Option<Value> {
+        self.pool.as_ref().map(|p| serde_json::to_value(p.report().counters.phases).expect("json"))
+    }
+}
+
+/// Mean microseconds per job of each pool phase between two [`PoolHandle::phases`]
+/// snapshots, per direction: where a submission's time went inside the pool.
+pub(crate) fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Value {
+    let (Some(b), Some(a)) = (before, after) else { return Value::Null };
+    let mut out = serde_json::Map::new();
+    for op in ["store", "load"] {
+        let d = |k: &str| u64_of(&a[op], k).saturating_sub(u64_of(&b[op], k));
+        let jobs = d("jobs");
+        if jobs == 0 {
+            continue;
+        }
+        let mut m = serde_json::Map::new();
+        m.insert("jobs".into(), jobs.into());
+        m.insert("stages_per_job".into(), json!(d("stages") as f64 / jobs as f64));
+        for phase in ["admit", "queue", "reserve", "plan", "copy", "publish", "finish"] {
+            let us = d(&format!("{phase}_ns")) as f64 / jobs as f64 / 1e3;
+            m.insert(format!("{phase}_us"), json!((us * 10.0).round() / 10.0));
+        }
+        out.insert(op.into(), Value::Object(m));
+    }
+    Value::Object(out)
+}
+
+pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
+    if let Some(s) = &args.pool_socket {
+        return Ok(PoolHandle { pool: None, socket: s.clone(), _dir: None });
+    }
+    let dir = std::env::temp_dir().join(format!("umbp-bench-transfer-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let socket = dir.join("pool.sock");
+    let config = PoolConfig {
+        socket_path: socket.clone(),
+        capacity_bytes: args.capacity,
+        prefault: true,
+        // pool_overhead's objects: 24 pages of 64 B (layouts below this are refused).
+        min_object_bytes: 24 * 64,
+        copy_threads: args.copy_threads,
+        ..PoolConfig::default()
+    };
+    let started = Instant::now();
+    let pool = Pool::start(config).map_err(|e| format!("starting the pool: {e}"))?;
+    // Measure on pinned DRAM only: wait for the background registration.
+    loop {
+        let (bytes, done) = pool.dram_registration();
+        if done {
+            eprintln!(
+                "pool: {} MiB DRAM ready ({} MiB registered with the GPU driver) in {:.1} s",
+                args.capacity / MIB,
+                bytes / MIB,
+                started.elapsed().as_secs_f64()
+            );
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(PoolHandle { pool: Some(pool), socket, _dir: Some(TempDir(dir)) })
+}
+
+/// One round of `blocks` (keys `key_base + i`) in transfers of `per` blocks, `inflight`
+/// outstanding; an error when a block did not complete ok.
+pub(crate) fn xfer(w: &mut WorkerProc, op: Op, group: u16, key_base: u64, blocks: &[u64], per: usize, inflight: usize) -> Result<Value, String> {
+    xfer_with(w, Xfer::new(op, group, key_base, blocks, per, inflight))
+}
+
+/// As [`xfer`], any [`Xfer`].
+pub(crate) fn xfer_with(w: &mut WorkerProc, x: Xfer) -> Result<Value, String> {
+    let (op, group) = (x.op, x.group);
+    let r = w.call(&Command::Xfer(x))?;
+    if u64_of(&r, "bad") != 0 {
+        return Err(format!("{op:?} of group {group}: {} blocks not ok ({r})", u64_of(&r, "bad")));
+    }
+    Ok(r)
+}

@@ -1,0 +1,162 @@
+//! A peer allocation opened on one GPU, and the [`DeviceRegion`] hooks that batch the parts
+//! of a transfer on one GPU into one copy call.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use super::backend::Shared;
+use super::batch::{push_items, SPLIT_BYTES};
+use super::ipc_cache::IpcKey;
+use super::{duplicate, DeviceApi, Dir, Engine, Item};
+use crate::{check_ops, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan};
+
+pub(crate) struct GpuRegion<A: DeviceApi> {
+    pub(super) shared: Arc<Shared<A>>,
+    pub(super) engine: Arc<Engine<A>>,
+    /// The shared IPC mapping this region holds a reference on; None in-process.
+    pub(super) key: Option<IpcKey>,
+    /// Device address of byte 0 of the registered range, in the pool's address space.
+    pub(super) device_ptr: u64,
+    pub(super) len: u64,
+    pub(super) alloc_id: u32,
+}
+
+impl<A: DeviceApi> Drop for GpuRegion<A> {
+    fn drop(&mut self) {
+        if let Some(key) = &self.key {
+            self.shared.release(key, &self.engine);
+        }
+    }
+}
+
+impl<A: DeviceApi> GpuRegion<A> {
+    /// `region` as a region of this same engine, if it is one.
+    fn same_engine<'x>(&self, region: &'x dyn DeviceRegion) -> Option<&'x GpuRegion<A>> {
+        region.as_any().and_then(|a| a.downcast_ref::<GpuRegion<A>>()).filter(|r| Arc::ptr_eq(&r.engine, &self.engine))
+    }
+
+    /// # Safety
+    /// Host ranges of all ops are valid (writable for DeviceToHost) for the call.
+    unsafe fn run_one(&self, ops: &[CopyOp], host: *mut u8, dir: Dir) -> Result<(), GpuError> {
+        let part = [Part { region: self, ops }];
+        let mut results = [None];
+        let mut claimed = [false];
+        // SAFETY: forwarded caller contract.
+        unsafe {
+            self.transfer_group(dir == Dir::DeviceToHost, &part, 0, &mut claimed, &mut results, host, &Fence::None, &|| true)
+        };
+        results[0].take().unwrap_or(Ok(()))
+    }
+}
+
+impl<A: DeviceApi> DeviceRegion for GpuRegion<A> {
+    fn kind(&self) -> MemoryKind {
+        A::KIND
+    }
+
+    fn len(&self) -> u64 {
+        self.len
+    }
+
+    unsafe fn copy_to_host(&self, ops: &[CopyOp], host_base: *mut u8) -> Result<(), GpuError> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.run_one(ops, host_base, Dir::DeviceToHost) }
+    }
+
+    unsafe fn copy_from_host(&self, ops: &[CopyOp], host_base: *const u8) -> Result<(), GpuError> {
+        // SAFETY: forwarded caller contract; host-to-device copies only read host memory.
+        unsafe { self.run_one(ops, host_base.cast_mut(), Dir::HostToDevice) }
+    }
+
+    fn as_any(&self) -> Option<&dyn Any> {
+        Some(self)
+    }
+
+    fn batch_group(&self) -> Option<usize> {
+        Some(Arc::as_ptr(&self.engine) as usize)
+    }
+
+    unsafe fn transfer_pipelined<'r>(
+        &self,
+        to_host: bool,
+        stages: usize,
+        first: StagePlan<'r>,
+        plan: &mut dyn FnMut(usize) -> StagePlan<'r>,
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+        stage_done: &mut dyn FnMut(usize),
+    ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
+        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+        let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
+            for (region, ops) in stage {
+                let r = self.same_engine(*region).ok_or_else(|| {
+                    GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into())
+                })?;
+                check_ops(ops, r.alloc_id, r.len)?;
+                for op in ops {
+                    push_items(items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+                }
+            }
+            Ok(())
+        };
+        let mut items = Vec::new();
+        if let Err(e) = push_stage(&first, &mut items) {
+            return Ok(Err(e));
+        }
+        let mut build = |s: usize, items: &mut Vec<Item>| push_stage(&plan(s), items);
+        // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
+        // device ranges inside each region by check_ops and open.
+        Ok(unsafe { self.engine.run(&self.shared.api, dir, items, stages, &mut build, fence, true, keep_waiting, stage_done, &ranges) })
+    }
+
+    /// Claims every unclaimed part from `first` on whose region is a region of this same
+    /// engine, and runs them all as one copy call.
+    unsafe fn transfer_group(
+        &self,
+        to_host: bool,
+        parts: &[Part<'_>],
+        first: usize,
+        claimed: &mut [bool],
+        results: &mut [Option<Result<(), GpuError>>],
+        host_base: *mut u8,
+        fence: &Fence<'_>,
+        keep_waiting: &dyn Fn() -> bool,
+    ) -> bool {
+        let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
+        let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let mut items = Vec::new();
+        let mut members = Vec::new();
+        for (i, p) in parts.iter().enumerate().skip(first) {
+            if claimed[i] {
+                continue;
+            }
+            let Some(r) = self.same_engine(p.region) else {
+                continue;
+            };
+            claimed[i] = true;
+            if let Err(e) = check_ops(p.ops, r.alloc_id, r.len) {
+                results[i] = Some(Err(e));
+                continue;
+            }
+            for op in p.ops {
+                push_items(&mut items, host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
+            }
+            members.push(i);
+        }
+        let signal = claimed.iter().all(|c| *c);
+        let mut no_build = |_: usize, _: &mut Vec<Item>| Ok(());
+        // SAFETY: host ranges valid by the caller's contract and check_ops (no overflow);
+        // device ranges inside each region by check_ops and open.
+        let r = unsafe { self.engine.run(&self.shared.api, dir, items, 1, &mut no_build, fence, signal, keep_waiting, &mut |_| {}, &ranges) };
+        for i in members {
+            results[i] = Some(match &r {
+                Ok(()) => Ok(()),
+                Err(e) => Err(duplicate(e)),
+            });
+        }
+        true
+    }
+
+}

@@ -1,0 +1,118 @@
+//! Stream sets: the streams and events one copy call takes whole.
+
+use std::sync::atomic::Ordering;
+
+use super::{lock, DeviceApi, Engine};
+use crate::GpuError;
+
+/// The streams (and lazily made events) one copy call uses exclusively.
+pub(super) struct StreamSet<A: DeviceApi> {
+    pub(super) streams: Vec<A::Stream>,
+    /// Join events of the GPU-side load fence write.
+    pub(super) events: Vec<A::Event>,
+    /// Stage-end markers of staged calls: stage `s`, stream `k` at `s * streams + k`.
+    pub(super) stage_events: Vec<A::Event>,
+    /// Descriptor lists of kernel-path stages ([`crate::gather`]).
+    pub(super) descs: crate::gather::DescBuf,
+}
+
+impl<A: DeviceApi> Engine<A> {
+    pub(super) fn take_set(&self, api: &A, want: usize) -> Result<StreamSet<A>, GpuError> {
+        let mut set = lock(&self.idle).pop().unwrap_or(StreamSet {
+            streams: Vec::new(),
+            events: Vec::new(),
+            stage_events: Vec::new(),
+            descs: crate::gather::DescBuf::default(),
+        });
+        while set.streams.len() < want {
+            match api.create_stream() {
+                Ok(s) => set.streams.push(s),
+                Err(e) => {
+                    self.put_set(set);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(set)
+    }
+
+    pub(super) fn put_set(&self, set: StreamSet<A>) {
+        lock(&self.idle).push(set);
+    }
+
+    /// The kernel path of this GPU unless copy engines are forced or it is unavailable.
+    pub(super) fn gather_path(&self) -> Option<&crate::gather::GatherState> {
+        match crate::gather::gather_config().mode {
+            crate::gather::GatherMode::CopyEngine => None,
+            _ => self.gather.get().and_then(Option::as_ref),
+        }
+    }
+
+    /// Calibrates the kernel path once (a device is bound); later calls return at once.
+    pub(super) fn calibrate_once(&self, api: &A) {
+        use crate::gather;
+        if gather::gather_config().mode == gather::GatherMode::CopyEngine {
+            return;
+        }
+        self.gather.get_or_init(|| match gather::calibrate(api, &self.dev, gather::gather_config(), super::batch_max()) {
+            Ok(g) => {
+                let c = &g.calibration;
+                tracing::info!(
+                    api = A::API,
+                    ordinal = self.ordinal,
+                    blocks = c.blocks,
+                    d2h_kernel_up_to = c.d2h_crossover,
+                    h2d_kernel_up_to = c.h2d_crossover,
+                    points = ?c.points,
+                    "page copy kernel calibrated: pages up to these sizes go to the kernel, larger ones to copy engines"
+                );
+                gather::record_calibration(self.ordinal, c);
+                Some(g)
+            }
+            Err(e) => {
+                tracing::info!(api = A::API, ordinal = self.ordinal, "page copy kernel unavailable, copy engines only: {e}");
+                None
+            }
+        });
+    }
+
+
+    /// Makes sure `set` has `n` stage events; false (and staging off for this engine from
+    /// now on) where the driver has no usable events.
+    pub(super) fn stage_events_ready(&self, api: &A, set: &mut StreamSet<A>, n: usize) -> bool {
+        if !self.events.load(Ordering::Relaxed) {
+            return false;
+        }
+        while set.stage_events.len() < n {
+            match api.create_event() {
+                Ok(e) => set.stage_events.push(e),
+                Err(e) => {
+                    tracing::debug!(api = A::API, "no events, copy calls run unstaged: {e}");
+                    self.events.store(false, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    pub(super) fn signal_on_gpu(
+        &self,
+        api: &A,
+        set: &mut StreamSet<A>,
+        used: &mut [bool],
+        runs: usize,
+        addr: u64,
+        value: u64,
+    ) -> Result<(), GpuError> {
+        while set.events.len() < runs.saturating_sub(1) {
+            set.events.push(api.create_event()?);
+        }
+        for k in 1..runs {
+            api.join(set.streams[0], set.events[k - 1], set.streams[k])?;
+        }
+        used[0] = true;
+        // SAFETY: the caller's fence word stays mapped until it synchronized the stream.
+        unsafe { api.write_value64(set.streams[0], addr, value) }
+    }
+}

@@ -1,0 +1,768 @@
+//! The page copy kernel path (issue #14): many small pages moved by one kernel launch
+//! instead of one copy-engine descriptor each, and one large object split over several
+//! streams.
+//!
+//! Copy engines take about 0.85 µs of driver time per copy and do not reach line rate on
+//! 4–16 KiB pages; a kernel reads and writes the pages itself. The kernel
+//! (`umbp_copy_pages`) takes a list of [`Desc`] (source address, destination address,
+//! length) and copies each, one warp per page, 16 bytes per lane and access, 4 KiB per warp
+//! iteration. Both directions are the same kernel: pool DRAM is registered device-mapped,
+//! and the kernel path is only used where the driver says that registered host pointers
+//! are valid device addresses (unified addressing: CUDA's
+//! `CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM`), and only for copies whose host side lies in
+//! a registered range and whose addresses and lengths are 16-byte aligned.
+//!
+//! Ordering is the copy-engine path's: the kernel is launched on the same stream of the
+//! call's stream set, after the store fence's stream wait, and the load fence's stream
+//! write follows it on that stream, so a fenced store or load behaves the same on either
+//! path. Descriptor lists live in device-mapped pinned memory owned by the stream set
+//! ([`DescBuf`]): a call writes each stage's list at a fresh offset, a list that no longer
+//! fits moves to a larger buffer and the old one is kept until the call has synchronized
+//! its streams, and a set is reused only by a later call (after that synchronization).
+//!
+//! Which path a stage takes is decided by measurement: the first time a GPU's engine opens
+//! a region, the engine times copy engines against the kernel for pages of 4 KiB to
+//! 128 KiB in both directions ([`calibrate`]) and keeps, per direction, the largest page
+//! size at which the kernel was faster ([`Calibration::use_kernel`]). [`GatherConfig`]
+//! forces either path and sets the kernel's block count.
+//!
+//! HIP: [`HIP_SOURCE`] is the same kernel in HIP C++, for hiprtc; the HIP backend does not
+//! compile or launch it yet (it reports the kernel path unavailable and uses copy engines).
+//! It has never run on AMD hardware.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::engine::{DeviceApi, Dir, Item};
+use crate::GpuError;
+
+/// One page copy as the kernel reads it: 3 little-endian u64s.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Desc {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
+const _: () = assert!(std::mem::size_of::<Desc>() == 24);
+
+/// Alignment the kernel needs of every address and length (it moves 16-byte vectors).
+pub(crate) const ALIGN: usize = 16;
+
+/// Name of the kernel in [`PTX`] and [`HIP_SOURCE`].
+pub(crate) const KERNEL_NAME: &std::ffi::CStr = c"umbp_copy_pages";
+
+/// Threads per block of the kernel (16 warps).
+pub(crate) const THREADS: u32 = 512;
+
+/// `umbp_copy_pages(const Desc* descs, u64 n)`. Global warp `w` copies pages `w`, `w + W`,
+/// ... (W = warps in the grid); a page goes in 4 KiB chunks (lane `l` loads bytes
+/// `l*16 + k*512` for k = 0..8, then stores them), the rest of a page below 4 KiB in
+/// 16-byte steps. Streaming cache hints (`.cs`) keep the pages from evicting the
+/// engine's working set from L2. Hand-written so that nothing needs nvcc; the driver
+/// compiles it for the GPU at load.
+pub(crate) const PTX: &str = r#"
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry umbp_copy_pages(.param .u64 p_desc, .param .u64 p_n)
+{
+    .reg .pred %p<4>;
+    .reg .b32 %r<10>;
+    .reg .b64 %rd<16>;
+    .reg .b32 %v<32>;
+    ld.param.u64 %rd1, [p_desc];
+    ld.param.u64 %rd2, [p_n];
+    mov.u32 %r1, %tid.x;
+    and.b32 %r2, %r1, 31;
+    shr.u32 %r3, %r1, 5;
+    mov.u32 %r4, %ntid.x;
+    shr.u32 %r4, %r4, 5;
+    mov.u32 %r5, %ctaid.x;
+    mov.u32 %r6, %nctaid.x;
+    mad.lo.u32 %r7, %r5, %r4, %r3;
+    mul.lo.u32 %r8, %r6, %r4;
+    cvt.u64.u32 %rd3, %r7;
+    cvt.u64.u32 %rd4, %r8;
+    mul.wide.u32 %rd5, %r2, 16;
+PAGE:
+    setp.ge.u64 %p1, %rd3, %rd2;
+    @%p1 bra DONE;
+    mad.lo.u64 %rd6, %rd3, 24, %rd1;
+    ld.global.u64 %rd7, [%rd6];
+    ld.global.u64 %rd8, [%rd6+8];
+    ld.global.u64 %rd9, [%rd6+16];
+    mov.u64 %rd10, 0;
+CHUNK:
+    add.u64 %rd11, %rd10, 4096;
+    setp.gt.u64 %p2, %rd11, %rd9;
+    @%p2 bra TAIL;
+    add.u64 %rd12, %rd7, %rd10;
+    add.u64 %rd12, %rd12, %rd5;
+    add.u64 %rd13, %rd8, %rd10;
+    add.u64 %rd13, %rd13, %rd5;
+    ld.global.cs.v4.u32 {%v0, %v1, %v2, %v3}, [%rd12];
+    ld.global.cs.v4.u32 {%v4, %v5, %v6, %v7}, [%rd12+512];
+    ld.global.cs.v4.u32 {%v8, %v9, %v10, %v11}, [%rd12+1024];
+    ld.global.cs.v4.u32 {%v12, %v13, %v14, %v15}, [%rd12+1536];
+    ld.global.cs.v4.u32 {%v16, %v17, %v18, %v19}, [%rd12+2048];
+    ld.global.cs.v4.u32 {%v20, %v21, %v22, %v23}, [%rd12+2560];
+    ld.global.cs.v4.u32 {%v24, %v25, %v26, %v27}, [%rd12+3072];
+    ld.global.cs.v4.u32 {%v28, %v29, %v30, %v31}, [%rd12+3584];
+    st.global.cs.v4.u32 [%rd13], {%v0, %v1, %v2, %v3};
+    st.global.cs.v4.u32 [%rd13+512], {%v4, %v5, %v6, %v7};
+    st.global.cs.v4.u32 [%rd13+1024], {%v8, %v9, %v10, %v11};
+    st.global.cs.v4.u32 [%rd13+1536], {%v12, %v13, %v14, %v15};
+    st.global.cs.v4.u32 [%rd13+2048], {%v16, %v17, %v18, %v19};
+    st.global.cs.v4.u32 [%rd13+2560], {%v20, %v21, %v22, %v23};
+    st.global.cs.v4.u32 [%rd13+3072], {%v24, %v25, %v26, %v27};
+    st.global.cs.v4.u32 [%rd13+3584], {%v28, %v29, %v30, %v31};
+    mov.u64 %rd10, %rd11;
+    bra CHUNK;
+TAIL:
+    add.u64 %rd14, %rd10, %rd5;
+TLOOP:
+    setp.ge.u64 %p3, %rd14, %rd9;
+    @%p3 bra NEXT;
+    add.u64 %rd12, %rd7, %rd14;
+    add.u64 %rd13, %rd8, %rd14;
+    ld.global.cs.v4.u32 {%v0, %v1, %v2, %v3}, [%rd12];
+    st.global.cs.v4.u32 [%rd13], {%v0, %v1, %v2, %v3};
+    add.u64 %rd14, %rd14, 512;
+    bra TLOOP;
+NEXT:
+    add.u64 %rd3, %rd3, %rd4;
+    bra PAGE;
+DONE:
+    ret;
+}
+"#;
+
+/// The same kernel for HIP (hiprtc), same parameters and contract. Never compiled or run
+/// on AMD hardware: the HIP backend does not load it yet.
+pub const HIP_SOURCE: &str = r#"
+#include <hip/hip_runtime.h>
+struct Desc { unsigned long long src, dst, len; };
+extern "C" __global__ void umbp_copy_pages(const Desc* descs, unsigned long long n) {
+    const unsigned lane = threadIdx.x % warpSize;
+    const unsigned long long warps = (unsigned long long)gridDim.x * (blockDim.x / warpSize);
+    for (unsigned long long i = blockIdx.x * (blockDim.x / warpSize) + threadIdx.x / warpSize; i < n; i += warps) {
+        const Desc d = descs[i];
+        const uint4* src = (const uint4*)d.src;
+        uint4* dst = (uint4*)d.dst;
+        for (unsigned long long v = lane; v < d.len / 16; v += warpSize) dst[v] = src[v];
+    }
+}
+"#;
+
+/// Which path a copy call's stages take.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GatherMode {
+    /// By the per-GPU calibration (the default).
+    #[default]
+    Auto,
+    /// The kernel wherever it can run (aligned, registered, kernel loaded); for tests and
+    /// operators who measured.
+    Kernel,
+    /// Copy engines only (no SM is used for copies).
+    CopyEngine,
+}
+
+/// Kernel path settings of this process.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GatherConfig {
+    pub mode: GatherMode,
+    /// Blocks (of 512 threads, one SM each at most) the kernel runs on; 0: the smallest
+    /// count the calibration found within 3% of the best rate for 4 KiB pages.
+    pub blocks: u32,
+    /// Most bytes one kernel launch moves (a stage is cut into several launches); 0: one
+    /// launch per stage (the default). Measured on the H200 (2026-12-01): 4 MiB launches
+    /// cut the matmul slowdown under continuous kernel-path stores from 24% to 17% but
+    /// lowered 4 KiB-page throughput from 0.75 to 0.71 of contiguous; neither is good
+    /// enough to be the default.
+    pub launch_bytes: usize,
+    /// Streams one large object (at least 4 MiB per copy on average, few copies) is split
+    /// over; 0 or 1: no split (the default). Measured on the H200 (2026-12-01): a split over
+    /// 4 streams did not move 16 MiB x1 or 64 MiB x1 beyond run-to-run noise
+    /// (41.4/41.2 and 47.6/50.6 GB/s unsplit, 39.3/43.7 and 45.3/46.7 split, same run).
+    pub split_streams: usize,
+}
+
+impl GatherConfig {
+    pub(crate) fn launch_bytes(&self) -> usize {
+        if self.launch_bytes == 0 { usize::MAX } else { self.launch_bytes.max(ALIGN) }
+    }
+    pub(crate) fn split_streams(&self) -> usize {
+        self.split_streams.clamp(1, 16)
+    }
+}
+
+static CONFIG: Mutex<GatherConfig> = Mutex::new(GatherConfig { mode: GatherMode::Auto, blocks: 0, launch_bytes: 0, split_streams: 0 });
+
+/// Sets the kernel path settings for copy calls that start afterwards (a calibration
+/// already done is kept).
+pub fn set_gather_config(config: GatherConfig) {
+    *CONFIG.lock().unwrap_or_else(|e| e.into_inner()) = config;
+}
+
+/// See [`set_gather_config`].
+pub fn gather_config() -> GatherConfig {
+    *CONFIG.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// One measured page size.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Point {
+    pub page: usize,
+    pub d2h_ce_gbps: f64,
+    pub d2h_kernel_gbps: f64,
+    pub h2d_ce_gbps: f64,
+    pub h2d_kernel_gbps: f64,
+}
+
+/// What a GPU's calibration measured and decided.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Calibration {
+    pub points: Vec<Point>,
+    /// Kernel blocks chosen (or configured).
+    pub blocks: u32,
+    /// Kernel GB/s (the slower direction) for 4 KiB pages per block count tried.
+    pub block_rates: Vec<(u32, f64)>,
+    /// Largest page size at which the kernel beat copy engines, per direction (0: never).
+    pub d2h_crossover: usize,
+    pub h2d_crossover: usize,
+}
+
+impl Calibration {
+    /// Derives the crossovers from measured points: per direction, the largest page size
+    /// where the kernel was at least 2% faster than copy engines.
+    pub fn from_points(points: Vec<Point>, blocks: u32) -> Self {
+        let cross = |f: &dyn Fn(&Point) -> bool| points.iter().filter(|p| f(p)).map(|p| p.page).max().unwrap_or(0);
+        let d2h_crossover = cross(&|p| p.d2h_kernel_gbps > p.d2h_ce_gbps * 1.02);
+        let h2d_crossover = cross(&|p| p.h2d_kernel_gbps > p.h2d_ce_gbps * 1.02);
+        Calibration { points, blocks, block_rates: Vec::new(), d2h_crossover, h2d_crossover }
+    }
+
+    /// Whether a stage of average copy size `avg` in direction `dir` goes to the kernel.
+    pub(crate) fn use_kernel(&self, dir: Dir, avg: usize) -> bool {
+        let cross = match dir {
+            Dir::DeviceToHost => self.d2h_crossover,
+            Dir::HostToDevice => self.h2d_crossover,
+        };
+        avg > 0 && avg <= cross
+    }
+}
+
+/// A GPU's kernel path: the loaded kernel and its calibration.
+pub(crate) struct GatherState {
+    pub kernel: u64,
+    pub calibration: Calibration,
+}
+
+impl GatherState {
+    /// Whether a stage of `items` goes to the kernel: by the calibration (or forced by
+    /// [`GatherMode::Kernel`]) and only where [`eligible`].
+    pub(crate) fn wants(&self, dir: Dir, items: &[Item], ranges: &[(usize, usize)]) -> bool {
+        let chosen = match gather_config().mode {
+            GatherMode::CopyEngine => false,
+            GatherMode::Kernel => true,
+            GatherMode::Auto => self.calibration.use_kernel(dir, average(items)),
+        };
+        chosen && eligible(items, ranges)
+    }
+}
+
+static CALIBRATIONS: Mutex<Vec<(i32, Calibration)>> = Mutex::new(Vec::new());
+
+/// Calibrations done in this process: (device ordinal, result), for logs and benchmarks.
+pub fn calibrations() -> Vec<(i32, Calibration)> {
+    CALIBRATIONS.lock().unwrap_or_else(|e| e.into_inner()).clone()
+}
+
+pub(crate) fn record_calibration(ordinal: i32, c: &Calibration) {
+    CALIBRATIONS.lock().unwrap_or_else(|e| e.into_inner()).push((ordinal, c.clone()));
+}
+
+static LAUNCHES: AtomicU64 = AtomicU64::new(0);
+static LAUNCHED_PAGES: AtomicU64 = AtomicU64::new(0);
+
+/// Kernel launches and pages moved by them in this process (the calibration's included),
+/// for tests and benchmarks.
+pub fn kernel_launches() -> (u64, u64) {
+    (LAUNCHES.load(Ordering::Relaxed), LAUNCHED_PAGES.load(Ordering::Relaxed))
+}
+
+/// Whether every item can go to the kernel: 16-byte aligned addresses and lengths, host
+/// side inside one registered (device-mapped) range.
+pub(crate) fn eligible(items: &[Item], ranges: &[(usize, usize)]) -> bool {
+    !items.is_empty()
+        && items.iter().all(|it| {
+            let h = it.host as usize;
+            (h | it.device as usize | it.len).is_multiple_of(ALIGN) && in_ranges(ranges, h, it.len)
+        })
+}
+
+fn in_ranges(ranges: &[(usize, usize)], start: usize, len: usize) -> bool {
+    let i = ranges.partition_point(|r| r.0 <= start);
+    i > 0 && start.checked_add(len).is_some_and(|end| end <= ranges[i - 1].1)
+}
+
+/// Average bytes per item (0 for none).
+pub(crate) fn average(items: &[Item]) -> usize {
+    let total: usize = items.iter().map(|i| i.len).sum();
+    total.checked_div(items.len()).unwrap_or(0)
+}
+
+/// Largest descriptor: longer copies are cut so that several warps share them.
+pub(crate) const DESC_MAX: usize = 64 << 10;
+
+/// Descriptors [`build_descs`] writes for `items`.
+pub(crate) fn desc_count(items: &[Item]) -> usize {
+    items.iter().map(|i| i.len.div_ceil(DESC_MAX)).sum()
+}
+
+/// Writes the descriptors of `items` (host pointers used as device addresses: the caller
+/// checked that the driver allows it) into `out` (of [`desc_count`] entries), copies over
+/// [`DESC_MAX`] cut into pieces of at most that.
+pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
+    let mut out = out.iter_mut();
+    for it in items {
+        let mut done = 0;
+        while done < it.len {
+            let len = DESC_MAX.min(it.len - done);
+            let (host, device) = (it.host as u64 + done as u64, it.device + done as u64);
+            let Some(d) = out.next() else { return };
+            *d = match dir {
+                Dir::DeviceToHost => Desc { src: device, dst: host, len: len as u64 },
+                Dir::HostToDevice => Desc { src: host, dst: device, len: len as u64 },
+            };
+            done += len;
+        }
+    }
+}
+
+/// A stage of fewer copies than this times the split streams counts as "few large".
+const LARGE_FEW: usize = 16;
+/// Objects of at least this many bytes per item on average are split (H200, 2026-12-01:
+/// a 1 MiB object split over 4 streams went from 26.8 to 17.8 GB/s, the extra streams'
+/// synchronization costing more than the overlap gains).
+pub(crate) const LARGE_MIN_AVG: usize = 4 << 20;
+/// Smallest piece of a split object.
+pub(crate) const LARGE_MIN_PIECE: usize = 256 << 10;
+
+/// Whether a stage of these items is "few large objects", to be split over
+/// [`GatherConfig::split_streams`] streams (none when that is 1).
+pub(crate) fn is_large(items: &[Item]) -> bool {
+    gather_config().split_streams() > 1 && !items.is_empty() && items.len() < LARGE_FEW && average(items) >= LARGE_MIN_AVG
+}
+
+/// Cuts items so that there are at least `streams` pieces of about equal size (each at
+/// least [`LARGE_MIN_PIECE`], cut at 4 KiB multiples), for [`crate::engine`]'s balancing to
+/// spread one object over several streams (copy engines).
+pub(crate) fn split_large(items: &mut Vec<Item>, streams: usize) {
+    let total: usize = items.iter().map(|i| i.len).sum();
+    if items.len() >= streams || total < 2 * LARGE_MIN_PIECE {
+        return;
+    }
+    let piece = (total.div_ceil(streams)).next_multiple_of(4096).max(LARGE_MIN_PIECE);
+    let mut out = Vec::with_capacity(streams + items.len());
+    for it in items.iter() {
+        let mut done = 0;
+        while done < it.len {
+            let len = piece.min(it.len - done);
+            out.push(Item { host: it.host.wrapping_add(done), device: it.device + done as u64, len });
+            done += len;
+        }
+    }
+    *items = out;
+}
+
+/// Device-mapped pinned memory holding one stream set's descriptor lists. `used` counts
+/// the bytes handed out in the current call; [`DescBuf::reset`] starts a call.
+pub(crate) struct DescBuf {
+    pub ptr: *mut u8,
+    pub cap: usize,
+    pub used: usize,
+    /// Buffers outgrown during the current call; freed at the next reset, once the call
+    /// that may still read them synchronized its streams.
+    pub retired: Vec<(*mut u8, usize)>,
+}
+
+// SAFETY: plain memory owned by the set; the set is used by one copy call at a time.
+unsafe impl Send for DescBuf {}
+
+impl Default for DescBuf {
+    fn default() -> Self {
+        DescBuf { ptr: std::ptr::null_mut(), cap: 0, used: 0, retired: Vec::new() }
+    }
+}
+
+impl DescBuf {
+    /// Frees retired buffers and starts a new call.
+    ///
+    /// # Safety
+    /// No launch of an earlier call can still read them (its streams were synchronized).
+    pub unsafe fn reset<A: DeviceApi>(&mut self, api: &A) {
+        for (p, _) in self.retired.drain(..) {
+            // SAFETY: forwarded contract.
+            unsafe { api.free_mapped(p) };
+        }
+        self.used = 0;
+    }
+
+    /// Space for `n` descriptors not used by this call before: a slice to fill and its
+    /// device address.
+    pub fn take<A: DeviceApi>(&mut self, api: &A, n: usize) -> Result<(&mut [Desc], u64), GpuError> {
+        let bytes = n * std::mem::size_of::<Desc>();
+        let at = self.used.next_multiple_of(64);
+        if self.ptr.is_null() || at + bytes > self.cap {
+            let cap = (bytes * 2).max(self.cap * 2).max(64 << 10);
+            let ptr = api.alloc_mapped(cap)?;
+            if !self.ptr.is_null() {
+                self.retired.push((self.ptr, self.cap));
+            }
+            (self.ptr, self.cap, self.used) = (ptr, cap, 0);
+            return self.take(api, n);
+        }
+        self.used = at + bytes;
+        // SAFETY: `ptr[at..at+bytes]` lies in our allocation (checked above), is 64-byte
+        // aligned (page-aligned allocation, `at` rounded), and no launch of this call reads
+        // it yet; Desc is plain data.
+        let slice = unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at).cast::<Desc>(), n) };
+        Ok((slice, self.ptr as u64 + at as u64))
+    }
+
+    /// Frees everything (the set is being destroyed; nothing runs).
+    ///
+    /// # Safety
+    /// As [`Self::reset`].
+    pub unsafe fn free<A: DeviceApi>(&mut self, api: &A) {
+        // SAFETY: forwarded contract.
+        unsafe { self.reset(api) };
+        if !self.ptr.is_null() {
+            // SAFETY: forwarded contract.
+            unsafe { api.free_mapped(self.ptr) };
+            self.ptr = std::ptr::null_mut();
+        }
+    }
+}
+
+/// Enqueues the kernel for `items` on `stream`, descriptors taken from `descs`.
+///
+/// # Safety
+/// As [`DeviceApi::copy_async`] for every item, and [`eligible`] holds for them.
+pub(crate) unsafe fn launch<A: DeviceApi>(
+    api: &A,
+    state: &GatherState,
+    descs: &mut DescBuf,
+    dir: Dir,
+    items: &[Item],
+    stream: A::Stream,
+) -> Result<(), GpuError> {
+    if items.is_empty() {
+        return Ok(());
+    }
+    let max_bytes = gather_config().launch_bytes();
+    for chunk in launch_chunks(items, max_bytes) {
+        let items = &items[chunk];
+        let n = desc_count(items);
+        let (slice, dev) = descs.take(api, n)?;
+        build_descs(dir, items, slice);
+        let blocks = blocks_for(state.calibration.blocks, n);
+        // SAFETY: the descriptors are written and stay untouched until the call
+        // synchronized; forwarded contract for the pages.
+        unsafe { api.launch_copy_kernel(state.kernel, dev, n as u64, blocks, THREADS, stream) }?;
+        LAUNCHES.fetch_add(1, Ordering::Relaxed);
+        LAUNCHED_PAGES.fetch_add(items.len() as u64, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// Contiguous runs of `items` of at most `max_bytes` each (an item larger than that alone).
+pub(crate) fn launch_chunks(items: &[Item], max_bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, it) in items.iter().enumerate() {
+        if i > start && bytes + it.len > max_bytes {
+            out.push(start..i);
+            (start, bytes) = (i, 0);
+        }
+        bytes += it.len;
+    }
+    if start < items.len() {
+        out.push(start..items.len());
+    }
+    out
+}
+
+/// Blocks for `pages` pages: no more than one warp per page.
+pub(crate) fn blocks_for(blocks: u32, pages: usize) -> u32 {
+    let warps = THREADS as usize / 32;
+    (blocks as usize).min(pages.div_ceil(warps)).max(1) as u32
+}
+
+/// Page sizes the calibration measures.
+pub(crate) const CALIBRATION_PAGES: [usize; 6] = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10];
+/// Bytes moved per calibration measurement.
+const CALIBRATION_BYTES: usize = 16 << 20;
+/// Block counts tried for 4 KiB pages when none is configured.
+const CALIBRATION_BLOCKS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+
+/// Loads the kernel and times copy engines against it on this GPU (a device is bound on
+/// the calling thread). Takes about 0.1–0.3 s; done once per GPU.
+pub(crate) fn calibrate<A: DeviceApi>(api: &A, dev: &A::Device, config: GatherConfig, batch_max: usize) -> Result<GatherState, GpuError> {
+    let kernel = api.copy_kernel(dev)?;
+    if !api.host_pointers_are_device_pointers(dev)? {
+        return Err(GpuError::Unsupported(format!("{}: registered host memory is not addressable at its host address", A::API)));
+    }
+    let device = api.alloc_device(2 * CALIBRATION_BYTES)?;
+    let host = match api.alloc_mapped(CALIBRATION_BYTES) {
+        Ok(h) => h,
+        Err(e) => {
+            // SAFETY: just allocated, unused.
+            unsafe { api.free_device(device) };
+            return Err(e);
+        }
+    };
+    let stream = api.create_stream();
+    let mut descs = DescBuf::default();
+    let r = stream.and_then(|stream| {
+        let r = measure_all(api, dev, kernel, config, batch_max, stream, device, host, &mut descs);
+        let _ = api.synchronize(stream);
+        api.destroy_stream(stream);
+        r
+    });
+    // SAFETY: the stream was synchronized (or never created); nothing reads these.
+    unsafe {
+        descs.free(api);
+        api.free_mapped(host);
+        api.free_device(device);
+    }
+    r.map(|calibration| GatherState { kernel, calibration })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure_all<A: DeviceApi>(
+    api: &A,
+    dev: &A::Device,
+    kernel: u64,
+    config: GatherConfig,
+    batch_max: usize,
+    stream: A::Stream,
+    device: u64,
+    host: *mut u8,
+    descs: &mut DescBuf,
+) -> Result<Calibration, GpuError> {
+    // Pages every other page-size slot on the device (not one contiguous run), packed on
+    // the host: the pool's layout.
+    let items = |page: usize| -> Vec<Item> {
+        (0..CALIBRATION_BYTES / page)
+            .map(|i| Item { host: host.wrapping_add(i * page), device: device + (2 * i * page) as u64, len: page })
+            .collect()
+    };
+    let time = |f: &mut dyn FnMut() -> Result<(), GpuError>| -> Result<f64, GpuError> {
+        f()?;
+        api.synchronize(stream)?;
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            f()?;
+            api.synchronize(stream)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(CALIBRATION_BYTES as f64 / best / 1e9)
+    };
+    let descs = std::cell::RefCell::new(descs);
+    let kernel_rate = |items: &[Item], dir: Dir, blocks: u32| -> Result<f64, GpuError> {
+        let state = GatherState { kernel, calibration: Calibration { blocks, ..Default::default() } };
+        time(&mut || {
+            let mut d = descs.borrow_mut();
+            // SAFETY: the stream was synchronized after every launch of this function.
+            unsafe { d.reset(api) };
+            // SAFETY: items lie in our two allocations, 16-byte aligned.
+            unsafe { launch(api, &state, &mut d, dir, items, stream) }
+        })
+    };
+    // Copy engines as the engine feeds them: a small first batch, then growing ones.
+    let ce_rate = |items: &[Item], dir: Dir| -> Result<f64, GpuError> {
+        use crate::engine::batch::{next_batch, FIRST_BATCH};
+        let per_call = batch_max.max(1);
+        time(&mut || {
+            let (mut pos, mut size) = (0, FIRST_BATCH.min(per_call));
+            while pos < items.len() {
+                let end = (pos + size).min(items.len());
+                // SAFETY: as above.
+                unsafe { api.copy_batch_async(dev, dir, &items[pos..end], stream, true) }?;
+                pos = end;
+                size = next_batch(size, per_call);
+            }
+            Ok(())
+        })
+    };
+    let mut block_rates = Vec::new();
+    let blocks = if config.blocks > 0 {
+        config.blocks
+    } else {
+        let small = items(CALIBRATION_PAGES[0]);
+        let mut rates = Vec::new();
+        for b in CALIBRATION_BLOCKS {
+            let r = kernel_rate(&small, Dir::DeviceToHost, b)?.min(kernel_rate(&small, Dir::HostToDevice, b)?);
+            rates.push((b, r));
+        }
+        block_rates.clone_from(&rates);
+        pick_blocks(&rates)
+    };
+    let mut points = Vec::new();
+    for page in CALIBRATION_PAGES {
+        let its = items(page);
+        points.push(Point {
+            page,
+            d2h_ce_gbps: ce_rate(&its, Dir::DeviceToHost)?,
+            d2h_kernel_gbps: kernel_rate(&its, Dir::DeviceToHost, blocks)?,
+            h2d_ce_gbps: ce_rate(&its, Dir::HostToDevice)?,
+            h2d_kernel_gbps: kernel_rate(&its, Dir::HostToDevice, blocks)?,
+        });
+    }
+    Ok(Calibration { block_rates, ..Calibration::from_points(points, blocks) })
+}
+
+/// The fewest blocks whose rate is within 3% of the best measured.
+pub(crate) fn pick_blocks(rates: &[(u32, f64)]) -> u32 {
+    let best = rates.iter().map(|r| r.1).fold(0.0, f64::max);
+    rates.iter().filter(|r| r.1 >= best * 0.97).map(|r| r.0).min().unwrap_or(16)
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    fn it(host: usize, device: u64, len: usize) -> Item {
+        Item { host: host as *mut u8, device, len }
+    }
+
+    #[test]
+    fn crossover_is_the_largest_page_where_the_kernel_wins() {
+        let p = |page, d2h_ce, d2h_k, h2d_ce, h2d_k| Point { page, d2h_ce_gbps: d2h_ce, d2h_kernel_gbps: d2h_k, h2d_ce_gbps: h2d_ce, h2d_kernel_gbps: h2d_k };
+        let c = Calibration::from_points(
+            vec![p(4096, 5.0, 45.0, 5.0, 40.0), p(16384, 20.0, 48.0, 20.0, 30.0), p(65536, 50.0, 49.0, 50.0, 30.0)],
+            8,
+        );
+        assert_eq!((c.d2h_crossover, c.h2d_crossover), (16384, 16384));
+        assert!(c.use_kernel(Dir::DeviceToHost, 4096));
+        assert!(c.use_kernel(Dir::DeviceToHost, 16384));
+        assert!(!c.use_kernel(Dir::DeviceToHost, 16385));
+        assert!(!c.use_kernel(Dir::HostToDevice, 65536));
+        assert!(!c.use_kernel(Dir::HostToDevice, 0));
+        // A kernel only 1% faster is not worth the SMs.
+        let c = Calibration::from_points(vec![p(4096, 40.0, 40.4, 40.0, 39.0)], 8);
+        assert_eq!((c.d2h_crossover, c.h2d_crossover), (0, 0));
+        assert!(!c.use_kernel(Dir::DeviceToHost, 4096));
+        assert_eq!(Calibration::from_points(vec![], 8).d2h_crossover, 0);
+    }
+
+    /// Sets `split_streams` for one test and puts the default back (lib tests that use
+    /// the split serialize on it).
+    pub(crate) struct SplitConfig(#[allow(dead_code)] std::sync::MutexGuard<'static, ()>);
+
+    impl SplitConfig {
+        pub(crate) fn set(streams: usize) -> SplitConfig {
+            static SERIAL: Mutex<()> = Mutex::new(());
+            let guard = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+            set_gather_config(GatherConfig { split_streams: streams, ..gather_config() });
+            SplitConfig(guard)
+        }
+    }
+
+    impl Drop for SplitConfig {
+        fn drop(&mut self) {
+            set_gather_config(GatherConfig { split_streams: 0, ..gather_config() });
+        }
+    }
+
+    #[test]
+    fn launches_are_cut_by_bytes() {
+        let items: Vec<Item> = (0..10).map(|k| it(k * 4096, 0, 4096)).collect();
+        assert_eq!(launch_chunks(&items, 4 * 4096), vec![0..4, 4..8, 8..10]);
+        assert_eq!(launch_chunks(&items, 1 << 30), vec![0..10]);
+        assert_eq!(launch_chunks(&items, 100), (0..10).map(|k| k..k + 1).collect::<Vec<_>>());
+        assert!(launch_chunks(&[], 4096).is_empty());
+    }
+
+    #[test]
+    fn fewest_blocks_within_three_percent() {
+        assert_eq!(pick_blocks(&[(4, 20.0), (8, 40.0), (16, 49.0), (32, 50.0), (64, 50.5)]), 16);
+        assert_eq!(pick_blocks(&[(4, 47.0), (8, 48.0), (16, 49.0), (32, 50.0), (64, 50.5)]), 16);
+        assert_eq!(pick_blocks(&[(4, 50.0), (8, 40.0)]), 4);
+        assert_eq!(pick_blocks(&[]), 16);
+        // Never more blocks than one warp per page needs.
+        assert_eq!(blocks_for(64, 10), 1);
+        assert_eq!(blocks_for(64, 16 * 3 + 1), 4);
+        assert_eq!(blocks_for(8, 100_000), 8);
+    }
+
+    #[test]
+    fn eligibility_needs_alignment_and_registered_host_memory() {
+        let ranges = [(0x10000, 0x20000), (0x20000, 0x30000)];
+        assert!(eligible(&[it(0x10000, 0x900000, 4096), it(0x2f000, 0x900010, 4096)], &ranges));
+        assert!(!eligible(&[], &ranges));
+        // Straddles two registrations (each its own mapping).
+        assert!(!eligible(&[it(0x1f800, 0x900000, 4096)], &ranges));
+        // Outside any registration.
+        assert!(!eligible(&[it(0x30000, 0x900000, 4096)], &ranges));
+        assert!(!eligible(&[it(0x0, 0x900000, 16)], &ranges));
+        // Unaligned host, device or length.
+        assert!(!eligible(&[it(0x10008, 0x900000, 4096)], &ranges));
+        assert!(!eligible(&[it(0x10000, 0x900008, 4096)], &ranges));
+        assert!(!eligible(&[it(0x10000, 0x900000, 4097)], &ranges));
+    }
+
+    #[test]
+    fn descriptors_point_from_source_to_destination() {
+        let items = [it(0x10000, 0x900000, 4096), it(0x11000, 0x980000, 8192)];
+        let mut out = [Desc { src: 0, dst: 0, len: 0 }; 2];
+        build_descs(Dir::DeviceToHost, &items, &mut out);
+        assert_eq!(out[0], Desc { src: 0x900000, dst: 0x10000, len: 4096 });
+        assert_eq!(out[1], Desc { src: 0x980000, dst: 0x11000, len: 8192 });
+        build_descs(Dir::HostToDevice, &items, &mut out);
+        assert_eq!(out[1], Desc { src: 0x11000, dst: 0x980000, len: 8192 });
+        // A copy over DESC_MAX is cut for several warps; the pieces add up.
+        let big = [it(0x100000, 0x9000000, 2 * DESC_MAX + 4096)];
+        assert_eq!(desc_count(&big), 3);
+        let mut out = [Desc { src: 0, dst: 0, len: 0 }; 3];
+        build_descs(Dir::DeviceToHost, &big, &mut out);
+        assert_eq!(out[1], Desc { src: 0x9000000 + DESC_MAX as u64, dst: 0x100000 + DESC_MAX as u64, len: DESC_MAX as u64 });
+        assert_eq!(out[2].len, 4096);
+    }
+
+    #[test]
+    fn one_large_object_is_split_for_several_streams() {
+        let _config = SplitConfig::set(4);
+        let mut items = vec![it(0x1000_0000, 0x9000_0000, 16 << 20)];
+        assert!(is_large(&items));
+        split_large(&mut items, 4);
+        assert_eq!(items.len(), 4);
+        assert!(items.iter().all(|i| i.len == 4 << 20));
+        for (k, i) in items.iter().enumerate() {
+            assert_eq!(i.host as usize, 0x1000_0000 + k * (4 << 20));
+            assert_eq!(i.device, 0x9000_0000 + (k * (4 << 20)) as u64);
+        }
+        // An odd size: pieces are 4 KiB multiples, the last takes the rest, bytes add up.
+        let mut items = vec![it(0, 0, (1 << 20) + 4096 * 3 + 16)];
+        split_large(&mut items, 4);
+        assert_eq!(items.iter().map(|i| i.len).sum::<usize>(), (1 << 20) + 4096 * 3 + 16);
+        assert!(items.len() == 4 && items[..3].iter().all(|i| i.len % 4096 == 0 && i.len >= LARGE_MIN_PIECE));
+        // Many items already, or too small: unchanged.
+        let mut many: Vec<Item> = (0..8).map(|k| it(k << 20, 0, 1 << 20)).collect();
+        split_large(&mut many, 4);
+        assert_eq!(many.len(), 8);
+        let mut small = vec![it(0, 0, 300 << 10)];
+        split_large(&mut small, 4);
+        assert_eq!(small.len(), 1);
+        assert!(!is_large(&[it(0, 0, 64 << 10)]));
+        assert!(!is_large(&[it(0, 0, 1 << 20)]), "1 MiB objects are not split");
+        assert!(is_large(&[it(0, 0, 4 << 20)]));
+        set_gather_config(GatherConfig { split_streams: 1, ..gather_config() });
+        assert!(!is_large(&[it(0, 0, 4 << 20)]), "split off");
+    }
+}

@@ -1,0 +1,131 @@
+"""Real SGLang objects for the SGLang backend's tests and bench: a CPU host KV pool
+(`MHATokenToKVPoolHost`, the class SGLang's HiCache uses for MHA models), page hashes from
+SGLang's own hash function, and a backend created through SGLang's own factory
+(`StorageBackendFactory.create_backend("dynamic", ...)`), as the HiCache controller does.
+
+Also a command-line driver, run as a separate process by the tests:
+    python sglang_host.py store|load SOCKET LAYOUT SEED NPAGES
+prints one JSON line with what it did.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+LAYERS, HEADS, HEAD_DIM, PAGE = 8, 2, 64, 16  # 64 KiB pages (the pool's default minimum object)
+MODEL = "umbp-test/tiny-mha"
+
+
+def host_pool(layout: str = "page_first", tokens: int = 1024, layers: int = LAYERS,
+              heads: int = HEADS, head_dim: int = HEAD_DIM, page: int = PAGE,
+              dtype: torch.dtype = torch.bfloat16) -> Any:
+    """A real SGLang MHA host pool on CPU, `2 * tokens` host tokens."""
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    k = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(tokens, heads, head_dim, dtype=dtype) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(
+            k=k, v=v,
+            k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+            v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64),
+            layout=KVBufferLayout.NHD,
+        ),
+        page_size=page, head_num=heads, head_dim=head_dim, v_head_dim=head_dim,
+        dtype=dtype, device=torch.device("cpu"),
+    )
+    return MHATokenToKVPoolHost(info, 2.0, 0, page, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers - 1)
+
+
+def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1, model: str = MODEL) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name=model, extra_config=extra,
+    )
+
+
+def umbp_extra(socket: str, **more: Any) -> dict:
+    return {"backend_name": "umbp", "module_path": "umbp.sglang", "class_name": "UMBPHiCacheStorage",
+            "interface_v1": 1, "endpoint": socket, "timeout_ms": 2000, "startup_timeout_ms": 5000, **more}
+
+
+def make_backend(hp: Any, extra: dict, backend: str = "dynamic", **cfg: Any) -> Any:
+    """The backend exactly as the HiCache controller attaches it (cache_controller.py)."""
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    b = StorageBackendFactory.create_backend(backend, storage_config(extra, **cfg), hp)
+    b.register_mem_pool_host(hp)
+    b.on_host_pools_registered()
+    return b
+
+
+def tokens_of(seed: int, npages: int, page: int = PAGE) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 32000, (npages * page,), generator=g).tolist()
+
+
+def page_hashes(tokens: list[int], page: int = PAGE) -> list[str]:
+    """SGLang's own storage page hashes (sha256 chain over each page's tokens)."""
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    return [str(h) for h in get_hash_str(tokens, None, page_size=page)]
+
+
+def fill_pages(hp: Any, host_indices: torch.Tensor, seed: int) -> None:
+    """Deterministic bytes in every page of `host_indices`, through the pool's own API."""
+    ps = hp.page_size
+    for i in range(0, host_indices.numel(), ps):
+        idx = int(host_indices[i])
+        flat = expected_page(hp, seed, i // ps)
+        hp.set_from_flat_data_page(idx, flat)
+
+
+def expected_page(hp: Any, seed: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100003 + n)
+    ref = hp.get_dummy_flat_data_page()
+    raw = torch.randint(-(2**15), 2**15, (ref.numel(),), generator=g, dtype=torch.int32).to(torch.int16)
+    return raw.view(ref.dtype)
+
+
+def page_bytes(hp: Any, idx: int) -> bytes:
+    """The page at token `idx` as bytes; `get_data_page` and `set_from_flat_data_page`
+    use the same (layout's) order, so this equals the flat page written there."""
+    return hp.get_data_page(idx, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def main(argv: list[str]) -> int:
+    op, sock, layout, seed, npages = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4])
+    hp = host_pool(layout)
+    b = make_backend(hp, umbp_extra(sock))
+    keys = page_hashes(tokens_of(seed, npages))
+    if op == "store":
+        idx = hp.alloc(npages * hp.page_size)
+        fill_pages(hp, idx, seed)
+        ok = b.batch_set_v1(keys, idx)
+        out = {"op": op, "ok": ok, "pid": os.getpid()}
+    else:
+        hp.alloc(3 * hp.page_size)  # land the pages elsewhere than the writer had them
+        idx = hp.alloc(npages * hp.page_size)
+        hit = b.batch_exists(keys)
+        ok = b.batch_get_v1(keys, idx)
+        exact = [page_bytes(hp, int(idx[i * hp.page_size])) ==
+                 expected_page(hp, seed, i).contiguous().view(torch.uint8).numpy().tobytes()
+                 if ok[i] else None for i in range(npages)]
+        out = {"op": op, "hit": hit, "ok": ok, "exact": exact, "pid": os.getpid()}
+    b.close()
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

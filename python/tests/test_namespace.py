@@ -1,0 +1,116 @@
+"""The derived key namespace (umbp.vllm.keys) from real vLLM engine configs: everything that
+changes the KV bytes — dtype, quantization, the HF config with hf_overrides applied, the
+draft model — changes it; identical configs agree, also across processes (the scheduler and
+the workers derive it separately)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from umbp.vllm.keys import canonical_namespace_text, hf_config_digest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cfg_dir(tiny_model):
+    import shutil
+
+    from sched_harness import config_only_model_dir
+
+    d = config_only_model_dir(tiny_model)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def engine_config(model: str, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = dict(model=model, skip_tokenizer_init=True, dtype="bfloat16", enable_prefix_caching=True,
+                enforce_eager=True, max_model_len=1024)
+    args.update(kw)
+    return EngineArgs(**args).create_engine_config()
+
+
+def ns(model: str, **kw) -> str:
+    return canonical_namespace_text(engine_config(model, **kw), None)
+
+
+@pytest.fixture(scope="module")
+def base(cfg_dir):
+    return ns(cfg_dir)
+
+
+def test_identical_configs_agree(cfg_dir, base):
+    assert ns(cfg_dir) == base
+    desc = json.loads(base)
+    assert desc["hf_config"] and desc["draft"] is None and desc["dtype"] == "torch.bfloat16"
+
+
+def test_identical_configs_agree_across_processes(cfg_dir, base):
+    code = (
+        "import sys; sys.path[:0] = sys.argv[2:]\n"
+        "from test_namespace import ns\n"
+        "print('@@NS@@' + ns(sys.argv[1]))\n"
+    )
+    here = Path(__file__).resolve().parent
+    r = subprocess.run([sys.executable, "-c", code, cfg_dir, str(here), str(here.parent)], capture_output=True,
+                       text=True, timeout=300)
+    lines = [x for x in r.stdout.splitlines() if x.startswith("@@NS@@")]
+    assert lines, r.stderr[-2000:]
+    assert lines[0][len("@@NS@@"):] == base
+
+
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("dtype", dict(dtype="float16")),
+        ("quantization", dict(quantization="fp8")),
+        ("hf_overrides", dict(hf_overrides={"rope_theta": 5000.0})),
+        ("kv_cache_dtype", dict(kv_cache_dtype="fp8")),
+        ("ngram speculation", dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                       "prompt_lookup_max": 3})),
+    ],
+)
+def test_each_change_changes_the_namespace(cfg_dir, base, name, kw):
+    try:
+        text = ns(cfg_dir, **kw)
+    except Exception as e:  # noqa: BLE001 - a config this vLLM build refuses
+        pytest.skip(f"vLLM refuses {name} here: {e}")
+    assert text != base, f"{name} did not change the namespace"
+    assert ns(cfg_dir, **kw) == text, f"{name}: the same config gave two namespaces"
+
+
+def test_hf_overrides_reach_the_effective_hf_config(cfg_dir):
+    """The override is applied to hf_config (not only listed): its digest changes."""
+    plain = engine_config(cfg_dir).model_config.hf_config
+    over = engine_config(cfg_dir, hf_overrides={"rope_theta": 5000.0}).model_config.hf_config
+    assert hf_config_digest(plain) != hf_config_digest(over)
+    assert hf_config_digest(plain) == hf_config_digest(engine_config(cfg_dir).model_config.hf_config)
+
+
+def test_draft_model_changes_the_namespace(cfg_dir, base, tmp_path):
+    """A draft model (speculative decoding) is part of the namespace, and so is which one."""
+    import shutil
+
+    other = tmp_path / "draft2"
+    shutil.copytree(cfg_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["initializer_range"] = 0.5  # another draft model: another config
+    (other / "config.json").write_text(json.dumps(cfg))
+    spec = {"model": cfg_dir, "num_speculative_tokens": 2, "method": "draft_model"}
+    try:
+        with_draft = ns(cfg_dir, speculative_config=spec)
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"vLLM refuses a draft model here: {e}")
+    assert with_draft != base
+    assert json.loads(with_draft)["draft"]["model"] == cfg_dir
+    other_draft = ns(cfg_dir, speculative_config={**spec, "model": str(other)})
+    assert other_draft not in (base, with_draft)
+    fewer = ns(cfg_dir, speculative_config={**spec, "num_speculative_tokens": 3})
+    assert fewer not in (base, with_draft)

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Issue #14 on a GPU machine: the page copy kernel path's checks and measurements, in one
+# call. Run from a folder holding the binaries of scripts/device/build.sh (BIN, default
+# .device-bin) and with the repository's scripts/ at REPO (default: two folders up from
+# BIN, or .). Everything but JSON goes to stdout and $OUT/kernel-path.log; JSON lines of
+# each bench run to $OUT/<stage>.jsonl (at most 6 files: the device tool returns 8).
+#
+#   STAGES="tests check layout" bash scripts/device/kernel-path.sh
+#
+# Stages (default: all):
+#   tests   test-cuda_gather (byte-exact 4/8/16 KiB pages both ways, fenced store after a
+#           slow kernel, fenced load before a reading kernel, calibration printed), test-cuda
+#   check   umbp-bench transfer --check --gather kernel: cross-process fences, worker
+#           killed mid-transfer, all on the kernel path
+#   layout  umbp-bench --layout-only with --gather auto / kernel / copy-engine
+#   full    umbp-bench full run --gather auto (object table, bidir, interference)
+#   kfull   umbp-bench full run --gather kernel (interference with the kernel active)
+set -uo pipefail
+bin=${BIN:-.device-bin}
+repo=${REPO:-.}
+out=${OUT:-/tmp}
+stages=${STAGES:-tests check layout full kfull}
+reps=${REPS:-5}
+extra=${EXTRA:-}
+fail=0
+has() { [[ " $stages " == *" $1 "* ]]; }
+log=$out/kernel-path.log
+run() { # name, command... (stdout of bench stages: $out/name.jsonl)
+  local name=$1; shift
+  echo "=== $name: $*" | tee -a "$log"
+  local t0=$SECONDS rc
+  if [[ $name == bench-* ]]; then
+    timeout -k 5 "${STAGE_TIMEOUT:-300}" "$@" > "$out/$name.jsonl" 2>> "$log"; rc=$?
+    grep -hE '"case"' "$out/$name.jsonl" | cut -c1-400
+  else
+    timeout -k 5 "${STAGE_TIMEOUT:-300}" "$@" >> "$log" 2>&1; rc=$?
+  fi
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
+  [ $rc = 0 ] || fail=1
+}
+nvidia-smi --query-gpu=name,driver_version,pci.bus_id,memory.total,clocks.sm,clocks.mem --format=csv || exit 1
+mm=()
+if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
+  mm=(--matmul "python3 $repo/scripts/device/matmul_loop.py")
+else
+  echo "interference_pct will be skipped: python3 with CUDA torch not found"
+fi
+export UMBP_REQUIRE_CUDA=1 RUST_LOG=${RUST_LOG:-warn,umbp_gpu=info}
+has tests && run tests-gather "$bin/test-cuda_gather" --nocapture --test-threads=1
+has tests && run tests-cuda "$bin/test-cuda" --test-threads=1
+has check && run check-kernel "$bin/umbp-bench" transfer --backend cuda --check --gather kernel
+if has layout; then
+  for g in auto kernel copy-engine; do
+    run "bench-layout-$g" "$bin/umbp-bench" transfer --backend cuda --json --layout-only --reps "$reps" --gather "$g" $extra
+  done
+fi
+has full && run bench-full-auto "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --gather auto "${mm[@]}" $extra
+has kfull && run bench-full-kernel "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --gather kernel "${mm[@]}" $extra
+grep -hE "calibration|kernel used|page copy kernel|byte-exact|stale|test result|panicked|FAIL|error" "$log" | cut -c1-600 | tail -n 80
+echo "=== kernel-path: $([ $fail = 0 ] && echo PASS || echo FAIL)"
+exit $fail
