@@ -5,7 +5,10 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-cargo build --release --locked -p umbp-pool -p umbp-tools --bins
+# The daemon alone: built together with umbp-bench it would link the pool library with
+# the benchmarks' fault-injection feature (cargo unifies features per build).
+cargo build --release --locked -p umbp-pool-daemon
+cargo build --release --locked -p umbp-tools --bin ringtool
 scripts_dir=python/umbp.data/scripts
 rm -rf python/umbp.data && mkdir -p "$scripts_dir"
 for b in umbp-pool ringtool; do

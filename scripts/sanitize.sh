@@ -35,7 +35,7 @@ cargo build --workspace --bins
 case "$tool" in
   asan)
     step "ASAN build of umbp-pool (nightly, target/asan)"
-    RUSTFLAGS="-Zsanitizer=address" cargo +nightly build -p umbp-pool --bin umbp-pool \
+    RUSTFLAGS="-Zsanitizer=address" cargo +nightly build -p umbp-pool-daemon \
       --target x86_64-unknown-linux-gnu --target-dir "$ROOT/target/asan"
     bin="$ROOT/target/asan/x86_64-unknown-linux-gnu/debug/umbp-pool"
     mkdir -p "$out"

@@ -33,7 +33,8 @@ fn percentile(sorted: &[u64], p: f64) -> f64 {
 fn worker(socket: &std::path::Path, ns: u128, mem: &mut Vec<u8>) -> Result<Worker, String> {
     *mem = vec![7u8; (SLOTS * PAGE) as usize];
     let mut w = Worker::connect(WorkerConfig::new(socket, ns)).map_err(|e| e.to_string())?;
-    w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).map_err(|e| e.to_string())?;
+    // SAFETY: the caller keeps `mem` (its own Vec) unchanged and alive while `w` lives.
+    unsafe { w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }) }.map_err(|e| e.to_string())?;
     w.register_layout(0, vec![Segment::new(0, 0, PAGE, PAGE, SLOTS)]).map_err(|e| e.to_string())?;
     Ok(w)
 }

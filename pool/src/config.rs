@@ -77,6 +77,29 @@ pub struct PoolConfig {
     /// Limits on what all attachments of one uid hold together (docs/security.md):
     /// without them the per-attachment limits multiply by `attachments_per_uid`.
     pub uid_limits: UidLimits,
+    /// Told the progress of long start-up steps (prefaulting DRAM); the daemon draws a
+    /// progress bar with it. None: progress is only logged (debug).
+    pub progress: Option<ProgressFn>,
+}
+
+/// A progress callback ([`PoolConfig::progress`]).
+#[derive(Clone)]
+pub struct ProgressFn(std::sync::Arc<dyn Fn(&crate::Progress) + Send + Sync>);
+
+impl ProgressFn {
+    pub fn new(f: impl Fn(&crate::Progress) + Send + Sync + 'static) -> Self {
+        Self(std::sync::Arc::new(f))
+    }
+
+    pub fn call(&self, p: &crate::Progress) {
+        (self.0)(p)
+    }
+}
+
+impl std::fmt::Debug for ProgressFn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ProgressFn(..)")
+    }
 }
 
 /// Control-plane deadlines and caps (docs/security.md, "Denial of service").
@@ -193,6 +216,7 @@ impl Default for PoolConfig {
             uid_limits: UidLimits::default(),
             namespace_share: 1.0,
             lease_share: 0.5,
+            progress: None,
         }
     }
 }

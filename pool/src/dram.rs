@@ -24,14 +24,7 @@ const MPOL_MF_STRICT: libc::c_ulong = 1;
 impl Dram {
     pub fn create(config: &PoolConfig) -> Result<Self, PoolError> {
         let mem = SharedMemory::create("umbp-dram", config.capacity_bytes as usize, config.hugepages)
-            .map_err(|e| {
-                let hint = if config.hugepages {
-                    "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)"
-                } else {
-                    ""
-                };
-                PoolError::Dram(format!("{e} (capacity {} bytes){hint}", config.capacity_bytes))
-            })?;
+            .map_err(|source| PoolError::Dram { capacity_bytes: config.capacity_bytes, hugepages: config.hugepages, source })?;
         let dram = Self {
             mem,
             registered: std::sync::atomic::AtomicU64::new(0),
@@ -41,14 +34,14 @@ impl Dram {
             dram.bind_numa(node)?;
         }
         if config.prefault {
-            dram.prefault();
+            dram.prefault(config.progress.as_ref());
         }
         Ok(dram)
     }
 
     fn bind_numa(&self, node: u32) -> Result<(), PoolError> {
         if node >= 1024 {
-            return Err(PoolError::Dram(format!("numa-node {node} is out of range")));
+            return Err(PoolError::NumaNodeRange(node));
         }
         let mut mask = [0u64; 16];
         mask[(node / 64) as usize] |= 1 << (node % 64);
@@ -65,23 +58,26 @@ impl Dram {
             )
         };
         if rc != 0 {
-            let err = std::io::Error::last_os_error();
-            return Err(PoolError::Dram(format!("numa-node {node}: mbind failed: {err} (is there such a node in /sys/devices/system/node?)")));
+            return Err(PoolError::Mbind { node, source: std::io::Error::last_os_error() });
         }
         tracing::info!(node, "DRAM bound to NUMA node");
         Ok(())
     }
 
-    /// Faults every page in now, in 1 GiB steps with a progress bar, so the first stores
-    /// do not pay for page faults.
-    fn prefault(&self) {
+    /// Faults every page in now, in 1 GiB steps, so the first stores do not pay for page
+    /// faults. Each step is reported to `progress` (the daemon draws a bar) and logged at
+    /// debug level.
+    fn prefault(&self, progress: Option<&crate::config::ProgressFn>) {
         const STEP: usize = 1 << 30;
         let len = self.mem.len();
-        let bar = indicatif::ProgressBar::new(len as u64).with_message("prefaulting DRAM");
-        bar.set_style(
-            indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} ({eta})")
-                .expect("static template"),
-        );
+        let report = |done: usize| {
+            let p = crate::Progress { what: "prefaulting DRAM", done_bytes: done as u64, total_bytes: len as u64 };
+            tracing::debug!(done_bytes = p.done_bytes, total_bytes = p.total_bytes, "{}", p.what);
+            if let Some(f) = progress {
+                f.call(&p);
+            }
+        };
+        report(0);
         let mut off = 0;
         while off < len {
             let n = STEP.min(len - off);
@@ -101,9 +97,8 @@ impl Dram {
                 }
             }
             off += n;
-            bar.set_position(off as u64);
+            report(off);
         }
-        bar.finish_and_clear();
         tracing::info!(bytes = len, "DRAM prefaulted");
     }
 

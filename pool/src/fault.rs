@@ -5,7 +5,7 @@
 //! message that reaches them from outside the process: the `umbp-pool` binary never calls
 //! them, so a production pool (and any peer of it) cannot arm a fault. The soak's
 //! negative control runs its pool as `umbp-bench __soak-pool`, a process that links this
-//! library and arms [`corrupt_every_nth_store`] itself.
+//! library and arms `corrupt_every_nth_store` itself.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};

@@ -4,61 +4,78 @@
 
 use umbp_protocol::index::IndexView;
 
+use crate::pool_report::{GroupEvents, GroupReport, IndexReport};
 use crate::PoolInner;
 
-fn index_json(inner: &PoolInner, group: usize) -> Option<serde_json::Value> {
+/// Group `group`'s index header and (with `histogram`) its probe-length histogram, which
+/// walks the table.
+fn index(inner: &PoolInner, group: usize, histogram: bool) -> Option<IndexReport> {
     let m = &inner.group_mem[group].index_mem;
     // SAFETY: the pool's own index mapping, alive as long as `inner`.
     let v = unsafe { IndexView::attach(m.as_ptr(), m.len()) }.ok()?;
     let s = v.snapshot();
-    Some(serde_json::json!({
-        "slots": s.slot_count, "epoch": s.epoch, "live": s.live, "tombstones": s.tombstones,
-        "inserts": s.inserts, "removes": s.removes, "rebuilds": s.rebuilds,
-        "probe_histogram": v.probe_histogram(8),
-    }))
+    Some(IndexReport {
+        slots: s.slot_count,
+        epoch: s.epoch,
+        live: s.live,
+        tombstones: s.tombstones,
+        inserts: s.inserts,
+        removes: s.removes,
+        rebuilds: s.rebuilds,
+        probe_histogram: if histogram { v.probe_histogram(8) } else { Vec::new() },
+    })
 }
 
-/// `(index, groups, event log bytes)`: the summed index section, one entry per group
-/// (its uids, namespaces, index and event log), and the bytes of all event logs.
-/// `events_written[g]` is group g's count (read under the store lock by the caller).
-pub fn build(inner: &PoolInner, events_written: &[u64]) -> (Option<serde_json::Value>, serde_json::Value, u64) {
-    let per: Vec<Option<serde_json::Value>> = (0..inner.group_mem.len()).map(|g| index_json(inner, g)).collect();
-    let mut total: Option<serde_json::Value> = None;
+/// The indexes summed (epoch: group 0's); None when none can be read.
+fn sum(per: &[Option<IndexReport>]) -> Option<IndexReport> {
+    let mut total: Option<IndexReport> = None;
     for ix in per.iter().flatten() {
         let Some(t) = total.as_mut() else {
             total = Some(ix.clone());
             continue;
         };
-        for k in ["slots", "live", "tombstones", "inserts", "removes", "rebuilds"] {
-            t[k] = (t[k].as_u64().unwrap_or(0) + ix[k].as_u64().unwrap_or(0)).into();
+        t.slots += ix.slots;
+        t.live += ix.live;
+        t.tombstones += ix.tombstones;
+        t.inserts += ix.inserts;
+        t.removes += ix.removes;
+        t.rebuilds += ix.rebuilds;
+        for (a, b) in t.probe_histogram.iter_mut().zip(&ix.probe_histogram) {
+            *a += b;
         }
-        let sum: Vec<u64> = t["probe_histogram"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .zip(ix["probe_histogram"].as_array().into_iter().flatten())
-            .map(|(a, b)| a.as_u64().unwrap_or(0) + b.as_u64().unwrap_or(0))
-            .collect();
-        t["probe_histogram"] = sum.into();
     }
-    let groups: Vec<serde_json::Value> = inner
+    total
+}
+
+/// The summed index header without the histogram, for the metrics endpoint (a scrape
+/// never walks the tables).
+pub fn index_totals(inner: &PoolInner) -> Option<IndexReport> {
+    let per: Vec<_> = (0..inner.group_mem.len()).map(|g| index(inner, g, false)).collect();
+    sum(&per)
+}
+
+/// `(index, groups, event log bytes)`: the summed index section, one entry per group
+/// (its uids, namespaces, index and event log), and the bytes of all event logs.
+/// `events_written[g]` is group g's count (read under the store lock by the caller).
+pub fn build(inner: &PoolInner, events_written: &[u64]) -> (Option<IndexReport>, Vec<GroupReport>, u64) {
+    let per: Vec<Option<IndexReport>> = (0..inner.group_mem.len()).map(|g| index(inner, g, true)).collect();
+    let total = sum(&per);
+    let groups = inner
         .tenant_groups
         .specs()
         .iter()
         .enumerate()
-        .map(|(g, spec)| {
-            serde_json::json!({
-                "group": g,
-                "uids": spec.uids,
-                "namespaces": spec.namespaces.iter().map(|ns| format!("{ns:032x}")).collect::<Vec<_>>(),
-                "index": per[g],
-                "events": {
-                    "written": events_written.get(g).copied().unwrap_or(0),
-                    "region_bytes": inner.group_mem[g].events_mem.len(),
-                },
-            })
+        .map(|(g, spec)| GroupReport {
+            group: g as u32,
+            uids: spec.uids.clone(),
+            namespaces: spec.namespaces.iter().map(|ns| format!("{ns:032x}")).collect(),
+            index: per[g].clone(),
+            events: GroupEvents {
+                written: events_written.get(g).copied().unwrap_or(0),
+                region_bytes: inner.group_mem[g].events_mem.len() as u64,
+            },
         })
         .collect();
     let log_bytes = inner.group_mem.iter().map(|g| g.events_mem.len() as u64).sum();
-    (total, groups.into(), log_bytes)
+    (total, groups, log_bytes)
 }

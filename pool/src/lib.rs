@@ -1,6 +1,6 @@
-//! The UMBP pool: one node's KV-cache store and copy service (docs/architecture.md). A
-//! library so that the same code runs as the standalone `umbp-pool` daemon and embedded
-//! inside one engine worker.
+//! The UMBP pool (docs/architecture.md): DRAM tier, allocator, eviction, index writer,
+//! transfers and the socket server. A library so that the same code runs as the
+//! standalone `umbp-pool` daemon and embedded inside one engine worker.
 //!
 //! Threads: one control thread (an event loop over the listener and every peer socket:
 //! accepts, handshakes and control messages as per-peer state machines with deadlines,
@@ -17,13 +17,18 @@ mod dram;
 mod event_log;
 mod evictor;
 mod group_report;
-#[doc(hidden)]
+/// Fault injection and hold points for tests (feature `fault-injection`; off in the daemon).
+#[cfg(feature = "fault-injection")]
 pub mod fault;
+#[cfg(not(feature = "fault-injection"))]
+#[path = "fault_off.rs"]
+mod fault;
 pub mod groups;
 mod liveness;
 mod metrics;
 mod objects;
 mod poller;
+pub mod pool_report;
 mod report;
 mod server;
 mod service;
@@ -39,8 +44,22 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 pub use alloc::PAGE_BYTES;
-pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, UidLimits};
+pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, ProgressFn, UidLimits};
 pub use objects::ObjectEvent;
+pub use pool_report::{PoolReport, Report, TenantReport};
+
+/// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
+/// daemon warns at start when it can.
+pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
+
+/// Progress of a long start-up step (prefaulting DRAM), for [`PoolConfig::progress`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// What is being done, e.g. "prefaulting DRAM".
+    pub what: &'static str,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+}
 
 use attachment::Attachment;
 use objects::ObjectStore;
@@ -57,11 +76,25 @@ pub enum PoolError {
     Socket { path: PathBuf, message: String },
     #[error("metrics endpoint {addr}: {message}")]
     Metrics { addr: String, message: String },
-    #[error("DRAM tier: {0}")]
-    Dram(String),
+    #[error("DRAM tier: {source} (capacity {capacity_bytes} bytes){}", if *.hugepages { HUGEPAGES_HINT } else { "" })]
+    Dram { capacity_bytes: u64, hugepages: bool, source: umbp_ipc::ShmError },
+    #[error("DRAM tier: numa-node {0} is out of range")]
+    NumaNodeRange(u32),
+    #[error("DRAM tier: numa-node {node}: mbind failed: {source} (is there such a node in /sys/devices/system/node?)")]
+    Mbind { node: u32, source: std::io::Error },
+    #[error("DRAM tier: index of tenant group {group}: {source}")]
+    IndexMemory { group: u32, source: umbp_ipc::ShmError },
+    #[error("DRAM tier: index of tenant group {group}: {source}")]
+    IndexFormat { group: u32, source: umbp_protocol::ProtocolError },
+    /// The event log's creation reports a message (event_log.rs).
+    #[error("DRAM tier: event log of tenant group {group}: {message}")]
+    EventLog { group: u32, message: String },
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
+
+const HUGEPAGES_HINT: &str =
+    "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)";
 
 /// One tenant group's shared regions (groups.rs): its index and its KV event log, both
 /// read-only for peers, written through `store`.
@@ -217,8 +250,8 @@ impl Pool {
         &self.socket_path
     }
 
-    /// The state report that ringtool shows (JSON).
-    pub fn report(&self) -> serde_json::Value {
+    /// The state report that ringtool shows (serializes to its JSON form).
+    pub fn report(&self) -> PoolReport {
         report::build(&self.inner)
     }
 
@@ -309,16 +342,15 @@ fn create_group(
     slots: u64,
 ) -> Result<(Arc<SharedMemory>, event_log::SharedEventLog), PoolError> {
     let suffix = if groups == 1 { String::new() } else { format!("-g{g}") };
-    let err = |what: &str, e: &dyn std::fmt::Display| PoolError::Dram(format!("{what} of tenant group {g}: {e}"));
     let index_mem = SharedMemory::create(&format!("umbp-index{suffix}"), umbp_protocol::index::region_bytes(slots), false)
-        .map_err(|e| err("index", &e))?;
+        .map_err(|source| PoolError::IndexMemory { group: g, source })?;
     // SAFETY: a fresh zeroed mapping that only this pool writes.
     unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, objects::index_seed()) }
-        .map_err(|e| err("index", &e))?;
+        .map_err(|source| PoolError::IndexFormat { group: g, source })?;
     // Schedulers map it read-only: no writable mapping can be made from now on.
-    index_mem.seal_read_only().map_err(|e| err("index", &e))?;
+    index_mem.seal_read_only().map_err(|source| PoolError::IndexMemory { group: g, source })?;
     let log = event_log::SharedEventLog::create(&format!("umbp-events{suffix}"), config.event_log_entries)
-        .map_err(|e| err("event log", &e))?;
+        .map_err(|message| PoolError::EventLog { group: g, message })?;
     Ok((Arc::new(index_mem), log))
 }
 

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,6 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 use umbp_protocol::entries::Opcode;
-use umbp_protocol::index::IndexView;
 use umbp_protocol::wire::Role;
 
 use crate::{PoolError, PoolInner};
@@ -320,21 +319,12 @@ fn labelled_gauge(
 impl Collector for PoolCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let inner = &self.inner;
-        let c = &inner.counters;
-        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        let (capacity, allocated, objects, published, pinned, evictions, events, namespaces) = {
+        let (p, namespaces) = {
             let s = inner.store.lock().expect("store lock");
-            (
-                s.capacity_bytes(),
-                s.allocated_bytes(),
-                s.object_count() as u64,
-                s.published_count(),
-                s.pinned_count() as u64,
-                s.evictions(),
-                s.events_written(),
-                s.namespaces().len() as u64,
-            )
+            (crate::report::pool_section(inner, &s), s.namespaces().len() as u64)
         };
+        let c = inner.counters.snapshot();
+        let (capacity, allocated) = (p.capacity_bytes, p.allocated_bytes);
         let (mut workers, mut schedulers, mut observers, mut inflight) = (0u64, 0u64, 0u64, 0u64);
         for a in inner.attachments.lock().expect("attachments lock").iter() {
             match a.role {
@@ -353,14 +343,14 @@ impl Collector for PoolCollector {
             "allocated / capacity (the evictor keeps it between the watermarks)",
             if capacity > 0 { allocated as f64 / capacity as f64 } else { 0.0 },
         )?;
-        gauge(&mut enc, "umbp_high_watermark_ratio", "Occupancy above which the evictor starts", inner.config.high_watermark)?;
-        gauge(&mut enc, "umbp_low_watermark_ratio", "Occupancy the evictor brings the pool down to", inner.config.low_watermark)?;
-        gauge(&mut enc, "umbp_objects", "Objects held (published or being written)", objects as f64)?;
-        gauge(&mut enc, "umbp_published_objects", "Objects visible in the index", published as f64)?;
-        gauge(&mut enc, "umbp_pinned_objects", "Objects pinned by loads in flight", pinned as f64)?;
+        gauge(&mut enc, "umbp_high_watermark_ratio", "Occupancy above which the evictor starts", p.high_watermark)?;
+        gauge(&mut enc, "umbp_low_watermark_ratio", "Occupancy the evictor brings the pool down to", p.low_watermark)?;
+        gauge(&mut enc, "umbp_objects", "Objects held (published or being written)", p.objects as f64)?;
+        gauge(&mut enc, "umbp_published_objects", "Objects visible in the index", p.published_objects as f64)?;
+        gauge(&mut enc, "umbp_pinned_objects", "Objects pinned by loads in flight", p.pinned_objects as f64)?;
         gauge(&mut enc, "umbp_namespaces", "Namespaces with at least one object", namespaces as f64)?;
-        counter(&mut enc, "umbp_evictions", "Objects evicted by the evictor", evictions)?;
-        counter(&mut enc, "umbp_events", "KV events written to the shared event log", events)?;
+        counter(&mut enc, "umbp_evictions", "Objects evicted by the evictor", p.evictions)?;
+        counter(&mut enc, "umbp_events", "KV events written to the shared event log", p.events_written)?;
 
         labelled_counter(
             &mut enc,
@@ -368,27 +358,27 @@ impl Collector for PoolCollector {
             "Blocks by outcome (stored, already_present, not_stored, loaded, missing, failed, invalid)",
             "result",
             &[
-                ("stored", g(&c.blocks_stored)),
-                ("already_present", g(&c.blocks_already_present)),
-                ("not_stored", g(&c.blocks_not_stored)),
-                ("loaded", g(&c.blocks_loaded)),
-                ("missing", g(&c.blocks_missing)),
-                ("failed", g(&c.blocks_failed)),
-                ("invalid", g(&c.blocks_invalid)),
+                ("stored", c.blocks_stored),
+                ("already_present", c.blocks_already_present),
+                ("not_stored", c.blocks_not_stored),
+                ("loaded", c.blocks_loaded),
+                ("missing", c.blocks_missing),
+                ("failed", c.blocks_failed),
+                ("invalid", c.blocks_invalid),
             ],
         )?;
-        counter(&mut enc, "umbp_stores", "Blocks stored (copied into the pool and published)", g(&c.blocks_stored))?;
-        counter(&mut enc, "umbp_loads", "Blocks loaded (copied out of the pool)", g(&c.blocks_loaded))?;
-        counter(&mut enc, "umbp_load_hits", "Load requests for blocks the pool held", g(&c.blocks_loaded))?;
-        counter(&mut enc, "umbp_load_misses", "Load requests for blocks the pool did not hold", g(&c.blocks_missing))?;
+        counter(&mut enc, "umbp_stores", "Blocks stored (copied into the pool and published)", c.blocks_stored)?;
+        counter(&mut enc, "umbp_loads", "Blocks loaded (copied out of the pool)", c.blocks_loaded)?;
+        counter(&mut enc, "umbp_load_hits", "Load requests for blocks the pool held", c.blocks_loaded)?;
+        counter(&mut enc, "umbp_load_misses", "Load requests for blocks the pool did not hold", c.blocks_missing)?;
         labelled_counter(
             &mut enc,
             "umbp_bytes",
             "Bytes copied, by direction (store: into the pool, load: out of it)",
             "direction",
-            &[("store", g(&c.bytes_stored)), ("load", g(&c.bytes_loaded))],
+            &[("store", c.bytes_stored), ("load", c.bytes_loaded)],
         )?;
-        for (direction, phases) in [("store", &c.store_phases), ("load", &c.load_phases)] {
+        for (direction, phases) in [("store", &c.phases.store), ("load", &c.phases.load)] {
             let (name, help) = (
                 format!("umbp_{direction}_phase_seconds"),
                 format!("Time of {direction} jobs by phase, summed over jobs (admit, queue, reserve, plan, copy, publish, finish)"),
@@ -405,14 +395,14 @@ impl Collector for PoolCollector {
             "Bytes copied / time inside copy calls since start (GB/s), by direction",
             "direction",
             &[
-                ("store", gbps(g(&c.bytes_stored), g(&c.store_phases.copy_ns))),
-                ("load", gbps(g(&c.bytes_loaded), g(&c.load_phases.copy_ns))),
+                ("store", gbps(c.bytes_stored, c.phases.store.copy_ns)),
+                ("load", gbps(c.bytes_loaded, c.phases.load.copy_ns)),
             ],
         )?;
-        counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", g(&c.submissions))?;
-        counter(&mut enc, "umbp_rejected_submissions", "Submissions answered with an error CQE", g(&c.rejected_submissions))?;
-        counter(&mut enc, "umbp_transfers_cancelled", "Transfers abandoned by their worker before the pool issued all their stages", g(&c.transfers_cancelled))?;
-        counter(&mut enc, "umbp_hints", "Touch hints drained from schedulers", g(&c.hints))?;
+        counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", c.submissions)?;
+        counter(&mut enc, "umbp_rejected_submissions", "Submissions answered with an error CQE", c.rejected_submissions)?;
+        counter(&mut enc, "umbp_transfers_cancelled", "Transfers abandoned by their worker before the pool issued all their stages", c.transfers_cancelled)?;
+        counter(&mut enc, "umbp_hints", "Touch hints drained from schedulers", c.hints)?;
         labelled_gauge(
             &mut enc,
             "umbp_attachments",
@@ -421,25 +411,17 @@ impl Collector for PoolCollector {
             &[("worker", workers as f64), ("scheduler", schedulers as f64), ("observer", observers as f64)],
         )?;
         gauge(&mut enc, "umbp_inflight_submissions", "Submissions accepted and not yet completed", inflight as f64)?;
-        counter(&mut enc, "umbp_attachments_accepted", "Handshakes accepted since start", g(&c.attachments_total))?;
-        counter(&mut enc, "umbp_handshake_refusals", "Handshakes refused since start", g(&c.refusals))?;
+        counter(&mut enc, "umbp_attachments_accepted", "Handshakes accepted since start", c.attachments_total)?;
+        counter(&mut enc, "umbp_handshake_refusals", "Handshakes refused since start", c.refusals)?;
 
-        // Summed over the tenant groups' indexes (one without --namespace-acl).
-        let mut ix: Option<(u64, u64, u64, u64, u64)> = None;
-        for g in &inner.group_mem {
-            // SAFETY: the pool's own index mapping, alive as long as `inner`.
-            if let Ok(v) = unsafe { IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) } {
-                let s = v.snapshot();
-                let t = ix.get_or_insert((0, 0, 0, s.epoch, 0));
-                *t = (t.0 + s.slot_count, t.1 + s.live, t.2 + s.tombstones, t.3, t.4 + s.rebuilds);
-            }
-        }
-        if let Some((slots, live, tombstones, epoch, rebuilds)) = ix {
-            gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", slots as f64)?;
-            gauge(&mut enc, "umbp_index_live", "Live index entries", live as f64)?;
-            gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", tombstones as f64)?;
-            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1; group 0's)", epoch as f64)?;
-            counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", rebuilds)?;
+        // Summed over the tenant groups' indexes (one without --namespace-acl); headers
+        // only: a scrape never walks the tables for the probe histogram.
+        if let Some(s) = crate::group_report::index_totals(inner) {
+            gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", s.slots as f64)?;
+            gauge(&mut enc, "umbp_index_live", "Live index entries", s.live as f64)?;
+            gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", s.tombstones as f64)?;
+            gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1; group 0's)", s.epoch as f64)?;
+            counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", s.rebuilds)?;
         }
         gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;
         Ok(())

@@ -317,14 +317,14 @@ impl ObjectStore {
     }
 
     /// Counters of the defences in this file, for reports.
-    pub fn defence_counters(&self) -> serde_json::Value {
-        serde_json::json!({
-            "index_evictions": self.index_evictions,
-            "quota_evictions": self.quota_evictions,
-            "quota_refusals": self.quota_refusals,
-            "foreign_hints_ignored": self.foreign_hints,
-            "leases_dropped": self.leases_dropped,
-        })
+    pub fn defence_counters(&self) -> crate::pool_report::Defences {
+        crate::pool_report::Defences {
+            index_evictions: self.index_evictions,
+            quota_evictions: self.quota_evictions,
+            quota_refusals: self.quota_refusals,
+            foreign_hints_ignored: self.foreign_hints,
+            leases_dropped: self.leases_dropped,
+        }
     }
 
     /// A group's index watermark in entries (`wm` of its capacity).

@@ -2,6 +2,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::pool_report::{CountersReport, PhaseReport, Phases};
+
 #[derive(Default)]
 pub struct Counters {
     pub submissions: AtomicU64,
@@ -56,28 +58,19 @@ pub struct PhaseCounters {
 }
 
 impl PhaseCounters {
-    /// `(phase, nanoseconds)` for reports and metrics.
-    pub fn phases(&self) -> [(&'static str, u64); 7] {
+    pub fn snapshot(&self) -> PhaseReport {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            ("admit", g(&self.admit_ns)),
-            ("queue", g(&self.queue_ns)),
-            ("reserve", g(&self.reserve_ns)),
-            ("plan", g(&self.plan_ns)),
-            ("copy", g(&self.copy_ns)),
-            ("publish", g(&self.publish_ns)),
-            ("finish", g(&self.finish_ns)),
-        ]
-    }
-
-    fn to_json(&self) -> serde_json::Value {
-        let mut m = serde_json::Map::new();
-        m.insert("jobs".into(), self.jobs.load(Ordering::Relaxed).into());
-        m.insert("stages".into(), self.stages.load(Ordering::Relaxed).into());
-        for (name, ns) in self.phases() {
-            m.insert(format!("{name}_ns"), ns.into());
+        PhaseReport {
+            jobs: g(&self.jobs),
+            stages: g(&self.stages),
+            admit_ns: g(&self.admit_ns),
+            queue_ns: g(&self.queue_ns),
+            reserve_ns: g(&self.reserve_ns),
+            plan_ns: g(&self.plan_ns),
+            copy_ns: g(&self.copy_ns),
+            publish_ns: g(&self.publish_ns),
+            finish_ns: g(&self.finish_ns),
         }
-        serde_json::Value::Object(m)
     }
 }
 
@@ -93,29 +86,32 @@ impl Counters {
         }
     }
 
-    pub fn to_json(&self) -> serde_json::Value {
+    /// The counters as the report carries them (relaxed loads: each is exact, together
+    /// they are not one instant).
+    pub fn snapshot(&self) -> CountersReport {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        serde_json::json!({
-            "submissions": g(&self.submissions),
-            "rejected_submissions": g(&self.rejected_submissions),
-            "transfers_cancelled": g(&self.transfers_cancelled),
-            "blocks_stored": g(&self.blocks_stored),
-            "blocks_already_present": g(&self.blocks_already_present),
-            "blocks_not_stored": g(&self.blocks_not_stored),
-            "blocks_loaded": g(&self.blocks_loaded),
-            "blocks_missing": g(&self.blocks_missing),
-            "blocks_failed": g(&self.blocks_failed),
-            "blocks_invalid": g(&self.blocks_invalid),
-            "bytes_stored": g(&self.bytes_stored),
-            "bytes_loaded": g(&self.bytes_loaded),
-            "hints": g(&self.hints),
-            "attachments_total": g(&self.attachments_total),
-            "refusals": g(&self.refusals),
-            "busy_refusals": g(&self.busy_refusals),
-            "pidfd_open_peers": g(&self.pidfd_open_peers),
-            "store_copy_ns": g(&self.store_phases.copy_ns),
-            "load_copy_ns": g(&self.load_phases.copy_ns),
-            "phases": {"store": self.store_phases.to_json(), "load": self.load_phases.to_json()},
-        })
+        let (store, load) = (self.store_phases.snapshot(), self.load_phases.snapshot());
+        CountersReport {
+            submissions: g(&self.submissions),
+            rejected_submissions: g(&self.rejected_submissions),
+            transfers_cancelled: g(&self.transfers_cancelled),
+            blocks_stored: g(&self.blocks_stored),
+            blocks_already_present: g(&self.blocks_already_present),
+            blocks_not_stored: g(&self.blocks_not_stored),
+            blocks_loaded: g(&self.blocks_loaded),
+            blocks_missing: g(&self.blocks_missing),
+            blocks_failed: g(&self.blocks_failed),
+            blocks_invalid: g(&self.blocks_invalid),
+            bytes_stored: g(&self.bytes_stored),
+            bytes_loaded: g(&self.bytes_loaded),
+            hints: g(&self.hints),
+            attachments_total: g(&self.attachments_total),
+            refusals: g(&self.refusals),
+            busy_refusals: g(&self.busy_refusals),
+            pidfd_open_peers: g(&self.pidfd_open_peers),
+            store_copy_ns: store.copy_ns,
+            load_copy_ns: load.copy_ns,
+            phases: Phases { store, load },
+        }
     }
 }

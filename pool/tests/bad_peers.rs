@@ -84,7 +84,7 @@ fn bad_handshakes_are_refused_and_the_pool_keeps_serving() {
     healthy_round_trip(&pool, 0);
     drop(silent);
     let report = pool.report();
-    assert!(report["counters"]["refusals"].as_u64().unwrap() >= 4, "{report}");
+    assert!(report.counters.refusals >= 4, "{report}");
 }
 
 #[test]
@@ -207,7 +207,7 @@ fn corrupted_ring_detaches_only_that_peer() {
 fn second_pool_on_a_live_socket_is_refused_and_stale_is_replaced() {
     let socket = unique_socket("live");
     let mut first = start_pool(&socket, &[]);
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-pool"))
+    let out = std::process::Command::new(umbp_integration_tests::pool_binary())
         .arg("--socket")
         .arg(&socket)
         .args(["--capacity", "16MiB"])
@@ -231,7 +231,7 @@ fn failed_start_names_the_key_and_leaves_no_socket() {
         (&["--capacity", "lots"][..], "capacity (UMBP_DRAM_CAPACITY)"),
         (&["--capacity", "16MiB", "--low-wm", "0.95"][..], "low-wm"),
     ] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-pool")).arg("--socket").arg(&socket).args(args).output().unwrap();
+        let out = std::process::Command::new(umbp_integration_tests::pool_binary()).arg("--socket").arg(&socket).args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} must fail");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: {err}");

@@ -68,7 +68,7 @@ fn socket_is_0660_and_belongs_to_the_socket_group() {
     assert_eq!(meta.gid(), rustix::process::getgid().as_raw(), "default group: the pool's");
     drop(pool);
 
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_umbp-pool"))
+    let bad = std::process::Command::new(umbp_integration_tests::pool_binary())
         .args(["--socket-group", "no-such-group-umbp", "--capacity", "16MiB"])
         .output()
         .unwrap();
@@ -123,7 +123,7 @@ fn namespace_acl_refuses_other_namespaces_and_unlisted_uids() {
     assert!(unlisted.contains("not allowed for uid 65533") && unlisted.contains("--namespace-acl"), "{unlisted}");
     // The pool's own uid is not restricted.
     assert!(RawPeer::attach(&pool.socket, Role::Scheduler, 0x1234).is_ok());
-    assert!(pool.report()["counters"]["refusals"].as_u64().unwrap() >= 2);
+    assert!(pool.report().counters.refusals >= 2);
 }
 
 fn one(peer: &RawPeer, op: Opcode, key: u128, block: u64) -> BlockStatus {

@@ -123,7 +123,7 @@ fn inflight_limits_answer_busy_with_the_limit() {
     assert!(c.iter().all(|c| c.result == 0 || c.result == -(CqeError::Busy as i32)));
     assert!(c.iter().filter(|c| c.result == 0).all(|c| c.ok_count == 16), "admitted ones complete in full");
     let r = pool.report();
-    assert_eq!(r["counters"]["busy_refusals"].as_u64().unwrap(), busy.len() as u64);
+    assert_eq!(r.counters.busy_refusals, busy.len() as u64);
     drop(pool);
 
     // Bytes: 16 MiB per submission, at most 24 MiB in flight: the second of a burst waits

@@ -17,8 +17,8 @@ fn nop(user_data: u64) -> Sqe {
 }
 
 /// The attachment of `pid`'s worker in the pool's report.
-fn attachment(report: &serde_json::Value, id: u32) -> serde_json::Value {
-    report["attachments"].as_array().unwrap().iter().find(|a| a["id"] == id).cloned().expect("attachment in the report")
+fn attachment(report: &umbp_pool::PoolReport, id: u32) -> umbp_pool::pool_report::AttachmentReport {
+    report.attachment(id).cloned().expect("attachment in the report")
 }
 
 #[test]
@@ -53,13 +53,13 @@ fn completion_overflow_is_bounded_for_a_peer_that_never_reaps() {
     peer.ring_doorbell();
     std::thread::sleep(Duration::from_millis(200));
     let a = attachment(&pool.report(), id);
-    let overflow = a["cq_overflow"].as_u64().unwrap();
+    let overflow = a.cq_overflow as u64;
     // Nops are never in flight: the overflow is at most a CQ's worth plus one batch.
     let bound = cq_entries + 64;
     assert!(overflow <= bound, "completion overflow {overflow} > {bound} for a peer that never reaps (pushed {pushed}): {a}");
     assert!(pushed < total, "the pool kept reading the SQ of a peer that never reaps ({pushed} submissions)");
-    assert_eq!(a["sq_paused"], true, "{a}");
-    assert_eq!(a["sq_pauses"], 1, "{a}");
+    assert!(a.sq_paused, "{a}");
+    assert_eq!(a.sq_pauses, 1, "{a}");
 
     // The peer reaps: every submission completes, in order, none lost, and the rest of
     // `total` goes through.
@@ -80,5 +80,5 @@ fn completion_overflow_is_bounded_for_a_peer_that_never_reaps() {
     }
     assert!(reaped.iter().enumerate().all(|(i, &(u, r))| u == i as u64 && r == 0), "completions out of order or failed");
     let a = attachment(&pool.report(), id);
-    assert_eq!((a["cq_overflow"].as_u64(), a["sq_paused"].as_bool()), (Some(0), Some(false)), "{a}");
+    assert_eq!((a.cq_overflow, a.sq_paused), (0, false), "{a}");
 }

@@ -126,7 +126,7 @@ impl EmbeddedPool {
     fn report(&self) -> PyResult<String> {
         let g = self.pool.lock().expect("pool lock");
         let p = g.as_ref().ok_or_else(|| err("pool is closed"))?;
-        Ok(p.report().to_string())
+        serde_json::to_string(&p.report()).map_err(|e| err(format!("report: {e}")))
     }
 
     /// Keys stored ("stored") or removed ("removed", evictions included) since the last call.
@@ -217,15 +217,25 @@ impl Worker {
     }
 
     /// Registers `size` bytes at `ptr` of this process (CPU tensors); returns the alloc id.
+    ///
+    /// The caller vouches (Python cannot express it) that the range is one live allocation
+    /// that stays allocated until this Worker is closed, and is not used by anything else
+    /// while a transfer into or out of it is in flight (`Worker::register_memory`'s
+    /// contract): the vLLM connector registers its KV cache tensors, which live as long
+    /// as the engine.
     fn register_host_memory(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<u32> {
-        self.with(py, |w| w.register_memory(umbp_worker::MemorySpec::HostProcess { ptr, len: size }))
+        // SAFETY: the Python caller vouches for the range, as documented above.
+        self.with(py, |w| unsafe { w.register_memory(umbp_worker::MemorySpec::HostProcess { ptr, len: size }) })
     }
 
-    /// Registers a CUDA device allocation range (exported with an IPC handle).
+    /// Registers a CUDA device allocation range (exported with an IPC handle). The caller
+    /// vouches that it stays allocated until this Worker is closed.
     #[pyo3(signature = (ptr, size, device=0))]
     fn register_cuda_memory(&self, py: Python<'_>, ptr: u64, size: u64, device: i32) -> PyResult<u32> {
         let _ = device; // the IPC handle identifies the device by UUID
-        self.with(py, |w| w.register_memory(umbp_worker::MemorySpec::Cuda { ptr, len: size }))
+        // SAFETY: the Python caller vouches that the device range stays allocated until
+        // this Worker is closed (as for register_host_memory).
+        self.with(py, |w| unsafe { w.register_memory(umbp_worker::MemorySpec::Cuda { ptr, len: size }) })
     }
 
     /// Segments are (alloc_id, offset, block_stride, page_bytes, num_blocks); returns the

@@ -3,18 +3,10 @@
 #[path = "../../worker/tests/common/mod.rs"]
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{socket_path, MockPool, REFUSED_NAMESPACE};
+use common::{eventually, socket_path, MockPool, REFUSED_NAMESPACE};
 use umbp_scheduler::*;
-
-fn eventually(mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(5), "condition not reached in 5 s");
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
 
 #[test]
 fn prefix_lookups_and_hints() {

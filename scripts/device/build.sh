@@ -17,7 +17,7 @@ cp target/release/examples/cuda_ipc_check "$out/"
 
 # The transfer benchmark and checks (workers are the same binary) and the pool daemon.
 cargo build --release -p umbp-bench
-cargo build --release -p umbp-pool --bin umbp-pool
+cargo build --release -p umbp-pool-daemon   # alone: no fault-injection feature in the daemon
 cp target/release/umbp-bench target/release/umbp-pool "$out/"
 
 # Integration test binaries have hashed names; cargo's JSON messages say where they are.

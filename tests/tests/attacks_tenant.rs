@@ -50,7 +50,7 @@ fn colliding_keys_do_not_pile_into_one_probe_run() {
     let v = worker(&pool.socket, 2, &[], &["store", "--first-key", "0", "--count", "512"]);
     assert_eq!(n(&v, "stored"), 512, "the other tenant's stores: {v}");
     let report = pool.report();
-    let hist: Vec<u64> = report["index"]["probe_histogram"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).collect();
+    let hist: Vec<u64> = report.index.as_ref().expect("index section").probe_histogram.clone();
     eprintln!("probe histogram after 1500 colliding + 512 derived keys: {hist:?}");
     assert_eq!(hist.iter().sum::<u64>(), 2012);
     assert!(hist[7] < 20, "entries 7+ slots from their home: {hist:?}");
@@ -78,13 +78,13 @@ fn namespace_quota_keeps_a_flooding_tenant_from_evicting_others() {
     eprintln!("no quota: flooder {a0}, victim loads {l0}");
     assert!(n(&l0, "missing") > 256, "without a quota the flood evicts the victim: {l0}");
     let (a, l, report) = run("quota", &["--namespace-share", "0.5"]);
-    eprintln!("--namespace-share 0.5: flooder {a}, victim loads {l}, {}", report["pool"]["defences"]);
+    eprintln!("--namespace-share 0.5: flooder {a}, victim loads {l}, {}", report.pool.defences);
     assert_eq!(n(&l, "missing"), 0, "the victim keeps every block: {l}");
     assert_eq!(n(&l, "loaded"), 512, "{l}");
     assert!(n(&a, "stored") > n(&a, "not_stored"), "the flooder still stores, evicting its own: {a}");
-    assert!(report["pool"]["defences"]["quota_evictions"].as_u64().unwrap() > 0, "{}", report["pool"]);
-    let ns1 = report["namespaces"].as_array().unwrap().iter().find(|n| n["namespace"].as_str().unwrap().ends_with("01")).unwrap();
-    assert!(ns1["bytes"].as_u64().unwrap() <= 32 << 20, "{ns1}");
+    assert!(report.pool.defences.quota_evictions > 0, "{}", report.pool);
+    let ns1 = report.namespaces.iter().find(|n| n.id() == Some(1)).unwrap();
+    assert!(ns1.bytes <= 32 << 20, "{ns1}");
 }
 
 /// A tenant stores the whole pool and keeps re-touching every key with long leases
@@ -112,13 +112,13 @@ fn touch_hints_cannot_pin_the_whole_pool() {
     std::thread::sleep(Duration::from_millis(300));
     let v = worker(&pool.socket, 2, &[], &["store", "--first-key", "0", "--count", "512"]);
     let low = (64u64 << 20) * 7 / 10;
-    let back_to_low = eventually(Duration::from_secs(5), || pool.report()["pool"]["allocated_bytes"].as_u64().unwrap() <= low + (1 << 20));
+    let back_to_low = eventually(Duration::from_secs(5), || pool.report().pool.allocated_bytes <= low + (1 << 20));
     let report = pool.report();
     let _ = pinner.kill();
     let _ = pinner.wait();
-    eprintln!("victim stores: {v}; pool {}", report["pool"]);
-    assert!(back_to_low, "a pinning tenant kept the pool above its low watermark: {}", report["pool"]);
-    assert!(report["pool"]["defences"]["leases_dropped"].as_u64().unwrap() > 0, "{}", report["pool"]);
+    eprintln!("victim stores: {v}; pool {}", report.pool);
+    assert!(back_to_low, "a pinning tenant kept the pool above its low watermark: {}", report.pool);
+    assert!(report.pool.defences.leases_dropped > 0, "{}", report.pool);
 }
 
 /// Hints for another namespace's keys are ignored: a scheduler of namespace 9 re-touching
@@ -134,9 +134,9 @@ fn hints_for_another_namespace_are_ignored() {
     assert_eq!(idx.match_prefix(&keys), 64, "lookups still see them");
     idx.touch(&keys);
     assert!(
-        eventually(Duration::from_secs(5), || pool.report()["pool"]["defences"]["foreign_hints_ignored"].as_u64().unwrap() >= 64),
+        eventually(Duration::from_secs(5), || pool.report().pool.defences.foreign_hints_ignored >= 64),
         "{}",
-        pool.report()["pool"]
+        pool.report().pool
     );
 }
 
@@ -183,6 +183,8 @@ fn stats_report_hides_other_tenants() {
     let r: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{text:?}: {e}"));
     eprintln!("uid 65534 sees: {r}");
     assert_eq!(r["scope"], "tenant", "{r}");
+    let typed: umbp_pool::Report = serde_json::from_value(r.clone()).unwrap_or_else(|e| panic!("not a report: {e}: {r}"));
+    assert!(matches!(typed, umbp_pool::Report::Tenant(_)), "parsed as the tenant view: {r}");
     let s = r.to_string();
     assert!(!s.contains(&secret_ns), "another tenant's namespace leaked: {r}");
     assert!(!s.contains(&format!("\"pid\":{}", tenant.id())), "another tenant's pid leaked: {r}");
@@ -245,7 +247,7 @@ fn tenant_b(
     go: std::sync::mpsc::Receiver<()>,
 ) -> TenantView {
     use std::os::fd::OwnedFd;
-    use umbp_worker::{MemorySpec, Segment, Worker, WorkerConfig};
+    use umbp_worker::{Segment, Worker, WorkerConfig};
     become_uid(65534);
     let mut idx = umbp_scheduler::IndexClient::connect(socket, ns, Duration::from_secs(5)).expect("B's scheduler attaches");
     ready.send(()).unwrap();
@@ -261,7 +263,7 @@ fn tenant_b(
     mfd.as_file().set_len(OBJ * n).unwrap();
     mfd.add_seals(&[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow]).unwrap();
     let fd: OwnedFd = mfd.as_file().try_clone().unwrap().into();
-    let id = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: OBJ * n }).expect("B registers a memfd");
+    let id = w.register_memfd(fd, 0, OBJ * n).expect("B registers a memfd");
     w.register_layout(0, vec![Segment::new(id, 0, OBJ, OBJ, n)]).expect("B's layout");
     let batch: Vec<_> = probe.iter().enumerate().map(|(i, k)| (*k, i as u64)).collect();
     let t = w.store(0, &batch).expect("B's store");
@@ -375,12 +377,13 @@ fn another_tenants_keys_are_invisible_in_index_and_event_log() {
     let l = worker(&pool.socket, NS_A, &["--timeout-ms", "30000"], &["load", "--first-key", "0", "--count", "64"]);
     assert_eq!((n(&l, "loaded"), n(&l, "corrupt")), (64, 0), "{l}");
     let report = pool.report();
-    let groups = report["groups"].as_array().unwrap_or_else(|| panic!("no groups in the report: {report}"));
-    assert_eq!(groups.len(), 3, "{}", report["groups"]);
-    assert_eq!(report["index"]["live"], 128, "the summed index: {}", report["index"]);
+    let groups = &report.groups;
+    assert_eq!(groups.len(), 3, "{report}");
+    let summed = report.index.as_ref().expect("index section");
+    assert_eq!(summed.live, 128, "the summed index: {summed}");
     for g in &groups[1..] {
-        assert_eq!(g["index"]["live"], 64, "each tenant's own index: {g}");
-        assert_eq!(g["events"]["written"], 64, "each tenant's own event log: {g}");
+        assert_eq!(g.index.as_ref().map(|i| i.live), Some(64), "each tenant's own index: {g}");
+        assert_eq!(g.events.written, 64, "each tenant's own event log: {g}");
     }
     // ringtool (the pool's uid) still shows the live pool, with a section per group.
     let out = Command::new(workspace_binary("ringtool")).args(["dump", "--socket"]).arg(&pool.socket).output().unwrap();

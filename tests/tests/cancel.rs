@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use umbp_pool::{Pool, PoolConfig};
 use umbp_protocol::ObjectKey;
-use umbp_worker::{BlockStatus, CancelOutcome, CqeError, MemorySpec, Segment, Worker, WorkerConfig};
+use umbp_worker::{BlockStatus, CancelOutcome, CqeError, Segment, Worker, WorkerConfig};
 
 const TIMEOUT: Duration = Duration::from_millis(300);
 
@@ -54,7 +54,7 @@ fn a_store_cancelled_while_the_pool_is_stopped_publishes_nothing() {
     until_pool_answered_all(&mut e, 50_000);
     let st = e.load_wait(100, 8);
     assert!(st.iter().all(|s| *s == BlockStatus::Missing), "a cancelled store must publish nothing, got {st:?}");
-    assert!(pool.report()["counters"]["transfers_cancelled"].as_u64().unwrap() >= 1, "{}", pool.report()["counters"]);
+    assert!(pool.report().counters.transfers_cancelled >= 1, "{}", pool.report().counters);
 }
 
 #[test]
@@ -98,7 +98,7 @@ impl Held {
         let mut w = Worker::connect(wc).expect("worker attaches");
         let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
         let fd = kv.fd().try_clone_to_owned().unwrap();
-        let alloc = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: PAGE * BLOCKS }).unwrap();
+        let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
         w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
         Held { _pool: pool, w, kv }
     }

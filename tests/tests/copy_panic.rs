@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use umbp_integration_tests::unique_socket;
 use umbp_pool::{Pool, PoolConfig};
-use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
+use umbp_worker::{BlockStatus, ObjectKey, Segment, Worker, WorkerConfig};
 
 const PAGE: u64 = 64 << 10;
 const BLOCKS: u64 = 64;
@@ -20,7 +20,7 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).expect("worker attaches");
     let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
     let fd = kv.fd().try_clone_to_owned().unwrap();
-    let alloc = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: PAGE * BLOCKS }).unwrap();
+    let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
     w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
     let job = |first: u128, n: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect() };
 
@@ -30,8 +30,8 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     assert_eq!(c.statuses, vec![BlockStatus::Failed; 8], "{c:?}");
     umbp_pool::fault::panic_on_copy_of(None);
     let report = pool.report();
-    assert_eq!(report["pool"]["quarantined_bytes"], 8 * PAGE, "reserved objects are never reused: {report}");
-    assert_eq!(report["pool"]["objects"], 0, "{report}");
+    assert_eq!(report.pool.quarantined_bytes, 8 * PAGE, "reserved objects are never reused: {report}");
+    assert_eq!(report.pool.objects, 0, "{report}");
 
     // The same thread serves on; the keys of the failed store can be stored again.
     for round in 0..3 {
@@ -41,5 +41,5 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     }
     let id = w.load(0, &job(1000, 8)).unwrap();
     assert!(w.wait(id, Duration::from_secs(10)).expect("load completes").all_ok());
-    assert_eq!(pool.report()["pool"]["published_objects"], 24);
+    assert_eq!(pool.report().pool.published_objects, 24);
 }

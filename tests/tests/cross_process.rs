@@ -23,8 +23,8 @@ fn layouts_share_objects_and_namespaces_isolate() {
     let other = run_worker(s, 2, "per-layer", &["load", "--first-key", "0", "--count", "64"]);
     assert_eq!((n(&other, "missing"), n(&other, "loaded")), (64, 0), "{other}");
     let report = pool.report();
-    assert_eq!(report["pool"]["published_objects"], 200, "{report}");
-    assert_eq!(report["namespaces"].as_array().unwrap().len(), 1);
+    assert_eq!(report.pool.published_objects, 200, "{report}");
+    assert_eq!(report.namespaces.len(), 1);
 }
 
 /// Submissions cut into many stages (`--copy-stage-size` of two objects, so up to 64
@@ -41,7 +41,7 @@ fn staged_copies_keep_every_outcome() {
     let c = run_worker(s, 1, "cross", &["load", "--first-key", "250", "--count", "100"]);
     assert_eq!((n(&c, "loaded"), n(&c, "missing"), n(&c, "corrupt")), (50, 50, 0), "{c}");
     let report = pool.report();
-    assert_eq!(report["pool"]["published_objects"], 300, "{report}");
-    let phases = &report["counters"]["phases"];
-    assert!(phases["store"]["stages"].as_u64().unwrap() > 2, "{phases}");
+    assert_eq!(report.pool.published_objects, 300, "{report}");
+    let phases = &report.counters.phases;
+    assert!(phases.store.stages > 2, "{phases}");
 }

@@ -20,12 +20,12 @@ fn fill_three_times_capacity() {
     assert!(n(&r, "max_wait_ms") < 2000, "a store waited {} ms: stores must never block on eviction", n(&r, "max_wait_ms"));
     let high = (cap as f64 * 0.9) as u64;
     assert!(
-        eventually(std::time::Duration::from_secs(5), || pool.report()["pool"]["allocated_bytes"].as_u64().unwrap() <= high),
+        eventually(std::time::Duration::from_secs(5), || pool.report().pool.allocated_bytes <= high),
         "occupancy stayed above the high watermark: {}",
-        pool.report()["pool"]
+        pool.report().pool
     );
     let report = pool.report();
-    assert!(report["pool"]["evictions"].as_u64().unwrap() > 0);
+    assert!(report.pool.evictions > 0);
     // Everything ever stored loads exact or is reported missing; the newest survive.
     let l = run_worker(&pool.socket, 1, "per-layer", &["load", "--first-key", "0", "--count", &count.to_string()]);
     assert_eq!(n(&l, "corrupt"), 0, "{l}");
@@ -49,5 +49,5 @@ fn objects_that_waste_page_space_still_evict() {
     );
     assert_eq!(n(&r, "failed"), 0, "{r}");
     assert!(n(&r, "stored") > count / 2, "the evictor made room: {r}");
-    assert!(pool.report()["pool"]["evictions"].as_u64().unwrap() > 0);
+    assert!(pool.report().pool.evictions > 0);
 }

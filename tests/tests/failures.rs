@@ -121,15 +121,15 @@ fn workers_killed_mid_transfer_leak_nothing() {
     let settled = eventually(Duration::from_secs(10), || {
         let r = pool.report();
         workers(&r) == 0
-            && r["pool"]["objects"] == r["pool"]["published_objects"]
-            && r["pool"]["pinned_objects"] == 0
+            && r.pool.objects == r.pool.published_objects
+            && r.pool.pinned_objects == 0
     });
     let r = pool.report();
-    assert!(settled, "unpublished or pinned objects left behind: {}", r["pool"]);
+    assert!(settled, "unpublished or pinned objects left behind: {}", r.pool);
     // Memory: every allocated byte belongs to a published object (16 KiB each).
-    let published = r["pool"]["published_objects"].as_u64().unwrap();
-    assert_eq!(r["pool"]["allocated_bytes"].as_u64().unwrap(), published * (16 << 10), "{}", r["pool"]);
-    assert!(published > base["pool"]["published_objects"].as_u64().unwrap(), "the workers did store");
+    let published = r.pool.published_objects;
+    assert_eq!(r.pool.allocated_bytes, published * (16 << 10), "{}", r.pool);
+    assert!(published > base.pool.published_objects, "the workers did store");
     assert!(eventually(Duration::from_secs(5), || pool.open_fds() <= base_fds), "fds: {} now, {base_fds} at baseline", pool.open_fds());
     // And the pool still serves.
     let ok = run_worker(&pool.socket, 3, "per-layer", &["load", "--first-key", "0", "--count", "8"]);
@@ -152,7 +152,7 @@ fn scheduler_hits_are_leased_against_eviction() {
     std::thread::sleep(Duration::from_millis(100));
     let flood = run_worker(s, 1, "per-layer", &["store", "--first-key", "100000", "--count", "12288"]);
     assert!(n(&flood, "stored") > 0);
-    assert!(pool.report()["pool"]["evictions"].as_u64().unwrap() > 0);
+    assert!(pool.report().pool.evictions > 0);
     assert_eq!(idx.match_prefix(&hot), 64, "leased (recently hit) blocks survive eviction");
     let l = run_worker(s, 1, "per-layer", &["load", "--first-key", "0", "--count", "64"]);
     assert_eq!((n(&l, "loaded"), n(&l, "corrupt")), (64, 0), "{l}");

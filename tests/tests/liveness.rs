@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use umbp_integration_tests::{unique_socket, PoolProcess};
 use umbp_scheduler::IndexClient;
-use umbp_worker::{MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
+use umbp_worker::{ObjectKey, Segment, Worker, WorkerConfig};
 
 const PAGE: u64 = 16 << 10;
 const BLOCKS: u64 = 16;
@@ -19,7 +19,7 @@ fn killed_pool_lookups_miss_once_it_is_reaped() {
     let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
     let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
     let fd = kv.fd().try_clone_to_owned().unwrap();
-    let alloc = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: PAGE * BLOCKS }).unwrap();
+    let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
     w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
     let keys: Vec<ObjectKey> = (0..BLOCKS as u128).map(|i| ObjectKey(0x11fe_0000 + i)).collect();
     let batch: Vec<_> = keys.iter().enumerate().map(|(i, k)| (*k, i as u64)).collect();

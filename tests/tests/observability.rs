@@ -13,6 +13,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
+use umbp_pool::pool_report::{PeerRole, PoolReport};
 use umbp_scheduler::{EventKind, IndexClient};
 use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
 
@@ -31,7 +32,9 @@ impl TestWorker {
     fn connect(socket: &Path, ns: u128) -> Self {
         let mem = vec![0u8; (LAYERS * BLOCKS * PAGE) as usize];
         let mut w = Worker::connect(WorkerConfig::new(socket, ns)).expect("worker connects");
-        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).unwrap();
+        // SAFETY: `mem` moves into the `TestWorker` with `w` and drops after it (field
+        // order); it is only touched between transfers.
+        unsafe { w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }) }.unwrap();
         let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
         assert_eq!(w.register_layout(0, segs).unwrap(), OBJECT);
         Self { w, _mem: mem }
@@ -96,45 +99,53 @@ fn ringtool_and_metrics_match_known_traffic() {
     // dump --json: the pool's report, checked field by field against the traffic above.
     let (ok, out, err) = ringtool(&["dump", "--json", "--socket", &sock]);
     assert!(ok, "ringtool dump failed: {err}");
-    let r: serde_json::Value = serde_json::from_str(&out).expect("dump --json is JSON");
-    assert_eq!(r["pool"]["published_objects"], 40, "{}", r["pool"]);
-    assert_eq!(r["pool"]["objects"], 40);
-    assert_eq!(r["pool"]["pinned_objects"], 0);
-    assert_eq!(r["pool"]["allocated_bytes"].as_u64().unwrap() % OBJECT, 0);
-    assert_eq!(r["namespaces"].as_array().unwrap().len(), 1);
-    assert_eq!(r["namespaces"][0]["namespace"], format!("{:032x}", 7));
-    assert_eq!(r["namespaces"][0]["objects"], 40);
-    assert_eq!(r["namespaces"][0]["bytes"], 40 * OBJECT);
-    assert_eq!(r["index"]["live"], 40);
-    assert_eq!(r["index"]["probe_histogram"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap()).sum::<u64>(), 40);
-    assert_eq!(r["events"]["written"], 40, "one Stored event per published object");
-    let c = &r["counters"];
-    assert_eq!((c["blocks_stored"].as_u64(), c["blocks_already_present"].as_u64()), (Some(40), Some(40)));
-    assert_eq!((c["blocks_loaded"].as_u64(), c["blocks_missing"].as_u64()), (Some(10), Some(5)));
-    assert_eq!(c["bytes_stored"], 40 * OBJECT);
-    assert_eq!(c["bytes_loaded"], 10 * OBJECT);
+    // The JSON parses as the typed report: every field there, of its type.
+    let raw: serde_json::Value = serde_json::from_str(&out).expect("dump --json is JSON");
+    let r: PoolReport = serde_json::from_value(raw.clone()).expect("dump --json is the pool's report");
+    // The wire form keeps its names (scripts read them; docs/operations.md).
+    assert_eq!(raw["pool"]["published_objects"], 40, "{}", raw["pool"]);
+    assert_eq!(raw["counters"]["phases"]["store"]["jobs"], 2, "{}", raw["counters"]);
+    assert_eq!(r.pool.published_objects, 40, "{:?}", r.pool);
+    assert_eq!(r.pool.objects, 40);
+    assert_eq!(r.pool.pinned_objects, 0);
+    assert_eq!(r.pool.allocated_bytes % OBJECT, 0);
+    assert_eq!(r.namespaces.len(), 1);
+    assert_eq!(r.namespaces[0].namespace, format!("{:032x}", 7));
+    assert_eq!(r.namespaces[0].id(), Some(7));
+    assert_eq!(r.namespaces[0].objects, 40);
+    assert_eq!(r.namespaces[0].bytes, 40 * OBJECT);
+    let index = r.index.as_ref().expect("index section");
+    assert_eq!(index.live, 40);
+    assert_eq!(index.probe_histogram.iter().sum::<u64>(), 40);
+    assert_eq!(r.events.written, 40, "one Stored event per published object");
+    let c = &r.counters;
+    assert_eq!((c.blocks_stored, c.blocks_already_present), (40, 40));
+    assert_eq!((c.blocks_loaded, c.blocks_missing), (10, 5));
+    assert_eq!(c.bytes_stored, 40 * OBJECT);
+    assert_eq!(c.bytes_loaded, 10 * OBJECT);
     // Where the time went, per direction: two store jobs (one copied, one all already
     // present) and one load, each through every phase; the copied store spent time copying.
-    let phases = &c["phases"];
-    assert_eq!((phases["store"]["jobs"].as_u64(), phases["load"]["jobs"].as_u64()), (Some(2), Some(1)), "{phases}");
-    for phase in ["admit_ns", "queue_ns", "reserve_ns", "plan_ns", "copy_ns", "finish_ns"] {
-        assert!(phases["store"][phase].as_u64().unwrap() > 0, "store {phase}: {phases}");
+    let phases = &c.phases;
+    assert_eq!((phases.store.jobs, phases.load.jobs), (2, 1), "{phases:?}");
+    for (phase, ns) in phases.store.phases() {
+        if phase != "publish" {
+            assert!(ns > 0, "store {phase}: {phases:?}");
+        }
     }
-    assert_eq!(phases["store"]["copy_ns"], c["store_copy_ns"]);
-    let atts = r["attachments"].as_array().unwrap();
-    let me = atts.iter().find(|a| a["pid"] == std::process::id()).expect("the worker's attachment is listed");
-    assert_eq!(me["role"], "worker");
-    assert_eq!(me["namespace"], format!("{:032x}", 7));
-    assert_eq!(me["submissions"], 3);
-    assert_eq!(me["blocks"], 40 + 40 + 15);
-    assert_eq!(me["errors"], 0);
-    assert_eq!(me["inflight"], 0);
-    assert_eq!((me["sq"]["head"].as_u64(), me["sq"]["tail"].as_u64()), (Some(3), Some(3)));
-    assert_eq!((me["cq"]["tail"].as_u64(), me["cq"]["pending"].as_u64()), (Some(3), Some(0)));
-    assert_eq!(me["registered_bytes"], LAYERS * BLOCKS * PAGE);
-    assert_eq!(me["devices"][0]["kind"], "HostProcess");
-    assert_eq!(me["devices"][0]["bytes"], LAYERS * BLOCKS * PAGE);
-    assert!(atts.iter().any(|a| a["role"] == "observer"), "ringtool attaches as an observer");
+    assert_eq!(phases.store.copy_ns, c.store_copy_ns);
+    let me = r.attachments.iter().find(|a| a.pid == std::process::id()).expect("the worker's attachment is listed");
+    assert_eq!(me.role, PeerRole::Worker);
+    assert_eq!(me.namespace, format!("{:032x}", 7));
+    assert_eq!(me.submissions, 3);
+    assert_eq!(me.blocks, 40 + 40 + 15);
+    assert_eq!(me.errors, 0);
+    assert_eq!(me.inflight, 0);
+    assert_eq!((me.sq.head, me.sq.tail), (3, 3));
+    assert_eq!((me.cq.tail, me.cq.pending), (3, 0));
+    assert_eq!(me.registered_bytes, LAYERS * BLOCKS * PAGE);
+    assert_eq!(me.devices[0].kind, "HostProcess");
+    assert_eq!(me.devices[0].bytes, LAYERS * BLOCKS * PAGE);
+    assert!(r.attachments_of(PeerRole::Observer).next().is_some(), "ringtool attaches as an observer");
 
     // The readable table names the same things.
     let (ok, table, err) = ringtool(&["dump", "--socket", &sock]);
@@ -271,7 +282,7 @@ fn eviction_reaches_the_scheduler_as_removed_events() {
         }
         next += BLOCKS as u128;
     }
-    let evictions = || pool.report()["pool"]["evictions"].as_u64().unwrap();
+    let evictions = || pool.report().pool.evictions;
     assert!(eventually(Duration::from_secs(5), || evictions() > 0), "nothing was evicted");
     // Let the evictor settle, then read every event.
     std::thread::sleep(Duration::from_millis(200));

@@ -79,9 +79,10 @@ fn reregistration_with_a_slow_pool_blocks_at_most_one_timeout() {
     let proxy = Proxy::start(&proxy_path, &pool.socket);
     let mut cfg = WorkerConfig::new(&proxy_path, 9);
     cfg.timeout = timeout;
-    let mut w = Worker::connect(cfg).unwrap();
     let mem = vec![0u8; 4 << 20];
-    w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).unwrap();
+    let mut w = Worker::connect(cfg).unwrap();
+    // SAFETY: `mem` is declared before `w` and dropped after it (below); nothing reads it.
+    unsafe { w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }) }.unwrap();
     // Three layouts: four control messages to replay after a reconnect.
     for g in 0..3u16 {
         w.register_layout(g, vec![Segment::new(0, g as u64 * (1 << 20), 4096, 4096, 256)]).unwrap();
@@ -112,5 +113,6 @@ fn reregistration_with_a_slow_pool_blocks_at_most_one_timeout() {
     }));
     let id = w.store(0, &[(umbp_worker::ObjectKey(1), 0)]).unwrap();
     assert!(w.wait(id, Duration::from_secs(5)).is_some_and(|c| c.all_ok()), "re-registered memory and layouts work");
+    drop(w);
     drop(mem);
 }

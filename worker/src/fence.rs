@@ -37,7 +37,7 @@ use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::Opcode;
 use umbp_protocol::ObjectKey;
 
-use crate::worker::{MemorySpec, TransferId, Worker};
+use crate::worker::{TransferId, Worker};
 use crate::WorkerError;
 
 /// Fence words per worker: more than any ring holds in flight.
@@ -308,7 +308,7 @@ impl Worker {
         let gpu = unsafe { HostWords::register(mem.as_ptr(), len, stream as umbp_gpu::cuda::sys::CUstream) }
             .map_err(|e| gpu_err("stream-ordered transfers need CUDA in this process", e))?;
         let fd = mem.fd().try_clone_to_owned().map_err(WorkerError::Io)?;
-        let alloc_id = self.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: len as u64 })?;
+        let alloc_id = self.register_memfd(fd, 0, len as u64)?;
         let page = Arc::new(Page {
             gpu,
             mem,

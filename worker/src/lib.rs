@@ -1,13 +1,15 @@
-//! What an engine worker links to use a UMBP pool (DESIGN §2, docs/connection.md): attach,
+//! What an engine worker links to use a UMBP pool (docs/architecture.md, docs/connection.md): attach,
 //! register memory and KV layouts, submit stores and loads, reap completions, and survive
 //! the pool dying, stalling or restarting without an engine restart.
 //!
 //! ```no_run
 //! # use umbp_worker::*;
 //! # fn main() -> Result<(), WorkerError> {
+//! let mut kv = vec![0u8; 64 << 10]; // declared first: dropped after the worker
 //! let mut w = Worker::connect(WorkerConfig::new(default_endpoint(), 0x1234))?;
-//! let mut kv = vec![0u8; 64 << 10];
-//! let alloc = w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() })?;
+//! // SAFETY: `kv` outlives `w` and is only read or written through references between
+//! // transfers (after their completion was reaped).
+//! let alloc = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() }) }?;
 //! w.register_layout(0, vec![Segment::new(alloc, 0, 4096, 4096, 16)])?;
 //! let id = w.store(0, &[(ObjectKey(7), 3)])?;
 //! let done = w.wait(id, std::time::Duration::from_secs(5));

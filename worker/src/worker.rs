@@ -98,13 +98,15 @@ impl WorkerConfig {
 /// Memory the pool may copy KV blocks to and from.
 #[derive(Debug)]
 pub enum MemorySpec {
-    /// Any memory of this process, reached by the pool with process_vm_readv/writev. The
-    /// range must stay mapped while registered.
+    /// Any memory of this process, reached by the pool through `/proc/<pid>/mem`. The
+    /// range must stay mapped while registered (the contract of
+    /// [`Worker::register_memory`], an `unsafe fn`).
     HostProcess { ptr: usize, len: usize },
     /// A range of a memfd sealed against shrinking; the worker keeps the fd to register it
     /// again after a reconnect.
     HostMemfd { fd: OwnedFd, offset: u64, len: u64 },
-    /// A CUDA device allocation, exported with an IPC handle.
+    /// A CUDA device allocation, exported with an IPC handle; it must stay allocated while
+    /// registered ([`Worker::register_memory`]).
     Cuda { ptr: u64, len: u64 },
 }
 
@@ -265,9 +267,31 @@ impl Worker {
         &self.cfg
     }
 
+    /// Registers a range of a memfd the pool may copy to and from; returns its alloc id.
+    /// Safe: the pool reaches the memory through the fd, never through this process's
+    /// pointers (what this process maps of the memfd is its own `unsafe` business).
+    pub fn register_memfd(&mut self, fd: OwnedFd, offset: u64, len: u64) -> Result<u32, WorkerError> {
+        // SAFETY: a memfd range puts no contract on this process's memory (see above).
+        unsafe { self.register_memory(MemorySpec::HostMemfd { fd, offset, len }) }
+    }
+
     /// Registers memory the pool may copy to and from; returns its alloc id, which layout
     /// segments name. Registrations are replayed (same ids) after every reconnect.
-    pub fn register_memory(&mut self, spec: MemorySpec) -> Result<u32, WorkerError> {
+    ///
+    /// # Safety
+    /// For [`MemorySpec::HostProcess`] and [`MemorySpec::Cuda`] the pool writes (loads)
+    /// and reads (stores) `ptr..ptr + len` of this process or device from another process,
+    /// at any time a transfer naming it is in flight, for as long as this `Worker` lives:
+    /// - the range is one live allocation of this process (host) or of a CUDA context of
+    ///   this process (device) and stays allocated, and is not unmapped, freed or reused
+    ///   for anything else, until this `Worker` is dropped;
+    /// - no Rust reference (`&[u8]`, `&mut [u8]`) to bytes of a block may be alive while a
+    ///   load into that block, or (for `&mut`) a store from it, is in flight: read and
+    ///   write the memory through raw pointers or volatile access, or only between
+    ///   transfers (after their completion was reaped).
+    ///
+    /// [`MemorySpec::HostMemfd`] has no such contract; use the safe [`Worker::register_memfd`].
+    pub unsafe fn register_memory(&mut self, spec: MemorySpec) -> Result<u32, WorkerError> {
         self.service();
         if self.conn.is_none() {
             return Err(WorkerError::Disconnected);

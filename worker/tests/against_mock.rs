@@ -6,7 +6,7 @@ mod common;
 use std::os::fd::OwnedFd;
 use std::time::{Duration, Instant};
 
-use common::{socket_path, MockPool, REFUSED_NAMESPACE};
+use common::{eventually, socket_path, MockPool, REFUSED_NAMESPACE};
 use umbp_worker::*;
 
 const PAGE: usize = 256;
@@ -52,22 +52,15 @@ fn config(path: &std::path::Path) -> WorkerConfig {
 
 fn attach(path: &std::path::Path, kv: &mut Kv) -> Worker {
     let mut w = Worker::connect(config(path)).unwrap();
-    let a = w.register_memory(kv.spec()).unwrap();
+    // SAFETY: every test declares its `Kv` before the worker (it outlives it) and reads or
+    // fills it only after the transfers touching it completed.
+    let a = unsafe { w.register_memory(kv.spec()) }.unwrap();
     assert_eq!(w.register_layout(0, Kv::segments(a)).unwrap(), 2 * PAGE as u64);
     w
 }
 
 fn done(w: &mut Worker, id: TransferId) -> Completion {
     w.wait(id, Duration::from_secs(5)).expect("completion in time")
-}
-
-/// Polls until `f` holds or 5 s pass.
-fn eventually(mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < Duration::from_secs(5), "condition not reached in 5 s");
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 #[test]
@@ -102,7 +95,7 @@ fn memfd_registration() {
     use std::os::unix::fs::FileExt;
     file.write_all_at(&[7u8; 4096], 4096).unwrap();
     let fd: OwnedFd = file.try_clone().unwrap().into();
-    let a = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: 65536 }).unwrap();
+    let a = w.register_memfd(fd, 0, 65536).unwrap();
     w.register_layout(1, vec![Segment::new(a, 0, 4096, 4096, 16)]).unwrap();
     let id = w.store(1, &[(ObjectKey(5), 1)]).unwrap();
     assert!(done(&mut w, id).all_ok());
@@ -164,7 +157,8 @@ fn stalled_pool_holds_transfers_and_refuses_new_ones() {
     let pool = MockPool::start(&path);
     let mut kv = Kv::new();
     let mut w = Worker::connect(WorkerConfig { timeout: Duration::from_millis(100), ..config(&path) }).unwrap();
-    let a = w.register_memory(kv.spec()).unwrap();
+    // SAFETY: `kv` is declared first (outlives `w`); the mock copies only while stalled off.
+    let a = unsafe { w.register_memory(kv.spec()) }.unwrap();
     w.register_layout(0, Kv::segments(a)).unwrap();
     pool.stall(true);
     let id = w.store(0, &[(ObjectKey(1), 1)]).unwrap();
@@ -187,7 +181,8 @@ fn full_queues_submit_nothing_and_lose_nothing() {
     let pool = MockPool::start(&path);
     let mut kv = Kv::new();
     let mut w = Worker::connect(WorkerConfig { sq_entries: 4, arena_bytes: 4096, ..config(&path) }).unwrap();
-    let a = w.register_memory(kv.spec()).unwrap();
+    // SAFETY: `kv` is declared first (outlives `w`) and not touched while transfers run.
+    let a = unsafe { w.register_memory(kv.spec()) }.unwrap();
     w.register_layout(0, Kv::segments(a)).unwrap();
     pool.stall(true);
     // SQ of 4: the fifth submission finds it full.

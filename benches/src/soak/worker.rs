@@ -364,7 +364,9 @@ impl SoakWorkerCli {
             },
             None => MemorySpec::HostProcess { ptr: mem.base() as usize, len: bytes },
         };
-        w.register_memory(spec).map_err(|e| e.to_string())?;
+        // SAFETY: `mem` moves into the SoakWorker with `w` (declared after it: dropped
+        // after it) and outlives the attachment.
+        unsafe { w.register_memory(spec) }.map_err(|e| e.to_string())?;
         let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
         w.register_layout(0, segs).map_err(|e| e.to_string())?;
         let mut sw = SoakWorker {

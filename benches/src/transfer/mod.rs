@@ -244,8 +244,8 @@ mod tests {
         .expect("pool");
         let mut w = Worker::connect(WorkerConfig::new(&socket, 7)).expect("connect");
         let mut kv = vec![0u8; 16 << 10];
-        let alloc = w
-            .register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() })
+        // SAFETY: `kv` lives to the end of the test and no transfer ever runs.
+        let alloc = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() }) }
             .expect("register");
         w.register_layout(0, vec![Segment::new(alloc, 0, 4096, 4096, 4)]).expect("layout");
         let e = w.store_after_stream(0, &[(ObjectKey(1), 0)], 0).unwrap_err();

@@ -117,7 +117,7 @@ impl Drop for TempDir {
 impl PoolHandle {
     /// The in-process pool's per-phase time counters (none for an external pool).
     pub(crate) fn phases(&self) -> Option<Value> {
-        self.pool.as_ref().map(|p| p.report()["counters"]["phases"].clone())
+        self.pool.as_ref().map(|p| serde_json::to_value(p.report().counters.phases).expect("json"))
     }
 }
 

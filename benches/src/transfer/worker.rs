@@ -148,7 +148,9 @@ impl WorkerState {
                 },
                 Mem::Cuda { ptr, len } => MemorySpec::Cuda { ptr: *ptr, len: *len as u64 },
             };
-            let id = self.w.register_memory(spec).map_err(|e| format!("register_memory: {e}"))?;
+            // SAFETY: `mem` (a memfd or a CUDA allocation) is kept in `allocs` for as long as
+            // the worker lives.
+            let id = unsafe { self.w.register_memory(spec) }.map_err(|e| format!("register_memory: {e}"))?;
             allocs.push((id, mem));
         }
         let segments: Vec<Segment> = (0..layers)

@@ -75,10 +75,11 @@ impl RawPeer {
         (r, m.payload[std::mem::size_of::<Reply>()..].to_vec())
     }
 
-    pub fn stats(&mut self) -> serde_json::Value {
-        let (r, json) = self.control(MessageKind::StatsRequest, &[], &[]);
-        assert_eq!(r.status, 0, "{}", r.message());
-        serde_json::from_slice(&json).unwrap()
+    /// The pool's full state report, asked on this peer's own socket.
+    pub fn stats(&mut self) -> umbp_pool::PoolReport {
+        umbp_integration_tests::report::request_report_bytes(&self.sock)
+            .and_then(|json| umbp_integration_tests::report::parse_full_report(&json))
+            .unwrap_or_else(|e| panic!("report: {e}"))
     }
 
     pub fn sq(&self) -> Producer<'_, Sqe> {

@@ -30,6 +30,9 @@ Keys (all optional):
 | `lookup_timeout_ms` | int > 0 | 1000 | scheduler, embedded mode: how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
 | `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
 | `pool_uid` | int >= 0 | `$UMBP_POOL_UID` | standalone: the pool's service uid; a socket served by another uid than this process's, root or this one is refused |
+| `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
+| `lazy_offload_max_blocks` | int > 0 | 256 | lazy offload: free-queue blocks examined per step |
+| `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
 
 Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
 machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
@@ -526,3 +529,36 @@ def load_failure_policy_warning(policy: Any, loads: bool = True) -> str | None:
         "pool between lookup and load then FAILS its request; set "
         "kv_load_failure_policy='recompute' to recompute such blocks instead"
     )
+
+
+# ---- hybrid models and lazy offload: lazy_offload, lazy_offload_max_blocks,
+# enable_partial_hash_hits (parsed apart from UMBPConnectorConfig; connector.py reads them).
+OFFLOAD_KEYS = frozenset({"lazy_offload", "lazy_offload_max_blocks", "enable_partial_hash_hits"})
+KNOWN_KEYS = KNOWN_KEYS | OFFLOAD_KEYS
+DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS = 256
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """`lazy_offload` (false): store reusable blocks picked from vLLM's GPU free queue (the
+    next eviction candidates) instead of every newly computed block after each step;
+    `lazy_offload_max_blocks` (256): free-queue blocks examined per step in lazy mode;
+    `enable_partial_hash_hits` (false): hits may end inside a KV block, at vLLM's
+    `cache_config.prefix_match_unit` (needs a model and vLLM version that have such hits)."""
+
+    lazy_offload: bool = False
+    lazy_offload_max_blocks: int = DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS
+    enable_partial_hash_hits: bool = False
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadOptions":
+        extra = dict(extra or {})
+        kw: dict[str, Any] = {}
+        for k in ("lazy_offload", "enable_partial_hash_hits"):
+            if extra.get(k) is not None:
+                kw[k] = parse_bool(extra[k], k)
+        if extra.get("lazy_offload_max_blocks") is not None:
+            kw["lazy_offload_max_blocks"] = parse_positive_int(
+                extra["lazy_offload_max_blocks"], "lazy_offload_max_blocks"
+            )
+        return cls(**kw)

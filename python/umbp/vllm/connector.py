@@ -23,7 +23,9 @@ The pool copies the bytes (DESIGN §7); no KV byte goes through Python. Modes:
   (`endpoint`, else `$UMBP_STANDALONE_ADDRESS`, else the binding's default socket).
 
 Correctness rules this file keeps (vLLM contract, DESIGN §9):
-* only whole blocks, keyed by vLLM's chained block hashes + a namespace (keys.py);
+* only whole blocks, keyed by vLLM's chained block hashes + a namespace + the KV cache group
+  (keys.py); hybrid models (several groups: full attention, sliding window, Mamba state) are
+  described in groups.py and docs/vllm-hybrid.md;
 * a hit is reported only for leading blocks present for *every* TP rank;
 * stores are submitted after the forward (`wait_for_save`) and never block the step; a
   finished request whose stores are still in flight keeps its blocks (`request_finished`
@@ -51,10 +53,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from ._logging import get_logger
 from .config import (
+    OffloadOptions,
     UMBPConnectorConfig,
     check_parallelism,
     load_failure_policy_warning,
@@ -62,6 +66,7 @@ from .config import (
     transfer_directions,
 )
 from .endpoints import embedded_socket_path, load_native
+from .groups import FULL, describe_groups, forces_async_load, scheduler_block_size
 from .keys import canonical_namespace_text, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -91,7 +96,7 @@ __all__ = [
 ]
 
 
-class UMBPStoreConnector(KVConnectorBase_V1):
+class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """vLLM KV connector for UMBP (both roles; the role picks the half that runs)."""
 
     def __init__(
@@ -113,23 +118,34 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         if kv_cache_config is None:
             raise ValueError("UMBPStoreConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
 
-        groups = tuple(kv_cache_config.prefix_cacheable_group_ids)
-        if len(groups) != 1:
-            raise ValueError(
-                "UMBPStoreConnector supports models with exactly one prefix-cacheable KV "
-                f"cache group; this model has {len(groups)} ({groups})"
-            )
-        self._group = groups[0]
-        spec = kv_cache_config.kv_cache_groups[self._group].kv_cache_spec
-        self._block_size = int(spec.block_size)
-        # One object = one block of every layer of the group: the embedded pool sizes its
+        # Hybrid models (HMA): one entry per prefix-cacheable KV cache group (groups.py).
+        self._groups = describe_groups(kv_cache_config)
+        self._group = next((g.gid for g in self._groups if g.kind == FULL), self._groups[0].gid)
+        # Hits land on multiples of every group's block size (one group: its block size).
+        self._block_size = scheduler_block_size(self._groups)
+        # One object = one block of every layer of a group: the embedded pool sizes its
         # index for objects this small (it refuses layouts below its minimum object size).
-        page = getattr(spec, "page_size_bytes", None)
-        layers = len(kv_cache_config.kv_cache_groups[self._group].layer_names)
-        self._object_bytes_estimate = int(page) * layers if page else None
+        sizes = [g.page_bytes * len(g.layer_names) for g in self._groups if g.page_bytes]
+        self._object_bytes_estimate = min(sizes) if sizes else None
         self._hash_block_size = int(
             getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
         )
+        self._offload = OffloadOptions.from_extra_config(ktc.kv_connector_extra_config)
+        self._partial_hits = self._offload.enable_partial_hash_hits and check_partial_hash_hits(
+            vllm_config, kv_cache_config, self._groups, self._hash_block_size
+        )
+        # Mamba-style and sparse-indexer layers read restored state before a synchronous
+        # load could land: such models always load asynchronously.
+        why_async = forces_async_load(
+            self._groups, kv_cache_config, getattr(vllm_config.model_config, "hf_config", None)
+        )
+        self._force_async = why_async is not None
+        self._load_async = self._cfg.load_async or self._force_async
+        if why_async and not self._cfg.load_async and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "UMBP: load_async=false ignored: %s, whose loads are always asynchronous", why_async
+            )
+        self._gpu_block_pool: Any = None
         self._tp_size = pc.tensor_parallel_size
         self._dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
         self._engine_id = str(ktc.engine_id)
@@ -161,12 +177,14 @@ class UMBPStoreConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(self)
         logger.info(
             "UMBPStoreConnector %s: mode=%s kv_role=%s load_async=%s block_size=%d "
-            "namespace=%s (%s)",
+            "groups=%s lazy_offload=%s namespace=%s (%s)",
             "scheduler" if self._sched else "worker",
             self._cfg.mode,
             ktc.kv_role,
-            self._cfg.load_async,
+            self._load_async,
             self._block_size,
+            ",".join(f"{g.gid}:{g.kind}/{g.block_size}" for g in self._groups),
+            self._offload.lazy_offload,
             self._base_namespace.hex(),
             "key_namespace" if self._cfg.key_namespace else "derived",
         )
@@ -203,6 +221,11 @@ class UMBPStoreConnector(KVConnectorBase_V1):
         return False  # a best-effort cache: a dropped store is just a future miss
 
     # ---- scheduler side -----------------------------------------------------------------
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        # Used to pin blocks while the pool reads them (sliding-window and Mamba groups,
+        # whose blocks vLLM frees while the request runs; lazy offload's free blocks).
+        self._gpu_block_pool = gpu_block_pool
+
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -224,6 +247,22 @@ class UMBPStoreConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        # Pinned stores (sliding-window/Mamba blocks, lazy offload) end with a worker report:
+        # keep the engine stepping until they did, or their blocks stay pinned while idle.
+        return self._sched is not None and self._sched.has_pins()
+
+    def has_pending_block_frees(self) -> bool:
+        # Pinned blocks come back within a transfer: wait for them rather than preempt.
+        return self._sched is not None and self._sched.has_pins()
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        # One decision for all groups: the request's own blocks (full attention) are held
+        # while its stores run; other groups' stored blocks are pinned (scheduler_side.py).
+        return self.request_finished(request, block_ids)  # type: ignore[arg-type]
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         if self._sched is not None:
@@ -294,3 +333,40 @@ class UMBPStoreConnector(KVConnectorBase_V1):
             self._worker.shutdown()
         if self._sched is not None:
             self._sched.shutdown()
+
+
+def check_partial_hash_hits(
+    vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", groups: list, hash_block_size: int
+) -> bool:
+    """`enable_partial_hash_hits`: True when this vLLM and this model can hit inside a
+    block; otherwise ValueError naming the option, the vLLM version and what is missing."""
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    cc = vllm_config.cache_config
+    if not hasattr(cc, "prefix_match_unit"):
+        raise ValueError(
+            "enable_partial_hash_hits: this vLLM "
+            f"({version}) has no cache_config.prefix_match_unit, so hits cannot end inside a "
+            "block; unset enable_partial_hash_hits or use a vLLM that has prefix_match_unit"
+        )
+    try:
+        from vllm.v1.core.kv_cache_utils import partial_hash_hits_enabled
+    except ImportError:
+        partial_hash_hits_enabled = None
+    ok = partial_hash_hits_enabled is not None and partial_hash_hits_enabled(
+        kv_cache_config.kv_cache_groups,
+        hash_block_size,
+        int(getattr(vllm_config.parallel_config, "decode_context_parallel_size", 1) or 1),
+    )
+    if not ok:
+        raise ValueError(
+            "enable_partial_hash_hits: with this model vLLM "
+            f"{version} has no hits inside a block (prefix_match_unit={cc.prefix_match_unit}, "
+            f"hash block {hash_block_size} tokens, group block sizes "
+            f"{[g.block_size for g in groups]}): vLLM only lands hits inside a block for "
+            "hybrid models with a Mamba state group in mamba_cache_mode='align' whose block is "
+            "larger than cache_config.prefix_match_unit; unset enable_partial_hash_hits or set "
+            "prefix_match_unit"
+        )
+    return True

@@ -59,7 +59,9 @@ class KVLayout:
 
 
 def kv_layout(
-    kv_caches: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int
+    kv_caches: Mapping[str, "torch.Tensor | Sequence[torch.Tensor]"],
+    layer_names: Sequence[str],
+    num_blocks: int,
 ) -> KVLayout:
     """The layout of `layer_names` (a cache group's layers, in order) in `kv_caches`."""
     names = [n for n in layer_names if n in kv_caches]
@@ -69,8 +71,13 @@ def kv_layout(
     by_base: dict[tuple[str, int, int], int] = {}
     segments: list[Segment] = []
     seen: set[tuple[int, tuple[int, ...]]] = set()
-    for name in names:
-        t = kv_caches[name]
+    # A Mamba layer registers a list of state tensors (conv, ssm, ...), each one page per block.
+    tensors = [
+        (name, t)
+        for name in names
+        for t in (kv_caches[name] if isinstance(kv_caches[name], (list, tuple)) else [kv_caches[name]])
+    ]
+    for name, t in tensors:
         ident = (t.data_ptr(), tuple(t.shape))
         if ident in seen:  # a layer sharing another layer's KV: one copy suffices
             continue

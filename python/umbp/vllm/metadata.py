@@ -24,6 +24,13 @@ class BlockOp:
     # Loads only: True when vLLM holds the request in WAITING_FOR_REMOTE_KVS and expects it
     # in get_finished's "received" set; False for a load the forward waits for (sync).
     is_async: bool = False
+    # The KV cache group (None: the metadata's `group`); hybrid models have several.
+    group: int | None = None
+    # Stores of blocks the scheduler pinned in vLLM's block pool (sliding-window and Mamba
+    # groups, lazy offload): every worker reports the op in `ops_done` once the pool no
+    # longer reads the blocks, and the scheduler unpins them when all ranks did. Such ops
+    # are not tied to the request's lifetime (`store_done`).
+    op_id: int | None = None
 
 
 @dataclass
@@ -55,6 +62,7 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
 
     store_done: dict[str, int] = field(default_factory=dict)
     stored: dict[bytes, int] = field(default_factory=dict)
+    ops_done: dict[int, int] = field(default_factory=dict)  # pinned store op -> ranks done
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if isinstance(other, UMBPWorkerMetadata):
@@ -62,4 +70,6 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
                 self.store_done[r] = self.store_done.get(r, 0) + n
             for h, n in other.stored.items():
                 self.stored[h] = self.stored.get(h, 0) + n
+            for o, n in other.ops_done.items():
+                self.ops_done[o] = self.ops_done.get(o, 0) + n
         return self

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._logging import get_logger
 from .endpoints import embedded_socket_path
+from .groups import FULL, MAMBA, GroupInfo
 from .keys import kv_block_hashes, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
 
@@ -39,18 +40,25 @@ _MAX_EVENT_PENDING = 1 << 16
 class ReqState:
     request: Any
     local_hit_tokens: int = 0  # num_computed_tokens passed to the last lookup
-    pool_prefix_blocks: int = 0  # leading blocks present in the pool (all ranks) at lookup
-    store_cursor: int = 0  # blocks [0, cursor) need no store (in pool, loaded or planned)
-    store_ops: int = 0  # store ops planned (each goes to every TP rank)
+    pool_hit_tokens: int = 0  # prefix tokens restorable from the pool (all ranks) at lookup
+    stored_upto: int = 0  # tokens [0, stored_upto) need no store (in pool, loaded or planned)
+    store_ops: int = 0  # request-held store ops planned (each goes to every TP rank)
     store_ops_done: int = 0  # completions reported by workers, summed over ranks
     async_load_pending: bool = False  # async load planned, completion not yet seen
-    load_block_ids: tuple[int, ...] = ()  # blocks of the last planned load
-    load_first: int = 0  # index (in the request) of that load's first block
+    load_block_ids: tuple[int, ...] = ()  # blocks of the last planned load (all groups)
+    load_first: int = 0  # first token of that load
     load_failed: bool = False  # a load failed: never offer hits again (no retry loops)
+    tail_stored: bool = False  # enable_partial_hash_hits: the prompt's partial block planned
 
     @property
     def has_store(self) -> bool:
         return self.store_ops > 0
+
+
+# Hybrid lookups walk down from the longest full-attention hit; bound the walk.
+_MAX_HIT_PROBES = 64
+# Hashes lazy offload stored or loaded recently (not offered again while remembered).
+_MAX_LAZY_SEEN = 1 << 18
 
 
 class SchedulerSide:
@@ -66,6 +74,13 @@ class SchedulerSide:
         self._reqs: dict[str, ReqState] = {}
         self._pending_loads: list[BlockOp] = []
         self._finish_after_stores: list[str] = []
+        # Stores of blocks the request does not hold for us (sliding-window and Mamba
+        # groups free blocks while the request runs; lazy offload stores free blocks):
+        # pinned in vLLM's block pool until every TP rank reported the op done.
+        self._next_op = 1
+        self._pins: dict[int, tuple[list[Any], int]] = {}  # op id -> (blocks, ranks done)
+        self._lazy_seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        self.lazy_stored_blocks = 0  # blocks lazy offload submitted (tests, measurements)
         self._events: list[Any] = []
         # BlockStored events wait until every TP rank confirmed the store:
         # hash -> (event, ranks confirmed).
@@ -136,17 +151,38 @@ class SchedulerSide:
     def _rank_index(self, rank: int) -> Any | None:
         return self._indexes[rank] if self.cfg.embedded else self._indexes[0]
 
+    # -- block hashes per group ---------------------------------------------------------
     def _hashes(self, request: "Request") -> list[bytes]:
-        return kv_block_hashes(request.block_hashes, self.c._hash_block_size, self.c._block_size)
+        """The first full-attention group's hashes (single-group models: the only one)."""
+        return kv_block_hashes(request.block_hashes, self.c._hash_block_size, self._g0.block_size)
 
-    def _pool_prefix(self, hashes: list[bytes]) -> int:
+    def _group_hashes(self, request: "Request", g: GroupInfo) -> list[bytes]:
+        """Hash of each of the group's blocks (the hash of the prefix ending with it)."""
+        return kv_block_hashes(request.block_hashes, self.c._hash_block_size, g.block_size)
+
+    def _state_hash(self, request: "Request", tokens: int) -> bytes | None:
+        """A Mamba state after `tokens` is keyed by the hash of the prefix ending there."""
+        hb = self.c._hash_block_size
+        if tokens <= 0 or tokens % hb or tokens // hb > len(request.block_hashes):
+            return None
+        return bytes(request.block_hashes[tokens // hb - 1])
+
+    @property
+    def _g0(self) -> GroupInfo:
+        return next(g for g in self.c._groups if g.gid == self.c._group)
+
+    @property
+    def _hybrid(self) -> bool:
+        return len(self.c._groups) > 1 or self.c._groups[0].kind != FULL
+
+    def _pool_prefix(self, hashes: list[bytes], group: int | None = None) -> int:
         """Leading blocks present in the pool for every TP rank (0 when not attached)."""
         if not hashes:
             return 0
         if not all(i is not None for i in self._indexes) and not self._attach():
             return 0
         n = len(hashes)
-        ns, g = self.namespace, self.c._group
+        ns, g = self.namespace, (self.c._group if group is None else group)
         for rank in range(self.c._tp_size):
             idx = self._rank_index(rank)
             if idx is None:
@@ -168,6 +204,76 @@ class SchedulerSide:
                 break
         return n
 
+    def _present(self, group: int, h: bytes) -> bool:
+        """Object `h` of `group` is in the pool for every TP rank."""
+        for rank in range(self.c._tp_size):
+            idx = self._rank_index(rank)
+            if idx is None:
+                return False
+            try:
+                (key,) = make_keys(self.n, self.namespace, group, rank, [h])
+                if not idx.contains(key):
+                    return False
+            except Exception as e:  # noqa: BLE001 - never fail a lookup
+                logger.debug("UMBP: contains failed (%s); treating as a miss", e)
+                return False
+        return True
+
+    def _group_has(self, request: "Request", g: GroupInfo, tokens: int, cache: dict) -> bool:
+        """Everything group `g` needs to resume after a hit of `tokens` is in the pool."""
+        if g.kind == MAMBA:
+            h = self._state_hash(request, tokens)
+            return h is not None and self._present(g.gid, h)
+        hashes = cache.get(g.gid)
+        if hashes is None:
+            hashes = cache[g.gid] = self._group_hashes(request, g)
+        need = g.needed_blocks(tokens)
+        if need.stop > len(hashes):
+            return False
+        return all(self._present(g.gid, hashes[i]) for i in need)
+
+    def _pool_hit_tokens(self, request: "Request", limit: int) -> int:
+        """Hybrid models: the longest prefix (at most `limit` tokens, on the hit unit) that
+        every group can restore from the pool."""
+        if not all(i is not None for i in self._indexes) and not self._attach():
+            return 0
+        cache: dict[int, list[bytes]] = {}
+        max_t = min(limit, len(request.block_hashes) * self.c._hash_block_size)
+        for g in self.c._groups:
+            if g.kind == FULL:
+                cache[g.gid] = hashes = self._group_hashes(request, g)
+                max_t = min(max_t, self._pool_prefix(hashes, g.gid) * g.block_size)
+                if max_t <= 0:
+                    return 0
+        unit = self.c._hash_block_size if self.c._partial_hits else self.c._block_size
+        others = [g for g in self.c._groups if g.kind != FULL]
+        fulls = [g for g in self.c._groups if g.kind == FULL]
+        if self.c._partial_hits and fulls:
+            # enable_partial_hash_hits: the hit may end inside the full-attention block
+            # after the prefix, where the pool holds that block as the tail of an earlier
+            # prompt (keyed by the hash of the prefix ending at the tail).
+            hb = self.c._hash_block_size
+            bsz = fulls[0].block_size
+            t = min(limit, len(request.block_hashes) * hb, max_t + bsz - 1) // hb * hb
+            while t > max_t:
+                h = self._state_hash(request, t)
+                if (
+                    t % bsz
+                    and h is not None
+                    and all(self._present(g.gid, h) for g in fulls)
+                    and all(self._group_has(request, g, t, cache) for g in others)
+                ):
+                    return t
+                t -= hb
+        t = max_t // unit * unit
+        for _ in range(_MAX_HIT_PROBES):
+            if t <= 0:
+                return 0
+            if all(self._group_has(request, g, t, cache) for g in others):
+                return t
+            t -= unit
+        return 0
+
     # -- vLLM hooks ---------------------------------------------------------------------
     def get_num_new_matched_tokens(
         self, request: "Request", num_computed_tokens: int
@@ -176,29 +282,38 @@ class SchedulerSide:
         if st is None:
             st = self._reqs[request.request_id] = ReqState(request)
         st.local_hit_tokens = num_computed_tokens
-        st.pool_prefix_blocks = 0
+        st.pool_hit_tokens = 0
         if not (self.c._do_load and self.cfg.enable_lookup) or st.load_failed:
             # After a failed load the request recomputes: a pool that keeps failing (or an
             # index that keeps claiming an object it cannot deliver) must not make vLLM
             # retry the same load forever.
             return 0, False
-        bs = self.c._block_size
-        hashes = self._hashes(request)
+        # Async loads only for requests that never stored: a request that stored before a
+        # preemption would otherwise have to report both "sent" and "received" at finish.
+        is_async = self.c._load_async and not st.has_store
+        if self.c._force_async and not is_async:
+            # A model that must load asynchronously (Mamba, sparse indexer) cannot take a
+            # synchronous load: recompute instead.
+            return 0, False
         stats = self.c._stats
         stats.add("lookups", 1)
         stats.add("lookup_query_tokens", max(0, request.num_tokens - num_computed_tokens))
-        n = self._pool_prefix(hashes)
-        st.pool_prefix_blocks = n
-        # At least one token must be computed to sample the next one: a hit covering the
-        # whole request is trimmed by one token (its block is still loaded in full).
-        hit_tokens = min(n * bs, request.num_tokens - 1)
+        if self._hybrid:
+            # The hit must be exact (a state or window resumes at exactly its end), and at
+            # least one token must be computed to sample the next one.
+            hit_tokens = self._pool_hit_tokens(request, request.num_tokens - 1)
+            st.pool_hit_tokens = hit_tokens
+        else:
+            bs = self.c._block_size
+            n = self._pool_prefix(self._hashes(request))
+            st.pool_hit_tokens = n * bs
+            # A hit covering the whole request is trimmed by one token (its block is
+            # still loaded in full).
+            hit_tokens = min(n * bs, request.num_tokens - 1)
         ext = hit_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
         stats.add("lookup_hit_tokens", ext)
-        # Async loads only for requests that never stored: a request that stored before a
-        # preemption would otherwise have to report both "sent" and "received" at finish.
-        is_async = self.cfg.load_async and not st.has_store
         return ext, is_async
 
     def update_state_after_alloc(
@@ -212,23 +327,70 @@ class SchedulerSide:
         if num_external_tokens <= 0:
             # No load (or the second call of an async load). Blocks already in the pool need
             # no store (first writer wins anyway).
-            st.store_cursor = max(st.store_cursor, st.pool_prefix_blocks)
+            st.stored_upto = max(st.stored_upto, st.pool_hit_tokens)
             return
-        bs = self.c._block_size
-        first = st.local_hit_tokens // bs
-        last = math.ceil((st.local_hit_tokens + num_external_tokens) / bs)
-        hashes = self._hashes(request)
-        ids = list(blocks.get_block_ids()[self.c._group])
-        if last > len(hashes) or last > len(ids):  # cannot happen per vLLM's contract
-            logger.error("UMBP: load plan out of range for %s; not loading", rid)
-            return
-        # Same decision as our get_num_new_matched_tokens told vLLM.
-        is_async = self.cfg.load_async and not st.has_store
-        self._pending_loads.append(BlockOp(rid, hashes[first:last], ids[first:last], is_async))
-        st.store_cursor = max(st.store_cursor, last, st.pool_prefix_blocks)
-        st.async_load_pending = is_async
-        st.load_block_ids = tuple(ids[first:last])
-        st.load_first = first
+        first_tok = st.local_hit_tokens
+        end_tok = first_tok + num_external_tokens
+        all_ids = blocks.get_block_ids()
+        null = self._null_block_id()
+        is_async = self.c._load_async and not st.has_store
+        ops: list[BlockOp] = []
+        for g in self.c._groups:
+            ids = list(all_ids[g.gid])
+            need = g.needed_blocks(end_tok)
+            lo = max(need.start, first_tok // g.block_size)
+            if g.kind == MAMBA:
+                h = self._state_hash(request, end_tok)
+                if need.stop > len(ids) or h is None:
+                    logger.error("UMBP: no state block for %s's load; not loading", rid)
+                    ops = self._failing_load(rid, all_ids, first_tok, end_tok, is_async)
+                    break
+                if ids[need.stop - 1] != null:
+                    ops.append(BlockOp(rid, [h], [ids[need.stop - 1]], is_async, group=g.gid))
+                continue
+            hashes = self._group_hashes(request, g)
+            if g.kind == FULL and end_tok % g.block_size:
+                # A partial hit: the last block is a prompt tail, keyed by its prefix hash.
+                tail = self._state_hash(request, end_tok)
+                hashes = hashes[: end_tok // g.block_size] + ([tail] if tail is not None else [])
+            if need.stop > len(hashes) or need.stop > len(ids):  # cannot happen per vLLM
+                logger.error("UMBP: load plan out of range for %s; not loading", rid)
+                ops = self._failing_load(rid, all_ids, first_tok, end_tok, is_async)
+                break
+            pick = [i for i in range(lo, need.stop) if ids[i] != null]
+            if pick:
+                ops.append(
+                    BlockOp(rid, [hashes[i] for i in pick], [ids[i] for i in pick], is_async, group=g.gid)
+                )
+        if is_async and not ops:
+            # vLLM waits for this request's "received" report: an empty op makes the
+            # workers send it.
+            ops = [BlockOp(rid, [], [], True)]
+        self._pending_loads.extend(ops)
+        st.stored_upto = max(st.stored_upto, end_tok // self.c._block_size * self.c._block_size, st.pool_hit_tokens)
+        st.async_load_pending = is_async and bool(ops)
+        st.load_block_ids = tuple(b for op in ops for b in op.block_ids)
+        st.load_first = first_tok
+        if self.c._offload.lazy_offload:
+            for op in ops:  # already in the pool: lazy offload need not store them again
+                for h in op.hashes:
+                    self._lazy_remember(op.group, h)
+
+    def _failing_load(
+        self, rid: str, all_ids: Any, first_tok: int, end_tok: int, is_async: bool
+    ) -> list[BlockOp]:
+        """A load that cannot be planned: its first group's blocks are "loaded" under keys
+        the pool cannot hold, so the workers report them failed and vLLM recomputes them
+        (never a hit whose bytes were not loaded)."""
+        g = self._g0
+        ids = list(all_ids[g.gid])[first_tok // g.block_size : -(-end_tok // g.block_size)]
+        ids = [b for b in ids if b != self._null_block_id()]
+        return [BlockOp(rid, [b""] * len(ids), ids, is_async, group=g.gid)]
+
+    def _null_block_id(self) -> int:
+        bp = self.c._gpu_block_pool
+        nb = getattr(bp, "null_block", None) if bp is not None else None
+        return int(nb.block_id) if nb is not None else 0
 
     def build_connector_meta(self, so: "SchedulerOutput") -> UMBPConnectorMetadata:
         meta = UMBPConnectorMetadata(
@@ -245,10 +407,42 @@ class SchedulerSide:
         for rid in meta.preempted:
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; the next lookup re-plans
-                st.store_cursor = 0
+                st.stored_upto = 0
         if self.c._do_store:
-            self._plan_stores(so, meta)
+            if self.c._offload.lazy_offload:
+                self._plan_lazy_stores(meta)
+            else:
+                self._plan_stores(so, meta)
         return meta
+
+    # -- stores -------------------------------------------------------------------------
+    def _pinned_op(self, group: int, hashes: list[bytes], blocks: list[Any], rid: str) -> BlockOp | None:
+        """A store of `blocks` (vLLM KVCacheBlocks) that pins them until every rank is done."""
+        bp = self.c._gpu_block_pool
+        if bp is None or not blocks:
+            return None
+        bp.touch(blocks)
+        op_id = self._next_op
+        self._next_op += 1
+        self._pins[op_id] = (blocks, 0)
+        return BlockOp(rid, hashes, [b.block_id for b in blocks], group=group, op_id=op_id)
+
+    def has_pins(self) -> bool:
+        return bool(self._pins)
+
+    def _unpin(self, op_id: int, ranks: int) -> None:
+        pin = self._pins.get(op_id)
+        if pin is None:
+            return
+        blocks, done = pin
+        done += ranks
+        if done < self.c._tp_size:
+            self._pins[op_id] = (blocks, done)
+            return
+        del self._pins[op_id]
+        bp = self.c._gpu_block_pool
+        if bp is not None:
+            bp.free_blocks(blocks)
 
     def _plan_stores(self, so: "SchedulerOutput", meta: UMBPConnectorMetadata) -> None:
         bs = self.c._block_size
@@ -263,32 +457,137 @@ class SchedulerSide:
             upto = req.num_computed_tokens + n_sched - len(spec.get(rid, ()))
             if not self.cfg.save_decode_cache:
                 upto = min(upto, req.num_prompt_tokens)
-            if upto // bs <= st.store_cursor:
+            if self.c._partial_hits and not st.tail_stored and upto >= req.num_prompt_tokens:
+                self._plan_tail_store(st, block_state, meta)
+            upto = min(upto, len(req.block_hashes) * self.c._hash_block_size) // bs * bs
+            if upto <= st.stored_upto:
                 continue  # most steps (decode): nothing newly full, skip the hashes
-            hashes = self._hashes(req)
-            full = min(upto // bs, len(hashes))
-            if full <= st.store_cursor:
-                continue
             ids = None
             if block_state is not None:
-                got = block_state.get_block_ids(rid)
-                ids = got[self.c._group] if got is not None else None
+                ids = block_state.get_block_ids(rid)
             if ids is None and self.c._kv_cache_manager is not None:
-                ids = self.c._kv_cache_manager.get_block_ids(rid)[self.c._group]
+                ids = self.c._kv_cache_manager.get_block_ids(rid)
             if ids is None:
                 continue
-            full = min(full, len(ids))
-            lo = st.store_cursor
-            if full <= lo:
+            lo_tok = st.stored_upto
+            null = self._null_block_id()
+            for g in self.c._groups:
+                if g.kind == MAMBA:
+                    continue  # states come from vLLM's boundary hand-offs (below)
+                gids = ids[g.gid]
+                hashes = self._group_hashes(req, g)
+                lo, hi = lo_tok // g.block_size, min(upto // g.block_size, len(hashes), len(gids))
+                if hi <= lo:
+                    continue
+                if g.kind == FULL:
+                    # The request holds these blocks until its stores are done
+                    # (request_finished delays the free).
+                    meta.stores.append(BlockOp(rid, hashes[lo:hi], list(gids[lo:hi]), group=g.gid))
+                    st.store_ops += 1
+                    if self.c._events_enabled and g.gid == self.c._group:
+                        self._remember_for_events(req, hashes, lo, hi)
+                    continue
+                # Sliding window: vLLM frees blocks that leave the window while the request
+                # runs, so these are pinned instead. Only blocks vLLM itself cached under
+                # the expected hash (their KV is complete) are stored.
+                bp = self.c._gpu_block_pool
+                if bp is None:
+                    continue
+                pick = [
+                    i for i in range(lo, hi) if gids[i] != null and _cached_as(bp.blocks[gids[i]], hashes[i])
+                ]
+                op = self._pinned_op(g.gid, [hashes[i] for i in pick], [bp.blocks[gids[i]] for i in pick], rid)
+                if op is not None:
+                    meta.stores.append(op)
+            st.stored_upto = upto
+        self._plan_state_stores(so, meta)
+
+    def _plan_tail_store(self, st: ReqState, block_state: Any, meta: UMBPConnectorMetadata) -> None:
+        """enable_partial_hash_hits: store the prompt's last, partial full-attention block,
+        up to its last prefix-match-unit boundary, keyed by the hash of that prefix (a later
+        prompt sharing exactly that prefix can then hit inside the block)."""
+        st.tail_stored = True
+        req = st.request
+        hb = self.c._hash_block_size
+        p = req.num_prompt_tokens // hb * hb
+        h = self._state_hash(req, p)
+        ids = block_state.get_block_ids(req.request_id) if block_state is not None else None
+        if h is None or ids is None:
+            return
+        for g in self.c._groups:
+            if g.kind != FULL or p % g.block_size == 0:
                 continue
-            meta.stores.append(BlockOp(rid, hashes[lo:full], list(ids[lo:full])))
-            st.store_cursor = full
-            st.store_ops += 1
-            if self.c._events_enabled:
-                self._remember_for_events(req, hashes, lo, full)
+            k = p // g.block_size
+            if k < len(ids[g.gid]):
+                meta.stores.append(BlockOp(req.request_id, [h], [ids[g.gid][k]], group=g.gid))
+                st.store_ops += 1
+
+    def _plan_state_stores(self, so: "SchedulerOutput", meta: UMBPConnectorMetadata) -> None:
+        """Mamba "align" states vLLM hands off at block (or prefix-match-unit) boundaries."""
+        block_state = getattr(so, "kv_connector_block_state", None)
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        bp = self.c._gpu_block_pool
+        ours = {g.gid for g in self.c._groups if g.kind == MAMBA}
+        if not offloads or bp is None or not ours:
+            return
+        gone = set(so.preempted_req_ids or ()) | set(getattr(so, "finished_req_ids", ()) or ())
+        for rid, entries in offloads.items():
+            st = self._reqs.get(rid)
+            if st is None or rid in gone:
+                continue  # its blocks may already belong to another request
+            req = st.request
+            for gid, block_id, boundary in entries:
+                if gid not in ours:
+                    continue
+                if not self.cfg.save_decode_cache and boundary > req.num_prompt_tokens:
+                    continue
+                h = self._state_hash(req, boundary)
+                if h is None:
+                    continue
+                op = self._pinned_op(gid, [h], [bp.blocks[block_id]], rid)
+                if op is not None:
+                    meta.stores.append(op)
+
+    def _lazy_remember(self, group: int, h: bytes) -> None:
+        self._lazy_seen[(group, h)] = None
+        self._lazy_seen.move_to_end((group, h))
+        while len(self._lazy_seen) > _MAX_LAZY_SEEN:
+            self._lazy_seen.popitem(last=False)
+
+    def _plan_lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
+        """lazy_offload: store the cached blocks at the head of vLLM's free queue (the next
+        to be evicted) that the pool does not hold yet, at most `lazy_offload_max_blocks`
+        examined per step. They are pinned while the pool copies them, then go back to
+        the free queue's tail (still cached in vLLM)."""
+        bp = self.c._gpu_block_pool
+        if bp is None:
+            return
+        from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
+
+        ours = {g.gid: g for g in self.c._groups if g.kind != MAMBA}
+        picked: dict[int, list[tuple[bytes, Any]]] = {}
+        for n, blk in enumerate(bp.free_block_queue.iter_blocks_after(None)):
+            if n >= self.c._offload.lazy_offload_max_blocks:
+                break
+            bh = blk.block_hash
+            if bh is None or blk.is_null:
+                continue
+            gid = int(get_group_id(bh))
+            if gid not in ours:
+                continue
+            h = bytes(get_block_hash(bh))
+            if (gid, h) in self._lazy_seen:
+                continue
+            self._lazy_remember(gid, h)
+            picked.setdefault(gid, []).append((h, blk))
+        for gid, items in picked.items():
+            op = self._pinned_op(gid, [h for h, _ in items], [b for _, b in items], "")
+            if op is not None:
+                meta.stores.append(op)
+                self.lazy_stored_blocks += len(items)
 
     def request_finished(
-        self, request: "Request", block_ids: list[int]
+        self, request: "Request", block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is None:
@@ -313,7 +612,7 @@ class SchedulerSide:
                     st.load_failed = True
                     # vLLM recomputes from the first bad block; the recomputed blocks are
                     # not in the pool (that is why they failed), so they must be stored.
-                    st.store_cursor = min(st.store_cursor, st.load_first)
+                    st.stored_upto = min(st.stored_upto, st.load_first)
         for rid in out.finished_recving or ():
             st = self._reqs.get(rid)
             if st is not None:
@@ -324,6 +623,8 @@ class SchedulerSide:
                 st = self._reqs.get(rid)
                 if st is not None:
                     st.store_ops_done += n
+            for op_id, ranks in wm.ops_done.items():
+                self._unpin(op_id, ranks)
             for h, ranks in wm.stored.items():
                 pending = self._event_pending.get(h)
                 if pending is None:
@@ -347,7 +648,7 @@ class SchedulerSide:
             from vllm.distributed.kv_events import BlockStored
             from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-            bs = self.c._block_size
+            bs = self._g0.block_size
             tokens = req.all_token_ids
             todo = [b for b in range(lo, hi) if hashes[b] not in self._published]
             # kv_event_max_objects: when the tracked blocks (announced or about to be)
@@ -468,9 +769,19 @@ class SchedulerSide:
         for h in list(self._event_pending):
             self._forget(h)
         for st in self._reqs.values():
-            st.pool_prefix_blocks = 0
+            st.pool_hit_tokens = 0
         logger.info("UMBP: reset_cache -> namespace %s; dropping pooled objects", self.namespace.hex())
         return True
 
     def shutdown(self) -> None:
         self._indexes = [None] * len(self._index_paths)
+
+
+def _cached_as(block: Any, h: bytes) -> bool:
+    """vLLM cached `block` (a KVCacheBlock) under hash `h`: its KV is complete."""
+    bh = getattr(block, "block_hash", None)
+    if bh is None:
+        return False
+    from vllm.v1.core.kv_cache_utils import get_block_hash
+
+    return bytes(get_block_hash(bh)) == h

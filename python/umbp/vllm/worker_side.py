@@ -40,6 +40,8 @@ class Job:
     block_ids: list[int]
     t0: int  # perf_counter_ns at submit
     sync: bool = False  # a load the current step's forward waits for
+    group: int = 0  # KV cache group
+    op_id: int | None = None  # pinned store op (reported in ops_done)
 
 
 class WorkerSide:
@@ -103,8 +105,11 @@ class WorkerSide:
                     else ""
                 )
             ) from e
-        self.object_bytes = 0
+        self.object_bytes = 0  # the first full-attention group's
+        self.group_object_bytes: dict[int, int] = {}
         self._registered = False
+        self._async_loads: dict[str, int] = {}  # async load ops in flight per request
+        self.totals = {"stored_blocks": 0, "stored_bytes": 0, "loaded_blocks": 0}
         self._jobs: dict[int, Job] = {}
         self._sync_loads: list[int] = []  # transfer ids the current forward waits for
         self._req_stores: dict[str, set[int]] = {}  # in-flight store transfers per request
@@ -113,37 +118,51 @@ class WorkerSide:
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
         self._stored_hashes: dict[bytes, int] = {}
+        self._ops_done: dict[int, int] = {}
         self._on_cuda = False
 
     # -- registration -------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Register the paged KV memory once, and the group's layout (layout.py).
+        """Register the paged KV memory once, and each group's layout (layout.py).
 
         CPU storages are registered as host memory (the pool reads and writes them with
         process_vm_readv/writev); GPU storages through CUDA IPC.
         """
         kcc = self.c._kv_cache_config
-        lay = kv_layout(
-            kv_caches, kcc.kv_cache_groups[self.c._group].layer_names, int(kcc.num_blocks)
-        )
-        alloc_ids = []
-        for s in lay.storages:
-            if s.device == "cpu":
-                alloc_ids.append(int(self.w.register_host_memory(s.base, s.nbytes)))
-            else:
-                alloc_ids.append(int(self.w.register_cuda_memory(s.base, s.nbytes, s.device_index)))
-        segments = [seg.as_tuple(alloc_ids) for seg in lay.segments]
-        self.object_bytes = int(self.w.register_layout(self.c._group, segments))
+        # One layout per KV cache group (hybrid models have several); groups of a hybrid
+        # model share the same memory, so each storage is registered once.
+        layouts = {
+            g.gid: kv_layout(kv_caches, kcc.kv_cache_groups[g.gid].layer_names, int(kcc.num_blocks))
+            for g in self.c._groups
+        }
+        alloc_of: dict[tuple[str, int, int], int] = {}
+        storages = []
+        nsegs = 0
+        for gid, lay in layouts.items():
+            ids = []
+            for st in lay.storages:
+                k = (st.device, st.device_index, st.base)
+                if k not in alloc_of:
+                    storages.append(st)
+                    if st.device == "cpu":
+                        alloc_of[k] = int(self.w.register_host_memory(st.base, st.nbytes))
+                    else:
+                        alloc_of[k] = int(self.w.register_cuda_memory(st.base, st.nbytes, st.device_index))
+                ids.append(alloc_of[k])
+            segments = [seg.as_tuple(ids) for seg in lay.segments]
+            nsegs += len(segments)
+            self.group_object_bytes[gid] = int(self.w.register_layout(gid, segments))
+        self.object_bytes = self.group_object_bytes[self.c._group]
         # GPU kernels run asynchronously: a store submitted after the forward must be
         # ordered after it on the GPU (stream fence), not just after it on the CPU.
-        self._on_cuda = any(s.device != "cpu" for s in lay.storages)
+        self._on_cuda = any(st.device != "cpu" for st in storages)
         self._registered = True
         logger.info(
-            "UMBP: registered %d segment(s), %d allocation(s), %d bytes per block object "
-            "(tp_rank %d)",
-            len(segments),
-            len(alloc_ids),
-            self.object_bytes,
+            "UMBP: registered %d segment(s), %d allocation(s), bytes per block object by "
+            "group %s (tp_rank %d)",
+            nsegs,
+            len(alloc_of),
+            self.group_object_bytes,
             self.tp_rank,
         )
 
@@ -171,8 +190,8 @@ class WorkerSide:
         except Exception as e:  # noqa: BLE001 - the namespace switch still hides them
             logger.warning("UMBP: reset_cache could not drop pooled objects: %s", e)
 
-    def _keys(self, meta: UMBPConnectorMetadata, hashes: list[bytes]) -> list[bytes]:
-        return make_keys(self.n, meta.namespace, meta.group, self.tp_rank, hashes)
+    def _keys(self, meta: UMBPConnectorMetadata, group: int, hashes: list[bytes]) -> list[bytes]:
+        return make_keys(self.n, meta.namespace, group, self.tp_rank, hashes)
 
     def handle_preemptions(self, meta: UMBPConnectorMetadata) -> None:
         """Preempted requests' blocks are reused right after: their stores finish first,
@@ -185,16 +204,28 @@ class WorkerSide:
     def start_load_kv(self, meta: UMBPConnectorMetadata) -> None:
         for op in meta.loads:
             if not op.block_ids:
+                if op.is_async and not self._async_loads.get(op.req_id):
+                    self._finished_recving.add(op.req_id)  # nothing to wait for
                 continue
+            group = meta.group if op.group is None else op.group
             job = Job(
-                "load", op.req_id, op.hashes, op.block_ids, time.perf_counter_ns(), sync=not op.is_async
+                "load",
+                op.req_id,
+                op.hashes,
+                op.block_ids,
+                time.perf_counter_ns(),
+                sync=not op.is_async,
+                group=group,
             )
+            if op.is_async:
+                # Reported "received" once every op of the request (one per group) is done.
+                self._async_loads[op.req_id] = self._async_loads.get(op.req_id, 0) + 1
             self.c._stats.add("load_ops", 1)
             self.c._stats.add("load_blocks", len(op.block_ids))
             try:
                 if not self._registered:
                     raise RuntimeError("KV caches not registered")
-                tid = int(self.w.load(meta.group, self._keys(meta, op.hashes), op.block_ids))
+                tid = int(self.w.load(group, self._keys(meta, group, op.hashes), op.block_ids))
             except Exception as e:  # noqa: BLE001 - pool gone: recompute
                 logger.warning("UMBP: load for %s not submitted (%s); recomputing", op.req_id, e)
                 self._finish_load(job, None)
@@ -223,7 +254,10 @@ class WorkerSide:
         for op in meta.stores:
             if not op.block_ids:
                 continue
-            job = Job("store", op.req_id, op.hashes, op.block_ids, time.perf_counter_ns())
+            group = meta.group if op.group is None else op.group
+            job = Job(
+                "store", op.req_id, op.hashes, op.block_ids, time.perf_counter_ns(), group=group, op_id=op.op_id
+            )
             self.c._stats.add("store_ops", 1)
             self.c._stats.add("store_blocks", len(op.block_ids))
             try:
@@ -231,15 +265,16 @@ class WorkerSide:
                     raise RuntimeError("KV caches not registered")
                 stream = torch.cuda.current_stream().cuda_stream if self._on_cuda else None
                 tid = int(
-                    self.w.store(meta.group, self._keys(meta, op.hashes), op.block_ids, stream=stream)
+                    self.w.store(group, self._keys(meta, group, op.hashes), op.block_ids, stream=stream)
                 )
             except Exception as e:  # noqa: BLE001 - pool gone / refusing: not stored
                 logger.debug("UMBP: store for %s not submitted: %s", op.req_id, e)
                 self.c._stats.add("store_not_stored_blocks", len(op.block_ids))
-                self._store_done[op.req_id] = self._store_done.get(op.req_id, 0) + 1
+                self._op_done(job)
                 continue
             self._jobs[tid] = job
-            self._req_stores.setdefault(op.req_id, set()).add(tid)
+            if job.op_id is None:
+                self._req_stores.setdefault(op.req_id, set()).add(tid)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         # Which requests to report as sent comes from the scheduler
@@ -261,11 +296,20 @@ class WorkerSide:
         return errs
 
     def take_worker_meta(self) -> UMBPWorkerMetadata | None:
-        if not self._stored_hashes and not self._store_done:
+        if not self._stored_hashes and not self._store_done and not self._ops_done:
             return None
-        meta = UMBPWorkerMetadata(store_done=self._store_done, stored=self._stored_hashes)
-        self._stored_hashes, self._store_done = {}, {}
+        meta = UMBPWorkerMetadata(
+            store_done=self._store_done, stored=self._stored_hashes, ops_done=self._ops_done
+        )
+        self._stored_hashes, self._store_done, self._ops_done = {}, {}, {}
         return meta
+
+    def _op_done(self, job: "Job") -> None:
+        """A store's outcome is known: tell the scheduler (request-held or pinned op)."""
+        if job.op_id is not None:
+            self._ops_done[job.op_id] = self._ops_done.get(job.op_id, 0) + 1
+        else:
+            self._store_done[job.req_id] = self._store_done.get(job.req_id, 0) + 1
 
     # -- completions --------------------------------------------------------------------
     def _wait(self, tid: int) -> list[int]:
@@ -363,10 +407,16 @@ class WorkerSide:
         stats = self.c._stats
         stats.add("load_failed_blocks", len(failed))
         good = len(job.block_ids) - len(failed)
-        stats.add("load_bytes", good * self.object_bytes)
+        stats.add("load_bytes", good * self.group_object_bytes.get(job.group, self.object_bytes))
         stats.add("load_ns", time.perf_counter_ns() - job.t0)
+        self.totals["loaded_blocks"] += good
         if not job.sync:
-            self._finished_recving.add(job.req_id)
+            left = self._async_loads.get(job.req_id, 1) - 1
+            if left > 0:
+                self._async_loads[job.req_id] = left
+            else:
+                self._async_loads.pop(job.req_id, None)
+                self._finished_recving.add(job.req_id)
 
     def _finish_store(self, tid: int, job: Job, statuses: list[int]) -> None:
         n = self.n
@@ -385,9 +435,12 @@ class WorkerSide:
         stats.add("store_stored_blocks", stored)
         stats.add("store_present_blocks", present)
         stats.add("store_not_stored_blocks", len(job.hashes) - stored - present)
-        stats.add("store_bytes", stored * self.object_bytes)
+        nbytes = stored * self.group_object_bytes.get(job.group, self.object_bytes)
+        stats.add("store_bytes", nbytes)
         stats.add("store_ns", time.perf_counter_ns() - job.t0)
-        self._store_done[job.req_id] = self._store_done.get(job.req_id, 0) + 1
+        self.totals["stored_blocks"] += stored
+        self.totals["stored_bytes"] += nbytes
+        self._op_done(job)
         pending = self._req_stores.get(job.req_id)
         if pending is not None:
             pending.discard(tid)

@@ -93,10 +93,12 @@ fn exec_swap(socket: &std::path::Path, victim: &std::path::Path, addr: u64, befo
     mfd.as_file().set_len(PAGE as u64).unwrap();
     mfd.add_seals(&[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow]).unwrap();
     let fd: OwnedFd = mfd.as_file().try_clone().unwrap().into();
-    let local = w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: PAGE as u64 }).expect("register memfd");
+    let local = w.register_memfd(fd, 0, PAGE as u64).expect("register memfd");
     w.register_layout(1, vec![Segment::new(local, 0, PAGE as u64, PAGE as u64, 1)]).expect("layout 1");
     let register = |w: &mut Worker| -> Result<(), String> {
-        let id = w.register_memory(MemorySpec::HostProcess { ptr: addr as usize, len: PAGE }).map_err(|e| e.to_string())?;
+        // SAFETY: `addr` is this process's own fixed mapping of PAGE bytes (map_fixed above),
+        // never unmapped, and only read through raw pointers.
+        let id = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: addr as usize, len: PAGE }) }.map_err(|e| e.to_string())?;
         w.register_layout(0, vec![Segment::new(id, 0, PAGE as u64, PAGE as u64, 1)]).map(|_| ()).map_err(|e| e.to_string())
     };
     let mut registered = if before { Some(register(&mut w)) } else { None };

@@ -177,7 +177,7 @@ fn main() {
     let args = Args::parse();
     KEY_MODE.set(args.keys).expect("set once");
     if let Cmd::Stats = args.cmd {
-        println!("{}", umbp_integration_tests::report(&args.socket));
+        println!("{}", umbp_integration_tests::report_json(&args.socket));
         return;
     }
     let mut kv = Kv::new(&args);
@@ -190,7 +190,10 @@ fn main() {
             std::process::exit(3);
         }
     };
-    let alloc = w.register_memory(MemorySpec::HostProcess { ptr: kv.mem.as_ptr() as usize, len: kv.mem.len() }).expect("register memory");
+    // SAFETY: `kv` is declared before `w` (outlives it); its bytes are filled before a store
+    // is submitted and checked after a load completed, never while one is in flight.
+    let alloc = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.mem.as_ptr() as usize, len: kv.mem.len() }) }
+        .expect("register memory");
     assert_eq!(alloc, 0);
     let obj = match w.register_layout(0, kv.segments.clone()) {
         Ok(o) => o,

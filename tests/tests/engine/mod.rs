@@ -25,7 +25,9 @@ impl Engine {
         cfg.timeout = timeout;
         let mut w = Worker::connect(cfg).expect("connect");
         let mem = vec![0x11u8; (LAYERS * BLOCKS * PAGE) as usize];
-        w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }).unwrap();
+        // SAFETY: `mem` moves into the `Engine` with `w` and drops after it (field order);
+        // the tests read and fill it only between transfers.
+        unsafe { w.register_memory(MemorySpec::HostProcess { ptr: mem.as_ptr() as usize, len: mem.len() }) }.unwrap();
         let segs = (0..LAYERS).map(|l| Segment::new(0, l * BLOCKS * PAGE, PAGE, PAGE, BLOCKS)).collect();
         w.register_layout(0, segs).unwrap();
         Engine { w, mem }
@@ -80,8 +82,8 @@ impl Engine {
 }
 
 /// Worker attachments in a report (the report's own observer attachment is not one).
-pub fn workers(report: &serde_json::Value) -> usize {
-    report["attachments"].as_array().unwrap().iter().filter(|a| a["role"] == "worker").count()
+pub fn workers(report: &umbp_pool::PoolReport) -> usize {
+    report.attachments_of(umbp_pool::pool_report::PeerRole::Worker).count()
 }
 
 pub fn keys(first: u128, n: u64) -> Vec<ObjectKey> {

@@ -10,6 +10,7 @@ use umbp_ipc::message::{recv_message, send_message};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::events::{EventLog, EventLogSnapshot};
 use umbp_protocol::index::{IndexSnapshot, IndexView, TABLES_OFFSET};
+use umbp_pool::Report;
 use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -72,8 +73,9 @@ impl Observer {
         &self.socket
     }
 
-    /// The pool's state report (what `StatsRequest` returns).
-    pub fn stats(&self) -> Result<serde_json::Value, String> {
+    /// The pool's state report (what `StatsRequest` returns): the full one, or the tenant
+    /// view when ringtool runs as another user than the pool (and not as root).
+    pub fn stats(&self) -> Result<Report, String> {
         let at = |what: &str, e: &dyn std::fmt::Display| format!("pool at {}: {what}: {e}", self.socket.display());
         send_message(&self.sock, MessageKind::StatsRequest, &[], &[], Some(TIMEOUT)).map_err(|e| at("StatsRequest", &e))?;
         let m = recv_message(&self.sock, Some(TIMEOUT)).map_err(|e| at("waiting for the report", &e))?;
@@ -82,7 +84,7 @@ impl Observer {
             return Err(at("StatsRequest refused", &r.message()));
         }
         let json = &m.payload[std::mem::size_of::<Reply>()..];
-        serde_json::from_slice(json).map_err(|e| at("report is not JSON", &e))
+        serde_json::from_slice(json).map_err(|e| at("report is not a pool report of this version", &e))
     }
 
     /// Index statistics read directly from the shared mapping.

@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
+use umbp_pool::{PoolReport, Report};
 
 use decode::RecordType;
 
@@ -137,7 +138,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
             if json {
                 w(&(serde_json::to_string_pretty(&report).expect("json") + "\n"))
             } else {
-                w(&view::dump(&report))
+                w(&view::dump_any(&report))
             }
         }
         Cmd::Watch { socket, interval, count, json } => watch(&socket.path(), interval, count, json),
@@ -199,10 +200,19 @@ fn watch(socket: &std::path::Path, interval: f64, count: Option<u64>, json: bool
     let interval = Duration::from_secs_f64(interval);
     let obs = client::Observer::attach(socket)?;
     let tty = std::io::stdout().is_terminal();
-    let mut prev: Option<(serde_json::Value, Instant)> = None;
+    let mut prev: Option<(PoolReport, Instant)> = None;
     let mut n = 0u64;
     loop {
-        let report = obs.stats().map_err(|e| format!("{e} (the pool went away?)"))?;
+        let report = match obs.stats().map_err(|e| format!("{e} (the pool went away?)"))? {
+            Report::Full(r) => *r,
+            Report::Tenant(t) => {
+                return Err(format!(
+                    "the pool at {} gave the tenant view (uid {}): watch needs the full report; run ringtool as the pool's user or root (`dump` shows the tenant view)",
+                    socket.display(),
+                    t.uid
+                ))
+            }
+        };
         let now = Instant::now();
         let mut out = std::io::stdout().lock();
         let text = if json {
@@ -213,7 +223,7 @@ fn watch(socket: &std::path::Path, interval: f64, count: Option<u64>, json: bool
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), serde_json::json!(v)))
                 .collect();
-            let mut r = report.clone();
+            let mut r = serde_json::to_value(&report).expect("json");
             r["rates"] = serde_json::Value::Object(rates);
             serde_json::to_string(&r).expect("json") + "\n"
         } else {

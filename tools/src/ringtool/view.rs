@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use serde_json::Value;
+use umbp_pool::pool_report::{
+    AttachmentReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, TenantReport,
+};
 
 pub fn bytes(n: f64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -19,20 +21,8 @@ pub fn bytes(n: f64) -> String {
     }
 }
 
-fn u(v: &Value) -> u64 {
-    v.as_u64().unwrap_or(0)
-}
-
-fn f(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(0.0)
-}
-
-fn s(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        Value::Null => "-".into(),
-        other => other.to_string(),
-    }
+fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
+    v.map_or_else(|| "-".into(), |v| v.to_string())
 }
 
 /// A left-aligned table with a header row.
@@ -58,98 +48,60 @@ fn table(head: &[&str], rows: &[Vec<String>], indent: usize) -> String {
     out
 }
 
-fn ring_cell(r: &Value) -> String {
-    format!("{}/{}", u(&r["head"]), u(&r["tail"]))
+fn ring_cell(r: &RingReport) -> String {
+    format!("{}/{}", r.head, r.tail)
 }
 
-fn short_ns(ns: &Value) -> String {
-    let t = s(ns);
+fn short_ns(t: &str) -> String {
     if t.len() > 12 {
         format!("{}..{}", &t[..4], &t[t.len() - 4..])
     } else {
-        t
+        t.to_string()
     }
 }
 
-fn devices_cell(a: &Value) -> String {
-    let Some(devs) = a["devices"].as_array() else { return "-".into() };
-    if devs.is_empty() {
+fn devices_cell(a: &AttachmentReport) -> String {
+    if a.devices.is_empty() {
         return "-".into();
     }
-    devs.iter()
+    a.devices
+        .iter()
         .map(|d| {
-            let uuid = d["device_uuid"].as_str().map(|u| format!(" {}", &u[..8.min(u.len())])).unwrap_or_default();
-            format!("#{} {}{} {}", u(&d["alloc_id"]), s(&d["kind"]), uuid, bytes(f(&d["bytes"])))
+            let uuid = d.device_uuid.as_deref().map(|u| format!(" {}", &u[..8.min(u.len())])).unwrap_or_default();
+            format!("#{} {}{} {}", d.alloc_id, d.kind, uuid, bytes(d.bytes as f64))
         })
         .collect::<Vec<_>>()
         .join(", ")
 }
 
-/// `ringtool dump` without `--json`.
-pub fn dump(r: &Value) -> String {
-    let p = &r["pool"];
-    let cap = f(&p["capacity_bytes"]);
-    let alloc = f(&p["allocated_bytes"]);
-    let mut out = format!(
-        "umbp-pool {}  pid {}  protocol {}  socket {}\n  uptime {:.1} s  open fds {}\n\n",
-        s(&r["version"]),
-        s(&r["pid"]),
-        s(&r["protocol_version"]),
-        s(&r["socket"]),
-        f(&r["uptime_s"]),
-        s(&r["open_fds"])
-    );
-    out.push_str(&format!(
-        "POOL\n  capacity {}  allocated {} ({:.1}%)  watermarks low {} / high {}\n  objects {}  published {}  pinned {}\n",
-        bytes(cap),
-        bytes(alloc),
-        if cap > 0.0 { 100.0 * alloc / cap } else { 0.0 },
-        s(&p["low_watermark"]),
-        s(&p["high_watermark"]),
-        s(&p["objects"]),
-        s(&p["published_objects"]),
-        s(&p["pinned_objects"])
-    ));
-    out.push_str(&format!(
-        "  evictions {}  KV events written {} (log of {} entries)\n\n",
-        s(&p["evictions"]),
-        s(&r["events"]["written"]),
-        s(&r["events"]["capacity"])
-    ));
-    let ns: Vec<Vec<String>> = r["namespaces"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .map(|n| vec![s(&n["namespace"]), s(&n["objects"]), bytes(f(&n["bytes"]))])
-        .collect();
+fn namespaces_table(out: &mut String, namespaces: &[NamespaceReport]) {
+    let ns: Vec<Vec<String>> =
+        namespaces.iter().map(|n| vec![n.namespace.clone(), n.objects.to_string(), bytes(n.bytes as f64)]).collect();
     out.push_str(&format!("NAMESPACES ({})\n", ns.len()));
     if !ns.is_empty() {
         out.push_str(&table(&["namespace", "objects", "bytes"], &ns, 2));
     }
-    let atts: Vec<Vec<String>> = r["attachments"]
-        .as_array()
-        .into_iter()
-        .flatten()
+}
+
+fn attachments_table(out: &mut String, attachments: &[AttachmentReport]) {
+    let atts: Vec<Vec<String>> = attachments
+        .iter()
         .map(|a| {
             vec![
-                s(&a["id"]),
-                s(&a["pid"]),
-                s(&a["role"]),
-                short_ns(&a["namespace"]),
-                format!("{}/{}", s(&a["tp_rank"]), s(&a["tp_size"])),
-                ring_cell(&a["sq"]),
-                ring_cell(&a["cq"]),
-                ring_cell(&a["hints"]),
-                s(&a["inflight"]),
-                format!(
-                    "{}/{}",
-                    if a["sq"]["need_wakeup"] == true { "sq" } else { "-" },
-                    if a["cq"]["need_wakeup"] == true { "cq" } else { "-" }
-                ),
-                s(&a["submissions"]),
-                s(&a["blocks"]),
-                s(&a["errors"]),
-                bytes(f(&a["registered_bytes"])),
+                a.id.to_string(),
+                a.pid.to_string(),
+                role(a.role).to_string(),
+                short_ns(&a.namespace),
+                format!("{}/{}", a.tp_rank, a.tp_size),
+                ring_cell(&a.sq),
+                ring_cell(&a.cq),
+                ring_cell(&a.hints),
+                a.inflight.to_string(),
+                format!("{}/{}", if a.sq.need_wakeup { "sq" } else { "-" }, if a.cq.need_wakeup { "cq" } else { "-" }),
+                a.submissions.to_string(),
+                a.blocks.to_string(),
+                a.errors.to_string(),
+                bytes(a.registered_bytes as f64),
                 devices_cell(a),
             ]
         })
@@ -165,100 +117,158 @@ pub fn dump(r: &Value) -> String {
             2,
         ));
     }
-    let ix = &r["index"];
-    if !ix.is_null() {
-        let slots = f(&ix["slots"]);
+}
+
+fn role(r: PeerRole) -> &'static str {
+    match r {
+        PeerRole::Worker => "worker",
+        PeerRole::Scheduler => "scheduler",
+        PeerRole::Observer => "observer",
+    }
+}
+
+/// `ringtool dump` without `--json`, for either report.
+pub fn dump_any(r: &Report) -> String {
+    match r {
+        Report::Full(r) => dump(r),
+        Report::Tenant(t) => dump_tenant(t),
+    }
+}
+
+/// A tenant's view: the pool's size, its own namespaces and attachments.
+pub fn dump_tenant(r: &TenantReport) -> String {
+    let p = &r.pool;
+    let mut out = format!(
+        "umbp-pool {}  protocol {}  (tenant view for uid {}: the pool runs as another user)\n\nPOOL\n  capacity {}  watermarks low {} / high {}\n\n",
+        r.version,
+        r.protocol_version,
+        r.uid,
+        bytes(p.capacity_bytes as f64),
+        p.low_watermark,
+        p.high_watermark
+    );
+    namespaces_table(&mut out, &r.namespaces);
+    attachments_table(&mut out, &r.attachments);
+    out
+}
+
+/// `ringtool dump` without `--json`.
+pub fn dump(r: &PoolReport) -> String {
+    let p = &r.pool;
+    let cap = p.capacity_bytes as f64;
+    let alloc = p.allocated_bytes as f64;
+    let mut out = format!(
+        "umbp-pool {}  pid {}  protocol {}  socket {}\n  uptime {:.1} s  open fds {}\n\n",
+        r.version,
+        r.pid,
+        r.protocol_version,
+        r.socket,
+        r.uptime_s,
+        opt(r.open_fds)
+    );
+    out.push_str(&format!(
+        "POOL\n  capacity {}  allocated {} ({:.1}%)  watermarks low {} / high {}\n  objects {}  published {}  pinned {}\n",
+        bytes(cap),
+        bytes(alloc),
+        if cap > 0.0 { 100.0 * alloc / cap } else { 0.0 },
+        p.low_watermark,
+        p.high_watermark,
+        p.objects,
+        p.published_objects,
+        p.pinned_objects
+    ));
+    out.push_str(&format!(
+        "  evictions {}  KV events written {} (log of {} entries)\n\n",
+        p.evictions, r.events.written, r.events.capacity
+    ));
+    namespaces_table(&mut out, &r.namespaces);
+    attachments_table(&mut out, &r.attachments);
+    if let Some(ix) = &r.index {
+        let slots = ix.slots as f64;
         out.push_str(&format!(
             "\nINDEX\n  slots {}  live {} ({:.1}% occupied)  tombstones {}  epoch {}  inserts {}  removes {}  rebuilds {}\n",
-            s(&ix["slots"]),
-            s(&ix["live"]),
-            if slots > 0.0 { 100.0 * f(&ix["live"]) / slots } else { 0.0 },
-            s(&ix["tombstones"]),
-            s(&ix["epoch"]),
-            s(&ix["inserts"]),
-            s(&ix["removes"]),
-            s(&ix["rebuilds"])
+            ix.slots,
+            ix.live,
+            if slots > 0.0 { 100.0 * ix.live as f64 / slots } else { 0.0 },
+            ix.tombstones,
+            ix.epoch,
+            ix.inserts,
+            ix.removes,
+            ix.rebuilds
         ));
-        let hist: Vec<String> = ix["probe_histogram"]
-            .as_array()
-            .into_iter()
-            .flatten()
+        let hist: Vec<String> = ix
+            .probe_histogram
+            .iter()
             .enumerate()
-            .map(|(i, n)| format!("{i}{}:{}", if i == 7 { "+" } else { "" }, s(n)))
+            .map(|(i, n)| format!("{i}{}:{n}", if i == 7 { "+" } else { "" }))
             .collect();
         out.push_str(&format!("  probe lengths  {}\n", hist.join("  ")));
     }
     // With --namespace-acl: one index and event log per tenant group (the INDEX above is
     // their sum).
-    let groups = r["groups"].as_array().map(Vec::as_slice).unwrap_or_default();
-    if groups.len() > 1 {
+    if r.groups.len() > 1 {
         out.push_str("\nTENANT GROUPS (own index and event log each)\n");
-        for g in groups {
-            let list = |v: &serde_json::Value| {
-                let items: Vec<String> = v.as_array().into_iter().flatten().map(|x| x.to_string().trim_matches('"').to_string()).collect();
-                if items.is_empty() { "-".to_string() } else { items.join(",") }
-            };
+        for g in &r.groups {
+            let list = |items: Vec<String>| if items.is_empty() { "-".to_string() } else { items.join(",") };
+            let ix = g.index.as_ref();
             out.push_str(&format!(
                 "  group {}  uids {}  namespaces {}\n    index slots {}  live {}  tombstones {}  inserts {}  removes {}  events written {}\n",
-                s(&g["group"]),
-                if g["group"] == 0 { "(pool's, root)".to_string() } else { list(&g["uids"]) },
-                if g["group"] == 0 { "(not listed)".to_string() } else { list(&g["namespaces"]) },
-                s(&g["index"]["slots"]),
-                s(&g["index"]["live"]),
-                s(&g["index"]["tombstones"]),
-                s(&g["index"]["inserts"]),
-                s(&g["index"]["removes"]),
-                s(&g["events"]["written"]),
+                g.group,
+                if g.group == 0 { "(pool's, root)".to_string() } else { list(g.uids.iter().map(u32::to_string).collect()) },
+                if g.group == 0 { "(not listed)".to_string() } else { list(g.namespaces.clone()) },
+                opt(ix.map(|i| i.slots)),
+                opt(ix.map(|i| i.live)),
+                opt(ix.map(|i| i.tombstones)),
+                opt(ix.map(|i| i.inserts)),
+                opt(ix.map(|i| i.removes)),
+                g.events.written,
             ));
         }
     }
-    let c = &r["counters"];
+    let c = &r.counters;
     out.push_str(&format!(
         "\nTRAFFIC\n  submissions {} (rejected {})  hints {}\n  blocks stored {}  already present {}  not stored {}\n  blocks loaded {}  missing {}  failed {}  invalid {}\n  bytes stored {}  loaded {}\n  attachments accepted {}  refused {}\n",
-        s(&c["submissions"]),
-        s(&c["rejected_submissions"]),
-        s(&c["hints"]),
-        s(&c["blocks_stored"]),
-        s(&c["blocks_already_present"]),
-        s(&c["blocks_not_stored"]),
-        s(&c["blocks_loaded"]),
-        s(&c["blocks_missing"]),
-        s(&c["blocks_failed"]),
-        s(&c["blocks_invalid"]),
-        bytes(f(&c["bytes_stored"])),
-        bytes(f(&c["bytes_loaded"])),
-        s(&c["attachments_total"]),
-        s(&c["refusals"])
+        c.submissions,
+        c.rejected_submissions,
+        c.hints,
+        c.blocks_stored,
+        c.blocks_already_present,
+        c.blocks_not_stored,
+        c.blocks_loaded,
+        c.blocks_missing,
+        c.blocks_failed,
+        c.blocks_invalid,
+        bytes(c.bytes_stored as f64),
+        bytes(c.bytes_loaded as f64),
+        c.attachments_total,
+        c.refusals
     ));
     out
 }
 
 /// Per-second rates between two reports.
-pub fn rates(prev: &Value, cur: &Value, dt: Duration) -> Vec<(&'static str, f64)> {
+pub fn rates(prev: &PoolReport, cur: &PoolReport, dt: Duration) -> Vec<(&'static str, f64)> {
     let secs = dt.as_secs_f64().max(1e-9);
-    let d = |path: &[&str]| {
-        let get = |r: &Value| path.iter().fold(r, |v, k| &v[*k]).as_f64().unwrap_or(0.0);
-        (get(cur) - get(prev)).max(0.0) / secs
-    };
+    let d = |get: fn(&PoolReport) -> u64| get(cur).saturating_sub(get(prev)) as f64 / secs;
     vec![
-        ("stores/s", d(&["counters", "blocks_stored"])),
-        ("loads/s", d(&["counters", "blocks_loaded"])),
-        ("misses/s", d(&["counters", "blocks_missing"])),
-        ("store B/s", d(&["counters", "bytes_stored"])),
-        ("load B/s", d(&["counters", "bytes_loaded"])),
-        ("submissions/s", d(&["counters", "submissions"])),
-        ("hints/s", d(&["counters", "hints"])),
-        ("evictions/s", d(&["pool", "evictions"])),
-        ("events/s", d(&["events", "written"])),
+        ("stores/s", d(|r| r.counters.blocks_stored)),
+        ("loads/s", d(|r| r.counters.blocks_loaded)),
+        ("misses/s", d(|r| r.counters.blocks_missing)),
+        ("store B/s", d(|r| r.counters.bytes_stored)),
+        ("load B/s", d(|r| r.counters.bytes_loaded)),
+        ("submissions/s", d(|r| r.counters.submissions)),
+        ("hints/s", d(|r| r.counters.hints)),
+        ("evictions/s", d(|r| r.pool.evictions)),
+        ("events/s", d(|r| r.events.written)),
     ]
 }
 
 /// One `watch` screen: rates first, then the dump.
-pub fn watch_screen(cur: &Value, prev: Option<(&Value, Duration)>, interval: Duration) -> String {
+pub fn watch_screen(cur: &PoolReport, prev: Option<(&PoolReport, Duration)>, interval: Duration) -> String {
     let mut out = format!(
         "ringtool watch  (every {:.1} s, Ctrl-C to quit)  {}\n\nRATES\n",
         interval.as_secs_f64(),
-        s(&cur["socket"])
+        cur.socket
     );
     match prev {
         Some((p, dt)) => {

@@ -47,10 +47,14 @@ pub struct MockPool {
     thread: Option<JoinHandle<()>>,
 }
 
+/// A socket path in a fresh private directory (the test kit's).
 pub fn socket_path(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("umbp-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join(format!("{name}.sock"))
+    umbp_integration_tests::unique_socket(name)
+}
+
+/// Polls until `f` holds; fails the test after 5 s.
+pub fn eventually(f: impl FnMut() -> bool) {
+    assert!(umbp_integration_tests::eventually(std::time::Duration::from_secs(5), f), "condition not reached in 5 s");
 }
 
 impl MockPool {

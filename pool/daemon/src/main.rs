@@ -1,10 +1,12 @@
-//! `umbp-pool`: the node-local KV-cache pool daemon.
+//! `umbp-pool`: the node-local KV-cache pool daemon. The command line (clap, every flag
+//! also read from its `UMBP_*` variable), logging to stderr, the prefault progress bar and
+//! signal handling live here; the pool itself is the `umbp-pool` library.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
-use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig};
+use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 
 /// The node-local KV-cache pool that LLM serving engines share.
 ///
@@ -175,27 +177,27 @@ struct Args {
     metrics_addr: Option<String>,
 }
 
-fn config_from(args: Args) -> Result<PoolConfig, String> {
+fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     let mut c = PoolConfig::default();
     if let Some(s) = args.socket {
         c.socket_path = s;
     }
     if let Some(cap) = args.capacity {
-        c.capacity_bytes = parse_size("capacity (UMBP_DRAM_CAPACITY)", &cap).map_err(|e| e.to_string())?;
+        c.capacity_bytes = parse_size("capacity (UMBP_DRAM_CAPACITY)", &cap)?;
     }
-    c.high_watermark = parse_fraction("high-wm (UMBP_DRAM_HIGH_WM)", &args.high_wm).map_err(|e| e.to_string())?;
-    c.low_watermark = parse_fraction("low-wm (UMBP_DRAM_LOW_WM)", &args.low_wm).map_err(|e| e.to_string())?;
+    c.high_watermark = parse_fraction("high-wm (UMBP_DRAM_HIGH_WM)", &args.high_wm)?;
+    c.low_watermark = parse_fraction("low-wm (UMBP_DRAM_LOW_WM)", &args.low_wm)?;
     c.hugepages = args.hugepages.unwrap_or(false);
     c.numa_node = args.numa_node;
     c.prefault = args.prefault.unwrap_or(false);
     c.allow_uids = args.allow_uid;
-    c.min_object_bytes = parse_size("min-object-size", &args.min_object_size).map_err(|e| e.to_string())?;
+    c.min_object_bytes = parse_size("min-object-size", &args.min_object_size)?;
     c.lease = std::time::Duration::from_millis(args.lease_ms);
     if let Some(n) = args.copy_threads {
         c.copy_threads = n;
     }
     c.copy_threads_per_peer = args.copy_threads_per_peer;
-    c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size).map_err(|e| e.to_string())?;
+    c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size)?;
     c.engine.streams = args.copy_streams.into();
     c.engine.batch = args.copy_batch;
     c.engine.batch_max = args.copy_batch_max as usize;
@@ -208,21 +210,21 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
         },
         blocks: args.copy_kernel_blocks,
         launch_bytes: usize::try_from(
-            parse_size("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE)", &args.copy_kernel_launch_size).map_err(|e| e.to_string())?,
+            parse_size("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE)", &args.copy_kernel_launch_size)?,
         )
-        .map_err(|_| "copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE): too large".to_string())?,
+        .map_err(|_| anyhow::anyhow!("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE): too large"))?,
         split_streams: args.copy_split_streams.into(),
     };
     if let Some(g) = &args.socket_group {
-        c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g).map_err(|e| e.to_string())?);
+        c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g)?);
     }
     c.peer_pidfd_fallback = args.peer_pidfd_fallback;
     for acl in &args.namespace_acl {
-        let (uid, namespaces) = umbp_pool::config::parse_namespace_acl("namespace-acl", acl).map_err(|e| e.to_string())?;
+        let (uid, namespaces) = umbp_pool::config::parse_namespace_acl("namespace-acl", acl)?;
         c.namespace_acl.entry(uid).or_default().extend(namespaces);
     }
     c.max_attachments = args.max_attachments;
-    let size = |key: &str, v: &str| parse_size(key, v).map_err(|e| e.to_string());
+    let size = |key: &str, v: &str| parse_size(key, v);
     c.limits = umbp_pool::PeerLimits {
         attachments_per_uid: args.max_attachments_per_uid,
         registered_bytes: size("max-registered-bytes (UMBP_MAX_REGISTERED_BYTES)", &args.max_registered_bytes)?,
@@ -249,13 +251,30 @@ fn config_from(args: Args) -> Result<PoolConfig, String> {
         fd_reserve: args.fd_reserve,
     };
     c.metrics_addr = args.metrics_addr.filter(|a| !a.is_empty());
-    c.namespace_share = parse_fraction("namespace-share (UMBP_NAMESPACE_SHARE)", &args.namespace_share).map_err(|e| e.to_string())?;
-    c.lease_share = parse_fraction("lease-share (UMBP_LEASE_SHARE)", &args.lease_share).map_err(|e| e.to_string())?;
-    c.validate().map_err(|e| e.to_string())?;
+    c.namespace_share = parse_fraction("namespace-share (UMBP_NAMESPACE_SHARE)", &args.namespace_share)?;
+    c.lease_share = parse_fraction("lease-share (UMBP_LEASE_SHARE)", &args.lease_share)?;
+    c.validate()?;
+    c.progress = Some(progress_bar());
     Ok(c)
 }
 
 /// Blocks SIGINT/SIGTERM in every thread and returns when one arrives.
+/// Draws the prefault progress on stderr (hidden when stderr is not a terminal).
+fn progress_bar() -> ProgressFn {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} ({eta})").expect("static template"),
+    );
+    ProgressFn::new(move |p| {
+        bar.set_message(p.what);
+        bar.set_length(p.total_bytes);
+        bar.set_position(p.done_bytes);
+        if p.done_bytes >= p.total_bytes {
+            bar.finish_and_clear();
+        }
+    })
+}
+
 fn block_signals() -> libc::sigset_t {
     // SAFETY: plain libc signal-mask calls on a local sigset.
     unsafe {
@@ -278,12 +297,16 @@ fn main() -> ExitCode {
     let config = match config_from(Args::parse()) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("umbp-pool: {e}");
+            eprintln!("umbp-pool: {e:#}");
             return ExitCode::from(2);
         }
     };
+    if umbp_pool::FAULT_INJECTION {
+        tracing::warn!("this umbp-pool was built with the umbp-pool library's fault-injection feature (a test build); build it alone (`cargo build --release -p umbp-pool-daemon`) for production");
+    }
     // Before any thread starts, so all inherit the mask and only sigwait sees the signal.
     let set = block_signals();
+    // PoolError's message carries its cause already: print it once, not the chain.
     let pool = match Pool::start(config) {
         Ok(p) => p,
         Err(e) => {
@@ -324,7 +347,7 @@ mod tests {
         assert_eq!((g.mode, g.blocks, g.launch_bytes, g.split_streams), (umbp_gpu::GatherMode::CopyEngine, 12, 4 << 20, 4));
         let g = config_from(parse(&["--copy-kernel", "kernel"]).unwrap()).unwrap().engine.gather;
         assert_eq!(g.mode, umbp_gpu::GatherMode::Kernel);
-        let err = config_from(parse(&["--copy-kernel-launch-size", "lots"]).unwrap()).unwrap_err();
+        let err = config_from(parse(&["--copy-kernel-launch-size", "lots"]).unwrap()).unwrap_err().to_string();
         assert!(err.contains("copy-kernel-launch-size"), "{err}");
         for bad in [
             ["--copy-streams", "0"],

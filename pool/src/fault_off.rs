@@ -1,0 +1,23 @@
+//! Fault injection compiled out (the `fault-injection` feature is off, as in the daemon):
+//! the hooks the pool's threads call are empty and inlined away, and nothing can arm a
+//! fault. The armable version is fault.rs.
+
+use crate::transfer::JobBlock;
+
+/// The hold points (see fault.rs); never held in this build.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum HoldPoint {
+    ServiceBeforeArm,
+    ServiceCorrupt,
+}
+
+#[inline(always)]
+pub(crate) fn check_copy(_blocks: &[JobBlock]) {}
+
+#[inline(always)]
+pub(crate) fn pass(_point: HoldPoint) {}
+
+/// # Safety
+/// None needed: does nothing (the armable version's contract is in fault.rs).
+#[inline(always)]
+pub(crate) unsafe fn stored(_dram: *mut u8, _blocks: &[JobBlock], _size: u64) {}

@@ -1,0 +1,389 @@
+//! The pool state report's types: what a `StatsRequest` answers with (JSON), what
+//! `ringtool dump --json` prints, and what tests, benchmarks and the metrics endpoint read.
+//! The pool builds them (`report.rs`); consumers deserialize the JSON back into them, so a
+//! renamed or missing field is a compile error or a parse error naming the field, not a
+//! silent `null`. The JSON form is described in docs/operations.md ("ringtool").
+//!
+//! The full report ([`PoolReport`]) goes to peers of the pool's own uid and root; any other
+//! peer gets a [`TenantReport`] (docs/security.md). [`Report`] parses either.
+
+use serde::{Deserialize, Serialize};
+
+/// Either report, as a `StatsRequest` answers: the tenant one carries `"scope": "tenant"`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Report {
+    Tenant(TenantReport),
+    Full(Box<PoolReport>),
+}
+
+impl Report {
+    /// The full report, or an error that says this peer got the tenant view.
+    pub fn into_full(self) -> Result<PoolReport, TenantReport> {
+        match self {
+            Report::Full(r) => Ok(*r),
+            Report::Tenant(t) => Err(t),
+        }
+    }
+}
+
+/// The full report: for the pool's uid and root (operators, ringtool, tests).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolReport {
+    /// Crate version of the pool.
+    pub version: String,
+    pub protocol_version: u32,
+    pub pid: u32,
+    pub socket: String,
+    pub uptime_s: f64,
+    /// Open file descriptors of the pool process (None: /proc unreadable).
+    pub open_fds: Option<usize>,
+    pub pool: PoolSection,
+    pub namespaces: Vec<NamespaceReport>,
+    /// Summed over the tenant groups' indexes (one group without `--namespace-acl`);
+    /// None when no index mapping can be read (never in a healthy pool).
+    pub index: Option<IndexReport>,
+    /// Each tenant group's uids, namespaces, index and event log.
+    pub groups: Vec<GroupReport>,
+    pub attachments: Vec<AttachmentReport>,
+    pub events: EventsReport,
+    pub counters: CountersReport,
+    /// Counters of each GPU copy engine (one per device and GPU backend) this process
+    /// opened; empty without GPU registrations.
+    #[serde(default)]
+    pub gpu_engines: Vec<GpuEngineReport>,
+}
+
+/// One GPU copy engine's counters (`umbp_gpu::EngineStats`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GpuEngineReport {
+    /// Memory kind of its backend (`Cuda`, `Hip`).
+    pub kind: String,
+    pub ordinal: i32,
+    /// Hex UUID of the device.
+    pub device_uuid: String,
+    pub calls: u64,
+    pub items: u64,
+    pub bytes: u64,
+    pub enqueue_ns: u64,
+    pub total_ns: u64,
+    pub stages: u64,
+}
+
+impl PoolReport {
+    /// Attachments of `role`.
+    pub fn attachments_of(&self, role: PeerRole) -> impl Iterator<Item = &AttachmentReport> {
+        self.attachments.iter().filter(move |a| a.role == role)
+    }
+
+    /// The attachment with pool-assigned `id`.
+    pub fn attachment(&self, id: u32) -> Option<&AttachmentReport> {
+        self.attachments.iter().find(|a| a.id == id)
+    }
+}
+
+/// Size, use and policy of the DRAM tier.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PoolSection {
+    pub capacity_bytes: u64,
+    pub allocated_bytes: u64,
+    /// Objects held (published or being written).
+    pub objects: u64,
+    pub published_objects: u64,
+    /// Objects pinned by loads in flight.
+    pub pinned_objects: u64,
+    pub evictions: u64,
+    /// DRAM of stores failed by a copy-thread panic, never reused until restart.
+    pub quarantined_bytes: u64,
+    /// Index entries the pool admits (slots less the load-factor headroom).
+    pub index_capacity: u64,
+    pub defences: Defences,
+    pub namespace_share: f64,
+    pub lease_share: f64,
+    pub events_written: u64,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+}
+
+/// What the tenant defences did (docs/security.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Defences {
+    pub index_evictions: u64,
+    pub quota_evictions: u64,
+    pub quota_refusals: u64,
+    pub foreign_hints_ignored: u64,
+    pub leases_dropped: u64,
+}
+
+/// Use of one namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamespaceReport {
+    /// 32 hex digits.
+    pub namespace: String,
+    pub objects: u64,
+    pub bytes: u64,
+}
+
+impl NamespaceReport {
+    /// The namespace as a number (None: not 32 hex digits).
+    pub fn id(&self) -> Option<u128> {
+        u128::from_str_radix(&self.namespace, 16).ok()
+    }
+}
+
+/// The shared index, read from its header and tables.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IndexReport {
+    pub slots: u64,
+    pub epoch: u64,
+    pub live: u64,
+    pub tombstones: u64,
+    pub inserts: u64,
+    pub removes: u64,
+    pub rebuilds: u64,
+    /// Live entries by probe distance 0..7 (the last bucket is 7 and more).
+    pub probe_histogram: Vec<u64>,
+}
+
+/// One tenant group (docs/security.md): the peers of `uids` see only its index and
+/// event log.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupReport {
+    pub group: u32,
+    pub uids: Vec<u32>,
+    /// 32 hex digits each.
+    pub namespaces: Vec<String>,
+    pub index: Option<IndexReport>,
+    pub events: GroupEvents,
+}
+
+/// One tenant group's event log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GroupEvents {
+    pub written: u64,
+    pub region_bytes: u64,
+}
+
+/// The role a peer attached with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PeerRole {
+    Worker,
+    Scheduler,
+    Observer,
+}
+
+impl From<umbp_protocol::wire::Role> for PeerRole {
+    fn from(r: umbp_protocol::wire::Role) -> Self {
+        use umbp_protocol::wire::Role;
+        match r {
+            Role::Worker => PeerRole::Worker,
+            Role::Scheduler => PeerRole::Scheduler,
+            Role::Observer => PeerRole::Observer,
+        }
+    }
+}
+
+/// Head, tail and flags of one shared ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingReport {
+    pub capacity: u32,
+    pub head: u32,
+    pub tail: u32,
+    /// Entries between head and tail.
+    pub pending: u32,
+    pub need_wakeup: bool,
+}
+
+impl From<umbp_protocol::ring::RingSnapshot> for RingReport {
+    fn from(s: umbp_protocol::ring::RingSnapshot) -> Self {
+        Self { capacity: s.capacity, head: s.head, tail: s.tail, pending: s.len(), need_wakeup: s.need_wakeup }
+    }
+}
+
+/// One registered memory region of an attachment.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RegionReport {
+    pub alloc_id: u32,
+    /// Backend memory kind (`Host`, `Cuda`, ...).
+    pub kind: String,
+    pub bytes: u64,
+    /// 32 hex digits of the GPU's UUID; None for host memory.
+    pub device_uuid: Option<String>,
+}
+
+/// One attachment (a peer's handshake), its rings and traffic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttachmentReport {
+    pub id: u32,
+    pub pid: u32,
+    pub uid: u32,
+    pub role: PeerRole,
+    /// 32 hex digits.
+    pub namespace: String,
+    pub tp_rank: u32,
+    pub tp_size: u32,
+    pub dp_rank: u32,
+    pub sq: RingReport,
+    pub cq: RingReport,
+    pub hints: RingReport,
+    /// Completions waiting for room in the CQ.
+    pub cq_overflow: usize,
+    pub sq_paused: bool,
+    pub sq_pauses: u64,
+    pub inflight: u32,
+    pub submissions: u64,
+    pub errors: u64,
+    pub blocks: u64,
+    pub registered_bytes: u64,
+    /// Number of registered regions.
+    pub regions: usize,
+    /// The registered regions, by alloc id.
+    pub devices: Vec<RegionReport>,
+    /// Layout groups registered.
+    pub layouts: Vec<u16>,
+}
+
+/// The shared KV event log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventsReport {
+    /// Entries of each group's event log.
+    pub capacity: u32,
+    pub written: u64,
+    /// Bytes of all groups' event logs.
+    pub region_bytes: u64,
+}
+
+/// Pool-wide traffic counters since start.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CountersReport {
+    pub submissions: u64,
+    pub rejected_submissions: u64,
+    pub transfers_cancelled: u64,
+    pub blocks_stored: u64,
+    pub blocks_already_present: u64,
+    pub blocks_not_stored: u64,
+    pub blocks_loaded: u64,
+    pub blocks_missing: u64,
+    pub blocks_failed: u64,
+    pub blocks_invalid: u64,
+    pub bytes_stored: u64,
+    pub bytes_loaded: u64,
+    pub hints: u64,
+    pub attachments_total: u64,
+    pub refusals: u64,
+    pub busy_refusals: u64,
+    /// Peers whose pidfd was taken with `pidfd_open` at accept (no `SO_PEERPIDFD`).
+    pub pidfd_open_peers: u64,
+    pub store_copy_ns: u64,
+    pub load_copy_ns: u64,
+    pub phases: Phases,
+}
+
+/// Where the time of stores and of loads goes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Phases {
+    pub store: PhaseReport,
+    pub load: PhaseReport,
+}
+
+/// Time of the jobs of one direction by phase, nanoseconds summed over jobs (the phases
+/// are described at `PhaseCounters` in stats.rs and in docs/operations.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseReport {
+    pub jobs: u64,
+    pub stages: u64,
+    pub admit_ns: u64,
+    pub queue_ns: u64,
+    pub reserve_ns: u64,
+    pub plan_ns: u64,
+    pub copy_ns: u64,
+    pub publish_ns: u64,
+    pub finish_ns: u64,
+}
+
+impl PhaseReport {
+    /// `(phase, nanoseconds)` in the order a job goes through them.
+    pub fn phases(&self) -> [(&'static str, u64); 7] {
+        [
+            ("admit", self.admit_ns),
+            ("queue", self.queue_ns),
+            ("reserve", self.reserve_ns),
+            ("plan", self.plan_ns),
+            ("copy", self.copy_ns),
+            ("publish", self.publish_ns),
+            ("finish", self.finish_ns),
+        ]
+    }
+}
+
+/// What a peer of another uid may know: its own attachments, the usage of the namespaces
+/// they are attached with, and the pool's size and watermarks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TenantReport {
+    pub scope: TenantScope,
+    pub uid: u32,
+    pub version: String,
+    pub protocol_version: u32,
+    pub pool: TenantPool,
+    pub namespaces: Vec<NamespaceReport>,
+    pub attachments: Vec<AttachmentReport>,
+}
+
+/// The `"scope": "tenant"` marker of a [`TenantReport`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TenantScope {
+    Tenant,
+}
+
+/// The pool's size and watermarks, all a tenant sees of it.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TenantPool {
+    pub capacity_bytes: u64,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+}
+
+/// `Display` as compact JSON, the wire form (for logs and assertion messages).
+macro_rules! display_as_json {
+    ($($t:ty),*) => {$(
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(&serde_json::to_string(self).map_err(|_| std::fmt::Error)?)
+            }
+        }
+    )*};
+}
+display_as_json!(
+    Report,
+    PoolReport,
+    PoolSection,
+    Defences,
+    NamespaceReport,
+    IndexReport,
+    GroupReport,
+    AttachmentReport,
+    CountersReport,
+    Phases,
+    TenantReport
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_and_full_reports_parse_as_their_kind() {
+        let t = serde_json::json!({
+            "scope": "tenant", "uid": 7, "version": "0.1.0", "protocol_version": 1,
+            "pool": {"capacity_bytes": 1, "high_watermark": 0.9, "low_watermark": 0.7},
+            "namespaces": [], "attachments": [],
+        });
+        let r: Report = serde_json::from_value(t).unwrap();
+        assert!(matches!(r, Report::Tenant(_)));
+        // A full report missing a field is refused with the field's name.
+        let e = serde_json::from_str::<PoolReport>(r#"{"version":"x"}"#).unwrap_err().to_string();
+        assert!(e.contains("protocol_version"), "{e}");
+    }
+}

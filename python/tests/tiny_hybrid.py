@@ -1,0 +1,172 @@
+"""Tiny hybrid models for the hybrid-KV-cache (HMA) tests, built offline like tiny_model.py.
+
+* `gemma2`: Gemma-2-like, 4 layers alternating sliding-window (window 128 tokens) and full
+  attention. With the hybrid KV cache manager vLLM gives it two KV cache groups (full
+  attention, sliding window); the sliding-window group keeps only the blocks inside the window.
+* `granite_hybrid`: GraniteMoeHybrid (Mamba2 + attention, no experts), a Mamba hybrid: one full
+  attention group and one Mamba state group.
+
+    python python/tests/tiny_hybrid.py gemma2|granite_hybrid [DIR]   # prints the model dir
+
+Same tokenizer as tiny_model.py; initializer ranges chosen so that greedy output depends on
+the prompt. Each directory carries a stamp of the spec it was built from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from tiny_model import _CORPUS, REPO_ROOT
+
+SPECS = {
+    "gemma2": {
+        "version": 3,
+        "family": "gemma2",
+        "seed": 99,
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "sliding_window": 128,
+        "initializer_range": 0.1,  # 0.3 saturates Gemma-2: one token whatever the prompt
+    },
+    "granite_hybrid": {
+        "version": 1,
+        "family": "granite_hybrid",
+        "seed": 98,
+        "vocab_size": 1024,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "initializer_range": 0.3,
+    },
+}
+
+
+def default_dir(family: str) -> Path:
+    return REPO_ROOT / ".cache" / f"tiny-{family}"
+
+
+def _stamp_ok(path: Path, spec: dict) -> bool:
+    try:
+        return json.loads((path / "umbp-tiny-model.json").read_text()) == spec
+    except (OSError, ValueError):
+        return False
+
+
+def _tokenizer(out: Path, max_len: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=1000,
+        min_frequency=1,
+        special_tokens=["<|endoftext|>", "<|pad|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=max_len
+    )
+    fast.save_pretrained(out)
+    return fast
+
+
+def _build_into(out: Path, spec: dict) -> None:
+    import torch
+
+    fast = _tokenizer(out, 2048)
+    eos = fast.convert_tokens_to_ids("<|endoftext|>")
+    pad = fast.convert_tokens_to_ids("<|pad|>")
+    common = dict(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        max_position_embeddings=2048,
+        initializer_range=spec["initializer_range"],
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    if spec["family"] == "gemma2":
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        n = spec["num_hidden_layers"]
+        config = Gemma2Config(
+            head_dim=spec["head_dim"],
+            sliding_window=spec["sliding_window"],
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            attn_logit_softcapping=None,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=spec["head_dim"],
+            **{**common, "tie_word_embeddings": True},  # vLLM's Gemma2 ties them
+        )
+        cls = Gemma2ForCausalLM
+    else:
+        from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+        config = GraniteMoeHybridConfig(
+            layer_types=["mamba", "attention"],
+            num_local_experts=0,
+            shared_intermediate_size=spec["intermediate_size"],
+            mamba_n_heads=8,
+            mamba_d_head=32,
+            mamba_n_groups=1,
+            mamba_d_state=16,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=64,
+            position_embedding_type="rope",
+            **common,
+        )
+        cls = GraniteMoeHybridForCausalLM
+    torch.manual_seed(spec["seed"])
+    model = cls(config).to(torch.bfloat16).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "umbp-tiny-model.json").write_text(json.dumps(spec, indent=1) + "\n")
+
+
+def build_tiny_hybrid(family: str, path: str | os.PathLike | None = None) -> str:
+    spec = SPECS[family]
+    target = (Path(path) if path is not None else default_dir(family)).resolve()
+    if _stamp_ok(target, spec):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _build_into(tmp, spec)
+        if target.exists():
+            if _stamp_ok(target, spec):
+                return str(target)
+            shutil.rmtree(target)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _stamp_ok(target, spec):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+if __name__ == "__main__":
+    print(build_tiny_hybrid(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))
