@@ -1,4 +1,4 @@
-//! Fixed-size slab allocator over the DRAM tier (DESIGN §8). DRAM is cut into 2 MiB pages;
+//! Fixed-size slab allocator over the DRAM tier (docs/architecture.md "An object's life"). DRAM is cut into 2 MiB pages;
 //! a page is handed to one size class on demand and cut into equal slots; objects larger
 //! than a page take a run of contiguous pages. Offsets are what the index stores.
 

@@ -151,7 +151,7 @@ fn reject(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError) {
 }
 
 fn reject_with(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError, detail: u64) {
-    // A worker stream may be waiting on this load's fence word (DESIGN §7, umbp_gpu::fence).
+    // A worker stream may be waiting on this load's fence word (docs/gpu.md "Stream-ordered transfers", umbp_gpu::fence).
     crate::transfer::signal_load_fence(att, sqe, false);
     Counters::add(&inner.counters.rejected_submissions, 1);
     att.counters.errors.fetch_add(1, Ordering::Relaxed);

@@ -237,7 +237,7 @@ struct Progress<'j> {
 ///
 /// All allocations of a stage go to the device layer together, so parts on one GPU (a
 /// vLLM worker registers one allocation per layer) run as one batched copy call. A fenced
-/// store (`sqe.fence_value != 0`, DESIGN §7) reads device memory only after the worker's
+/// store (`sqe.fence_value != 0`, docs/gpu.md "Stream-ordered transfers") reads device memory only after the worker's
 /// stream wrote its fence word; a fenced load has the word written once the bytes landed
 /// (on the GPU when possible, see `finish` for the CPU write).
 fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
@@ -477,7 +477,7 @@ fn fence_word<'a>(sqe: &Sqe, regions: &'a Regions) -> Option<Result<(umbp_gpu::F
     })
 }
 
-/// Releases the stream of a worker waiting for a fenced load (DESIGN §7): writes the
+/// Releases the stream of a worker waiting for a fenced load (docs/gpu.md "Stream-ordered transfers"): writes the
 /// load's fence value, also when not every block loaded (the completion says so). Called before the
 /// completion is posted, also for loads that were rejected or copied nothing, so that a
 /// waiting stream never hangs while the pool lives.

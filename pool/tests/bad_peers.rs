@@ -1,4 +1,4 @@
-//! DESIGN §9 "malicious or buggy peer": hand-crafted peers send bad handshakes and bad
+//! docs/connection.md "Failure rules" "malicious or buggy peer": hand-crafted peers send bad handshakes and bad
 //! submissions to a real `umbp-pool` process. Each gets a clean refusal or an error CQE,
 //! and the pool keeps serving a well-behaved peer throughout.
 

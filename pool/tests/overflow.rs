@@ -1,4 +1,4 @@
-//! A worker that submits and never reaps its completions (DESIGN §9, a buggy peer): the
+//! A worker that submits and never reaps its completions (docs/connection.md "Failure rules", a buggy peer): the
 //! pool's private completion overflow stays bounded (its SQ is paused once the overflow
 //! holds a CQ's worth), the peer is backpressured by its own full SQ, and it recovers,
 //! losing no completion, once it reaps. On the old code the overflow grew by one 32 B

@@ -1,4 +1,4 @@
-//! The shared hash index (DESIGN §6): open addressing with linear probing in a memfd that
+//! The shared hash index (docs/protocol.md §2 "Shared index"): open addressing with linear probing in a memfd that
 //! the pool writes and schedulers map read-only.
 //!
 //! ```text

@@ -1,4 +1,4 @@
-//! KV layouts (DESIGN §5) and the address math that turns `(key, block id)` pairs into
+//! KV layouts (docs/protocol.md §3 and docs/architecture.md "An object's life") and the address math that turns `(key, block id)` pairs into
 //! copies. An object is the concatenation of block `b` of every segment, in order.
 
 use bytemuck::{Pod, Zeroable};

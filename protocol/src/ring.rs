@@ -1,4 +1,4 @@
-//! Single-producer single-consumer ring over shared memory (DESIGN §4).
+//! Single-producer single-consumer ring over shared memory (docs/protocol.md §1 "SPSC ring").
 //!
 //! ```text
 //!  header (4 cache lines)                          entries

@@ -1,4 +1,4 @@
-//! Loom models of the seqlocked shared index (DESIGN §6).
+//! Loom models of the seqlocked shared index (docs/protocol.md §2 "Shared index").
 //!
 //! Run with
 //! `RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test -p umbp-protocol --release --test loom_ring --test loom_index`.

@@ -1,4 +1,4 @@
-//! Loom models of the SPSC ring (DESIGN §4): ordering of entries, slot reuse across
+//! Loom models of the SPSC ring (docs/protocol.md §1 "SPSC ring"): ordering of entries, slot reuse across
 //! wraparound, and the `need_wakeup` sleep/wake protocol.
 //!
 //! Run with

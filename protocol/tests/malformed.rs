@@ -1,4 +1,4 @@
-//! Malformed input from a peer (DESIGN §9, "malicious or buggy peer"): every check on a
+//! Malformed input from a peer (docs/connection.md "Failure rules", "malicious or buggy peer"): every check on a
 //! shared region or a socket message must come back as a typed `ProtocolError`, never a
 //! panic, a hang or an out-of-bounds access. The unit tests in `src/` cover the basic
 //! cases one by one; these go through the public API only, corrupt regions *after* the

@@ -1,4 +1,4 @@
-"""DESIGN §12 output for the Python benchmarks: one JSON object per case and line with
+"""docs/benchmarks.md "How to read" output for the Python benchmarks: one JSON object per case and line with
 `--json`, a readable table otherwise (same fields as `umbp-bench`)."""
 
 from __future__ import annotations

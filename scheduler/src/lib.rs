@@ -1,4 +1,4 @@
-//! What an engine's scheduler links (DESIGN §6): prefix lookups in the pool's index, read
+//! What an engine's scheduler links (docs/protocol.md §2 "Shared index"): prefix lookups in the pool's index, read
 //! straight from a read-only shared mapping (no RPC), and best-effort touch hints so that a
 //! hit is still there when a worker loads it.
 //!

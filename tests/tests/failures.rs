@@ -1,4 +1,4 @@
-//! DESIGN §9, one test per row: the pool is killed, stalled, restarted; workers are killed
+//! docs/connection.md "Failure rules", one test per row: the pool is killed, stalled, restarted; workers are killed
 //! mid-transfer; the pool is absent at start. The test process is the engine worker here
 //! (real `umbp_worker::Worker`, real socket); the pool is a real `umbp-pool` process.
 

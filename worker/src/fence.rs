@@ -1,4 +1,4 @@
-//! Stream-ordered transfers (DESIGN §7): a store that the pool runs only after the
+//! Stream-ordered transfers (docs/gpu.md "Stream-ordered transfers"): a store that the pool runs only after the
 //! engine's stream reached it, and a load the engine's stream waits for on the GPU, with
 //! no CPU wait on the engine's hot path. The vLLM connector passes torch's current stream
 //! (`torch.cuda.current_stream().cuda_stream`, a raw `CUstream` as an integer).
@@ -171,7 +171,7 @@ fn gpu_err(what: &str, e: umbp_gpu::GpuError) -> WorkerError {
 }
 
 impl Worker {
-    /// Stream-ordered store (DESIGN §7): the pool copies `blocks` only after `stream` (a
+    /// Stream-ordered store (docs/gpu.md "Stream-ordered transfers"): the pool copies `blocks` only after `stream` (a
     /// raw `CUstream` as an integer, 0 = legacy default stream; e.g. torch's current
     /// stream) has run everything enqueued on it before this call. Returns at once; the
     /// CPU never waits for the GPU. Completion as for [`Worker::store`].
@@ -204,7 +204,7 @@ impl Worker {
         Ok(id)
     }
 
-    /// Stream-ordered load (DESIGN §7): submits the load and makes `stream` wait (on the
+    /// Stream-ordered load (docs/gpu.md "Stream-ordered transfers"): submits the load and makes `stream` wait (on the
     /// GPU) until the pool has written the blocks; kernels enqueued on `stream` after this
     /// call read the loaded KV. The CPU does not wait. Whether each block loaded is in the
     /// completion, as for [`Worker::load`]: the stream is released also when the load

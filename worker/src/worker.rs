@@ -475,7 +475,7 @@ impl Worker {
 
     /// Submits like [`Self::store`]/[`Self::load`]; `fence` = `(alloc id of the fence
     /// page, slot)` makes it a fenced transfer whose fence value is its transfer id
-    /// (crate::fence, DESIGN §7).
+    /// (crate::fence, docs/gpu.md "Stream-ordered transfers").
     pub(crate) fn submit_fenced(
         &mut self,
         op: Opcode,

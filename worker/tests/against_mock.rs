@@ -1,5 +1,5 @@
 //! Worker behaviour against the in-process mock pool (tests/common): data path, failure
-//! rows of DESIGN §9 that the worker owns, and backpressure.
+//! rows of docs/connection.md "Failure rules" that the worker owns, and backpressure.
 
 mod common;
 

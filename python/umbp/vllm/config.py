@@ -1,6 +1,6 @@
 """Connector configuration: `kv_connector_extra_config` parsing and validation.
 
-Every key of the user surface (DESIGN §10) is parsed here, once, into a frozen
+Every key of the user surface (docs/vllm.md) is parsed here, once, into a frozen
 `UMBPConnectorConfig`. A bad value, an unknown key or two keys that contradict each other
 raise `ValueError` naming the key; nothing is silently defaulted.
 

@@ -15,14 +15,14 @@ vLLM builds one instance per role (see docs/vllm-interface-notes.md for the obse
 * **worker role** (one per TP rank): registers the paged KV tensors with the pool once,
   submits the planned transfers (`umbp._native.Worker`, non-blocking) and reaps them.
 
-The pool copies the bytes (DESIGN §7); no KV byte goes through Python. Modes:
+The pool copies the bytes (docs/gpu.md "Stream-ordered transfers"); no KV byte goes through Python. Modes:
 
 * `embedded` (default): each worker runs its own `EmbeddedPool`, listening on a private socket
   derived from (engine id, DP rank, TP rank); the scheduler attaches one `Index` per TP rank.
 * `standalone`: every worker and the scheduler attach to the node's `umbp-pool`
   (`endpoint`, else `$UMBP_STANDALONE_ADDRESS`, else the binding's default socket).
 
-Correctness rules this file keeps (vLLM contract, DESIGN §9):
+Correctness rules this file keeps (vLLM contract, docs/connection.md "Failure rules"):
 * only whole blocks, keyed by vLLM's chained block hashes + a namespace + the KV cache group
   (keys.py); hybrid models (several groups: full attention, sliding window, Mamba state) are
   described in groups.py and docs/vllm-hybrid.md;

@@ -1,4 +1,4 @@
-"""Object keys and the key namespace (DESIGN §5).
+"""Object keys and the key namespace (docs/protocol.md §3 and docs/architecture.md "An object's life").
 
 A key is xxh3-128 over `(namespace, cache group, rank, vLLM block hash)`, computed by the
 binding (`umbp._native.object_key`). vLLM block hashes carry no model or rank identity, so the

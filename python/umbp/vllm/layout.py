@@ -1,4 +1,4 @@
-"""vLLM's paged KV tensors -> the pool's KV layout (DESIGN §5): pure shape arithmetic.
+"""vLLM's paged KV tensors -> the pool's KV layout (docs/protocol.md §3 and docs/architecture.md "An object's life"): pure shape arithmetic.
 
 The pool never sees tensors. It is told, once per worker, which memory ranges hold KV
 ("storages", registered with the pool) and a list of segments
