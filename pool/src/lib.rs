@@ -34,6 +34,7 @@ mod server;
 mod service;
 pub mod ssd;
 mod stats;
+mod stop_signals;
 mod transfer;
 pub mod validate;
 
@@ -47,6 +48,7 @@ pub use alloc::PAGE_BYTES;
 pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, ProgressFn, UidLimits};
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
+pub use stop_signals::StopSignals;
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.

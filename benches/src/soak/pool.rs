@@ -39,21 +39,11 @@ impl SoakPoolCli {
         };
         config.validate().map_err(|e| e.to_string())?;
         // Before any thread starts, so all inherit the mask and only sigwait sees the signal.
-        // SAFETY: plain libc signal-mask calls on a local sigset.
-        let set = unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGINT);
-            libc::sigaddset(&mut set, libc::SIGTERM);
-            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-            set
-        };
+        let stop = umbp_pool::StopSignals::block();
         umbp_pool::fault::corrupt_every_nth_store(self.inject_corruption);
         tracing::warn!(every = self.inject_corruption, "TEST POOL: corrupting one stored object in every N (umbp-bench soak --inject-corruption)");
         let pool = umbp_pool::Pool::start(config).map_err(|e| e.to_string())?;
-        let mut sig = 0;
-        // SAFETY: waits on the set blocked above.
-        unsafe { libc::sigwait(&set, &mut sig) };
+        stop.wait();
         tracing::warn!(flipped_bytes = umbp_pool::fault::corrupted_bytes(), "TEST POOL: stopping");
         pool.shutdown();
         Ok(())

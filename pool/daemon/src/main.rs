@@ -275,18 +275,6 @@ fn progress_bar() -> ProgressFn {
     })
 }
 
-fn block_signals() -> libc::sigset_t {
-    // SAFETY: plain libc signal-mask calls on a local sigset.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGINT);
-        libc::sigaddset(&mut set, libc::SIGTERM);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-        set
-    }
-}
-
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -304,8 +292,8 @@ fn main() -> ExitCode {
     if umbp_pool::FAULT_INJECTION {
         tracing::warn!("this umbp-pool was built with the umbp-pool library's fault-injection feature (a test build); build it alone (`cargo build --release -p umbp-pool-daemon`) for production");
     }
-    // Before any thread starts, so all inherit the mask and only sigwait sees the signal.
-    let set = block_signals();
+    // Before any thread starts, so all inherit the mask and only the wait below sees it.
+    let stop = umbp_pool::StopSignals::block();
     // PoolError's message carries its cause already: print it once, not the chain.
     let pool = match Pool::start(config) {
         Ok(p) => p,
@@ -314,9 +302,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let mut sig = 0;
-    // SAFETY: waits on the set blocked above.
-    unsafe { libc::sigwait(&set, &mut sig) };
+    let sig = stop.wait();
     tracing::info!(signal = sig, "shutting down");
     pool.shutdown();
     ExitCode::SUCCESS
