@@ -893,7 +893,7 @@ mod tests {
         let mask = (1u64 << 12) - 1;
         for seed in [[0, 0], [0x1234, 0x5678]] {
             let families: [Box<dyn Fn(u128) -> ObjectKey>; 3] = [
-                Box::new(|i| ObjectKey(i)),
+                Box::new(ObjectKey),
                 Box::new(|i| ObjectKey(i << 64)),
                 // v2 colliders: lo ^ rotl(hi, 32) constant.
                 Box::new(|i| { let hi = i as u64; ObjectKey(((hi.rotate_left(32) ^ 0xabc) as u128) | ((hi as u128) << 64)) }),
