@@ -4,7 +4,7 @@
 //!
 //! Copy engines take about 0.85 µs of driver time per copy and do not reach line rate on
 //! 4–16 KiB pages; a kernel reads and writes the pages itself. The kernel
-//! (`umbp_copy_pages`) takes a list of [`Desc`] (source address, destination address,
+//! (`umbp_copy_pages`) takes a list of `Desc` (source address, destination address,
 //! length) and copies each, one warp per page, 16 bytes per lane and access, 4 KiB per warp
 //! iteration. Both directions are the same kernel: pool DRAM is registered device-mapped,
 //! and the kernel path is only used where the driver says that registered host pointers
@@ -16,14 +16,14 @@
 //! call's stream set, after the store fence's stream wait, and the load fence's stream
 //! write follows it on that stream, so a fenced store or load behaves the same on either
 //! path. Descriptor lists live in device-mapped pinned memory owned by the stream set
-//! ([`DescBuf`]): a call writes each stage's list at a fresh offset, a list that no longer
+//! (`DescBuf`): a call writes each stage's list at a fresh offset, a list that no longer
 //! fits moves to a larger buffer and the old one is kept until the call has synchronized
 //! its streams, and a set is reused only by a later call (after that synchronization).
 //!
 //! Which path a stage takes is decided by measurement: the first time a GPU's engine opens
 //! a region, the engine times copy engines against the kernel for pages of 4 KiB to
-//! 128 KiB in both directions ([`calibrate`]) and keeps, per direction, the largest page
-//! size at which the kernel was faster ([`Calibration::use_kernel`]). [`GatherConfig`]
+//! 128 KiB in both directions (`calibrate`) and keeps, per direction, the largest page
+//! size at which the kernel was faster (`Calibration::use_kernel`). [`GatherConfig`]
 //! forces either path and sets the kernel's block count.
 //!
 //! HIP: [`HIP_SOURCE`] is the same kernel in HIP C++, for hiprtc; the HIP backend does not

@@ -80,7 +80,7 @@ pub enum PidfdSource {
 pub struct PeerProcess {
     pub cred: PeerCred,
     pidfd: Option<OwnedFd>,
-    /// Field 22 of /proc/<pid>/stat when the pidfd was taken.
+    /// Field 22 of `/proc/<pid>/stat` when the pidfd was taken.
     start_time: Option<u64>,
     pub source: PidfdSource,
 }
@@ -129,7 +129,7 @@ impl PeerProcess {
 
     /// Checks that the pid still names the process that connected, and that this process
     /// still runs as the peer's uid: real, effective, saved and filesystem uid all equal to
-    /// it, and dumpable (a setuid/setgid exec or `PR_SET_DUMPABLE 0` makes /proc/<pid> owned
+    /// it, and dumpable (a setuid/setgid exec or `PR_SET_DUMPABLE 0` makes `/proc/<pid>` owned
     /// by root). Peers that connected as root pass the uid checks (root may read anything).
     /// The error says what changed.
     pub fn verify(&self) -> Result<(), String> {
@@ -181,7 +181,7 @@ fn pidfd_pid(pidfd: BorrowedFd<'_>) -> Option<u32> {
     u32::try_from(pid).ok().filter(|p| *p != 0)
 }
 
-/// Field 22 (starttime, clock ticks after boot) of /proc/<pid>/stat.
+/// Field 22 (starttime, clock ticks after boot) of `/proc/<pid>/stat`.
 pub fn start_time(pid: u32) -> io::Result<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
     // Field 2 (comm) may hold spaces and parentheses: count from the last ')'.

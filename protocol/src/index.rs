@@ -121,7 +121,7 @@ const SLOT_RETRIES: u32 = 64;
 /// Retries a reader spends on epoch changes (concurrent rebuilds) before a miss.
 const EPOCH_RETRIES: u32 = 4;
 /// No entry sits this many slots or more past its home slot: the writer refuses an insert
-/// that would ([`IndexFull::ProbeLimit`]) and readers stop probing here. Keys a client
+/// that would (`IndexFull::ProbeLimit`) and readers stop probing here. Keys a client
 /// chose to collide cost every probe at most this much. With the pool's load (at most one
 /// half live when objects respect `--min-object-size`), random keys come nowhere near it:
 /// the longest displacement expected in 2^30 slots at load 1/2 is about 110.

@@ -22,8 +22,8 @@
 
 //!
 //! Files: this one (command line, shared constants, the chaos loop and its checks),
-//! [`worker`] (the worker process), [`procs`] (worker processes seen from the parent),
-//! [`pool`] (the pool process, and the `__soak-pool` test pool).
+//! `worker.rs` (the worker process), `procs.rs` (worker processes seen from the parent),
+//! `pool.rs` (the pool process, and the `__soak-pool` test pool).
 
 mod pool;
 mod procs;

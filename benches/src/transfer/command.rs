@@ -2,7 +2,7 @@
 //! JSON object per line on the child's stdin, tagged by `cmd`. Both sides use this one
 //! type, so a command or field the child does not know is an error naming it (serde's
 //! `deny_unknown_fields`), never a silent default. Replies are JSON objects (`error` on
-//! failure) read by [`super::parent::WorkerProc::recv`].
+//! failure) read by `super::parent::WorkerProc::recv`.
 
 use serde::{Deserialize, Serialize};
 

@@ -12,9 +12,9 @@
 //! per layer as vLLM's per-layer KV tensors; baseline: one contiguous pinned
 //! `cuMemcpyDtoH`/`HtoD` of the same byte count).
 //!
-//! Files: [`cli`] (command lines), [`command`] (parent-child commands), [`parent`] (the
-//! pool and the worker processes seen from the parent), [`bench`] (the measured cases),
-//! [`checks`] (`--check`), [`worker`] (the child), [`cu`] and [`ptx`] (the child's CUDA side).
+//! Files: `cli.rs` (command lines), `command.rs` (parent-child commands), `parent.rs` (the
+//! pool and the worker processes seen from the parent), `bench.rs` (the measured cases),
+//! `checks.rs` (`--check`), `worker.rs` (the child), `cu.rs` and `ptx.rs` (the child's CUDA side).
 
 mod bench;
 pub(crate) mod checks;
