@@ -9,4 +9,5 @@ pub mod report;
 pub mod ring;
 pub mod shm;
 pub mod soak;
+pub mod ssd;
 pub mod transfer;

@@ -11,7 +11,7 @@ use umbp_bench::index::IndexArgs;
 use umbp_bench::ring::RingArgs;
 
 #[derive(Parser)]
-#[command(name = "umbp-bench", about = "UMBP benchmarks (rings, index)", version)]
+#[command(name = "umbp-bench", about = "UMBP benchmarks (rings, index, lookups, transfers, SSD tier, chaos soak)", version)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -63,6 +63,28 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// SSD tier store (segment files, io_uring, O_DIRECT, CRC32C) write/read GB/s against raw
+    /// io_uring O_DIRECT of the same bytes in the same directory, and warm restart.
+    Ssd {
+        /// Directory on the drive to measure (a scratch subdirectory is made and removed).
+        #[arg(long, default_value = "/var/tmp")]
+        dir: std::path::PathBuf,
+        /// Bytes written and read in each of the two phases.
+        #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+        bytes: u64,
+        /// Object size.
+        #[arg(long, default_value = "256KiB", value_parser = parse_bytes)]
+        object_size: u64,
+        /// Objects per batched submission.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// One-block objects for the warm-restart cases (0: skip them).
+        #[arg(long, default_value_t = 100_000)]
+        rebuild_objects: u64,
+        /// One JSON object per case and line.
+        #[arg(long)]
+        json: bool,
+    },
     /// KV store/load GB/s through a pool (host memfd or CUDA memory, workers in child
     /// processes) beside contiguous-copy baselines; `--check` runs the GPU data-path checks.
     Transfer(bench::transfer::TransferCli),
@@ -89,6 +111,10 @@ enum Cmd {
         #[arg(long)]
         rounds: usize,
     },
+}
+
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    umbp_pool::parse_size("size", s).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {
@@ -119,6 +145,11 @@ fn main() -> ExitCode {
         Cmd::Lookup { iterations, blocks, json } => {
             bench::lookup::run(&bench::lookup::LookupArgs { iterations: iterations.max(1), blocks })
                 .map(|c| bench::report::print(&c, json))
+        }
+        Cmd::Ssd { dir, bytes, object_size, batch, rebuild_objects, json } => {
+            bench::ssd::run(&bench::ssd::SsdArgs { dir, bytes, object_bytes: object_size.max(1), batch, rebuild_objects })
+                .map(|c| bench::report::print(&c, json))
+                .map_err(std::io::Error::other)
         }
         Cmd::Transfer(t) => t.run(),
         Cmd::TransferWorker(t) => t.run(),
