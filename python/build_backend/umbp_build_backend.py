@@ -6,7 +6,7 @@ maturin. The wheel also carries the `umbp-pool` and `ringtool` executables as sc
 source install therefore has to compile them too: before delegating to maturin, this
 backend runs
 
-    cargo build --release [--locked] -p umbp-pool --bin umbp-pool -p umbp-tools --bin ringtool
+    cargo build --release [--locked] -p umbp-pool-daemon --bin umbp-pool -p umbp-tools --bin ringtool
 
 in the cargo workspace that contains this directory and copies the two executables into
 `umbp.data/scripts`. Cargo's `--message-format=json` names the executables it built, so a
@@ -32,7 +32,7 @@ import maturin as _maturin
 HERE = Path(__file__).resolve().parent.parent  # the python/ directory (pyproject.toml)
 DATA_SCRIPTS = HERE / "umbp.data" / "scripts"
 # (cargo package, binary) pairs installed as commands.
-BINARIES = (("umbp-pool", "umbp-pool"), ("umbp-tools", "ringtool"))
+BINARIES = (("umbp-pool-daemon", "umbp-pool"), ("umbp-tools", "ringtool"))
 
 
 def _log(msg: str) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _ADD_PY_DIR
+
 pytest.importorskip("vllm")
 
 from umbp.vllm.keys import canonical_namespace_text, hf_config_digest  # noqa: E402
@@ -59,7 +61,9 @@ def test_identical_configs_agree_across_processes(cfg_dir, base):
         "print('@@NS@@' + ns(sys.argv[1]))\n"
     )
     here = Path(__file__).resolve().parent
-    r = subprocess.run([sys.executable, "-c", code, cfg_dir, str(here), str(here.parent)], capture_output=True,
+    # The source tree only where umbp is not installed (a source tree has no _native module).
+    extra = [str(here.parent)] if _ADD_PY_DIR else []
+    r = subprocess.run([sys.executable, "-c", code, cfg_dir, str(here), *extra], capture_output=True,
                        text=True, timeout=300)
     lines = [x for x in r.stdout.splitlines() if x.startswith("@@NS@@")]
     assert lines, r.stderr[-2000:]

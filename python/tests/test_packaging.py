@@ -39,7 +39,7 @@ def test_backend_builds_the_binaries_the_wheel_ships():
     cfg = tomllib.loads((PY_DIR / "pyproject.toml").read_text())["tool"]["maturin"]
     assert Path(mod.DATA_SCRIPTS) == PY_DIR / cfg["data"] / "scripts"
     bins = {}
-    for toml in REPO.glob("*/Cargo.toml"):
+    for toml in [*REPO.glob("*/Cargo.toml"), *REPO.glob("*/*/Cargo.toml")]:
         text = toml.read_text()
         pkg = re.search(r'^name\s*=\s*"([^"]+)"', text, re.M)
         for b in re.findall(r'\[\[bin\]\]\s*name\s*=\s*"([^"]+)"', text):

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import _ADD_PY_DIR
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
 TESTS = Path(__file__).resolve().parent
@@ -29,7 +31,9 @@ FULL = 640  # 5 full blocks of a 700-token prompt
 def drive(model: str, commands: list[str], *args: str, log: Path, timeout: float = 600) -> list[dict]:
     """Run offload_driver.py to the end; its records (an error record fails the test)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(PY_DIR), env.get("PYTHONPATH", "")])
+    # The source tree only where umbp is not installed (a source tree has no _native module).
+    path = [str(TESTS)] + ([str(PY_DIR)] if _ADD_PY_DIR else []) + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cmd = [sys.executable, "-u", str(TESTS / "offload_driver.py"), "--model", model,
            "--commands", ",".join(commands), *args]
