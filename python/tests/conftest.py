@@ -94,6 +94,38 @@ def tiny_model(vllm_ok: None) -> str:
     return build_tiny_model()
 
 
+@pytest.fixture(scope="module")
+def cfg_dir(tiny_model: str):
+    """A config-only copy of the tiny model, enough to build vLLM's real Scheduler offline."""
+    import shutil
+
+    from sched_harness import config_only_model_dir
+
+    d = config_only_model_dir(tiny_model)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def harness_factory(cfg_dir: str, extra: dict | None = None):
+    """Body of a fixture that makes scheduler harnesses (sched_harness.Harness) on `cfg_dir`
+    with `extra` connector options under each call's own, and closes them all at teardown:
+    `yield from harness_factory(cfg_dir, {...})`."""
+    from sched_harness import Harness
+
+    made = []
+
+    def _make(**kw):
+        if extra is not None:
+            kw["extra"] = {**extra, **kw.pop("extra", {})}
+        h = Harness(cfg_dir, **kw)
+        made.append(h)
+        return h
+
+    yield _make
+    for h in made:
+        h.close()
+
+
 @pytest.fixture(scope="session")
 def tiny_object_bytes(tiny_model: str) -> int:
     """Bytes of one pool object (one block of all layers) for the tiny model on CPU."""

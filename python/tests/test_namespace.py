@@ -19,17 +19,6 @@ pytest.importorskip("vllm")
 from umbp.vllm.keys import canonical_namespace_text, hf_config_digest  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def cfg_dir(tiny_model):
-    import shutil
-
-    from sched_harness import config_only_model_dir
-
-    d = config_only_model_dir(tiny_model)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def engine_config(model: str, **kw):
     from vllm.engine.arg_utils import EngineArgs
 

@@ -16,36 +16,16 @@ import time
 
 import pytest
 
+from conftest import harness_factory
+
 pytestmark = pytest.mark.timeout(300)
 
 BLOCK = 128
 
 
-@pytest.fixture(scope="module")
-def cfg_dir(tiny_model):
-    import shutil
-
-    from sched_harness import config_only_model_dir
-
-    d = config_only_model_dir(tiny_model)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.fixture
 def make(cfg_dir, native):
-    from sched_harness import Harness
-
-    made = []
-
-    def _make(**kw):
-        h = Harness(cfg_dir, **kw)
-        made.append(h)
-        return h
-
-    yield _make
-    for h in made:
-        h.close()
+    yield from harness_factory(cfg_dir)
 
 
 def T(seed, n=300):

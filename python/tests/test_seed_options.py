@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import harness_factory
+
 pytest.importorskip("vllm")
 
 from umbp.vllm import config as C  # noqa: E402
@@ -284,33 +286,9 @@ def test_watermarks_bound_what_the_pool_keeps(make_harness):
 # -- through the connector: vLLM's real Scheduler --------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cfg_dir(tiny_model):
-    import shutil
-
-    from sched_harness import config_only_model_dir
-
-    d = config_only_model_dir(tiny_model)
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.fixture
 def make_harness(cfg_dir, native):
-    from sched_harness import Harness
-
-    made = []
-
-    def _make(**kw):
-        extra = {"capacity_bytes": "16MiB", "key_namespace": "seed-options"}
-        extra.update(kw.pop("extra", {}))
-        h = Harness(cfg_dir, extra=extra, **kw)
-        made.append(h)
-        return h
-
-    yield _make
-    for h in made:
-        h.close()
+    yield from harness_factory(cfg_dir, {"capacity_bytes": "16MiB", "key_namespace": "seed-options"})
 
 
 def test_connector_pool_options_take_effect(make_harness, short_tmp):
