@@ -45,7 +45,7 @@
 use crossbeam_utils::CachePadded;
 
 use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
-use crate::{ObjectKey, ProtocolError, MAGIC, PROTOCOL_VERSION};
+use crate::{ObjectKey, ProtocolError, Tier, MAGIC, PROTOCOL_VERSION};
 
 /// Third header word of an event log region ("EVTL"); tells it apart from a ring memfd
 /// (entry size there) and an index memfd (slot count there).
@@ -92,6 +92,9 @@ pub struct Event {
     pub seq: u64,
     pub kind: EventKind,
     pub key: ObjectKey,
+    /// The tier the object entered (Stored) or left (Removed); a demotion is Removed from
+    /// DRAM then Stored on SSD. Logs written before tiers existed read as DRAM.
+    pub tier: Tier,
 }
 
 /// One entry; all words atomics because other processes read them concurrently.
@@ -99,7 +102,8 @@ pub struct Event {
 pub struct EventEntry {
     pub stamp: AtomicU64,
     pub kind: AtomicU32,
-    pub reserved: AtomicU32,
+    /// [`Tier`] as u32 (zero, DRAM, in logs written before tiers existed).
+    pub tier: AtomicU32,
     pub key: [AtomicU64; 2],
 }
 #[cfg(not(loom))]
@@ -240,7 +244,7 @@ impl LoomEventStorage {
             .map(|_| EventEntry {
                 stamp: AtomicU64::new(0),
                 kind: AtomicU32::new(0),
-                reserved: AtomicU32::new(0),
+                tier: AtomicU32::new(0),
                 key: [AtomicU64::new(0), AtomicU64::new(0)],
             })
             .collect();
@@ -305,16 +309,18 @@ impl<'a> EventLog<'a> {
             return EntryRead::Overwritten;
         }
         let kind = e.kind.load(Ordering::Relaxed);
+        let tier = e.tier.load(Ordering::Relaxed);
         let lo = e.key[0].load(Ordering::Relaxed);
         let hi = e.key[1].load(Ordering::Relaxed);
         fence(Ordering::Acquire);
         if e.stamp.load(Ordering::Relaxed) != s1 {
             return EntryRead::Overwritten;
         }
-        match EventKind::from_u32(kind) {
-            Ok(kind) => EntryRead::Event(Event { seq: n, kind, key: ObjectKey::from_words([lo, hi]) }),
+        let tier = u8::try_from(tier).ok().and_then(Tier::from_u8);
+        match (EventKind::from_u32(kind), tier) {
+            (Ok(kind), Some(tier)) => EntryRead::Event(Event { seq: n, kind, key: ObjectKey::from_words([lo, hi]), tier }),
             // Only a foreign writer could store this; treat the entry as lost.
-            Err(_) => EntryRead::Overwritten,
+            _ => EntryRead::Overwritten,
         }
     }
 }
@@ -341,14 +347,20 @@ impl<'a> EventLogWriter<'a> {
         self.next
     }
 
-    /// Appends one event, overwriting the oldest once the log is full. Never blocks.
+    /// Appends one DRAM-tier event (see [`Self::push_tiered`]).
     pub fn push(&mut self, kind: EventKind, key: ObjectKey) {
+        self.push_tiered(kind, key, Tier::Dram)
+    }
+
+    /// Appends one event, overwriting the oldest once the log is full. Never blocks.
+    pub fn push_tiered(&mut self, kind: EventKind, key: ObjectKey, tier: Tier) {
         let n = self.next;
         let e = self.log.entry(n);
         e.stamp.store(n.wrapping_mul(2).wrapping_add(1), Ordering::Relaxed);
         fence(Ordering::Release);
         let [lo, hi] = key.to_words();
         e.kind.store(kind as u32, Ordering::Relaxed);
+        e.tier.store(tier as u32, Ordering::Relaxed);
         e.key[0].store(lo, Ordering::Relaxed);
         e.key[1].store(hi, Ordering::Relaxed);
         e.stamp.store(n.wrapping_mul(2).wrapping_add(2), Ordering::Release);
@@ -479,7 +491,7 @@ mod tests {
         let mut out = Vec::new();
         assert_eq!(early.poll(&mut out, 100), PollResult { read: 5, lost: 0 });
         assert_eq!(out.iter().map(|e| e.seq).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4]);
-        assert_eq!(out[1], Event { seq: 1, kind: EventKind::Removed, key: key(1) });
+        assert_eq!(out[1], Event { seq: 1, kind: EventKind::Removed, key: key(1), tier: Tier::Dram });
         out.clear();
         assert_eq!(late.poll(&mut out, 100).read, 0);
         w.push(EventKind::Stored, key(5));

@@ -15,6 +15,7 @@ pub mod futex;
 pub mod index;
 pub mod key;
 pub mod layout;
+pub mod location;
 pub mod arena;
 pub mod ring;
 pub mod transfer_state;
@@ -23,6 +24,7 @@ pub mod wire;
 
 pub use error::ProtocolError;
 pub use key::ObjectKey;
+pub use location::Tier;
 
 /// First word of every handshake message and shared-memory header: "UMBP".
 pub const MAGIC: u32 = u32::from_le_bytes(*b"UMBP");
