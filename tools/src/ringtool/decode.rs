@@ -8,7 +8,9 @@ use serde_json::{json, Map, Value};
 use umbp_protocol::attachment::Hint;
 use umbp_protocol::entries::{BlockRef, Cqe, CqeError, Opcode, Sqe};
 use umbp_protocol::events::EventKind;
+use umbp_protocol::index::{SLOT_EMPTY, SLOT_FULL, SLOT_TOMBSTONE};
 use umbp_protocol::layout::Segment;
+use umbp_protocol::location::{self, Tier};
 use umbp_protocol::wire::{
     self, encode_message, Hello, HelloReply, LayoutHeader, MemoryKind, MemoryRegistration,
     MessageHeader, MessageKind, Reply, ReplyStatus, Role,
@@ -43,6 +45,8 @@ pub enum RecordType {
     MessageHeader,
     /// Event log entry (32 B).
     Event,
+    /// Index slot (32 B): its location word decoded into tier and payload.
+    Slot,
     /// A whole socket message: header, then its payload decoded by kind.
     Message,
 }
@@ -63,6 +67,7 @@ impl RecordType {
             Self::Segment => size_of::<Segment>(),
             Self::MessageHeader => size_of::<MessageHeader>(),
             Self::Event => size_of::<EventRecord>(),
+            Self::Slot => size_of::<SlotRecord>(),
             Self::Message => return None,
         })
     }
@@ -74,10 +79,36 @@ impl RecordType {
 pub struct EventRecord {
     pub stamp: u64,
     pub kind: u32,
-    pub reserved: u32,
+    /// The tier the object entered or left (`Tier` as u32; 0, DRAM, before tiers existed).
+    pub tier: u32,
     pub key: [u64; 2],
 }
 umbp_protocol::assert_layout!(EventRecord, size = 32, align = 8);
+
+/// An index slot as plain bytes (the shared `IndexSlot` is made of atomics).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Pod, Zeroable, PartialEq, Eq)]
+pub struct SlotRecord {
+    pub seq: u32,
+    pub state: u32,
+    pub key: [u64; 2],
+    pub location: u64,
+}
+umbp_protocol::assert_layout!(SlotRecord, size = 32, align = 8);
+
+/// Name of a tier number as events and locations carry it ("unknown" for a newer pool's).
+pub fn tier_name(t: u64) -> &'static str {
+    u8::try_from(t).ok().and_then(Tier::from_u8).map_or("unknown", Tier::as_str)
+}
+
+/// `{tier, payload}` of an index location word (payload: the DRAM byte offset, the SSD
+/// handle, ...); tier "unknown" for a tier this build does not know.
+pub fn location_json(loc: u64) -> Value {
+    match location::decode(loc) {
+        Some((t, p)) => json!({ "tier": t.as_str(), "payload": p }),
+        None => json!({ "tier": "unknown", "raw": format!("{loc:#018x}") }),
+    }
+}
 
 /// A field that converts to and from JSON.
 trait Field {
@@ -188,7 +219,8 @@ record!(memreg_json, memreg_from, MemoryRegistration {
 record!(layout_header_json, layout_header_from, LayoutHeader { group, segment_count });
 record!(segment_json, segment_from, Segment { alloc_id, _pad, offset, block_stride, page_bytes, num_blocks });
 record!(message_header_json, message_header_from, MessageHeader { magic, kind, len, fd_count });
-record!(event_json, event_from, EventRecord { stamp, kind, reserved, key });
+record!(event_json, event_from, EventRecord { stamp, kind, tier, key });
+record!(slot_json, slot_from, SlotRecord { seq, state, key, location });
 
 fn key_hex(words: [u64; 2]) -> String {
     format!("{:032x}", ObjectKey::from_words(words).0)
@@ -293,6 +325,7 @@ pub fn decode_one(ty: RecordType, bytes: &[u8]) -> Result<Value, String> {
             let v: EventRecord = pod(bytes)?;
             let mut m = event_json(&v);
             m.insert("kind_name".into(), EventKind::from_u32(v.kind).map_or("unknown", |k| k.as_str()).into());
+            m.insert("tier_name".into(), tier_name(v.tier as u64).into());
             m.insert("key_hex".into(), key_hex(v.key).into());
             // stamp 2n+2 = event n complete, 2n+1 = being written, 0 = never written.
             let state = match v.stamp {
@@ -301,6 +334,21 @@ pub fn decode_one(ty: RecordType, bytes: &[u8]) -> Result<Value, String> {
                 s => json!({ "event": (s - 2) / 2 }),
             };
             m.insert("stamp_means".into(), state);
+            m
+        }
+        RecordType::Slot => {
+            let v: SlotRecord = pod(bytes)?;
+            let mut m = slot_json(&v);
+            let state = match v.state {
+                SLOT_EMPTY => "empty",
+                SLOT_FULL => "full",
+                SLOT_TOMBSTONE => "tombstone",
+                _ => "unknown",
+            };
+            m.insert("state_name".into(), state.into());
+            m.insert("key_hex".into(), key_hex(v.key).into());
+            m.insert("location_means".into(), location_json(v.location));
+            m.insert("seq_means".into(), if v.seq % 2 == 1 { "being written" } else { "stable" }.into());
             m
         }
         RecordType::Message => return decode_message_bytes(bytes),
@@ -405,6 +453,7 @@ pub fn encode_one(ty: RecordType, j: &Value) -> Result<Vec<u8>, String> {
         RecordType::Segment => bytemuck::bytes_of(&segment_from(j)?).to_vec(),
         RecordType::MessageHeader => bytemuck::bytes_of(&message_header_from(j)?).to_vec(),
         RecordType::Event => bytemuck::bytes_of(&event_from(j)?).to_vec(),
+        RecordType::Slot => bytemuck::bytes_of(&slot_from(j)?).to_vec(),
         RecordType::Message => return Err("encode a message-header and its payload separately".into()),
     })
 }
@@ -510,11 +559,49 @@ mod tests {
         let seg = Segment { alloc_id: 1, _pad: 0, offset: 0, block_stride: 4096, page_bytes: 2048, num_blocks: 10 };
         round_trip(RecordType::Segment, bytemuck::bytes_of(&seg));
         round_trip(RecordType::MessageHeader, bytemuck::bytes_of(&MessageHeader::new(MessageKind::Hello, 88, 0)));
-        let ev = EventRecord { stamp: 2 * 7 + 2, kind: EventKind::Removed as u32, reserved: 0, key: [1, 2] };
+        let ev = EventRecord { stamp: 2 * 7 + 2, kind: EventKind::Removed as u32, tier: 0, key: [1, 2] };
         round_trip(RecordType::Event, bytemuck::bytes_of(&ev));
         let ej = decode_one(RecordType::Event, bytemuck::bytes_of(&ev)).unwrap();
         assert_eq!(ej["kind_name"], "removed");
+        assert_eq!(ej["tier_name"], "dram");
         assert_eq!(ej["stamp_means"]["event"], 7);
+    }
+
+    /// The tier of events and index locations is decoded (and an unknown one says so),
+    /// and the bytes the pool writes (`EventLogWriter::push_tiered`, `location::encode`)
+    /// decode to the tier they were written with.
+    #[test]
+    fn events_and_slots_show_their_tier() {
+        let ev = EventRecord { stamp: 4, kind: EventKind::Stored as u32, tier: Tier::Ssd as u32, key: [3, 4] };
+        round_trip(RecordType::Event, bytemuck::bytes_of(&ev));
+        assert_eq!(decode_one(RecordType::Event, bytemuck::bytes_of(&ev)).unwrap()["tier_name"], "ssd");
+        let ev = EventRecord { tier: 9, ..ev };
+        assert_eq!(decode_one(RecordType::Event, bytemuck::bytes_of(&ev)).unwrap()["tier_name"], "unknown");
+        // The same bytes as the pool's own event log entry.
+        let mut region = vec![0u128; umbp_protocol::events::region_bytes(4) / 16 + 8];
+        let p = ((region.as_mut_ptr() as usize + 127) & !127) as *mut u8;
+        // SAFETY: p..p + region_bytes(4) lies inside `region` (8 spare words cover the
+        // alignment); nothing else uses it.
+        let log = unsafe { umbp_protocol::events::EventLog::init(p, umbp_protocol::events::region_bytes(4), 4) }.unwrap();
+        let mut w = umbp_protocol::events::EventLogWriter::new(log);
+        w.push_tiered(EventKind::Stored, ObjectKey(7), Tier::Ssd);
+        // SAFETY: entry 0 starts at EVENT_ENTRIES_OFFSET inside the region.
+        let entry = unsafe { std::slice::from_raw_parts(p.add(umbp_protocol::events::EVENT_ENTRIES_OFFSET), 32) };
+        let j = decode_one(RecordType::Event, entry).unwrap();
+        assert_eq!((j["tier_name"].as_str(), j["kind_name"].as_str()), (Some("ssd"), Some("stored")));
+
+        for (tier, payload) in [(Tier::Dram, 1u64 << 30), (Tier::Ssd, 42), (Tier::Remote, 7)] {
+            let s = SlotRecord { seq: 2, state: SLOT_FULL, key: [5, 6], location: location::encode(tier, payload) };
+            round_trip(RecordType::Slot, bytemuck::bytes_of(&s));
+            let j = decode_one(RecordType::Slot, bytemuck::bytes_of(&s)).unwrap();
+            assert_eq!(j["state_name"], "full");
+            assert_eq!(j["location_means"]["tier"], tier.as_str());
+            assert_eq!(j["location_means"]["payload"], payload);
+        }
+        let s = SlotRecord { seq: 3, state: SLOT_TOMBSTONE, key: [0, 0], location: 15 << 60 };
+        let j = decode_one(RecordType::Slot, bytemuck::bytes_of(&s)).unwrap();
+        assert_eq!((j["state_name"].as_str(), j["seq_means"].as_str()), (Some("tombstone"), Some("being written")));
+        assert_eq!(j["location_means"]["tier"], "unknown");
     }
 
     #[test]

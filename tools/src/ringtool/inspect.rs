@@ -85,8 +85,9 @@ fn page_up(n: usize) -> usize {
     n.div_ceil(4096) * 4096
 }
 
-/// Inspects the region at `path`; `events` = how many latest events to list for an event log.
-pub fn inspect(path: &Path, events: usize) -> Result<Value, String> {
+/// Inspects the region at `path`; `events` = how many latest events to list for an event
+/// log, `keys` = how many live index entries to list (with their tier) for an index.
+pub fn inspect(path: &Path, events: usize, keys: usize) -> Result<Value, String> {
     let map = ReadOnlyMap::open(path)?;
     let magic = map.u32_at(0);
     if magic != MAGIC {
@@ -104,7 +105,9 @@ pub fn inspect(path: &Path, events: usize) -> Result<Value, String> {
         let first = head.saturating_sub(events as u64);
         let recent: Vec<Value> = (first..head)
             .filter_map(|n| match log.read_event(n) {
-                EntryRead::Event(e) => Some(json!({ "seq": e.seq, "kind": e.kind.as_str(), "key": format!("{:032x}", e.key.0) })),
+                EntryRead::Event(e) => Some(json!({
+                    "seq": e.seq, "kind": e.kind.as_str(), "tier": e.tier.as_str(), "key": format!("{:032x}", e.key.0),
+                })),
                 _ => None,
             })
             .collect();
@@ -135,6 +138,8 @@ pub fn inspect(path: &Path, events: usize) -> Result<Value, String> {
         let view = unsafe { IndexView::attach(map.ptr, map.len) }
             .map_err(|e| format!("{}: neither a ring, an event log nor an index: {e}", path.display()))?;
         let s = view.snapshot();
+        // SAFETY: `map` is the region `view` was attached to, alive for this scope.
+        let tiers = unsafe { crate::ringtool::tiers::scan(&view, map.ptr, map.len, keys) }.to_json();
         json!({
             "region": "index",
             "slots": s.slot_count, "epoch": s.epoch, "active_table": s.epoch & 1,
@@ -142,6 +147,8 @@ pub fn inspect(path: &Path, events: usize) -> Result<Value, String> {
             "load": s.live as f64 / s.slot_count as f64,
             "inserts": s.inserts, "removes": s.removes, "rebuilds": s.rebuilds,
             "probe_histogram": view.probe_histogram(8),
+            "tiers": tiers["tiers"], "unreadable_slots": tiers["unreadable_slots"],
+            "tiers_approximate": tiers["approximate"], "keys": tiers["keys"],
         })
     };
     if let (Value::Object(o), Value::Object(c)) = (&mut out, common) {
@@ -189,11 +196,34 @@ pub fn render(v: &Value) -> String {
                 v["slots"], v["live"], v["tombstones"], v["load"].as_f64().unwrap_or(0.0), v["epoch"], v["active_table"],
                 v["inserts"], v["removes"], v["rebuilds"], v["probe_histogram"]
             ));
+            let t = &v["tiers"];
+            s.push_str(&format!(
+                "  tiers: dram {}  ssd {}  remote {}{}{}\n",
+                t["dram"],
+                t["ssd"],
+                t["remote"],
+                if t["unknown"].as_u64().unwrap_or(0) > 0 { format!("  unknown {}", t["unknown"]) } else { String::new() },
+                if v["tiers_approximate"] == true { "  (approximate: the index was rebuilt meanwhile)" } else { "" }
+            ));
+            let keys = v["keys"].as_array().map(Vec::as_slice).unwrap_or_default();
+            if !keys.is_empty() {
+                s.push_str("  key                               tier     location\n");
+                for k in keys {
+                    let loc = k.get("payload").map_or_else(|| k["raw"].as_str().unwrap_or("?").to_string(), |p| p.to_string());
+                    s.push_str(&format!("  {}  {:<7}  {}\n", k["key"].as_str().unwrap_or("?"), k["tier"].as_str().unwrap_or("?"), loc));
+                }
+            }
         }
         Some("event_log") => {
             s.push_str(&format!("  capacity {}  events written {}\n", v["capacity"], v["written"]));
             for e in v["recent"].as_array().into_iter().flatten() {
-                s.push_str(&format!("  #{:<10} {:<8} {}\n", e["seq"], e["kind"].as_str().unwrap_or("?"), e["key"].as_str().unwrap_or("?")));
+                s.push_str(&format!(
+                    "  #{:<10} {:<8} {:<7} {}\n",
+                    e["seq"],
+                    e["kind"].as_str().unwrap_or("?"),
+                    e["tier"].as_str().unwrap_or("?"),
+                    e["key"].as_str().unwrap_or("?")
+                ));
             }
         }
         _ => {}

@@ -11,6 +11,7 @@
 pub mod client;
 pub mod decode;
 pub mod inspect;
+pub mod tiers;
 pub mod view;
 
 use std::io::{IsTerminal, Read, Write};
@@ -111,9 +112,13 @@ pub enum Cmd {
         /// The file to map (usually /proc/PID/fd/N).
         #[arg(long, value_name = "PATH")]
         fd: PathBuf,
-        /// Event log: list this many of the latest events.
+        /// Event log: list this many of the latest events (each with its tier).
         #[arg(long, default_value_t = 10, value_name = "N")]
         events: usize,
+        /// Index: list this many live entries with their tier (dram, ssd, remote) and
+        /// location; the per-tier counts always cover every entry.
+        #[arg(long, default_value_t = 0, value_name = "N")]
+        keys: usize,
         /// Print JSON.
         #[arg(long)]
         json: bool,
@@ -165,8 +170,8 @@ pub fn run(cli: Cli) -> Result<(), String> {
             let bytes = decode::encode_one(ty, &v)?;
             w(&(decode::hex(&bytes) + "\n"))
         }
-        Cmd::Inspect { fd, events, json } => {
-            let v = inspect::inspect(&fd, events)?;
+        Cmd::Inspect { fd, events, keys, json } => {
+            let v = inspect::inspect(&fd, events, keys)?;
             if json {
                 w(&(serde_json::to_string_pretty(&v).expect("json") + "\n"))
             } else {
