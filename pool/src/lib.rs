@@ -49,6 +49,7 @@ pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLim
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
+pub use ssd::{SsdAdmission, SsdConfig};
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.

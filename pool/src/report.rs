@@ -168,6 +168,8 @@ pub fn build(inner: &PoolInner) -> PoolReport {
         attachments: list.iter().map(|a| attachment(a)).collect(),
         counters: inner.counters.snapshot(),
         gpu_engines: gpu_engines(),
+        ssd: None,
+        tiers: Default::default(),
     }
 }
 
