@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use umbp_pool::pool_report::{
-    AttachmentReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, TenantReport,
+    AttachmentReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, SsdReport, TenantReport,
 };
 
 pub fn bytes(n: f64) -> String {
@@ -178,9 +178,17 @@ pub fn dump(r: &PoolReport) -> String {
         p.pinned_objects
     ));
     out.push_str(&format!(
-        "  evictions {}  KV events written {} (log of {} entries)\n\n",
+        "  evictions {}  KV events written {} (log of {} entries)\n",
         p.evictions, r.events.written, r.events.capacity
     ));
+    let t = &r.tiers;
+    out.push_str(&format!(
+        "  objects by tier (indexes)  {}\n\n",
+        crate::ringtool::tiers::summary_line([("dram", t.dram), ("ssd", t.ssd), ("remote", t.remote)])
+    ));
+    if let Some(ssd) = &r.ssd {
+        ssd_section(&mut out, ssd);
+    }
     namespaces_table(&mut out, &r.namespaces);
     attachments_table(&mut out, &r.attachments);
     if let Some(ix) = &r.index {
@@ -246,11 +254,54 @@ pub fn dump(r: &PoolReport) -> String {
     out
 }
 
+/// The SSD tier: use, policy, what moved and what failed (docs/ssd.md).
+pub fn ssd_section(out: &mut String, s: &SsdReport) {
+    let cap = s.capacity_bytes as f64;
+    out.push_str(&format!(
+        "SSD\n  dirs {}\n  capacity {}  used {} ({:.1}%)  live {}  watermarks low {} / high {}\n",
+        s.dirs.join(", "),
+        bytes(cap),
+        bytes(s.bytes as f64),
+        if cap > 0.0 { 100.0 * s.bytes as f64 / cap } else { 0.0 },
+        bytes(s.live_bytes as f64),
+        s.low_watermark,
+        s.high_watermark
+    ));
+    out.push_str(&format!(
+        "  objects {}  admission {}  O_DIRECT {}  io_uring {}\n",
+        s.objects,
+        s.admission,
+        if s.direct_io { "yes" } else { "no (buffered)" },
+        if s.io_uring { "yes" } else { "no (pread/pwrite)" }
+    ));
+    out.push_str(&format!(
+        "  demotions {} ({})  not admitted {}  failed {}\n  promotions {} ({})  failed {}\n",
+        s.demotions,
+        bytes(s.demoted_bytes as f64),
+        s.not_admitted,
+        s.demotion_failures,
+        s.promotions,
+        bytes(s.promoted_bytes as f64),
+        s.promotion_failures
+    ));
+    out.push_str(&format!(
+        "  CRC misses {}  read errors {}  write errors {}  evicted {}  compactions {}\n  warm restart: restored {} objects in {:.1} ms, torn records skipped {}\n\n",
+        s.crc_misses,
+        s.read_errors,
+        s.write_errors,
+        s.evicted_objects,
+        s.compactions,
+        s.restored_objects,
+        s.rebuild_ms,
+        s.torn_records_skipped
+    ));
+}
+
 /// Per-second rates between two reports.
 pub fn rates(prev: &PoolReport, cur: &PoolReport, dt: Duration) -> Vec<(&'static str, f64)> {
     let secs = dt.as_secs_f64().max(1e-9);
     let d = |get: fn(&PoolReport) -> u64| get(cur).saturating_sub(get(prev)) as f64 / secs;
-    vec![
+    let mut v = vec![
         ("stores/s", d(|r| r.counters.blocks_stored)),
         ("loads/s", d(|r| r.counters.blocks_loaded)),
         ("misses/s", d(|r| r.counters.blocks_missing)),
@@ -260,7 +311,15 @@ pub fn rates(prev: &PoolReport, cur: &PoolReport, dt: Duration) -> Vec<(&'static
         ("hints/s", d(|r| r.counters.hints)),
         ("evictions/s", d(|r| r.pool.evictions)),
         ("events/s", d(|r| r.events.written)),
-    ]
+    ];
+    if cur.ssd.is_some() {
+        v.extend([
+            ("demotions/s", d(|r| r.ssd.as_ref().map_or(0, |s| s.demotions))),
+            ("promotions/s", d(|r| r.ssd.as_ref().map_or(0, |s| s.promotions))),
+            ("SSD write B/s", d(|r| r.ssd.as_ref().map_or(0, |s| s.demoted_bytes))),
+        ]);
+    }
+    v
 }
 
 /// One `watch` screen: rates first, then the dump.
@@ -296,4 +355,53 @@ pub fn watch_screen(cur: &PoolReport, prev: Option<(&PoolReport, Duration)>, int
     out.push('\n');
     out.push_str(&dump(cur));
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ssd_section_shows_use_policy_traffic_and_failures() {
+        let s = SsdReport {
+            dirs: vec!["/mnt/nvme0/umbp".into(), "/mnt/nvme1/umbp".into()],
+            objects: 1234,
+            bytes: 3 << 30,
+            live_bytes: 2 << 30,
+            capacity_bytes: 4 << 30,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            admission: "hit-or-young:60".into(),
+            direct_io: false,
+            io_uring: true,
+            demotions: 77,
+            demoted_bytes: 77 << 20,
+            not_admitted: 5,
+            demotion_failures: 2,
+            promotions: 9,
+            promoted_bytes: 9 << 20,
+            promotion_failures: 1,
+            crc_misses: 3,
+            read_errors: 4,
+            write_errors: 6,
+            evicted_objects: 8,
+            compactions: 10,
+            restored_objects: 1000,
+            torn_records_skipped: 11,
+            rebuild_ms: 12.5,
+        };
+        let mut out = String::new();
+        ssd_section(&mut out, &s);
+        for want in [
+            "dirs /mnt/nvme0/umbp, /mnt/nvme1/umbp",
+            "capacity 4.0 GiB  used 3.0 GiB (75.0%)  live 2.0 GiB",
+            "objects 1234  admission hit-or-young:60  O_DIRECT no (buffered)  io_uring yes",
+            "demotions 77 (77.0 MiB)  not admitted 5  failed 2",
+            "promotions 9 (9.0 MiB)  failed 1",
+            "CRC misses 3  read errors 4  write errors 6  evicted 8  compactions 10",
+            "restored 1000 objects in 12.5 ms, torn records skipped 11",
+        ] {
+            assert!(out.contains(want), "{want:?} not in:\n{out}");
+        }
+    }
 }
