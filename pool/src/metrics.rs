@@ -32,7 +32,12 @@ use prometheus_client::registry::Registry;
 use umbp_protocol::entries::Opcode;
 use umbp_protocol::wire::Role;
 
+use crate::pool_report::{SsdReport, TierCounts};
 use crate::{PoolError, PoolInner};
+
+/// Where the collector reads the tier counts and the SSD section at scrape time.
+#[allow(clippy::type_complexity)]
+const TIERS_HOOK: (fn(&PoolInner) -> TierCounts, fn(&PoolInner) -> Option<SsdReport>) = (|_| TierCounts::default(), |_| None);
 
 type OpLabel = [(&'static str, &'static str); 1];
 type HistogramFamily = Family<OpLabel, Histogram, fn() -> Histogram>;
@@ -424,6 +429,171 @@ impl Collector for PoolCollector {
             counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", s.rebuilds)?;
         }
         gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;
+        let (tiers, ssd) = TIERS_HOOK;
+        encode_tiers(&mut enc, &tiers(inner), allocated, ssd(inner).as_ref())?;
         Ok(())
+    }
+}
+
+/// Per-tier gauges and the SSD tier's counters (docs/operations.md, "Metrics"): objects by
+/// tier (what the indexes list), bytes by tier (DRAM: allocated; SSD: live records), and,
+/// with an SSD tier, its use, traffic and failures. Without one only the tier gauges are
+/// written (SSD 0), so dashboards need no special case.
+pub fn encode_tiers(
+    enc: &mut DescriptorEncoder,
+    tiers: &TierCounts,
+    dram_bytes: u64,
+    ssd: Option<&SsdReport>,
+) -> Result<(), std::fmt::Error> {
+    labelled_gauge(
+        enc,
+        "umbp_tier_objects",
+        "Objects the indexes list, by tier (dram: loads copy from there; ssd: a load promotes first; remote: another node)",
+        "tier",
+        &[("dram", tiers.dram as f64), ("ssd", tiers.ssd as f64), ("remote", tiers.remote as f64)],
+    )?;
+    labelled_gauge(
+        enc,
+        "umbp_tier_bytes",
+        "Bytes held by tier (dram: allocated to objects; ssd: live records)",
+        "tier",
+        &[("dram", dram_bytes as f64), ("ssd", ssd.map_or(0, |s| s.live_bytes) as f64)],
+    )?;
+    let Some(s) = ssd else { return Ok(()) };
+    gauge(enc, "umbp_ssd_capacity_bytes", "SSD capacity (all directories)", s.capacity_bytes as f64)?;
+    gauge(enc, "umbp_ssd_used_bytes", "Bytes of SSD segment files (live and dead records, footers)", s.bytes as f64)?;
+    gauge(
+        enc,
+        "umbp_ssd_occupancy_ratio",
+        "SSD used / capacity (writes reclaim space above the high watermark)",
+        if s.capacity_bytes > 0 { s.bytes as f64 / s.capacity_bytes as f64 } else { 0.0 },
+    )?;
+    gauge(enc, "umbp_ssd_high_watermark_ratio", "SSD occupancy above which a write first reclaims space", s.high_watermark)?;
+    gauge(enc, "umbp_ssd_low_watermark_ratio", "SSD occupancy reclaiming brings a drive down to", s.low_watermark)?;
+    gauge(enc, "umbp_ssd_objects", "Objects on SSD (live records)", s.objects as f64)?;
+    gauge(enc, "umbp_ssd_direct_io", "1 when every SSD directory uses O_DIRECT, 0 when buffered", f64::from(u8::from(s.direct_io)))?;
+    gauge(enc, "umbp_ssd_io_uring", "1 when SSD I/O runs through io_uring, 0 on the pread/pwrite fallback", f64::from(u8::from(s.io_uring)))?;
+    counter(enc, "umbp_ssd_demotions", "Objects written to SSD when evicted from DRAM", s.demotions)?;
+    counter(enc, "umbp_ssd_demoted_bytes", "Bytes written to SSD by demotions (drive wear)", s.demoted_bytes)?;
+    counter(enc, "umbp_ssd_not_admitted", "Evicted objects the admission policy dropped instead of demoting", s.not_admitted)?;
+    counter(enc, "umbp_ssd_demotion_failures", "Demotions that failed (disk full, I/O error, no room): the object was dropped", s.demotion_failures)?;
+    counter(enc, "umbp_ssd_promotions", "Objects read back from SSD into DRAM by loads", s.promotions)?;
+    counter(enc, "umbp_ssd_promoted_bytes", "Bytes read from SSD by promotions", s.promoted_bytes)?;
+    counter(enc, "umbp_ssd_promotion_failures", "Promotions that found no readable record (served as misses)", s.promotion_failures)?;
+    counter(enc, "umbp_ssd_crc_misses", "SSD reads whose CRC32C did not match (served as misses, never loaded)", s.crc_misses)?;
+    labelled_counter(
+        enc,
+        "umbp_ssd_io_errors",
+        "SSD I/O errors, by direction",
+        "direction",
+        &[("read", s.read_errors), ("write", s.write_errors)],
+    )?;
+    counter(enc, "umbp_ssd_evicted_objects", "Objects the SSD tier dropped for room (oldest segments first)", s.evicted_objects)?;
+    counter(enc, "umbp_ssd_compactions", "SSD segments compacted", s.compactions)?;
+    gauge(enc, "umbp_ssd_restored_objects", "Objects listed from the SSD segments at start (warm restart)", s.restored_objects as f64)?;
+    gauge(enc, "umbp_ssd_torn_records_skipped", "Torn SSD records (crash mid-write) skipped at start", s.torn_records_skipped as f64)?;
+    gauge(enc, "umbp_ssd_rebuild_seconds", "Time the SSD index rebuild took at start", s.rebuild_ms / 1e3)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Fixed(TierCounts, u64, Option<SsdReport>);
+
+    impl Collector for Fixed {
+        fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            encode_tiers(&mut enc, &self.0, self.1, self.2.as_ref())
+        }
+    }
+
+    fn scrape(c: Fixed) -> String {
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(c));
+        let mut text = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut text, &registry).unwrap();
+        text
+    }
+
+    fn sample(text: &str, series: &str) -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|r| r.strip_prefix(' ')))
+            .unwrap_or_else(|| panic!("{series} not in:\n{text}"))
+            .parse()
+            .unwrap()
+    }
+
+    fn ssd() -> SsdReport {
+        SsdReport {
+            dirs: vec!["/a".into()],
+            objects: 30,
+            bytes: 3 << 20,
+            live_bytes: 2 << 20,
+            capacity_bytes: 4 << 20,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            admission: "all".into(),
+            direct_io: false,
+            io_uring: true,
+            demotions: 40,
+            demoted_bytes: 40 << 16,
+            not_admitted: 5,
+            demotion_failures: 2,
+            promotions: 9,
+            promoted_bytes: 9 << 16,
+            promotion_failures: 1,
+            crc_misses: 3,
+            read_errors: 4,
+            write_errors: 6,
+            evicted_objects: 8,
+            compactions: 10,
+            restored_objects: 11,
+            torn_records_skipped: 12,
+            rebuild_ms: 250.0,
+        }
+    }
+
+    /// Each tier's objects and bytes and each SSD counter come out under its name with the
+    /// report's value; without an SSD tier only the tier gauges are written (SSD zero).
+    #[test]
+    fn tier_gauges_and_ssd_counters_carry_the_report() {
+        let t = scrape(Fixed(TierCounts { dram: 7, ssd: 30, remote: 2 }, 1 << 20, Some(ssd())));
+        for (series, want) in [
+            ("umbp_tier_objects{tier=\"dram\"}", 7.0),
+            ("umbp_tier_objects{tier=\"ssd\"}", 30.0),
+            ("umbp_tier_objects{tier=\"remote\"}", 2.0),
+            ("umbp_tier_bytes{tier=\"dram\"}", (1 << 20) as f64),
+            ("umbp_tier_bytes{tier=\"ssd\"}", (2 << 20) as f64),
+            ("umbp_ssd_capacity_bytes", (4 << 20) as f64),
+            ("umbp_ssd_used_bytes", (3 << 20) as f64),
+            ("umbp_ssd_occupancy_ratio", 0.75),
+            ("umbp_ssd_objects", 30.0),
+            ("umbp_ssd_direct_io", 0.0),
+            ("umbp_ssd_io_uring", 1.0),
+            ("umbp_ssd_demotions_total", 40.0),
+            ("umbp_ssd_demoted_bytes_total", (40 << 16) as f64),
+            ("umbp_ssd_not_admitted_total", 5.0),
+            ("umbp_ssd_demotion_failures_total", 2.0),
+            ("umbp_ssd_promotions_total", 9.0),
+            ("umbp_ssd_promoted_bytes_total", (9 << 16) as f64),
+            ("umbp_ssd_promotion_failures_total", 1.0),
+            ("umbp_ssd_crc_misses_total", 3.0),
+            ("umbp_ssd_io_errors_total{direction=\"read\"}", 4.0),
+            ("umbp_ssd_io_errors_total{direction=\"write\"}", 6.0),
+            ("umbp_ssd_evicted_objects_total", 8.0),
+            ("umbp_ssd_compactions_total", 10.0),
+            ("umbp_ssd_restored_objects", 11.0),
+            ("umbp_ssd_torn_records_skipped", 12.0),
+            ("umbp_ssd_rebuild_seconds", 0.25),
+        ] {
+            assert_eq!(sample(&t, series), want, "{series}");
+        }
+        assert!(t.contains("# TYPE umbp_ssd_crc_misses_total counter"), "{t}");
+        let t = scrape(Fixed(TierCounts { dram: 3, ssd: 0, remote: 0 }, 4096, None));
+        assert_eq!(sample(&t, "umbp_tier_objects{tier=\"dram\"}"), 3.0);
+        assert_eq!(sample(&t, "umbp_tier_bytes{tier=\"ssd\"}"), 0.0);
+        assert!(!t.contains("umbp_ssd_"), "no SSD series without an SSD tier:\n{t}");
     }
 }
