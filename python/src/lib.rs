@@ -82,8 +82,12 @@ impl EmbeddedPool {
     #[new]
     /// `hugepages`, `numa_node`, `prefault` and `copy_threads` are umbp-pool's
     /// `--hugepages`, `--numa-node`, `--prefault` and `--copy-threads`; with
-    /// `copy_threads` one attachment (this worker) may use all of them.
-    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None, hugepages=false, numa_node=None, prefault=false, copy_threads=None))]
+    /// `copy_threads` one attachment (this worker) may use all of them. `ssd_dir` (one
+    /// directory per drive, each existing and writable, held by this pool alone) turns on
+    /// the SSD tier below DRAM; the other `ssd_*` are umbp-pool's `--ssd-*` flags
+    /// (`ssd_capacity` is required with `ssd_dir`; `ssd_segment_bytes` None: 256 MiB, or
+    /// less where the capacity per directory is small).
+    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None, hugepages=false, numa_node=None, prefault=false, copy_threads=None, ssd_dir=None, ssd_capacity=None, ssd_high_wm=None, ssd_low_wm=None, ssd_direct_io=true, ssd_admission=None, ssd_segment_bytes=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -96,8 +100,25 @@ impl EmbeddedPool {
         numa_node: Option<u32>,
         prefault: bool,
         copy_threads: Option<usize>,
+        ssd_dir: Option<Vec<String>>,
+        ssd_capacity: Option<u64>,
+        ssd_high_wm: Option<f64>,
+        ssd_low_wm: Option<f64>,
+        ssd_direct_io: bool,
+        ssd_admission: Option<String>,
+        ssd_segment_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let mut cfg = umbp_pool::PoolConfig { capacity_bytes, high_watermark: high_wm, low_watermark: low_wm, hugepages, numa_node, prefault, ..Default::default() };
+        let opts = SsdArgs {
+            dirs: ssd_dir.unwrap_or_default(),
+            capacity: ssd_capacity,
+            high_wm: ssd_high_wm,
+            low_wm: ssd_low_wm,
+            direct_io: ssd_direct_io,
+            admission: ssd_admission,
+            segment_bytes: ssd_segment_bytes,
+        };
+        cfg.ssd = ssd_config(opts)?;
         if let Some(m) = min_object_bytes {
             cfg.min_object_bytes = m;
         }
@@ -148,6 +169,65 @@ impl EmbeddedPool {
             py.detach(|| p.shutdown());
         }
     }
+}
+
+/// The embedded pool's `ssd_*` arguments.
+struct SsdArgs {
+    dirs: Vec<String>,
+    capacity: Option<u64>,
+    high_wm: Option<f64>,
+    low_wm: Option<f64>,
+    direct_io: bool,
+    admission: Option<String>,
+    segment_bytes: Option<u64>,
+}
+
+/// The SSD tier's config from the `ssd_*` arguments; None without a directory. Each
+/// directory is checked here (exists, is a directory, writable) so a bad one is a
+/// `ValueError` naming `ssd_dir` and the path.
+fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
+    let bad = |msg: String| PyValueError::new_err(msg);
+    let dirs: Vec<PathBuf> = a.dirs.iter().filter(|d| !d.trim().is_empty()).map(PathBuf::from).collect();
+    if dirs.is_empty() {
+        if a.capacity.is_some() || a.admission.is_some() || a.segment_bytes.is_some() {
+            return Err(bad("ssd_capacity, ssd_admission, ssd_segment_bytes: no effect without ssd_dir".into()));
+        }
+        return Ok(None);
+    }
+    for d in &dirs {
+        let meta = std::fs::metadata(d).map_err(|e| bad(format!("ssd_dir {}: {e} (create the directory first)", d.display())))?;
+        if !meta.is_dir() {
+            return Err(bad(format!("ssd_dir {}: not a directory", d.display())));
+        }
+        // Writable: create and remove a probe file (what the store will do with its lock
+        // file and segments).
+        let probe = d.join(format!(".umbp-write-probe-{}", std::process::id()));
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&probe)
+            .map_err(|e| bad(format!("ssd_dir {}: not writable: {e}", d.display())))?;
+        let _ = std::fs::remove_file(&probe);
+    }
+    let mut c = umbp_pool::SsdConfig { dirs, direct_io: a.direct_io, ..Default::default() };
+    if let Some(h) = a.high_wm {
+        c.high_watermark = h;
+    }
+    if let Some(l) = a.low_wm {
+        c.low_watermark = l;
+    }
+    if let Some(p) = &a.admission {
+        c.admission = umbp_pool::SsdAdmission::parse("ssd_admission", p).map_err(|e| bad(e.to_string()))?;
+    }
+    c.capacity_bytes = a.capacity.ok_or_else(|| bad("ssd_capacity: required with ssd_dir (bytes of SSD for this pool)".into()))?;
+    c.segment_bytes = match a.segment_bytes {
+        Some(n) => n,
+        // At least four segments per directory (a segment is what eviction drops at once),
+        // in whole MiB, at least 1 MiB.
+        None => c.segment_bytes.min((c.capacity_bytes / c.dirs.len() as u64 / 4) & !((1 << 20) - 1)).max(1 << 20),
+    };
+    Ok(Some(c))
 }
 
 fn umbp_ipc_default_dir() -> PathBuf {
@@ -388,6 +468,14 @@ impl Index {
     fn take_events<'py>(&self, py: Python<'py>) -> Vec<(&'static str, Bound<'py, PyBytes>)> {
         let events = self.inner.lock().expect("index lock").take_events();
         events.into_iter().map(|(kind, key)| (kind.as_str(), PyBytes::new(py, &key.to_bytes()))).collect()
+    }
+
+    /// `take_events` with each event's tier: `("stored" | "removed", key bytes, "dram" |
+    /// "ssd" | "remote")`. A demotion to SSD is ("removed", k, "dram") then ("stored", k,
+    /// "ssd"); a promotion the reverse.
+    fn take_tier_events<'py>(&self, py: Python<'py>) -> Vec<(&'static str, Bound<'py, PyBytes>, &'static str)> {
+        let events = self.inner.lock().expect("index lock").take_tier_events();
+        events.into_iter().map(|e| (e.kind.as_str(), PyBytes::new(py, &e.key.to_bytes()), e.tier.as_str())).collect()
     }
 
     /// KV events missed because `take_events` was called too rarely (log overrun).

@@ -47,4 +47,9 @@ impl EventFollower {
         out.extend(self.buf.iter().map(|e| (e.kind, e.key)));
         r.lost
     }
+
+    /// [`Self::drain`] with each event whole (its tier included).
+    pub fn drain_events(&mut self, out: &mut Vec<Event>) -> u64 {
+        self.reader.poll(out, MAX_BATCH).lost
+    }
 }

@@ -305,6 +305,21 @@ impl IndexClient {
         out
     }
 
+    /// [`Self::take_events`] with each event's tier: a demotion to SSD is `Removed` from
+    /// DRAM then `Stored` on SSD, a promotion the reverse.
+    pub fn take_tier_events(&mut self) -> Vec<umbp_protocol::events::Event> {
+        let mut out = Vec::new();
+        if let Some(f) = self.att.as_mut().and_then(|a| a.events.as_mut()) {
+            let lost = f.drain_events(&mut out);
+            if lost > 0 {
+                self.events_lost += lost;
+                tracing::warn!(lost, endpoint = %self.endpoint.display(), "UMBP KV events lost: take_events was called too rarely");
+            }
+        }
+        let _ = self.live();
+        out
+    }
+
     /// KV events this client missed because it fell more than the log's capacity behind.
     pub fn events_lost(&self) -> u64 {
         self.events_lost

@@ -33,6 +33,14 @@ Keys (all optional):
 | `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
 | `lazy_offload_max_blocks` | int > 0 | 256 | lazy offload: free-queue blocks examined per step |
 | `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
+| `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (created); the directory must exist |
+| `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / TP ranks | embedded: SSD bytes per worker |
+| `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else 0.95 / 0.85 | embedded: SSD reclaim watermarks |
+| `ssd_direct_io` | bool | `$UMBP_SSD_DIRECT_IO`, else true | embedded: O_DIRECT segment files (buffered with a warning where refused) |
+| `ssd_admission` | `all` \\| `hit` \\| `never` \\| `hit-or-young[:SECONDS]` | `$UMBP_SSD_ADMISSION`, else hit-or-young | embedded: which evicted objects are written to SSD |
+
+`UMBP_SSD_ENABLED=0` turns off an SSD tier that only `UMBP_SSD_DIR` asked for;
+`UMBP_SSD_ENABLED=1` without a directory is an error.
 
 Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
 machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
@@ -257,12 +265,14 @@ class UMBPConnectorConfig:
     lookup_dir: str | None = None  # embedded: directory of the worker pools' sockets
     num_workers: int | None = None  # embedded: the pool's copy threads (None: pool default)
     kv_event_max_objects: int = DEFAULT_KV_EVENT_MAX_OBJECTS
+    ssd: "SsdOptions | None" = None  # embedded: the pool's SSD tier (ssd_* keys, UMBP_SSD_*)
     # Options accepted without effect in this configuration, each with the reason;
     # from_extra_config logs each once per process.
     notes: tuple[str, ...] = ()
 
-    def embedded_pool_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of `umbp._native.EmbeddedPool` that this config sets."""
+    def embedded_pool_kwargs(self, dp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
+        """Keyword arguments of `umbp._native.EmbeddedPool` that this config sets (for the
+        worker of `dp_rank`/`tp_rank`: its SSD directories are its own)."""
         kw: dict[str, Any] = {
             "high_wm": self.dram_high_watermark,
             "low_wm": self.dram_low_watermark,
@@ -275,6 +285,8 @@ class UMBPConnectorConfig:
             kw["prefault"] = True
         if self.num_workers is not None:
             kw["copy_threads"] = self.num_workers
+        if self.ssd is not None:
+            kw.update(self.ssd.pool_kwargs(dp_rank, tp_rank, tp_size))
         return kw
 
     @property
@@ -441,6 +453,7 @@ class UMBPConnectorConfig:
                 "lookup_async=true has no effect: lookups read the pool's shared-memory index "
                 "and never block the scheduler, so there is nothing to move off its thread"
             )
+        kw["ssd"] = SsdOptions.from_extra_config(extra, mode)
         kw["notes"] = tuple(notes)
         cfg = cls(**kw)
         log_notes_once(cfg.notes)
@@ -562,3 +575,165 @@ class OffloadOptions:
                 extra["lazy_offload_max_blocks"], "lazy_offload_max_blocks"
             )
         return cls(**kw)
+
+
+# ---- SSD tier of the embedded pool (issue #16, docs/ssd.md): ssd_dir, ssd_capacity,
+# ssd_high_watermark, ssd_low_watermark, ssd_direct_io, ssd_admission, and the seed's
+# environment spellings UMBP_SSD_ENABLED / UMBP_SSD_DIR / UMBP_SSD_CAPACITY /
+# UMBP_SSD_DIRECT_IO / UMBP_SSD_HIGH_WM / UMBP_SSD_LOW_WM (plus umbp-pool's
+# UMBP_SSD_ADMISSION). Parsed apart from UMBPConnectorConfig's own keys; its `ssd` field
+# holds the result.
+SSD_KEYS = frozenset(
+    {"ssd_dir", "ssd_capacity", "ssd_high_watermark", "ssd_low_watermark", "ssd_direct_io", "ssd_admission"}
+)
+KNOWN_KEYS = KNOWN_KEYS | SSD_KEYS
+ENV_SSD_ENABLED = "UMBP_SSD_ENABLED"
+ENV_SSD_DIR = "UMBP_SSD_DIR"
+ENV_SSD_CAPACITY = "UMBP_SSD_CAPACITY"
+ENV_SSD_DIRECT_IO = "UMBP_SSD_DIRECT_IO"
+ENV_SSD_HIGH_WM = "UMBP_SSD_HIGH_WM"
+ENV_SSD_LOW_WM = "UMBP_SSD_LOW_WM"
+ENV_SSD_ADMISSION = "UMBP_SSD_ADMISSION"
+# Each key's environment spelling (the extra config wins over the environment).
+SSD_ENV = {
+    "ssd_dir": ENV_SSD_DIR,
+    "ssd_capacity": ENV_SSD_CAPACITY,
+    "ssd_direct_io": ENV_SSD_DIRECT_IO,
+    "ssd_high_watermark": ENV_SSD_HIGH_WM,
+    "ssd_low_watermark": ENV_SSD_LOW_WM,
+    "ssd_admission": ENV_SSD_ADMISSION,
+}
+DEFAULT_SSD_HIGH_WM = 0.95
+DEFAULT_SSD_LOW_WM = 0.85
+_ADMISSION_RE = re.compile(r"^(all|hit|never|none|hit-or-young(:[0-9]+(\.[0-9]+)?)?)$")
+
+
+def parse_dirs(value: Any, key: str) -> tuple[str, ...]:
+    """A directory, a comma-separated list (the environment's form) or a list of them ->
+    absolute paths, in order (the order must stay the same across restarts)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(d, str) for d in items):
+        raise ValueError(f"{key}: expected a directory or a list of directories, got {value!r}")
+    dirs = tuple(os.path.abspath(os.path.expanduser(d.strip())) for d in items if d.strip())
+    if not dirs:
+        raise ValueError(f"{key}: expected a directory or a list of directories, got {value!r}")
+    if len(set(dirs)) != len(dirs):
+        raise ValueError(f"{key}: a directory is listed twice in {value!r} (one per drive)")
+    return dirs
+
+
+@dataclass(frozen=True)
+class SsdOptions:
+    """The embedded pool's SSD tier: `dirs` (one per drive), `capacity_bytes` per worker
+    (None: half the free space of the first directory's file system, split over the local
+    TP ranks), watermarks, O_DIRECT and the admission policy (None: the pool's default,
+    hit-or-young)."""
+
+    dirs: tuple[str, ...]
+    capacity_bytes: int | None = None
+    high_watermark: float = DEFAULT_SSD_HIGH_WM
+    low_watermark: float = DEFAULT_SSD_LOW_WM
+    direct_io: bool = True
+    admission: str | None = None
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], mode: str) -> "SsdOptions | None":
+        """The SSD options of `extra` (keys) and the environment; None: no SSD tier.
+
+        Keys are embedded-only (a standalone pool has `--ssd-dir`); in standalone mode the
+        environment is the standalone pool's business and is not read here."""
+        given = sorted(k for k in SSD_KEYS if extra.get(k) is not None)
+        if mode != MODE_EMBEDDED:
+            if given:
+                raise ValueError(
+                    f"{given[0]}: only valid with mode='embedded' (a standalone pool's SSD tier "
+                    "is set by its own --ssd-dir / UMBP_SSD_* flags)"
+                )
+            return None
+
+        def get(k: str) -> tuple[Any, str] | None:
+            if extra.get(k) is not None:
+                return extra[k], k
+            env = SSD_ENV[k]
+            v = os.environ.get(env)
+            return (v, env) if v is not None and v.strip() != "" else None
+
+        enabled_env = os.environ.get(ENV_SSD_ENABLED)
+        enabled = parse_bool(enabled_env, ENV_SSD_ENABLED) if enabled_env not in (None, "") else None
+        d = get("ssd_dir")
+        if d is None or (enabled is False and d[1] == ENV_SSD_DIR):
+            if enabled:
+                raise ValueError(
+                    f"{ENV_SSD_ENABLED}=1 needs a directory: set {ENV_SSD_DIR} or "
+                    "kv_connector_extra_config 'ssd_dir'"
+                )
+            # SSD settings without a directory would silently do nothing.
+            if [k for k in given if k != "ssd_dir"]:
+                raise ValueError(f"{given[0]}: has no effect without ssd_dir (the SSD tier's directory)")
+            return None
+        kw: dict[str, Any] = {"dirs": parse_dirs(*d)}
+        if (c := get("ssd_capacity")) is not None:
+            kw["capacity_bytes"] = parse_size(*c)
+        hi = get("ssd_high_watermark")
+        lo = get("ssd_low_watermark")
+        kw["high_watermark"] = parse_fraction(*hi) if hi else DEFAULT_SSD_HIGH_WM
+        kw["low_watermark"] = parse_fraction(*lo) if lo else DEFAULT_SSD_LOW_WM
+        if kw["low_watermark"] > kw["high_watermark"]:
+            key = (lo or hi or (None, "ssd_low_watermark"))[1]
+            raise ValueError(
+                f"{key}: the SSD low watermark ({kw['low_watermark']}) must not be above the "
+                f"high watermark ({kw['high_watermark']})"
+            )
+        if (io := get("ssd_direct_io")) is not None:
+            kw["direct_io"] = parse_bool(*io)
+        if (a := get("ssd_admission")) is not None:
+            v, key = a
+            if not isinstance(v, str) or not _ADMISSION_RE.match(v.strip().lower()):
+                raise ValueError(
+                    f"{key}: expected all, hit, never, hit-or-young or hit-or-young:SECONDS, got {v!r}"
+                )
+            kw["admission"] = v.strip().lower()
+        return cls(**kw)
+
+    def rank_dirs(self, dp_rank: int, tp_rank: int) -> list[str]:
+        """One worker's directories: `<dir>/dp<D>-tp<T>` in each (every embedded pool holds
+        its directories exclusively; the names stay the same across restarts, so a restarted
+        engine finds its SSD objects again). Each `dir` must exist and be writable (a typo
+        is an error naming ssd_dir, never a new directory elsewhere); the per-rank
+        subdirectories are created."""
+        out = []
+        for d in self.dirs:
+            if not os.path.isdir(d):
+                why = "does not exist" if not os.path.exists(d) else "is not a directory"
+                raise ValueError(f"ssd_dir: {d!r} {why} (create the directory first)")
+            if not os.access(d, os.W_OK | os.X_OK):
+                raise ValueError(f"ssd_dir: {d!r} is not writable by this process")
+            sub = os.path.join(d, f"dp{dp_rank}-tp{tp_rank}")
+            try:
+                os.makedirs(sub, exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"ssd_dir: cannot create {sub!r}: {e}") from e
+            out.append(sub)
+        return out
+
+    def capacity_per_worker(self, tp_size: int) -> int:
+        if self.capacity_bytes is not None:
+            return self.capacity_bytes
+        try:
+            st = os.statvfs(self.dirs[0])
+        except OSError as e:
+            raise ValueError(f"ssd_dir: {self.dirs[0]!r}: {e} (give ssd_capacity)") from e
+        return max(1, st.f_bavail * st.f_frsize // 2 // max(1, tp_size))
+
+    def pool_kwargs(self, dp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
+        """Keyword arguments of `umbp._native.EmbeddedPool` for one worker's SSD tier."""
+        kw: dict[str, Any] = {
+            "ssd_dir": self.rank_dirs(dp_rank, tp_rank),
+            "ssd_capacity": self.capacity_per_worker(tp_size),
+            "ssd_high_wm": self.high_watermark,
+            "ssd_low_wm": self.low_watermark,
+            "ssd_direct_io": self.direct_io,
+        }
+        if self.admission is not None:
+            kw["ssd_admission"] = self.admission
+        return kw

@@ -70,7 +70,8 @@ class WorkerSide:
                     cap,
                     socket_path=path,
                     min_object_bytes=min_object,
-                    **self.cfg.embedded_pool_kwargs(),  # watermarks, hugepages, NUMA, ...
+                    # watermarks, hugepages, NUMA, ..., this rank's SSD directories
+                    **self.cfg.embedded_pool_kwargs(c._dp_rank, self.tp_rank, c._tp_size),
                 )
             except Exception as e:
                 raise RuntimeError(
