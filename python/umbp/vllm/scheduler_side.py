@@ -21,6 +21,7 @@ from .endpoints import embedded_socket_path
 from .groups import FULL, MAMBA, GroupInfo
 from .keys import kv_block_hashes, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
+from .tier_events import last_per_key, restamp, slowest_tier
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -90,6 +91,10 @@ class SchedulerSide:
         self._key_to_hash: dict[bytes, bytes] = {}
         self._block_keys: dict[bytes, list[bytes]] = {}  # hash -> its keys (all ranks)
         self._published: OrderedDict[bytes, None] = OrderedDict()  # BlockStored sent
+        # Tiers (tier_events.py): each key's tier as the pool's events said (absent: DRAM),
+        # and each announced block's BlockStored with the tier it was announced for.
+        self._key_tier: dict[bytes, str] = {}
+        self._announced: dict[bytes, tuple[Any, str]] = {}
         self._event_source_ok = True
         # One index per TP rank in embedded mode (each worker has a pool); one in standalone.
         if self.cfg.embedded:
@@ -634,7 +639,7 @@ class SchedulerSide:
                 if seen >= self.c._tp_size:
                     del self._event_pending[h]
                     self._events.append(ev)
-                    self._publish(h)
+                    self._publish(h, ev)
                 else:
                     self._event_pending[h] = (ev, seen)
 
@@ -693,14 +698,18 @@ class SchedulerSide:
         except Exception as e:  # noqa: BLE001 - events are best effort
             logger.debug("UMBP: cannot build KV events: %s", e)
 
-    def _publish(self, h: bytes) -> None:
+    def _publish(self, h: bytes, ev: Any = None) -> None:
         self._published[h] = None  # bounded by kv_event_max_objects (_remember_for_events)
+        if ev is not None:
+            self._announced[h] = (ev, "dram")
 
     def _forget(self, h: bytes) -> None:
         self._event_pending.pop(h, None)
         self._published.pop(h, None)
+        self._announced.pop(h, None)
         for k in self._block_keys.pop(h, ()):
             self._key_to_hash.pop(k, None)
+            self._key_tier.pop(k, None)
 
     def _removed(self, h: bytes, out: list[Any]) -> None:
         """The pool dropped (one rank's copy of) block `h`: it can no longer be loaded."""
@@ -708,19 +717,60 @@ class SchedulerSide:
             from vllm.distributed.kv_events import BlockRemoved
             from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-            out.append(
-                BlockRemoved(
-                    block_hashes=[maybe_convert_block_hash(h)], medium="CPU", group_idx=self.c._group
-                )
+            ev = BlockRemoved(
+                block_hashes=[maybe_convert_block_hash(h)], medium="CPU", group_idx=self.c._group
             )
+            out.append(restamp(ev, self._announced.get(h, (None, "dram"))[1]))
         self._forget(h)
+
+    def _retier(self, h: bytes, out: list[Any]) -> None:
+        """Block `h`'s keys changed tier: announce it again under its new medium
+        (BlockRemoved with the old one, then BlockStored with the new one)."""
+        announced = self._announced.get(h)
+        if announced is None or h not in self._published:
+            return
+        ev, old = announced
+        new = slowest_tier(self._key_tier.get(k, "dram") for k in self._block_keys.get(h, ()))
+        if new == old:
+            return
+        from vllm.distributed.kv_events import BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        gone = BlockRemoved(block_hashes=[maybe_convert_block_hash(h)], medium="CPU", group_idx=self.c._group)
+        out.append(restamp(gone, old))
+        ev = restamp(ev, new)
+        out.append(ev)
+        self._announced[h] = (ev, new)
+
+    def _apply_pool_events(self, idx: Any, events: list[Any], out: list[Any]) -> None:
+        """The pool's events for keys we announced: a key whose last event is "stored" is
+        in that tier now (a demotion or promotion moves it); one whose last event is
+        "removed" left the pool, unless the index still lists it (a move whose "stored"
+        comes with the next call)."""
+        moved: list[bytes] = []
+        for key, (kind, tier) in last_per_key(events, self._key_to_hash).items():
+            h = self._key_to_hash.get(key)
+            if h is None:
+                continue  # forgotten with another rank's key of the same block
+            if kind == "stored":
+                self._key_tier[key] = tier
+                moved.append(h)
+            elif kind == "removed":
+                try:
+                    still = bool(idx.contains(key))
+                except Exception:  # noqa: BLE001 - a dead pool holds nothing
+                    still = False
+                if not still:
+                    self._removed(h, out)
+        for h in dict.fromkeys(moved):
+            self._retier(h, out)
 
     def _drain_pool_events(self, out: list[Any]) -> None:
         """Pool evictions and resets -> BlockRemoved for blocks we announced."""
         for i, idx in enumerate(self._indexes):
             if idx is None:
                 continue
-            take = getattr(idx, "take_events", None)
+            take = getattr(idx, "take_tier_events", None) or getattr(idx, "take_events", None)
             if take is None:
                 if self._event_source_ok:
                     self._event_source_ok = False
@@ -734,11 +784,7 @@ class SchedulerSide:
             except Exception as e:  # noqa: BLE001 - events are best effort
                 logger.debug("UMBP: take_events failed: %s", e)
                 continue
-            for kind, key in events:
-                if kind == "removed":
-                    h = self._key_to_hash.get(bytes(key))
-                    if h is not None:
-                        self._removed(h, out)
+            self._apply_pool_events(idx, events, out)
             up = bool(getattr(idx, "connected", True))
             if self._index_was_up[i] and not up:
                 # A dead pool took every object with it, and a restarted one starts empty.
