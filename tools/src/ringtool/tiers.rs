@@ -69,7 +69,7 @@ pub unsafe fn scan(view: &IndexView<'_>, mem: *const u8, len: usize, list: usize
         // `attach` checked both offsets; they are written once at format time. Check again
         // anyway rather than trust a peer's header twice.
         let end = off.checked_add(slots * std::mem::size_of::<IndexSlot>());
-        if off % 32 != 0 || end.is_none_or(|e| e > len) {
+        if !off.is_multiple_of(32) || end.is_none_or(|e| e > len) {
             return out;
         }
         // SAFETY: [off, off + slots * 32) lies inside the region (checked above), is
