@@ -259,3 +259,18 @@ def test_tiny_dram_with_ssd_keeps_several_times_dram_loadable_byte_exact(native,
         w.close()
     finally:
         pool.close()
+
+
+def test_restamp_sets_medium_and_locality_on_vllm_events():
+    pytest.importorskip("vllm")
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from umbp.vllm.tier_events import restamp
+
+    ev = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[1, 2], block_size=2,
+                     lora_id=None, medium="CPU", lora_name=None, group_idx=0)
+    s = restamp(ev, "ssd")
+    assert (s.medium, s.locality, s.token_ids, s.block_hashes) == ("STORAGE", None, [1, 2], [1])
+    assert ev.medium == "CPU", "the original is unchanged"
+    r = restamp(BlockRemoved(block_hashes=[1], medium="CPU"), "remote")
+    assert (r.medium, r.locality) == ("CPU", "REMOTE")
