@@ -1281,6 +1281,78 @@ mod tests {
         assert!(group_reader(&s, 2).lookup(ObjectKey(7)).is_some(), "group 2 keeps its object");
     }
 
+    /// Tier moves (issue #16): a demoting object stays loadable and is never chosen
+    /// twice or freed; a written one leaves DRAM unless a load pinned it meanwhile; a
+    /// promotion is exclusive (a second load waits) and a failed one is a miss that drops
+    /// the object and its SSD record; a promoted object goes back to SSD without a write.
+    #[test]
+    fn demotion_and_promotion_move_tiers_safely() {
+        use umbp_protocol::location::{encode, Tier};
+        let size = 64u64 << 10;
+        let mut s = store(4 << 20);
+        s.set_ssd_admission(crate::ssd::SsdAdmission::All);
+        for i in 0..10u128 {
+            assert!(publish(&mut s, 1, i, size));
+        }
+        let now = Instant::now();
+        assert!(matches!(s.reserve_load(ObjectKey(0), size), LoadReservation::Pinned { .. }));
+        assert_eq!(s.evict_to(0, now), 9, "all but the pinned one");
+        let d = s.take_demotions();
+        assert_eq!(d.len(), 9);
+        assert_eq!(s.evict_to(0, now), 0, "demoting objects count as gone and are not chosen again");
+        assert_eq!(s.allocated_bytes(), 10 * size, "nothing freed while being written");
+        assert_eq!(s.reset_namespace(1), 0, "a reset skips objects in a tier move");
+        // Loadable while demoting; key 1 stays pinned through its demotion.
+        assert!(matches!(s.reserve_load(ObjectKey(1), size), LoadReservation::Pinned { .. }));
+        for x in &d {
+            let w = if x.key.key == ObjectKey(9) { Err(()) } else { Ok(3) };
+            s.finish_demotion(x.key, w, now);
+        }
+        let r = reader(&s);
+        assert_eq!(r.lookup(ObjectKey(2)), Some(encode(Tier::Ssd, 3)));
+        assert!(r.lookup(ObjectKey(1)).is_some_and(|l| l < encode(Tier::Ssd, 0)), "pinned: still DRAM");
+        assert_eq!(r.lookup(ObjectKey(9)), None, "failed demotion: dropped");
+        assert_eq!(s.allocated_bytes(), 2 * size);
+        let t = s.tier_stats();
+        assert_eq!((t.objects[0], t.objects[1], t.demotions, t.demotion_failures), (2, 7, 8, 1));
+        // A lower object: not stored again, loads must promote it.
+        assert_eq!(s.reserve_store(1, ObjectKey(2), size, 1), StoreReservation::AlreadyPresent);
+        assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Lower { tier: Tier::Ssd });
+        assert_eq!(s.reserve_load(ObjectKey(2), 2 * size), LoadReservation::SizeMismatch { stored: size });
+        let (offset, tier, ns) = s.begin_promotion(ObjectKey(2)).unwrap();
+        assert_eq!((tier, ns), (Tier::Ssd, 1));
+        assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Promoting, "a second load waits");
+        assert!(s.begin_promotion(ObjectKey(2)).is_none(), "never fetched twice");
+        assert_eq!(s.evict_to(0, now), 0, "a promoting object is pinned");
+        assert!(s.finish_promotion(ObjectKey(2), true));
+        assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(offset));
+        s.finish_load(ObjectKey(2));
+        // Back to SSD without a write: its record is still there.
+        s.finish_load(ObjectKey(0));
+        s.finish_load(ObjectKey(1));
+        assert_eq!(s.evict_to(0, now), 3);
+        assert_eq!(s.take_demotions().len(), 1, "key 0 is written; keys 1 (written while pinned) and 2 are not");
+        assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(encode(Tier::Ssd, 3)));
+        assert_eq!(reader(&s).lookup(ObjectKey(1)), Some(encode(Tier::Ssd, 3)));
+        assert_eq!(s.tier_stats().clean_demotions, 2);
+        // A failed promotion is a miss: the object and its record go.
+        s.take_ssd_drops();
+        s.begin_promotion(ObjectKey(3)).unwrap();
+        assert!(!s.finish_promotion(ObjectKey(3), false));
+        assert_eq!(reader(&s).lookup(ObjectKey(3)), None);
+        assert_eq!(s.reserve_load(ObjectKey(3), size), LoadReservation::Missing);
+        assert_eq!(s.take_ssd_drops(), vec![(ObjectKey(3), 1)]);
+        // Records the SSD store dropped for room take their SSD-only objects along.
+        let groups = crate::groups::TenantGroups::single();
+        s.ssd_records_gone(&[(ObjectKey(4), 1), (ObjectKey(5), 2)], &groups);
+        assert_eq!(reader(&s).lookup(ObjectKey(4)), None);
+        assert!(reader(&s).lookup(ObjectKey(5)).is_some(), "another namespace's record: not this object");
+        // A reset drops lower objects too, and queues their records' removal.
+        let before = s.published_count();
+        assert_eq!(s.reset_namespace(1), before - 1, "all but the demoting one");
+        assert_eq!(s.take_ssd_drops().len() as u64, before - 1);
+    }
+
     fn publish_in(s: &mut ObjectStore, group: u32, ns: u128, key: u128, size: u64) -> bool {
         let k = GroupKey::new(group, ObjectKey(key));
         matches!(s.reserve_store(ns, k, size, 1), StoreReservation::Reserved { .. }) && s.finish_store(k, true)
