@@ -382,6 +382,12 @@ fn main() -> ExitCode {
     if umbp_pool::FAULT_INJECTION {
         tracing::warn!("this umbp-pool was built with the umbp-pool library's fault-injection feature (a test build); build it alone (`cargo build --release -p umbp-pool-daemon`) for production");
     }
+    if config.ssd.is_some() {
+        // A segment write past RLIMIT_FSIZE must fail with EFBIG (the object is not
+        // stored, docs/ssd.md) instead of killing the pool with SIGXFSZ.
+        // SAFETY: setting a signal's disposition to ignore has no memory preconditions.
+        unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    }
     // Before any thread starts, so all inherit the mask and only the wait below sees it.
     let stop = umbp_pool::StopSignals::block();
     // PoolError's message carries its cause already: print it once, not the chain.
