@@ -35,9 +35,6 @@ use umbp_protocol::wire::Role;
 use crate::pool_report::{SsdReport, TierCounts};
 use crate::{PoolError, PoolInner};
 
-/// Where the collector reads the tier counts and the SSD section at scrape time.
-#[allow(clippy::type_complexity)]
-const TIERS_HOOK: (fn(&PoolInner) -> TierCounts, fn(&PoolInner) -> Option<SsdReport>) = (|_| TierCounts::default(), |_| None);
 
 type OpLabel = [(&'static str, &'static str); 1];
 type HistogramFamily = Family<OpLabel, Histogram, fn() -> Histogram>;
@@ -324,10 +321,14 @@ fn labelled_gauge(
 impl Collector for PoolCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let inner = &self.inner;
-        let (p, namespaces) = {
+        let (p, namespaces, tier_stats) = {
             let s = inner.store.lock().expect("store lock");
-            (crate::report::pool_section(inner, &s), s.namespaces().len() as u64)
+            (crate::report::pool_section(inner, &s), s.namespaces().len() as u64, s.tier_stats())
         };
+        // The SSD store's own counters, never under the store lock (as report.rs).
+        let ssd = inner.tiers.ssd.as_deref().map(|t| crate::report::ssd_report(t, &tier_stats));
+        let [dram, ssd_objects, remote] = tier_stats.objects;
+        let tiers = TierCounts { dram, ssd: ssd_objects, remote };
         let c = inner.counters.snapshot();
         let (capacity, allocated) = (p.capacity_bytes, p.allocated_bytes);
         let (mut workers, mut schedulers, mut observers, mut inflight) = (0u64, 0u64, 0u64, 0u64);
@@ -429,8 +430,7 @@ impl Collector for PoolCollector {
             counter(&mut enc, "umbp_index_rebuilds", "Index rebuilds", s.rebuilds)?;
         }
         gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;
-        let (tiers, ssd) = TIERS_HOOK;
-        encode_tiers(&mut enc, &tiers(inner), allocated, ssd(inner).as_ref())?;
+        encode_tiers(&mut enc, &tiers, allocated, ssd.as_ref())?;
         Ok(())
     }
 }
