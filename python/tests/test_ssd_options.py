@@ -233,8 +233,17 @@ def test_tiny_dram_with_ssd_keeps_several_times_dram_loadable_byte_exact(native,
         for start in range(0, total, 16):
             for j in range(16):
                 _fill(buf, j, start + j)
-            got = w.wait(w.store(0, keys[start:start + 16], list(range(16))), 10000)
-            assert got == [n.STATUS_STORED] * 16, (start, got)
+            # A store that finds DRAM full while the evictor is still demoting is
+            # NOT_STORED (stores never wait): retried.
+            todo = list(range(16))
+            for _ in range(100):
+                got = w.wait(w.store(0, [keys[start + j] for j in todo], todo), 10000)
+                assert set(got) <= {n.STATUS_STORED, n.STATUS_NOT_STORED}, (start, got)
+                todo = [j for j, st in zip(todo, got) if st == n.STATUS_NOT_STORED]
+                if not todo:
+                    break
+                time.sleep(0.05)
+            assert not todo, f"stores kept finding no room at {start}"
         report = json.loads(pool.report())
         assert report["ssd"] is not None and report["ssd"]["demotions"] > 0, report.get("ssd")
         # Every object is still loadable, byte-exact (most of them promoted from SSD).
