@@ -22,6 +22,14 @@ def make(cfg_dir, native):
     yield from harness_factory(cfg_dir, {"key_namespace": "ssd-connector"})
 
 
+def take(h):
+    """The connector's events since the last call: media CPU and STORAGE (the recorder's
+    own `take` keeps one medium)."""
+    ev = [e for e in h.recorder.events if getattr(e, "medium", None) in ("CPU", "STORAGE")]
+    h.recorder.events = []
+    return ev
+
+
 def T(seed, n=300):
     from sched_harness import tokens
 
@@ -43,7 +51,7 @@ def test_overflowing_dram_demotes_and_events_carry_the_medium(make, tmp_path):
     removed_for_good = []
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
-        for e in h.recorder.take():
+        for e in take(h):
             hh = e.block_hashes[0]
             if type(e).__name__ == "BlockStored":
                 medium[hh] = e.medium
@@ -75,7 +83,7 @@ def test_overflowing_dram_demotes_and_events_carry_the_medium(make, tmp_path):
     # Promoted back to DRAM: announced again with medium CPU.
     deadline = time.monotonic() + 10
     while medium[first] != "CPU" and time.monotonic() < deadline:
-        for e in h.recorder.take():
+        for e in take(h):
             medium[e.block_hashes[0]] = e.medium if type(e).__name__ == "BlockStored" else None
         h.step()
         time.sleep(0.05)
