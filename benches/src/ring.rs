@@ -233,41 +233,15 @@ pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
     extra.insert("msg_bytes".into(), Value::from(MSG));
     extra.insert("socket_rtt_p50_ns".into(), Value::from(p(&socket, 50.0)));
     extra.insert("socket_rtt_p99_ns".into(), Value::from(p(&socket, 99.0)));
-    let name = "unix socket round trip";
+    // Each case: percentile `q` of a ring's round trips against the same percentile of the
+    // unix-socket round trip.
+    let case = |name: &str, rtt: &[u64], q: f64| {
+        Case::new("ring", name, p(rtt, q), "ns", p(&socket, q), "unix socket round trip", Better::Lower).extras(&extra)
+    };
     Ok(vec![
-        Case::new(
-            "ring",
-            "poll_rtt_p50",
-            p(&poll, 50.0),
-            "ns",
-            p(&socket, 50.0),
-            name,
-            Better::Lower,
-        )
-        .extras(&extra)
-        .extra("min_ns", poll[0]),
-        Case::new(
-            "ring",
-            "poll_rtt_p99",
-            p(&poll, 99.0),
-            "ns",
-            p(&socket, 99.0),
-            name,
-            Better::Lower,
-        )
-        .extras(&extra)
-        .extra("max_ns", *poll.last().unwrap()),
-        Case::new(
-            "ring",
-            "sleep_rtt_p50",
-            p(&sleep, 50.0),
-            "ns",
-            p(&socket, 50.0),
-            name,
-            Better::Lower,
-        )
-        .extras(&extra)
-        .extra("sleep_rtt_p99_ns", p(&sleep, 99.0)),
+        case("poll_rtt_p50", &poll, 50.0).extra("min_ns", poll[0]),
+        case("poll_rtt_p99", &poll, 99.0).extra("max_ns", *poll.last().unwrap()),
+        case("sleep_rtt_p50", &sleep, 50.0).extra("sleep_rtt_p99_ns", p(&sleep, 99.0)),
     ])
 }
 
