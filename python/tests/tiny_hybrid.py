@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from tiny_model import REPO_ROOT, build_stamped, train_tokenizer
+from tiny_model import REPO_ROOT, build_stamped, model_config, train_tokenizer
 
 SPECS = {
     "gemma2": {
@@ -58,22 +58,7 @@ def _build_into(out: Path, spec: dict) -> None:
     import torch
 
     fast = train_tokenizer(out, 1000, 2048)
-    eos = fast.convert_tokens_to_ids("<|endoftext|>")
-    pad = fast.convert_tokens_to_ids("<|pad|>")
-    common = dict(
-        vocab_size=spec["vocab_size"],
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"],
-        num_key_value_heads=spec["num_key_value_heads"],
-        max_position_embeddings=2048,
-        initializer_range=spec["initializer_range"],
-        tie_word_embeddings=False,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
+    common = model_config(spec, fast, 2048)
     if spec["family"] == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 

@@ -92,6 +92,25 @@ def train_tokenizer(out: Path, vocab_size: int, max_len: int):
     return fast
 
 
+def model_config(spec: dict, fast, max_len: int) -> dict:
+    """The config fields every tiny model takes from its `spec` and its tokenizer `fast`."""
+    eos = fast.convert_tokens_to_ids("<|endoftext|>")
+    return dict(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        max_position_embeddings=max_len,
+        initializer_range=spec["initializer_range"],
+        tie_word_embeddings=False,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=fast.convert_tokens_to_ids("<|pad|>"),
+    )
+
+
 def build_stamped(target: Path, spec: dict, build_into: Callable[[Path], None]) -> str:
     """The model directory `target` built from `spec` by `build_into(dir)`, or reused when
     its stamp already records `spec`. Built in a temp dir and renamed into place, so
@@ -127,20 +146,7 @@ def _build_into(out: Path) -> None:
     fast = train_tokenizer(out, SPEC["tokenizer_vocab"], SPEC["max_position_embeddings"])
     assert len(fast) <= SPEC["vocab_size"], len(fast)
 
-    config = Qwen2Config(
-        vocab_size=SPEC["vocab_size"],
-        hidden_size=SPEC["hidden_size"],
-        intermediate_size=SPEC["intermediate_size"],
-        num_hidden_layers=SPEC["num_hidden_layers"],
-        num_attention_heads=SPEC["num_attention_heads"],
-        num_key_value_heads=SPEC["num_key_value_heads"],
-        max_position_embeddings=SPEC["max_position_embeddings"],
-        initializer_range=SPEC["initializer_range"],
-        tie_word_embeddings=False,
-        bos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-        pad_token_id=fast.convert_tokens_to_ids("<|pad|>"),
-    )
+    config = Qwen2Config(**model_config(SPEC, fast, SPEC["max_position_embeddings"]))
     torch.manual_seed(SPEC["seed"])
     model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
