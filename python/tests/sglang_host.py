@@ -4,8 +4,8 @@ SGLang's own hash function, and a backend created through SGLang's own factory
 (`StorageBackendFactory.create_backend("dynamic", ...)`), as the HiCache controller does.
 
 Also a command-line driver, run as a separate process by the tests:
-    python sglang_host.py store|load SOCKET LAYOUT SEED NPAGES
-prints one JSON line with what it did.
+    python sglang_host.py store|load|ctl-store|ctl-load SOCKET LAYOUT SEED NPAGES
+prints one JSON line with what it did (ctl-*: through SGLang's HiCacheController).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+import threading
+from typing import Any, Optional
 
 import torch
 
@@ -69,6 +70,60 @@ def make_backend(hp: Any, extra: dict, backend: str = "dynamic", **cfg: Any) -> 
     return b
 
 
+def controller(hp: Any, extra: Optional[dict], backend: str = "dynamic", model: str = MODEL) -> Any:
+    """SGLang's real `HiCacheController` over a real CPU device pool (MHATokenToKVPool +
+    its paged allocator) and `hp`, single rank (no process groups: its rank reductions are
+    no-ops), with its storage threads running; `extra` None: no storage backend."""
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.runtime_context import get_parallel
+
+    # What the scheduler process publishes at startup: one rank, no PP/DCP.
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1,
+                                        attn_dcp_size=1, attn_dcp_rank=0)
+    tokens = hp.size // 2
+    dev = MHATokenToKVPool(tokens, hp.page_size, hp.dtype, hp.head_num, hp.head_dim, hp.layer_num, "cpu", False)
+    alloc = PagedTokenToKVPoolAllocator(tokens, hp.page_size, hp.dtype, "cpu", dev, False)
+    return HiCacheController(alloc, hp, hp.page_size, None, threading.Event(), io_backend="direct",
+                             storage_backend=None if extra is None else backend, model_name=model,
+                             storage_backend_extra_config=extra)
+
+
+def controller_backup(cc: Any, host_indices: Any, tokens: list[int], timeout: float = 60) -> int:
+    """`write_storage` as the radix cache calls it; the backup thread's completed tokens."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    hashes = get_storage_hash_str(tokens, None, page_size=cc.page_size)
+    op_id = cc.write_storage(host_indices, tokens, hash_value=hashes)
+    op = cc.ack_backup_queue.get(timeout=timeout)
+    assert op.id == op_id
+    return int(op.completed_tokens)
+
+
+def controller_prefetch(cc: Any, tokens: list[int], timeout: float = 60) -> tuple[int, int, Any]:
+    """`prefetch` as the radix cache drives it: the prefetch thread's storage hit query,
+    then (as the scheduler's drain does) host pages for the hit into `prefetch_buffer`, then
+    the io thread's transfer. (hit tokens, completed tokens, host indices or None)."""
+    op = cc.prefetch("req-" + str(os.getpid()), tokens)
+    got = cc.prefetch_hit_queue.get(timeout=timeout)
+    assert got is op
+    hit = int(op.storage_hit_count)
+    if hit == 0:
+        return 0, 0, None
+    idx = cc.alloc_prefetch_host_buffers(op, hit)
+    op.hash_value = op.hash_value[: hit // cc.page_size]
+    op.host_indices = idx
+    cc.prefetch_buffer.put(op)
+    done = 0
+    while True:
+        ack = cc.ack_prefetch_queue.get(timeout=timeout)
+        if ack.completed_tokens is not None:
+            done = max(done, int(ack.completed_tokens))
+        if ack.completed_req:
+            return hit, done, idx
+
+
 def tokens_of(seed: int, npages: int, page: int = PAGE) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 32000, (npages * page,), generator=g).tolist()
@@ -106,6 +161,8 @@ def page_bytes(hp: Any, idx: int) -> bytes:
 def main(argv: list[str]) -> int:
     op, sock, layout, seed, npages = argv[0], argv[1], argv[2], int(argv[3]), int(argv[4])
     hp = host_pool(layout)
+    if op.startswith("ctl-"):
+        return controller_main(op, hp, sock, seed, npages)
     b = make_backend(hp, umbp_extra(sock))
     keys = page_hashes(tokens_of(seed, npages))
     if op == "store":
@@ -123,6 +180,28 @@ def main(argv: list[str]) -> int:
                  if ok[i] else None for i in range(npages)]
         out = {"op": op, "hit": hit, "ok": ok, "exact": exact, "pid": os.getpid()}
     b.close()
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+def controller_main(op: str, hp: Any, sock: str, seed: int, npages: int) -> int:
+    """ctl-store / ctl-load: the same through SGLang's HiCacheController."""
+    cc = controller(hp, umbp_extra(sock))
+    tokens = tokens_of(seed, npages)
+    out: dict = {"op": op, "pid": os.getpid(), "backend": type(cc.storage_backend).__name__,
+                 "zero_copy": cc.page_get_func.__name__ == "_page_get_zero_copy"}
+    if op == "ctl-store":
+        idx = hp.alloc(npages * hp.page_size)
+        fill_pages(hp, idx, seed)
+        out["completed_tokens"] = controller_backup(cc, idx, tokens)
+    else:
+        hp.alloc(3 * hp.page_size)  # land the pages elsewhere than the writer had them
+        hit, done, idx = controller_prefetch(cc, tokens)
+        out.update(hit_tokens=hit, completed_tokens=done)
+        out["exact"] = [page_bytes(hp, int(idx[i * hp.page_size])) ==
+                        expected_page(hp, seed, i).contiguous().view(torch.uint8).numpy().tobytes()
+                        for i in range(done // hp.page_size)] if idx is not None else []
+    cc.detach_storage_backend()
     print(json.dumps(out), flush=True)
     return 0
 

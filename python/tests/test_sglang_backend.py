@@ -224,3 +224,57 @@ def test_bad_options_are_refused_with_the_key(pool_factory) -> None:
         sh.make_backend(hp, sh.umbp_extra(str(pool.socket_path), timeout_ms="soon"))
     with pytest.raises(RuntimeError, match="cannot reach the pool at '/nonexistent/umbp.sock'"):
         sh.make_backend(hp, sh.umbp_extra("/nonexistent/umbp.sock", startup_timeout_ms=200))
+
+
+# -- SGLang's own HiCacheController drives the backend ------------------------------------
+def test_controller_backup_in_one_process_prefetch_in_another(pool_factory) -> None:
+    """SGLang's HiCacheController (real device pool, allocator, host pool, storage threads)
+    loads our backend through `attach_storage_backend("dynamic", ...)`; one process backs up
+    5 pages (write_storage -> backup thread -> batch_set_v1), another prefetches them
+    (prefetch thread's batch_exists, io thread's batch_get_v1): all hit, byte-exact."""
+    pool = pool_factory()
+    w = _driver("ctl-store", str(pool.socket_path), "page_first", "51", "5")
+    assert w["backend"] == "UMBPHiCacheStorage" and w["zero_copy"] is True
+    assert w["completed_tokens"] == 5 * sh.PAGE
+    r = _driver("ctl-load", str(pool.socket_path), "page_first", "51", "5")
+    assert r["pid"] != w["pid"]
+    assert r["hit_tokens"] == 5 * sh.PAGE and r["completed_tokens"] == 5 * sh.PAGE
+    assert r["exact"] == [True] * 5
+    m = _driver("ctl-load", str(pool.socket_path), "page_first", "52", "3")
+    assert m["hit_tokens"] == 0 and m["completed_tokens"] == 0
+
+
+def test_controller_with_dead_pool_misses_and_backs_up_nothing(pool_factory) -> None:
+    """The pool dies under a running HiCacheController: its prefetch finds no hit and its
+    backup completes no token; no exception reaches the controller's threads (they stay
+    alive and serve the next operation once the pool is back)."""
+    pool = pool_factory()
+    hp = sh.host_pool("page_first")
+    cc = sh.controller(hp, sh.umbp_extra(str(pool.socket_path), timeout_ms=500))
+    try:
+        toks = sh.tokens_of(61, 3)
+        idx = hp.alloc(3 * hp.page_size)
+        sh.fill_pages(hp, idx, 61)
+        assert sh.controller_backup(cc, idx, toks) == 3 * sh.PAGE
+        assert sh.controller_prefetch(cc, toks)[:2] == (3 * sh.PAGE, 3 * sh.PAGE)
+        pool.kill()
+        t0 = time.monotonic()
+        assert sh.controller_prefetch(cc, toks) == (0, 0, None)
+        assert sh.controller_backup(cc, idx, sh.tokens_of(62, 3)) == 0
+        assert time.monotonic() - t0 < 15, "a dead pool must not stall the controller"
+        assert cc.prefetch_thread.is_alive() and cc.backup_thread.is_alive()
+        pool.start()
+        deadline = time.monotonic() + 30
+        done = 0
+        while time.monotonic() < deadline and done == 0:
+            done = sh.controller_backup(cc, idx, toks)
+            time.sleep(0.2)
+        assert done == 3 * sh.PAGE, "the controller's backend did not re-attach to the restarted pool"
+        # The index re-attaches on a lookup once its backoff (at most 2 s) has passed.
+        hit = got = 0
+        while time.monotonic() < deadline + 10 and hit == 0:
+            hit, got, dst = sh.controller_prefetch(cc, toks)
+        assert (hit, got) == (3 * sh.PAGE, 3 * sh.PAGE)
+        assert _exact(hp, idx, hp, dst, 3)
+    finally:
+        cc.detach_storage_backend()
