@@ -45,6 +45,21 @@ def host_pool(layout: str = "page_first", tokens: int = 1024, layers: int = LAYE
                                 device_capacity_tokens=tokens, start_layer=0, end_layer=layers - 1)
 
 
+def mamba_pool(slots: int = 8, layers: int = 2, side_state: bool = False) -> Any:
+    """A real SGLang Mamba state host pool on CPU (page_first: one object per state slot):
+    temporal state 4 x 32 x 64 fp32 and one conv state 64 x 3 bf16 per layer, 64.75 KiB per
+    slot with 2 layers; `side_state` adds a registered extra checkpoint buffer."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(layers, slots, 4, 32, 64, dtype=torch.float32),
+        conv=(torch.zeros(layers, slots, 64, 3, dtype=torch.bfloat16),),
+        extra_checkpoint_buffers=(torch.zeros(slots, 16, dtype=torch.int32),) if side_state else (),
+    )
+    return MambaPoolHost(info, 2.0, 0, device_capacity=slots, pin_memory=False, device="cpu", layout="page_first")
+
+
 def storage_config(extra: dict, tp_rank: int = 0, tp_size: int = 1, model: str = MODEL) -> Any:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
 

@@ -278,3 +278,107 @@ def test_controller_with_dead_pool_misses_and_backs_up_nothing(pool_factory) -> 
         assert _exact(hp, idx, hp, dst, 3)
     finally:
         cc.detach_storage_backend()
+
+
+# -- v2 (pool-aware) forms: KV plus Mamba and SWA host pools -------------------------------
+def _hybrid(sock: str, side_state: bool = False):
+    """A backend as SGLang's hybrid controller attaches it: KV anchor, then the extra pools
+    through register_mem_host_pool_v2, then on_host_pools_registered."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    kv, swa, mamba = sh.host_pool("page_first"), sh.host_pool("page_first"), sh.mamba_pool(side_state=side_state)
+    extra = sh.umbp_extra(sock)
+    b = StorageBackendFactory.create_backend("dynamic", sh.storage_config(extra), kv)
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(swa, PoolName.SWA)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    b.on_host_pools_registered()
+    return b, kv, swa, mamba
+
+
+def _fill_flat(hp, idx, seed: int) -> None:
+    ps = hp.page_size
+    for i in range(0, idx.numel(), ps):
+        g = torch.Generator().manual_seed(seed * 7919 + i)
+        page = hp.get_dummy_flat_data_page()
+        raw = torch.randint(0, 256, (page.numel() * page.element_size(),), generator=g, dtype=torch.int32)
+        hp.set_from_flat_data_page(int(idx[i]), raw.to(torch.uint8).view(page.dtype))
+
+
+def _flat(hp, idx) -> list[bytes]:
+    ps = hp.page_size
+    return [hp.get_data_page(int(idx[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+            for i in range(0, idx.numel(), ps)]
+
+
+def test_v2_kv_swa_mamba_roundtrip_and_hit_policies(pool_factory) -> None:
+    """batch_set_v2 / batch_exists_v2 / batch_get_v2 with real SGLang host pools: KV (4
+    pages), SWA (the last 2 pages: TRAILING_PAGES), Mamba (one state slot for the last page:
+    TRAILING_PAGES) stored by one backend, found and loaded byte-exact by another."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = pool_factory()
+    a, kva, swaa, ma = _hybrid(str(pool.socket_path))
+    b, kvb, swab, mb = _hybrid(str(pool.socket_path))
+    assert a.pools["mamba"].group != a.pools["swa"].group != a.pools["kv"].group
+    keys = sh.page_hashes(sh.tokens_of(71, 4))
+    ik, isw, im = kva.alloc(4 * sh.PAGE), swaa.alloc(2 * sh.PAGE), ma.alloc(1)
+    sh.fill_pages(kva, ik, 71)
+    _fill_flat(swaa, isw, 72)
+    _fill_flat(ma, im, 73)
+    res = a.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=ik, keys=keys),
+                          PoolTransfer(PoolName.SWA, host_indices=isw, keys=keys[2:]),
+                          PoolTransfer(PoolName.MAMBA, host_indices=im, keys=keys[3:])])
+    assert res == {PoolName.KV: [True] * 4, PoolName.SWA: [True] * 2, PoolName.MAMBA: [True]}
+
+    def query(ks, swa_keys, mamba_keys, swa_policy=PoolHitPolicy.TRAILING_PAGES):
+        return b.batch_exists_v2(ks, [PoolTransfer(PoolName.SWA, keys=swa_keys, hit_policy=swa_policy),
+                                      PoolTransfer(PoolName.MAMBA, keys=mamba_keys,
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+
+    r = query(keys, keys[2:], keys[3:])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (4, [4])
+    assert r.extra_pool_hit_pages == {"kv": 4, "swa": 4, "mamba": 4}
+    # A 3-page prefix has no Mamba state at its end: not restorable.
+    r = query(keys[:3], keys[1:3], keys[2:3])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
+    # ALL_PAGES for SWA: pages 0 and 1 have no SWA object, so no prefix qualifies.
+    assert query(keys, keys, keys[3:], PoolHitPolicy.ALL_PAGES).kv_hit_pages == 0
+    # Nothing of another request.
+    assert query(sh.page_hashes(sh.tokens_of(74, 2)), [], []).kv_hit_pages == 0
+
+    jk, jsw, jm = kvb.alloc(4 * sh.PAGE), swab.alloc(2 * sh.PAGE), mb.alloc(1)
+    got = b.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=jk, keys=keys),
+                          PoolTransfer(PoolName.SWA, host_indices=jsw, keys=keys[2:]),
+                          PoolTransfer(PoolName.MAMBA, host_indices=jm, keys=keys[3:])])
+    assert got == {PoolName.KV: [True] * 4, PoolName.SWA: [True] * 2, PoolName.MAMBA: [True]}
+    assert _exact(kva, ik, kvb, jk, 4)
+    assert _flat(swab, jsw) == _flat(swaa, isw)
+    assert _flat(mb, jm) == _flat(ma, im)
+    # A Mamba slot is not an SWA page: same hash, other pool, other object (a miss).
+    assert b.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=mb.alloc(1), keys=keys[2:3])]) == \
+        {PoolName.MAMBA: [False]}
+
+
+def test_v2_pools_that_cannot_be_stored_are_refused_by_name(pool_factory) -> None:
+    """A Mamba pool with registered side states has no zero-copy page description: the
+    registration (hence SGLang's attach) fails naming the pool; a pool never registered is
+    named by the v2 calls (exists raises; get/set report failure), nothing is stored."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = pool_factory()
+    with pytest.raises(ValueError, match="cannot store SGLang's mamba pool \\(MambaPoolHost\\)"):
+        _hybrid(str(pool.socket_path), side_state=True)
+    hp = sh.host_pool("page_first")
+    b = sh.make_backend(hp, sh.umbp_extra(str(pool.socket_path)))
+    keys = sh.page_hashes(sh.tokens_of(81, 2))
+    idx = hp.alloc(2 * sh.PAGE)
+    assert b.batch_set_v1(keys, idx) == [True, True]
+    with pytest.raises(ValueError, match="indexer pool was never registered"):
+        b.batch_exists_v2(keys, [PoolTransfer(PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert b.batch_set_v2([PoolTransfer(PoolName.INDEXER, host_indices=idx, keys=keys)]) == \
+        {PoolName.INDEXER: [False, False]}
+    r = b.batch_exists_v2(keys)  # KV only: still the plain prefix
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (2, [1, 2])
