@@ -382,3 +382,22 @@ def test_v2_pools_that_cannot_be_stored_are_refused_by_name(pool_factory) -> Non
         {PoolName.INDEXER: [False, False]}
     r = b.batch_exists_v2(keys)  # KV only: still the plain prefix
     assert (r.kv_hit_pages, r.restorable_prefix_pages) == (2, [1, 2])
+
+
+def test_hybrid_controller_kv_and_mamba_state_across_processes(pool_factory) -> None:
+    """SGLang's HybridCacheController (the Mamba-hybrid path) with a KV + Mamba host pool
+    group: one process backs up 4 KV pages and the Mamba state of the last page
+    (batch_set_v2 + batch_set_v1); another prefetches (batch_exists_v2 with TRAILING_PAGES,
+    batch_get_v1, batch_get_v2): KV and Mamba hits, byte-exact KV pages and state. A
+    3-page prefix of the same tokens has no Mamba state at its end: no hit at all."""
+    pool = pool_factory()
+    s = str(pool.socket_path)
+    w = _driver("hyb-store", s, "page_first", "91", "4")
+    assert w["pools"] == ["kv", "mamba"] and w["completed_tokens"] == 4 * sh.PAGE
+    r = _driver("hyb-load", s, "page_first", "91", "4")
+    assert r["pid"] != w["pid"]
+    assert r["hit_tokens"] == 4 * sh.PAGE and r["pool_hits"] == {"kv": 4, "mamba": 4}
+    assert r["completed_tokens"] == 4 * sh.PAGE and r["exact"] == [True] * 4
+    assert r["mamba_pages"] == 1 and r["mamba_exact"] is True
+    m = _driver("hyb-load", s, "page_first", "91", "3")
+    assert m["hit_tokens"] == 0 and m["completed_tokens"] == 0
