@@ -1,7 +1,8 @@
-"""umbp.sglang against SGLang's real classes: its CPU host KV pool (MHATokenToKVPoolHost),
-its page hash function, and its backend factory (`--hicache-storage-backend dynamic`),
-attached to a real `umbp-pool` process. No SGLang engine runs (no CPU engine here); the
-HiCache controller's calls (batch_exists, batch_get_v1, batch_set_v1) are made directly.
+"""umbp.sglang against SGLang's real classes, attached to a real `umbp-pool` process: its
+HiCacheController and HybridCacheController (storage threads running, CPU device pool),
+its CPU host pools (MHATokenToKVPoolHost, MambaPoolHost), its page hash function and its
+backend factory (`--hicache-storage-backend dynamic`). No SGLang engine runs (SGLang's CPU
+engine needs the CPU build of sgl_kernel, which is not on PyPI; docs/sglang.md).
 
 Skipped, with the reason printed, when SGLang is not importable (CI's venv has no SGLang;
 scripts/setup-sglang-env.sh makes one that has it).

@@ -4,7 +4,8 @@ Zero-copy: SGLang's host KV pool (`mem_pool_host.kv_buffer`) is registered with 
 as process memory, once, with the layout of one page (layout.py); `batch_set_v1` and
 `batch_get_v1` then post only (key, page number) pairs on the worker's rings and the pool
 copies the pages between its DRAM and the host pool itself. `batch_exists` reads the
-pool's shared-memory index (no RPC). A pool that is down makes every lookup a miss and
+pool's shared-memory index (no RPC). Extra host pools of hybrid models (Mamba state,
+SWA, indexer...; the `*_v2` forms) are registered the same way, under a key group each. A pool that is down makes every lookup a miss and
 every transfer fail (SGLang recomputes / skips the backup); the worker and the index
 re-attach by themselves when the pool is back.
 
