@@ -28,13 +28,16 @@ if importlib.util.find_spec("sglang") is None:
 import torch  # noqa: E402
 
 import sglang_host as sh  # noqa: E402
+from conftest import _ADD_PY_DIR  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 def _driver(*args: str, timeout: float = 300) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+    # The source tree only where umbp is not installed (a source tree has no _native module).
+    path = [str(HERE)] + ([str(HERE.parent)] if _ADD_PY_DIR else []) + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path)
     r = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "sglang_host.py"), *args],
                        env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]

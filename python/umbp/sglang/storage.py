@@ -5,9 +5,10 @@ as process memory, once, with the layout of one page (layout.py); `batch_set_v1`
 `batch_get_v1` then post only (key, page number) pairs on the worker's rings and the pool
 copies the pages between its DRAM and the host pool itself. `batch_exists` reads the
 pool's shared-memory index (no RPC). Extra host pools of hybrid models (Mamba state,
-SWA, indexer...; the `*_v2` forms) are registered the same way, under a key group each. A pool that is down makes every lookup a miss and
-every transfer fail (SGLang recomputes / skips the backup); the worker and the index
-re-attach by themselves when the pool is back.
+SWA, indexer...; the `*_v2` forms) are registered the same way, under a key group each.
+A pool that is down makes every lookup a miss and every transfer fail (SGLang
+recomputes / skips the backup); the worker and the index re-attach by themselves when
+the pool is back.
 
 Threads: SGLang calls the backend from its prefetch and backup threads at once. Submits
 and cancels are short native calls; waits are sliced (a few ms each) so that one thread's
