@@ -285,13 +285,13 @@ def test_controller_with_dead_pool_misses_and_backs_up_nothing(pool_factory) -> 
 
 
 # -- v2 (pool-aware) forms: KV plus Mamba and SWA host pools -------------------------------
-def _hybrid(sock: str, side_state: bool = False):
+def _hybrid(sock: str, side_state: bool = False, mamba_layers: int = 2):
     """A backend as SGLang's hybrid controller attaches it: KV anchor, then the extra pools
     through register_mem_host_pool_v2, then on_host_pools_registered."""
     from sglang.srt.mem_cache.hicache_storage import PoolName
     from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-    kv, swa, mamba = sh.host_pool("page_first"), sh.host_pool("page_first"), sh.mamba_pool(side_state=side_state)
+    kv, swa, mamba = sh.host_pool("page_first"), sh.host_pool("page_first"), sh.mamba_pool(layers=mamba_layers, side_state=side_state)
     extra = sh.umbp_extra(sock)
     b = StorageBackendFactory.create_backend("dynamic", sh.storage_config(extra), kv)
     b.register_mem_pool_host(kv)
@@ -405,3 +405,28 @@ def test_hybrid_controller_kv_and_mamba_state_across_processes(pool_factory) -> 
     assert r["mamba_pages"] == 1 and r["mamba_exact"] is True
     m = _driver("hyb-load", s, "page_first", "91", "3")
     assert m["hit_tokens"] == 0 and m["completed_tokens"] == 0
+
+
+def test_v2_extra_pools_of_other_shapes_share_nothing(pool_factory) -> None:
+    """Two deployments with the same KV namespace but Mamba states of different shapes (2
+    vs 3 layers): the KV pages are shared, the Mamba objects are not (a state of the wrong
+    shape is never loaded into a slot)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = pool_factory()
+    a, kva, _, ma = _hybrid(str(pool.socket_path))
+    b, kvb, _, mb = _hybrid(str(pool.socket_path), mamba_layers=3)
+    assert a.namespace == b.namespace and a.pools["mamba"].salt != b.pools["mamba"].salt
+    keys = sh.page_hashes(sh.tokens_of(95, 2))
+    ik, im = kva.alloc(2 * sh.PAGE), ma.alloc(1)
+    sh.fill_pages(kva, ik, 95)
+    _fill_flat(ma, im, 96)
+    assert a.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=ik, keys=keys),
+                           PoolTransfer(PoolName.MAMBA, host_indices=im, keys=keys[1:])]) == \
+        {PoolName.KV: [True, True], PoolName.MAMBA: [True]}
+    mamba_q = [PoolTransfer(PoolName.MAMBA, keys=keys[1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    assert a.batch_exists_v2(keys, mamba_q).kv_hit_pages == 2
+    r = b.batch_exists_v2(keys, mamba_q)
+    assert b.batch_exists(keys) == 2 and r.kv_hit_pages == 0 and "mamba" not in r.extra_pool_hit_pages
+    assert b.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=mb.alloc(1), keys=keys[1:])]) == \
+        {PoolName.MAMBA: [False]}

@@ -35,7 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from umbp._keys_common import ENGINE_SGLANG, make_keys, namespace_of
+from umbp._keys_common import ENGINE_SGLANG, canonical_text, make_keys, namespace_of
 
 from .config import UMBPSGLangConfig
 from .layout import HostLayout, host_layout
@@ -68,6 +68,9 @@ class _Pool:
     group: int
     rank: int
     writer: bool
+    # Extra pools: a digest of the pool's own shape, appended to every page hash of its
+    # keys, so pools of different shapes under one namespace never share objects.
+    salt: bytes = b""
 
 
 class UMBPHiCacheStorage(HiCacheStorage):
@@ -154,7 +157,13 @@ class UMBPHiCacheStorage(HiCacheStorage):
                 ) from e
         if obj != lay.object_bytes:
             raise RuntimeError(f"UMBP: pool computed {obj} bytes per {name} page object, expected {lay.object_bytes}")
-        return _Pool(name, hp, lay, group, rank, writer)
+        salt = b"" if group == GROUP_PAGES else b"|" + bytes(self.n.namespace_digest(canonical_text({
+            "pool": name, "host_pool": type(hp).__name__, "layout": getattr(hp, "layout", None),
+            "page_size": lay.page_size, "pieces": [sg[3] for sg in lay.segments],
+            "dtypes": sorted({str(getattr(hp, a)) for a in ("dtype", "conv_dtype", "temporal_dtype")
+                              if getattr(hp, a, None) is not None}),
+        })))
+        return _Pool(name, hp, lay, group, rank, writer, salt)
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         """An extra host pool (Mamba, SWA, indexer...) for the v2 forms: registered with the
@@ -237,10 +246,11 @@ class UMBPHiCacheStorage(HiCacheStorage):
         }
         return namespace_of(self.n, ENGINE_SGLANG, desc)
 
-    def keys_of(self, keys: List[str], group: int = GROUP_PAGES, rank: Optional[int] = None) -> list[bytes]:
-        """Pool object keys of SGLang page hashes (the hash string's UTF-8 bytes)."""
+    def keys_of(self, keys: List[str], group: int = GROUP_PAGES, rank: Optional[int] = None,
+                salt: bytes = b"") -> list[bytes]:
+        """Pool object keys of SGLang page hashes (the hash string's UTF-8 bytes, then `salt`)."""
         return make_keys(self.n, self.namespace, group, self.rank if rank is None else rank,
-                         [k.encode() for k in keys])
+                         [k.encode() + salt for k in keys])
 
     # -- transfers ------------------------------------------------------------------------
     def _page_ids(self, n_keys: int, host_indices: torch.Tensor, lay: Optional[HostLayout] = None,
@@ -305,7 +315,7 @@ class UMBPHiCacheStorage(HiCacheStorage):
         ids = self._page_ids(len(keys), host_indices, pool.layout, pool.name)
         if ids is None:
             return [False] * len(keys)
-        st = self._run(kind, pool.group, self.keys_of(keys, pool.group, pool.rank), ids)
+        st = self._run(kind, pool.group, self.keys_of(keys, pool.group, pool.rank, pool.salt), ids)
         ok = (self.n.STATUS_STORED, self.n.STATUS_ALREADY_PRESENT) if kind == "store" else (self.n.STATUS_LOADED,)
         res = [i < len(st) and st[i] in ok for i in range(len(keys))]
         pre = "set" if kind == "store" else "get"
@@ -343,7 +353,7 @@ class UMBPHiCacheStorage(HiCacheStorage):
         if self.index is None or not keys:
             return [False] * len(keys)
         try:
-            return [bool(self.index.contains(k)) for k in self.keys_of(keys, pool.group, pool.rank)]
+            return [bool(self.index.contains(k)) for k in self.keys_of(keys, pool.group, pool.rank, pool.salt)]
         except Exception as e:  # noqa: BLE001 - a broken index is a miss
             logger.debug("UMBP: lookup failed: %s", e)
             return [False] * len(keys)
