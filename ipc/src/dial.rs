@@ -184,3 +184,54 @@ impl Dial {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+    use std::os::unix::net::UnixListener;
+    use umbp_protocol::wire::Role;
+
+    /// Dials a listener whose one accepted peer gets `answer` (after its Hello was read).
+    fn dial_against(answer: impl FnOnce(&UnixStream) + Send + 'static) -> DialError {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("pool.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let server = std::thread::spawn(move || {
+            let (sock, _) = listener.accept().unwrap();
+            recv_message(&sock, Some(Duration::from_secs(5))).expect("the Hello");
+            answer(&sock);
+        });
+        let hello = Hello::new(Role::Worker, 1, std::process::id());
+        let err = Dial::blocking(&path, &hello, Duration::from_secs(5), None).err().expect("the dial fails");
+        server.join().unwrap();
+        err
+    }
+
+    #[test]
+    fn a_refusal_keeps_its_status_and_message() {
+        let e = dial_against(|s| {
+            let r = HelloReply::refusal(ReplyStatus::PermissionDenied, "uid 5 is not allowed");
+            send_message(s, MessageKind::HelloReply, bytemuck::bytes_of(&r), &[], None).unwrap();
+        });
+        let DialError::Refused(Refusal::Status { status, message }) = &e else { panic!("{e:?}") };
+        assert_eq!((*status, message.as_str()), (ReplyStatus::PermissionDenied, "uid 5 is not allowed"));
+        assert_eq!(e.to_string(), "refused: PermissionDenied: uid 5 is not allowed");
+        assert_eq!(e.into_io().kind(), io::ErrorKind::PermissionDenied);
+    }
+
+    #[test]
+    fn a_broken_handshake_keeps_its_cause_as_the_source() {
+        // The peer closes instead of answering.
+        let e = dial_against(|_| {});
+        assert!(matches!(e, DialError::Broken(HandshakeError::Recv(MessageError::Closed))), "{e:?}");
+        let source = e.source().expect("the handshake error is the source");
+        assert!(source.source().is_some_and(|m| m.to_string().contains("closed")), "{source}");
+        // The peer answers with another message kind.
+        let e = dial_against(|s| send_message(s, MessageKind::Reply, &[0; 8], &[], None).unwrap());
+        assert!(matches!(e, DialError::Broken(HandshakeError::UnexpectedKind(MessageKind::Reply))), "{e:?}");
+        let io = e.into_io();
+        assert_eq!(io.kind(), io::ErrorKind::ConnectionAborted);
+        assert!(io.get_ref().is_some_and(|h| h.is::<HandshakeError>()), "{io:?}");
+    }
+}
