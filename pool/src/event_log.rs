@@ -59,3 +59,15 @@ impl SharedEventLog {
         self.writer.written()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_capacity_is_a_format_error_that_names_it() {
+        let Err(e) = SharedEventLog::create("umbp-events-test", 3) else { panic!("3 entries is no power of two") };
+        assert!(matches!(e, EventLogError::Format(ProtocolError::InvalidField { what: "event log capacity", value: 3 })), "{e}");
+        assert_eq!(e.to_string(), "invalid event log capacity: 3");
+    }
+}
