@@ -14,19 +14,19 @@
 //!    producer wakes the other side (the `need_wakeup` protocol, docs/protocol.md §1).
 
 use std::io::{self, Read, Write};
-use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use bytemuck::Zeroable;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value};
+use umbp_ipc::SharedMemory;
 use umbp_protocol::attachment::AttachmentLayout;
 use umbp_protocol::entries::{Cqe, Opcode, Sqe};
 use umbp_protocol::ring::{Consumer, Producer, Ring};
 
 use super::report::{cpus, percentile, Better, Case};
-use super::shm::{inherited, raw, sealed_memfd, spawn_self, Mapping};
+use super::shm::{inherited, raw, spawn_self};
 
 const SQ_ENTRIES: u32 = 64;
 const CQ_ENTRIES: u32 = 64;
@@ -60,13 +60,13 @@ struct Rings<'a> {
     cq: Ring<'a, Cqe>,
 }
 
-fn rings<'a>(map: &'a Mapping, l: &AttachmentLayout, init: bool) -> io::Result<Rings<'a>> {
+fn rings<'a>(map: &'a SharedMemory, l: &AttachmentLayout, init: bool) -> io::Result<Rings<'a>> {
     // SAFETY: both ranges lie inside the mapping (AttachmentLayout keeps them disjoint and
     // within total_bytes), which outlives the returned rings; `init` only runs before the
     // peer process exists.
     unsafe {
-        let sq_mem = map.ptr().add(l.sq_offset);
-        let cq_mem = map.ptr().add(l.cq_offset);
+        let sq_mem = map.as_ptr().add(l.sq_offset);
+        let cq_mem = map.as_ptr().add(l.cq_offset);
         if init {
             Ring::<Sqe>::init(sq_mem, l.sq_bytes(), l.sq_entries).map_err(bad)?;
             Ring::<Cqe>::init(cq_mem, l.cq_bytes(), l.cq_entries).map_err(bad)?;
@@ -153,8 +153,8 @@ impl Progress {
 
 pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
     let l = layout();
-    let fd = sealed_memfd("umbp-bench-ring", l.total_bytes)?;
-    let map = Mapping::new(fd.as_file().as_fd(), l.total_bytes)?;
+    // A sealed memfd, as the pool's attachment regions (docs/security.md "Sealed shared memory").
+    let map = SharedMemory::create("umbp-bench-ring", l.total_bytes, false).map_err(io::Error::other)?;
     let Rings { sq, cq } = rings(&map, &l, true)?;
     let mut sq = sq.producer();
     let mut cq = cq.consumer();
@@ -164,13 +164,13 @@ pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
         &[
             PEER_SUBCOMMAND.to_string(),
             "--fd".into(),
-            raw(fd.as_file()).to_string(),
+            raw(map.fd()).to_string(),
             "--sock-fd".into(),
             raw(&theirs).to_string(),
             "--rounds".into(),
             total.to_string(),
         ],
-        &[raw(fd.as_file()), raw(&theirs)],
+        &[raw(map.fd()), raw(&theirs)],
     )?;
     drop(theirs);
     let progress = Progress::new(3 * total as u64);
@@ -250,7 +250,7 @@ pub fn peer(fd: i32, sock_fd: i32, rounds: usize) -> io::Result<()> {
     let l = layout();
     // SAFETY: the parent passed these fds open, and this process never closes them.
     let (fd, sock_fd) = unsafe { (inherited(fd), inherited(sock_fd)) };
-    let map = Mapping::new(fd, l.total_bytes)?;
+    let map = SharedMemory::from_received(fd.try_clone_to_owned()?, l.total_bytes, true).map_err(io::Error::other)?;
     let Rings { sq, cq } = rings(&map, &l, false)?;
     let mut sq = sq.consumer();
     let mut cq = cq.producer();
