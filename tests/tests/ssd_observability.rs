@@ -136,10 +136,17 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     for chunk in keys.chunks(BATCH as usize) {
         w.store(chunk);
     }
-    // The evictor demotes in the background: wait until every object is listed somewhere.
+    // The evictor demotes in the background: wait until every object is listed somewhere
+    // and nothing moves any more (two reports 300 ms apart agree), so that every view
+    // below sees the same state.
     let settled = eventually(Duration::from_secs(30), || {
-        let r = pool.report();
-        r.ssd.as_ref().is_some_and(|s| s.demotions > 0) && r.tiers.dram + r.tiers.ssd == keys.len() as u64
+        let a = pool.report();
+        std::thread::sleep(Duration::from_millis(300));
+        let b = pool.report();
+        let demotions = |r: &umbp_pool::PoolReport| r.ssd.as_ref().map_or(0, |s| s.demotions);
+        demotions(&b) > 0
+            && b.tiers.dram + b.tiers.ssd == keys.len() as u64
+            && (a.tiers, demotions(&a), a.pool.allocated_bytes) == (b.tiers, demotions(&b), b.pool.allocated_bytes)
     });
     let r = pool.report();
     assert!(settled, "tiers {:?}, ssd {:?}", r.tiers, r.ssd);
