@@ -968,6 +968,8 @@ impl ObjectStore {
         if o.state != ObjectState::Published {
             return false;
         }
+        // A scheduler's prefix hit is use: the SSD admission policy counts it.
+        o.hits = o.hits.saturating_add(1);
         let until = now + lease;
         let size = o.size;
         if let Some(old) = o.lease.replace(Lease { uid, until }) {

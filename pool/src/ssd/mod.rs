@@ -1,8 +1,8 @@
 //! The SSD tier (issue #16, docs/ssd.md): an append-only segment log per drive, written and
 //! read through io_uring with O_DIRECT, every record framed by CRC32C, rebuilt on start.
 //!
-//! Not yet wired into the pool: nothing demotes to or promotes from this store, the index
-//! does not list its objects, and no daemon flag opens it (docs/ssd.md, "Not yet wired").
+//! The pool uses it through `crate::tier` (demotion by the evictor, promotion by loads,
+//! warm restart), configured by `PoolConfig::ssd`.
 //!
 //! Files: `format` (record header, footer; no I/O), `segment` (directories, files,
 //! O_DIRECT), `uring` (one ring per drive), `store` (put/get/remove, capacity, compaction),
