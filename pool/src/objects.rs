@@ -530,7 +530,7 @@ impl ObjectStore {
         };
         if let Some(payload) = o.ssd_at {
             self.tier_stats.clean_demotions += 1;
-            self.to_lower(key, Tier::Ssd, payload);
+            self.move_to_lower(key, Tier::Ssd, payload);
         } else if admission.admits(now.saturating_duration_since(o.stored_at), o.hits) {
             let d = Demotion { key, namespace: o.namespace, offset: o.offset, size: o.size };
             self.demoting_bytes += SlabAllocator::footprint(o.size);
@@ -544,7 +544,7 @@ impl ObjectStore {
 
     /// Frees a DRAM object's bytes and lists it as on `tier` (no I/O: its bytes are
     /// there already). The caller checked it is published, unpinned and not demoting.
-    fn to_lower(&mut self, key: GroupKey, tier: Tier, payload: u64) {
+    fn move_to_lower(&mut self, key: GroupKey, tier: Tier, payload: u64) {
         let o = self.objects.get_mut(&key).expect("present");
         debug_assert!(o.state == ObjectState::Published && o.pins == 0 && !o.demoting);
         o.state = ObjectState::Lower { tier };
@@ -572,14 +572,14 @@ impl ObjectStore {
         o.demoting = false;
         let size = o.size;
         self.demoting_bytes -= SlabAllocator::footprint(size);
-        let free_now = o.pins == 0 && !o.lease.is_some_and(|l| l.until > now);
+        let free_now = o.pins == 0 && o.lease.is_none_or(|l| l.until <= now);
         match written {
             Ok(payload) => {
                 o.ssd_at = Some(payload);
                 self.tier_stats.demotions += 1;
                 self.tier_stats.demoted_bytes += size;
                 if free_now {
-                    self.to_lower(key, Tier::Ssd, payload);
+                    self.move_to_lower(key, Tier::Ssd, payload);
                 }
             }
             Err(()) => {
