@@ -126,7 +126,7 @@ fn corrupted_record_is_a_miss() {
         let mut bytes = std::fs::read(&seg).unwrap();
         let mut at = 0usize;
         while at + rec <= bytes.len() {
-            if &bytes[at..at + 4] == b"UMBR" && (at / rec) % 5 == 0 {
+            if &bytes[at..at + 4] == b"UMBR" && (at / rec).is_multiple_of(5) {
                 bytes[at + 128 + 1000] ^= 0x40;
                 flipped += 1;
             }
