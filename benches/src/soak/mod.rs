@@ -208,7 +208,9 @@ impl Soak {
         }
         let allocated = last["pool"]["allocated_bytes"].as_u64().unwrap_or(0);
         let published = last["pool"]["published_objects"].as_u64().unwrap_or(0);
-        let leaked = allocated.saturating_sub(published * OBJECT_BYTES);
+        // With an SSD tier (--pool-args --ssd-dir), published objects on SSD hold no DRAM.
+        let in_dram = last["tiers"]["dram"].as_u64().unwrap_or(published);
+        let leaked = allocated.saturating_sub(in_dram * OBJECT_BYTES);
         self.leaked_bytes = self.leaked_bytes.max(leaked);
         if leaked > 0 {
             self.failures.push(format!("{when}: {leaked} bytes allocated beyond published objects: {}", last["pool"]));
@@ -231,6 +233,13 @@ impl Soak {
                 self.fds_per_worker,
                 kind_diff(&self.pool.fd_kinds(), &expect).join(", ")
             ));
+        }
+        // The SSD tier holds one fd per segment file, no more.
+        if let Some(segments) = last["ssd"]["segments"].as_u64() {
+            let open = self.pool.segment_fds() as u64;
+            if open != segments {
+                self.failures.push(format!("{when}: pool has {open} SSD segment fds for {segments} segments"));
+            }
         }
         self.leak_checks += 1;
         self.resume_all();
