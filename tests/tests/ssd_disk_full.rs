@@ -19,11 +19,12 @@ fn set_fsize(bytes: u64) {
 fn disk_full_demotions_are_misses_and_dram_keeps_serving() {
     let dir = tempfile::Builder::new().prefix("umbp-ssd-it-full-").tempdir_in("/var/tmp").unwrap();
     let d = dir.path().to_str().unwrap();
-    // The pool inherits a 2 MiB file size limit: its first segment fills after ~100 records.
-    set_fsize(2 << 20);
+    // The pool inherits a 10 MiB file size limit (its 8 MiB DRAM memfd fits): each 16 MiB
+    // segment is refused past 10 MiB, as if the drive filled up.
+    set_fsize(10 << 20);
     let pool = PoolProcess::start(
         &unique_socket("ssd-full"),
-        &["--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB", "--ssd-admission", "all"],
+        &["--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "16MiB", "--ssd-admission", "all"],
     );
     set_fsize(libc::RLIM_INFINITY);
     let count = 6 * DRAM / OBJECT;

@@ -33,6 +33,9 @@ fn child_pool_aborting_during_demotion() {
         capacity_bytes: 256 << 20,
         segment_bytes: 4 << 20,
         admission: umbp_pool::SsdAdmission::All,
+        // 8 KiB I/Os: a 20 KiB record is three writes in flight at once, so the kill can
+        // land between them (a record with a header and part of its payload: torn).
+        chunk_bytes: 8 << 10,
         ..Default::default()
     };
     let config = umbp_pool::PoolConfig {
@@ -42,7 +45,7 @@ fn child_pool_aborting_during_demotion() {
         ssd: Some(ssd),
         ..Default::default()
     };
-    umbp_pool::fault::abort_during_demotion(4, 300);
+    umbp_pool::fault::abort_during_demotion(4, 150);
     let _pool = umbp_pool::Pool::start(config).expect("child pool starts");
     println!("listening");
     loop {
@@ -72,15 +75,21 @@ fn kill_during_demotion_then_restart() {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(10));
     }
-    // Store until the pool dies (the worker then reports errors; its output is not used).
+    // Store keys 0..count again and again (stores that find DRAM full while the evictor
+    // demotes are NotStored) until the pool dies in its 4th demotion batch.
     let count = 8 * DRAM / OBJECT;
-    let _ = Command::new(workspace_binary("umbp-test-worker"))
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--namespace", "1", "--timeout-ms", "2000", "store", "--first-key", "0", "--count", &count.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "the pool never reached its 4th demotion batch");
+        let _ = Command::new(workspace_binary("umbp-test-worker"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--namespace", "1", "--timeout-ms", "2000", "store", "--first-key", "0", "--count", &count.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let status = child.wait().unwrap();
     use std::os::unix::process::ExitStatusExt;
     assert_eq!(status.signal(), Some(libc::SIGABRT), "the fault killed the pool during a demotion: {status:?}");
@@ -92,6 +101,7 @@ fn kill_during_demotion_then_restart() {
         &["--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB", "--ssd-admission", "all"],
     );
     let ssd = pool.report().ssd.unwrap();
+    println!("after the kill: restored {}, torn records skipped {}", ssd.restored_objects, ssd.torn_records_skipped);
     assert!(ssd.restored_objects > 0, "the batches before the kill are on SSD: {ssd:?}");
     let l = run_worker(&pool.socket, 1, "per-layer", &["load", "--first-key", "0", "--count", &count.to_string()]);
     assert_eq!(n(&l, "corrupt"), 0, "wrong bytes after a kill during demotion: {l}");

@@ -267,8 +267,7 @@ fn free_bytes(d: &std::path::Path) -> std::io::Result<u64> {
 }
 
 fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
-    let mut c = PoolConfig::default();
-    c.ssd = ssd_config(&args)?;
+    let mut c = PoolConfig { ssd: ssd_config(&args)?, ..Default::default() };
     if let Some(s) = args.socket {
         c.socket_path = s;
     }

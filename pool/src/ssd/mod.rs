@@ -1,8 +1,8 @@
 //! The SSD tier (issue #16, docs/ssd.md): an append-only segment log per drive, written and
 //! read through io_uring with O_DIRECT, every record framed by CRC32C, rebuilt on start.
 //!
-//! Not yet wired into the pool: nothing demotes to or promotes from this store, the index
-//! does not list its objects, and no daemon flag opens it (docs/ssd.md, "Not yet wired").
+//! The pool uses it through `crate::tier` (demotion by the evictor, promotion by loads,
+//! warm restart), configured by `PoolConfig::ssd`.
 //!
 //! Files: `format` (record header, footer; no I/O), `segment` (directories, files,
 //! O_DIRECT), `uring` (one ring per drive), `store` (put/get/remove, capacity, compaction),
@@ -17,6 +17,32 @@ pub mod uring;
 
 #[cfg(test)]
 mod tests;
+
+#[cfg(test)]
+mod admission_tests {
+    use super::SsdAdmission;
+    use std::time::Duration;
+
+    #[test]
+    fn admission_policies_parse_and_decide() {
+        let p = |v| SsdAdmission::parse("ssd-admission", v);
+        assert_eq!(p("all"), Ok(SsdAdmission::All));
+        assert_eq!(p(" Hit "), Ok(SsdAdmission::Hit));
+        assert_eq!(p("never"), Ok(SsdAdmission::Never));
+        assert_eq!(p("hit-or-young"), Ok(SsdAdmission::default()));
+        let y = p("hit-or-young:2.5").unwrap();
+        assert_eq!(y, SsdAdmission::HitOrYoung { young: Duration::from_millis(2500) });
+        assert_eq!(y.to_string(), "hit-or-young:2.5");
+        for bad in ["sometimes", "hit-or-young:", "hit-or-young:-1", "hit-or-young:x"] {
+            assert!(p(bad).unwrap_err().to_string().starts_with("ssd-admission"), "{bad}");
+        }
+        let s = Duration::from_secs;
+        assert!(SsdAdmission::All.admits(s(1000), 0));
+        assert!(!SsdAdmission::Never.admits(s(0), 5));
+        assert!(SsdAdmission::Hit.admits(s(1000), 1) && !SsdAdmission::Hit.admits(s(0), 0));
+        assert!(y.admits(s(1), 0) && !y.admits(s(3), 0) && y.admits(s(3), 1), "young or hit");
+    }
+}
 
 use std::path::PathBuf;
 
