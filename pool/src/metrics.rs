@@ -471,6 +471,7 @@ pub fn encode_tiers(
     gauge(enc, "umbp_ssd_high_watermark_ratio", "SSD occupancy above which a write first reclaims space", s.high_watermark)?;
     gauge(enc, "umbp_ssd_low_watermark_ratio", "SSD occupancy reclaiming brings a drive down to", s.low_watermark)?;
     gauge(enc, "umbp_ssd_objects", "Objects on SSD (live records)", s.objects as f64)?;
+    gauge(enc, "umbp_ssd_segments", "SSD segment files (each held open)", s.segments as f64)?;
     gauge(enc, "umbp_ssd_direct_io", "1 when every SSD directory uses O_DIRECT, 0 when buffered", f64::from(u8::from(s.direct_io)))?;
     gauge(enc, "umbp_ssd_io_uring", "1 when SSD I/O runs through io_uring, 0 on the pread/pwrite fallback", f64::from(u8::from(s.io_uring)))?;
     counter(enc, "umbp_ssd_demotions", "Objects written to SSD when evicted from DRAM", s.demotions)?;
@@ -531,6 +532,7 @@ mod tests {
             objects: 30,
             bytes: 3 << 20,
             live_bytes: 2 << 20,
+            segments: 13,
             capacity_bytes: 4 << 20,
             high_watermark: 0.95,
             low_watermark: 0.85,
@@ -570,6 +572,7 @@ mod tests {
             ("umbp_ssd_used_bytes", (3 << 20) as f64),
             ("umbp_ssd_occupancy_ratio", 0.75),
             ("umbp_ssd_objects", 30.0),
+            ("umbp_ssd_segments", 13.0),
             ("umbp_ssd_direct_io", 0.0),
             ("umbp_ssd_io_uring", 1.0),
             ("umbp_ssd_demotions_total", 40.0),

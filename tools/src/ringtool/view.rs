@@ -258,11 +258,12 @@ pub fn dump(r: &PoolReport) -> String {
 pub fn ssd_section(out: &mut String, s: &SsdReport) {
     let cap = s.capacity_bytes as f64;
     out.push_str(&format!(
-        "SSD\n  dirs {}\n  capacity {}  used {} ({:.1}%)  live {}  watermarks low {} / high {}\n",
+        "SSD\n  dirs {}\n  capacity {}  used {} ({:.1}%) in {} segments  live {}  watermarks low {} / high {}\n",
         s.dirs.join(", "),
         bytes(cap),
         bytes(s.bytes as f64),
         if cap > 0.0 { 100.0 * s.bytes as f64 / cap } else { 0.0 },
+        s.segments,
         bytes(s.live_bytes as f64),
         s.low_watermark,
         s.high_watermark
@@ -368,6 +369,7 @@ mod tests {
             objects: 1234,
             bytes: 3 << 30,
             live_bytes: 2 << 30,
+            segments: 13,
             capacity_bytes: 4 << 30,
             high_watermark: 0.95,
             low_watermark: 0.85,
@@ -394,7 +396,7 @@ mod tests {
         ssd_section(&mut out, &s);
         for want in [
             "dirs /mnt/nvme0/umbp, /mnt/nvme1/umbp",
-            "capacity 4.0 GiB  used 3.0 GiB (75.0%)  live 2.0 GiB",
+            "capacity 4.0 GiB  used 3.0 GiB (75.0%) in 13 segments  live 2.0 GiB",
             "objects 1234  admission hit-or-young:60  O_DIRECT no (buffered)  io_uring yes",
             "demotions 77 (77.0 MiB)  not admitted 5  failed 2",
             "promotions 9 (9.0 MiB)  failed 1",
