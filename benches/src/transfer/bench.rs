@@ -332,7 +332,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         key
     };
     let e = args.engine;
-    let stage0 = umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB;
+    let stage0 = args.stage_mib.unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB);
     let mut tuning = Tune { streams: e.streams, batch: e.batch, parallel: e.parallel_submit, batch_max: e.batch_max, stage_mib: stage0 };
     let apply = |t: Tune| {
         if let Some(p) = &pool.pool {
@@ -460,7 +460,17 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
 
     // --- the small-page layouts of issue #14 (one submission per store or load)
     for (i, sl) in small_page_layouts(args).iter().enumerate() {
-        cases.extend(layout_cases(args, &mut a, sl, 20 + i as u16, next_key(0) << 8, sl.blocks.len(), 1, None, &ctx_t)?);
+        let group = 20 + i as u16;
+        cases.extend(layout_cases(args, &mut a, sl, group, next_key(0) << 8, sl.blocks.len(), 1, None, &ctx_t)?);
+        // The same matmul slowdown while this layout's stores stream (its pages may take the
+        // page copy kernel, which the main layout's 64 KiB pages do not).
+        if let (true, Some(cmd)) = (args.wants("interference"), &args.matmul) {
+            let name = format!("{}_interference_pct", sl.name);
+            match interference(&mut a, cmd, sl, group, next_key(0) << 8, &name, args.quick) {
+                Ok(c) => cases.push(ctx_t(c).extra("layout", sl.about).extra("gather", format!("{:?}", args.engine.gather))),
+                Err(e) => eprintln!("{name} skipped: {e}"),
+            }
+        }
     }
 
     // --- the seed's object table: 1, 16, 64 MiB objects, x1 and x8 in flight
@@ -501,7 +511,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     // --- interference with a matmul loop in another process
     if args.wants("interference") {
         if let Some(cmd) = &args.matmul {
-            match interference(&mut a, cmd, &l, next_key(0), args.quick) {
+            match interference(&mut a, cmd, &l, 0, next_key(0), "interference_pct", args.quick) {
                 Ok(c) => cases.push(lay(c, tuning)),
                 Err(e) => eprintln!("interference_pct skipped: {e}"),
             }
@@ -530,7 +540,7 @@ fn run_matmul(cmd: &str, seconds: f64) -> Result<f64, String> {
 
 /// Matmul rate alone, then while stores stream (and while a plain contiguous cuMemcpy
 /// loop streams, the baseline); the slowdown in percent.
-fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool) -> Result<Case, String> {
+fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, group: u16, key: u64, name: &str, quick: bool) -> Result<Case, String> {
     let secs = if quick { 3.0 } else { 5.0 };
     let _warm = run_matmul(cmd, 1.0)?;
     let alone1 = run_matmul(cmd, secs)?;
@@ -545,13 +555,13 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool
         Ok((t, done))
     };
     a.call(&Command::Reset)?;
-    let (t_store, st) = with(a, Command::StoreLoop { group: 0, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
+    let (t_store, st) = with(a, Command::StoreLoop { group, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
     let (t_copy, cp) = with(a, Command::MemcpyLoop { bytes: l.bytes(), seconds: secs + 1.5 })?;
     let alone2 = run_matmul(cmd, secs)?;
     let alone = (alone1 + alone2) / 2.0;
     let pct = |t: f64| (1.0 - t / alone) * 100.0;
     let noise = ((alone1 - alone2) / alone).abs() * 100.0;
-    Ok(Case::new("transfer", "interference_pct", pct(t_store), "%", pct(t_copy), "same matmul slowdown under a contiguous cuMemcpyDtoH loop", Better::Lower)
+    Ok(Case::new("transfer", name, pct(t_store), "%", pct(t_copy), "same matmul slowdown under a contiguous cuMemcpyDtoH loop", Better::Lower)
         .extra("matmul_tflops_alone", alone)
         .extra("matmul_tflops_with_stores", t_store)
         .extra("matmul_tflops_with_memcpy", t_copy)
