@@ -188,12 +188,6 @@ pub struct GatherConfig {
     /// 4 streams did not move 16 MiB x1 or 64 MiB x1 beyond run-to-run noise
     /// (41.4/41.2 and 47.6/50.6 GB/s unsplit, 39.3/43.7 and 45.3/46.7 split, same run).
     pub split_streams: usize,
-    /// Copy engines beside the kernel: percent of a kernel stage's bytes enqueued on copy
-    /// engines of a second stream while the kernel moves the rest (both reach the PCIe
-    /// link at once). `None` (the default): the share the calibration measured best for the
-    /// stage's page size and direction (0 where it gained nothing); `Some(0)`: kernel only;
-    /// `Some(p)`: p percent (at most 50).
-    pub ce_share: Option<u32>,
 }
 
 impl GatherConfig {
@@ -203,40 +197,6 @@ impl GatherConfig {
     pub(crate) fn split_streams(&self) -> usize {
         self.split_streams.clamp(1, 16)
     }
-    /// Parses a [`Self::ce_share`] as written on command lines: `auto` (calibrated) or a
-    /// percent 0-50.
-    pub fn parse_ce_share(text: &str) -> Result<Option<u32>, String> {
-        match text {
-            "auto" => Ok(None),
-            _ => match text.trim_end_matches('%').parse::<u32>() {
-                Ok(p) if p <= 50 => Ok(Some(p)),
-                _ => Err(format!("{text:?}: expected auto or a percent from 0 to 50")),
-            },
-        }
-    }
-    /// Whether a call may split kernel stages with copy engines (then it takes a second
-    /// stream).
-    pub(crate) fn may_share(&self, state: &GatherState) -> bool {
-        match self.ce_share {
-            Some(p) => p > 0,
-            None => state.calibration.shares.iter().any(|s| s.d2h_share > 0 || s.h2d_share > 0),
-        }
-    }
-    /// Percent of a kernel stage of average copy `avg` in `dir` given to copy engines.
-    pub(crate) fn share_for(&self, state: &GatherState, dir: Dir, avg: usize) -> u32 {
-        self.ce_share.unwrap_or_else(|| state.calibration.share(dir, avg)).min(50)
-    }
-}
-
-/// Copy engines beside the kernel, as measured for one page size: kernel alone and the
-/// best share (percent of the bytes on copy engines; 0: sharing did not gain 2%).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct SharePoint {
-    pub page: usize,
-    pub d2h_share: u32,
-    pub d2h_gbps: f64,
-    pub h2d_share: u32,
-    pub h2d_gbps: f64,
 }
 
 /// One measured page size.
@@ -260,10 +220,6 @@ pub struct Calibration {
     /// Largest page size at which the kernel beat copy engines, per direction (0: never).
     pub d2h_crossover: usize,
     pub h2d_crossover: usize,
-    /// Copy engines beside the kernel, per page size measured (ascending).
-    pub shares: Vec<SharePoint>,
-    /// Every (page, share percent, d2h GB/s, h2d GB/s) measured for [`Self::shares`].
-    pub share_rates: Vec<(usize, u32, f64, f64)>,
 }
 
 impl Calibration {
@@ -273,17 +229,7 @@ impl Calibration {
         let cross = |f: &dyn Fn(&Point) -> bool| points.iter().filter(|p| f(p)).map(|p| p.page).max().unwrap_or(0);
         let d2h_crossover = cross(&|p| p.d2h_kernel_gbps > p.d2h_ce_gbps * 1.02);
         let h2d_crossover = cross(&|p| p.h2d_kernel_gbps > p.h2d_ce_gbps * 1.02);
-        Calibration { points, blocks, block_rates: Vec::new(), d2h_crossover, h2d_crossover, shares: Vec::new(), share_rates: Vec::new() }
-    }
-
-    /// The calibrated copy-engine share for kernel stages of average copy `avg` in `dir`:
-    /// that of the largest page size measured not above `avg` (the smallest's below it).
-    pub(crate) fn share(&self, dir: Dir, avg: usize) -> u32 {
-        let p = self.shares.iter().rev().find(|p| p.page <= avg).or(self.shares.first());
-        p.map_or(0, |p| match dir {
-            Dir::DeviceToHost => p.d2h_share,
-            Dir::HostToDevice => p.h2d_share,
-        })
+        Calibration { points, blocks, block_rates: Vec::new(), d2h_crossover, h2d_crossover }
     }
 
     /// Whether a stage of average copy size `avg` in direction `dir` goes to the kernel.
@@ -354,21 +300,6 @@ fn in_ranges(ranges: &[(usize, usize)], start: usize, len: usize) -> bool {
 pub(crate) fn average(items: &[Item]) -> usize {
     let total: usize = items.iter().map(|i| i.len).sum();
     total.checked_div(items.len()).unwrap_or(0)
-}
-
-/// Where a kernel stage is cut when `share` percent of its bytes go to copy engines: the
-/// kernel takes `items[..cut]`, copy engines the rest (the last items).
-pub(crate) fn share_cut(items: &[Item], share: u32) -> usize {
-    let total: u64 = items.iter().map(|i| i.len as u64).sum();
-    let kernel_bytes = total * u64::from(100 - share.min(100)) / 100;
-    let mut acc = 0u64;
-    for (i, it) in items.iter().enumerate() {
-        if acc >= kernel_bytes {
-            return i;
-        }
-        acc += it.len as u64;
-    }
-    items.len()
 }
 
 /// Largest descriptor: longer copies are cut so that several warps share them.
@@ -564,8 +495,6 @@ pub(crate) fn blocks_for(blocks: u32, pages: usize) -> u32 {
 pub(crate) const CALIBRATION_PAGES: [usize; 6] = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10];
 /// Bytes moved per calibration measurement.
 const CALIBRATION_BYTES: usize = 16 << 20;
-/// Copy-engine shares (percent of a kernel stage's bytes) the calibration tries.
-const CALIBRATION_SHARES: [u32; 4] = [5, 10, 15, 20];
 /// Block counts tried for 4 KiB pages when none is configured.
 const CALIBRATION_BLOCKS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
 
@@ -585,14 +514,10 @@ pub(crate) fn calibrate<A: DeviceApi>(api: &A, dev: &A::Device, config: GatherCo
             return Err(e);
         }
     };
+    let stream = api.create_stream();
     let mut descs = DescBuf::default();
-    let r = api.create_stream().and_then(|stream| {
-        let r = api.create_stream().and_then(|second| {
-            let r = measure_all(api, dev, kernel, config, batch_max, [stream, second], device, host, &mut descs);
-            let _ = api.synchronize(second);
-            api.destroy_stream(second);
-            r
-        });
+    let r = stream.and_then(|stream| {
+        let r = measure_all(api, dev, kernel, config, batch_max, stream, device, host, &mut descs);
         let _ = api.synchronize(stream);
         api.destroy_stream(stream);
         r
@@ -613,7 +538,7 @@ fn measure_all<A: DeviceApi>(
     kernel: u64,
     config: GatherConfig,
     batch_max: usize,
-    [stream, second]: [A::Stream; 2],
+    stream: A::Stream,
     device: u64,
     host: *mut u8,
     descs: &mut DescBuf,
@@ -626,14 +551,13 @@ fn measure_all<A: DeviceApi>(
             .collect()
     };
     let time = |f: &mut dyn FnMut() -> Result<(), GpuError>| -> Result<f64, GpuError> {
-        let sync = || api.synchronize(stream).and(api.synchronize(second));
         f()?;
-        sync()?;
+        api.synchronize(stream)?;
         let mut best = f64::MAX;
         for _ in 0..3 {
             let t = std::time::Instant::now();
             f()?;
-            sync()?;
+            api.synchronize(stream)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         Ok(CALIBRATION_BYTES as f64 / best / 1e9)
@@ -650,31 +574,19 @@ fn measure_all<A: DeviceApi>(
         })
     };
     // Copy engines as the engine feeds them: a small first batch, then growing ones.
-    let ce_enqueue = |items: &[Item], dir: Dir, stream: A::Stream| -> Result<(), GpuError> {
+    let ce_rate = |items: &[Item], dir: Dir| -> Result<f64, GpuError> {
         use crate::engine::batch::{next_batch, FIRST_BATCH};
         let per_call = batch_max.max(1);
-        let (mut pos, mut size) = (0, FIRST_BATCH.min(per_call));
-        while pos < items.len() {
-            let end = (pos + size).min(items.len());
-            // SAFETY: items lie in our two allocations.
-            unsafe { api.copy_batch_async(dev, dir, &items[pos..end], stream, true) }?;
-            pos = end;
-            size = next_batch(size, per_call);
-        }
-        Ok(())
-    };
-    let ce_rate = |items: &[Item], dir: Dir| -> Result<f64, GpuError> { time(&mut || ce_enqueue(items, dir, stream)) };
-    // The kernel on one stream with `share` percent of the bytes on copy engines of another.
-    let shared_rate = |items: &[Item], dir: Dir, blocks: u32, share: u32| -> Result<f64, GpuError> {
-        let state = GatherState { kernel, calibration: Calibration { blocks, ..Default::default() } };
-        let cut = share_cut(items, share);
         time(&mut || {
-            let mut d = descs.borrow_mut();
-            // SAFETY: both streams were synchronized after every launch of this function.
-            unsafe { d.reset(api) };
-            // SAFETY: items lie in our two allocations, 16-byte aligned.
-            unsafe { launch(api, &state, &mut d, &config, dir, &items[..cut], stream) }?;
-            ce_enqueue(&items[cut..], dir, second)
+            let (mut pos, mut size) = (0, FIRST_BATCH.min(per_call));
+            while pos < items.len() {
+                let end = (pos + size).min(items.len());
+                // SAFETY: as above.
+                unsafe { api.copy_batch_async(dev, dir, &items[pos..end], stream, true) }?;
+                pos = end;
+                size = next_batch(size, per_call);
+            }
+            Ok(())
         })
     };
     let mut block_rates = Vec::new();
@@ -701,26 +613,7 @@ fn measure_all<A: DeviceApi>(
             h2d_kernel_gbps: kernel_rate(&its, Dir::HostToDevice, blocks)?,
         });
     }
-    // Copy engines beside the kernel, for the page sizes the kernel may take.
-    let (mut shares, mut share_rates) = (Vec::new(), Vec::new());
-    for page in CALIBRATION_PAGES.into_iter().take(3) {
-        let its = items(page);
-        let alone = points.iter().find(|p| p.page == page).map_or((0.0, 0.0), |p| (p.d2h_kernel_gbps, p.h2d_kernel_gbps));
-        let mut best = SharePoint { page, d2h_share: 0, d2h_gbps: alone.0, h2d_share: 0, h2d_gbps: alone.1 };
-        for share in CALIBRATION_SHARES {
-            let d2h = shared_rate(&its, Dir::DeviceToHost, blocks, share)?;
-            let h2d = shared_rate(&its, Dir::HostToDevice, blocks, share)?;
-            share_rates.push((page, share, d2h, h2d));
-            if d2h > best.d2h_gbps.max(alone.0 * 1.02) {
-                (best.d2h_share, best.d2h_gbps) = (share, d2h);
-            }
-            if h2d > best.h2d_gbps.max(alone.1 * 1.02) {
-                (best.h2d_share, best.h2d_gbps) = (share, h2d);
-            }
-        }
-        shares.push(best);
-    }
-    Ok(Calibration { block_rates, shares, share_rates, ..Calibration::from_points(points, blocks) })
+    Ok(Calibration { block_rates, ..Calibration::from_points(points, blocks) })
 }
 
 /// The fewest blocks whose rate is within 3% of the best measured.
@@ -755,39 +648,6 @@ pub(crate) mod tests {
         assert_eq!((c.d2h_crossover, c.h2d_crossover), (0, 0));
         assert!(!c.use_kernel(Dir::DeviceToHost, 4096));
         assert_eq!(Calibration::from_points(vec![], 8).d2h_crossover, 0);
-    }
-
-    #[test]
-    fn copy_engine_shares_cut_stages_and_follow_the_calibration() {
-        let items: Vec<Item> = (0..10).map(|k| it(k * 4096, 0, 4096)).collect();
-        assert_eq!(share_cut(&items, 0), 10);
-        assert_eq!(share_cut(&items, 20), 8);
-        assert_eq!(share_cut(&items, 15), 9, "the kernel takes at least its share");
-        assert_eq!(share_cut(&items, 100), 0);
-        assert_eq!(share_cut(&[], 20), 0);
-        assert_eq!(GatherConfig::parse_ce_share("auto"), Ok(None));
-        assert_eq!(GatherConfig::parse_ce_share("15"), Ok(Some(15)));
-        assert_eq!(GatherConfig::parse_ce_share("0%"), Ok(Some(0)));
-        assert!(GatherConfig::parse_ce_share("51").unwrap_err().contains("0 to 50"));
-        assert!(GatherConfig::parse_ce_share("some").is_err());
-        let sp = |page, d2h_share, h2d_share| SharePoint { page, d2h_share, d2h_gbps: 0.0, h2d_share, h2d_gbps: 0.0 };
-        let mut c = Calibration::from_points(vec![], 4);
-        assert_eq!(c.share(Dir::DeviceToHost, 4096), 0, "nothing measured: kernel only");
-        c.shares = vec![sp(4096, 10, 15), sp(8192, 5, 0), sp(16384, 0, 0)];
-        assert_eq!(c.share(Dir::DeviceToHost, 4096), 10);
-        assert_eq!(c.share(Dir::HostToDevice, 4096), 15);
-        assert_eq!(c.share(Dir::HostToDevice, 2048), 15, "below the smallest page: its share");
-        assert_eq!(c.share(Dir::DeviceToHost, 12288), 5);
-        assert_eq!(c.share(Dir::DeviceToHost, 1 << 20), 0);
-        let state = GatherState { kernel: 1, calibration: c };
-        let auto = GatherConfig::default();
-        assert!(auto.may_share(&state));
-        assert_eq!(auto.share_for(&state, Dir::HostToDevice, 4096), 15);
-        let fixed = GatherConfig { ce_share: Some(70), ..auto };
-        assert_eq!(fixed.share_for(&state, Dir::HostToDevice, 4096), 50, "at most half");
-        assert!(!GatherConfig { ce_share: Some(0), ..auto }.may_share(&state));
-        let none = GatherState { kernel: 1, calibration: Calibration::from_points(vec![], 4) };
-        assert!(!auto.may_share(&none), "no second stream where sharing never won");
     }
 
     #[test]

@@ -16,8 +16,6 @@
 #   full    umbp-bench full run --gather auto (object table, bidir, interference)
 #   kfull   umbp-bench full run --gather kernel (interference with the kernel active)
 #   main    umbp-bench gptoss, kv4k/kv8k/kv16k, obj, bidir with the defaults (--gather auto)
-#   share0  the small-page layouts with --gather-ce-share 0 (kernel alone: the A/B of the
-#           copy engines beside the kernel)
 #   kintf   kv4k_interference_pct and interference_pct, --gather auto and copy-engine
 #   stage   the small-page layouts kv4k, kv8k with 16 MiB copy stages
 set -uo pipefail
@@ -62,7 +60,6 @@ fi
 has full && run bench-full-auto "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --gather auto "${mm[@]}" $extra
 has kfull && run bench-full-kernel "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --gather kernel "${mm[@]}" $extra
 has main && run bench-main "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts gptoss,kv4k,kv8k,kv16k,obj,bidir $extra
-has share0 && run bench-share0 "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts kv4k,kv8k,kv16k --gather-ce-share 0 $extra
 if has kintf; then
   for g in auto copy-engine; do
     run "bench-kintf-$g" "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --capacity 4GiB --layouts kv4k,interference --gather "$g" "${mm[@]}" $extra

@@ -79,10 +79,6 @@ pub struct TransferCli {
     /// cuda, in-process pool: streams one large object (4 MiB+) is split over (0 or 1: no split).
     #[arg(long, default_value_t = 0)]
     split_streams: usize,
-    /// cuda, in-process pool: percent of a page copy kernel stage's bytes on copy engines at
-    /// the same time (0-50), or auto (the calibration's).
-    #[arg(long, default_value = "auto")]
-    gather_ce_share: String,
     /// cuda, in-process pool: copy stage size in MiB (0: one stage per copy call)
     /// [default: the pool's].
     #[arg(long)]
@@ -108,7 +104,6 @@ impl TransferCli {
             blocks: self.gather_blocks,
             launch_bytes: self.gather_launch_kib << 10,
             split_streams: self.split_streams,
-            ce_share: umbp_gpu::GatherConfig::parse_ce_share(&self.gather_ce_share).map_err(|e| format!("--gather-ce-share {e}"))?,
         };
         engine.streams = self.streams.unwrap_or(engine.streams);
         engine.batch = !self.no_batch;

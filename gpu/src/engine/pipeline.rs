@@ -118,15 +118,12 @@ impl<A: DeviceApi> Engine<A> {
         if large && !staged {
             gather::split_large(&mut items, streams);
         }
-        let kernel = self.gather_path(config.gather.mode);
-        // Copy engines of the first `ce_streams` streams take copy-engine stages; a call
-        // that may share kernel stages with copy engines has a second stream for them.
-        let ce_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
-        let n_streams = if kernel.is_some_and(|g| config.gather.may_share(g)) { ce_streams.max(2) } else { ce_streams };
+        let n_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
         // SAFETY: the set's previous call synchronized its streams before putting it back.
         unsafe { set.descs.reset(api) };
+        let kernel = self.gather_path(config.gather.mode);
         let mut used = vec![false; set.streams.len()];
         let mut first_err: Option<GpuError> = None;
         // Store fence: on the GPU when the word is device-mapped and the driver supports
@@ -203,31 +200,6 @@ impl<A: DeviceApi> Engine<A> {
                 }
                 Ok(())
             };
-            // One stage: the kernel on stream 0 (where the calibration or the mode chose it;
-            // with the copy-engine share on the other streams at once), else copy engines.
-            let enqueue_stage = |items: &[Item], set: &mut StreamSet<A>, used: &mut [bool]| -> Result<(), GpuError> {
-                let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, items, ranges)) else {
-                    for (k, run) in balance(items, ce_streams).into_iter().enumerate() {
-                        used[k] = true;
-                        enqueue(items, set.streams[k], run)?;
-                    }
-                    return Ok(());
-                };
-                let cut = if n_streams > 1 { gather::share_cut(items, config.gather.share_for(g, dir, gather::average(items))) } else { items.len() };
-                // Same stream, same place as the copies: after the store fence's wait,
-                // before the stage event and the load fence's write.
-                used[0] = true;
-                // SAFETY: forwarded caller contract; `wants` checked eligibility.
-                unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items[..cut], set.streams[0]) }?;
-                let rest = &items[cut..];
-                if !rest.is_empty() {
-                    for (k, run) in balance(rest, n_streams - 1).into_iter().enumerate() {
-                        used[k + 1] = true;
-                        enqueue(rest, set.streams[k + 1], run)?;
-                    }
-                }
-                Ok(())
-            };
             if staged {
                 'stages: for s in 0..stages {
                     if s > 0 {
@@ -242,9 +214,23 @@ impl<A: DeviceApi> Engine<A> {
                     }
                     n_items += items.len() as u64;
                     n_bytes += items.iter().map(|i| i.len as u64).sum::<u64>();
-                    if let Err(e) = enqueue_stage(&items, &mut set, &mut used) {
-                        first_err = Some(e);
-                        break 'stages;
+                    if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
+                        // Same stream, same place as the copies: after the store fence's
+                        // wait, before the stage event and the load fence's write.
+                        used[0] = true;
+                        // SAFETY: forwarded caller contract; `wants` checked eligibility.
+                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, set.streams[0]) } {
+                            first_err = Some(e);
+                            break 'stages;
+                        }
+                    } else {
+                        for (k, run) in balance(&items, n_streams).into_iter().enumerate() {
+                            used[k] = true;
+                            if let Err(e) = enqueue(&items, set.streams[k], run) {
+                                first_err = Some(e);
+                                break 'stages;
+                            }
+                        }
                     }
                     let events = &set.stage_events[s * n_streams..][..n_streams];
                     for ((&event, &stream), used) in events.iter().zip(&set.streams).zip(used.iter_mut()) {
@@ -284,12 +270,13 @@ impl<A: DeviceApi> Engine<A> {
                 }
                 n_items = items.len() as u64;
                 n_bytes = items.iter().map(|i| i.len as u64).sum::<u64>();
-                let runs = balance(&items, ce_streams);
-                let to_kernel = kernel.is_some_and(|g| g.wants(config.gather.mode, dir, &items, ranges));
+                let runs = balance(&items, n_streams);
                 if first_err.is_some() {
-                } else if to_kernel || runs.len() < 2 || items.len() < PARALLEL_MIN_ITEMS || !config.parallel_submit {
-                    first_err = enqueue_stage(&items, &mut set, &mut used).err();
-                } else {
+                } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
+                    used[0] = true;
+                    // SAFETY: forwarded caller contract; `wants` checked eligibility.
+                    first_err = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, set.streams[0]) }.err();
+                } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && config.parallel_submit {
                     let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
                         let handles: Vec<_> = runs
                             .iter()
@@ -311,6 +298,14 @@ impl<A: DeviceApi> Engine<A> {
                     // Every stream may hold copies (a failed one possibly some): sync all.
                     used.iter_mut().take(runs.len()).for_each(|u| *u = true);
                     first_err = results.into_iter().find_map(Result::err);
+                } else {
+                    for (k, run) in runs.iter().enumerate() {
+                        used[k] = true;
+                        if let Err(e) = enqueue(&items, set.streams[k], run.clone()) {
+                            first_err = Some(e);
+                            break;
+                        }
+                    }
                 }
             }
         }
@@ -542,54 +537,7 @@ mod tests {
         assert_eq!(run(kernel, 4096, 2, &[]), (0, 1024), "kernel forced, unregistered: copy engines");
         let cut = GatherConfig { launch_bytes: 256 << 10, ..split };
         assert_eq!(run(cut, 4096, 4, &registered), (16, 0), "1 MiB stages cut into 256 KiB launches");
-        // Copy engines beside the kernel: a quarter of each stage's bytes (its last 64 of
-        // 256 pages) on copy engines, the rest in one launch; no share measured: none.
-        let shared = GatherConfig { ce_share: Some(25), ..split };
-        assert_eq!(run(shared, 4096, 4, &registered), (4, 4 * 64), "25% on copy engines");
-        assert_eq!(run(GatherConfig { ce_share: Some(25), ..ce }, 4096, 4, &registered), (0, 1024), "copy engines forced");
-        assert_eq!(run(GatherConfig { ce_share: None, ..split }, 4096, 4, &registered), (4, 0), "calibrated share 0");
         let _ = &mut dst;
-    }
-
-    /// `ce_share: None` follows the calibration's share for the stage's page size, per
-    /// direction; staged or not, fenced stores wait on every stream used.
-    #[test]
-    fn the_calibrated_share_goes_to_copy_engines_beside_the_kernel() {
-        use crate::gather::{Calibration, GatherState, Point, SharePoint};
-        let (api, engine) = simulated(usize::MAX, true, false);
-        let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0 };
-        let mut calibration = Calibration::from_points(vec![p(4096), p(16384)], 8);
-        calibration.shares = vec![SharePoint { page: 4096, d2h_share: 10, d2h_gbps: 45.0, h2d_share: 0, h2d_gbps: 40.0 }];
-        assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration })).is_ok());
-        let total = 1 << 20;
-        let src: Vec<u8> = (0..total).map(|i| (i * 7 % 251) as u8).collect();
-        let mut dst = vec![0u8; total];
-        let dst_ptr = dst.as_mut_ptr();
-        let registered = [(dst_ptr as usize, dst_ptr as usize + total)];
-        for stages in [1, 2] {
-            let (k0, c0) = (api.kernels.load(Ordering::Relaxed), api.copies.load(Ordering::Relaxed));
-            let per = 256 / stages;
-            let stage = |s: usize| -> Vec<Item> {
-                (s * per..(s + 1) * per).map(|i| Item { host: dst_ptr.wrapping_add((255 - i) * 4096), device: src[i * 4096..].as_ptr() as u64, len: 4096 }).collect()
-            };
-            let mut build = |s: usize, items: &mut Vec<Item>| {
-                items.extend(stage(s));
-                Ok(())
-            };
-            // SAFETY: items point into `src`/`dst`, alive for the call.
-            let r = unsafe { engine.run(&api, &Call { args: &args(), stages, signal: false, ranges: &registered }, stage(0), &mut build, &mut |_| {}) };
-            assert!(r.is_ok(), "{r:?}");
-            for i in 0..256 {
-                // SAFETY: reads the test's buffer after the call.
-                let got = unsafe { std::slice::from_raw_parts(dst_ptr.add((255 - i) * 4096), 4096) };
-                assert_eq!(got, &src[i * 4096..(i + 1) * 4096], "page {i}, {stages} stages");
-            }
-            let copies = api.copies.load(Ordering::Relaxed) - c0;
-            assert_eq!(api.kernels.load(Ordering::Relaxed) - k0, stages);
-            // 10% of each stage's bytes: the pages after the first 90%.
-            assert_eq!(copies, stages * (per - (per * 9).div_ceil(10)), "{stages} stages");
-            dst.fill(0);
-        }
     }
 
     /// The tuning a transfer passes is the one its copy call uses (it used to be read from

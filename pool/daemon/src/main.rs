@@ -89,10 +89,6 @@ struct Args {
     /// (0 or 1: no split).
     #[arg(long = "copy-split-streams", env = "UMBP_COPY_SPLIT_STREAMS", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=16), help_heading = "GPU copy engine")]
     copy_split_streams: u16,
-    /// GPU copies: percent of a page copy kernel stage's bytes moved by copy engines at the
-    /// same time (0-50), or auto (what the GPU's calibration measured best).
-    #[arg(long = "copy-kernel-ce-share", env = "UMBP_COPY_KERNEL_CE_SHARE", value_name = "auto|PERCENT", default_value = "auto", help_heading = "GPU copy engine")]
-    copy_kernel_ce_share: String,
     /// Group that owns the socket (mode 0660); its members may connect. Name or gid
     /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).
     #[arg(long = "socket-group", env = "UMBP_SOCKET_GROUP", value_name = "NAME|GID", help_heading = "Isolation")]
@@ -218,8 +214,6 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
         )
         .map_err(|_| anyhow::anyhow!("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE): too large"))?,
         split_streams: args.copy_split_streams.into(),
-        ce_share: umbp_gpu::GatherConfig::parse_ce_share(&args.copy_kernel_ce_share)
-            .map_err(|e| anyhow::anyhow!("copy-kernel-ce-share (UMBP_COPY_KERNEL_CE_SHARE): {e}"))?,
     };
     if let Some(g) = &args.socket_group {
         c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g)?);
