@@ -32,6 +32,8 @@ pub mod fence;
 pub mod gather;
 pub mod hip;
 pub mod host;
+#[doc(hidden)]
+pub mod testkit;
 
 pub use engine::{EngineConfig, EngineStats};
 pub use error::GpuError;

@@ -22,7 +22,6 @@ pub mod cli;
 pub mod command;
 mod cu;
 pub(crate) mod parent;
-mod ptx;
 mod worker;
 
 use std::path::PathBuf;

@@ -13,9 +13,7 @@ use super::command::{Command, CopyDir, Op, Shape, Xfer};
 use super::{cu, median, BackendArg};
 
 /// Pattern word `i` of seed `seed`; the PTX kernels compute the same.
-pub(crate) fn word(seed: u64, i: u64) -> u64 {
-    (i ^ (seed << 40)).wrapping_mul(0x5851_F42D_4C95_7F2D).wrapping_add(seed)
-}
+pub(crate) use umbp_gpu::testkit::pattern_word as word;
 
 const POISON: u8 = 0xEE;
 
