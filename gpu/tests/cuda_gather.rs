@@ -206,16 +206,22 @@ impl Worker {
     }
 }
 
+/// The fence tests' start: the serial lock, a kernel-path setup over 16 MiB of zeroed device
+/// memory and 8 MiB of pool, and the worker's stream and kernels; None without a GPU.
+fn fenced_setup() -> Option<(MutexGuard<'static, ()>, Setup, Worker)> {
+    let guard = serial();
+    let s = Setup::new(cuda_or_skip()?, 16 << 20, 8 << 20, GatherMode::Kernel);
+    let w = Worker::new();
+    s.upload(&vec![0u8; s.dev_len]);
+    Some((guard, s, w))
+}
+
 /// Store fence: the worker's slow kernel writes the pages, then its stream writes the fence
 /// word; the pool's kernel-path store, started at once, must read the kernel's bytes.
 #[test]
 fn kernel_path_fenced_store_after_a_slow_kernel() {
-    let _s = serial();
-    let Some(backend) = cuda_or_skip() else { return };
-    let dev_len = 16 << 20;
-    let s = Setup::new(backend, dev_len, 8 << 20, GatherMode::Kernel);
-    let w = Worker::new();
-    s.upload(&vec![0u8; dev_len]);
+    let Some((_s, s, w)) = fenced_setup() else { return };
+    let dev_len = s.dev_len;
     let word = s.fence_word();
     let seed = 0x5eed;
     w.launch(w.spin, [s.dptr, (dev_len / 8) as u64, seed, 300_000_000]);
@@ -244,12 +250,8 @@ fn kernel_path_fenced_store_after_a_slow_kernel() {
 /// sees every byte.
 #[test]
 fn kernel_path_fenced_load_before_a_reading_kernel() {
-    let _s = serial();
-    let Some(backend) = cuda_or_skip() else { return };
-    let dev_len = 16 << 20;
-    let s = Setup::new(backend, dev_len, 8 << 20, GatherMode::Kernel);
-    let w = Worker::new();
-    s.upload(&vec![0u8; dev_len]);
+    let Some((_s, s, w)) = fenced_setup() else { return };
+    let dev_len = s.dev_len;
     let word = s.fence_word();
     let seed = 0xfeed;
     // Pages cover the first 16 MiB of the device every other slot: fill the pool so that
