@@ -354,10 +354,10 @@ impl DeviceApi for Cuda {
         };
         let mut attr_idx: usize = 0;
         let mut fail_idx: usize = usize::MAX;
+        let (d, s, n, len) = (dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), items.len());
         // SAFETY: the arrays hold `items.len()` entries each and outlive the call (the
         // driver copies the descriptors before returning); one attribute applies from
         // index 0 on; forwarded contract for the memory itself.
-        let (d, s, n, len) = (dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), items.len());
         let r = unsafe {
             match abi {
                 BatchAbi::V2 => BATCH_V2.get().expect("resolved with BatchAbi::V2")(d, s, n, len, &mut attrs, &mut attr_idx, 1, stream.0),
