@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rustix::process::Signal;
-use serde_json::Value;
+use umbp_pool::pool_report::{PeerRole, PoolReport};
 
 /// The pool process of `soak --inject-corruption` (hidden `__soak-pool`): the pool library
 /// with [`umbp_pool::fault::corrupt_every_nth_store`] armed, stopped by SIGTERM/SIGINT
@@ -195,23 +195,11 @@ impl PoolProc {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
     }
 
-    /// The pool's JSON state report, through an observer attachment.
-    pub(super) fn report(&self) -> Result<Value, String> {
-        use umbp_ipc::message::{recv_message, send_message};
-        use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
-        let t = Some(Duration::from_secs(5));
-        let sock = UnixStream::connect(&self.socket).map_err(|e| format!("report: {e}"))?;
-        let hello = Hello::new(Role::Observer, 0, std::process::id());
-        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(&hello), &[], t).map_err(|e| e.to_string())?;
-        let m = recv_message(&sock, t).map_err(|e| e.to_string())?;
-        let r: HelloReply = wire::decode(&m.payload).map_err(|e| e.to_string())?;
-        if r.status != 0 {
-            return Err(r.message());
-        }
-        send_message(&sock, MessageKind::StatsRequest, &[], &[], t).map_err(|e| e.to_string())?;
-        let m = recv_message(&sock, t).map_err(|e| e.to_string())?;
-        let _: Reply = wire::decode(&m.payload).map_err(|e| e.to_string())?;
-        serde_json::from_slice(&m.payload[std::mem::size_of::<Reply>()..]).map_err(|e| e.to_string())
+    /// The pool's state report, through an observer attachment (the test kit's client).
+    pub(super) fn report(&self) -> Result<PoolReport, String> {
+        umbp_integration_tests::try_report(&self.socket)?
+            .into_full()
+            .map_err(|t| format!("got the tenant view (uid {}), not the full report", t.uid))
     }
 }
 
@@ -226,21 +214,8 @@ impl Drop for PoolProc {
 pub(super) const SIGSTOP: Signal = Signal::STOP;
 pub(super) const SIGCONT: Signal = Signal::CONT;
 
-pub(super) fn worker_attachments(r: &Value) -> usize {
-    r["attachments"].as_array().map_or(0, |a| a.iter().filter(|a| a["role"] == "worker").count())
-}
-
-pub(super) fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+pub(super) fn worker_attachments(r: &PoolReport) -> usize {
+    r.attachments_of(PeerRole::Worker).count()
 }
 
 /// The pool's fd count once it stays the same for 200 ms and satisfies `ok` (its last
