@@ -624,12 +624,7 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, group: u16, key: u64,
 fn engine_totals() -> umbp_gpu::EngineStats {
     let mut t = umbp_gpu::EngineStats::default();
     for e in umbp_gpu::loaded_backends().iter().flat_map(|b| b.engine_stats()) {
-        t.calls += e.calls;
-        t.items += e.items;
-        t.bytes += e.bytes;
-        t.enqueue_ns += e.enqueue_ns;
-        t.total_ns += e.total_ns;
-        t.stages += e.stages;
+        t.add(&e);
     }
     t
 }
