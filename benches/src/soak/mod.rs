@@ -209,7 +209,9 @@ impl Soak {
         }
         let allocated = last.as_ref().map_or(0, |r| r.pool.allocated_bytes);
         let published = last.as_ref().map_or(0, |r| r.pool.published_objects);
-        let leaked = allocated.saturating_sub(published * OBJECT_BYTES);
+        // With an SSD tier (--pool-args --ssd-dir), published objects on SSD hold no DRAM.
+        let in_dram = last.as_ref().map_or(0, |r| if r.ssd.is_some() { r.tiers.dram } else { published });
+        let leaked = allocated.saturating_sub(in_dram * OBJECT_BYTES);
         self.leaked_bytes = self.leaked_bytes.max(leaked);
         if leaked > 0 {
             self.failures.push(format!("{when}: {leaked} bytes allocated beyond published objects: {pool_json}"));
@@ -232,6 +234,13 @@ impl Soak {
                 self.fds_per_worker,
                 kind_diff(&self.pool.fd_kinds(), &expect).join(", ")
             ));
+        }
+        // The SSD tier holds one fd per segment file, no more.
+        if let Some(segments) = last.as_ref().and_then(|r| r.ssd.as_ref()).map(|s| s.segments) {
+            let open = self.pool.segment_fds() as u64;
+            if open != segments {
+                self.failures.push(format!("{when}: pool has {open} SSD segment fds for {segments} segments"));
+            }
         }
         self.leak_checks += 1;
         self.resume_all();

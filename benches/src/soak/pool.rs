@@ -69,6 +69,11 @@ pub(super) struct PoolProc {
     pub(super) starts: u64,
 }
 
+/// An SSD tier segment file (`.../seg-<hex>.umbp`).
+fn is_segment(target: &str) -> bool {
+    target.rsplit('/').next().is_some_and(|f| f.starts_with("seg-") && f.ends_with(".umbp"))
+}
+
 /// How a pool process ended, in words ("exit status: 99", "signal: 11 (SIGSEGV)").
 pub(super) fn describe(st: &std::process::ExitStatus) -> String {
     st.to_string()
@@ -180,19 +185,35 @@ impl PoolProc {
         Err(format!("umbp-pool did not exit within {} s of SIGTERM (killed)", grace.as_secs()))
     }
 
-    /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...).
+    /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...), less
+    /// the SSD tier's segment files (counted by [`Self::segment_fds`]).
     pub(super) fn fd_kinds(&self) -> std::collections::BTreeMap<String, i64> {
         let mut m = std::collections::BTreeMap::new();
         for e in std::fs::read_dir(format!("/proc/{}/fd", self.pid())).into_iter().flatten().flatten() {
             let t = std::fs::read_link(e.path()).map(|t| t.display().to_string()).unwrap_or_default();
+            if is_segment(&t) {
+                continue;
+            }
             let kind: String = t.split(" (deleted)").next().unwrap_or("").chars().map(|c| if c.is_ascii_digit() { 'N' } else { c }).collect();
             *m.entry(kind).or_insert(0) += 1;
         }
         m
     }
 
+    /// Open fds, less the SSD tier's segment files (one per segment, bounded by its
+    /// capacity: checked against the report by the soak).
     pub(super) fn fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+        self.fd_kinds().values().sum::<i64>() as usize
+    }
+
+    /// Open fds of SSD segment files (`seg-*.umbp`).
+    pub(super) fn segment_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| is_segment(&t.display().to_string())))
+            .count()
     }
 
     /// The pool's state report, through an observer attachment (the test kit's client).
