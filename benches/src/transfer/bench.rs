@@ -3,6 +3,7 @@
 //! layout measured (a poisoned destination loaded back; a failure fails the run).
 
 use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use umbp_pool::PoolConfig;
@@ -488,6 +489,35 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         cases.push(lay(Case::new("transfer", "restore_10k_ms", median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower), tuning)
             .extra("lookup_us", median(lookup_us)).extra("tokens", 10_000).extra("check", exact));
 
+        // --- restore from the SSD tier: the prefix pushed out of DRAM (demoted), then lookup +
+        // load end to end, each object promoted to DRAM before its copy to the GPU
+        if let (true, Some(p)) = (args.wants("ssd") && args.ssd_dir.is_some(), pool.pool.as_ref()) {
+            let ssd_of = |p: &umbp_pool::Pool| p.report().ssd.ok_or("--ssd-dir given but the pool reports no SSD tier");
+            let (mut ms, mut promoted) = (Vec::new(), Vec::new());
+            let mut k = 0;
+            for _ in 0..reps.max(3) {
+                // A fresh prefix each time: a restore's lookup leases what it hit, which
+                // keeps it in DRAM for the lease.
+                k = next_key(0);
+                a.call(&Command::Reset)?;
+                xfer(&mut a, Op::Store, 0, k, &l.blocks, n, 1)?;
+                push_out_of_dram(&mut a, p, &l.blocks, n, &mut next_key)?;
+                let before = ssd_of(p)?;
+                let r = a.call(&Command::Restore { group: 0, key_base: k, blocks: l.blocks.clone() })?;
+                if u64_of(&r, "hits") != n as u64 || u64_of(&r, "bad") != 0 {
+                    return Err(format!("restore from SSD: {r}"));
+                }
+                ms.push(u64_of(&r, "ns") as f64 / 1e6);
+                promoted.push((ssd_of(p)?.promotions - before.promotions) as f64 / n as f64);
+                eprintln!("ssd restore: {:.2} ms, {} of {n} objects promoted from SSD; tiers {:?}", ms.last().expect("one"), ssd_of(p)?.promotions - before.promotions, p.report().tiers);
+            }
+            let exact = check_exact(&mut a, &l, 0, k, 1)?;
+            let s = ssd_of(p)?;
+            cases.push(lay(Case::new("transfer", "ssd_restore_10k_ms", median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower), tuning)
+                .extra("promoted_fraction", median(promoted)).extra("tokens", 10_000).extra("check", exact)
+                .extra("direct_io", s.direct_io).extra("io_uring", s.io_uring).extra("ssd_dir", s.dirs.join(",")));
+        }
+
         // --- fenced store and load (stream-ordered, docs/gpu.md "Stream-ordered transfers"): same layout
         let (mut fs, mut fl) = (Vec::new(), Vec::new());
         for r in 0..reps {
@@ -627,4 +657,35 @@ fn engine_totals() -> umbp_gpu::EngineStats {
         t.add(&e);
     }
     t
+}
+
+/// Stores fresh copies of the layout (new keys) until everything stored before them has
+/// left DRAM: the evictor takes the least recently used first, and with admission `all`
+/// it demotes them to SSD. Each copy waits for the evictor to settle first: a store into
+/// a full DRAM is refused (NotStored), and a refused copy pushes nothing out.
+fn push_out_of_dram(a: &mut WorkerProc, p: &umbp_pool::Pool, blocks: &[u64], n: usize, next_key: &mut impl FnMut(u64) -> u64) -> Result<(), String> {
+    let settle = || -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut last = u64::MAX;
+        loop {
+            let r = p.report();
+            let demoted = r.ssd.map_or(0, |s| s.demotions);
+            if r.pool.allocated_bytes as f64 <= r.pool.capacity_bytes as f64 * r.pool.high_watermark && demoted == last {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("pushing the prefix out of DRAM: the evictor did not settle in 120 s".into());
+            }
+            last = demoted;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let r = p.report();
+    let prefix_bytes = r.pool.allocated_bytes.max(1);
+    let rounds = r.pool.capacity_bytes.div_ceil(prefix_bytes.min(r.pool.capacity_bytes)) + 1;
+    for _ in 0..rounds {
+        settle()?;
+        a.call(&Command::Xfer(Xfer::new(Op::Store, 0, next_key(0), blocks, n, 1)))?;
+    }
+    settle()
 }

@@ -83,6 +83,11 @@ pub struct TransferCli {
     /// [default: the pool's].
     #[arg(long)]
     stage_mib: Option<u64>,
+    /// In-process pool: give it an SSD tier in this directory (4x --capacity, admission
+    /// `all`) and measure `ssd_restore_10k_ms`, the gpt-oss prefix restored from SSD (case
+    /// group `ssd`; needs `gptoss`).
+    #[arg(long)]
+    ssd_dir: Option<std::path::PathBuf>,
 }
 
 impl TransferCli {
@@ -130,6 +135,7 @@ impl TransferCli {
             tokens: self.tokens.max(16),
             copy_threads: self.copy_threads.unwrap_or_else(|| PoolConfig::default().copy_threads).max(1),
             stage_mib: self.stage_mib,
+            ssd_dir: self.ssd_dir,
         };
         if args.sizes.contains(&0) {
             return Err("--sizes: object sizes are in MiB and must be at least 1".into());

@@ -75,14 +75,18 @@ pub struct TransferArgs {
     pub copy_threads: usize,
     /// cuda, in-process pool: copy stage size in MiB (None: the pool's default).
     pub stage_mib: Option<u64>,
+    /// In-process pool: an SSD tier in this directory (admission `all`), for the `ssd`
+    /// case group (`ssd_restore_10k_ms`).
+    pub ssd_dir: Option<PathBuf>,
 }
 
 /// Case groups `--layouts` selects from: `pages` (host: 64 KiB..2 MiB pages, one
 /// allocation), `gptoss` (24 layers x 64 KiB; cuda: store, load, restore, fenced),
 /// `kv4k`/`kv8k`/`kv16k` (80 layers, K and V pages apart), `obj` (single objects, x1 and
 /// x8 in flight), `overhead` (host: the pool's cost per submission), `bidir` and
-/// `interference` (cuda).
-pub const GROUPS: &[&str] = &["pages", "gptoss", "kv4k", "kv8k", "kv16k", "obj", "overhead", "bidir", "interference"];
+/// `interference` (cuda), `ssd` (cuda, with `--ssd-dir`: the gpt-oss prefix restored from
+/// the SSD tier).
+pub const GROUPS: &[&str] = &["pages", "gptoss", "kv4k", "kv8k", "kv16k", "obj", "overhead", "bidir", "interference", "ssd"];
 
 impl TransferArgs {
     /// Does `--layouts` select case group `g`?

@@ -159,6 +159,12 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         min_object_bytes: 24 * 64,
         copy_threads: args.copy_threads,
         engine: args.engine,
+        ssd: args.ssd_dir.as_ref().map(|d| umbp_pool::ssd::SsdConfig {
+            dirs: vec![d.clone()],
+            capacity_bytes: args.capacity.saturating_mul(4),
+            admission: umbp_pool::ssd::SsdAdmission::All,
+            ..Default::default()
+        }),
         ..PoolConfig::default()
     };
     let started = Instant::now();
