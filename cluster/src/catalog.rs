@@ -19,10 +19,25 @@ pub type CatalogKey = (u32, ObjectKey);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct KeyChange {
     pub group: u32,
+    #[serde(with = "u128_hex")]
     pub key: u128,
     pub stored: bool,
     /// `Tier as u8` of the copy that came or went.
     pub tier: u8,
+}
+
+/// u128 as a 32-digit hex string (JSON numbers stop at 64 bits in serde_json).
+pub mod u128_hex {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &u128, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{v:032x}"))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u128, D::Error> {
+        let s = <&str>::deserialize(d)?;
+        u128::from_str_radix(s, 16).map_err(serde::de::Error::custom)
+    }
 }
 
 /// What the local index has to do after a catalog change.

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-use crate::catalog::KeyChange;
+use crate::catalog::{u128_hex, KeyChange};
 
 pub const PROTOCOL_VERSION: u32 = 1;
 /// Largest frame before authentication.
@@ -75,10 +75,25 @@ pub enum Msg {
     Keys { changes: Vec<KeyChange>, snapshot: bool, more: bool },
     Heartbeat,
     /// Pin `key` (of `size` bytes) for a read; answered by `Pinned` or `PinFailed`.
-    Pin { id: u64, group: u32, key: u128, size: u64 },
-    Pinned { id: u64, offset: u64, namespace: u128 },
+    Pin {
+        id: u64,
+        group: u32,
+        #[serde(with = "u128_hex")]
+        key: u128,
+        size: u64,
+    },
+    Pinned {
+        id: u64,
+        offset: u64,
+        #[serde(with = "u128_hex")]
+        namespace: u128,
+    },
     PinFailed { id: u64, reason: String },
-    Unpin { group: u32, key: u128 },
+    Unpin {
+        group: u32,
+        #[serde(with = "u128_hex")]
+        key: u128,
+    },
 }
 
 impl Msg {
@@ -327,9 +342,13 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         let m = Msg::Keys { changes: vec![KeyChange { group: 0, key: u128::MAX, stored: true, tier: 0 }], snapshot: true, more: false };
+        let m2 = Msg::Pinned { id: 3, offset: 1 << 40, namespace: u128::MAX - 5 };
         let mut buf = Vec::new();
         write_msg(&mut buf, &m).unwrap();
-        assert_eq!(read_msg(&mut buf.as_slice(), MAX_FRAME).unwrap(), m);
+        write_msg(&mut buf, &m2).unwrap();
+        let mut r = buf.as_slice();
+        assert_eq!(read_msg(&mut r, MAX_FRAME).unwrap(), m);
+        assert_eq!(read_msg(&mut r, MAX_FRAME).unwrap(), m2);
     }
 
     #[test]
