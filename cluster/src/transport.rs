@@ -193,7 +193,10 @@ impl Agent {
     /// `UCX_NET_DEVICES`): RDMA where there is RDMA, TCP otherwise.
     pub fn new(name: &str) -> Result<Self, TransportError> {
         load_library()?;
-        let cfg = AgentConfig { thread_sync: ThreadSync::Strict, ..AgentConfig::default() };
+        // NIXL's UCX progress thread polls the workers' event fds with a fallback timer of
+        // ceil(pthr_delay) ms; the nixl-sys default of 0 makes that a busy loop that takes a
+        // whole core (on a 2-core machine: half of it, and the transfers crawl).
+        let cfg = AgentConfig { thread_sync: ThreadSync::Strict, pthr_delay_us: 1000, ..AgentConfig::default() };
         let agent = NixlAgent::new_configured(name, &cfg).map_err(nixl("create agent"))?;
         let plugins = agent.get_available_plugins().map_err(nixl("list plugins"))?;
         let names: Vec<String> = plugins.iter().filter_map(|p| p.ok().map(str::to_string)).collect();
@@ -295,7 +298,7 @@ impl Agent {
         if !self.agent.post_xfer_req(&req, Some(&self.opt)).map_err(fail)? {
             return Ok(());
         }
-        let mut spins = 0u32;
+        let mut backoff = Backoff::default();
         loop {
             match self.agent.get_xfer_status(&req).map_err(fail)? {
                 XferStatus::Success => return Ok(()),
@@ -304,14 +307,25 @@ impl Agent {
             if Instant::now() >= deadline {
                 return Err(TransportError::Timeout { peer: peer.agent.clone(), timeout });
             }
-            spins += 1;
-            if spins < 256 {
-                std::hint::spin_loop();
-            } else if spins < 1024 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(50));
-            }
+            backoff.wait();
+        }
+    }
+}
+
+/// How a waiter polls a transfer's status: spin briefly, then yield, then sleep 50 µs
+/// between polls (each poll also progresses UCX).
+#[derive(Debug, Default)]
+pub struct Backoff(u32);
+
+impl Backoff {
+    pub fn wait(&mut self) {
+        self.0 = self.0.saturating_add(1);
+        if self.0 < 256 {
+            std::hint::spin_loop();
+        } else if self.0 < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
         }
     }
 }
