@@ -29,6 +29,7 @@ mod metrics;
 mod objects;
 mod poller;
 pub mod pool_report;
+pub mod remote;
 mod report;
 mod server;
 mod service;
@@ -129,6 +130,8 @@ pub(crate) struct PoolInner {
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
+    /// The cluster tier loads of remote entries go through (remote.rs), once installed.
+    pub remote_tier: std::sync::OnceLock<Arc<dyn remote::RemoteTier>>,
 }
 
 impl PoolInner {
@@ -214,6 +217,7 @@ impl Pool {
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
+            remote_tier: std::sync::OnceLock::new(),
             config,
         });
         let mut threads = Vec::new();
@@ -288,6 +292,11 @@ impl Pool {
     }
 
     /// Keys stored or removed since the last call (for KV events).
+    /// The cluster tier's handle on this pool (remote.rs).
+    pub fn cluster_access(&self) -> remote::ClusterAccess {
+        remote::ClusterAccess { inner: self.inner.clone() }
+    }
+
     pub fn take_events(&self) -> Vec<ObjectEvent> {
         self.inner.store.lock().expect("store lock").take_events()
     }

@@ -17,6 +17,8 @@ use umbp_protocol::ObjectKey;
 
 use crate::alloc::SlabAllocator;
 
+mod remote;
+
 /// An object's identity in the store: the tenant group whose index holds it and its key.
 /// A bare `ObjectKey` converts to group 0 (pools without `--namespace-acl` have no other).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -485,7 +487,13 @@ impl ObjectStore {
         let Some(o) = self.objects.get(&key) else { return false };
         debug_assert!(matches!(o.state, ObjectState::Writing { .. }));
         if copied {
-            match self.groups[key.group as usize].index.insert(key.key, o.offset) {
+            let offset = o.offset;
+            let inserted = match self.groups[key.group as usize].index.insert(key.key, offset) {
+                // A peer's key fetched here (cluster tier): the copy replaces the remote entry.
+                Ok(Insert::Exists(_)) if self.replace_remote_entry(key, offset) => Ok(Insert::Inserted),
+                r => r,
+            };
+            match inserted {
                 Ok(Insert::Inserted) => {
                     let o = self.objects.get_mut(&key).expect("present");
                     o.state = ObjectState::Published;
