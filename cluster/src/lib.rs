@@ -15,6 +15,7 @@ pub mod mem_pool;
 pub mod membership;
 pub mod node;
 pub mod placement;
+pub mod pool_tier;
 pub mod transport;
 
 pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, LocalPool};

@@ -253,6 +253,15 @@ impl Cluster {
         self.inner.state.lock().expect("state").catalog.source((group, key)).is_some()
     }
 
+    /// Closes every subscriber connection; they re-connect and get a fresh snapshot (after
+    /// the change stream lost events).
+    pub fn resync_subscribers(&self) {
+        let st = self.inner.state.lock().expect("state");
+        for s in &st.subscribers {
+            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+        }
+    }
+
     /// Sends local key changes to every subscriber (the pool's change stream).
     pub fn publish(&self, changes: &[KeyChange]) {
         if changes.is_empty() {

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+
+mod cluster_flags;
 use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 
 /// The node-local KV-cache pool that LLM serving engines share.
@@ -175,6 +177,8 @@ struct Args {
     /// trusted network. A bad or busy address stops the pool at start.
     #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "[HOST:]PORT")]
     metrics_addr: Option<String>,
+    #[command(flatten)]
+    cluster: cluster_flags::ClusterArgs,
 }
 
 fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
@@ -282,7 +286,15 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let config = match config_from(Args::parse()) {
+    let args = Args::parse();
+    let cluster = match args.cluster.config(!args.namespace_acl.is_empty()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("umbp-pool: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let config = match config_from(args) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("umbp-pool: {e:#}");
@@ -302,8 +314,17 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let tier = match cluster.map(|(c, peers)| cluster_flags::start(&pool, c, peers)).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("umbp-pool: {e:#}");
+            pool.shutdown();
+            return ExitCode::from(1);
+        }
+    };
     let sig = stop.wait();
     tracing::info!(signal = sig, "shutting down");
+    drop(tier);
     pool.shutdown();
     ExitCode::SUCCESS
 }
