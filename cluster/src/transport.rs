@@ -99,6 +99,7 @@ pub fn load_library() -> Result<PathBuf, TransportError> {
                 tracing::info!(path = %path.display(), "NIXL library loaded");
                 Ok(path)
             }
+            Err(_) if path.is_absolute() && !path.exists() => Err(format!("{}|no such file", path.display())),
             Err(e) => Err(format!("{}|{e}", path.display())),
         }
     });
