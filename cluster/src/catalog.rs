@@ -24,6 +24,30 @@ pub struct KeyChange {
     pub stored: bool,
     /// `Tier as u8` of the copy that came or went.
     pub tier: u8,
+    /// Object size and namespace (Stored; zero in Removed).
+    #[serde(default)]
+    pub size: u64,
+    #[serde(default, with = "u128_hex")]
+    pub namespace: u128,
+}
+
+impl KeyChange {
+    pub fn stored(key: u128, size: u64, namespace: u128) -> Self {
+        Self { group: 0, key, stored: true, tier: Tier::Dram as u8, size, namespace }
+    }
+
+    pub fn removed(key: u128) -> Self {
+        Self { group: 0, key, stored: false, tier: Tier::Dram as u8, size: 0, namespace: 0 }
+    }
+}
+
+/// What a holder said about an object: size and namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteObject {
+    pub group: u32,
+    pub key: ObjectKey,
+    pub size: u64,
+    pub namespace: u128,
 }
 
 /// u128 as a 32-digit hex string (JSON numbers stop at 64 bits in serde_json).
@@ -44,7 +68,7 @@ pub mod u128_hex {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum IndexChange {
     /// First remote holder: insert the key marked remote (unless held locally).
-    Insert(CatalogKey),
+    Insert(RemoteObject),
     /// No remote holder left: remove the remote entry.
     Remove(CatalogKey),
 }
@@ -53,6 +77,8 @@ pub enum IndexChange {
 pub struct Catalog {
     by_peer: HashMap<NodeId, HashSet<CatalogKey>>,
     holders: HashMap<CatalogKey, Vec<NodeId>>,
+    /// Size and namespace, as the first holder said.
+    info: HashMap<CatalogKey, (u64, u128)>,
 }
 
 impl Catalog {
@@ -92,14 +118,19 @@ impl Catalog {
         }
         if c.stored {
             if self.by_peer.entry(peer).or_default().insert(k) {
-                let h = self.holders.entry(k).or_default();
-                h.push(peer);
-                if h.len() == 1 {
-                    out.push(IndexChange::Insert(k));
-                }
+                self.hold(peer, k, (c.size, c.namespace), out);
             }
         } else if self.by_peer.get_mut(&peer).is_some_and(|s| s.remove(&k)) {
             self.unhold(peer, k, out);
+        }
+    }
+
+    fn hold(&mut self, peer: NodeId, k: CatalogKey, info: (u64, u128), out: &mut Vec<IndexChange>) {
+        let h = self.holders.entry(k).or_default();
+        h.push(peer);
+        if h.len() == 1 {
+            self.info.insert(k, info);
+            out.push(IndexChange::Insert(RemoteObject { group: k.0, key: k.1, size: info.0, namespace: info.1 }));
         }
     }
 
@@ -108,6 +139,7 @@ impl Catalog {
             h.retain(|&p| p != peer);
             if h.is_empty() {
                 self.holders.remove(&k);
+                self.info.remove(&k);
                 out.push(IndexChange::Remove(k));
             }
         }
@@ -122,18 +154,15 @@ impl Catalog {
 
     /// A peer's full holdings (on join or after it overran its stream): replaces what was
     /// known of it.
-    pub fn replace_peer(&mut self, peer: NodeId, keys: impl IntoIterator<Item = CatalogKey>, out: &mut Vec<IndexChange>) {
-        let new: HashSet<CatalogKey> = keys.into_iter().collect();
+    pub fn replace_peer(&mut self, peer: NodeId, objects: impl IntoIterator<Item = RemoteObject>, out: &mut Vec<IndexChange>) {
+        let objects: HashMap<CatalogKey, (u64, u128)> = objects.into_iter().map(|o| ((o.group, o.key), (o.size, o.namespace))).collect();
+        let new: HashSet<CatalogKey> = objects.keys().copied().collect();
         let old = self.by_peer.remove(&peer).unwrap_or_default();
         for k in old.difference(&new) {
             self.unhold(peer, *k, out);
         }
         for k in new.difference(&old) {
-            let h = self.holders.entry(*k).or_default();
-            h.push(peer);
-            if h.len() == 1 {
-                out.push(IndexChange::Insert(*k));
-            }
+            self.hold(peer, *k, objects[k], out);
         }
         self.by_peer.insert(peer, new);
     }
@@ -144,10 +173,13 @@ mod tests {
     use super::*;
 
     fn st(key: u128) -> KeyChange {
-        KeyChange { group: 0, key, stored: true, tier: 0 }
+        KeyChange::stored(key, 4096, 3)
     }
     fn rm(key: u128) -> KeyChange {
-        KeyChange { group: 0, key, stored: false, tier: 0 }
+        KeyChange::removed(key)
+    }
+    fn ro(key: u128) -> RemoteObject {
+        RemoteObject { group: 0, key: ObjectKey(key), size: 4096, namespace: 3 }
     }
     fn k(key: u128) -> CatalogKey {
         (0, ObjectKey(key))
@@ -160,7 +192,7 @@ mod tests {
         c.apply(1, st(5), &mut out);
         c.apply(2, st(5), &mut out);
         c.apply(1, st(5), &mut out); // duplicate: nothing
-        assert_eq!(out, vec![IndexChange::Insert(k(5))]);
+        assert_eq!(out, vec![IndexChange::Insert(ro(5))]);
         out.clear();
         c.apply(1, rm(5), &mut out);
         assert!(out.is_empty(), "peer 2 still holds it");
@@ -191,7 +223,7 @@ mod tests {
     fn non_dram_copies_are_not_advertised() {
         let mut c = Catalog::new();
         let mut out = Vec::new();
-        c.apply(1, KeyChange { group: 0, key: 9, stored: true, tier: Tier::Ssd as u8 }, &mut out);
+        c.apply(1, KeyChange { tier: Tier::Ssd as u8, ..KeyChange::stored(9, 1, 0) }, &mut out);
         assert!(out.is_empty() && c.is_empty());
     }
 
@@ -202,9 +234,9 @@ mod tests {
         c.apply(1, st(1), &mut out);
         c.apply(1, st(2), &mut out);
         out.clear();
-        c.replace_peer(1, [k(2), k(3)], &mut out);
+        c.replace_peer(1, [ro(2), ro(3)], &mut out);
         out.sort_by_key(|c| format!("{c:?}"));
-        assert_eq!(out, vec![IndexChange::Insert(k(3)), IndexChange::Remove(k(1))]);
+        assert_eq!(out, vec![IndexChange::Insert(ro(3)), IndexChange::Remove(k(1))]);
         assert_eq!(c.peer_len(1), 2);
     }
 }

@@ -341,7 +341,7 @@ mod tests {
 
     #[test]
     fn messages_round_trip() {
-        let m = Msg::Keys { changes: vec![KeyChange { group: 0, key: u128::MAX, stored: true, tier: 0 }], snapshot: true, more: false };
+        let m = Msg::Keys { changes: vec![KeyChange::stored(u128::MAX, 1 << 21, 7)], snapshot: true, more: false };
         let m2 = Msg::Pinned { id: 3, offset: 1 << 40, namespace: u128::MAX - 5 };
         let mut buf = Vec::new();
         write_msg(&mut buf, &m).unwrap();

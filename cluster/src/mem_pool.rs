@@ -6,7 +6,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
 
-use umbp_protocol::{ObjectKey, Tier};
+use umbp_protocol::ObjectKey;
 
 use crate::catalog::{IndexChange, KeyChange};
 use crate::node::LocalPool;
@@ -53,13 +53,13 @@ impl MemPool {
         // SAFETY: in bounds (asserted); nobody reads an unpublished range.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(offset as usize), bytes.len()) };
         self.objects.lock().unwrap().insert(key, (offset, bytes.len() as u64, 0));
-        KeyChange { group: 0, key, stored: true, tier: Tier::Dram as u8 }
+        KeyChange::stored(key, bytes.len() as u64, 0)
     }
 
     /// Forgets `key`; returns the change to send.
     pub fn remove(&self, key: u128) -> KeyChange {
         self.objects.lock().unwrap().remove(&key);
-        KeyChange { group: 0, key, stored: false, tier: Tier::Dram as u8 }
+        KeyChange::removed(key)
     }
 
     /// A copy of `len` bytes at `offset`.
@@ -88,7 +88,7 @@ impl Drop for MemPool {
 
 impl LocalPool for MemPool {
     fn snapshot(&self) -> Vec<KeyChange> {
-        self.objects.lock().unwrap().keys().map(|&key| KeyChange { group: 0, key, stored: true, tier: 0 }).collect()
+        self.objects.lock().unwrap().iter().map(|(&key, o)| KeyChange::stored(key, o.1, 0)).collect()
     }
 
     fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
@@ -114,7 +114,7 @@ impl LocalPool for MemPool {
         let mut r = self.remote.lock().unwrap();
         for c in changes {
             match *c {
-                IndexChange::Insert((g, k)) => r.insert((g, k.0)),
+                IndexChange::Insert(o) => r.insert((o.group, o.key.0)),
                 IndexChange::Remove((g, k)) => r.remove(&(g, k.0)),
             };
         }

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::ObjectKey;
 
-use crate::catalog::{Catalog, CatalogKey, IndexChange, KeyChange};
+use crate::catalog::{Catalog, IndexChange, KeyChange, RemoteObject};
 use crate::control::{self, client_handshake, read_msg, server_handshake, write_msg, Msg, Secret, MAX_FRAME};
 use crate::membership::{Discovery, Liveness};
 use crate::placement::NodeId;
@@ -474,7 +474,7 @@ impl Inner {
         );
         self.liveness.lock().expect("liveness").seen(server, Instant::now());
         tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
-        let mut snapshot: Option<Vec<CatalogKey>> = None;
+        let mut snapshot: Option<Vec<RemoteObject>> = None;
         let r = loop {
             let m = match read_msg(&mut s, MAX_FRAME) {
                 Ok(m) => m,
@@ -497,7 +497,12 @@ impl Inner {
                     let mut out = Vec::new();
                     if first || snapshot.is_some() {
                         let snap = snapshot.get_or_insert_with(Vec::new);
-                        snap.extend(changes.iter().filter(|c| c.stored && c.tier == 0).map(|c| (c.group, ObjectKey(c.key))));
+                        snap.extend(changes.iter().filter(|c| c.stored && c.tier == 0).map(|c| RemoteObject {
+                            group: c.group,
+                            key: ObjectKey(c.key),
+                            size: c.size,
+                            namespace: c.namespace,
+                        }));
                         if !more {
                             let keys = snapshot.take().unwrap_or_default();
                             self.state.lock().expect("state").catalog.replace_peer(server, keys, &mut out);

@@ -8,9 +8,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use umbp_pool::remote::{ClusterAccess, RemoteFetchError, RemoteTier};
+use umbp_pool::remote::{ClusterAccess, HeldObject};
+use umbp_pool::remote::{FetchItem, TierSource};
 use umbp_protocol::events::{EventKind, EventLog, EventLogReader};
 use umbp_protocol::{ObjectKey, Tier};
+
 
 use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
@@ -20,7 +22,7 @@ struct PoolSide(ClusterAccess);
 
 impl LocalPool for PoolSide {
     fn snapshot(&self) -> Vec<KeyChange> {
-        self.0.published_keys().into_iter().map(|k| KeyChange { group: 0, key: k.0, stored: true, tier: Tier::Dram as u8 }).collect()
+        self.0.dram_objects().into_iter().map(|o| KeyChange::stored(o.key.0, o.size, o.namespace)).collect()
     }
 
     fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
@@ -37,8 +39,8 @@ impl LocalPool for PoolSide {
     fn apply_index(&self, changes: &[IndexChange]) {
         for c in changes {
             match *c {
-                IndexChange::Insert((0, k)) => {
-                    self.0.insert_remote(k, 0);
+                IndexChange::Insert(o) if o.group == 0 => {
+                    self.0.insert_remote(HeldObject { key: o.key, size: o.size, namespace: o.namespace });
                 }
                 IndexChange::Remove((0, k)) => {
                     self.0.remove_remote(k);
@@ -49,14 +51,28 @@ impl LocalPool for PoolSide {
     }
 }
 
-struct FetchSide(Arc<Cluster>);
+struct FetchSide(Arc<Cluster>, ClusterAccess);
 
-impl RemoteTier for FetchSide {
-    fn fetch(&self, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, RemoteFetchError> {
-        // SAFETY: the pool hands a reserved, unpublished range of its DRAM (registered with
-        // this node at start) and quarantines it when the error says it is tainted.
-        unsafe { self.0.fetch(0, key, size, dest) }
-            .map_err(|e| RemoteFetchError { tainted: e.destination_tainted(), message: e.to_string() })
+impl TierSource for FetchSide {
+    fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
+        items
+            .iter_mut()
+            .map(|it| {
+                // SAFETY: `dst` is the object's new DRAM allocation (in the mapping this
+                // node registered), written only by this fetch until the promotion ends; on
+                // a tainted failure the promotion is abandoned below, so it is never reused.
+                match unsafe { self.0.fetch(0, it.key, it.dst.len() as u64, it.dst.as_mut_ptr()) } {
+                    Ok(_) => true,
+                    Err(e) => {
+                        if e.destination_tainted() {
+                            let leaked = self.1.abandon_promotion(it.key);
+                            tracing::warn!(key = format!("{:032x}", it.key.0), leaked, "remote read timed out: its DRAM is quarantined");
+                        }
+                        false
+                    }
+                }
+            })
+            .collect()
     }
 }
 
@@ -86,12 +102,12 @@ impl ClusterTier {
         // SAFETY: the pool's DRAM mapping lives as long as the pool, and the pool outlives
         // this tier (the daemon drops the tier first); peers read only objects they pinned.
         let cluster = Arc::new(unsafe { Cluster::start(cfg, discovery, Arc::new(PoolSide(access.clone())), base, len) }?);
-        access.set_remote_tier(Arc::new(FetchSide(cluster.clone())));
+        access.set_remote_source(Arc::new(FetchSide(cluster.clone(), access.clone())));
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, s) = (cluster.clone(), stop.clone());
+        let (c, s, a) = (cluster.clone(), stop.clone(), access.clone());
         let follower = std::thread::Builder::new()
             .name("cluster-events".into())
-            .spawn(move || follow(&c, &events, &s))
+            .spawn(move || follow(&c, &a, &events, &s))
             .expect("spawn");
         Ok(Self { cluster, stop, follower: Some(follower) })
     }
@@ -112,7 +128,7 @@ impl Drop for ClusterTier {
 
 /// Follows group 0's KV event log and publishes its changes to the subscribers. An
 /// overrun (the log lapped this reader) makes every subscriber re-join for a snapshot.
-fn follow(cluster: &Cluster, events: &umbp_ipc::SharedMemory, stop: &AtomicBool) {
+fn follow(cluster: &Cluster, access: &ClusterAccess, events: &umbp_ipc::SharedMemory, stop: &AtomicBool) {
     // SAFETY: the pool's event log region, formatted at its start and mapped as long as
     // `events` lives (held by the caller's closure).
     let log = match unsafe { EventLog::attach(events.as_ptr(), events.len()) } {
@@ -133,12 +149,18 @@ fn follow(cluster: &Cluster, events: &umbp_ipc::SharedMemory, stop: &AtomicBool)
             cluster.resync_subscribers();
         }
         changes.clear();
-        changes.extend(buf.iter().map(|e| KeyChange {
-            group: 0,
-            key: e.key.0,
-            stored: e.kind == EventKind::Stored,
-            tier: e.tier as u8,
-        }));
+        for e in &buf {
+            let mut c = KeyChange { tier: e.tier as u8, ..KeyChange::removed(e.key.0) };
+            if e.kind == EventKind::Stored {
+                c.stored = true;
+                if e.tier == Tier::Dram {
+                    // Size and namespace from the store; gone already: its Removed follows.
+                    let Some(o) = access.dram_object(e.key) else { continue };
+                    (c.size, c.namespace) = (o.size, o.namespace);
+                }
+            }
+            changes.push(c);
+        }
         cluster.publish(&changes);
         if r.read == 0 {
             std::thread::sleep(Duration::from_millis(2));

@@ -36,10 +36,11 @@ impl SharedEventLog {
         &self.mem
     }
 
-    pub fn push(&mut self, e: ObjectEvent) {
+    /// Appends an event of `tier` (a tier move is Removed from one, Stored in the other).
+    pub fn push(&mut self, e: ObjectEvent, tier: umbp_protocol::location::Tier) {
         match e {
-            ObjectEvent::Stored(k) => self.writer.push(EventKind::Stored, k),
-            ObjectEvent::Removed(k) => self.writer.push(EventKind::Removed, k),
+            ObjectEvent::Stored(k) => self.writer.push_tiered(EventKind::Stored, k, tier),
+            ObjectEvent::Removed(k) => self.writer.push_tiered(EventKind::Removed, k, tier),
         }
     }
 

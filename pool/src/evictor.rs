@@ -1,7 +1,9 @@
 //! Background eviction between the watermarks, so the store path never evicts itself:
 //! DRAM bytes, used index slots (live entries and tombstones: a pool of objects smaller
 //! than the index was sized for fills the index before DRAM), and each namespace's quota
-//! (`--namespace-share`). The policy lives in [`crate::objects::Policy`].
+//! (`--namespace-share`). The policy lives in [`crate::objects::Policy`]. With an SSD tier,
+//! objects evicted for DRAM bytes that the admission policy admits are written to SSD by
+//! this thread, outside the store lock (`tier::run_demotions`), then leave DRAM.
 
 use std::time::{Duration, Instant};
 
@@ -17,18 +19,25 @@ pub fn run(inner: &PoolInner) {
             }
             *woken = false;
         }
-        let mut store = inner.store.lock().expect("store lock");
-        if store.needs_eviction() {
-            let (bytes, entries) = (store.allocated_bytes(), store.published_count());
-            let n = store.evict(Instant::now());
-            tracing::debug!(
-                evicted = n,
-                bytes_before = bytes,
-                bytes_after = store.allocated_bytes(),
-                entries_before = entries,
-                entries_after = store.published_count(),
-                "evicted to the low watermarks"
-            );
+        let demotions = {
+            let mut store = inner.store.lock().expect("store lock");
+            if store.needs_eviction() {
+                let (bytes, entries) = (store.allocated_bytes(), store.published_count());
+                let n = store.evict(Instant::now());
+                tracing::debug!(
+                    evicted = n,
+                    bytes_before = bytes,
+                    bytes_after = store.allocated_bytes(),
+                    entries_before = entries,
+                    entries_after = store.published_count(),
+                    "evicted to the low watermarks"
+                );
+            }
+            store.take_demotions()
+        };
+        // Demotion I/O runs here, without the store lock (tier.rs).
+        if let Some(ssd) = &inner.tiers.ssd {
+            crate::tier::run_demotions(inner, ssd, demotions);
         }
     }
 }

@@ -194,3 +194,34 @@ pub(crate) unsafe fn stored(dram: *mut u8, blocks: &[JobBlock], size: u64) {
         tracing::warn!(key = %format_args!("{:032x}", b.key.0), "TEST FAULT: flipped a byte of a stored object (corrupt_every_nth_store)");
     }
 }
+
+/// Demotion batches still to start before the kill (0: disarmed).
+static ABORT_DEMOTION_AT: AtomicU64 = AtomicU64::new(0);
+/// Microseconds after that batch's writes start when the process aborts.
+static ABORT_DEMOTION_DELAY_US: AtomicU64 = AtomicU64::new(0);
+
+/// TEST ONLY: kills this process (SIGABRT, no unwinding, no clean close: like SIGKILL)
+/// `delay_us` microseconds after the `batch`-th demotion batch (1 = the next) starts
+/// writing to SSD, so the kill lands while records are being written. 0 disarms.
+#[doc(hidden)]
+pub fn abort_during_demotion(batch: u64, delay_us: u64) {
+    ABORT_DEMOTION_DELAY_US.store(delay_us, Ordering::Relaxed);
+    ABORT_DEMOTION_AT.store(batch, Ordering::Release);
+}
+
+/// Called by the demoter just before a batch of `objects` is written.
+pub(crate) fn demotion_batch(objects: usize) {
+    let at = ABORT_DEMOTION_AT.load(Ordering::Acquire);
+    if at == 0 {
+        return;
+    }
+    if ABORT_DEMOTION_AT.fetch_sub(1, Ordering::AcqRel) != 1 {
+        return;
+    }
+    let delay = std::time::Duration::from_micros(ABORT_DEMOTION_DELAY_US.load(Ordering::Relaxed));
+    tracing::warn!(objects, ?delay, "TEST FAULT: aborting the pool during this demotion batch (abort_during_demotion)");
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        std::process::abort();
+    });
+}

@@ -21,3 +21,6 @@ pub(crate) fn pass(_point: HoldPoint) {}
 /// None needed: does nothing (the armable version's contract is in fault.rs).
 #[inline(always)]
 pub(crate) unsafe fn stored(_dram: *mut u8, _blocks: &[JobBlock], _size: u64) {}
+
+#[inline(always)]
+pub(crate) fn demotion_batch(_objects: usize) {}

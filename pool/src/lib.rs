@@ -36,6 +36,7 @@ mod service;
 pub mod ssd;
 mod stats;
 mod stop_signals;
+mod tier;
 mod transfer;
 pub mod validate;
 
@@ -50,6 +51,7 @@ pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLim
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
+pub use ssd::{SsdAdmission, SsdConfig};
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.
@@ -92,6 +94,8 @@ pub enum PoolError {
     /// The event log's creation reports a message (event_log.rs).
     #[error("DRAM tier: event log of tenant group {group}: {message}")]
     EventLog { group: u32, message: String },
+    #[error("SSD tier: {0}")]
+    Ssd(#[from] ssd::SsdError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -114,6 +118,8 @@ pub(crate) struct PoolInner {
     /// By group number: the index and event log a peer of that group is handed.
     pub group_mem: Vec<GroupMemory>,
     pub store: Mutex<ObjectStore>,
+    /// Tiers below DRAM (tier.rs): where loads fetch objects not in DRAM from.
+    pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
     /// Wakes the service thread when attachments come or go, and at shutdown.
     pub service_wake: Doorbell,
@@ -130,8 +136,8 @@ pub(crate) struct PoolInner {
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
-    /// The cluster tier loads of remote entries go through (remote.rs), once installed.
-    pub remote_tier: std::sync::OnceLock<Arc<dyn remote::RemoteTier>>,
+    /// The cluster tier's source (remote.rs), once installed; `tiers.remote` reads it.
+    pub remote_source: remote::RemoteSlot,
 }
 
 impl PoolInner {
@@ -181,11 +187,15 @@ impl Pool {
             .into());
         }
         let slots = umbp_protocol::index::slots_for(config.capacity_bytes, config.min_object_bytes);
+        // The SSD tier opens (and reads its segments) before anything is listed; its
+        // objects take index entries too, so the indexes are sized for both tiers.
+        let ssd = config.ssd.as_ref().map(tier::SsdTier::open).transpose()?.map(Arc::new);
+        let listed_bytes = config.capacity_bytes + ssd.as_ref().map_or(0, |s| s.store.stats().capacity_bytes);
         // One index and one event log per tenant group (one without --namespace-acl).
         let mut group_mem = Vec::with_capacity(tenant_groups.len());
         for g in 0..tenant_groups.len() as u32 {
             let share = tenant_groups.index_share(g, config.namespace_share);
-            let sized_for = ((config.capacity_bytes as f64 * share) as u64).max(1);
+            let sized_for = ((listed_bytes as f64 * share) as u64).max(1);
             group_mem.push(create_group(&config, g, tenant_groups.len(), umbp_protocol::index::slots_for(sized_for, config.min_object_bytes))?);
         }
         let (index_mems, logs): (Vec<_>, Vec<_>) = group_mem.into_iter().unzip();
@@ -197,11 +207,17 @@ impl Pool {
             group_mem.push(GroupMemory { index_mem, events_mem: log.memory().clone() });
             store.set_event_log(g as u32, log);
         }
+        if let Some(ssd) = &ssd {
+            store.set_ssd_admission(ssd.config.admission);
+            tier::restore(&mut store, &tenant_groups, ssd);
+        }
         let metrics_listener = config.metrics_addr.as_deref().map(metrics::bind).transpose()?;
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
         let socket_path = config.socket_path.clone();
+        let remote_source = remote::RemoteSlot::default();
         let inner = Arc::new(PoolInner {
             store: Mutex::new(store),
+            tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
             dram,
             tenant_groups,
             group_mem,
@@ -217,7 +233,7 @@ impl Pool {
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
-            remote_tier: std::sync::OnceLock::new(),
+            remote_source,
             config,
         });
         let mut threads = Vec::new();

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use umbp_ipc::SharedMemory;
 use umbp_protocol::index::{IndexView, IndexWriter, Insert, InsertError};
+use umbp_protocol::location::{self, Tier};
 use umbp_protocol::ObjectKey;
 
 use crate::alloc::SlabAllocator;
@@ -43,7 +44,14 @@ impl From<ObjectKey> for GroupKey {
 enum ObjectState {
     /// Bytes being copied in by this attachment; invisible to loads and the index.
     Writing { owner: u32 },
+    /// In DRAM at `offset`, listed in the index as DRAM.
     Published,
+    /// Only on a lower tier (no DRAM); listed in the index with that tier. A load
+    /// promotes it (tier.rs).
+    Lower { tier: Tier },
+    /// A load is fetching it from `from` into its DRAM at `offset` (pinned by that load);
+    /// still listed as `from` until the bytes are in.
+    Promoting { from: Tier },
 }
 
 #[derive(Debug)]
@@ -58,6 +66,16 @@ struct Object {
     lease: Option<Lease>,
     /// Position in `lru`.
     tick: u64,
+    /// Chosen by the evictor for demotion: its bytes are being written to SSD, outside
+    /// the store lock. Still loadable from DRAM; never freed or evicted meanwhile.
+    demoting: bool,
+    /// An SSD record of this object exists, with this location payload (the shard): a
+    /// later eviction moves it to SSD without writing it again.
+    ssd_at: Option<u64>,
+    /// Loads pinned it (admission policy).
+    hits: u32,
+    /// When it was stored (admission policy).
+    stored_at: Instant,
 }
 
 /// Outcome of reserving room for one block of a store.
@@ -73,6 +91,10 @@ pub enum StoreReservation {
 pub enum LoadReservation {
     Pinned { offset: u64 },
     Missing,
+    /// On a lower tier only: the loader promotes it first ([`ObjectStore::begin_promotion`]).
+    Lower { tier: Tier },
+    /// Another load is promoting it right now: try again shortly.
+    Promoting,
     /// The object exists with another size than the loader's layout: a layout mismatch
     /// inside one namespace, reported as a failed block.
     SizeMismatch { stored: u64 },
@@ -89,6 +111,34 @@ pub enum ObjectEvent {
 pub struct NamespaceUsage {
     pub objects: u64,
     pub bytes: u64,
+}
+
+/// An object the evictor chose for demotion: its DRAM bytes (stable until
+/// [`ObjectStore::finish_demotion`]) to write to SSD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Demotion {
+    pub key: GroupKey,
+    pub namespace: u128,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// Tier counters of the store (reports).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Objects listed in the indexes by tier (DRAM: published in DRAM, incl. promoting).
+    pub objects: [u64; 3],
+    pub demotions: u64,
+    pub demoted_bytes: u64,
+    pub not_admitted: u64,
+    pub demotion_failures: u64,
+    pub promotions: u64,
+    pub promoted_bytes: u64,
+    pub promotion_failures: u64,
+    /// Objects moved to SSD without a write (their record was still there).
+    pub clean_demotions: u64,
+    /// Objects listed at start from the SSD segments.
+    pub restored: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -242,6 +292,18 @@ pub struct ObjectStore {
     leases_dropped: u64,
     quarantined_bytes: u64,
     events: Vec<ObjectEvent>,
+    /// The SSD tier's admission policy; None: no SSD tier (evicted objects just go).
+    ssd_admission: Option<crate::ssd::SsdAdmission>,
+    /// Chosen for demotion, not yet taken by the demoter.
+    demotions: Vec<Demotion>,
+    /// Slab footprint of objects being demoted (counted as gone by the evictor).
+    demoting_bytes: u64,
+    /// SSD records of objects dropped from the index, to remove from the SSD store
+    /// outside the lock ((key, namespace)).
+    ssd_drops: Vec<(ObjectKey, u128)>,
+    /// Objects on a lower tier only (Lower or Promoting), by tier.
+    lower: [u64; 3],
+    tier_stats: TierStats,
 }
 
 /// Lease entries one uid may have queued (re-touches of one key add entries); past it
@@ -280,7 +342,38 @@ impl ObjectStore {
             leases_dropped: 0,
             quarantined_bytes: 0,
             events: Vec::new(),
+            ssd_admission: None,
+            demotions: Vec::new(),
+            demoting_bytes: 0,
+            ssd_drops: Vec::new(),
+            lower: [0; 3],
+            tier_stats: TierStats::default(),
         }
+    }
+
+    /// Turns on demotion to SSD with this admission policy.
+    pub fn set_ssd_admission(&mut self, admission: crate::ssd::SsdAdmission) {
+        self.ssd_admission = Some(admission);
+    }
+
+    /// Tier counters; `objects` by tier.
+    pub fn tier_stats(&self) -> TierStats {
+        let mut t = self.tier_stats;
+        let listed = self.published_count();
+        let lower: u64 = self.lower.iter().sum();
+        t.objects = self.lower;
+        t.objects[Tier::Dram as usize] = listed.saturating_sub(lower);
+        t
+    }
+
+    /// Objects chosen for demotion since the last call.
+    pub fn take_demotions(&mut self) -> Vec<Demotion> {
+        std::mem::take(&mut self.demotions)
+    }
+
+    /// SSD records to remove (their objects left the index) since the last call.
+    pub fn take_ssd_drops(&mut self) -> Vec<(ObjectKey, u128)> {
+        std::mem::take(&mut self.ssd_drops)
     }
 
     pub fn capacity_bytes(&self) -> u64 {
@@ -343,7 +436,7 @@ impl ObjectStore {
     /// a namespace above its quota's.
     pub fn needs_eviction(&self) -> bool {
         let p = &self.policy;
-        self.alloc.allocated_bytes() > p.high_bytes
+        self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes) > p.high_bytes
             || self.groups.iter().any(|g| g.used() > Self::index_mark(g, p.index_high_wm))
             || self.held.values().any(|h| self.namespace_over(h, p.namespace_high))
     }
@@ -354,7 +447,7 @@ impl ObjectStore {
     pub fn evict(&mut self, now: Instant) -> usize {
         let p = self.policy;
         let mut n = 0;
-        if self.alloc.allocated_bytes() > p.high_bytes {
+        if self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes) > p.high_bytes {
             n += self.evict_to(p.low_bytes, now);
         }
         for group in 0..self.groups.len() {
@@ -369,7 +462,12 @@ impl ObjectStore {
             }
             if g.index.len() > high {
                 let excess = g.index.len() - low.min(g.index.len());
-                let k = self.evict_lru(Victims::Group(group as u32), now, |_, evicted| evicted as u64 >= excess);
+                let victims = self.pick_lru(Victims::Group(group as u32), now, |_, evicted| evicted as u64 >= excess);
+                let k = victims.len();
+                for v in victims {
+                    self.drop_object(v);
+                }
+                self.evictions += k as u64;
                 self.index_evictions += k as u64;
                 n += k;
             }
@@ -379,29 +477,36 @@ impl ObjectStore {
         for (ns, h) in over {
             let (max_o, max_b) = (p.namespace_max_objects as f64 * p.namespace_low, p.namespace_max_bytes as f64 * p.namespace_low);
             let (mut objects, mut bytes) = (h.objects, h.bytes);
-            let k = self.evict_lru(Victims::Namespace(ns), now, |size, _| {
+            let victims = self.pick_lru(Victims::Namespace(ns), now, |size, _| {
                 objects -= 1;
                 bytes = bytes.saturating_sub(SlabAllocator::footprint(size));
                 objects as f64 <= max_o && bytes as f64 <= max_b
             });
+            let k = victims.len();
+            for v in victims {
+                self.drop_object(v);
+            }
+            self.evictions += k as u64;
             self.quota_evictions += k as u64;
             n += k;
         }
         n
     }
 
-    /// Evicts least recently used evictable objects (of `which`) until
-    /// `enough(size of the one just chosen, count chosen so far)` says so.
-    fn evict_lru(&mut self, which: Victims, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> usize {
+    /// Least recently used evictable objects (of `which`) until
+    /// `enough(size of the one just chosen, count chosen so far)` says so. DRAM objects
+    /// for `Any` and `Namespace` (they free DRAM); for `Group` (index pressure) objects on
+    /// lower tiers too (they free index entries).
+    fn pick_lru(&self, which: Victims, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> Vec<GroupKey> {
         let mut victims = Vec::new();
         for (_, key) in self.lru.iter() {
             let o = &self.objects[key];
             let mine = match which {
-                Victims::Any => true,
-                Victims::Namespace(ns) => o.namespace == ns,
-                Victims::Group(g) => key.group == g,
+                Victims::Any => Self::evictable(o, now),
+                Victims::Namespace(ns) => o.namespace == ns && Self::evictable(o, now),
+                Victims::Group(g) => key.group == g && (Self::evictable(o, now) || matches!(o.state, ObjectState::Lower { .. })),
             };
-            if !mine || !Self::evictable(o, now) {
+            if !mine {
                 continue;
             }
             victims.push(*key);
@@ -409,16 +514,190 @@ impl ObjectStore {
                 break;
             }
         }
-        for k in &victims {
-            self.drop_object(*k);
-        }
-        self.evictions += victims.len() as u64;
-        victims.len()
+        victims
     }
 
     fn evictable(o: &Object, now: Instant) -> bool {
         let leased = o.lease.is_some_and(|l| l.until > now);
-        o.state == ObjectState::Published && o.pins == 0 && !leased
+        o.state == ObjectState::Published && o.pins == 0 && !leased && !o.demoting
+    }
+
+    /// Takes a DRAM object out of DRAM for byte pressure: to SSD at once if its record is
+    /// still there, chosen for demotion if the admission policy admits it, else dropped.
+    fn evict_dram(&mut self, key: GroupKey, now: Instant) {
+        let o = &self.objects[&key];
+        let Some(admission) = self.ssd_admission else {
+            self.drop_object(key);
+            return;
+        };
+        if let Some(payload) = o.ssd_at {
+            self.tier_stats.clean_demotions += 1;
+            self.move_to_lower(key, Tier::Ssd, payload);
+        } else if admission.admits(now.saturating_duration_since(o.stored_at), o.hits) {
+            let d = Demotion { key, namespace: o.namespace, offset: o.offset, size: o.size };
+            self.demoting_bytes += SlabAllocator::footprint(o.size);
+            self.objects.get_mut(&key).expect("present").demoting = true;
+            self.demotions.push(d);
+        } else {
+            self.tier_stats.not_admitted += 1;
+            self.drop_object(key);
+        }
+    }
+
+    /// Frees a DRAM object's bytes and lists it as on `tier` (no I/O: its bytes are
+    /// there already). The caller checked it is published, unpinned and not demoting.
+    fn move_to_lower(&mut self, key: GroupKey, tier: Tier, payload: u64) {
+        let o = self.objects.get_mut(&key).expect("present");
+        debug_assert!(o.state == ObjectState::Published && o.pins == 0 && !o.demoting);
+        o.state = ObjectState::Lower { tier };
+        let (offset, size, namespace, lease) = (o.offset, o.size, o.namespace, o.lease.take());
+        if let Some(l) = lease {
+            self.leases.get_mut(&l.uid).expect("a lease has its book").bytes -= size;
+        }
+        self.alloc.free(offset, size);
+        self.release_held(namespace, size);
+        self.lower[tier as usize] += 1;
+        self.groups[key.group as usize].index.set_location(key.key, location::encode(tier, payload));
+        self.push_event(key.group, ObjectEvent::Removed(key.key), Tier::Dram);
+        self.push_event(key.group, ObjectEvent::Stored(key.key), tier);
+    }
+
+    /// The demoter wrote (Ok: at location payload) or failed to write a demoted object.
+    /// Written: it leaves DRAM now (unless a load pinned it or a hint leased it
+    /// meanwhile: then the next eviction moves it without a write). Failed: it just goes,
+    /// like an eviction without an SSD tier (a pinned one stays in DRAM).
+    pub fn finish_demotion(&mut self, key: GroupKey, written: Result<u64, ()>, now: Instant) {
+        let Some(o) = self.objects.get_mut(&key) else { return };
+        if !o.demoting {
+            return;
+        }
+        o.demoting = false;
+        let size = o.size;
+        self.demoting_bytes -= SlabAllocator::footprint(size);
+        let free_now = o.pins == 0 && o.lease.is_none_or(|l| l.until <= now);
+        match written {
+            Ok(payload) => {
+                o.ssd_at = Some(payload);
+                self.tier_stats.demotions += 1;
+                self.tier_stats.demoted_bytes += size;
+                if free_now {
+                    self.move_to_lower(key, Tier::Ssd, payload);
+                }
+            }
+            Err(()) => {
+                self.tier_stats.demotion_failures += 1;
+                if free_now {
+                    self.drop_object(key);
+                }
+            }
+        }
+    }
+
+    /// The SSD store dropped these records for room (or found them unreadable): objects
+    /// only there leave the index; DRAM copies just forget them.
+    pub fn ssd_records_gone(&mut self, gone: &[(ObjectKey, u128)], groups: &crate::groups::TenantGroups) {
+        for &(key, ns) in gone {
+            let gk = GroupKey::new(groups.group_of(ns), key);
+            let Some(o) = self.objects.get_mut(&gk) else { continue };
+            if o.namespace != ns {
+                continue;
+            }
+            o.ssd_at = None;
+            if o.state == (ObjectState::Lower { tier: Tier::Ssd }) {
+                self.drop_object(gk);
+            }
+        }
+    }
+
+    /// Lists an object found on a lower tier at start (warm restart): in its group's
+    /// index as that tier. False if the key is already held in that group (the first
+    /// listed wins) or the index is full.
+    pub fn insert_lower(&mut self, group: u32, namespace: u128, key: ObjectKey, size: u64, tier: Tier, payload: u64) -> bool {
+        let gk = GroupKey::new(group, key);
+        if self.objects.contains_key(&gk) {
+            return false;
+        }
+        if self.groups[group as usize].index.insert(key, location::encode(tier, payload)) != Ok(Insert::Inserted) {
+            return false;
+        }
+        let tick = self.next_tick;
+        self.next_tick += 1;
+        self.objects.insert(
+            gk,
+            Object {
+                offset: 0,
+                size,
+                namespace,
+                state: ObjectState::Lower { tier },
+                pins: 0,
+                lease: None,
+                tick,
+                demoting: false,
+                ssd_at: (tier == Tier::Ssd).then_some(payload),
+                hits: 0,
+                stored_at: Instant::now(),
+            },
+        );
+        self.lru.insert(tick, gk);
+        self.lower[tier as usize] += 1;
+        let ns = self.namespaces.entry(namespace).or_default();
+        ns.objects += 1;
+        ns.bytes += size;
+        self.tier_stats.restored += 1;
+        self.push_event(group, ObjectEvent::Stored(key), tier);
+        true
+    }
+
+    /// A load found `key` on a lower tier: allocates its DRAM and pins it for this load,
+    /// which fetches the bytes outside the lock and then calls [`Self::finish_promotion`].
+    /// Returns the DRAM offset, the tier to fetch from and the object's namespace; None: not on a lower tier any
+    /// more, or no DRAM free (the caller wakes the evictor).
+    pub fn begin_promotion(&mut self, key: impl Into<GroupKey>) -> Option<(u64, Tier, u128)> {
+        let key = key.into();
+        let o = self.objects.get(&key)?;
+        let ObjectState::Lower { tier } = o.state else { return None };
+        let (size, namespace) = (o.size, o.namespace);
+        let offset = self.alloc.alloc(size)?;
+        let h = self.held.entry(namespace).or_default();
+        h.objects += 1;
+        h.bytes += SlabAllocator::footprint(size);
+        let o = self.objects.get_mut(&key).expect("present");
+        o.state = ObjectState::Promoting { from: tier };
+        o.offset = offset;
+        o.pins = 1;
+        o.hits += 1;
+        self.pinned_objects += 1;
+        self.touch_lru(key);
+        Some((offset, tier, namespace))
+    }
+
+    /// Ends a promotion: with the bytes in, the object is in DRAM (index and events say
+    /// so) and stays pinned for the load that promoted it; without (I/O error, bad CRC,
+    /// record gone) it leaves the pool: a miss, never wrong bytes. Returns `fetched`.
+    pub fn finish_promotion(&mut self, key: impl Into<GroupKey>, fetched: bool) -> bool {
+        let key = key.into();
+        let Some(o) = self.objects.get_mut(&key) else { return false };
+        let ObjectState::Promoting { from } = o.state else { return false };
+        let (offset, size, namespace) = (o.offset, o.size, o.namespace);
+        if fetched {
+            o.state = ObjectState::Published;
+            self.lower[from as usize] -= 1;
+            self.tier_stats.promotions += 1;
+            self.tier_stats.promoted_bytes += size;
+            self.groups[key.group as usize].index.set_location(key.key, location::encode(Tier::Dram, offset));
+            self.push_event(key.group, ObjectEvent::Removed(key.key), from);
+            self.push_event(key.group, ObjectEvent::Stored(key.key), Tier::Dram);
+            return true;
+        }
+        // Back to "lower only", then dropped like any object there.
+        o.state = ObjectState::Lower { tier: from };
+        o.pins = 0;
+        self.pinned_objects -= 1;
+        self.alloc.free(offset, size);
+        self.release_held(namespace, size);
+        self.tier_stats.promotion_failures += 1;
+        self.drop_object(key);
+        false
     }
 
     pub fn namespaces(&self) -> &HashMap<u128, NamespaceUsage> {
@@ -473,7 +752,19 @@ impl ObjectStore {
         self.next_tick += 1;
         self.objects.insert(
             key,
-            Object { offset, size, namespace, state: ObjectState::Writing { owner }, pins: 0, lease: None, tick },
+            Object {
+                offset,
+                size,
+                namespace,
+                state: ObjectState::Writing { owner },
+                pins: 0,
+                lease: None,
+                tick,
+                demoting: false,
+                ssd_at: None,
+                hits: 0,
+                stored_at: Instant::now(),
+            },
         );
         self.lru.insert(tick, key);
         StoreReservation::Reserved { offset }
@@ -487,20 +778,14 @@ impl ObjectStore {
         let Some(o) = self.objects.get(&key) else { return false };
         debug_assert!(matches!(o.state, ObjectState::Writing { .. }));
         if copied {
-            let offset = o.offset;
-            let inserted = match self.groups[key.group as usize].index.insert(key.key, offset) {
-                // A peer's key fetched here (cluster tier): the copy replaces the remote entry.
-                Ok(Insert::Exists(_)) if self.replace_remote_entry(key, offset) => Ok(Insert::Inserted),
-                r => r,
-            };
-            match inserted {
+            match self.groups[key.group as usize].index.insert(key.key, location::encode(Tier::Dram, o.offset)) {
                 Ok(Insert::Inserted) => {
                     let o = self.objects.get_mut(&key).expect("present");
                     o.state = ObjectState::Published;
                     let ns = self.namespaces.entry(o.namespace).or_default();
                     ns.objects += 1;
                     ns.bytes += o.size;
-                    self.push_event(key.group, ObjectEvent::Stored(key.key));
+                    self.push_event(key.group, ObjectEvent::Stored(key.key), Tier::Dram);
                     return true;
                 }
                 Ok(Insert::Exists(_)) => unreachable!("the store reserves keys before copying"),
@@ -545,18 +830,38 @@ impl ObjectStore {
         }
     }
 
+    /// Removes an object from the pool (index, events, DRAM, its SSD record). Never
+    /// called for one being demoted or promoted (its bytes are in use outside the lock).
     fn drop_object(&mut self, key: GroupKey) {
+        if let Some(o) = self.objects.get(&key) {
+            debug_assert!(!o.demoting && !matches!(o.state, ObjectState::Promoting { .. }), "dropping an object in a tier move");
+            if o.demoting || matches!(o.state, ObjectState::Promoting { .. }) {
+                return;
+            }
+        }
         if let Some(o) = self.objects.remove(&key) {
             if o.pins > 0 {
                 self.pinned_objects -= 1;
             }
             self.lru.remove(&o.tick);
-            self.release_held(o.namespace, o.size);
             if let Some(l) = o.lease {
                 self.leases.get_mut(&l.uid).expect("a lease has its book").bytes -= o.size;
             }
-            self.alloc.free(o.offset, o.size);
-            if o.state == ObjectState::Published {
+            if o.ssd_at.is_some() {
+                self.ssd_drops.push((key.key, o.namespace));
+            }
+            let tier = match o.state {
+                ObjectState::Lower { tier } => {
+                    self.lower[tier as usize] -= 1;
+                    tier
+                }
+                _ => {
+                    self.release_held(o.namespace, o.size);
+                    self.alloc.free(o.offset, o.size);
+                    Tier::Dram
+                }
+            };
+            if matches!(o.state, ObjectState::Published | ObjectState::Lower { .. }) {
                 self.groups[key.group as usize].index.remove(key.key);
                 if let Some(ns) = self.namespaces.get_mut(&o.namespace) {
                     ns.objects -= 1;
@@ -565,7 +870,7 @@ impl ObjectStore {
                         self.namespaces.remove(&o.namespace);
                     }
                 }
-                self.push_event(key.group, ObjectEvent::Removed(key.key));
+                self.push_event(key.group, ObjectEvent::Removed(key.key), tier);
             }
         }
     }
@@ -585,9 +890,9 @@ impl ObjectStore {
         self.groups[group as usize].event_log.as_ref().map_or(0, |l| l.written())
     }
 
-    fn push_event(&mut self, group: u32, e: ObjectEvent) {
+    fn push_event(&mut self, group: u32, e: ObjectEvent, tier: Tier) {
         if let Some(log) = self.groups[group as usize].event_log.as_mut() {
-            log.push(e);
+            log.push(e, tier);
         }
         if self.events.len() >= MAX_EVENTS {
             self.events.drain(..MAX_EVENTS / 2);
@@ -609,13 +914,20 @@ impl ObjectStore {
     pub fn reserve_load(&mut self, key: impl Into<GroupKey>, size: u64) -> LoadReservation {
         let key = key.into();
         let Some(o) = self.objects.get_mut(&key) else { return LoadReservation::Missing };
-        if o.state != ObjectState::Published {
-            return LoadReservation::Missing;
-        }
+        let lower = match o.state {
+            ObjectState::Writing { .. } => return LoadReservation::Missing,
+            ObjectState::Published => None,
+            ObjectState::Lower { tier } => Some(tier),
+            ObjectState::Promoting { .. } => return LoadReservation::Promoting,
+        };
         if o.size != size {
             return LoadReservation::SizeMismatch { stored: o.size };
         }
+        if let Some(tier) = lower {
+            return LoadReservation::Lower { tier };
+        }
         o.pins += 1;
+        o.hits = o.hits.saturating_add(1);
         if o.pins == 1 {
             self.pinned_objects += 1;
         }
@@ -658,6 +970,8 @@ impl ObjectStore {
         if o.state != ObjectState::Published {
             return false;
         }
+        // A scheduler's prefix hit is use: the SSD admission policy counts it.
+        o.hits = o.hits.saturating_add(1);
         let until = now + lease;
         let size = o.size;
         if let Some(old) = o.lease.replace(Lease { uid, until }) {
@@ -710,17 +1024,24 @@ impl ObjectStore {
         self.touch_hint(0, ns, &[], key, lease, now);
     }
 
-    /// Evicts least recently used objects until allocated bytes are at most `target`.
-    /// Skips objects being written, pinned by loads, or leased. Returns how many went.
+    /// Evicts least recently used DRAM objects until allocated bytes (less those being
+    /// demoted) are at most `target`: to SSD (demoted, or moved if their record is still
+    /// there) where the admission policy says so, else dropped. Skips objects being
+    /// written, pinned by loads, leased or being demoted. Returns how many were chosen.
     pub fn evict_to(&mut self, target: u64, now: Instant) -> usize {
-        let mut projected = self.alloc.allocated_bytes();
+        let mut projected = self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes);
         if projected <= target {
             return 0;
         }
-        self.evict_lru(Victims::Any, now, |size, _| {
+        let victims = self.pick_lru(Victims::Any, now, |size, _| {
             projected = projected.saturating_sub(SlabAllocator::footprint(size));
             projected <= target
-        })
+        });
+        for v in &victims {
+            self.evict_dram(*v, now);
+        }
+        self.evictions += victims.len() as u64;
+        victims.len()
     }
 
     /// Drops every unpinned published object of `namespace` (vLLM reset_cache).
@@ -728,7 +1049,11 @@ impl ObjectStore {
         let keys: Vec<_> = self
             .objects
             .iter()
-            .filter(|(_, o)| o.namespace == namespace && o.state == ObjectState::Published && o.pins == 0)
+            .filter(|(_, o)| {
+                o.namespace == namespace
+                    && ((o.state == ObjectState::Published && o.pins == 0 && !o.demoting)
+                        || matches!(o.state, ObjectState::Lower { .. }))
+            })
             .map(|(k, _)| *k)
             .collect();
         for k in &keys {
@@ -958,6 +1283,78 @@ mod tests {
         s.evict(Instant::now());
         assert!(s.groups[1].index.len() <= cap1 / 2, "{}", s.groups[1].index.len());
         assert!(group_reader(&s, 2).lookup(ObjectKey(7)).is_some(), "group 2 keeps its object");
+    }
+
+    /// Tier moves (issue #16): a demoting object stays loadable and is never chosen
+    /// twice or freed; a written one leaves DRAM unless a load pinned it meanwhile; a
+    /// promotion is exclusive (a second load waits) and a failed one is a miss that drops
+    /// the object and its SSD record; a promoted object goes back to SSD without a write.
+    #[test]
+    fn demotion_and_promotion_move_tiers_safely() {
+        use umbp_protocol::location::{encode, Tier};
+        let size = 64u64 << 10;
+        let mut s = store(4 << 20);
+        s.set_ssd_admission(crate::ssd::SsdAdmission::All);
+        for i in 0..10u128 {
+            assert!(publish(&mut s, 1, i, size));
+        }
+        let now = Instant::now();
+        assert!(matches!(s.reserve_load(ObjectKey(0), size), LoadReservation::Pinned { .. }));
+        assert_eq!(s.evict_to(0, now), 9, "all but the pinned one");
+        let d = s.take_demotions();
+        assert_eq!(d.len(), 9);
+        assert_eq!(s.evict_to(0, now), 0, "demoting objects count as gone and are not chosen again");
+        assert_eq!(s.allocated_bytes(), 10 * size, "nothing freed while being written");
+        assert_eq!(s.reset_namespace(1), 0, "a reset skips objects in a tier move");
+        // Loadable while demoting; key 1 stays pinned through its demotion.
+        assert!(matches!(s.reserve_load(ObjectKey(1), size), LoadReservation::Pinned { .. }));
+        for x in &d {
+            let w = if x.key.key == ObjectKey(9) { Err(()) } else { Ok(3) };
+            s.finish_demotion(x.key, w, now);
+        }
+        let r = reader(&s);
+        assert_eq!(r.lookup(ObjectKey(2)), Some(encode(Tier::Ssd, 3)));
+        assert!(r.lookup(ObjectKey(1)).is_some_and(|l| l < encode(Tier::Ssd, 0)), "pinned: still DRAM");
+        assert_eq!(r.lookup(ObjectKey(9)), None, "failed demotion: dropped");
+        assert_eq!(s.allocated_bytes(), 2 * size);
+        let t = s.tier_stats();
+        assert_eq!((t.objects[0], t.objects[1], t.demotions, t.demotion_failures), (2, 7, 8, 1));
+        // A lower object: not stored again, loads must promote it.
+        assert_eq!(s.reserve_store(1, ObjectKey(2), size, 1), StoreReservation::AlreadyPresent);
+        assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Lower { tier: Tier::Ssd });
+        assert_eq!(s.reserve_load(ObjectKey(2), 2 * size), LoadReservation::SizeMismatch { stored: size });
+        let (offset, tier, ns) = s.begin_promotion(ObjectKey(2)).unwrap();
+        assert_eq!((tier, ns), (Tier::Ssd, 1));
+        assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Promoting, "a second load waits");
+        assert!(s.begin_promotion(ObjectKey(2)).is_none(), "never fetched twice");
+        assert_eq!(s.evict_to(0, now), 0, "a promoting object is pinned");
+        assert!(s.finish_promotion(ObjectKey(2), true));
+        assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(offset));
+        s.finish_load(ObjectKey(2));
+        // Back to SSD without a write: its record is still there.
+        s.finish_load(ObjectKey(0));
+        s.finish_load(ObjectKey(1));
+        assert_eq!(s.evict_to(0, now), 3);
+        assert_eq!(s.take_demotions().len(), 1, "key 0 is written; keys 1 (written while pinned) and 2 are not");
+        assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(encode(Tier::Ssd, 3)));
+        assert_eq!(reader(&s).lookup(ObjectKey(1)), Some(encode(Tier::Ssd, 3)));
+        assert_eq!(s.tier_stats().clean_demotions, 2);
+        // A failed promotion is a miss: the object and its record go.
+        s.take_ssd_drops();
+        s.begin_promotion(ObjectKey(3)).unwrap();
+        assert!(!s.finish_promotion(ObjectKey(3), false));
+        assert_eq!(reader(&s).lookup(ObjectKey(3)), None);
+        assert_eq!(s.reserve_load(ObjectKey(3), size), LoadReservation::Missing);
+        assert_eq!(s.take_ssd_drops(), vec![(ObjectKey(3), 1)]);
+        // Records the SSD store dropped for room take their SSD-only objects along.
+        let groups = crate::groups::TenantGroups::single();
+        s.ssd_records_gone(&[(ObjectKey(4), 1), (ObjectKey(5), 2)], &groups);
+        assert_eq!(reader(&s).lookup(ObjectKey(4)), None);
+        assert!(reader(&s).lookup(ObjectKey(5)).is_some(), "another namespace's record: not this object");
+        // A reset drops lower objects too, and queues their records' removal.
+        let before = s.published_count();
+        assert_eq!(s.reset_namespace(1), before - 1, "all but the demoting one");
+        assert_eq!(s.take_ssd_drops().len() as u64, before - 1);
     }
 
     fn publish_in(s: &mut ObjectStore, group: u32, ns: u128, key: u128, size: u64) -> bool {

@@ -52,6 +52,67 @@ pub struct PoolReport {
     /// opened; empty without GPU registrations.
     #[serde(default)]
     pub gpu_engines: Vec<GpuEngineReport>,
+    /// The SSD tier (docs/ssd.md); None: the pool has no SSD directory.
+    #[serde(default)]
+    pub ssd: Option<SsdReport>,
+    /// Published objects by tier, all groups (what the indexes list).
+    #[serde(default)]
+    pub tiers: TierCounts,
+}
+
+/// Objects the indexes list, by tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierCounts {
+    /// Published in DRAM (loads copy from there).
+    pub dram: u64,
+    /// On SSD only (a load promotes them to DRAM first).
+    pub ssd: u64,
+    /// Held by another node (issue #17).
+    #[serde(default)]
+    pub remote: u64,
+}
+
+/// The SSD tier: what it holds, what moved, what failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SsdReport {
+    /// The directories (one shard per drive), in shard order.
+    pub dirs: Vec<String>,
+    /// Objects the tier holds (live records).
+    pub objects: u64,
+    /// Bytes of segment files in use (records, footers, dead records not yet reclaimed).
+    pub bytes: u64,
+    /// Bytes of live records.
+    pub live_bytes: u64,
+    pub capacity_bytes: u64,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+    /// The admission policy (`all`, `hit`, `never`, `hit-or-young:SECONDS`).
+    pub admission: String,
+    pub direct_io: bool,
+    pub io_uring: bool,
+    /// Objects written to SSD when evicted from DRAM.
+    pub demotions: u64,
+    pub demoted_bytes: u64,
+    /// Evicted objects the admission policy did not admit (dropped).
+    pub not_admitted: u64,
+    /// Demotions that failed (disk full, I/O error, no room): those objects were dropped.
+    pub demotion_failures: u64,
+    /// Objects brought back into DRAM by loads.
+    pub promotions: u64,
+    pub promoted_bytes: u64,
+    /// Promotions that found no readable record (I/O error, bad CRC, dropped meanwhile): misses.
+    pub promotion_failures: u64,
+    /// Reads whose CRC32C did not match (served as misses).
+    pub crc_misses: u64,
+    pub read_errors: u64,
+    pub write_errors: u64,
+    /// Objects the tier dropped for room (oldest segments first).
+    pub evicted_objects: u64,
+    pub compactions: u64,
+    /// Objects listed in the indexes at start from the segments (warm restart).
+    pub restored_objects: u64,
+    pub torn_records_skipped: u64,
+    pub rebuild_ms: f64,
 }
 
 /// One GPU copy engine's counters (`umbp_gpu::EngineStats`).
@@ -366,6 +427,7 @@ display_as_json!(
     AttachmentReport,
     CountersReport,
     Phases,
+    SsdReport,
     TenantReport
 );
 

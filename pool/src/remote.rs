@@ -1,31 +1,40 @@
 //! The pool's side of the cluster tier seam (docs/cluster.md). The pool knows no NIXL and
 //! no peers: a cluster implementation (`umbp-cluster`) gets a [`ClusterAccess`] from
 //! [`crate::Pool::cluster_access`] to register the DRAM, pin objects for peers' reads,
-//! list and follow this pool's keys and mirror peers' keys as remote index entries; and
-//! installs a [`RemoteTier`] through which a load of a remote entry pulls the object.
+//! list and follow this pool's keys, mirror peers' keys as `Lower { Remote }` objects, and
+//! install the [`TierSource`] that loads of those promote through (tier.rs: the same seam
+//! as the SSD tier; `Tiers::remote` is a [`RemoteSlot`] filled once the cluster starts).
 //! The cluster tier serves tenant group 0 (pools without `--namespace-acl`).
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use umbp_ipc::SharedMemory;
 use umbp_protocol::ObjectKey;
 
-use crate::objects::{GroupKey, LoadReservation, StoreReservation};
+use crate::objects::LoadReservation;
+pub use crate::tier::{FetchItem, TierSource};
 use crate::PoolInner;
 
-/// A failed remote fetch; the block's load fails and the engine recomputes.
-#[derive(Debug, Clone)]
-pub struct RemoteFetchError {
-    pub message: String,
-    /// The transfer may still write the destination (timeout): never reuse it.
-    pub tainted: bool,
+/// `Tiers::remote` of every pool: empty (every fetch misses) until a cluster installs its
+/// source.
+#[derive(Clone, Default)]
+pub struct RemoteSlot(Arc<OnceLock<Arc<dyn TierSource>>>);
+
+impl TierSource for RemoteSlot {
+    fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
+        match self.0.get() {
+            Some(s) => s.fetch(items),
+            None => vec![false; items.len()],
+        }
+    }
 }
 
-/// Pulls peers' objects into this pool's DRAM (implemented by the cluster tier).
-pub trait RemoteTier: Send + Sync {
-    /// Fetches group-0 `key` (`size` bytes) into `dest`, a reserved, unpublished range of
-    /// this pool's DRAM; returns the object's namespace at its holder. Bounded in time.
-    fn fetch(&self, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, RemoteFetchError>;
+/// One published object of this pool, as the cluster advertises it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldObject {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub namespace: u128,
 }
 
 /// What the cluster tier may do to a running pool.
@@ -46,14 +55,15 @@ impl ClusterAccess {
     }
 
     /// Pins a published group-0 DRAM object of `size` bytes for a peer's read; returns its
-    /// DRAM offset and namespace.
+    /// DRAM offset and namespace. Objects on a lower tier are not served (a peer would
+    /// have to wait for a promotion here).
     pub fn pin(&self, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
         let mut store = self.inner.store.lock().expect("store lock");
         let ns = store.namespace_of(key).unwrap_or_default();
         match store.reserve_load(key, size) {
             LoadReservation::Pinned { offset } => Ok((offset, ns)),
-            LoadReservation::Missing => Err(format!("key {:032x} not held in DRAM", key.0)),
             LoadReservation::SizeMismatch { stored } => Err(format!("key {:032x} is {stored} bytes, not {size}", key.0)),
+            other => Err(format!("key {:032x} not in DRAM here ({other:?})", key.0)),
         }
     }
 
@@ -61,9 +71,14 @@ impl ClusterAccess {
         self.inner.store.lock().expect("store lock").finish_load(key);
     }
 
-    /// Keys of group 0's published objects.
-    pub fn published_keys(&self) -> Vec<ObjectKey> {
-        self.inner.store.lock().expect("store lock").published_keys(0)
+    /// Group 0's objects published in DRAM.
+    pub fn dram_objects(&self) -> Vec<HeldObject> {
+        self.inner.store.lock().expect("store lock").dram_objects(0)
+    }
+
+    /// Size and namespace of group-0 `key` if it is published in DRAM here.
+    pub fn dram_object(&self, key: ObjectKey) -> Option<HeldObject> {
+        self.inner.store.lock().expect("store lock").dram_object(0, key)
     }
 
     /// Group 0's KV event log (the change stream the cluster follows).
@@ -71,66 +86,25 @@ impl ClusterAccess {
         self.inner.group_mem[0].events_mem.clone()
     }
 
-    /// Mirrors a peer's key (`peer`: the location payload) in group 0's index.
-    pub fn insert_remote(&self, key: ObjectKey, peer: u64) -> bool {
-        self.inner.store.lock().expect("store lock").insert_remote(key, peer)
+    /// Mirrors a peer's key in group 0 as a `Lower { Remote }` object (index entry marked
+    /// remote, KV event `Stored(remote)`); false if held here in any form or no index room.
+    pub fn insert_remote(&self, o: HeldObject) -> bool {
+        self.inner.store.lock().expect("store lock").insert_remote(o)
     }
 
+    /// Drops group-0 `key` if it is (still) a remote-only object.
     pub fn remove_remote(&self, key: ObjectKey) -> bool {
         self.inner.store.lock().expect("store lock").remove_remote(key)
     }
 
-    pub fn is_remote(&self, key: ObjectKey) -> bool {
-        self.inner.store.lock().expect("store lock").is_remote(key)
+    /// A promotion from the remote tier whose destination a transfer may still write
+    /// (timeout): the object leaves the pool and its DRAM is never handed out again.
+    pub fn abandon_promotion(&self, key: ObjectKey) -> u64 {
+        self.inner.store.lock().expect("store lock").abandon_promotion(key)
     }
 
-    /// Installs the tier loads of remote entries go through (once).
-    pub fn set_remote_tier(&self, tier: Arc<dyn RemoteTier>) -> bool {
-        self.inner.remote_tier.set(tier).is_ok()
-    }
-
-    /// Pulls remote `key` into a fresh local object (reserved under `namespace`, the
-    /// loader's), publishes it (the copy replaces the remote entry) and returns whether it
-    /// is now held here. No lock is held during the fetch.
-    pub fn promote(&self, namespace: u128, key: ObjectKey, size: u64, owner: u32) -> Result<bool, RemoteFetchError> {
-        promote(&self.inner, namespace, key, size, owner)
-    }
-}
-
-/// See [`ClusterAccess::promote`]; the load path calls this for a remote entry.
-pub(crate) fn promote(inner: &PoolInner, namespace: u128, key: ObjectKey, size: u64, owner: u32) -> Result<bool, RemoteFetchError> {
-    let Some(tier) = inner.remote_tier.get() else {
-        return Err(RemoteFetchError { message: "no cluster tier in this pool".into(), tainted: false });
-    };
-    let gk = GroupKey::from(key);
-    let offset = {
-        let mut store = inner.store.lock().expect("store lock");
-        if !store.is_remote(key) {
-            return Ok(store.namespace_of(gk).is_some()); // raced: held here now, or gone
-        }
-        match store.reserve_store(namespace, gk, size, owner) {
-            StoreReservation::Reserved { offset } => offset,
-            StoreReservation::AlreadyPresent => return Ok(true),
-            StoreReservation::NoRoom => {
-                inner.wake_evictor();
-                return Err(RemoteFetchError { message: "no DRAM room for a remote object".into(), tainted: false });
-            }
-        }
-    };
-    // SAFETY: [offset, offset+size) was just reserved for this object; nothing else reads
-    // or writes it until finish_store/quarantine below.
-    let dest = unsafe { inner.dram.base().add(offset as usize) };
-    let r = tier.fetch(key, size, dest);
-    let mut store = inner.store.lock().expect("store lock");
-    match r {
-        Ok(_) => Ok(store.finish_store(gk, true)),
-        Err(e) => {
-            if e.tainted {
-                store.quarantine(gk);
-            } else {
-                store.finish_store(gk, false);
-            }
-            Err(e)
-        }
+    /// Installs the source loads of remote objects promote through (once).
+    pub fn set_remote_source(&self, source: Arc<dyn TierSource>) -> bool {
+        self.inner.remote_source.0.set(source).is_ok()
     }
 }

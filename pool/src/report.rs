@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::attachment::Attachment;
 use crate::objects::ObjectStore;
 use crate::pool_report::{
-    GpuEngineReport,
+    GpuEngineReport, SsdReport, TierCounts,
     AttachmentReport, EventsReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report,
     TenantPool, TenantReport, TenantScope,
 };
@@ -139,12 +139,14 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
 }
 
 pub fn build(inner: &PoolInner) -> PoolReport {
-    let (pool, namespaces, group_events) = {
+    let (pool, namespaces, group_events, tier_stats) = {
         let store = inner.store.lock().expect("store lock");
         let namespaces: Vec<_> = store.namespaces().iter().map(|(ns, u)| namespace(*ns, *u)).collect();
         let group_events: Vec<u64> = (0..store.group_count() as u32).map(|g| store.group_events_written(g)).collect();
-        (pool_section(inner, &store), namespaces, group_events)
+        (pool_section(inner, &store), namespaces, group_events, store.tier_stats())
     };
+    // The SSD store's own locks, never under the store lock.
+    let ssd = inner.tiers.ssd.as_deref().map(|t| ssd_report(t, &tier_stats));
     // Summed over the tenant groups' indexes; each group's in `groups`.
     let (index, groups, events_region_bytes) = crate::group_report::build(inner, &group_events);
     // Snapshot the list first: no attachment's locks are taken under `attachments`.
@@ -168,6 +170,40 @@ pub fn build(inner: &PoolInner) -> PoolReport {
         attachments: list.iter().map(|a| attachment(a)).collect(),
         counters: inner.counters.snapshot(),
         gpu_engines: gpu_engines(),
+        ssd,
+        tiers: TierCounts { dram: tier_stats.objects[0], ssd: tier_stats.objects[1], remote: tier_stats.objects[2] },
+    }
+}
+
+/// The SSD tier's section: the store's state and counters and the demoter's.
+pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::objects::TierStats) -> SsdReport {
+    let st = t.store.stats();
+    SsdReport {
+        dirs: t.config.dirs.iter().map(|d| d.display().to_string()).collect(),
+        objects: st.objects,
+        bytes: st.used_bytes,
+        live_bytes: st.live_bytes,
+        capacity_bytes: st.capacity_bytes,
+        high_watermark: t.config.high_watermark,
+        low_watermark: t.config.low_watermark,
+        admission: t.config.admission.to_string(),
+        direct_io: st.direct_io,
+        io_uring: st.io_uring,
+        demotions: ts.demotions,
+        demoted_bytes: ts.demoted_bytes,
+        not_admitted: ts.not_admitted,
+        demotion_failures: ts.demotion_failures,
+        promotions: ts.promotions,
+        promoted_bytes: ts.promoted_bytes,
+        promotion_failures: ts.promotion_failures,
+        crc_misses: st.crc_failures,
+        read_errors: st.read_errors,
+        write_errors: st.write_errors,
+        evicted_objects: st.evicted_objects,
+        compactions: st.compactions,
+        restored_objects: ts.restored,
+        torn_records_skipped: st.torn_records_skipped,
+        rebuild_ms: st.rebuild_ms,
     }
 }
 

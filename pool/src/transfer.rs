@@ -400,6 +400,8 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
     let strict = !inner.config.namespace_acl.is_empty();
     let mut store = inner.store.lock().expect("store lock");
     let mut no_room = false;
+    // Loads of objects on a lower tier: promoted (fetched into DRAM) below, outside the lock.
+    let mut lower: Vec<Candidate> = Vec::new();
     for c in candidates {
         let block = |offset| JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset };
         // Objects are (tenant group, key): another group's object of the same key is
@@ -426,12 +428,112 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
                     tracing::debug!(attachment = att.id, stored, wanted = size, "object size differs from the loader's layout");
                     statuses[c.index] = BlockStatus::Failed;
                 }
+                LoadReservation::Lower { .. } | LoadReservation::Promoting => lower.push(*c),
             },
             Opcode::Nop => {}
         }
     }
     if op == Opcode::Store && (store.needs_eviction() || no_room) {
         inner.wake_evictor();
+    }
+    drop(store);
+    if !lower.is_empty() {
+        promote(inner, att, size, lower, blocks, statuses);
+    }
+}
+
+/// How long a load waits for another load's promotion of the same object, or for DRAM
+/// to promote into, before the block is a miss.
+const PROMOTION_WAIT: Duration = Duration::from_secs(2);
+
+/// Brings the load's blocks that are on a lower tier into DRAM (tier.rs, the seam): under
+/// the store lock each gets a DRAM allocation and is marked promoting (pinned for this
+/// load); outside it, the tier's source fetches the bytes; under the lock again each is
+/// published in DRAM (or dropped: a miss). A block another load is promoting is waited
+/// for (never fetched twice, never freed under a reader). Runs on this load's copy
+/// thread before its copies; the peer's share of copy threads bounds what it holds.
+fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Candidate>, blocks: &mut Vec<JobBlock>, statuses: &mut [BlockStatus]) {
+    let deadline = Instant::now() + PROMOTION_WAIT;
+    let mut first = true;
+    while !waiting.is_empty() {
+        if !first {
+            if Instant::now() >= deadline || !att.is_alive() || inner.is_shutting_down() {
+                break;
+            }
+            std::thread::sleep(Duration::from_micros(500));
+        }
+        first = false;
+        // (candidate, DRAM offset, tier) of each promotion this load runs now.
+        let mut mine: Vec<(Candidate, u64, umbp_protocol::location::Tier, u128)> = Vec::new();
+        let mut still = Vec::new();
+        let mut no_room = false;
+        {
+            let mut store = inner.store.lock().expect("store lock");
+            for c in waiting.drain(..) {
+                let key = GroupKey::new(att.group, c.key);
+                match store.reserve_load(key, size) {
+                    LoadReservation::Pinned { offset } => {
+                        blocks.push(JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset })
+                    }
+                    LoadReservation::Missing => statuses[c.index] = BlockStatus::Missing,
+                    LoadReservation::SizeMismatch { .. } => statuses[c.index] = BlockStatus::Failed,
+                    LoadReservation::Promoting => still.push(c),
+                    LoadReservation::Lower { tier } if inner.tiers.source(tier).is_none() => statuses[c.index] = BlockStatus::Missing,
+                    LoadReservation::Lower { .. } => match store.begin_promotion(key) {
+                        Some((offset, tier, namespace)) => mine.push((c, offset, tier, namespace)),
+                        None => {
+                            no_room = true;
+                            still.push(c);
+                        }
+                    },
+                }
+            }
+        }
+        if no_room || !mine.is_empty() {
+            inner.wake_evictor();
+        }
+        waiting = still;
+        if mine.is_empty() {
+            continue;
+        }
+        let mut fetched = vec![false; mine.len()];
+        for tier in umbp_protocol::location::Tier::ALL {
+            let idx: Vec<usize> = (0..mine.len()).filter(|&i| mine[i].2 == tier).collect();
+            let Some(source) = inner.tiers.source(tier) else { continue };
+            if idx.is_empty() {
+                continue;
+            }
+            let base = inner.dram.base();
+            let mut items: Vec<crate::tier::FetchItem<'_>> = idx
+                .iter()
+                .map(|&i| crate::tier::FetchItem {
+                    key: mine[i].0.key,
+                    namespace: mine[i].3,
+                    // SAFETY: `begin_promotion` allocated these `size` bytes of DRAM to
+                    // this object and marked it promoting, pinned by this load: no other
+                    // object shares them, no copy reads them (loads of it wait) and
+                    // nothing frees them until `finish_promotion` below. Distinct
+                    // objects' allocations do not overlap, so the slices are disjoint.
+                    dst: unsafe { std::slice::from_raw_parts_mut(base.add(mine[i].1 as usize), size as usize) },
+                })
+                .collect();
+            let ok = source.fetch(&mut items);
+            for (&i, ok) in idx.iter().zip(ok) {
+                fetched[i] = ok;
+            }
+        }
+        let mut store = inner.store.lock().expect("store lock");
+        for ((c, offset, _, _), ok) in mine.into_iter().zip(fetched) {
+            if store.finish_promotion(GroupKey::new(att.group, c.key), ok) {
+                blocks.push(JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset });
+            } else {
+                statuses[c.index] = BlockStatus::Missing;
+            }
+        }
+    }
+    for c in waiting {
+        tracing::debug!(attachment = att.id, key = %format_args!("{:032x}", c.key.0), "promotion not done in time (another load's, or no DRAM free): a miss");
+        statuses[c.index] = BlockStatus::Missing;
     }
 }
 

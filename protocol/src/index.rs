@@ -597,6 +597,14 @@ impl<'a> IndexWriter<'a> {
         Ok(Insert::Inserted)
     }
 
+    /// Rewrites the location of a present key in place (a tier move: readers see the old
+    /// or the new location, never a miss). Returns whether the key was present.
+    pub fn set_location(&mut self, key: ObjectKey, location: u64) -> bool {
+        let Some(i) = self.find(key).0 else { return false };
+        Self::write_slot(&self.active()[i], SLOT_FULL, key, location);
+        true
+    }
+
     /// Removes `key`, leaving a tombstone; returns its location.
     pub fn remove(&mut self, key: ObjectKey) -> Option<u64> {
         let i = self.find(key).0?;

@@ -1,7 +1,8 @@
-"""umbp.sglang against SGLang's real classes: its CPU host KV pool (MHATokenToKVPoolHost),
-its page hash function, and its backend factory (`--hicache-storage-backend dynamic`),
-attached to a real `umbp-pool` process. No SGLang engine runs (no CPU engine here); the
-HiCache controller's calls (batch_exists, batch_get_v1, batch_set_v1) are made directly.
+"""umbp.sglang against SGLang's real classes, attached to a real `umbp-pool` process: its
+HiCacheController and HybridCacheController (storage threads running, CPU device pool),
+its CPU host pools (MHATokenToKVPoolHost, MambaPoolHost), its page hash function and its
+backend factory (`--hicache-storage-backend dynamic`). No SGLang engine runs (SGLang's CPU
+engine needs the CPU build of sgl_kernel, which is not on PyPI; docs/sglang.md).
 
 Skipped, with the reason printed, when SGLang is not importable (CI's venv has no SGLang;
 scripts/setup-sglang-env.sh makes one that has it).
@@ -27,13 +28,16 @@ if importlib.util.find_spec("sglang") is None:
 import torch  # noqa: E402
 
 import sglang_host as sh  # noqa: E402
+from conftest import _ADD_PY_DIR  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 
 
 def _driver(*args: str, timeout: float = 300) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), str(HERE), env.get("PYTHONPATH", "")])
+    # The source tree only where umbp is not installed (a source tree has no _native module).
+    path = [str(HERE)] + ([str(HERE.parent)] if _ADD_PY_DIR else []) + [env.get("PYTHONPATH", "")]
+    env["PYTHONPATH"] = os.pathsep.join(path)
     r = subprocess.run([sys.executable, "-W", "ignore", str(HERE / "sglang_host.py"), *args],
                        env=env, capture_output=True, text=True, timeout=timeout)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -224,3 +228,205 @@ def test_bad_options_are_refused_with_the_key(pool_factory) -> None:
         sh.make_backend(hp, sh.umbp_extra(str(pool.socket_path), timeout_ms="soon"))
     with pytest.raises(RuntimeError, match="cannot reach the pool at '/nonexistent/umbp.sock'"):
         sh.make_backend(hp, sh.umbp_extra("/nonexistent/umbp.sock", startup_timeout_ms=200))
+
+
+# -- SGLang's own HiCacheController drives the backend ------------------------------------
+def test_controller_backup_in_one_process_prefetch_in_another(pool_factory) -> None:
+    """SGLang's HiCacheController (real device pool, allocator, host pool, storage threads)
+    loads our backend through `attach_storage_backend("dynamic", ...)`; one process backs up
+    5 pages (write_storage -> backup thread -> batch_set_v1), another prefetches them
+    (prefetch thread's batch_exists, io thread's batch_get_v1): all hit, byte-exact."""
+    pool = pool_factory()
+    w = _driver("ctl-store", str(pool.socket_path), "page_first", "51", "5")
+    assert w["backend"] == "UMBPHiCacheStorage" and w["zero_copy"] is True
+    assert w["completed_tokens"] == 5 * sh.PAGE
+    r = _driver("ctl-load", str(pool.socket_path), "page_first", "51", "5")
+    assert r["pid"] != w["pid"]
+    assert r["hit_tokens"] == 5 * sh.PAGE and r["completed_tokens"] == 5 * sh.PAGE
+    assert r["exact"] == [True] * 5
+    m = _driver("ctl-load", str(pool.socket_path), "page_first", "52", "3")
+    assert m["hit_tokens"] == 0 and m["completed_tokens"] == 0
+
+
+def test_controller_with_dead_pool_misses_and_backs_up_nothing(pool_factory) -> None:
+    """The pool dies under a running HiCacheController: its prefetch finds no hit and its
+    backup completes no token; no exception reaches the controller's threads (they stay
+    alive and serve the next operation once the pool is back)."""
+    pool = pool_factory()
+    hp = sh.host_pool("page_first")
+    cc = sh.controller(hp, sh.umbp_extra(str(pool.socket_path), timeout_ms=500))
+    try:
+        toks = sh.tokens_of(61, 3)
+        idx = hp.alloc(3 * hp.page_size)
+        sh.fill_pages(hp, idx, 61)
+        assert sh.controller_backup(cc, idx, toks) == 3 * sh.PAGE
+        assert sh.controller_prefetch(cc, toks)[:2] == (3 * sh.PAGE, 3 * sh.PAGE)
+        pool.kill()
+        t0 = time.monotonic()
+        assert sh.controller_prefetch(cc, toks) == (0, 0, None)
+        assert sh.controller_backup(cc, idx, sh.tokens_of(62, 3)) == 0
+        assert time.monotonic() - t0 < 15, "a dead pool must not stall the controller"
+        assert cc.prefetch_thread.is_alive() and cc.backup_thread.is_alive()
+        pool.start()
+        deadline = time.monotonic() + 30
+        done = 0
+        while time.monotonic() < deadline and done == 0:
+            done = sh.controller_backup(cc, idx, toks)
+            time.sleep(0.2)
+        assert done == 3 * sh.PAGE, "the controller's backend did not re-attach to the restarted pool"
+        # The index re-attaches on a lookup once its backoff (at most 2 s) has passed.
+        hit = got = 0
+        while time.monotonic() < deadline + 10 and hit == 0:
+            hit, got, dst = sh.controller_prefetch(cc, toks)
+        assert (hit, got) == (3 * sh.PAGE, 3 * sh.PAGE)
+        assert _exact(hp, idx, hp, dst, 3)
+    finally:
+        cc.detach_storage_backend()
+
+
+# -- v2 (pool-aware) forms: KV plus Mamba and SWA host pools -------------------------------
+def _hybrid(sock: str, side_state: bool = False, mamba_layers: int = 2):
+    """A backend as SGLang's hybrid controller attaches it: KV anchor, then the extra pools
+    through register_mem_host_pool_v2, then on_host_pools_registered."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+    kv, swa, mamba = sh.host_pool("page_first"), sh.host_pool("page_first"), sh.mamba_pool(layers=mamba_layers, side_state=side_state)
+    extra = sh.umbp_extra(sock)
+    b = StorageBackendFactory.create_backend("dynamic", sh.storage_config(extra), kv)
+    b.register_mem_pool_host(kv)
+    b.register_mem_host_pool_v2(kv, PoolName.KV)
+    b.register_mem_host_pool_v2(swa, PoolName.SWA)
+    b.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    b.on_host_pools_registered()
+    return b, kv, swa, mamba
+
+
+def _fill_flat(hp, idx, seed: int) -> None:
+    ps = hp.page_size
+    for i in range(0, idx.numel(), ps):
+        g = torch.Generator().manual_seed(seed * 7919 + i)
+        page = hp.get_dummy_flat_data_page()
+        raw = torch.randint(0, 256, (page.numel() * page.element_size(),), generator=g, dtype=torch.int32)
+        hp.set_from_flat_data_page(int(idx[i]), raw.to(torch.uint8).view(page.dtype))
+
+
+def _flat(hp, idx) -> list[bytes]:
+    ps = hp.page_size
+    return [hp.get_data_page(int(idx[i]), flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+            for i in range(0, idx.numel(), ps)]
+
+
+def test_v2_kv_swa_mamba_roundtrip_and_hit_policies(pool_factory) -> None:
+    """batch_set_v2 / batch_exists_v2 / batch_get_v2 with real SGLang host pools: KV (4
+    pages), SWA (the last 2 pages: TRAILING_PAGES), Mamba (one state slot for the last page:
+    TRAILING_PAGES) stored by one backend, found and loaded byte-exact by another."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = pool_factory()
+    a, kva, swaa, ma = _hybrid(str(pool.socket_path))
+    b, kvb, swab, mb = _hybrid(str(pool.socket_path))
+    assert a.pools["mamba"].group != a.pools["swa"].group != a.pools["kv"].group
+    keys = sh.page_hashes(sh.tokens_of(71, 4))
+    ik, isw, im = kva.alloc(4 * sh.PAGE), swaa.alloc(2 * sh.PAGE), ma.alloc(1)
+    sh.fill_pages(kva, ik, 71)
+    _fill_flat(swaa, isw, 72)
+    _fill_flat(ma, im, 73)
+    res = a.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=ik, keys=keys),
+                          PoolTransfer(PoolName.SWA, host_indices=isw, keys=keys[2:]),
+                          PoolTransfer(PoolName.MAMBA, host_indices=im, keys=keys[3:])])
+    assert res == {PoolName.KV: [True] * 4, PoolName.SWA: [True] * 2, PoolName.MAMBA: [True]}
+
+    def query(ks, swa_keys, mamba_keys, swa_policy=PoolHitPolicy.TRAILING_PAGES):
+        return b.batch_exists_v2(ks, [PoolTransfer(PoolName.SWA, keys=swa_keys, hit_policy=swa_policy),
+                                      PoolTransfer(PoolName.MAMBA, keys=mamba_keys,
+                                                   hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+
+    r = query(keys, keys[2:], keys[3:])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (4, [4])
+    assert r.extra_pool_hit_pages == {"kv": 4, "swa": 4, "mamba": 4}
+    # A 3-page prefix has no Mamba state at its end: not restorable.
+    r = query(keys[:3], keys[1:3], keys[2:3])
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (0, [])
+    # ALL_PAGES for SWA: pages 0 and 1 have no SWA object, so no prefix qualifies.
+    assert query(keys, keys, keys[3:], PoolHitPolicy.ALL_PAGES).kv_hit_pages == 0
+    # Nothing of another request.
+    assert query(sh.page_hashes(sh.tokens_of(74, 2)), [], []).kv_hit_pages == 0
+
+    jk, jsw, jm = kvb.alloc(4 * sh.PAGE), swab.alloc(2 * sh.PAGE), mb.alloc(1)
+    got = b.batch_get_v2([PoolTransfer(PoolName.KV, host_indices=jk, keys=keys),
+                          PoolTransfer(PoolName.SWA, host_indices=jsw, keys=keys[2:]),
+                          PoolTransfer(PoolName.MAMBA, host_indices=jm, keys=keys[3:])])
+    assert got == {PoolName.KV: [True] * 4, PoolName.SWA: [True] * 2, PoolName.MAMBA: [True]}
+    assert _exact(kva, ik, kvb, jk, 4)
+    assert _flat(swab, jsw) == _flat(swaa, isw)
+    assert _flat(mb, jm) == _flat(ma, im)
+    # A Mamba slot is not an SWA page: same hash, other pool, other object (a miss).
+    assert b.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=mb.alloc(1), keys=keys[2:3])]) == \
+        {PoolName.MAMBA: [False]}
+
+
+def test_v2_pools_that_cannot_be_stored_are_refused_by_name(pool_factory) -> None:
+    """A Mamba pool with registered side states has no zero-copy page description: the
+    registration (hence SGLang's attach) fails naming the pool; a pool never registered is
+    named by the v2 calls (exists raises; get/set report failure), nothing is stored."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = pool_factory()
+    with pytest.raises(ValueError, match="cannot store SGLang's mamba pool \\(MambaPoolHost\\)"):
+        _hybrid(str(pool.socket_path), side_state=True)
+    hp = sh.host_pool("page_first")
+    b = sh.make_backend(hp, sh.umbp_extra(str(pool.socket_path)))
+    keys = sh.page_hashes(sh.tokens_of(81, 2))
+    idx = hp.alloc(2 * sh.PAGE)
+    assert b.batch_set_v1(keys, idx) == [True, True]
+    with pytest.raises(ValueError, match="indexer pool was never registered"):
+        b.batch_exists_v2(keys, [PoolTransfer(PoolName.INDEXER, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    assert b.batch_set_v2([PoolTransfer(PoolName.INDEXER, host_indices=idx, keys=keys)]) == \
+        {PoolName.INDEXER: [False, False]}
+    r = b.batch_exists_v2(keys)  # KV only: still the plain prefix
+    assert (r.kv_hit_pages, r.restorable_prefix_pages) == (2, [1, 2])
+
+
+def test_hybrid_controller_kv_and_mamba_state_across_processes(pool_factory) -> None:
+    """SGLang's HybridCacheController (the Mamba-hybrid path) with a KV + Mamba host pool
+    group: one process backs up 4 KV pages and the Mamba state of the last page
+    (batch_set_v2 + batch_set_v1); another prefetches (batch_exists_v2 with TRAILING_PAGES,
+    batch_get_v1, batch_get_v2): KV and Mamba hits, byte-exact KV pages and state. A
+    3-page prefix of the same tokens has no Mamba state at its end: no hit at all."""
+    pool = pool_factory()
+    s = str(pool.socket_path)
+    w = _driver("hyb-store", s, "page_first", "91", "4")
+    assert w["pools"] == ["kv", "mamba"] and w["completed_tokens"] == 4 * sh.PAGE
+    r = _driver("hyb-load", s, "page_first", "91", "4")
+    assert r["pid"] != w["pid"]
+    assert r["hit_tokens"] == 4 * sh.PAGE and r["pool_hits"] == {"kv": 4, "mamba": 4}
+    assert r["completed_tokens"] == 4 * sh.PAGE and r["exact"] == [True] * 4
+    assert r["mamba_pages"] == 1 and r["mamba_exact"] is True
+    m = _driver("hyb-load", s, "page_first", "91", "3")
+    assert m["hit_tokens"] == 0 and m["completed_tokens"] == 0
+
+
+def test_v2_extra_pools_of_other_shapes_share_nothing(pool_factory) -> None:
+    """Two deployments with the same KV namespace but Mamba states of different shapes (2
+    vs 3 layers): the KV pages are shared, the Mamba objects are not (a state of the wrong
+    shape is never loaded into a slot)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = pool_factory()
+    a, kva, _, ma = _hybrid(str(pool.socket_path))
+    b, kvb, _, mb = _hybrid(str(pool.socket_path), mamba_layers=3)
+    assert a.namespace == b.namespace and a.pools["mamba"].salt != b.pools["mamba"].salt
+    keys = sh.page_hashes(sh.tokens_of(95, 2))
+    ik, im = kva.alloc(2 * sh.PAGE), ma.alloc(1)
+    sh.fill_pages(kva, ik, 95)
+    _fill_flat(ma, im, 96)
+    assert a.batch_set_v2([PoolTransfer(PoolName.KV, host_indices=ik, keys=keys),
+                           PoolTransfer(PoolName.MAMBA, host_indices=im, keys=keys[1:])]) == \
+        {PoolName.KV: [True, True], PoolName.MAMBA: [True]}
+    mamba_q = [PoolTransfer(PoolName.MAMBA, keys=keys[1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)]
+    assert a.batch_exists_v2(keys, mamba_q).kv_hit_pages == 2
+    r = b.batch_exists_v2(keys, mamba_q)
+    assert b.batch_exists(keys) == 2 and r.kv_hit_pages == 0 and "mamba" not in r.extra_pool_hit_pages
+    assert b.batch_get_v2([PoolTransfer(PoolName.MAMBA, host_indices=mb.alloc(1), keys=keys[1:])]) == \
+        {PoolName.MAMBA: [False]}

@@ -177,12 +177,101 @@ struct Args {
     /// trusted network. A bad or busy address stops the pool at start.
     #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "[HOST:]PORT")]
     metrics_addr: Option<String>,
+    /// A directory for the SSD tier below DRAM, one per drive (repeatable; the environment
+    /// variable takes a comma-separated list). Objects evicted from DRAM that the admission
+    /// policy admits are written there and loaded back from there; a restart on the same
+    /// directories (same order) serves them again. Each must exist and be writable
+    /// [default: no SSD tier].
+    #[arg(long = "ssd-dir", env = "UMBP_SSD_DIR", value_name = "PATH", value_delimiter = ',', help_heading = "SSD tier")]
+    ssd_dir: Vec<PathBuf>,
+    /// Bytes of segment files all SSD directories together may hold (split evenly), e.g.
+    /// 1TiB [default: half of the free space of the first directory's file system].
+    #[arg(long = "ssd-capacity", env = "UMBP_SSD_CAPACITY", value_name = "SIZE", help_heading = "SSD tier")]
+    ssd_capacity: Option<String>,
+    /// SSD occupancy above which a write first reclaims space (compaction, then the oldest segments).
+    #[arg(long = "ssd-high-watermark", env = "UMBP_SSD_HIGH_WM", value_name = "FRACTION", default_value = "0.95", help_heading = "SSD tier")]
+    ssd_high_wm: String,
+    /// SSD occupancy that reclaiming brings a drive back down to.
+    #[arg(long = "ssd-low-watermark", env = "UMBP_SSD_LOW_WM", value_name = "FRACTION", default_value = "0.85", help_heading = "SSD tier")]
+    ssd_low_wm: String,
+    /// Open segment files with O_DIRECT (where the file system refuses it, e.g. tmpfs, the
+    /// pool warns and uses buffered I/O); false: always buffered.
+    #[arg(long = "ssd-direct-io", env = "UMBP_SSD_DIRECT_IO", value_name = "BOOL", default_value = "true", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "SSD tier")]
+    ssd_direct_io: bool,
+    /// Which evicted objects are written to SSD: all, hit (loaded at least once), never,
+    /// hit-or-young (loaded, or stored less than 60 s before eviction) or
+    /// hit-or-young:SECONDS. Every write wears the drive.
+    #[arg(long = "ssd-admission", env = "UMBP_SSD_ADMISSION", value_name = "POLICY", default_value = "hit-or-young", help_heading = "SSD tier")]
+    ssd_admission: String,
+    /// Largest SSD segment file; an object must fit in one (multiple of 4KiB).
+    #[arg(long = "ssd-segment-size", env = "UMBP_SSD_SEGMENT_SIZE", value_name = "SIZE", default_value = "256MiB", help_heading = "SSD tier")]
+    ssd_segment_size: String,
+    /// io_uring entries (and registered buffers) per SSD directory: the I/O queue depth.
+    #[arg(long = "ssd-queue-depth", env = "UMBP_SSD_QUEUE_DEPTH", value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "SSD tier")]
+    ssd_queue_depth: u32,
     #[command(flatten)]
     cluster: cluster_flags::ClusterArgs,
 }
 
+/// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
+/// directory is checked now (exists, is a directory, writable) so a bad one stops the
+/// pool at start with the flag and path named.
+fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> {
+    let dirs: Vec<PathBuf> = args.ssd_dir.iter().filter(|d| !d.as_os_str().is_empty()).cloned().collect();
+    if dirs.is_empty() {
+        return Ok(None);
+    }
+    for d in &dirs {
+        check_ssd_dir(d)?;
+    }
+    let mut c = umbp_pool::ssd::SsdConfig { dirs, ..Default::default() };
+    c.high_watermark = parse_fraction("ssd-high-watermark (UMBP_SSD_HIGH_WM)", &args.ssd_high_wm)?;
+    c.low_watermark = parse_fraction("ssd-low-watermark (UMBP_SSD_LOW_WM)", &args.ssd_low_wm)?;
+    c.direct_io = args.ssd_direct_io;
+    c.admission = umbp_pool::ssd::SsdAdmission::parse("ssd-admission (UMBP_SSD_ADMISSION)", &args.ssd_admission)?;
+    c.segment_bytes = parse_size("ssd-segment-size (UMBP_SSD_SEGMENT_SIZE)", &args.ssd_segment_size)?;
+    c.queue_depth = args.ssd_queue_depth;
+    c.capacity_bytes = match &args.ssd_capacity {
+        Some(v) => parse_size("ssd-capacity (UMBP_SSD_CAPACITY)", v)?,
+        None => {
+            let free = free_bytes(&c.dirs[0])
+                .map_err(|e| anyhow::anyhow!("ssd-dir {}: statvfs: {e} (give --ssd-capacity)", c.dirs[0].display()))?;
+            (free / 2).max(c.segment_bytes * c.dirs.len() as u64)
+        }
+    };
+    Ok(Some(c))
+}
+
+/// An `--ssd-dir` must exist, be a directory and be writable by the pool.
+fn check_ssd_dir(d: &std::path::Path) -> anyhow::Result<()> {
+    let meta = std::fs::metadata(d).map_err(|e| anyhow::anyhow!("ssd-dir {}: {e} (create the directory first)", d.display()))?;
+    if !meta.is_dir() {
+        anyhow::bail!("ssd-dir {}: not a directory", d.display());
+    }
+    let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes())
+        .map_err(|_| anyhow::anyhow!("ssd-dir {}: path contains a NUL byte", d.display()))?;
+    // SAFETY: a valid NUL-terminated path.
+    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
+        let e = std::io::Error::last_os_error();
+        anyhow::bail!("ssd-dir {}: not writable by the pool: {e}", d.display());
+    }
+    Ok(())
+}
+
+/// Free bytes (for unprivileged users) of the file system holding `d`.
+fn free_bytes(d: &std::path::Path) -> std::io::Result<u64> {
+    let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
+    // SAFETY: all-zero is a valid statvfs (plain integers).
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a valid NUL-terminated path and a valid out pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
 fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
-    let mut c = PoolConfig::default();
+    let mut c = PoolConfig { ssd: ssd_config(&args)?, ..Default::default() };
     if let Some(s) = args.socket {
         c.socket_path = s;
     }
@@ -304,6 +393,12 @@ fn main() -> ExitCode {
     if umbp_pool::FAULT_INJECTION {
         tracing::warn!("this umbp-pool was built with the umbp-pool library's fault-injection feature (a test build); build it alone (`cargo build --release -p umbp-pool-daemon`) for production");
     }
+    if config.ssd.is_some() {
+        // A segment write past RLIMIT_FSIZE must fail with EFBIG (the object is not
+        // stored, docs/ssd.md) instead of killing the pool with SIGXFSZ.
+        // SAFETY: setting a signal's disposition to ignore has no memory preconditions.
+        unsafe { libc::signal(libc::SIGXFSZ, libc::SIG_IGN) };
+    }
     // Before any thread starts, so all inherit the mask and only the wait below sees it.
     let stop = umbp_pool::StopSignals::block();
     // PoolError's message carries its cause already: print it once, not the chain.
@@ -367,5 +462,64 @@ mod tests {
             let err = parse(&bad).unwrap_err().to_string();
             assert!(err.contains(bad[0]), "{bad:?}: {err}");
         }
+    }
+
+    /// The SSD flags reach the config; a missing directory, a file, a read-only directory
+    /// and bad values are refused naming the flag and the path.
+    #[test]
+    fn ssd_flags_reach_the_config_and_bad_dirs_are_named() {
+        let parse = |extra: &[&str]| Args::try_parse_from(["umbp-pool"].iter().chain(extra));
+        assert!(config_from(parse(&[]).unwrap()).unwrap().ssd.is_none());
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        let (pa, pb) = (a.path().to_str().unwrap(), b.path().to_str().unwrap());
+        let c = config_from(
+            parse(&[
+                "--ssd-dir", pa, "--ssd-dir", pb, "--ssd-capacity", "2GiB", "--ssd-high-watermark", "0.9",
+                "--ssd-low-watermark", "0.5", "--ssd-direct-io", "false", "--ssd-admission", "hit-or-young:5",
+                "--ssd-segment-size", "64MiB", "--ssd-queue-depth", "32",
+            ])
+            .unwrap(),
+        )
+        .unwrap()
+        .ssd
+        .unwrap();
+        assert_eq!(c.dirs, vec![a.path().to_path_buf(), b.path().to_path_buf()]);
+        assert_eq!((c.capacity_bytes, c.high_watermark, c.low_watermark, c.direct_io), (2 << 30, 0.9, 0.5, false));
+        assert_eq!((c.segment_bytes, c.queue_depth), (64 << 20, 32));
+        assert_eq!(c.admission, umbp_pool::ssd::SsdAdmission::HitOrYoung { young: std::time::Duration::from_secs(5) });
+        // Defaults: capacity from the free space, admission hit-or-young.
+        let c = config_from(parse(&["--ssd-dir", pa]).unwrap()).unwrap().ssd.unwrap();
+        assert!(c.capacity_bytes >= 256 << 20 && c.direct_io);
+        assert_eq!(c.admission, umbp_pool::ssd::SsdAdmission::default());
+        let err = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap_err().to_string();
+        let missing = a.path().join("nope");
+        let e = err(&["--ssd-dir", missing.to_str().unwrap()]);
+        assert!(e.contains("ssd-dir") && e.contains(missing.to_str().unwrap()) && e.contains("No such file"), "{e}");
+        let file = a.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        let e = err(&["--ssd-dir", file.to_str().unwrap()]);
+        assert!(e.contains("ssd-dir") && e.contains("not a directory"), "{e}");
+        let e = err(&["--ssd-dir", pa, "--ssd-admission", "sometimes"]);
+        assert!(e.contains("ssd-admission"), "{e}");
+        let e = err(&["--ssd-dir", pa, "--ssd-capacity", "1MiB"]);
+        assert!(e.contains("ssd-capacity"), "{e}");
+        let e = err(&["--ssd-dir", pa, "--ssd-capacity", "1GiB", "--ssd-high-watermark", "0.5", "--ssd-low-watermark", "0.8"]);
+        assert!(e.contains("ssd-low-watermark"), "{e}");
+        // Read-only: only observable when not root (root writes anyway).
+        let ro = b.path().join("ro");
+        std::fs::create_dir(&ro).unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&ro, std::fs::Permissions::from_mode(0o555)).unwrap();
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            let e = err(&["--ssd-dir", ro.to_str().unwrap()]);
+            assert!(e.contains("ssd-dir") && e.contains("not writable"), "{e}");
+        } else {
+            eprintln!("skipped: read-only directory check (running as root)");
+        }
+        // The environment's comma-separated list.
+        let c = Args::try_parse_from(["umbp-pool", "--ssd-dir", &format!("{pa},{pb}"), "--ssd-capacity", "1GiB"]).unwrap();
+        assert_eq!(config_from(c).unwrap().ssd.unwrap().dirs.len(), 2);
     }
 }

@@ -150,7 +150,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
     let mut found = 0u64;
     while i < n {
         let m = (n - i).min(batch as u64);
-        let keys: Vec<ObjectKey> = (0..m).map(|k| key(i + k)).collect();
+        let keys: Vec<(ObjectKey, u128)> = (0..m).map(|k| (key(i + k), 1)).collect();
         let mut outs: Vec<Vec<u8>> = (0..m).map(|_| Vec::with_capacity(object as usize)).collect();
         let mut refs: Vec<&mut Vec<u8>> = outs.iter_mut().collect();
         found += store.get_batch(&keys, &mut refs).iter().filter(|r| r.is_some()).count() as u64;
@@ -173,7 +173,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
     let sample = n.min(256);
     for s in 0..sample {
         let i = s * n / sample;
-        if let Some((_, d)) = store.get(key(i)) {
+        if let Some((_, d)) = store.get(key(i), 1) {
             hits += (d == payloads[(i % batch as u64) as usize]) as u64;
         }
     }

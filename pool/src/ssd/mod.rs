@@ -1,8 +1,8 @@
 //! The SSD tier (issue #16, docs/ssd.md): an append-only segment log per drive, written and
 //! read through io_uring with O_DIRECT, every record framed by CRC32C, rebuilt on start.
 //!
-//! Not yet wired into the pool: nothing demotes to or promotes from this store, the index
-//! does not list its objects, and no daemon flag opens it (docs/ssd.md, "Not yet wired").
+//! The pool uses it through `crate::tier` (demotion by the evictor, promotion by loads,
+//! warm restart), configured by `PoolConfig::ssd`.
 //!
 //! Files: `format` (record header, footer; no I/O), `segment` (directories, files,
 //! O_DIRECT), `uring` (one ring per drive), `store` (put/get/remove, capacity, compaction),
@@ -48,6 +48,79 @@ pub struct SsdConfig {
     /// Bytes per registered buffer: the largest single I/O (a record is split into the
     /// fewest near-equal chunks).
     pub chunk_bytes: usize,
+    /// Which objects evicted from DRAM are written to this tier (the pool's demotion).
+    pub admission: SsdAdmission,
+}
+
+/// Which DRAM objects the evictor demotes to SSD instead of dropping (docs/ssd.md,
+/// "Admission"). Every write wears the drive; the default keeps objects that proved useful
+/// (loaded at least once) or that are young (evicted soon after being stored: DRAM churns
+/// faster than the prefix is reused), and drops old never-loaded ones.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SsdAdmission {
+    /// Every evicted object.
+    All,
+    /// Objects loaded at least once while in DRAM.
+    Hit,
+    /// Objects loaded at least once, or stored less than `young` before their eviction.
+    HitOrYoung { young: std::time::Duration },
+    /// None: the tier only serves what it already holds (e.g. a read-only warm start).
+    Never,
+}
+
+/// Default age under which an evicted object counts as young (`hit-or-young`).
+pub const DEFAULT_YOUNG: std::time::Duration = std::time::Duration::from_secs(60);
+
+impl Default for SsdAdmission {
+    fn default() -> Self {
+        SsdAdmission::HitOrYoung { young: DEFAULT_YOUNG }
+    }
+}
+
+impl SsdAdmission {
+    /// `all`, `hit`, `never`, `hit-or-young` (60 s) or `hit-or-young:SECONDS`.
+    pub fn parse(key: &str, value: &str) -> Result<Self, crate::ConfigError> {
+        let bad = || crate::ConfigError::Invalid {
+            key: key.into(),
+            message: format!("{value:?}: expected all, hit, never, hit-or-young or hit-or-young:SECONDS"),
+        };
+        let v = value.trim().to_ascii_lowercase();
+        Ok(match v.as_str() {
+            "all" => SsdAdmission::All,
+            "hit" => SsdAdmission::Hit,
+            "never" | "none" => SsdAdmission::Never,
+            "hit-or-young" => SsdAdmission::default(),
+            _ => {
+                let secs = v.strip_prefix("hit-or-young:").ok_or_else(bad)?;
+                let secs: f64 = secs.trim().parse().map_err(|_| bad())?;
+                if !(secs.is_finite() && secs >= 0.0) {
+                    return Err(bad());
+                }
+                SsdAdmission::HitOrYoung { young: std::time::Duration::from_secs_f64(secs) }
+            }
+        })
+    }
+
+    /// Whether an object evicted `age` after it was stored, loaded `hits` times, goes to SSD.
+    pub fn admits(&self, age: std::time::Duration, hits: u32) -> bool {
+        match *self {
+            SsdAdmission::All => true,
+            SsdAdmission::Hit => hits > 0,
+            SsdAdmission::HitOrYoung { young } => hits > 0 || age < young,
+            SsdAdmission::Never => false,
+        }
+    }
+}
+
+impl std::fmt::Display for SsdAdmission {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SsdAdmission::All => f.write_str("all"),
+            SsdAdmission::Hit => f.write_str("hit"),
+            SsdAdmission::Never => f.write_str("never"),
+            SsdAdmission::HitOrYoung { young } => write!(f, "hit-or-young:{}", young.as_secs_f64()),
+        }
+    }
 }
 
 impl Default for SsdConfig {
@@ -63,6 +136,7 @@ impl Default for SsdConfig {
             chunk_bytes: 1 << 20,
             direct_io: true,
             io_uring: true,
+            admission: SsdAdmission::default(),
         }
     }
 }

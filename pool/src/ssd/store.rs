@@ -26,6 +26,13 @@ pub(super) struct SegMeta {
     pub sealed: bool,
 }
 
+/// A record's identity: (key, namespace).
+pub(super) type RecKey = (u128, u128);
+
+pub(super) fn rec_key(h: &RecordHeader) -> RecKey {
+    (h.key, h.namespace)
+}
+
 /// Where an indexed record lives.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Loc {
@@ -98,7 +105,8 @@ pub struct SsdStats {
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct PutOutcome {
     /// Objects dropped to make room (oldest segments first).
-    pub evicted: Vec<ObjectKey>,
+    /// (key, namespace) of each.
+    pub evicted: Vec<(ObjectKey, u128)>,
 }
 
 /// What the store knows about an object without reading it.
@@ -120,9 +128,10 @@ pub(super) struct Shard {
     pub segments: BTreeMap<u64, SegMeta>,
     pub active: Option<u64>,
     pub next_id: u64,
-    pub index: HashMap<u128, Loc>,
+    /// By (key, namespace): the same key of two namespaces is two objects.
+    pub index: HashMap<RecKey, Loc>,
     /// The newest tombstone of each removed key, while it may hide an older record.
-    pub tombstones: HashMap<u128, Loc>,
+    pub tombstones: HashMap<RecKey, Loc>,
     /// Sum of `len` over segments.
     pub used: u64,
 }
@@ -177,7 +186,7 @@ impl Shard {
 
     /// Applies a record that is now on disk to the index (later sequence numbers win).
     pub(super) fn apply(&mut self, loc: Loc) {
-        let key = loc.header.key;
+        let key = rec_key(&loc.header);
         if loc.header.is_tombstone() {
             if let Some(old) = self.index.get(&key).copied() {
                 if old.header.seq < loc.header.seq {
@@ -232,7 +241,7 @@ impl Shard {
 
     /// Frees room until `needed` more bytes fit under the low watermark (or nothing is
     /// left to free): compaction of mostly dead segments first, then the oldest segments.
-    fn reclaim(&mut self, needed: u64, counters: &Counters) -> Vec<ObjectKey> {
+    fn reclaim(&mut self, needed: u64, counters: &Counters) -> Vec<(ObjectKey, u128)> {
         let mut evicted = Vec::new();
         let target = self.low.saturating_sub(needed);
         let mut guard = 0;
@@ -257,17 +266,17 @@ impl Shard {
     }
 
     /// Removes a segment and its file; returns the live objects it held (now gone).
-    fn drop_segment(&mut self, id: u64, counters: &Counters) -> Vec<ObjectKey> {
+    fn drop_segment(&mut self, id: u64, counters: &Counters) -> Vec<(ObjectKey, u128)> {
         if self.active == Some(id) {
             self.active = None;
         }
         let Some(m) = self.segments.remove(&id) else { return Vec::new() };
         let mut gone = Vec::new();
         for e in &m.records {
-            let key = e.header.key;
+            let key = rec_key(&e.header);
             if self.index.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
                 self.index.remove(&key);
-                gone.push(ObjectKey(key));
+                gone.push((ObjectKey(key.0), key.1));
             }
             if self.tombstones.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
                 self.tombstones.remove(&key);
@@ -290,7 +299,7 @@ impl Shard {
         let older_exists = self.segments.keys().next().is_some_and(|&first| first < id);
         let mut moved = 0u64;
         for e in records {
-            let key = e.header.key;
+            let key = rec_key(&e.header);
             let at = |l: &Loc| l.seg == id && l.offset == e.offset;
             if self.index.get(&key).is_some_and(at) {
                 let loc = self.index[&key];
@@ -478,8 +487,8 @@ impl Shard {
                     }
                 }
             }
-            if !ok[i] && self.index.get(&loc.header.key).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
-                self.index.remove(&loc.header.key);
+            if !ok[i] && self.index.get(&rec_key(&loc.header)).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
+                self.index.remove(&rec_key(&loc.header));
                 self.mark_dead(&loc);
             }
         }
@@ -579,6 +588,16 @@ impl SsdStore {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The directory (shard) number a key's records go to.
+    pub fn shard_of(&self, key: ObjectKey) -> usize {
+        Self::shard_index(key.0, self.shards.len())
+    }
+
+    /// The directories, in shard order.
+    pub fn dirs(&self) -> Vec<PathBuf> {
+        self.shards.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).dir.path.clone()).collect()
+    }
+
     /// Stores one object (replacing an older copy of the key).
     pub fn put(&self, key: ObjectKey, namespace: u128, layout_object_size: u64, data: &[u8]) -> Result<PutOutcome, SsdError> {
         self.put_batch(&[(key, namespace, layout_object_size, data)]).pop().expect("one result")
@@ -623,21 +642,21 @@ impl SsdStore {
 
     /// Reads one object: its bytes exactly as stored, or `None` (absent, or its read failed
     /// or its CRC did not match: never wrong bytes).
-    pub fn get(&self, key: ObjectKey) -> Option<(SsdObjectInfo, Vec<u8>)> {
+    pub fn get(&self, key: ObjectKey, namespace: u128) -> Option<(SsdObjectInfo, Vec<u8>)> {
         let mut out = Vec::new();
-        let info = self.get_batch(&[key], &mut [&mut out])[0]?;
+        let info = self.get_batch(&[(key, namespace)], &mut [&mut out])[0]?;
         Some((info, out))
     }
 
     /// Reads many objects into `outs` (each resized to its object); per-key info or None.
     /// Where the result is None the output's contents are unspecified.
-    pub fn get_batch(&self, keys: &[ObjectKey], outs: &mut [&mut Vec<u8>]) -> Vec<Option<SsdObjectInfo>> {
+    pub fn get_batch(&self, keys: &[(ObjectKey, u128)], outs: &mut [&mut Vec<u8>]) -> Vec<Option<SsdObjectInfo>> {
         assert_eq!(keys.len(), outs.len(), "one output per key");
         let n = self.shards.len();
         let mut results = vec![None; keys.len()];
         let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
         for (i, k) in keys.iter().enumerate() {
-            by_shard[Self::shard_index(k.0, n)].push(i);
+            by_shard[Self::shard_index(k.0 .0, n)].push(i);
         }
         let mut outs: Vec<Option<&mut Vec<u8>>> = outs.iter_mut().map(|o| Some(&mut **o)).collect();
         for (s, idx) in by_shard.iter().enumerate() {
@@ -649,7 +668,7 @@ impl SsdStore {
             let mut locs = Vec::new();
             let mut bufs: Vec<&mut Vec<u8>> = Vec::new();
             for &i in idx {
-                match shard.index.get(&keys[i].0) {
+                match shard.index.get(&(keys[i].0 .0, keys[i].1)) {
                     Some(l) => {
                         found.push(i);
                         locs.push(*l);
@@ -673,25 +692,25 @@ impl SsdStore {
     }
 
     /// What the index says about a key (no I/O).
-    pub fn info(&self, key: ObjectKey) -> Option<SsdObjectInfo> {
+    pub fn info(&self, key: ObjectKey, namespace: u128) -> Option<SsdObjectInfo> {
         let shard = self.shard(key);
-        shard.index.get(&key.0).map(|l| SsdObjectInfo {
+        shard.index.get(&(key.0, namespace)).map(|l| SsdObjectInfo {
             namespace: l.header.namespace,
             size: l.header.size,
             layout_object_size: l.header.layout_object_size,
         })
     }
 
-    pub fn contains(&self, key: ObjectKey) -> bool {
-        self.info(key).is_some()
+    pub fn contains(&self, key: ObjectKey, namespace: u128) -> bool {
+        self.info(key, namespace).is_some()
     }
 
     /// Removes a key; a tombstone record keeps it removed across restarts. Returns whether
     /// it was present. If the tombstone cannot be written the key is still removed now, but
     /// may reappear after a restart (logged).
-    pub fn remove(&self, key: ObjectKey) -> bool {
+    pub fn remove(&self, key: ObjectKey, namespace: u128) -> bool {
         let mut shard = self.shard(key);
-        let Some(loc) = shard.index.get(&key.0).copied() else { return false };
+        let Some(loc) = shard.index.get(&(key.0, namespace)).copied() else { return false };
         let tomb = RecordHeader {
             flags: FLAG_TOMBSTONE,
             key: key.0,
@@ -703,7 +722,7 @@ impl SsdStore {
         };
         if let Err(e) = shard.put_records(&[(tomb, &[][..])], &self.counters, true).pop().expect("one") {
             tracing::warn!(key = format_args!("{:032x}", key.0), error = %e, "SSD tombstone not written: the key may reappear after a restart");
-            shard.index.remove(&key.0);
+            shard.index.remove(&(key.0, namespace));
             shard.mark_dead(&loc);
         }
         true
@@ -716,7 +735,7 @@ impl SsdStore {
             let s = s.lock().unwrap_or_else(|p| p.into_inner());
             out.extend(s.index.iter().map(|(k, l)| {
                 (
-                    ObjectKey(*k),
+                    ObjectKey(k.0),
                     SsdObjectInfo {
                         namespace: l.header.namespace,
                         size: l.header.size,

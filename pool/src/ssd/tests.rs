@@ -60,7 +60,7 @@ fn put_all(store: &SsdStore, range: std::ops::Range<u64>) {
 
 fn check_all(store: &SsdStore, range: std::ops::Range<u64>) {
     for i in range {
-        let (info, data) = store.get(key(i)).unwrap_or_else(|| panic!("object {i} missing"));
+        let (info, data) = store.get(key(i), 7).unwrap_or_else(|| panic!("object {i} missing"));
         assert_eq!(data.len(), size_of(i), "object {i} size");
         assert!(data == payload(i, size_of(i)), "object {i} bytes differ");
         assert_eq!((info.namespace, info.layout_object_size), (7, 65536));
@@ -88,12 +88,12 @@ fn put_get_byte_exact_across_segments_and_two_directories() {
     assert!(st.direct_io, "ext4 under /var/tmp should take O_DIRECT");
     assert!(st.io_uring, "io_uring is allowed on this machine");
     assert!(segment_files(a.path()).len() >= 3 && segment_files(b.path()).len() >= 3, "{st:?}");
-    assert!(store.get(key(10_000)).is_none());
+    assert!(store.get(key(10_000), 7).is_none());
     // A batch too: results in order.
     let items: Vec<(ObjectKey, u128, u64, Vec<u8>)> = (400..500).map(|i| (key(i), 7, 65536, payload(i, size_of(i)))).collect();
     let refs: Vec<(ObjectKey, u128, u64, &[u8])> = items.iter().map(|(k, n, l, d)| (*k, *n, *l, &d[..])).collect();
     assert!(store.put_batch(&refs).iter().all(|r| r.is_ok()));
-    let keys: Vec<ObjectKey> = (0..500).map(key).collect();
+    let keys: Vec<(ObjectKey, u128)> = (0..500).map(|i| (key(i), 7)).collect();
     let mut outs: Vec<Vec<u8>> = vec![Vec::new(); 500];
     let mut o: Vec<&mut Vec<u8>> = outs.iter_mut().collect();
     let got = store.get_batch(&keys, &mut o);
@@ -111,7 +111,7 @@ fn restart_finds_everything_and_keeps_removals() {
         let store = SsdStore::open(&c).unwrap();
         put_all(&store, 0..300);
         for i in (0..300).step_by(10) {
-            assert!(store.remove(key(i)));
+            assert!(store.remove(key(i), 7));
         }
         // Overwrite: the newest copy wins after restart.
         store.put(key(1), 7, 65536, b"newest").unwrap();
@@ -123,12 +123,12 @@ fn restart_finds_everything_and_keeps_removals() {
     assert_eq!(st.objects, 270);
     for i in 2..300 {
         if i % 10 == 0 {
-            assert!(store.get(key(i)).is_none(), "removed {i} came back");
+            assert!(store.get(key(i), 7).is_none(), "removed {i} came back");
         } else {
             check_all(&store, i..i + 1);
         }
     }
-    assert_eq!(store.get(key(1)).unwrap().1, b"newest");
+    assert_eq!(store.get(key(1), 7).unwrap().1, b"newest");
 }
 
 #[test]
@@ -157,7 +157,7 @@ fn torn_tail_is_skipped_and_the_rest_found() {
     assert_eq!(st.segments_scanned, 1);
     assert_eq!(st.torn_records_skipped, 2, "{st:?}");
     for i in 0..50 {
-        let got = store.get(key(i));
+        let got = store.get(key(i), 7);
         if i == 20 || i == 49 {
             assert!(got.is_none(), "torn record {i} returned");
         } else {
@@ -193,19 +193,19 @@ fn a_flipped_byte_on_disk_is_a_miss_not_wrong_data() {
     };
     flip(HEADER_BYTES as u64 + 5000); // payload of record 0
     flip(rl + 30); // header (namespace) of record 1
-    assert!(store.get(key(0)).is_none(), "payload flip returned data");
-    assert!(store.get(key(1)).is_none(), "header flip returned data");
-    assert!(store.get(key(2)).unwrap().1 == payload(2, size));
+    assert!(store.get(key(0), 7).is_none(), "payload flip returned data");
+    assert!(store.get(key(1), 7).is_none(), "header flip returned data");
+    assert!(store.get(key(2), 7).unwrap().1 == payload(2, size));
     assert_eq!(store.stats().crc_failures, 2);
     // Once failed, it stays a miss (dropped from the index).
-    assert!(store.get(key(0)).is_none());
+    assert!(store.get(key(0), 7).is_none());
     assert_eq!(store.stats().crc_failures, 2);
     drop(store);
     // After a restart (footer rebuild trusts the footer) the flipped records are still misses.
     flip(2 * rl + HEADER_BYTES as u64 + 1); // and one more, in record 2
     let store = SsdStore::open(&c).unwrap();
-    assert!(store.get(key(0)).is_none() && store.get(key(1)).is_none() && store.get(key(2)).is_none());
-    assert!(store.get(key(3)).unwrap().1 == payload(3, size));
+    assert!(store.get(key(0), 7).is_none() && store.get(key(1), 7).is_none() && store.get(key(2), 7).is_none());
+    assert!(store.get(key(3), 7).unwrap().1 == payload(3, size));
 }
 
 #[test]
@@ -218,7 +218,7 @@ fn compaction_reclaims_dead_records_and_keeps_live_ones() {
         // Remove 3 of every 4 (tombstones), overwrite some.
         for i in 0..400 {
             if i % 4 != 0 {
-                store.remove(key(i));
+                store.remove(key(i), 7);
             }
         }
         let before = store.stats();
@@ -231,7 +231,7 @@ fn compaction_reclaims_dead_records_and_keeps_live_ones() {
             if i % 4 == 0 {
                 check_all(&store, i..i + 1);
             } else {
-                assert!(store.get(key(i)).is_none());
+                assert!(store.get(key(i), 7).is_none());
             }
         }
     }
@@ -242,7 +242,7 @@ fn compaction_reclaims_dead_records_and_keeps_live_ones() {
         if i % 4 == 0 {
             check_all(&store, i..i + 1);
         } else {
-            assert!(store.get(key(i)).is_none(), "removed {i} came back after compaction + restart");
+            assert!(store.get(key(i), 7).is_none(), "removed {i} came back after compaction + restart");
         }
     }
 }
@@ -263,12 +263,12 @@ fn capacity_watermarks_evict_oldest_and_refuse_what_cannot_fit() {
     assert!(st.used_bytes <= 8 * seg, "{st:?}");
     assert!(!evicted.is_empty());
     assert_eq!(st.evicted_objects, evicted.len() as u64);
-    assert!(evicted.contains(&key(0)), "oldest first");
+    assert!(evicted.contains(&(key(0), 7)), "oldest first");
     for k in &evicted {
-        assert!(store.get(*k).is_none());
+        assert!(store.get(k.0, k.1).is_none());
     }
     assert_eq!(st.objects + evicted.len() as u64, 200);
-    assert!(store.get(key(199)).unwrap().1 == payload(199, size));
+    assert!(store.get(key(199), 7).unwrap().1 == payload(199, size));
     // An object larger than a segment is refused with a clear error.
     let e = store.put(key(1000), 7, 65536, &vec![1u8; seg as usize]).unwrap_err();
     assert!(matches!(e, SsdError::TooLarge { .. }), "{e}");
@@ -407,13 +407,13 @@ fn sigkill_mid_write_keeps_everything_acknowledged() {
     println!("after SIGKILL: acked {acked}, found {}, torn skipped {}, scanned {}", st.objects, st.torn_records_skipped, st.segments_scanned);
     assert!(st.segments_scanned >= 1, "the segment being written has no footer: {st:?}");
     for j in 0..acked {
-        let (_, data) = store.get(key(j)).unwrap_or_else(|| panic!("acknowledged object {j} lost"));
+        let (_, data) = store.get(key(j), 7).unwrap_or_else(|| panic!("acknowledged object {j} lost"));
         assert!(data == payload(j, 100_000 + (j as usize % 5) * 7_000), "object {j} differs");
     }
     // Whatever else was found (written but not acknowledged) is byte-exact too.
     for (k, _) in store.keys() {
         let j = (0..acked + 1000).find(|&j| key(j) == k).expect("a key we wrote");
-        let (_, data) = store.get(k).unwrap();
+        let (_, data) = store.get(k, 7).unwrap();
         assert!(data == payload(j, 100_000 + (j as usize % 5) * 7_000));
     }
 }
@@ -437,9 +437,9 @@ fn child_disk_full() {
                 println!("MESSAGE {e}");
                 // What was stored before stays readable; the failed one is a miss.
                 for j in 0..i {
-                    assert!(store.get(key(j)).unwrap().1 == payload(j, 100_000));
+                    assert!(store.get(key(j), 7).unwrap().1 == payload(j, 100_000));
                 }
-                assert!(store.get(key(i)).is_none());
+                assert!(store.get(key(i), 7).is_none());
                 return;
             }
         }
@@ -585,7 +585,7 @@ fn bench_rebuild() {
     let st = store.stats();
     let after = rss_bytes();
     assert_eq!(st.objects, n);
-    assert!(store.get(key(n / 2)).unwrap().1 == small);
+    assert!(store.get(key(n / 2), 7).unwrap().1 == small);
     println!(
         "{{\"objects\":{n},\"write_s\":{write_s:.1},\"open_ms\":{open_ms:.1},\"rebuild_ms\":{:.1},\"rebuild_ms_per_million\":{:.1},\"index_bytes_per_object\":{}}}",
         st.rebuild_ms,

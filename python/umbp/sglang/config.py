@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
+from umbp._extra_config import checked_extra
+
 _KNOWN = {
     "backend_name", "module_path", "class_name", "interface_v1", "endpoint", "timeout_ms",
     "startup_timeout_ms", "pool_uid", "cache_salt", "model_revision", "key_namespace",
@@ -43,13 +45,7 @@ class UMBPSGLangConfig:
 
     @classmethod
     def from_extra(cls, extra: Optional[Mapping[str, Any]], default_endpoint: str) -> "UMBPSGLangConfig":
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - _KNOWN)
-        if unknown:
-            raise ValueError(
-                f"UMBP: unknown key(s) {unknown} in the HiCache storage extra config; "
-                f"known: {sorted(_KNOWN)}"
-            )
+        extra = checked_extra(extra, _KNOWN, "UMBP: --hicache-storage-backend-extra-config")
 
         def num(key: str, default: int, minimum: int) -> int:
             v = extra.get(key, default)

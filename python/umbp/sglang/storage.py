@@ -4,9 +4,11 @@ Zero-copy: SGLang's host KV pool (`mem_pool_host.kv_buffer`) is registered with 
 as process memory, once, with the layout of one page (layout.py); `batch_set_v1` and
 `batch_get_v1` then post only (key, page number) pairs on the worker's rings and the pool
 copies the pages between its DRAM and the host pool itself. `batch_exists` reads the
-pool's shared-memory index (no RPC). A pool that is down makes every lookup a miss and
-every transfer fail (SGLang recomputes / skips the backup); the worker and the index
-re-attach by themselves when the pool is back.
+pool's shared-memory index (no RPC). Extra host pools of hybrid models (Mamba state,
+SWA, indexer...; the `*_v2` forms) are registered the same way, under a key group each.
+A pool that is down makes every lookup a miss and every transfer fail (SGLang
+recomputes / skips the backup); the worker and the index re-attach by themselves when
+the pool is back.
 
 Threads: SGLang calls the backend from its prefetch and backup threads at once. Submits
 and cancels are short native calls; waits are sliced (a few ms each) so that one thread's
@@ -18,6 +20,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import zlib
+from dataclasses import dataclass
 from typing import Any, List, Optional
 
 import torch
@@ -25,12 +29,13 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
     PoolName,
     PoolTransfer,
     PoolTransferResult,
 )
 
-from umbp._keys_common import ENGINE_SGLANG, make_keys, namespace_of
+from umbp._keys_common import ENGINE_SGLANG, canonical_text, make_keys, namespace_of
 
 from .config import UMBPSGLangConfig
 from .layout import HostLayout, host_layout
@@ -40,7 +45,32 @@ logger = logging.getLogger("umbp.sglang")
 NAMESPACE_SCHEME = "umbp-sglang-ns-v1"
 GROUP_PAGES = 0  # zero-copy objects: a page in the host pool's own byte order
 GROUP_FLAT = 1  # copying path: a page in get_dummy_flat_data_page's byte order
+# Extra (v2) pools: one key group each, fixed so every process keys a pool alike.
+EXTRA_GROUPS = {PoolName.MAMBA.value: 2, PoolName.SWA.value: 3, PoolName.AUXILIARY_SWA.value: 4,
+                PoolName.INDEXER.value: 5, PoolName.DRAFT.value: 6, PoolName.DRAFT_SWA.value: 7,
+                PoolName.DRAFT_INDEXER.value: 8}
 _WAIT_SLICE_MS = 5
+
+
+def extra_group(name: str) -> int:
+    """The key group of extra pool `name` (a fixed table, else a CRC of the name above 15)."""
+    name = str(name)
+    return EXTRA_GROUPS.get(name, 16 + zlib.crc32(name.encode()) % 4096)
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """A host pool registered with the pool: its objects' group, rank in the key, layout."""
+
+    name: str
+    host_pool: Any
+    layout: HostLayout
+    group: int
+    rank: int
+    writer: bool
+    # Extra pools: a digest of the pool's own shape, appended to every page hash of its
+    # keys, so pools of different shapes under one namespace never share objects.
+    salt: bytes = b""
 
 
 class UMBPHiCacheStorage(HiCacheStorage):
@@ -59,6 +89,8 @@ class UMBPHiCacheStorage(HiCacheStorage):
         shard = int(sc.pp_rank) * cp + int(getattr(sc, "attn_cp_rank", 0) or 0)
         # MLA KV is the same on every TP rank: one copy (rank 0's key), one writer.
         self.rank = shard if sc.is_mla_model else shard * int(sc.tp_size) + int(sc.tp_rank)
+        # Mamba state is TP-sharded even when the model's MLA KV is replicated.
+        self.tp_sharded_rank = shard * int(sc.tp_size) + int(sc.tp_rank)
         self.num_ranks = int(sc.pp_size) * cp * (1 if sc.is_mla_model else int(sc.tp_size))
         self.is_writer = bool(getattr(sc, "is_storage_writer", True))
         self._lock = threading.Lock()  # submit / cancel / registration
@@ -68,6 +100,8 @@ class UMBPHiCacheStorage(HiCacheStorage):
         self.namespace: bytes = b""
         self.namespace_text = ""
         self.layout: Optional[HostLayout] = None
+        self.pools: dict[str, _Pool] = {}  # KV (the anchor) and every extra (v2) pool
+        self._pending_v2: list[tuple[Any, str]] = []  # extra pools named before the anchor
         self._staging: Optional[torch.Tensor] = None
         self._stats = {"exists_calls": 0, "exists_hits": 0, "get_pages": 0, "get_failed": 0,
                        "set_pages": 0, "set_failed": 0}
@@ -95,18 +129,80 @@ class UMBPHiCacheStorage(HiCacheStorage):
                 f"UMBP: cannot reach the pool at {cfg.endpoint!r} within {cfg.startup_timeout_ms} ms: "
                 f"{e}. Start `umbp-pool` there or set extra config 'endpoint' / UMBP_STANDALONE_ADDRESS."
             ) from e
+        self.pools[PoolName.KV.value] = self._register_pool(
+            PoolName.KV.value, mem_pool_host, self.layout, GROUP_PAGES, self.rank, self.is_writer)
         lay = self.layout
-        alloc = int(self.w.register_host_memory(lay.base, lay.nbytes))
-        obj = int(self.w.register_layout(GROUP_PAGES, lay.as_tuples(alloc)))
-        if obj != lay.object_bytes:
-            raise RuntimeError(f"UMBP: pool computed {obj} bytes per page object, expected {lay.object_bytes}")
+        obj = lay.object_bytes
         self.index = self._attach_index()
+        pending, self._pending_v2 = self._pending_v2, []
+        for hp, name in pending:
+            self._register_extra(hp, name)
         logger.info(
             "UMBP: SGLang host pool registered: %d pages of %d tokens, %d bytes per object in %d "
             "segment(s), rank %d, namespace %s (%s), pool %s",
             lay.num_pages, lay.page_size, obj, len(lay.segments), self.rank,
             self.namespace[::-1].hex(), self.namespace_text, cfg.endpoint,
         )
+
+    def _register_pool(self, name: str, hp: Any, lay: HostLayout, group: int, rank: int, writer: bool) -> _Pool:
+        """Registers the pool's buffers and its page layout under `group` with the pool."""
+        with self._lock:
+            allocs = [int(self.w.register_host_memory(base, nbytes)) for base, nbytes in lay.buffers]
+            try:
+                obj = int(self.w.register_layout(group, lay.as_tuples(allocs)))
+            except Exception as e:
+                raise RuntimeError(
+                    f"UMBP: the pool refused the layout of SGLang's {name} host pool "
+                    f"({type(hp).__name__}, {lay.object_bytes} bytes per page): {e}"
+                ) from e
+        if obj != lay.object_bytes:
+            raise RuntimeError(f"UMBP: pool computed {obj} bytes per {name} page object, expected {lay.object_bytes}")
+        salt = b"" if group == GROUP_PAGES else b"|" + bytes(self.n.namespace_digest(canonical_text({
+            "pool": name, "host_pool": type(hp).__name__, "layout": getattr(hp, "layout", None),
+            "page_size": lay.page_size, "pieces": [sg[3] for sg in lay.segments],
+            "dtypes": sorted({str(getattr(hp, a)) for a in ("dtype", "conv_dtype", "temporal_dtype")
+                              if getattr(hp, a, None) is not None}),
+        })))
+        return _Pool(name, hp, lay, group, rank, writer, salt)
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """An extra host pool (Mamba, SWA, indexer...) for the v2 forms: registered with the
+        pool under a key group of its own. A pool whose pages cannot be described for
+        zero-copy transfers is refused here (the attach fails with its name) rather than
+        silently never hitting."""
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name == PoolName.KV.value:
+            if self.mem_pool_host is None:
+                self.register_mem_pool_host(host_pool)
+            elif host_pool is not self.mem_pool_host:
+                raise ValueError(
+                    f"UMBP: a second KV host pool ({type(host_pool).__name__}) besides "
+                    f"{type(self.mem_pool_host).__name__}: not supported"
+                )
+            return
+        if self.w is None:
+            self._pending_v2.append((host_pool, name))
+            return
+        self._register_extra(host_pool, name)
+
+    def _register_extra(self, hp: Any, name: str) -> None:
+        if name in self.pools and self.pools[name].host_pool is hp:
+            return
+        group = extra_group(name)
+        clash = [p.name for p in self.pools.values() if p.group == group and p.name != name]
+        if clash:
+            raise ValueError(f"UMBP: SGLang pool {name!r} has key group {group}, as {clash[0]!r}")
+        try:
+            lay = host_layout(hp)
+        except ValueError as e:
+            raise ValueError(f"UMBP: cannot store SGLang's {name} pool ({type(hp).__name__}): {e}") from e
+        mamba = name == PoolName.MAMBA.value
+        rank = self.tp_sharded_rank if mamba else self.rank
+        writer = True if mamba else self.is_writer
+        self.pools[name] = self._register_pool(name, hp, lay, group, rank, writer)
+        logger.info("UMBP: SGLang %s pool registered: %d pages of %d, %d bytes per object, group %d, rank %d",
+                    name, lay.num_pages, lay.page_size, lay.object_bytes, group, rank)
 
     def _attach_index(self) -> Any:
         try:
@@ -133,7 +229,7 @@ class UMBPHiCacheStorage(HiCacheStorage):
             "dtype": str(getattr(hp, "dtype", None)),
             "page_size": lay.page_size,
             "object_bytes": lay.object_bytes,
-            "segments": [(s[2]) for s in lay.segments],  # piece sizes: the byte order
+            "segments": [(s[3]) for s in lay.segments],  # piece sizes: the byte order
             "layer_num": getattr(hp, "layer_num", None),
             "head_num": getattr(hp, "head_num", None),
             "head_dim": getattr(hp, "head_dim", None),
@@ -150,20 +246,24 @@ class UMBPHiCacheStorage(HiCacheStorage):
         }
         return namespace_of(self.n, ENGINE_SGLANG, desc)
 
-    def keys_of(self, keys: List[str], group: int = GROUP_PAGES) -> list[bytes]:
-        """Pool object keys of SGLang page hashes (the hash string's UTF-8 bytes)."""
-        return make_keys(self.n, self.namespace, group, self.rank, [k.encode() for k in keys])
+    def keys_of(self, keys: List[str], group: int = GROUP_PAGES, rank: Optional[int] = None,
+                salt: bytes = b"") -> list[bytes]:
+        """Pool object keys of SGLang page hashes (the hash string's UTF-8 bytes, then `salt`)."""
+        return make_keys(self.n, self.namespace, group, self.rank if rank is None else rank,
+                         [k.encode() + salt for k in keys])
 
     # -- transfers ------------------------------------------------------------------------
-    def _page_ids(self, n_keys: int, host_indices: torch.Tensor) -> Optional[list[int]]:
-        ps = self.layout.page_size if self.layout else 0
-        if self.layout is None or host_indices is None or host_indices.numel() != n_keys * ps:
-            logger.error("UMBP: %d keys but %s host indices (page size %d)", n_keys,
+    def _page_ids(self, n_keys: int, host_indices: torch.Tensor, lay: Optional[HostLayout] = None,
+                  name: str = "kv") -> Optional[list[int]]:
+        lay = lay or self.layout
+        ps = lay.page_size if lay else 0
+        if lay is None or host_indices is None or host_indices.numel() != n_keys * ps:
+            logger.error("UMBP: %s pool: %d keys but %s host indices (page size %d)", name, n_keys,
                          None if host_indices is None else host_indices.numel(), ps)
             return None
         firsts = host_indices.reshape(n_keys, ps)[:, 0].tolist() if n_keys else []
         if any(int(f) % ps for f in firsts):
-            logger.error("UMBP: host indices not page aligned: %s", firsts[:8])
+            logger.error("UMBP: %s pool: host indices not page aligned: %s", name, firsts[:8])
             return None
         return [int(f) // ps for f in firsts]
 
@@ -206,30 +306,30 @@ class UMBPHiCacheStorage(HiCacheStorage):
             if outcome != "started":
                 return []
 
-    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
-                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        if not self.is_writer:
-            return [True] * len(keys)  # the MLA writer rank stores the same bytes
-        ids = self._page_ids(len(keys), host_indices)
+    def _pool_io(self, kind: str, pool: Optional[_Pool], keys: List[str], host_indices: torch.Tensor) -> List[bool]:
+        """Store or load the pages at `host_indices` of `pool` under `keys`; per page ok."""
+        if pool is None:
+            return [False] * len(keys)
+        if kind == "store" and not pool.writer:
+            return [True] * len(keys)  # the writer rank stores the same bytes (MLA)
+        ids = self._page_ids(len(keys), host_indices, pool.layout, pool.name)
         if ids is None:
             return [False] * len(keys)
-        st = self._run("store", GROUP_PAGES, self.keys_of(keys), ids)
-        ok = (self.n.STATUS_STORED, self.n.STATUS_ALREADY_PRESENT)
+        st = self._run(kind, pool.group, self.keys_of(keys, pool.group, pool.rank, pool.salt), ids)
+        ok = (self.n.STATUS_STORED, self.n.STATUS_ALREADY_PRESENT) if kind == "store" else (self.n.STATUS_LOADED,)
         res = [i < len(st) and st[i] in ok for i in range(len(keys))]
-        self._stats["set_pages"] += len(keys)
-        self._stats["set_failed"] += res.count(False)
+        pre = "set" if kind == "store" else "get"
+        self._stats[f"{pre}_pages"] += len(keys)
+        self._stats[f"{pre}_failed"] += res.count(False)
         return res
+
+    def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor,
+                     extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
+        return self._pool_io("store", self.pools.get(PoolName.KV.value), keys, host_indices)
 
     def batch_get_v1(self, keys: List[str], host_indices: torch.Tensor,
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> List[bool]:
-        ids = self._page_ids(len(keys), host_indices)
-        if ids is None:
-            return [False] * len(keys)
-        st = self._run("load", GROUP_PAGES, self.keys_of(keys), ids)
-        res = [i < len(st) and st[i] == self.n.STATUS_LOADED for i in range(len(keys))]
-        self._stats["get_pages"] += len(keys)
-        self._stats["get_failed"] += res.count(False)
-        return res
+        return self._pool_io("load", self.pools.get(PoolName.KV.value), keys, host_indices)
 
     # -- lookups --------------------------------------------------------------------------
     def batch_exists(self, keys: List[str], extra_info: Optional[HiCacheStorageExtraInfo] = None) -> int:
@@ -247,33 +347,74 @@ class UMBPHiCacheStorage(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    # -- v2 (pool-aware) forms: the KV pool only ------------------------------------------
+    # -- v2 (pool-aware) forms: the KV pool and every registered extra pool -------------
+    def _present(self, keys: List[str], pool: _Pool) -> list[bool]:
+        """Per key: is `pool`'s object of it in the pool (index lookups, no RPC)."""
+        if self.index is None or not keys:
+            return [False] * len(keys)
+        try:
+            return [bool(self.index.contains(k)) for k in self.keys_of(keys, pool.group, pool.rank, pool.salt)]
+        except Exception as e:  # noqa: BLE001 - a broken index is a miss
+            logger.debug("UMBP: lookup failed: %s", e)
+            return [False] * len(keys)
+
+    def _extra_pool(self, name: Any) -> _Pool:
+        name = str(getattr(name, "value", name))
+        pool = self.pools.get(name)
+        if pool is None:
+            raise ValueError(
+                f"UMBP: SGLang's {name} pool was never registered with this backend "
+                f"(register_mem_host_pool_v2); registered: {sorted(self.pools)}"
+            )
+        return pool
+
     def batch_exists_v2(self, keys: List[str], pool_transfers: Optional[List[PoolTransfer]] = None,
                         extra_info: Optional[HiCacheStorageExtraInfo] = None) -> PoolTransferResult:
-        if pool_transfers:
-            # Extra pools (Mamba, SWA, indexer...) are not stored here: no usable prefix.
-            return PoolTransferResult(0, {}, [])
-        hit = self.batch_exists(keys, extra_info)
-        return PoolTransferResult(hit, {PoolName.KV: hit} if hit else {}, list(range(1, hit + 1)))
+        """The longest KV prefix, cut to what every extra pool can restore (its hit policy:
+        ALL_PAGES: its object for every page of the prefix; TRAILING_PAGES: for the last
+        `len(transfer.keys)` pages of the prefix), as SGLang's own file backend does."""
+        kv = self.batch_exists(keys, extra_info)
+        hits: dict[str, int] = {PoolName.KV.value: kv} if kv else {}
+        restorable = list(range(1, kv + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            pool = self._extra_pool(t.name)
+            present = self._present(keys[:kv], pool)
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = present.index(False) if False in present else kv
+                ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                ok = {p for p in range(1, kv + 1) if all(present[max(0, p - trailing):p])}
+                boundary = max(ok, default=0)
+            else:
+                raise ValueError(f"UMBP: hit policy {t.hit_policy} of SGLang's {pool.name} pool is not supported")
+            if boundary:
+                hits[pool.name] = boundary
+            restorable = [p for p in restorable if p in ok]
+        final = restorable[-1] if restorable else 0
+        return PoolTransferResult(final, hits, restorable)
 
-    def _v2(self, transfers: List[PoolTransfer], fn) -> dict[str, List[bool]]:
+    def _v2(self, kind: str, transfers: List[PoolTransfer]) -> dict[str, List[bool]]:
         out: dict[str, List[bool]] = {}
         for t in transfers:
             keys = t.keys or []
-            pool = getattr(self, "registered_pools", {}).get(t.name)
-            if t.name != PoolName.KV or (pool is not None and pool is not self.mem_pool_host):
-                out[t.name] = [False] * len(keys)
-            else:
-                out[t.name] = fn(keys, t.host_indices)
+            name = str(getattr(t.name, "value", t.name))
+            pool = self.pools.get(name)
+            if pool is None:
+                logger.error("UMBP: %s of %d page(s) of SGLang's %s pool, which was never registered "
+                             "(registered: %s)", kind, len(keys), name, sorted(self.pools))
+            out[t.name] = self._pool_io(kind, pool, keys, t.host_indices)
         return out
 
     def batch_get_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
-        return self._v2(transfers, self.batch_get_v1)
+        return self._v2("load", transfers)
 
     def batch_set_v2(self, transfers: List[PoolTransfer],
                      extra_info: Optional[HiCacheStorageExtraInfo] = None) -> dict[str, List[bool]]:
-        return self._v2(transfers, self.batch_set_v1)
+        return self._v2("store", transfers)
 
     # -- copying forms (SGLang without interface_v1): flat pages through a staging buffer --
     def _staging_buffer(self) -> Optional[torch.Tensor]:

@@ -48,6 +48,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .._extra_config import checked_extra
 from ._logging import get_logger
 
 logger = get_logger("config")
@@ -303,13 +304,7 @@ class UMBPConnectorConfig:
         without `$UMBP_STANDALONE_ADDRESS`; it is a parameter so this module needs no
         native code.
         """
-        extra = dict(extra or {})
-        unknown = sorted(set(extra) - KNOWN_KEYS)
-        if unknown:
-            raise ValueError(
-                f"unknown kv_connector_extra_config key {unknown[0]!r} for UMBPStoreConnector "
-                f"(known keys: {', '.join(sorted(KNOWN_KEYS))})"
-            )
+        extra = checked_extra(extra, KNOWN_KEYS, "kv_connector_extra_config of UMBPStoreConnector")
 
         mode = extra.get("mode", MODE_EMBEDDED)
         if not isinstance(mode, str) or mode.strip().lower() not in (

@@ -19,6 +19,8 @@ import json
 import re
 from typing import Any, Callable, Sequence
 
+from umbp._keys_common import make_keys  # noqa: F401 - re-exported: one implementation for both engines
+
 NAMESPACE_SCHEME = "umbp-vllm-ns-v2"  # v2: effective HF config and draft model
 
 
@@ -153,11 +155,3 @@ def kv_block_hashes(block_hashes: Sequence[bytes], hash_block_size: int, block_s
     k = block_size // hash_block_size
     return [bytes(h) for h in block_hashes[k - 1 :: k]]
 
-
-def make_keys(native: Any, namespace: bytes, group: int, rank: int, hashes: Sequence[bytes]) -> list[bytes]:
-    """Object keys of `hashes` for one rank: one native call per request, not per block."""
-    batch = getattr(native, "object_keys", None)
-    if batch is not None:
-        return batch(namespace, group, rank, hashes if isinstance(hashes, list) else list(hashes))
-    ok = native.object_key
-    return [ok(namespace, group, rank, h) for h in hashes]

@@ -1,0 +1,212 @@
+//! Tiers below DRAM (docs/architecture.md, "Tiers below DRAM"): the seam a load uses to
+//! bring an object that is not in DRAM into a DRAM allocation ([`TierSource`]), the SSD
+//! tier's source, the demoter (run by the evictor thread) and the warm restart.
+//!
+//! Lock rule: no I/O under the store lock. The store marks objects (demoting, promoting)
+//! under its lock; the bytes move here, outside it; the store then switches the object's
+//! tier under the lock again (index location and KV events).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use umbp_protocol::location::Tier;
+use umbp_protocol::ObjectKey;
+
+use crate::objects::Demotion;
+use crate::ssd::{SsdConfig, SsdError, SsdStore};
+use crate::PoolInner;
+
+/// One object to fetch from a lower tier into its new DRAM allocation.
+pub struct FetchItem<'a> {
+    pub key: ObjectKey,
+    /// The namespace that stored it (part of its identity on SSD).
+    pub namespace: u128,
+    /// Its DRAM allocation, exactly the object's size; only this fetch writes it.
+    pub dst: &'a mut [u8],
+}
+
+/// A tier a load can fetch objects from. `fetch` runs outside the store lock, on the
+/// copy thread that runs the load, before that load's copies to the GPU; it must write
+/// each item's `dst` completely with the object's exact bytes and return true, or return
+/// false for that item (a miss: the object leaves the pool). Never wrong bytes.
+pub trait TierSource: Send + Sync {
+    fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool>;
+}
+
+/// The lower tiers this pool has, by tier.
+#[derive(Default)]
+pub struct Tiers {
+    pub ssd: Option<Arc<SsdTier>>,
+    /// Another node's pool (issue #17): plugs in here.
+    pub remote: Option<Arc<dyn TierSource>>,
+}
+
+impl Tiers {
+    pub fn source(&self, tier: Tier) -> Option<&dyn TierSource> {
+        match tier {
+            Tier::Dram => None,
+            Tier::Ssd => self.ssd.as_deref().map(|s| s as &dyn TierSource),
+            Tier::Remote => self.remote.as_deref(),
+        }
+    }
+}
+
+/// The SSD tier: the store and the I/O-side counters.
+pub struct SsdTier {
+    pub store: SsdStore,
+    pub config: SsdConfig,
+    /// Bytes a demotion batch writes at most (the evictor switches objects per batch).
+    batch_bytes: u64,
+    pub write_failures: AtomicU64,
+}
+
+/// Most objects in one demotion batch (one `put_batch`: up to the ring's queue depth of
+/// chunks in flight per drive).
+const DEMOTE_BATCH_OBJECTS: usize = 256;
+
+impl SsdTier {
+    /// Opens (and rebuilds) the SSD store. Errors name the directory.
+    pub fn open(config: &SsdConfig) -> Result<Self, SsdError> {
+        let store = SsdStore::open(config)?;
+        let st = store.stats();
+        if !st.direct_io && config.direct_io {
+            tracing::warn!(dirs = ?config.dirs, "SSD tier: O_DIRECT refused by the file system (tmpfs?): buffered I/O through the page cache");
+        }
+        tracing::info!(
+            dirs = ?config.dirs,
+            capacity_bytes = st.capacity_bytes,
+            objects = st.objects,
+            rebuild_ms = st.rebuild_ms,
+            torn_records_skipped = st.torn_records_skipped,
+            direct_io = st.direct_io,
+            io_uring = st.io_uring,
+            admission = %config.admission,
+            "SSD tier open"
+        );
+        Ok(Self {
+            store,
+            config: config.clone(),
+            batch_bytes: (config.queue_depth as u64 * config.chunk_bytes as u64).max(64 << 20),
+            write_failures: AtomicU64::new(0),
+        })
+    }
+}
+
+impl TierSource for SsdTier {
+    fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
+        let keys: Vec<(ObjectKey, u128)> = items.iter().map(|i| (i.key, i.namespace)).collect();
+        let mut bufs: Vec<Vec<u8>> = items.iter().map(|i| Vec::with_capacity(i.dst.len())).collect();
+        let mut refs: Vec<&mut Vec<u8>> = bufs.iter_mut().collect();
+        let infos = self.store.get_batch(&keys, &mut refs);
+        let mut ok = Vec::with_capacity(items.len());
+        for ((item, info), buf) in items.iter_mut().zip(infos).zip(&bufs) {
+            // The store checked both CRCs; the size must be the object's too.
+            let good = info.is_some_and(|i| i.namespace == item.namespace && i.size == item.dst.len() as u64)
+                && buf.len() == item.dst.len();
+            if good {
+                item.dst.copy_from_slice(buf);
+            } else {
+                tracing::debug!(key = %format_args!("{:032x}", item.key.0), "SSD fetch missed (record gone, unreadable or bad CRC)");
+            }
+            ok.push(good);
+        }
+        ok
+    }
+}
+
+/// Writes the objects the evictor chose for demotion to SSD, in batches, then switches
+/// each to the SSD tier (or drops it on failure) under the store lock. Also removes the
+/// SSD records of objects that left the index. Called by the evictor thread, without
+/// the store lock.
+pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) {
+    while !work.is_empty() {
+        let mut take = 0;
+        let mut bytes = 0u64;
+        while take < work.len() && take < DEMOTE_BATCH_OBJECTS && (take == 0 || bytes + work[take].size <= ssd.batch_bytes) {
+            bytes += work[take].size;
+            take += 1;
+        }
+        let batch: Vec<Demotion> = work.drain(..take).collect();
+        let base = inner.dram.base();
+        let items: Vec<(ObjectKey, u128, u64, &[u8])> = batch
+            .iter()
+            .map(|d| {
+                // SAFETY: `d` is an object the store marked demoting: published (its bytes
+                // are complete and never written again) and never freed until
+                // `finish_demotion` below, so its DRAM range is valid and stable for this read.
+                let bytes = unsafe { std::slice::from_raw_parts(base.add(d.offset as usize), d.size as usize) };
+                (d.key.key, d.namespace, d.size, bytes)
+            })
+            .collect();
+        crate::fault::demotion_batch(items.len());
+        let results = ssd.store.put_batch(&items);
+        let mut gone = std::collections::HashSet::new();
+        let mut written = Vec::with_capacity(batch.len());
+        for (d, r) in batch.iter().zip(results) {
+            match r {
+                Ok(outcome) => {
+                    gone.extend(outcome.evicted);
+                    written.push(Ok(ssd.store.shard_of(d.key.key) as u64));
+                }
+                Err(e) => {
+                    let n = ssd.write_failures.fetch_add(1, Ordering::Relaxed);
+                    if n.is_power_of_two() {
+                        tracing::warn!(key = %format_args!("{:032x}", d.key.key.0), failures = n + 1, "SSD demotion failed, the object is dropped: {e}");
+                    }
+                    written.push(Err(()));
+                }
+            }
+        }
+        let now = Instant::now();
+        let mut store = inner.store.lock().expect("store lock");
+        // Records dropped for room first: an object demoted in this very batch may be
+        // among them (then it is dropped below rather than listed on SSD).
+        for (d, w) in batch.iter().zip(written) {
+            let w = match w {
+                Ok(_) if gone.remove(&(d.key.key, d.namespace)) => Err(()),
+                w => w,
+            };
+            store.finish_demotion(d.key, w, now);
+        }
+        let gone: Vec<_> = gone.into_iter().collect();
+        store.ssd_records_gone(&gone, &inner.tenant_groups);
+    }
+    drop_records(inner, ssd);
+}
+
+/// Removes from SSD the records of objects that left the index (reset, index pressure,
+/// failed promotions), outside the store lock.
+pub fn drop_records(inner: &PoolInner, ssd: &SsdTier) {
+    let drops = inner.store.lock().expect("store lock").take_ssd_drops();
+    for (key, ns) in drops {
+        // A miss later is the worst a race here can do (the key stored and demoted again
+        // before this remove): never wrong bytes.
+        ssd.store.remove(key, ns);
+    }
+}
+
+/// Warm restart: lists every record of the SSD store in its namespace's group's index as
+/// an SSD object (before any peer can attach). Returns how many were listed.
+pub fn restore(store: &mut crate::objects::ObjectStore, groups: &crate::groups::TenantGroups, ssd: &SsdTier) -> u64 {
+    let started = Instant::now();
+    let keys = ssd.store.keys();
+    let mut listed = 0u64;
+    let mut skipped = 0u64;
+    for (key, info) in keys {
+        let group = groups.group_of(info.namespace);
+        let payload = ssd.store.shard_of(key) as u64;
+        if store.insert_lower(group, info.namespace, key, info.size, Tier::Ssd, payload) {
+            listed += 1;
+        } else {
+            skipped += 1;
+        }
+    }
+    if listed + skipped > 0 {
+        tracing::info!(listed, skipped, ms = started.elapsed().as_millis() as u64, "SSD objects listed in the index (warm restart)");
+    }
+    if skipped > 0 {
+        tracing::warn!(skipped, "SSD objects not listed: the key is held twice in one tenant group, or the index is full");
+    }
+    listed
+}
