@@ -296,7 +296,12 @@ impl Cluster {
             }
             Err(e) => {
                 self.inner.fetch_failures.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(key = format!("{:032x}", key.0), "remote fetch failed: {e}");
+                // A holder that just left is routine (its keys are being dropped): debug.
+                if matches!(e, FetchError::NoHolder(_) | FetchError::PeerGone(_)) {
+                    tracing::debug!(key = format!("{:032x}", key.0), "remote fetch failed: {e}");
+                } else {
+                    tracing::warn!(key = format!("{:032x}", key.0), "remote fetch failed: {e}");
+                }
             }
         }
         r
