@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use umbp_cluster::control::Secret;
 use umbp_cluster::mem_pool::{pattern, MemPool};
 use umbp_cluster::membership::StaticPeers;
-use umbp_cluster::{transport, Cluster, ClusterConfig};
+use umbp_cluster::{transport, Cluster, ClusterConfig, FetchRequest};
 use umbp_protocol::ObjectKey;
 
 use crate::report::{Better, Case};
@@ -31,6 +31,9 @@ pub struct ClusterCli {
     pub tokens_per_block: u64,
     #[arg(long, default_value_t = 128 << 10)]
     pub token_bytes: u64,
+    /// Blocks per request (a load's stage: 64 MiB of 2 MiB blocks), for both paths.
+    #[arg(long, default_value_t = 32)]
+    pub batch: u64,
     /// Timed rounds (each: the whole prefix raw, then through the cluster tier).
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
@@ -90,15 +93,18 @@ impl Drop for Holder {
     }
 }
 
-/// One raw NIXL READ of `len` bytes: descriptor lists, create, post, poll to completion.
-fn raw_read(agent: &transport::Agent, peer_agent: &str, local: usize, remote: usize, len: usize) -> Result<(), String> {
+/// One raw NIXL READ of `(local, remote, len)` pieces: descriptor lists, create, post,
+/// poll to completion.
+fn raw_read(agent: &transport::Agent, peer_agent: &str, pieces: &[(usize, usize, usize)]) -> Result<(), String> {
     use nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
     let e = |e: nixl_sys::NixlError| e.to_string();
     let a = agent.raw();
     let mut l = XferDescList::new(MemType::Dram).map_err(e)?;
     let mut r = XferDescList::new(MemType::Dram).map_err(e)?;
-    l.add_desc(local, len, 0);
-    r.add_desc(remote, len, 0);
+    for &(local, remote, len) in pieces {
+        l.add_desc(local, len, 0);
+        r.add_desc(remote, len, 0);
+    }
     let req = a.create_xfer_req(XferOp::Read, &l, &r, peer_agent, Some(agent.opt_args())).map_err(e)?;
     if a.post_xfer_req(&req, Some(agent.opt_args())).map_err(e)? {
         // The same completion polling as the cluster tier's reads.
@@ -124,6 +130,7 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
     let blocks = a.prefix_tokens.div_ceil(a.tokens_per_block.max(1));
     let block = a.tokens_per_block * a.token_bytes;
     let total = blocks * block;
+    let batch = a.batch.max(1);
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let secret_path = dir.path().join("secret");
     std::fs::write(&secret_path, crate::cluster::secret_bytes()).map_err(|e| e.to_string())?;
@@ -157,34 +164,53 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
 
     let mut raw_s = Vec::new();
     let mut umbp_s = Vec::new();
-    for round in 0..a.rounds.max(1) + 1 {
-        // Round 0 warms both paths (connections, page faults) and is not counted.
+    let raw_pass = || -> Result<f64, String> {
         let t = Instant::now();
-        for i in 0..blocks {
-            let off = (i * block) as usize;
-            raw_read(node.agent(), &region.agent, pool.base() as usize + off, region.base as usize + off, block as usize)?;
+        for first in (0..blocks).step_by(batch as usize) {
+            let pieces: Vec<(usize, usize, usize)> = (first..(first + batch).min(blocks))
+                .map(|i| {
+                    let off = (i * block) as usize;
+                    (pool.base() as usize + off, region.base as usize + off, block as usize)
+                })
+                .collect();
+            raw_read(node.agent(), &region.agent, &pieces)?;
         }
-        let raw = t.elapsed().as_secs_f64();
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let umbp_pass = || -> Result<f64, String> {
         // Poison the destination so the cluster path must bring every byte again.
         // SAFETY: our own mapping, no transfer in flight.
         unsafe { std::ptr::write_bytes(pool.base(), 0, total as usize) };
         let t = Instant::now();
-        for i in 0..blocks {
-            let off = (i * block) as usize;
-            // SAFETY: [off, off+block) is in the registered mapping and used by nothing else.
-            unsafe { node.fetch(0, ObjectKey(i as u128 + 1), block, pool.base().add(off)) }.map_err(|e| e.to_string())?;
-        }
-        let umbp = t.elapsed().as_secs_f64();
-        if round == 0 {
-            for i in 0..blocks {
-                if pool.read(i * block, block as usize) != pattern(i as u128 + 1, block as usize) {
-                    return Err(format!("block {i} differs after a remote load"));
-                }
+        for first in (0..blocks).step_by(batch as usize) {
+            let reqs: Vec<FetchRequest> = (first..(first + batch).min(blocks))
+                // SAFETY: block i's range is in the registered mapping and used by nothing else.
+                .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), size: block, dest: unsafe { pool.base().add((i * block) as usize) } })
+                .collect();
+            // SAFETY: as above, for every request.
+            for r in unsafe { node.fetch_batch(0, &reqs) } {
+                r.map_err(|e| e.to_string())?;
             }
-            continue;
         }
-        raw_s.push(raw);
-        umbp_s.push(umbp);
+        Ok(t.elapsed().as_secs_f64())
+    };
+    // Round 0 warms both paths (connections, page faults), is checked byte by byte and not
+    // counted; the order of the two passes alternates between rounds.
+    raw_pass()?;
+    umbp_pass()?;
+    for i in 0..blocks {
+        if pool.read(i * block, block as usize) != pattern(i as u128 + 1, block as usize) {
+            return Err(format!("block {i} differs after a remote load"));
+        }
+    }
+    for round in 0..a.rounds.max(1) {
+        if round % 2 == 0 {
+            raw_s.push(raw_pass()?);
+            umbp_s.push(umbp_pass()?);
+        } else {
+            umbp_s.push(umbp_pass()?);
+            raw_s.push(raw_pass()?);
+        }
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(|a, b| a.total_cmp(b));
@@ -200,6 +226,7 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             .extra("prefix_tokens", a.prefix_tokens)
             .extra("token_bytes", a.token_bytes)
             .extra("rounds", a.rounds.max(1))
+            .extra("batch_blocks", batch)
             .extra("ucx_tls", std::env::var("UCX_TLS").unwrap_or_default())
             .extra("verified_bytes", true)
     };

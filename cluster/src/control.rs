@@ -84,6 +84,9 @@ pub enum Msg {
     },
     Pinned {
         id: u64,
+        group: u32,
+        #[serde(with = "u128_hex")]
+        key: u128,
         offset: u64,
         #[serde(with = "u128_hex")]
         namespace: u128,
@@ -342,7 +345,7 @@ mod tests {
     #[test]
     fn messages_round_trip() {
         let m = Msg::Keys { changes: vec![KeyChange::stored(u128::MAX, 1 << 21, 7)], snapshot: true, more: false };
-        let m2 = Msg::Pinned { id: 3, offset: 1 << 40, namespace: u128::MAX - 5 };
+        let m2 = Msg::Pinned { id: 3, group: 0, key: 9, offset: 1 << 40, namespace: u128::MAX - 5 };
         let mut buf = Vec::new();
         write_msg(&mut buf, &m).unwrap();
         write_msg(&mut buf, &m2).unwrap();

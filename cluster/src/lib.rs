@@ -18,4 +18,4 @@ pub mod placement;
 pub mod pool_tier;
 pub mod transport;
 
-pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, LocalPool};
+pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, FetchRequest, LocalPool};

@@ -93,6 +93,9 @@ pub enum FetchError {
     PinTimeout { peer: NodeId, key: u128, timeout: Duration },
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// The read of a batch failed (the transport's error, shared by its items).
+    #[error("remote read failed: {0}")]
+    Read(String),
 }
 
 impl FetchError {
@@ -104,11 +107,25 @@ impl FetchError {
 
 type PinReply = Result<(u64, u128), String>;
 
+/// Where a pin reply goes: the batch that asked, tagged with its pin id.
+struct PinWaiter {
+    tx: mpsc::Sender<(u64, PinReply)>,
+    id: u64,
+}
+
+/// One object of a batched fetch: `size` bytes of `key` into `dest`.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchRequest {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub dest: *mut u8,
+}
+
 struct Peer {
     addr: String,
     writer: Arc<Mutex<TcpStream>>,
     region: Option<PeerRegion>,
-    pending: HashMap<u64, mpsc::Sender<PinReply>>,
+    pending: HashMap<u64, PinWaiter>,
 }
 
 struct Subscriber {
@@ -287,20 +304,32 @@ impl Cluster {
     /// on an error for which [`FetchError::destination_tainted`] is true it must never be
     /// reused (quarantine it).
     pub unsafe fn fetch(&self, group: u32, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {
-        self.inner.fetches.fetch_add(1, Ordering::Relaxed);
         // SAFETY: forwarded.
-        let r = unsafe { self.inner.fetch(group, key, size, dest) };
-        match &r {
-            Ok(_) => {
-                self.inner.fetched_bytes.fetch_add(size, Ordering::Relaxed);
-            }
-            Err(e) => {
-                self.inner.fetch_failures.fetch_add(1, Ordering::Relaxed);
-                // A holder that just left is routine (its keys are being dropped): debug.
-                if matches!(e, FetchError::NoHolder(_) | FetchError::PeerGone(_)) {
-                    tracing::debug!(key = format!("{:032x}", key.0), "remote fetch failed: {e}");
-                } else {
-                    tracing::warn!(key = format!("{:032x}", key.0), "remote fetch failed: {e}");
+        unsafe { self.fetch_batch(group, &[FetchRequest { key, size, dest }]) }.pop().expect("one result")
+    }
+
+    /// [`Self::fetch`] of many objects at once: every pin in flight together, one NIXL
+    /// request per holder. Per-item results, in order.
+    ///
+    /// # Safety
+    /// As for [`Self::fetch`], for every item's `dest..dest+size`.
+    pub unsafe fn fetch_batch(&self, group: u32, items: &[FetchRequest]) -> Vec<Result<u128, FetchError>> {
+        self.inner.fetches.fetch_add(items.len() as u64, Ordering::Relaxed);
+        // SAFETY: forwarded.
+        let r = unsafe { self.inner.fetch_batch(group, items) };
+        for (it, r) in items.iter().zip(&r) {
+            match r {
+                Ok(_) => {
+                    self.inner.fetched_bytes.fetch_add(it.size, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    self.inner.fetch_failures.fetch_add(1, Ordering::Relaxed);
+                    // A holder that just left is routine (its keys are being dropped): debug.
+                    if matches!(e, FetchError::NoHolder(_) | FetchError::PeerGone(_)) {
+                        tracing::debug!(key = format!("{:032x}", it.key.0), "remote fetch failed: {e}");
+                    } else {
+                        tracing::warn!(key = format!("{:032x}", it.key.0), "remote fetch failed: {e}");
+                    }
                 }
             }
         }
@@ -409,7 +438,7 @@ impl Inner {
                     let reply = match self.pool.pin(group, ObjectKey(key), size) {
                         Ok((offset, namespace)) => {
                             *pins.entry((group, key)).or_default() += 1;
-                            Msg::Pinned { id, offset, namespace }
+                            Msg::Pinned { id, group, key, offset, namespace }
                         }
                         Err(reason) => Msg::PinFailed { id, reason },
                     };
@@ -522,8 +551,8 @@ impl Inner {
                         self.pool.apply_index(&out);
                     }
                 }
-                Msg::Pinned { id, offset, namespace } => self.answer_pin(server, id, Ok((offset, namespace))),
-                Msg::PinFailed { id, reason } => self.answer_pin(server, id, Err(reason)),
+                Msg::Pinned { id, group, key, offset, namespace } => self.answer_pin(server, id, group, key, Ok((offset, namespace))),
+                Msg::PinFailed { id, reason } => self.answer_pin(server, id, 0, 0, Err(reason)),
                 other => tracing::debug!("ignored from peer: {other:?}"),
             }
         };
@@ -532,10 +561,23 @@ impl Inner {
         r
     }
 
-    fn answer_pin(&self, server: NodeId, id: u64, r: PinReply) {
-        let tx = self.state.lock().expect("state").peers.get_mut(&server).and_then(|p| p.pending.remove(&id));
-        if let Some(tx) = tx {
-            let _ = tx.send(r);
+    fn answer_pin(&self, server: NodeId, id: u64, group: u32, key: u128, r: PinReply) {
+        let (w, writer) = {
+            let mut st = self.state.lock().expect("state");
+            let p = st.peers.get_mut(&server);
+            let writer = p.as_ref().map(|p| p.writer.clone());
+            (p.and_then(|p| p.pending.remove(&id)), writer)
+        };
+        match w {
+            Some(w) => {
+                let _ = w.tx.send((w.id, r));
+            }
+            // Nobody waits any more (timed out): give the pin back at once.
+            None => {
+                if let (Ok(_), Some(writer)) = (r, writer) {
+                    send(&writer, &Msg::Unpin { group, key });
+                }
+            }
         }
     }
 
@@ -625,40 +667,112 @@ impl Inner {
 
     // ---- fetch ----
 
-    unsafe fn fetch(&self, group: u32, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {
+    /// Pins every item at its holder (all pins in flight at once), reads each holder's
+    /// pinned items with one NIXL request, unpins. Per-item results.
+    unsafe fn fetch_batch(&self, group: u32, items: &[FetchRequest]) -> Vec<Result<u128, FetchError>> {
         let deadline = Instant::now() + self.cfg.read_timeout;
-        let id = self.next_pin.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel();
-        let (node, writer, region) = {
+        let mut out: Vec<Option<Result<u128, FetchError>>> = (0..items.len()).map(|_| None).collect();
+        let (tx, rx) = mpsc::channel::<(u64, PinReply)>();
+        // Per holder: its writer, region and (item index, pin id).
+        let mut by_node: HashMap<NodeId, (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>)> = HashMap::new();
+        {
             let mut st = self.state.lock().expect("state");
-            let node = st.catalog.source((group, key)).ok_or(FetchError::NoHolder(key.0))?;
-            let p = st.peers.get_mut(&node).ok_or(FetchError::PeerGone(node))?;
-            let region = p.region.clone().ok_or(FetchError::PeerGone(node))?;
-            p.pending.insert(id, tx);
-            (node, p.writer.clone(), region)
-        };
-        if !send(&writer, &Msg::Pin { id, group, key: key.0, size }) {
-            return Err(FetchError::PeerGone(node));
-        }
-        let (offset, namespace) = match rx.recv_timeout(control::left(deadline)) {
-            Ok(Ok(v)) => v,
-            Ok(Err(reason)) => return Err(FetchError::PinRefused { peer: node, key: key.0, reason }),
-            Err(mpsc::RecvTimeoutError::Disconnected) => return Err(FetchError::PeerGone(node)),
-            Err(mpsc::RecvTimeoutError::Timeout) => {
-                if let Some(p) = self.state.lock().expect("state").peers.get_mut(&node) {
-                    p.pending.remove(&id);
-                }
-                return Err(FetchError::PinTimeout { peer: node, key: key.0, timeout: self.cfg.read_timeout });
+            for (i, it) in items.iter().enumerate() {
+                let Some(node) = st.catalog.source((group, it.key)) else {
+                    out[i] = Some(Err(FetchError::NoHolder(it.key.0)));
+                    continue;
+                };
+                let Some(p) = st.peers.get_mut(&node) else {
+                    out[i] = Some(Err(FetchError::PeerGone(node)));
+                    continue;
+                };
+                let Some(region) = p.region.clone() else {
+                    out[i] = Some(Err(FetchError::PeerGone(node)));
+                    continue;
+                };
+                let id = self.next_pin.fetch_add(1, Ordering::Relaxed);
+                p.pending.insert(id, PinWaiter { tx: tx.clone(), id });
+                let e = by_node.entry(node).or_insert_with(|| (p.writer.clone(), region, Vec::new()));
+                e.2.push((i, id));
             }
-        };
-        let piece = ReadPiece { remote_offset: offset, local: dest, len: size };
-        // SAFETY: forwarded from `Cluster::fetch`'s contract.
-        self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
-        let r = unsafe { self.agent.read(&region, &[piece], control::left(deadline).max(Duration::from_millis(1))) };
-        self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
-        // Best effort: a dead peer released its pins with its connection.
-        send(&writer, &Msg::Unpin { group, key: key.0 });
-        r?;
-        Ok(namespace)
+        }
+        drop(tx);
+        let mut id_to: HashMap<u64, (NodeId, usize)> = HashMap::new();
+        for (node, (w, _, v)) in &by_node {
+            for &(i, id) in v {
+                id_to.insert(id, (*node, i));
+                if !send(w, &Msg::Pin { id, group, key: items[i].key.0, size: items[i].size }) {
+                    out[i] = Some(Err(FetchError::PeerGone(*node)));
+                }
+            }
+        }
+        // Pin replies until every pin is answered, its peer is gone, or the deadline.
+        let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
+        let mut open = id_to.len();
+        while open > 0 {
+            match rx.recv_timeout(control::left(deadline)) {
+                Ok((id, r)) => {
+                    let Some(&(node, i)) = id_to.get(&id) else { continue };
+                    open -= 1;
+                    match r {
+                        Ok(v) => {
+                            pinned.insert(i, v);
+                        }
+                        Err(reason) => out[i] = Some(Err(FetchError::PinRefused { peer: node, key: items[i].key.0, reason })),
+                    }
+                }
+                Err(_) => break, // timeout, or every waiting peer gone
+            }
+        }
+        {
+            let mut st = self.state.lock().expect("state");
+            for (&id, &(node, i)) in &id_to {
+                if out[i].is_some() || pinned.contains_key(&i) {
+                    continue;
+                }
+                let gone = st.peers.get_mut(&node).is_none_or(|p| p.pending.remove(&id).is_none());
+                out[i] = Some(Err(if gone && Instant::now() < deadline {
+                    FetchError::PeerGone(node)
+                } else {
+                    FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout }
+                }));
+            }
+        }
+        // One read per holder of everything pinned there.
+        for (w, region, v) in by_node.values() {
+            let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i)).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let pieces: Vec<ReadPiece> =
+                mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
+            self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
+            // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
+            let r = unsafe { self.agent.read(region, &pieces, control::left(deadline).max(Duration::from_millis(1))) };
+            self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
+            for &i in &mine {
+                // Best effort: a dead peer released its pins with its connection.
+                send(w, &Msg::Unpin { group, key: items[i].key.0 });
+            }
+            match r {
+                Ok(()) => {
+                    for &i in &mine {
+                        out[i] = Some(Ok(pinned[&i].1));
+                    }
+                }
+                Err(e) => {
+                    let tainted = e.destination_tainted();
+                    let msg = e.to_string();
+                    for &i in &mine {
+                        out[i] = Some(Err(if tainted {
+                            FetchError::Transport(TransportError::Timeout { peer: region.agent.clone(), timeout: self.cfg.read_timeout })
+                        } else {
+                            FetchError::Read(msg.clone())
+                        }));
+                    }
+                }
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or(Err(FetchError::Read("not attempted".into())))).collect()
     }
 }

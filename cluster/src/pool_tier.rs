@@ -16,7 +16,7 @@ use umbp_protocol::{ObjectKey, Tier};
 
 use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
-use crate::node::{Cluster, ClusterConfig, ClusterError, LocalPool};
+use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool};
 
 struct PoolSide(ClusterAccess);
 
@@ -55,21 +55,22 @@ struct FetchSide(Arc<Cluster>, ClusterAccess);
 
 impl TierSource for FetchSide {
     fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
-        items
-            .iter_mut()
-            .map(|it| {
-                // SAFETY: `dst` is the object's new DRAM allocation (in the mapping this
-                // node registered), written only by this fetch until the promotion ends; on
-                // a tainted failure the promotion is abandoned below, so it is never reused.
-                match unsafe { self.0.fetch(0, it.key, it.dst.len() as u64, it.dst.as_mut_ptr()) } {
-                    Ok(_) => true,
-                    Err(e) => {
-                        if e.destination_tainted() {
-                            let leaked = self.1.abandon_promotion(it.key);
-                            tracing::warn!(key = format!("{:032x}", it.key.0), leaked, "remote read timed out: its DRAM is quarantined");
-                        }
-                        false
+        let reqs: Vec<FetchRequest> =
+            items.iter_mut().map(|it| FetchRequest { key: it.key, size: it.dst.len() as u64, dest: it.dst.as_mut_ptr() }).collect();
+        // SAFETY: each `dst` is the object's new DRAM allocation (in the mapping this node
+        // registered), written only by this fetch until the promotion ends; on a tainted
+        // failure the promotion is abandoned below, so that DRAM is never reused.
+        let results = unsafe { self.0.fetch_batch(0, &reqs) };
+        reqs.iter()
+            .zip(results)
+            .map(|(r, res)| match res {
+                Ok(_) => true,
+                Err(e) => {
+                    if e.destination_tainted() {
+                        let leaked = self.1.abandon_promotion(r.key);
+                        tracing::warn!(key = format!("{:032x}", r.key.0), leaked, "remote read timed out: its DRAM is quarantined");
                     }
+                    false
                 }
             })
             .collect()
