@@ -113,6 +113,9 @@ struct PinWaiter {
     id: u64,
 }
 
+/// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
+type HolderBatch = (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>);
+
 /// One object of a batched fetch: `size` bytes of `key` into `dest`.
 #[derive(Debug, Clone, Copy)]
 pub struct FetchRequest {
@@ -426,11 +429,7 @@ impl Inner {
         }
         tracing::info!(peer = %peer_addr, node = format!("{client:016x}"), "cluster subscriber joined");
         let mut pins: HashMap<(u32, u128), u32> = HashMap::new();
-        loop {
-            let m = match read_msg(&mut s, MAX_FRAME) {
-                Ok(m) => m,
-                Err(_) => break,
-            };
+        while let Ok(m) = read_msg(&mut s, MAX_FRAME) {
             self.liveness.lock().expect("liveness").seen(client, Instant::now());
             match m {
                 Msg::Heartbeat => {}
@@ -674,7 +673,7 @@ impl Inner {
         let mut out: Vec<Option<Result<u128, FetchError>>> = (0..items.len()).map(|_| None).collect();
         let (tx, rx) = mpsc::channel::<(u64, PinReply)>();
         // Per holder: its writer, region and (item index, pin id).
-        let mut by_node: HashMap<NodeId, (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>)> = HashMap::new();
+        let mut by_node: HashMap<NodeId, HolderBatch> = HashMap::new();
         {
             let mut st = self.state.lock().expect("state");
             for (i, it) in items.iter().enumerate() {
