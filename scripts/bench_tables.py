@@ -34,6 +34,8 @@ import re
 import shlex
 import sys
 
+from bench_jsonl import json_objects
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPEN = re.compile(r"<!-- bench-table (?P<attrs>.*?) -->")
 CLOSE = "<!-- /bench-table -->"
@@ -77,15 +79,12 @@ def parse_attrs(text: str) -> dict[str, str]:
 def read_runs(path: str) -> list[dict]:
     """The case lines of one file, each with `_run` (1 + how often its case came before)."""
     out, seen = [], {}
+
+    def bad(msg: str) -> None:
+        raise SystemExit(f"bench_tables: {msg}")
+
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"bench_tables: {path}:{n}: not JSON: {e}")
+        for rec in json_objects(f, path, bad):
             if "case" not in rec or "value" not in rec:
                 continue  # check lines, summaries
             key = (rec.get("bench"), rec["case"])

@@ -22,12 +22,13 @@ Needs matplotlib (`pip install matplotlib`).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
 from collections import OrderedDict, defaultdict
 from pathlib import Path
+
+from bench_jsonl import json_objects
 
 REQUIRED = ("bench", "case", "value", "unit", "baseline", "baseline_name", "speedup")
 
@@ -37,15 +38,7 @@ def read_cases(paths: list[str]) -> list[dict]:
     cases = []
     streams = [sys.stdin] if not paths or paths == ["-"] else [open(p, encoding="utf-8") for p in paths]
     for s in streams:
-        for n, line in enumerate(s, 1):
-            line = line.strip()
-            if not line.startswith("{"):
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                print(f"{getattr(s, 'name', 'stdin')}:{n}: skipped, not JSON ({e})", file=sys.stderr)
-                continue
+        for obj in json_objects(s, getattr(s, "name", "stdin"), lambda msg: print(f"{msg}: skipped", file=sys.stderr)):
             if all(k in obj for k in REQUIRED):
                 cases.append(obj)
     return cases

@@ -20,7 +20,6 @@
 use std::collections::HashMap;
 use std::hint::black_box;
 use std::io;
-use std::os::fd::AsFd;
 use std::time::Instant;
 
 use rustc_hash::FxHashMap;
@@ -31,7 +30,7 @@ use umbp_protocol::index::{region_bytes, slots_for, IndexView, IndexWriter};
 use umbp_protocol::ObjectKey;
 
 use super::report::{cpus, Better, Case};
-use super::shm::{sealed_memfd, Mapping};
+use umbp_ipc::SharedMemory;
 
 #[derive(Debug, Clone)]
 pub struct IndexArgs {
@@ -85,10 +84,9 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
         args.min_object_bytes,
     );
     let len = region_bytes(slots);
-    let fd = sealed_memfd("umbp-bench-index", len)?;
-    let map = Mapping::new(fd.as_file().as_fd(), len)?;
+    let map = SharedMemory::create("umbp-bench-index", len, false).map_err(io::Error::other)?;
     // SAFETY: the mapping is fresh (zeroed) and outlives the view and writer below.
-    let view = unsafe { IndexView::init(map.ptr(), len, slots) }.map_err(io::Error::other)?;
+    let view = unsafe { IndexView::init(map.as_ptr(), len, slots) }.map_err(io::Error::other)?;
     let mut writer = IndexWriter::new(view);
     let mut hash = HashMap::<u128, u64>::with_capacity(args.entries as usize);
     let mut fx = FxHashMap::<u128, u64>::with_capacity_and_hasher(args.entries as usize, Default::default());
@@ -127,7 +125,7 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
 
     // A scheduler reads through its own (read-only in production) attachment.
     // SAFETY: the mapping outlives the reader view.
-    let reader = unsafe { IndexView::attach(map.ptr(), len) }.map_err(io::Error::other)?;
+    let reader = unsafe { IndexView::attach(map.as_ptr(), len) }.map_err(io::Error::other)?;
     if reader.match_prefix(&present) != n || absent.iter().any(|k| reader.lookup(*k).is_some()) {
         return Err(io::Error::other("index does not hold what was inserted"));
     }

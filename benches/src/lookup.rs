@@ -53,8 +53,8 @@ pub fn run(args: &LookupArgs) -> std::io::Result<Vec<Case>> {
 }
 
 fn measure(args: &LookupArgs) -> Result<Vec<Case>, String> {
-    let dir = std::env::temp_dir().join(format!("umbp-bench-lookup-{}", std::process::id()));
-    let socket = dir.join("pool.sock");
+    let dir = tempfile::Builder::new().prefix("umbp-bench-lookup-").tempdir().map_err(|e| e.to_string())?;
+    let socket = dir.path().join("pool.sock");
     let cfg = umbp_pool::PoolConfig {
         socket_path: socket.clone(),
         capacity_bytes: 1 << 30,
@@ -173,6 +173,5 @@ fn measure(args: &LookupArgs) -> Result<Vec<Case>, String> {
         c.extra.insert("blocks_stored_meanwhile".into(), stored_meanwhile.into());
     }
     drop(pool);
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(cases)
 }

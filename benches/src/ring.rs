@@ -14,19 +14,19 @@
 //!    producer wakes the other side (the `need_wakeup` protocol, docs/protocol.md §1).
 
 use std::io::{self, Read, Write};
-use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use bytemuck::Zeroable;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::{Map, Value};
+use umbp_ipc::SharedMemory;
 use umbp_protocol::attachment::AttachmentLayout;
 use umbp_protocol::entries::{Cqe, Opcode, Sqe};
 use umbp_protocol::ring::{Consumer, Producer, Ring};
 
 use super::report::{cpus, percentile, Better, Case};
-use super::shm::{inherited, raw, sealed_memfd, spawn_self, Mapping};
+use super::shm::{inherited, raw, spawn_self};
 
 const SQ_ENTRIES: u32 = 64;
 const CQ_ENTRIES: u32 = 64;
@@ -60,13 +60,13 @@ struct Rings<'a> {
     cq: Ring<'a, Cqe>,
 }
 
-fn rings<'a>(map: &'a Mapping, l: &AttachmentLayout, init: bool) -> io::Result<Rings<'a>> {
+fn rings<'a>(map: &'a SharedMemory, l: &AttachmentLayout, init: bool) -> io::Result<Rings<'a>> {
     // SAFETY: both ranges lie inside the mapping (AttachmentLayout keeps them disjoint and
     // within total_bytes), which outlives the returned rings; `init` only runs before the
     // peer process exists.
     unsafe {
-        let sq_mem = map.ptr().add(l.sq_offset);
-        let cq_mem = map.ptr().add(l.cq_offset);
+        let sq_mem = map.as_ptr().add(l.sq_offset);
+        let cq_mem = map.as_ptr().add(l.cq_offset);
         if init {
             Ring::<Sqe>::init(sq_mem, l.sq_bytes(), l.sq_entries).map_err(bad)?;
             Ring::<Cqe>::init(cq_mem, l.cq_bytes(), l.cq_entries).map_err(bad)?;
@@ -153,8 +153,8 @@ impl Progress {
 
 pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
     let l = layout();
-    let fd = sealed_memfd("umbp-bench-ring", l.total_bytes)?;
-    let map = Mapping::new(fd.as_file().as_fd(), l.total_bytes)?;
+    // A sealed memfd, as the pool's attachment regions (docs/security.md "Sealed shared memory").
+    let map = SharedMemory::create("umbp-bench-ring", l.total_bytes, false).map_err(io::Error::other)?;
     let Rings { sq, cq } = rings(&map, &l, true)?;
     let mut sq = sq.producer();
     let mut cq = cq.consumer();
@@ -164,13 +164,13 @@ pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
         &[
             PEER_SUBCOMMAND.to_string(),
             "--fd".into(),
-            raw(fd.as_file()).to_string(),
+            raw(map.fd()).to_string(),
             "--sock-fd".into(),
             raw(&theirs).to_string(),
             "--rounds".into(),
             total.to_string(),
         ],
-        &[raw(fd.as_file()), raw(&theirs)],
+        &[raw(map.fd()), raw(&theirs)],
     )?;
     drop(theirs);
     let progress = Progress::new(3 * total as u64);
@@ -233,41 +233,15 @@ pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
     extra.insert("msg_bytes".into(), Value::from(MSG));
     extra.insert("socket_rtt_p50_ns".into(), Value::from(p(&socket, 50.0)));
     extra.insert("socket_rtt_p99_ns".into(), Value::from(p(&socket, 99.0)));
-    let name = "unix socket round trip";
+    // Each case: percentile `q` of a ring's round trips against the same percentile of the
+    // unix-socket round trip.
+    let case = |name: &str, rtt: &[u64], q: f64| {
+        Case::new("ring", name, p(rtt, q), "ns", p(&socket, q), "unix socket round trip", Better::Lower).extras(&extra)
+    };
     Ok(vec![
-        Case::new(
-            "ring",
-            "poll_rtt_p50",
-            p(&poll, 50.0),
-            "ns",
-            p(&socket, 50.0),
-            name,
-            Better::Lower,
-        )
-        .extras(&extra)
-        .extra("min_ns", poll[0]),
-        Case::new(
-            "ring",
-            "poll_rtt_p99",
-            p(&poll, 99.0),
-            "ns",
-            p(&socket, 99.0),
-            name,
-            Better::Lower,
-        )
-        .extras(&extra)
-        .extra("max_ns", *poll.last().unwrap()),
-        Case::new(
-            "ring",
-            "sleep_rtt_p50",
-            p(&sleep, 50.0),
-            "ns",
-            p(&socket, 50.0),
-            name,
-            Better::Lower,
-        )
-        .extras(&extra)
-        .extra("sleep_rtt_p99_ns", p(&sleep, 99.0)),
+        case("poll_rtt_p50", &poll, 50.0).extra("min_ns", poll[0]),
+        case("poll_rtt_p99", &poll, 99.0).extra("max_ns", *poll.last().unwrap()),
+        case("sleep_rtt_p50", &sleep, 50.0).extra("sleep_rtt_p99_ns", p(&sleep, 99.0)),
     ])
 }
 
@@ -276,7 +250,7 @@ pub fn peer(fd: i32, sock_fd: i32, rounds: usize) -> io::Result<()> {
     let l = layout();
     // SAFETY: the parent passed these fds open, and this process never closes them.
     let (fd, sock_fd) = unsafe { (inherited(fd), inherited(sock_fd)) };
-    let map = Mapping::new(fd, l.total_bytes)?;
+    let map = SharedMemory::from_received(fd.try_clone_to_owned()?, l.total_bytes, true).map_err(io::Error::other)?;
     let Rings { sq, cq } = rings(&map, &l, false)?;
     let mut sq = sq.consumer();
     let mut cq = cq.producer();

@@ -1,75 +1,10 @@
-//! Shared memory and child processes for the cross-process benchmarks: sealed memfds,
-//! `MAP_SHARED` mappings, and re-executing this binary with inherited fds.
+//! Child processes for the cross-process benchmarks: re-executing this binary with
+//! inherited fds (shared memory is `umbp_ipc::SharedMemory`, as in the pool).
 
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, RawFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-
-use memfd::{FileSeal, MemfdOptions};
-use rustix::mm::{MapFlags, ProtFlags};
-
-/// A `MAP_SHARED` read-write mapping, unmapped on drop.
-pub struct Mapping {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl Mapping {
-    pub fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Self> {
-        // SAFETY: a new mapping at a kernel-chosen address; only reached through `ptr`.
-        let ptr = unsafe {
-            rustix::mm::mmap(
-                std::ptr::null_mut(),
-                len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED,
-                fd,
-                0,
-            )
-        }?;
-        Ok(Self {
-            ptr: ptr.cast(),
-            len,
-        })
-    }
-
-    pub fn ptr(&self) -> *mut u8 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl Drop for Mapping {
-    fn drop(&mut self) {
-        // SAFETY: mapped in `new` with this length; borrows of it end before drop.
-        let _ = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) };
-    }
-}
-
-/// A memfd of `len` bytes, sealed against shrinking and growing (docs/security.md "Sealed shared memory").
-pub fn sealed_memfd(name: &str, len: usize) -> io::Result<memfd::Memfd> {
-    let fd = MemfdOptions::new()
-        .allow_sealing(true)
-        .close_on_exec(true)
-        .create(name)
-        .map_err(to_io)?;
-    fd.as_file().set_len(len as u64)?;
-    fd.add_seals(&[FileSeal::SealShrink, FileSeal::SealGrow, FileSeal::SealSeal])
-        .map_err(to_io)?;
-    Ok(fd)
-}
-
-fn to_io(e: memfd::Error) -> io::Error {
-    io::Error::other(e.to_string())
-}
 
 /// Re-executes this binary with `args`, keeping `fds` open in the child (same numbers)
 /// and killing the child if this process dies.

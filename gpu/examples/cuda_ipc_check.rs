@@ -17,16 +17,16 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::{bind_primary_context, ck, reg_from_hex, PoolMem};
 use umbp_gpu::cuda::{self, sys};
 use umbp_gpu::{backend_for, CopyOp, MemoryKind, MemoryRegistration};
 
 const OFFSET: u64 = 4096;
 const PAGE: u64 = 64 * 1024;
 const CHUNK: usize = 256 << 20;
-
-fn ck(call: &str, r: sys::CUresult) {
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call} failed");
-}
 
 /// Pattern `seed`, computed per 8-byte word so a GiB takes well under a second.
 fn fill(buf: &mut [u8], seed: u64) {
@@ -47,24 +47,9 @@ fn mismatch(buf: &[u8], seed: u64) -> Option<usize> {
         .map(|i| i * 8)
 }
 
-fn bind_device0() {
-    // SAFETY: plain driver calls on locals; the primary context stays retained for the
-    // life of the process.
-    unsafe {
-        let mut dev = 0;
-        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
-        let mut ctx = std::ptr::null_mut();
-        ck(
-            "cuDevicePrimaryCtxRetain",
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-        );
-        ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
-    }
-}
-
 fn child(len: usize) {
     cuda::init().expect("CUDA");
-    bind_device0();
+    bind_primary_context();
     let mut host = vec![0u8; len];
     fill(&mut host, 1);
     let mut dptr: sys::CUdeviceptr = 0;
@@ -183,27 +168,11 @@ fn main() {
             .trim()
             .to_string()
     };
-    let hex = read("REG");
-    let bytes: Vec<u8> = (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-        .collect();
-    let reg: MemoryRegistration = bytemuck::pod_read_unaligned(&bytes);
+    let reg: MemoryRegistration = reg_from_hex(&read("REG"));
 
     // Pool DRAM: page aligned, registered in chunks like the pool's background thread does.
-    // SAFETY: a fresh anonymous mapping, unmapped at the end.
-    let pool = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(pool, libc::MAP_FAILED);
-    let pool = pool.cast::<u8>();
+    let mem = PoolMem::new(len);
+    let pool = mem.ptr();
     // SAFETY: the mapping lives until munmap below; the slice is only used between copies.
     let pool_slice = unsafe { std::slice::from_raw_parts_mut(pool, len) };
     let t = Instant::now();
@@ -283,7 +252,7 @@ fn main() {
             len: CHUNK as u64,
         })
         .collect();
-    bind_device0();
+    bind_primary_context();
     let mut local: sys::CUdeviceptr = 0;
     // SAFETY: a local allocation of `len` bytes used only for the baseline copies.
     unsafe { ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut local, len)) };
@@ -368,8 +337,7 @@ fn main() {
         // SAFETY: registered above; no copy in flight.
         unsafe { backend.unregister_host_memory(pool.add(c)) }.unwrap();
     }
-    // SAFETY: the mapping made above; nothing refers to it any more.
-    unsafe { libc::munmap(pool.cast(), len) };
+    drop(mem);
     drop(to_child);
     let _ = peer.wait();
     println!("{} passed, {} failed", report.passed, report.failed);

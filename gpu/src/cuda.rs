@@ -306,30 +306,12 @@ impl DeviceApi for Cuda {
         let _ = unsafe { sys::cuStreamDestroy_v2(stream.0) };
     }
 
-    unsafe fn copy_async(
-        &self,
-        dir: Dir,
-        host: *mut u8,
-        device: u64,
-        len: usize,
-        stream: CudaStream,
-    ) -> Result<(), GpuError> {
+    unsafe fn copy_async(&self, dir: Dir, Item { host, device, len }: Item, stream: CudaStream) -> Result<(), GpuError> {
         // SAFETY: forwarded contract of DeviceApi::copy_async.
         unsafe {
             match dir {
-                Dir::DeviceToHost => check(
-                    "cuMemcpyDtoHAsync",
-                    sys::cuMemcpyDtoHAsync_v2(host.cast(), device as CUdeviceptr, len, stream.0),
-                ),
-                Dir::HostToDevice => check(
-                    "cuMemcpyHtoDAsync",
-                    sys::cuMemcpyHtoDAsync_v2(
-                        device as CUdeviceptr,
-                        host.cast_const().cast(),
-                        len,
-                        stream.0,
-                    ),
-                ),
+                Dir::DeviceToHost => check("cuMemcpyDtoHAsync", sys::cuMemcpyDtoHAsync_v2(host.cast(), device, len, stream.0)),
+                Dir::HostToDevice => check("cuMemcpyHtoDAsync", sys::cuMemcpyHtoDAsync_v2(device, host.cast_const().cast(), len, stream.0)),
             }
         }
     }
@@ -347,7 +329,7 @@ impl DeviceApi for Cuda {
         if !batch || abi == BatchAbi::None || items.len() < 2 || BATCH_BROKEN.load(Ordering::Relaxed) {
             for it in items {
                 // SAFETY: forwarded contract.
-                unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+                unsafe { self.copy_async(dir, *it, stream) }?;
             }
             return Ok(());
         }
@@ -372,32 +354,14 @@ impl DeviceApi for Cuda {
         };
         let mut attr_idx: usize = 0;
         let mut fail_idx: usize = usize::MAX;
+        let (d, s, n, len) = (dsts.as_mut_ptr(), srcs.as_mut_ptr(), sizes.as_mut_ptr(), items.len());
         // SAFETY: the arrays hold `items.len()` entries each and outlive the call (the
         // driver copies the descriptors before returning); one attribute applies from
         // index 0 on; forwarded contract for the memory itself.
         let r = unsafe {
             match abi {
-                BatchAbi::V2 => BATCH_V2.get().expect("resolved with BatchAbi::V2")(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    items.len(),
-                    &mut attrs,
-                    &mut attr_idx,
-                    1,
-                    stream.0,
-                ),
-                _ => sys::cuMemcpyBatchAsync(
-                    dsts.as_mut_ptr(),
-                    srcs.as_mut_ptr(),
-                    sizes.as_mut_ptr(),
-                    items.len(),
-                    &mut attrs,
-                    &mut attr_idx,
-                    1,
-                    &mut fail_idx,
-                    stream.0,
-                ),
+                BatchAbi::V2 => BATCH_V2.get().expect("resolved with BatchAbi::V2")(d, s, n, len, &mut attrs, &mut attr_idx, 1, stream.0),
+                _ => sys::cuMemcpyBatchAsync(d, s, n, len, &mut attrs, &mut attr_idx, 1, &mut fail_idx, stream.0),
             }
         };
         if r == CUresult::CUDA_SUCCESS {
@@ -415,7 +379,7 @@ impl DeviceApi for Cuda {
         }
         for it in items {
             // SAFETY: forwarded contract.
-            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+            unsafe { self.copy_async(dir, *it, stream) }?;
         }
         Ok(())
     }
@@ -672,16 +636,10 @@ pub unsafe fn host_device_pointer(host: *mut u8) -> Result<CUdeviceptr, GpuError
 /// # Safety
 /// `stream` is a live stream of the current context and `addr` an 8-byte aligned
 /// device-accessible word that stays mapped until the stream has run the write.
-pub unsafe fn stream_write_value64(
-    stream: CUstream,
-    addr: CUdeviceptr,
-    value: u64,
-) -> Result<(), GpuError> {
+pub unsafe fn stream_write_value64(stream: CUstream, addr: CUdeviceptr, value: u64) -> Result<(), GpuError> {
     let flags = sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
     // SAFETY: forwarded contract.
-    check("cuStreamWriteValue64", unsafe {
-        sys::cuStreamWriteValue64_v2(stream, addr, value, flags)
-    })
+    check("cuStreamWriteValue64", unsafe { sys::cuStreamWriteValue64_v2(stream, addr, value, flags) })
 }
 
 /// Fence ([`crate::fence`]): makes `stream` wait until the word at `addr` is >= `value`
@@ -689,16 +647,10 @@ pub unsafe fn stream_write_value64(
 ///
 /// # Safety
 /// As [`stream_write_value64`].
-pub unsafe fn stream_wait_value64(
-    stream: CUstream,
-    addr: CUdeviceptr,
-    value: u64,
-) -> Result<(), GpuError> {
+pub unsafe fn stream_wait_value64(stream: CUstream, addr: CUdeviceptr, value: u64) -> Result<(), GpuError> {
     let flags = sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
     // SAFETY: forwarded contract.
-    check("cuStreamWaitValue64", unsafe {
-        sys::cuStreamWaitValue64_v2(stream, addr, value, flags)
-    })
+    check("cuStreamWaitValue64", unsafe { sys::cuStreamWaitValue64_v2(stream, addr, value, flags) })
 }
 
 /// Name of device `ordinal` (`NVIDIA H200`), for reports.

@@ -20,7 +20,7 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::Mutex;
 
-use crate::engine::{DeviceApi, Dir, GpuBackend};
+use crate::engine::{DeviceApi, Dir, GpuBackend, Item};
 use crate::error::format_uuid;
 use crate::{new_registration, Backend, GpuError, MemoryKind, MemoryRegistration};
 
@@ -336,34 +336,14 @@ impl DeviceApi for HipApi {
         let _ = unsafe { (self.0.stream_destroy)(stream.0) };
     }
 
-    unsafe fn copy_async(
-        &self,
-        dir: Dir,
-        host: *mut u8,
-        device: u64,
-        len: usize,
-        stream: HipStreamHandle,
-    ) -> Result<(), GpuError> {
+    unsafe fn copy_async(&self, dir: Dir, Item { host, device, len }: Item, stream: HipStreamHandle) -> Result<(), GpuError> {
         let dev = device as *mut c_void;
-        // SAFETY: forwarded contract of DeviceApi::copy_async.
-        let r = unsafe {
-            match dir {
-                Dir::DeviceToHost => (self.0.memcpy_async)(
-                    host.cast(),
-                    dev,
-                    len,
-                    HIP_MEMCPY_DEVICE_TO_HOST,
-                    stream.0,
-                ),
-                Dir::HostToDevice => (self.0.memcpy_async)(
-                    dev,
-                    host.cast(),
-                    len,
-                    HIP_MEMCPY_HOST_TO_DEVICE,
-                    stream.0,
-                ),
-            }
+        let (dst, src, kind) = match dir {
+            Dir::DeviceToHost => (host.cast(), dev.cast_const(), HIP_MEMCPY_DEVICE_TO_HOST),
+            Dir::HostToDevice => (dev, host.cast_const().cast(), HIP_MEMCPY_HOST_TO_DEVICE),
         };
+        // SAFETY: forwarded contract of DeviceApi::copy_async.
+        let r = unsafe { (self.0.memcpy_async)(dst, src, len, kind, stream.0) };
         self.0.check("hipMemcpyAsync", r)
     }
 

@@ -44,12 +44,7 @@ impl Backend for HostMemfdBackend {
         MemoryKind::HostMemfd
     }
 
-    fn open_region_for(
-        &self,
-        reg: &MemoryRegistration,
-        fd: Option<OwnedFd>,
-        _peer: &crate::Peer<'_>,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region_for(&self, reg: &MemoryRegistration, fd: Option<OwnedFd>, _peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(MemoryKind::HostMemfd, reg)?;
         let fd = fd.ok_or_else(|| {
             GpuError::invalid(
@@ -66,12 +61,7 @@ impl Backend for HostProcessBackend {
         MemoryKind::HostProcess
     }
 
-    fn open_region_for(
-        &self,
-        reg: &MemoryRegistration,
-        _fd: Option<OwnedFd>,
-        peer: &crate::Peer<'_>,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region_for(&self, reg: &MemoryRegistration, _fd: Option<OwnedFd>, peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(MemoryKind::HostProcess, reg)?;
         Ok(Box::new(ProcessRegion::open(reg, peer)?))
     }

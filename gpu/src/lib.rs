@@ -32,6 +32,8 @@ pub mod fence;
 pub mod gather;
 pub mod hip;
 pub mod host;
+#[doc(hidden)]
+pub mod testkit;
 
 pub use engine::{EngineConfig, EngineStats};
 pub use error::GpuError;
@@ -217,6 +219,10 @@ mod sealed {
         pub stage_done: &'a mut dyn FnMut(usize),
     }
 
+    /// What a region's `transfer_pipelined` returns: the transfer's result, or the first
+    /// stage back where the region's group cannot run stages.
+    pub type Pipelined<'r> = Result<Result<(), GpuError>, StagePlan<'r>>;
+
     pub trait Sealed {}
 
     pub trait RegionHooks {
@@ -247,12 +253,7 @@ mod sealed {
         ///
         /// # Safety
         /// As [`transfer_pipelined`].
-        unsafe fn transfer_pipelined<'r>(
-            &self,
-            args: &TransferArgs<'_>,
-            first: StagePlan<'r>,
-            rest: Staged<'_, 'r>,
-        ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
+        unsafe fn transfer_pipelined<'r>(&self, args: &TransferArgs<'_>, first: StagePlan<'r>, rest: Staged<'_, 'r>) -> Pipelined<'r> {
             let _ = (args, rest);
             Err(first)
         }
@@ -347,12 +348,7 @@ pub trait Backend: sealed::Sealed + Send + Sync {
     /// mappings per peer process. `peer.pid` must come from the socket's SO_PEERCRED, never
     /// from a message (a peer naming another pid would make the pool read that process
     /// with the pool's rights).
-    fn open_region_for(
-        &self,
-        reg: &MemoryRegistration,
-        fd: Option<OwnedFd>,
-        peer: &Peer<'_>,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError>;
+    fn open_region_for(&self, reg: &MemoryRegistration, fd: Option<OwnedFd>, peer: &Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError>;
     /// [`Self::open_region_for`] a bare pid (tests, tools): no identity to check beyond a
     /// pidfd that HostProcess takes here.
     fn open_region(

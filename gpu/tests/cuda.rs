@@ -4,57 +4,17 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{
-    assert_copied_to_host, check, check_missing_library_is_named, fill, is_child, op_from_start,
-    pattern, reg_from_hex, reg_to_hex, reversed_pages, serve, Peer, PoolMem,
+    assert_copied_to_host, check, check_missing_library_is_named, ck, cuda_or_skip, fill, is_child, op_from_start,
+    pattern, reg_from_hex, reg_to_hex, retain_primary_context, reversed_pages, serve, Peer, PoolMem,
 };
 use umbp_gpu::cuda::{self, sys};
-use umbp_gpu::{backend_for, Backend, CopyOp, GpuError, MemoryKind};
+use umbp_gpu::{CopyOp, GpuError, MemoryKind};
 
 /// Bytes the worker registers: over the engine's split size, not a page multiple.
 const LEN: usize = (40 << 20) + 12_345;
 /// Where the registered range starts inside the worker's allocation.
 const OFFSET: u64 = 4096 * 3;
-
-/// The backend, or None (with the reason printed) where there is no GPU. With
-/// `UMBP_REQUIRE_CUDA=1` (set by scripts/device/gpu-check.sh) a missing GPU fails instead,
-/// so a broken GPU machine cannot pass by skipping.
-fn cuda_or_skip() -> Option<Arc<dyn Backend>> {
-    let found = backend_for(MemoryKind::Cuda).and_then(|b| Ok((b, cuda::device_count()?)));
-    let reason = match found {
-        Ok((b, n)) if n > 0 => return Some(b),
-        Ok(_) => "CUDA driver loaded but no device is visible".to_string(),
-        Err(e) => format!("no usable CUDA driver: {e}"),
-    };
-    assert!(
-        std::env::var_os("UMBP_REQUIRE_CUDA").is_none(),
-        "UMBP_REQUIRE_CUDA is set but {reason}"
-    );
-    eprintln!("SKIPPED: {reason}");
-    None
-}
-
-fn ck(call: &str, r: sys::CUresult) {
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
-}
-
-/// Device 0's primary context, retained for the rest of the process (the one the backend
-/// uses too). The driver must be initialised.
-fn retain_primary_context() -> sys::CUcontext {
-    let mut dev = 0;
-    let mut ctx = std::ptr::null_mut();
-    // SAFETY: plain driver calls with out-pointers to locals.
-    unsafe {
-        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
-        ck(
-            "cuDevicePrimaryCtxRetain",
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-        );
-    }
-    ctx
-}
 
 #[test]
 fn missing_cuda_is_a_clear_error() {

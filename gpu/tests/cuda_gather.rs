@@ -10,44 +10,18 @@ mod common;
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use common::{pattern, PoolMem};
+use common::{bind_primary_context, ck, cuda_or_skip, pattern, PoolMem};
 use umbp_gpu::cuda::{self, sys};
 use umbp_gpu::fence::FenceWord;
 use umbp_gpu::gather::{calibrations, kernel_launches};
-use umbp_gpu::{backend_for, Backend, CopyOp, DeviceRegion, Dir, EngineConfig, Fence, GatherMode, MemoryKind, Part, TransferArgs};
+use umbp_gpu::testkit::{pattern_word, PTX};
+use umbp_gpu::{Backend, CopyOp, DeviceRegion, Dir, EngineConfig, Fence, GatherMode, Part, TransferArgs};
 
 /// The tests change the process-wide gather mode: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn cuda_or_skip() -> Option<Arc<dyn Backend>> {
-    let found = backend_for(MemoryKind::Cuda).and_then(|b| Ok((b, cuda::device_count()?)));
-    let reason = match found {
-        Ok((b, n)) if n > 0 => return Some(b),
-        Ok(_) => "CUDA driver loaded but no device is visible".to_string(),
-        Err(e) => format!("no usable CUDA driver: {e}"),
-    };
-    assert!(std::env::var_os("UMBP_REQUIRE_CUDA").is_none(), "UMBP_REQUIRE_CUDA is set but {reason}");
-    eprintln!("SKIPPED: {reason}");
-    None
-}
-
-fn ck(call: &str, r: sys::CUresult) {
-    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
-}
-
-/// Device 0's primary context, made current on this thread (and retained for the process).
-fn bind_primary_context() {
-    let (mut dev, mut ctx) = (0, std::ptr::null_mut());
-    // SAFETY: plain driver calls with out-pointers to locals.
-    unsafe {
-        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
-        ck("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev));
-        ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx));
-    }
 }
 
 /// Device memory of this process, registered with the backend in-process, plus registered
@@ -193,93 +167,6 @@ fn kernel_gather_and_scatter_are_byte_exact() {
     }
 }
 
-/// Word `i` of pattern `seed`, as the PTX below computes it.
-fn pattern_word(seed: u64, i: u64) -> u64 {
-    (i ^ (seed << 40)).wrapping_mul(6364136223846793005).wrapping_add(seed)
-}
-
-/// `spin_fill(buf, nwords, seed, spin_ns)` and `check_pattern(buf, nwords, seed, bad)`,
-/// the worker-side kernels of `umbp-bench transfer --check`.
-const PTX: &str = r#"
-.version 7.0
-.target sm_70
-.address_size 64
-.visible .entry spin_fill(.param .u64 p_buf, .param .u64 p_n, .param .u64 p_seed, .param .u64 p_spin)
-{
-    .reg .pred %p<3>;
-    .reg .b32 %r<6>;
-    .reg .b64 %rd<16>;
-    ld.param.u64 %rd1, [p_buf];
-    ld.param.u64 %rd2, [p_n];
-    ld.param.u64 %rd3, [p_seed];
-    ld.param.u64 %rd4, [p_spin];
-    mov.u64 %rd5, %globaltimer;
-    add.u64 %rd6, %rd5, %rd4;
-SPIN:
-    mov.u64 %rd7, %globaltimer;
-    setp.lt.u64 %p1, %rd7, %rd6;
-    @%p1 bra SPIN;
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd8, %r1, %r2;
-    cvt.u64.u32 %rd9, %r3;
-    add.u64 %rd8, %rd8, %rd9;
-    mul.wide.u32 %rd10, %r4, %r2;
-    shl.b64 %rd11, %rd3, 40;
-    mov.u64 %rd14, 6364136223846793005;
-LOOP:
-    setp.ge.u64 %p2, %rd8, %rd2;
-    @%p2 bra DONE;
-    xor.b64 %rd12, %rd8, %rd11;
-    mul.lo.u64 %rd12, %rd12, %rd14;
-    add.u64 %rd12, %rd12, %rd3;
-    shl.b64 %rd13, %rd8, 3;
-    add.u64 %rd13, %rd1, %rd13;
-    st.global.u64 [%rd13], %rd12;
-    add.u64 %rd8, %rd8, %rd10;
-    bra LOOP;
-DONE:
-    ret;
-}
-.visible .entry check_pattern(.param .u64 p_buf, .param .u64 p_n, .param .u64 p_seed, .param .u64 p_bad)
-{
-    .reg .pred %p<4>;
-    .reg .b32 %r<6>;
-    .reg .b64 %rd<18>;
-    ld.param.u64 %rd1, [p_buf];
-    ld.param.u64 %rd2, [p_n];
-    ld.param.u64 %rd3, [p_seed];
-    ld.param.u64 %rd4, [p_bad];
-    mov.u32 %r1, %ctaid.x;
-    mov.u32 %r2, %ntid.x;
-    mov.u32 %r3, %tid.x;
-    mov.u32 %r4, %nctaid.x;
-    mul.wide.u32 %rd8, %r1, %r2;
-    cvt.u64.u32 %rd9, %r3;
-    add.u64 %rd8, %rd8, %rd9;
-    mul.wide.u32 %rd10, %r4, %r2;
-    shl.b64 %rd11, %rd3, 40;
-    mov.u64 %rd14, 6364136223846793005;
-LOOP:
-    setp.ge.u64 %p2, %rd8, %rd2;
-    @%p2 bra DONE;
-    xor.b64 %rd12, %rd8, %rd11;
-    mul.lo.u64 %rd12, %rd12, %rd14;
-    add.u64 %rd12, %rd12, %rd3;
-    shl.b64 %rd13, %rd8, 3;
-    add.u64 %rd13, %rd1, %rd13;
-    ld.global.u64 %rd15, [%rd13];
-    setp.ne.u64 %p3, %rd15, %rd12;
-    @%p3 atom.global.add.u64 %rd16, [%rd4], 1;
-    add.u64 %rd8, %rd8, %rd10;
-    bra LOOP;
-DONE:
-    ret;
-}
-"#;
-
 /// The worker's side: its own stream and the two kernels.
 struct Worker {
     stream: sys::CUstream,
@@ -319,16 +206,22 @@ impl Worker {
     }
 }
 
+/// The fence tests' start: the serial lock, a kernel-path setup over 16 MiB of zeroed device
+/// memory and 8 MiB of pool, and the worker's stream and kernels; None without a GPU.
+fn fenced_setup() -> Option<(MutexGuard<'static, ()>, Setup, Worker)> {
+    let guard = serial();
+    let s = Setup::new(cuda_or_skip()?, 16 << 20, 8 << 20, GatherMode::Kernel);
+    let w = Worker::new();
+    s.upload(&vec![0u8; s.dev_len]);
+    Some((guard, s, w))
+}
+
 /// Store fence: the worker's slow kernel writes the pages, then its stream writes the fence
 /// word; the pool's kernel-path store, started at once, must read the kernel's bytes.
 #[test]
 fn kernel_path_fenced_store_after_a_slow_kernel() {
-    let _s = serial();
-    let Some(backend) = cuda_or_skip() else { return };
-    let dev_len = 16 << 20;
-    let s = Setup::new(backend, dev_len, 8 << 20, GatherMode::Kernel);
-    let w = Worker::new();
-    s.upload(&vec![0u8; dev_len]);
+    let Some((_s, s, w)) = fenced_setup() else { return };
+    let dev_len = s.dev_len;
     let word = s.fence_word();
     let seed = 0x5eed;
     w.launch(w.spin, [s.dptr, (dev_len / 8) as u64, seed, 300_000_000]);
@@ -357,12 +250,8 @@ fn kernel_path_fenced_store_after_a_slow_kernel() {
 /// sees every byte.
 #[test]
 fn kernel_path_fenced_load_before_a_reading_kernel() {
-    let _s = serial();
-    let Some(backend) = cuda_or_skip() else { return };
-    let dev_len = 16 << 20;
-    let s = Setup::new(backend, dev_len, 8 << 20, GatherMode::Kernel);
-    let w = Worker::new();
-    s.upload(&vec![0u8; dev_len]);
+    let Some((_s, s, w)) = fenced_setup() else { return };
+    let dev_len = s.dev_len;
     let word = s.fence_word();
     let seed = 0xfeed;
     // Pages cover the first 16 MiB of the device every other slot: fill the pool so that

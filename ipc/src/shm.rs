@@ -17,8 +17,12 @@ pub enum ShmError {
     Map { len: usize, source: std::io::Error },
     #[error("sealing memfd failed: {0}")]
     Seal(std::io::Error),
-    #[error("received fd is not a sealed memfd ({0}); refusing to map it")]
-    NotSealed(String),
+    #[error("received fd is not a sealed memfd (F_GET_SEALS: {0}); refusing to map it")]
+    SealsUnreadable(#[source] std::io::Error),
+    #[error("received memfd's seals {0:?} lack F_SEAL_SHRINK; refusing to map it")]
+    NotSealed(rustix::fs::SealFlags),
+    #[error("fstat of the received memfd failed: {0}")]
+    Stat(#[source] std::io::Error),
     #[error("received region is {actual} bytes, expected at least {expected}")]
     TooSmall { actual: u64, expected: u64 },
 }
@@ -81,11 +85,11 @@ impl SharedMemory {
     /// Maps a memfd received from a peer after checking that its size is sealed and large
     /// enough. A writable mapping of a FUTURE_WRITE-sealed fd fails with EPERM.
     pub fn from_received(fd: OwnedFd, min_len: usize, writable: bool) -> Result<Self, ShmError> {
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| ShmError::NotSealed(e.to_string()))?;
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| ShmError::SealsUnreadable(e.into()))?;
         if !seals.contains(rustix::fs::SealFlags::SHRINK) {
-            return Err(ShmError::NotSealed(format!("seals {seals:?} lack F_SEAL_SHRINK")));
+            return Err(ShmError::NotSealed(seals));
         }
-        let size = rustix::fs::fstat(&fd).map_err(|e| ShmError::NotSealed(e.to_string()))?.st_size as u64;
+        let size = rustix::fs::fstat(&fd).map_err(|e| ShmError::Stat(e.into()))?.st_size as u64;
         if size < min_len as u64 {
             return Err(ShmError::TooSmall { actual: size, expected: min_len as u64 });
         }

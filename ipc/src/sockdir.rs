@@ -11,23 +11,39 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
 
-/// Why a socket directory was refused (the message names the directory and the fix).
+/// Why a socket directory was refused (the message names the directory and the fix), or
+/// which step of preparing it failed (with the system error as `source`).
 #[derive(Debug)]
 pub struct UnsafeDir {
     pub dir: PathBuf,
     pub message: String,
+    /// The system error of the step that failed; None for a refusal by policy.
+    pub source: Option<io::Error>,
 }
 
 impl std::fmt::Display for UnsafeDir {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "socket directory {}: {}", self.dir.display(), self.message)
+        write!(f, "socket directory {}: {}", self.dir.display(), self.message)?;
+        match &self.source {
+            Some(e) => write!(f, ": {e}"),
+            None => Ok(()),
+        }
     }
 }
 
-impl std::error::Error for UnsafeDir {}
+impl std::error::Error for UnsafeDir {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_ref().map(|e| e as _)
+    }
+}
 
 fn refuse(dir: &Path, message: impl Into<String>) -> UnsafeDir {
-    UnsafeDir { dir: dir.to_path_buf(), message: message.into() }
+    UnsafeDir { dir: dir.to_path_buf(), message: message.into(), source: None }
+}
+
+/// Step `what` on `dir` failed with `e`.
+fn failed(dir: &Path, what: impl Into<String>, e: impl Into<io::Error>) -> UnsafeDir {
+    UnsafeDir { dir: dir.to_path_buf(), message: what.into(), source: Some(e.into()) }
 }
 
 const STICKY: u32 = 0o1000;
@@ -64,7 +80,7 @@ pub fn prepare_socket_dir(dir: &Path, group: Option<u32>) -> Result<bool, Unsafe
     let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
     if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
         if std::fs::symlink_metadata(parent).is_err() {
-            std::fs::create_dir_all(parent).map_err(|e| refuse(parent, format!("cannot create it: {e}")))?;
+            std::fs::create_dir_all(parent).map_err(|e| failed(parent, "cannot create it", e))?;
         }
     }
     // mkdir never follows a symlink at the last component (it fails with EEXIST), and the
@@ -72,34 +88,32 @@ pub fn prepare_socket_dir(dir: &Path, group: Option<u32>) -> Result<bool, Unsafe
     let created = match rustix::fs::mkdir(dir, Mode::from_raw_mode(0o700)) {
         Ok(()) => true,
         Err(rustix::io::Errno::EXIST) => false,
-        Err(e) => return Err(refuse(dir, format!("cannot create it: {}", io::Error::from(e)))),
+        Err(e) => return Err(failed(dir, "cannot create it", e)),
     };
     let fd = rustix::fs::open(dir, OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
         .map_err(|e| match e {
             rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
                 refuse(dir, "is a symbolic link or not a directory; give the real directory")
             }
-            e => refuse(dir, format!("cannot open it: {}", io::Error::from(e))),
+            e => failed(dir, "cannot open it", e),
         })?;
     if created {
         if let Some(gid) = group {
             rustix::fs::fchown(&fd, None, Some(rustix::fs::Gid::from_raw(gid)))
-                .map_err(|e| refuse(dir, format!("cannot give it to group {gid}: {}", io::Error::from(e))))?;
+                .map_err(|e| failed(dir, format!("cannot give it to group {gid}"), e))?;
         }
         // Group members reach the socket through it (the socket itself is 0660).
         rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o750))
-            .map_err(|e| refuse(dir, format!("cannot set its mode: {}", io::Error::from(e))))?;
+            .map_err(|e| failed(dir, "cannot set its mode", e))?;
     }
-    let st = rustix::fs::fstat(&fd).map_err(|e| refuse(dir, format!("fstat: {}", io::Error::from(e))))?;
+    let st = rustix::fs::fstat(&fd).map_err(|e| failed(dir, "fstat", e))?;
     check_one(dir, st.st_uid, st.st_mode, me)?;
     // Every directory above: whoever may rename one of them may swap the whole subtree.
-    let canon = std::fs::canonicalize(dir).map_err(|e| refuse(dir, format!("cannot resolve it: {e}")))?;
+    let canon = std::fs::canonicalize(dir).map_err(|e| failed(dir, "cannot resolve it", e))?;
     for up in canon.ancestors().skip(1) {
-        let m = std::fs::symlink_metadata(up).map_err(|e| refuse(up, format!("stat: {e}")))?;
-        check_one(up, m.uid(), m.mode(), me).map_err(|e| UnsafeDir {
-            dir: dir.to_path_buf(),
-            message: format!("the directory above it, {}: {}", up.display(), e.message),
-        })?;
+        let m = std::fs::symlink_metadata(up).map_err(|e| failed(up, "stat", e))?;
+        check_one(up, m.uid(), m.mode(), me)
+            .map_err(|e| refuse(dir, format!("the directory above it, {}: {}", up.display(), e.message)))?;
     }
     Ok(created)
 }
@@ -146,6 +160,20 @@ mod tests {
         std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
         let e = prepare_socket_dir(&open.join("umbp"), None).unwrap_err().to_string();
         assert!(e.contains("directory above it"), "{e}");
+        let refusal = prepare_socket_dir(&open.join("umbp"), None).unwrap_err();
+        assert!(std::error::Error::source(&refusal).is_none(), "a refusal by policy has no system error: {refusal}");
+        std::fs::remove_dir_all(&base).unwrap();
+    }
+
+    #[test]
+    fn a_failed_step_keeps_its_system_error() {
+        let base = scratch("failed");
+        let file = base.join("file");
+        std::fs::write(&file, b"").unwrap();
+        let e = prepare_socket_dir(&file.join("umbp"), None).unwrap_err();
+        assert_eq!(e.source.as_ref().and_then(|s| s.raw_os_error()), Some(libc::ENOTDIR), "{e}");
+        assert!(std::error::Error::source(&e).is_some());
+        assert_eq!(e.to_string(), format!("socket directory {}: cannot create it: {}", file.join("umbp").display(), e.source.as_ref().unwrap()));
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -5,10 +5,22 @@
 
 use std::sync::Arc;
 
-use umbp_ipc::SharedMemory;
+use umbp_ipc::{SharedMemory, ShmError};
 use umbp_protocol::events::{self, EventKind, EventLog, EventLogWriter};
+use umbp_protocol::ProtocolError;
 
 use crate::objects::ObjectEvent;
+
+/// Why the event log could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum EventLogError {
+    /// Creating, mapping or sealing its memfd.
+    #[error("{0}")]
+    Memory(#[from] ShmError),
+    /// Formatting or attaching the region (a capacity the layout refuses).
+    #[error("{0}")]
+    Format(#[from] ProtocolError),
+}
 
 pub struct SharedEventLog {
     writer: EventLogWriter<'static>,
@@ -18,15 +30,15 @@ pub struct SharedEventLog {
 
 impl SharedEventLog {
     /// Creates, formats and seals (read-only for everyone else) a log of `capacity` events.
-    pub fn create(name: &str, capacity: u32) -> Result<Self, String> {
-        let mem = SharedMemory::create(name, events::region_bytes(capacity), false).map_err(|e| e.to_string())?;
+    pub fn create(name: &str, capacity: u32) -> Result<Self, EventLogError> {
+        let mem = SharedMemory::create(name, events::region_bytes(capacity), false)?;
         // SAFETY: a fresh zeroed mapping that only this pool writes.
-        unsafe { EventLog::init(mem.as_ptr(), mem.len(), capacity) }.map_err(|e| e.to_string())?;
-        mem.seal_read_only().map_err(|e| e.to_string())?;
+        unsafe { EventLog::init(mem.as_ptr(), mem.len(), capacity) }?;
+        mem.seal_read_only()?;
         let mem = Arc::new(mem);
         // SAFETY: formatted above; `mem` is kept in the struct (dropped after the writer)
         // and the mapping never moves, so extending the borrow to 'static is sound.
-        let log = unsafe { EventLog::attach(mem.as_ptr(), mem.len()) }.map_err(|e| e.to_string())?;
+        let log = unsafe { EventLog::attach(mem.as_ptr(), mem.len()) }?;
         // SAFETY: as above.
         let log: EventLog<'static> = unsafe { std::mem::transmute::<EventLog<'_>, EventLog<'static>>(log) };
         Ok(Self { writer: EventLogWriter::new(log), mem })
@@ -46,5 +58,17 @@ impl SharedEventLog {
 
     pub fn written(&self) -> u64 {
         self.writer.written()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_capacity_is_a_format_error_that_names_it() {
+        let Err(e) = SharedEventLog::create("umbp-events-test", 3) else { panic!("3 entries is no power of two") };
+        assert!(matches!(e, EventLogError::Format(ProtocolError::InvalidField { what: "event log capacity", value: 3 })), "{e}");
+        assert_eq!(e.to_string(), "invalid event log capacity: 3");
     }
 }

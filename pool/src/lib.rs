@@ -48,6 +48,7 @@ use std::time::Instant;
 
 pub use alloc::PAGE_BYTES;
 pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, ProgressFn, UidLimits};
+pub use event_log::EventLogError;
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
@@ -91,9 +92,8 @@ pub enum PoolError {
     IndexMemory { group: u32, source: umbp_ipc::ShmError },
     #[error("DRAM tier: index of tenant group {group}: {source}")]
     IndexFormat { group: u32, source: umbp_protocol::ProtocolError },
-    /// The event log's creation reports a message (event_log.rs).
-    #[error("DRAM tier: event log of tenant group {group}: {message}")]
-    EventLog { group: u32, message: String },
+    #[error("DRAM tier: event log of tenant group {group}: {source}")]
+    EventLog { group: u32, source: event_log::EventLogError },
     #[error("SSD tier: {0}")]
     Ssd(#[from] ssd::SsdError),
     #[error("{0}")]
@@ -377,7 +377,7 @@ fn create_group(
     // Schedulers map it read-only: no writable mapping can be made from now on.
     index_mem.seal_read_only().map_err(|source| PoolError::IndexMemory { group: g, source })?;
     let log = event_log::SharedEventLog::create(&format!("umbp-events{suffix}"), config.event_log_entries)
-        .map_err(|message| PoolError::EventLog { group: g, message })?;
+        .map_err(|source| PoolError::EventLog { group: g, source })?;
     Ok((Arc::new(index_mem), log))
 }
 

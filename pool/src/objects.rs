@@ -1295,6 +1295,16 @@ mod tests {
         let size = 64u64 << 10;
         let mut s = store(4 << 20);
         s.set_ssd_admission(crate::ssd::SsdAdmission::All);
+        let log = crate::event_log::SharedEventLog::create("ev-tiers", 256).unwrap();
+        let log_mem = log.memory().clone();
+        s.set_event_log(0, log);
+        // SAFETY: the log's mapping lives as long as `log_mem`.
+        let events = unsafe { umbp_protocol::events::EventLog::attach(log_mem.as_ptr(), log_mem.len()) }.unwrap();
+        let event = |n: u64| match events.read_event(n) {
+            umbp_protocol::events::EntryRead::Event(e) => (e.kind, e.key, e.tier),
+            other => panic!("event {n}: {other:?}"),
+        };
+        use umbp_protocol::events::EventKind;
         for i in 0..10u128 {
             assert!(publish(&mut s, 1, i, size));
         }
@@ -1312,6 +1322,12 @@ mod tests {
             let w = if x.key.key == ObjectKey(9) { Err(()) } else { Ok(3) };
             s.finish_demotion(x.key, w, now);
         }
+        // Events: key 2's demotion is Removed(dram) then Stored(ssd) in its group's log.
+        let head = s.group_events_written(0);
+        let tail: Vec<_> = (10..head).map(event).collect();
+        let at = tail.iter().position(|e| *e == (EventKind::Removed, ObjectKey(2), Tier::Dram)).expect("Removed(dram)");
+        assert_eq!(tail[at + 1], (EventKind::Stored, ObjectKey(2), Tier::Ssd));
+        assert!(tail.contains(&(EventKind::Removed, ObjectKey(9), Tier::Dram)), "the failed demotion's removal");
         let r = reader(&s);
         assert_eq!(r.lookup(ObjectKey(2)), Some(encode(Tier::Ssd, 3)));
         assert!(r.lookup(ObjectKey(1)).is_some_and(|l| l < encode(Tier::Ssd, 0)), "pinned: still DRAM");
@@ -1328,8 +1344,14 @@ mod tests {
         assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Promoting, "a second load waits");
         assert!(s.begin_promotion(ObjectKey(2)).is_none(), "never fetched twice");
         assert_eq!(s.evict_to(0, now), 0, "a promoting object is pinned");
+        let head = s.group_events_written(0);
         assert!(s.finish_promotion(ObjectKey(2), true));
         assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(offset));
+        assert_eq!(
+            (event(head), event(head + 1)),
+            ((EventKind::Removed, ObjectKey(2), Tier::Ssd), (EventKind::Stored, ObjectKey(2), Tier::Dram)),
+            "a promotion is Removed(ssd) then Stored(dram)"
+        );
         s.finish_load(ObjectKey(2));
         // Back to SSD without a write: its record is still there.
         s.finish_load(ObjectKey(0));

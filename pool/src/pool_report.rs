@@ -83,6 +83,9 @@ pub struct SsdReport {
     pub bytes: u64,
     /// Bytes of live records.
     pub live_bytes: u64,
+    /// Segment files (the store keeps each open).
+    #[serde(default)]
+    pub segments: u64,
     pub capacity_bytes: u64,
     pub high_watermark: f64,
     pub low_watermark: f64,

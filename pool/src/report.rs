@@ -183,6 +183,7 @@ pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::objects::TierStats) -> S
         objects: st.objects,
         bytes: st.used_bytes,
         live_bytes: st.live_bytes,
+        segments: st.segments,
         capacity_bytes: st.capacity_bytes,
         high_watermark: t.config.high_watermark,
         low_watermark: t.config.low_watermark,

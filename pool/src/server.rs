@@ -357,7 +357,7 @@ impl<'a> Control<'a> {
                 }
                 Err(MessageError::Timeout) => break,
                 Err(MessageError::Closed) => Err(Violation::Closed),
-                Err(e) => Err(Violation::Malformed(e.to_string())),
+                Err(e) => Err(Violation::Recv(e)),
             };
             if !matches!(result, Ok(None)) {
                 break;

@@ -120,6 +120,9 @@ impl TierSource for SsdTier {
 /// SSD records of objects that left the index. Called by the evictor thread, without
 /// the store lock.
 pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) {
+    // Removals first: a key dropped and then stored and chosen again must not lose its
+    // new record to the old object's removal.
+    drop_records(inner, ssd);
     while !work.is_empty() {
         let mut take = 0;
         let mut bytes = 0u64;

@@ -721,6 +721,13 @@ mod tests {
         assert_eq!(reader.lookup(ObjectKey(7919 * 3)), Some(3));
         let keys: Vec<_> = (0..10u128).map(|i| ObjectKey(i * 7919)).collect();
         assert_eq!(reader.match_prefix(&keys), 10);
+        // A tier move rewrites the location in place: same entry count, no tombstone.
+        let (live, tombs) = (w.len(), w.tombstones());
+        assert!(w.set_location(ObjectKey(7919 * 2), crate::location::encode(crate::location::Tier::Ssd, 4)));
+        assert_eq!(reader.lookup(ObjectKey(7919 * 2)), Some(crate::location::encode(crate::location::Tier::Ssd, 4)));
+        assert!(w.set_location(ObjectKey(7919 * 2), 2));
+        assert!(!w.set_location(ObjectKey(1), 7), "absent keys are not inserted");
+        assert_eq!((w.len(), w.tombstones(), reader.lookup(ObjectKey(1))), (live, tombs, None));
         assert_eq!(w.remove(ObjectKey(7919 * 5)), Some(5));
         assert_eq!(reader.match_prefix(&keys), 5);
         assert_eq!(reader.lookup(ObjectKey(7919 * 5)), None);

@@ -23,17 +23,25 @@ const NEW: u64 = 2;
 const POOLED: u64 = 3;
 const NONE: u64 = 0;
 
+/// A transfer's state word and its two blocks (holding the old owner's bytes), with the
+/// pool's copy thread running `pool_side` over them.
+fn transfer<T: Send + 'static>(
+    pool_side: impl FnOnce(&TransferState<'_>, &[AtomicU64; 2]) -> T + Send + 'static,
+) -> (Arc<AtomicU64>, Arc<[AtomicU64; 2]>, thread::JoinHandle<T>) {
+    let state = Arc::new(AtomicU64::new(0));
+    let blocks = Arc::new([AtomicU64::new(OLD), AtomicU64::new(OLD)]);
+    let (s2, b2) = (state.clone(), blocks.clone());
+    let pool = thread::spawn(move || pool_side(&TransferState::new(&s2), &b2));
+    (state, blocks, pool)
+}
+
 /// A two-stage store: the pool claims and copies each stage, then publishes it unless
 /// the worker abandoned the transfer. The worker abandons at any point and at once lets
 /// another request write the blocks. Published bytes are always the old owner's.
 #[test]
 fn an_abandoned_store_never_publishes_the_new_owners_bytes() {
     let runs = common::loom_model::check(3, || {
-        let state = Arc::new(AtomicU64::new(0));
-        let blocks = Arc::new([AtomicU64::new(OLD), AtomicU64::new(OLD)]);
-        let (s2, b2) = (state.clone(), blocks.clone());
-        let pool = thread::spawn(move || {
-            let st = TransferState::new(&s2);
+        let (state, blocks, pool) = transfer(|st, b2| {
             let mut published = [NONE; 2];
             for (stage, slot) in published.iter_mut().enumerate() {
                 if !st.begin_stage(stage as u64) {
@@ -68,11 +76,7 @@ fn an_abandoned_store_never_publishes_the_new_owners_bytes() {
 #[test]
 fn a_load_abandoned_before_it_started_never_writes_the_blocks() {
     let runs = common::loom_model::check(3, || {
-        let state = Arc::new(AtomicU64::new(0));
-        let blocks = Arc::new([AtomicU64::new(OLD), AtomicU64::new(OLD)]);
-        let (s2, b2) = (state.clone(), blocks.clone());
-        let pool = thread::spawn(move || {
-            let st = TransferState::new(&s2);
+        let (state, blocks, pool) = transfer(|st, b2| {
             let mut started = 0;
             for stage in 0..2u64 {
                 if !st.begin_stage(stage) {

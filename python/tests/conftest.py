@@ -106,18 +106,45 @@ def cfg_dir(tiny_model: str):
     shutil.rmtree(d, ignore_errors=True)
 
 
-def harness_factory(cfg_dir: str, extra: dict | None = None):
-    """Body of a fixture that makes scheduler harnesses (sched_harness.Harness) on `cfg_dir`
-    with `extra` connector options under each call's own, and closes them all at teardown:
-    `yield from harness_factory(cfg_dir, {...})`."""
-    from sched_harness import Harness
+def parse_options(extra: dict | None, default_socket_path: str | None = None):
+    """`kv_connector_extra_config` parsed as the connector does (UMBPConnectorConfig)."""
+    from umbp.vllm.config import UMBPConnectorConfig
+
+    return UMBPConnectorConfig.from_extra_config(extra, default_socket_path)
+
+
+def options_fail(extra: dict | None, *words: str, **kw) -> str:
+    """Parsing `extra` fails with a ValueError whose message names each of `words`; returns
+    the message."""
+    with pytest.raises(ValueError) as ei:
+        parse_options(extra, **kw)
+    for w in words:
+        assert w in str(ei.value), f"error does not name {w!r}: {ei.value}"
+    return str(ei.value)
+
+
+@pytest.fixture
+def clean_connector_env(monkeypatch):
+    """The connector's environment variables unset (they stand in for options)."""
+    from umbp.vllm import config as C
+
+    monkeypatch.delenv(C.ENV_STANDALONE_ADDRESS, raising=False)
+    monkeypatch.delenv(C.ENV_DRAM_CAPACITY, raising=False)
+
+
+def harness_factory(cfg_dir: str, extra: dict | None = None, harness: type | None = None):
+    """Body of a fixture that makes scheduler harnesses (`harness`, by default
+    sched_harness.Harness) on `cfg_dir` with `extra` connector options under each call's
+    own, and closes them all at teardown: `yield from harness_factory(cfg_dir, {...})`."""
+    if harness is None:
+        from sched_harness import Harness as harness
 
     made = []
 
     def _make(**kw):
         if extra is not None:
             kw["extra"] = {**extra, **kw.pop("extra", {})}
-        h = Harness(cfg_dir, **kw)
+        h = harness(cfg_dir, **kw)
         made.append(h)
         return h
 

@@ -80,6 +80,13 @@ def emit(rec: dict) -> None:
     sys.stdout.flush()
 
 
+def emit_error(phase: str, e: BaseException) -> None:
+    """The error record of an exception in `phase` ("startup" or a command), with the end of
+    its traceback."""
+    emit({"event": "error", "phase": phase, "error": f"{type(e).__name__}: {e}",
+          "traceback": traceback.format_exc()[-4000:]})
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -147,8 +154,7 @@ def main() -> int:
             kw["kv_transfer_config"] = ktc
         llm = LLM(**kw)
     except Exception as e:  # noqa: BLE001 - report, don't hang the test
-        emit({"event": "error", "phase": "startup", "error": f"{type(e).__name__}: {e}",
-              "traceback": traceback.format_exc()[-4000:]})
+        emit_error("startup", e)
         return 1
     emit({"event": "ready", "startup_s": round(time.monotonic() - t0, 2), "pid": os.getpid()})
 
@@ -215,8 +221,7 @@ def main() -> int:
             else:
                 emit({"event": "error", "phase": "command", "error": f"unknown command {cmd!r}"})
         except Exception as e:  # noqa: BLE001
-            emit({"event": "error", "phase": cmd, "error": f"{type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()[-4000:]})
+            emit_error(cmd, e)
             return 1
     emit({"event": "bye"})
     return 0

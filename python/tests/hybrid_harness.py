@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from sched_harness import BLOCK, EventRecorder, Harness, block_value
+from sched_harness import BLOCK, Harness, block_value, connector_transfer_config, finish_kv_cache_configs
 
 HEADS, HEAD_SIZE = 2, 32
 
@@ -27,24 +27,14 @@ class HybridHarness(Harness):
     ):
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
         from vllm.v1.core import kv_cache_utils as kcu
-        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-        from vllm.v1.structured_output import StructuredOutputManager
 
         from umbp.vllm import UMBPStoreConnector
 
         self.engine_id = f"hybrid-{uuid.uuid4()}"
-        ktc = {
-            "kv_connector": "UMBPStoreConnector",
-            "kv_connector_module_path": "umbp.vllm",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "engine_id": self.engine_id,
-            "kv_connector_extra_config": dict(extra or {}),
-        }
+        ktc = connector_transfer_config(self.engine_id, extra, "kv_both", "recompute")
         args = EngineArgs(
             model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
             enable_prefix_caching=True, enforce_eager=True, max_model_len=1024,
@@ -66,14 +56,7 @@ class HybridHarness(Harness):
         specs = {self.attn_layers[0]: attn, self.mamba_layers[0]: mamba}
         resolve_kv_cache_layout(vc, [["LBHNC"]], [attn])
         kccs = kcu.get_kv_cache_configs(vc, [specs], [page * 2 * num_blocks])
-        for k in kccs:
-            k.kv_cache_layout = vc.cache_config.kv_cache_layout
-        skcc = kcu.generate_scheduler_kv_cache_config(kccs)
-        vc.cache_config.num_gpu_blocks = skcc.num_blocks
-        sbs, hbs = kcu.resolve_kv_cache_block_sizes(skcc, vc)
-        align = kcu.resolve_cache_hit_alignment_tokens(skcc, vc, sbs, hbs)
-        for k in (*kccs, skcc):
-            k.hash_block_size, k.cache_hit_alignment_tokens = hbs, align
+        skcc, sbs, hbs = finish_kv_cache_configs(vc, kccs)
         self.kv_cache_config = kcc = kccs[0]
         self.num_blocks = kcc.num_blocks
         self.group_of = {
@@ -102,20 +85,7 @@ class HybridHarness(Harness):
                     ]
         self.worker.register_kv_caches(self.kv)
 
-        self.sched = Scheduler(
-            vllm_config=vc, kv_cache_config=skcc,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=sbs, hash_block_size=hbs, log_stats=True,
-        )
-        self.conn = self.sched.connector
-        assert isinstance(self.conn, UMBPStoreConnector)
-        self.recorder = EventRecorder()
-        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-        kcu.init_none_hash(hash_fn)
-        self.block_hasher = kcu.get_request_block_hasher(hbs, hash_fn)
-        self.stats = []
-        self.outputs = {}
-        self.finished_returns = {}
+        self._start_scheduler(skcc, sbs, hbs)
         self.hash_block = hbs
         self.handoffs: list[tuple[str, int, int, int]] = []  # (req, group, block, boundary)
         orig = self.conn.build_connector_meta

@@ -18,14 +18,8 @@ import json
 import os
 import sys
 import time
-import traceback
 
-from engine_driver import MARK, prompt_token_ids
-
-
-def emit(rec: dict) -> None:
-    sys.stdout.write(MARK + json.dumps(rec) + "\n")
-    sys.stdout.flush()
+from engine_driver import emit, emit_error, prompt_token_ids
 
 
 def main() -> int:
@@ -58,8 +52,7 @@ def main() -> int:
             }
         llm = LLM(**kw)
     except Exception as e:  # noqa: BLE001
-        emit({"event": "error", "phase": "startup", "error": f"{type(e).__name__}: {e}",
-              "traceback": traceback.format_exc()[-3000:]})
+        emit_error("startup", e)
         return 1
     emit({"event": "ready"})
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
@@ -104,8 +97,7 @@ def main() -> int:
             else:
                 raise ValueError(f"unknown command {cmd!r}")
         except Exception as e:  # noqa: BLE001
-            emit({"event": "error", "phase": cmd, "error": f"{type(e).__name__}: {e}",
-                  "traceback": traceback.format_exc()[-3000:]})
+            emit_error(cmd, e)
             return 1
     emit({"event": "bye"})
     return 0

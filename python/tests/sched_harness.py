@@ -57,6 +57,35 @@ class EventRecorder:
         return mine
 
 
+def connector_transfer_config(engine_id: str, extra: dict | None, kv_role: str, failure_policy: str) -> dict:
+    """vLLM's `kv_transfer_config` for UMBPStoreConnector with `extra` connector options."""
+    return {
+        "kv_connector": "UMBPStoreConnector",
+        "kv_connector_module_path": "umbp.vllm",
+        "kv_role": kv_role,
+        "kv_load_failure_policy": failure_policy,
+        "engine_id": engine_id,
+        "kv_connector_extra_config": dict(extra or {}),
+    }
+
+
+def finish_kv_cache_configs(vc: Any, kccs: list[Any]) -> tuple[Any, int, int]:
+    """What EngineCore does after planning the workers' KV cache configs `kccs`: sets their
+    layout, derives the scheduler's config and block sizes, and gives every config the hash
+    block size and cache-hit alignment. Returns (scheduler config, block size, hash block size)."""
+    from vllm.v1.core import kv_cache_utils as kcu
+
+    for k in kccs:
+        k.kv_cache_layout = vc.cache_config.kv_cache_layout
+    skcc = kcu.generate_scheduler_kv_cache_config(kccs)
+    vc.cache_config.num_gpu_blocks = skcc.num_blocks
+    sbs, hbs = kcu.resolve_kv_cache_block_sizes(skcc, vc)
+    align = kcu.resolve_cache_hit_alignment_tokens(skcc, vc, sbs, hbs)
+    for k in (*kccs, skcc):
+        k.hash_block_size, k.cache_hit_alignment_tokens = hbs, align
+    return skcc, sbs, hbs
+
+
 class Harness:
     def __init__(
         self,
@@ -71,24 +100,14 @@ class Harness:
         from vllm.config import KVEventsConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
-        from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
         from vllm.v1.core import kv_cache_utils as kcu
-        from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.kv_cache_interface import FullAttentionSpec
-        from vllm.v1.structured_output import StructuredOutputManager
 
         from umbp.vllm import UMBPStoreConnector
 
         self.engine_id = engine_id or f"harness-{uuid.uuid4()}"
-        ktc = {
-            "kv_connector": "UMBPStoreConnector",
-            "kv_connector_module_path": "umbp.vllm",
-            "kv_role": kv_role,
-            "kv_load_failure_policy": failure_policy,
-            "engine_id": self.engine_id,
-            "kv_connector_extra_config": dict(extra or {}),
-        }
+        ktc = connector_transfer_config(self.engine_id, extra, kv_role, failure_policy)
         kec = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if events else None
         args = EngineArgs(
             model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
@@ -110,14 +129,7 @@ class Harness:
 
             register_all_kvcache_specs(vc)
             kccs = kcp.get_kv_cache_configs(vc, [specs], mem, kcp.get_global_kv_cache_groups(vc, [specs]))
-        for k in kccs:
-            k.kv_cache_layout = vc.cache_config.kv_cache_layout
-        skcc = kcu.generate_scheduler_kv_cache_config(kccs)
-        vc.cache_config.num_gpu_blocks = skcc.num_blocks
-        sbs, hbs = kcu.resolve_kv_cache_block_sizes(skcc, vc)
-        align = kcu.resolve_cache_hit_alignment_tokens(skcc, vc, sbs, hbs)
-        for k in (*kccs, skcc):
-            k.hash_block_size, k.cache_hit_alignment_tokens = hbs, align
+        skcc, sbs, hbs = finish_kv_cache_configs(vc, kccs)
         self.kv_cache_config = kccs[0]
         self.num_blocks = kccs[0].num_blocks
 
@@ -135,21 +147,8 @@ class Harness:
         }
         self.worker.register_kv_caches(self.kv)
 
-        self.sched = Scheduler(
-            vllm_config=vc, kv_cache_config=skcc,
-            structured_output_manager=StructuredOutputManager(vc),
-            block_size=sbs, hash_block_size=hbs, log_stats=True,
-        )
-        self.conn = self.sched.connector
-        assert isinstance(self.conn, UMBPStoreConnector)
-        self.recorder = EventRecorder()
+        self._start_scheduler(skcc, sbs, hbs)
         self.sched.kv_event_publisher = self.recorder
-        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
-        kcu.init_none_hash(hash_fn)
-        self.block_hasher = kcu.get_request_block_hasher(hbs, hash_fn)
-        self.stats: list[dict] = []  # SchedulerStats.kv_connector_stats payloads
-        self.outputs: dict[str, list[Any]] = {}  # req id -> EngineCoreOutput list
-        self.finished_returns: dict[str, tuple] = {}  # req id -> request_finished's return
         orig = self.conn.request_finished
 
         def spy(request: Any, block_ids: list[int]) -> tuple:
@@ -158,6 +157,32 @@ class Harness:
             return r
 
         self.conn.request_finished = spy  # type: ignore[method-assign]
+
+    def _start_scheduler(self, skcc: Any, sbs: int, hbs: int) -> None:
+        """The scheduler on `skcc` (it builds the connector's scheduler role, `self.conn`),
+        the event recorder, the requests' block hasher and the per-run records."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils as kcu
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        from umbp.vllm import UMBPStoreConnector
+
+        vc = self.vllm_config
+        self.sched = Scheduler(
+            vllm_config=vc, kv_cache_config=skcc,
+            structured_output_manager=StructuredOutputManager(vc),
+            block_size=sbs, hash_block_size=hbs, log_stats=True,
+        )
+        self.conn = self.sched.connector
+        assert isinstance(self.conn, UMBPStoreConnector)
+        self.recorder = EventRecorder()
+        hash_fn = get_hash_fn_by_name(vc.cache_config.prefix_caching_hash_algo)
+        kcu.init_none_hash(hash_fn)
+        self.block_hasher = kcu.get_request_block_hasher(hbs, hash_fn)
+        self.stats: list[dict] = []  # SchedulerStats.kv_connector_stats payloads
+        self.outputs: dict[str, list[Any]] = {}  # req id -> EngineCoreOutput list
+        self.finished_returns: dict[str, tuple] = {}  # req id -> request_finished's return
 
     # -- requests ------------------------------------------------------------------------
     def request(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
@@ -258,6 +283,13 @@ class Harness:
         """Empty vLLM's own prefix cache and the KV memory: only the pool can help now."""
         assert self.sched.reset_prefix_cache(), "blocks still held"
         self.kv_buffer.zero_()
+
+    def store_and_forget(self, rid: str, tokens: list[int]) -> None:
+        """Runs request `rid` on `tokens` to the end (its blocks are stored), then empties
+        vLLM's own cache: a later request on the same prefix can only hit the pool."""
+        self.add(rid, tokens)
+        self.run()
+        self.reset_local_cache()
 
     def holds_blocks_of(self, req: Any, ids: list[int], nblocks: int) -> bool:
         for j in range(nblocks):

@@ -5,30 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import options_fail as fails, parse_options as parse
+
 pytest.importorskip("vllm")  # umbp.vllm imports vLLM's connector base classes
 
 from umbp.vllm import config as C  # noqa: E402
-from umbp.vllm.config import UMBPConnectorConfig  # noqa: E402
 
 GiB = 1 << 30
 
 
-def parse(extra, default_socket_path=None):
-    return UMBPConnectorConfig.from_extra_config(extra, default_socket_path)
-
-
-def fails(extra, key, **kw):
-    """The parse fails with a ValueError whose message starts with / names `key`."""
-    with pytest.raises(ValueError) as ei:
-        parse(extra, **kw)
-    assert key in str(ei.value), f"error does not name {key!r}: {ei.value}"
-    return str(ei.value)
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv(C.ENV_STANDALONE_ADDRESS, raising=False)
-    monkeypatch.delenv(C.ENV_DRAM_CAPACITY, raising=False)
+pytestmark = pytest.mark.usefixtures("clean_connector_env")
 
 
 # -- defaults and unknown keys --------------------------------------------------------

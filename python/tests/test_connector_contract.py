@@ -43,9 +43,7 @@ def meta_ops(so, kind):
 
 def test_lookup_is_repeatable_and_side_effect_free(make):
     h = make()
-    h.add("a", T(1))
-    h.run()
-    h.reset_local_cache()
+    h.store_and_forget("a", T(1))
     report = h.pool_report()["pool"]
     b = h.request("b", T(1))
     # Two full blocks in the pool; repeated calls give the same answer.
@@ -62,9 +60,7 @@ def test_lookup_is_repeatable_and_side_effect_free(make):
 
 def test_hit_covering_the_whole_prompt_leaves_one_token(make):
     h = make()
-    h.add("a", T(2, 256))
-    h.run()
-    h.reset_local_cache()
+    h.store_and_forget("a", T(2, 256))
     assert h.conn.get_num_new_matched_tokens(h.request("b", T(2, 256)), 0) == (255, True)
 
 
@@ -74,9 +70,7 @@ def test_hit_covering_the_whole_prompt_leaves_one_token(make):
 @pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
 def test_load_plan_and_restored_bytes(make, load_async):
     h = make(extra={"load_async": load_async})
-    h.add("a", T(3))
-    h.run()
-    h.reset_local_cache()
+    h.store_and_forget("a", T(3))
     b = h.add("b", T(3), max_tokens=2)
     so = h.step()
     (op,) = meta_ops(so, "loads")
@@ -98,9 +92,7 @@ def test_load_plan_and_restored_bytes(make, load_async):
 
 def test_load_failure_recomputes(make, native):
     h = make(extra={"load_async": True})
-    h.add("a", T(4))
-    h.run()
-    h.reset_local_cache()
+    h.store_and_forget("a", T(4))
     b = h.add("b", T(4), max_tokens=2)
 
     def drop_objects(so):
@@ -218,9 +210,7 @@ def test_reset_cache_drops_the_pooled_objects(make):
     assert h.conn.get_num_new_matched_tokens(h.request("b", T(8)), 0) == (0, False)
     # The engine keeps working: new stores, new hits.
     h.kv_buffer.zero_()
-    h.add("c", T(8))
-    h.run()
-    h.reset_local_cache()
+    h.store_and_forget("c", T(8))
     h.add("d", T(8))
     h.run()
     assert h.external_tokens("d") == 256

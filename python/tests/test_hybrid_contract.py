@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import harness_factory
 from sched_harness import block_value, config_only_model_dir, tokens as T
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,18 +24,9 @@ def granite(vllm_ok) -> str:
 
 @pytest.fixture
 def make(granite, native):
-    made = []
+    from hybrid_harness import HybridHarness
 
-    def mk(**kw):
-        from hybrid_harness import HybridHarness
-
-        h = HybridHarness(granite, **kw)
-        made.append(h)
-        return h
-
-    yield mk
-    for h in made:
-        h.close()
+    yield from harness_factory(granite, harness=HybridHarness)
 
 
 def test_mamba_hybrid_stores_states_and_restores_them_async(make):

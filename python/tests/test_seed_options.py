@@ -15,33 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from conftest import harness_factory
+from conftest import harness_factory, options_fail as fails, parse_options as parse
 
 pytest.importorskip("vllm")
 
 from umbp.vllm import config as C  # noqa: E402
-from umbp.vllm.config import UMBPConnectorConfig  # noqa: E402
 
 MiB = 1 << 20
 BLOCK = 128
 
 
-def parse(extra, default_socket_path=None):
-    return UMBPConnectorConfig.from_extra_config(extra, default_socket_path)
-
-
-def fails(extra, *words, **kw):
-    with pytest.raises(ValueError) as ei:
-        parse(extra, **kw)
-    for w in words:
-        assert w in str(ei.value), f"{w!r} not in: {ei.value}"
-    return str(ei.value)
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    monkeypatch.delenv(C.ENV_STANDALONE_ADDRESS, raising=False)
-    monkeypatch.delenv(C.ENV_DRAM_CAPACITY, raising=False)
+pytestmark = pytest.mark.usefixtures("clean_connector_env")
 
 
 # -- parsing ------------------------------------------------------------------------------
@@ -212,18 +196,13 @@ def _meminfo_kb(field: str, path: str = "/proc/self/status") -> int:
 
 
 def test_num_workers_sets_the_copy_threads(native, short_tmp):
-    before = _settled_threads("umbp-copy-")
-    pool = native.EmbeddedPool(8 * MiB, socket_path=str(short_tmp / "a.sock"), copy_threads=5)
-    try:
-        assert _new_threads("umbp-copy-", before, 5) == 5
-    finally:
-        pool.close()
-    before = _settled_threads("umbp-copy-")
-    pool = native.EmbeddedPool(8 * MiB, socket_path=str(short_tmp / "b.sock"), copy_threads=1)
-    try:
-        assert _new_threads("umbp-copy-", before, 1) == 1
-    finally:
-        pool.close()
+    for sock, n in (("a.sock", 5), ("b.sock", 1)):
+        before = _settled_threads("umbp-copy-")
+        pool = native.EmbeddedPool(8 * MiB, socket_path=str(short_tmp / sock), copy_threads=n)
+        try:
+            assert _new_threads("umbp-copy-", before, n) == n
+        finally:
+            pool.close()
 
 
 def test_prefault_faults_the_dram_in(native, short_tmp):

@@ -14,14 +14,11 @@ the prompt. Each directory carries a stamp of the spec it was built from.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from tiny_model import _CORPUS, REPO_ROOT
+from tiny_model import REPO_ROOT, build_stamped, model_config, train_tokenizer
 
 SPECS = {
     "gemma2": {
@@ -57,55 +54,11 @@ def default_dir(family: str) -> Path:
     return REPO_ROOT / ".cache" / f"tiny-{family}"
 
 
-def _stamp_ok(path: Path, spec: dict) -> bool:
-    try:
-        return json.loads((path / "umbp-tiny-model.json").read_text()) == spec
-    except (OSError, ValueError):
-        return False
-
-
-def _tokenizer(out: Path, max_len: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1000,
-        min_frequency=1,
-        special_tokens=["<|endoftext|>", "<|pad|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=max_len
-    )
-    fast.save_pretrained(out)
-    return fast
-
-
 def _build_into(out: Path, spec: dict) -> None:
     import torch
 
-    fast = _tokenizer(out, 2048)
-    eos = fast.convert_tokens_to_ids("<|endoftext|>")
-    pad = fast.convert_tokens_to_ids("<|pad|>")
-    common = dict(
-        vocab_size=spec["vocab_size"],
-        hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"],
-        num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"],
-        num_key_value_heads=spec["num_key_value_heads"],
-        max_position_embeddings=2048,
-        initializer_range=spec["initializer_range"],
-        tie_word_embeddings=False,
-        bos_token_id=eos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
+    fast = train_tokenizer(out, 1000, 2048)
+    common = model_config(spec, fast, 2048)
     if spec["family"] == "gemma2":
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -141,31 +94,12 @@ def _build_into(out: Path, spec: dict) -> None:
     torch.manual_seed(spec["seed"])
     model = cls(config).to(torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
-    (out / "umbp-tiny-model.json").write_text(json.dumps(spec, indent=1) + "\n")
 
 
 def build_tiny_hybrid(family: str, path: str | os.PathLike | None = None) -> str:
     spec = SPECS[family]
-    target = (Path(path) if path is not None else default_dir(family)).resolve()
-    if _stamp_ok(target, spec):
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _build_into(tmp, spec)
-        if target.exists():
-            if _stamp_ok(target, spec):
-                return str(target)
-            shutil.rmtree(target)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _stamp_ok(target, spec):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    target = Path(path) if path is not None else default_dir(family)
+    return build_stamped(target, spec, lambda out: _build_into(out, spec))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DIR = REPO_ROOT / ".cache" / "tiny-qwen2"
@@ -60,25 +61,24 @@ def default_model_dir() -> Path:
     return Path(env) if env else DEFAULT_DIR
 
 
-def _stamp_ok(path: Path) -> bool:
+def _stamp_ok(path: Path, spec: dict) -> bool:
     try:
-        return json.loads((path / "umbp-tiny-model.json").read_text()) == SPEC
+        return json.loads((path / "umbp-tiny-model.json").read_text()) == spec
     except (OSError, ValueError):
         return False
 
 
-def _build_into(out: Path) -> None:
-    # Imports are local so that importing this module (e.g. from conftest) stays cheap.
-    import torch
+def train_tokenizer(out: Path, vocab_size: int, max_len: int):
+    """A byte-level BPE tokenizer (any text, and any byte, tokenizes) trained on the corpus
+    with `vocab_size` entries at most, saved into `out`; returns it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import PreTrainedTokenizerFast
 
-    # Tokenizer: byte-level BPE, so any text (and any byte) tokenizes.
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=SPEC["tokenizer_vocab"],
+        vocab_size=vocab_size,
         min_frequency=1,
         special_tokens=["<|endoftext|>", "<|pad|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -86,32 +86,70 @@ def _build_into(out: Path) -> None:
     )
     tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|endoftext|>",
-        pad_token="<|pad|>",
-        model_max_length=SPEC["max_position_embeddings"],
+        tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>", model_max_length=max_len
     )
-    assert len(fast) <= SPEC["vocab_size"], len(fast)
     fast.save_pretrained(out)
+    return fast
 
-    config = Qwen2Config(
-        vocab_size=SPEC["vocab_size"],
-        hidden_size=SPEC["hidden_size"],
-        intermediate_size=SPEC["intermediate_size"],
-        num_hidden_layers=SPEC["num_hidden_layers"],
-        num_attention_heads=SPEC["num_attention_heads"],
-        num_key_value_heads=SPEC["num_key_value_heads"],
-        max_position_embeddings=SPEC["max_position_embeddings"],
-        initializer_range=SPEC["initializer_range"],
+
+def model_config(spec: dict, fast, max_len: int) -> dict:
+    """The config fields every tiny model takes from its `spec` and its tokenizer `fast`."""
+    eos = fast.convert_tokens_to_ids("<|endoftext|>")
+    return dict(
+        vocab_size=spec["vocab_size"],
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        num_key_value_heads=spec["num_key_value_heads"],
+        max_position_embeddings=max_len,
+        initializer_range=spec["initializer_range"],
         tie_word_embeddings=False,
-        bos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
-        eos_token_id=fast.convert_tokens_to_ids("<|endoftext|>"),
+        bos_token_id=eos,
+        eos_token_id=eos,
         pad_token_id=fast.convert_tokens_to_ids("<|pad|>"),
     )
+
+
+def build_stamped(target: Path, spec: dict, build_into: Callable[[Path], None]) -> str:
+    """The model directory `target` built from `spec` by `build_into(dir)`, or reused when
+    its stamp already records `spec`. Built in a temp dir and renamed into place, so
+    concurrent processes may call this safely; the stamp is written last."""
+    target = target.resolve()
+    if _stamp_ok(target, spec):
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build_into(tmp)
+        (tmp / "umbp-tiny-model.json").write_text(json.dumps(spec, indent=1) + "\n")
+        if target.exists():
+            if _stamp_ok(target, spec):  # someone else finished first
+                return str(target)
+            shutil.rmtree(target)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _stamp_ok(target, spec):  # lost a race to a broken dir: give up loudly
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def _build_into(out: Path) -> None:
+    # Imports are local so that importing this module (e.g. from conftest) stays cheap.
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    fast = train_tokenizer(out, SPEC["tokenizer_vocab"], SPEC["max_position_embeddings"])
+    assert len(fast) <= SPEC["vocab_size"], len(fast)
+
+    config = Qwen2Config(**model_config(SPEC, fast, SPEC["max_position_embeddings"]))
     torch.manual_seed(SPEC["seed"])
     model = Qwen2ForCausalLM(config).to(torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
-    (out / "umbp-tiny-model.json").write_text(json.dumps(SPEC, indent=1) + "\n")
 
 
 def build_tiny_model(path: str | os.PathLike | None = None) -> str:
@@ -119,27 +157,7 @@ def build_tiny_model(path: str | os.PathLike | None = None) -> str:
 
     Returns the model directory as a string, ready for `vllm.LLM(model=...)`.
     """
-    target = Path(path) if path is not None else default_model_dir()
-    target = target.resolve()
-    if _stamp_ok(target):
-        return str(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _build_into(tmp)
-        if target.exists():
-            if _stamp_ok(target):  # someone else finished first
-                return str(target)
-            shutil.rmtree(target)
-        os.chmod(tmp, 0o755)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not _stamp_ok(target):  # lost a race to a broken dir: give up loudly
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    return build_stamped(Path(path) if path is not None else default_model_dir(), SPEC, _build_into)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ pub enum SchedulerError {
 
 impl From<umbp_ipc::ShmError> for SchedulerError {
     fn from(e: umbp_ipc::ShmError) -> Self {
-        SchedulerError::Io(io::Error::other(e.to_string()))
+        SchedulerError::Io(io::Error::other(e))
     }
 }
 
@@ -207,9 +207,9 @@ impl IndexClient {
             let left = deadline.saturating_duration_since(Instant::now());
             match Dial::blocking(endpoint, &hello, left.max(Duration::from_millis(50)), pool_uid) {
                 Ok(a) => break a,
-                Err(DialError::Refused(message)) => {
-                    tracing::error!(endpoint = %endpoint.display(), %message, "UMBP pool refused this scheduler");
-                    return Err(SchedulerError::Refused { path: endpoint.to_path_buf(), message });
+                Err(DialError::Refused(refusal)) => {
+                    tracing::error!(endpoint = %endpoint.display(), %refusal, "UMBP pool refused this scheduler");
+                    return Err(SchedulerError::Refused { path: endpoint.to_path_buf(), message: refusal.to_string() });
                 }
                 Err(e) => {
                     let now = Instant::now();
@@ -358,7 +358,7 @@ impl IndexClient {
         let result = match dial.finish(Duration::ZERO) {
             Ok(None) => return,
             Ok(Some((reply, fds))) => Attachment::new(self.dial.take().expect("dial in progress").into_attached(reply, fds)),
-            Err(DialError::Refused(message)) => Err(SchedulerError::Refused { path: self.endpoint.clone(), message }),
+            Err(DialError::Refused(refusal)) => Err(SchedulerError::Refused { path: self.endpoint.clone(), message: refusal.to_string() }),
             Err(e) => Err(SchedulerError::Io(e.into_io())),
         };
         self.dial = None;

@@ -4,9 +4,9 @@
 # expected there), the host backend tests, and the two-process IPC check with bandwidth.
 # Results go to stdout and, when the device tool provides $OUT, to $OUT/gpu-check.log.
 #
-#   MIB=1024 bash scripts/device/gpu-check.sh
+#   MIB=1024 bash scripts/device/gpu-check.sh      # BIN=<folder> for binaries elsewhere
 set -uo pipefail
-bin=.device-bin
+bin=${BIN:-.device-bin}
 log=${OUT:-/tmp}/gpu-check.log
 fail=0
 {

@@ -15,6 +15,9 @@
 #   layout  umbp-bench --layout-only with --gather auto / kernel / copy-engine
 #   full    umbp-bench full run --gather auto (object table, bidir, interference)
 #   kfull   umbp-bench full run --gather kernel (interference with the kernel active)
+#   main    umbp-bench gptoss, kv4k/kv8k/kv16k, obj, bidir with the defaults (--gather auto)
+#   kintf   kv4k_interference_pct and interference_pct, --gather auto and copy-engine
+#   stage   the small-page layouts kv4k, kv8k with 16 MiB copy stages
 set -uo pipefail
 bin=${BIN:-.device-bin}
 repo=${REPO:-.}
@@ -56,6 +59,13 @@ if has layout; then
 fi
 has full && run bench-full-auto "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --gather auto "${mm[@]}" $extra
 has kfull && run bench-full-kernel "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --gather kernel "${mm[@]}" $extra
+has main && run bench-main "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts gptoss,kv4k,kv8k,kv16k,obj,bidir $extra
+if has kintf; then
+  for g in auto copy-engine; do
+    run "bench-kintf-$g" "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --capacity 4GiB --layouts kv4k,interference --gather "$g" "${mm[@]}" $extra
+  done
+fi
+has stage && run bench-stage16 "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts kv4k,kv8k --stage-mib 16 $extra
 grep -hE "calibration|kernel used|page copy kernel|byte-exact|stale|test result|panicked|FAIL|error" "$log" | cut -c1-600 | tail -n 80
 echo "=== kernel-path: $([ $fail = 0 ] && echo PASS || echo FAIL)"
 exit $fail

@@ -23,7 +23,8 @@
 #
 # Without a GPU (CI, laptops) every GPU stage prints why it is skipped and passes.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+here=$(cd "$(dirname "$0")" && pwd)
+cd "$here/../.."
 bin=${BIN:-.device-bin}
 out=${OUT:-/tmp}
 stages=${STAGES:-gpucheck check kcheck extpool bench host multigpu}
@@ -49,7 +50,7 @@ else
 fi
 
 if [ $gpu = 1 ]; then
-  has gpucheck && run gpucheck env MIB=${MIB:-1024} bash scripts/device/gpu-check.sh
+  has gpucheck && run gpucheck env MIB=${MIB:-1024} BIN="$bin" bash "$here/gpu-check.sh"
   has check && run check "$bin/umbp-bench" transfer --backend cuda --check
   has kcheck && run kcheck "$bin/umbp-bench" transfer --backend cuda --check --gather kernel
   if has extpool; then

@@ -112,21 +112,32 @@ fn exec_swap(tag: &str, before: bool, fallback: bool) -> Option<serde_json::Valu
     Some(v)
 }
 
+/// A setuid program exec'd after connect: its memory is never registered, the refusal
+/// says why, nothing leaks. `path` names the peer-identity path in failure messages.
+fn assert_swap_after_connect_refused(v: &serde_json::Value, path: &str) {
+    let register = v["register"].as_str().unwrap();
+    assert_ne!(register, "ok", "{path}: the pool registered memory of a setuid program that replaced the peer: {v}");
+    assert!(register.contains("setuid") || register.contains("uid"), "{path}: refusal should say why: {register}");
+    assert_eq!(v["leaked"], serde_json::Value::Null, "{path}: {v}");
+}
+
+/// A setuid program exec'd after registration: its secret is never copied, its stores fail.
+fn assert_swap_after_registration_unread(v: &serde_json::Value, path: &str) {
+    assert_eq!(v["register"], "ok", "{path}: registered while still the attacker's own process: {v}");
+    assert_eq!(v["leaked"], false, "{path}: the pool copied the setuid program's secret to the attacker: {v}");
+    assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "{path}: store from the swapped process must fail: {v}");
+}
+
 #[test]
 fn exec_of_a_setuid_program_after_connect_cannot_be_registered() {
     let Some(v) = exec_swap("swap-after", false, false) else { return };
-    let register = v["register"].as_str().unwrap();
-    assert_ne!(register, "ok", "the pool registered memory of a setuid program that replaced the peer: {v}");
-    assert!(register.contains("setuid") || register.contains("uid"), "refusal should say why: {register}");
-    assert_eq!(v["leaked"], serde_json::Value::Null, "{v}");
+    assert_swap_after_connect_refused(&v, "default path");
 }
 
 #[test]
 fn exec_of_a_setuid_program_after_registration_cannot_be_read() {
     let Some(v) = exec_swap("swap-before", true, false) else { return };
-    assert_eq!(v["register"], "ok", "registered while still the attacker's own process: {v}");
-    assert_eq!(v["leaked"], false, "the pool copied the setuid program's secret to the attacker: {v}");
-    assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "store from the swapped process must fail: {v}");
+    assert_swap_after_registration_unread(&v, "default path");
 }
 
 /// The same two attacks against the fallback path of kernels without SO_PEERPIDFD:
@@ -135,14 +146,9 @@ fn exec_of_a_setuid_program_after_registration_cannot_be_read() {
 #[test]
 fn exec_of_a_setuid_program_is_caught_on_the_pidfd_open_fallback_too() {
     let Some(v) = exec_swap("swap-after-fb", false, true) else { return };
-    let register = v["register"].as_str().unwrap();
-    assert_ne!(register, "ok", "fallback path: the pool registered memory of a setuid program: {v}");
-    assert!(register.contains("setuid") || register.contains("uid"), "refusal should say why: {register}");
-    assert_eq!(v["leaked"], serde_json::Value::Null, "{v}");
+    assert_swap_after_connect_refused(&v, "fallback path");
     let Some(v) = exec_swap("swap-before-fb", true, true) else { return };
-    assert_eq!(v["register"], "ok", "registered while still the attacker's own process: {v}");
-    assert_eq!(v["leaked"], false, "fallback path: the pool copied the setuid program's secret: {v}");
-    assert!(!v["store"].as_str().unwrap_or("").contains("Stored"), "store from the swapped process must fail: {v}");
+    assert_swap_after_registration_unread(&v, "fallback path");
 }
 
 /// Item 1, pid reuse: a process of uid 65534 connects and says Hello, hands its

@@ -62,6 +62,18 @@ fn attach(sock: &UnixStream, role: Role, timeout: Duration) -> Result<usize, Str
     Ok(m.fds.len())
 }
 
+/// A new peer attaches to the pool at `socket` as `role` and gets the state report (its
+/// JSON is returned), all within one second: the control thread is not held up `what`.
+fn served_at_once(socket: &std::path::Path, role: Role, attach_timeout: Duration, what: &str) -> Vec<u8> {
+    let t = Instant::now();
+    let other = UnixStream::connect(socket).unwrap();
+    attach(&other, role, attach_timeout).unwrap_or_else(|e| panic!("attach {what}: {e}"));
+    let (r, json) = control(&other, MessageKind::StatsRequest, &[], &[]).unwrap_or_else(|e| panic!("report {what}: {e}"));
+    assert_eq!(r.status, 0);
+    assert!(t.elapsed() < Duration::from_secs(1), "served in {:?} {what}", t.elapsed());
+    json
+}
+
 fn control(sock: &UnixStream, kind: MessageKind, payload: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(Reply, Vec<u8>), String> {
     let t = Some(Duration::from_secs(5));
     send_message(sock, kind, payload, fds, t).map_err(|e| e.to_string())?;
@@ -201,14 +213,9 @@ fn trickling_control_message_stalls_nobody_and_is_cut_per_message() {
     });
     std::thread::sleep(Duration::from_millis(1200));
     // A new peer: accept, handshake and a StatsRequest, while the trickle is mid-message.
-    let t = Instant::now();
-    let other = UnixStream::connect(&socket).unwrap();
-    attach(&other, Role::Observer, Duration::from_secs(5)).expect("attach while another peer trickles");
-    let (r, json) = control(&other, MessageKind::StatsRequest, &[], &[]).expect("report while another peer trickles");
-    assert_eq!(r.status, 0);
-    umbp_integration_tests::report::parse_full_report(&json).expect("the report");
     // Old code: the control thread sat in the trickler's read: > 5 s (or a timeout).
-    assert!(t.elapsed() < Duration::from_secs(1), "served in {:?} while a peer trickles", t.elapsed());
+    let json = served_at_once(&socket, Role::Observer, Duration::from_secs(5), "while a peer trickles");
+    umbp_integration_tests::report::parse_full_report(&json).expect("the report");
     // The trickler is cut 2 s after its first byte (old code: it got its reply after ~14 s).
     assert!(
         eventually(Duration::from_secs(4), || closed_by_pool(&attacker)),
@@ -326,13 +333,8 @@ fn a_stalled_memory_probe_holds_only_its_own_peer() {
     std::thread::sleep(Duration::from_millis(300));
     // Another peer (another connection; the same uid is fine: it is a different attachment
     // that registers memfd memory, no probe) is served at once.
-    let t = Instant::now();
-    let other = UnixStream::connect(&socket).unwrap();
-    attach(&other, Role::Worker, Duration::from_secs(3)).expect("attach while a probe stalls");
-    let (r, _) = control(&other, MessageKind::StatsRequest, &[], &[]).expect("report while a probe stalls");
-    assert_eq!(r.status, 0);
     // Old code: the control thread sat in the probe; nothing was accepted.
-    assert!(t.elapsed() < Duration::from_secs(1), "served in {:?} while a probe stalls", t.elapsed());
+    served_at_once(&socket, Role::Worker, Duration::from_secs(3), "while a probe stalls");
     // The probe really stalls: no answer yet.
     let mut b = [0u8; 1];
     use std::os::fd::AsRawFd;

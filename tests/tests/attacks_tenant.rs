@@ -9,7 +9,6 @@
 mod common;
 use common::*;
 
-use std::io::BufRead;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
@@ -98,24 +97,18 @@ fn namespace_quota_keeps_a_flooding_tenant_from_evicting_others() {
 fn touch_hints_cannot_pin_the_whole_pool() {
     let pool =
         PoolProcess::start(&unique_socket("pin"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--lease-ms", "60000"]);
-    let mut pinner = Command::new(workspace_binary("umbp-test-worker"))
-        .arg("--socket")
-        .arg(&pool.socket)
-        .args(["--namespace", "1", "store-pin", "--first-key", "0", "--count", "4096", "--seconds", "30"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(pinner.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "pinned", "pinner did not start");
+    let pinner = RunningWorker::start(
+        &pool.socket,
+        1,
+        &["store-pin", "--first-key", "0", "--count", "4096", "--seconds", "30"],
+        "pinned",
+    );
     std::thread::sleep(Duration::from_millis(300));
     let v = worker(&pool.socket, 2, &[], &["store", "--first-key", "0", "--count", "512"]);
     let low = (64u64 << 20) * 7 / 10;
     let back_to_low = eventually(Duration::from_secs(5), || pool.report().pool.allocated_bytes <= low + (1 << 20));
     let report = pool.report();
-    let _ = pinner.kill();
-    let _ = pinner.wait();
+    drop(pinner);
     eprintln!("victim stores: {v}; pool {}", report.pool);
     assert!(back_to_low, "a pinning tenant kept the pool above its low watermark: {}", report.pool);
     assert!(report.pool.defences.leases_dropped > 0, "{}", report.pool);
@@ -161,23 +154,18 @@ fn stats_report_hides_other_tenants() {
         &["--capacity", "64MiB", "--min-object-size", "16KiB", "--allow-uid", "65534", "--socket-group", "65534"],
     );
     // A tenant of root (namespace 0xabcdef) stays attached while the report is taken.
-    let mut tenant = Command::new(&bin)
-        .arg("--socket")
-        .arg(&pool.socket)
-        .args(["--namespace", &0xabcdefu128.to_string(), "store-pin", "--first-key", "0", "--count", "64", "--seconds", "20"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(tenant.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "pinned");
+    let tenant = RunningWorker::start(
+        &pool.socket,
+        0xabcdef,
+        &["store-pin", "--first-key", "0", "--count", "64", "--seconds", "20"],
+        "pinned",
+    );
     let full = pool.report();
     let secret_ns = format!("{:032x}", 0xabcdefu128);
     assert!(full.to_string().contains(&secret_ns), "root gets the full report: {full}");
     let out = Command::new(&bin).arg("--socket").arg(&pool.socket).arg("stats").uid_gid(65534).output().unwrap();
-    let _ = tenant.kill();
-    let _ = tenant.wait();
+    let tenant_pid = tenant.child.id();
+    drop(tenant);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "stats as uid 65534 failed: {text} {}", String::from_utf8_lossy(&out.stderr));
     let r: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{text:?}: {e}"));
@@ -187,7 +175,7 @@ fn stats_report_hides_other_tenants() {
     assert!(matches!(typed, umbp_pool::Report::Tenant(_)), "parsed as the tenant view: {r}");
     let s = r.to_string();
     assert!(!s.contains(&secret_ns), "another tenant's namespace leaked: {r}");
-    assert!(!s.contains(&format!("\"pid\":{}", tenant.id())), "another tenant's pid leaked: {r}");
+    assert!(!s.contains(&format!("\"pid\":{tenant_pid}")), "another tenant's pid leaked: {r}");
     assert!(r["attachments"].as_array().unwrap().iter().all(|a| a["uid"] == 65534), "{r}");
     assert!(r.get("counters").is_none() && r.get("index").is_none(), "pool-wide figures leaked: {r}");
 }

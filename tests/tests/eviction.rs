@@ -6,11 +6,8 @@ use common::*;
 
 #[test]
 fn fill_three_times_capacity() {
-    let cap: u64 = 64 << 20;
-    let pool = PoolProcess::start(
-        &unique_socket("evict"),
-        &["--capacity", "64MiB", "--min-object-size", "16KiB", "--high-wm", "0.9", "--low-wm", "0.7"],
-    );
+    let cap = EVICTING_POOL_BYTES;
+    let pool = PoolProcess::start(&unique_socket("evict"), &EVICTING_POOL);
     // 16 KiB objects (4 layers x 4 KiB), 3x capacity in total.
     let count = 3 * cap / (16 << 10);
     let r = run_worker(&pool.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", &count.to_string()]);

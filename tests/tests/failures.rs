@@ -26,11 +26,18 @@ fn pool_absent_at_startup_names_the_socket() {
     assert!(e.to_string().contains(socket.to_str().unwrap()), "{e}");
 }
 
+/// A 256 MiB pool (socket tagged `tag`), an engine on it with `timeout`, and a scheduler
+/// index of the engine's namespace.
+fn pool_engine_index(tag: &str, timeout: Duration) -> (PoolProcess, Engine, IndexClient) {
+    let pool = PoolProcess::start(&unique_socket(tag), &["--capacity", "256MiB"]);
+    let e = Engine::connect(&pool.socket, timeout);
+    let idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    (pool, e, idx)
+}
+
 #[test]
 fn pool_killed_mid_transfer() {
-    let mut pool = PoolProcess::start(&unique_socket("kill"), &["--capacity", "256MiB"]);
-    let mut e = Engine::connect(&pool.socket, Duration::from_secs(5));
-    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    let (mut pool, mut e, mut idx) = pool_engine_index("kill", Duration::from_secs(5));
     assert!(all(&e.store_wait(0, 16), BlockStatus::Stored));
     assert_eq!(idx.match_prefix(&keys(0, 16)), 16);
     // 32 MiB in flight, then SIGKILL.
@@ -51,9 +58,7 @@ fn pool_killed_mid_transfer() {
 
 #[test]
 fn pool_stalled_past_timeout() {
-    let pool = PoolProcess::start(&unique_socket("stall"), &["--capacity", "256MiB"]);
-    let mut e = Engine::connect(&pool.socket, Duration::from_millis(300));
-    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    let (pool, mut e, mut idx) = pool_engine_index("stall", Duration::from_millis(300));
     assert!(all(&e.store_wait(0, 8), BlockStatus::Stored));
     pool.signal(libc::SIGSTOP);
     let id = e.store(100, 8).unwrap();
@@ -77,9 +82,7 @@ fn pool_stalled_past_timeout() {
 
 #[test]
 fn pool_restarted_at_the_same_path() {
-    let mut pool = PoolProcess::start(&unique_socket("restart"), &["--capacity", "256MiB"]);
-    let mut e = Engine::connect(&pool.socket, Duration::from_secs(2));
-    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    let (mut pool, mut e, mut idx) = pool_engine_index("restart", Duration::from_secs(2));
     assert!(all(&e.store_wait(0, 8), BlockStatus::Stored));
     pool.restart();
     // The engine is not restarted: its worker and index re-attach on their own.

@@ -7,9 +7,6 @@
 mod common;
 use common::*;
 
-use std::io::BufRead;
-use std::process::{Command, Stdio};
-
 /// Runs the flood against a fresh pool started with `pool_args`; returns (flooder result,
 /// well-behaved worker result).
 fn flood_vs_latency(tag: &str, pool_args: &[&str]) -> (serde_json::Value, serde_json::Value) {
@@ -17,24 +14,11 @@ fn flood_vs_latency(tag: &str, pool_args: &[&str]) -> (serde_json::Value, serde_
     let mut args = vec!["--min-object-size", "16KiB"];
     args.extend_from_slice(pool_args);
     let pool = PoolProcess::start(&unique_socket(tag), &args);
-    let mut flooder = Command::new(workspace_binary("umbp-test-worker"))
-        .arg("--socket")
-        .arg(&pool.socket)
-        .args(["--namespace", "5", "--layers", "4", "--page", "262144", "--blocks", "64"])
-        .args(["flood-loads", "--first-key", "0", "--seconds", "8", "--depth", "64"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(flooder.stdout.take().unwrap());
-    let mut line = String::new();
-    out.read_line(&mut line).unwrap();
-    assert_eq!(line.trim(), "flooding", "flooder did not start");
+    let flood_args = ["--layers", "4", "--page", "262144", "--blocks", "64", "flood-loads", "--first-key", "0", "--seconds", "8", "--depth", "64"];
+    let flooder = RunningWorker::start(&pool.socket, 5, &flood_args, "flooding");
     std::thread::sleep(std::time::Duration::from_millis(500));
     let lat = run_worker(&pool.socket, 6, "per-layer", &["latency", "--first-key", "1000000", "--seconds", "4"]);
-    line.clear();
-    out.read_line(&mut line).unwrap();
-    flooder.wait().unwrap();
-    let flood: serde_json::Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    let flood = flooder.finish();
     (flood, lat)
 }
 

@@ -165,28 +165,32 @@ fn ringtool_and_metrics_match_known_traffic() {
     let (head, m) = http_get(port, "/metrics");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     assert!(head.contains("text/plain; version=0.0.4"), "{head}");
-    assert_eq!(sample(&m, "umbp_blocks_total{result=\"stored\"}"), 40.0);
-    assert_eq!(sample(&m, "umbp_blocks_total{result=\"already_present\"}"), 40.0);
-    assert_eq!(sample(&m, "umbp_stores_total"), 40.0);
-    assert_eq!(sample(&m, "umbp_loads_total"), 10.0);
-    assert_eq!(sample(&m, "umbp_load_hits_total"), 10.0);
-    assert_eq!(sample(&m, "umbp_load_misses_total"), 5.0);
-    assert_eq!(sample(&m, "umbp_bytes_total{direction=\"store\"}"), (40 * OBJECT) as f64);
-    assert_eq!(sample(&m, "umbp_bytes_total{direction=\"load\"}"), (10 * OBJECT) as f64);
-    assert_eq!(sample(&m, "umbp_published_objects"), 40.0);
-    assert_eq!(sample(&m, "umbp_index_live"), 40.0);
-    assert_eq!(sample(&m, "umbp_events_total"), 40.0);
-    assert_eq!(sample(&m, "umbp_evictions_total"), 0.0);
-    assert_eq!(sample(&m, "umbp_submissions_total"), 3.0);
-    assert_eq!(sample(&m, "umbp_attachments{role=\"worker\"}"), 1.0);
-    assert_eq!(sample(&m, "umbp_capacity_bytes"), (64u64 << 20) as f64);
+    for (name, want) in [
+        ("umbp_blocks_total{result=\"stored\"}", 40.0),
+        ("umbp_blocks_total{result=\"already_present\"}", 40.0),
+        ("umbp_stores_total", 40.0),
+        ("umbp_loads_total", 10.0),
+        ("umbp_load_hits_total", 10.0),
+        ("umbp_load_misses_total", 5.0),
+        ("umbp_bytes_total{direction=\"store\"}", (40 * OBJECT) as f64),
+        ("umbp_bytes_total{direction=\"load\"}", (10 * OBJECT) as f64),
+        ("umbp_published_objects", 40.0),
+        ("umbp_index_live", 40.0),
+        ("umbp_events_total", 40.0),
+        ("umbp_evictions_total", 0.0),
+        ("umbp_submissions_total", 3.0),
+        ("umbp_attachments{role=\"worker\"}", 1.0),
+        ("umbp_capacity_bytes", (64u64 << 20) as f64),
+        // Two store submissions (one copied, one all already present) and one load.
+        ("umbp_transfer_seconds_count{op=\"store\"}", 2.0),
+        ("umbp_transfer_seconds_count{op=\"load\"}", 1.0),
+        ("umbp_transfer_seconds_bucket{op=\"load\",le=\"+Inf\"}", 1.0),
+    ] {
+        assert_eq!(sample(&m, name), want, "{name}");
+    }
     let occ = sample(&m, "umbp_occupancy_ratio");
     assert!(occ > 0.0 && occ < 0.1, "{occ}");
     assert!(sample(&m, "umbp_copy_bandwidth_gigabytes_per_second{direction=\"store\"}") > 0.0);
-    // Two store submissions (one copied, one all already present) and one load.
-    assert_eq!(sample(&m, "umbp_transfer_seconds_count{op=\"store\"}"), 2.0);
-    assert_eq!(sample(&m, "umbp_transfer_seconds_count{op=\"load\"}"), 1.0);
-    assert_eq!(sample(&m, "umbp_transfer_seconds_bucket{op=\"load\",le=\"+Inf\"}"), 1.0);
     assert!(sample(&m, "umbp_store_phase_seconds_total{phase=\"copy\"}") > 0.0);
     assert!(sample(&m, "umbp_load_phase_seconds_total{phase=\"reserve\"}") > 0.0);
     assert!(http_get(port, "/nope").0.starts_with("HTTP/1.1 404"));
@@ -260,11 +264,8 @@ fn metrics_address_in_use_stops_the_pool_naming_it() {
 
 #[test]
 fn eviction_reaches_the_scheduler_as_removed_events() {
-    let cap: u64 = 64 << 20;
-    let pool = PoolProcess::start(
-        &unique_socket("obs-evict"),
-        &["--capacity", "64MiB", "--min-object-size", "16KiB", "--high-wm", "0.9", "--low-wm", "0.7"],
-    );
+    let cap = EVICTING_POOL_BYTES;
+    let pool = PoolProcess::start(&unique_socket("obs-evict"), &EVICTING_POOL);
     let ns = 3u128;
     let mut sched = IndexClient::connect(&pool.socket, ns, Duration::from_secs(5)).expect("scheduler attaches");
     assert!(sched.take_events().is_empty());

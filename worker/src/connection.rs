@@ -124,7 +124,10 @@ impl Connection {
         if reg.kind == umbp_protocol::wire::MemoryKind::HostProcess as u32 {
             // Under Yama, let exactly this pool (its verified pid) open our memory; done on
             // every (re)registration, so a restarted pool is named, not the old one.
-            umbp_gpu::host::allow_pool_ptrace(self.pool_pid).map_err(|e| WorkerError::Invalid(e.to_string()))?;
+            umbp_gpu::host::allow_pool_ptrace(self.pool_pid).map_err(|source| WorkerError::Gpu {
+                what: format!("allowing the pool (pid {}) to read this process's memory", self.pool_pid),
+                source,
+            })?;
         }
         let value = self.control(MessageKind::RegisterMemory, bytemuck::bytes_of(reg), &fds, timeout)?;
         u32::try_from(value).map_err(|_| WorkerError::Invalid(format!("pool returned alloc id {value}, not a u32")))

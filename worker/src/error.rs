@@ -25,6 +25,14 @@ pub enum WorkerError {
     Full,
     #[error("invalid request: {0}")]
     Invalid(String),
+    /// A GPU or host-memory call in this process failed (exporting memory to register,
+    /// allowing the pool to read it, a stream fence); `what` names the call and its
+    /// consequence.
+    #[error("{what}: {source}")]
+    Gpu { what: String, source: umbp_gpu::GpuError },
+    /// Shared memory of this process could not be created (`what` names the region).
+    #[error("{what}: {source}")]
+    Shm { what: &'static str, source: umbp_ipc::ShmError },
     #[error("I/O error talking to the UMBP pool: {0}")]
     Io(#[from] io::Error),
     #[error("UMBP protocol error: {0}")]
@@ -39,14 +47,16 @@ impl From<MessageError> for WorkerError {
             MessageError::Io(e) => WorkerError::Io(e),
             MessageError::Protocol(p) => WorkerError::Protocol(p),
             e @ (MessageError::FdCount { .. } | MessageError::FdsTruncated) => {
-                WorkerError::Io(io::Error::new(io::ErrorKind::InvalidData, e.to_string()))
+                WorkerError::Io(io::Error::new(io::ErrorKind::InvalidData, e))
             }
         }
     }
 }
 
 impl From<umbp_ipc::ShmError> for WorkerError {
+    /// A region the pool sent that cannot be mapped: the attachment is unusable, as for
+    /// a broken socket (the `ShmError` is the io error's source).
     fn from(e: umbp_ipc::ShmError) -> Self {
-        WorkerError::Io(io::Error::other(e.to_string()))
+        WorkerError::Io(io::Error::other(e))
     }
 }

@@ -166,8 +166,8 @@ fn watchdog(page: Arc<Page>) {
     }
 }
 
-fn gpu_err(what: &str, e: umbp_gpu::GpuError) -> WorkerError {
-    WorkerError::Invalid(format!("{what}: {e}"))
+fn gpu_err(what: &str, source: umbp_gpu::GpuError) -> WorkerError {
+    WorkerError::Gpu { what: what.to_string(), source }
 }
 
 impl Worker {
@@ -302,7 +302,7 @@ impl Worker {
     fn setup_fences(&mut self, stream: u64) -> Result<Fences, WorkerError> {
         let len = SLOTS as usize * SLOT_BYTES as usize;
         let mem = SharedMemory::create("umbp-fences", len, false)
-            .map_err(|e| WorkerError::Invalid(format!("fence page: {e}")))?;
+            .map_err(|source| WorkerError::Shm { what: "fence page", source })?;
         // SAFETY: the mapping lives in `Page` next to the registration, which is dropped
         // first; `stream` is the caller's live stream (or 0).
         let gpu = unsafe { HostWords::register(mem.as_ptr(), len, stream as umbp_gpu::cuda::sys::CUstream) }

@@ -223,9 +223,9 @@ impl Worker {
             let reply_timeout = cfg.timeout.min(left).max(Duration::from_millis(50));
             match Dial::blocking(&cfg.endpoint, &hello, reply_timeout, cfg.pool_uid) {
                 Ok(a) => break a,
-                Err(DialError::Refused(message)) => {
-                    tracing::error!(endpoint = %cfg.endpoint.display(), %message, "UMBP pool refused this worker");
-                    return Err(WorkerError::Refused { message });
+                Err(DialError::Refused(refusal)) => {
+                    tracing::error!(endpoint = %cfg.endpoint.display(), %refusal, "UMBP pool refused this worker");
+                    return Err(WorkerError::Refused { message: refusal.to_string() });
                 }
                 Err(e) => {
                     let now = Instant::now();
@@ -459,7 +459,7 @@ impl Worker {
         self.dial = None;
         let result = match Dial::blocking(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout, self.cfg.pool_uid) {
             Ok(a) => self.finish_reconnect(a),
-            Err(DialError::Refused(message)) => Err(WorkerError::Refused { message }),
+            Err(DialError::Refused(refusal)) => Err(WorkerError::Refused { message: refusal.to_string() }),
             Err(e) => Err(WorkerError::Unreachable { path: self.cfg.endpoint.clone(), source: e.into_io() }),
         };
         if let Err(e) = &result {
@@ -803,7 +803,7 @@ fn completion(conn: &Connection, cqe: Cqe, f: &InFlight) -> Completion {
 }
 
 fn export(spec: MemorySpec, alloc_id: u32) -> Result<(MemoryRegistration, Option<OwnedFd>), WorkerError> {
-    let gpu = |e: umbp_gpu::GpuError| WorkerError::Invalid(e.to_string());
+    let gpu = |source| WorkerError::Gpu { what: "exporting the memory to register".into(), source };
     Ok(match spec {
         MemorySpec::HostProcess { ptr, len } => {
             (umbp_gpu::host::export_process_memory(ptr as *const u8, len, alloc_id).map_err(gpu)?, None)

@@ -134,6 +134,28 @@ fn bad_requests_are_refused_locally() {
     assert_eq!(w.poll(), vec![Completion { id, statuses: vec![], error: None }]);
 }
 
+/// Memory that cannot be exported is refused before anything reaches the pool, with the
+/// GPU crate's error kept as the typed source: an unsealed memfd, whose size the pool
+/// could not trust.
+#[test]
+fn unexportable_memory_keeps_the_gpu_error_as_its_source() {
+    let path = socket_path("unexportable");
+    let _pool = MockPool::start(&path);
+    let mut kv = Kv::new();
+    let mut w = attach(&path, &mut kv);
+    let plain = memfd::MemfdOptions::new().create("unsealed").unwrap();
+    plain.as_file().set_len(4096).unwrap();
+    let fd: OwnedFd = plain.into_file().into();
+    // SAFETY: the memfd is never mapped or written by this test.
+    let err = unsafe { w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: 4096 }) }.unwrap_err();
+    assert!(
+        matches!(&err, WorkerError::Gpu { source: umbp_gpu::GpuError::NotSealed { .. }, .. }),
+        "{err}"
+    );
+    assert!(std::error::Error::source(&err).is_some_and(|s| s.is::<umbp_gpu::GpuError>()), "{err}");
+    assert!(w.is_connected(), "a local refusal keeps the attachment");
+}
+
 #[test]
 fn wait_keeps_other_completions_for_poll() {
     let path = socket_path("wait");

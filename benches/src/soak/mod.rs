@@ -32,10 +32,11 @@ mod worker;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use umbp_integration_tests::eventually;
+use umbp_pool::PoolReport;
 use umbp_worker::ObjectKey;
 
-use self::pool::{eventually, kind_diff, log_tail, describe, settled_fds, worker_attachments, PoolCmd, PoolProc, SIGCONT, SIGSTOP};
+use self::pool::{kind_diff, log_tail, describe, settled_fds, worker_attachments, PoolCmd, PoolProc, SIGCONT, SIGSTOP};
 use self::procs::{Totals, WorkerProc};
 use self::worker::SoakCommand;
 use super::report::{Better, Case};
@@ -192,26 +193,28 @@ impl Soak {
         self.check_pool(when)?;
         self.pause_all()?;
         let live = self.workers.len();
-        let mut last = Value::Null;
+        let mut last: Option<PoolReport> = None;
         let settled = eventually(Duration::from_secs(20), || {
             let Ok(r) = self.pool.report() else { return false };
-            let ok = worker_attachments(&r) == live
-                && r["pool"]["objects"] == r["pool"]["published_objects"]
-                && r["pool"]["pinned_objects"] == 0;
-            last = r;
+            let ok = worker_attachments(&r) == live && r.pool.objects == r.pool.published_objects && r.pool.pinned_objects == 0;
+            last = Some(r);
             ok
         });
+        let pool_json = last.as_ref().map_or_else(|| "null".to_string(), |r| r.pool.to_string());
         if !settled {
-            self.failures.push(format!("{when}: pool did not settle: {} worker attachments of {live}, pool {}", worker_attachments(&last), last["pool"]));
+            let attached = last.as_ref().map_or(0, worker_attachments);
+            self.failures.push(format!("{when}: pool did not settle: {attached} worker attachments of {live}, pool {pool_json}"));
             // A pool that died meanwhile explains it (and must be counted as a crash).
             self.check_pool(when)?;
         }
-        let allocated = last["pool"]["allocated_bytes"].as_u64().unwrap_or(0);
-        let published = last["pool"]["published_objects"].as_u64().unwrap_or(0);
-        let leaked = allocated.saturating_sub(published * OBJECT_BYTES);
+        let allocated = last.as_ref().map_or(0, |r| r.pool.allocated_bytes);
+        let published = last.as_ref().map_or(0, |r| r.pool.published_objects);
+        // With an SSD tier (--pool-args --ssd-dir), published objects on SSD hold no DRAM.
+        let in_dram = last.as_ref().map_or(0, |r| if r.ssd.is_some() { r.tiers.dram } else { published });
+        let leaked = allocated.saturating_sub(in_dram * OBJECT_BYTES);
         self.leaked_bytes = self.leaked_bytes.max(leaked);
         if leaked > 0 {
-            self.failures.push(format!("{when}: {leaked} bytes allocated beyond published objects: {}", last["pool"]));
+            self.failures.push(format!("{when}: {leaked} bytes allocated beyond published objects: {pool_json}"));
         }
         let want = self.base_fds + live * self.fds_per_worker;
         let mut fds = 0;
@@ -231,6 +234,13 @@ impl Soak {
                 self.fds_per_worker,
                 kind_diff(&self.pool.fd_kinds(), &expect).join(", ")
             ));
+        }
+        // The SSD tier holds one fd per segment file, no more.
+        if let Some(segments) = last.as_ref().and_then(|r| r.ssd.as_ref()).map(|s| s.segments) {
+            let open = self.pool.segment_fds() as u64;
+            if open != segments {
+                self.failures.push(format!("{when}: pool has {open} SSD segment fds for {segments} segments"));
+            }
         }
         self.leak_checks += 1;
         self.resume_all();
@@ -253,11 +263,14 @@ impl SoakCli {
         if !bin.exists() {
             return Err(format!("{} not found: build it (cargo build --bins) or pass --pool-bin", bin.display()));
         }
-        let dir = std::env::temp_dir().join(format!("umbp-soak-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let socket = dir.join("pool.sock");
-        let log = dir.join("pool.log");
+        let mut dir = tempfile::Builder::new()
+            .prefix("umbp-soak-")
+            .tempdir()
+            .map_err(|e| format!("creating a directory in {}: {e}", std::env::temp_dir().display()))?;
+        // Kept for reading (the pool log) when the run fails; removed at the end otherwise.
+        dir.disable_cleanup(true);
+        let socket = dir.path().join("pool.sock");
+        let log = dir.path().join("pool.log");
         let mut args: Vec<String> = vec!["--capacity".into(), self.capacity.clone(), "--min-object-size".into(), "64KiB".into()];
         args.extend(self.pool_args.split_whitespace().map(String::from));
         let pool = PoolProc::start(&PoolCmd { bin, pre_args, args }, &socket, &log)?;
@@ -406,7 +419,7 @@ impl SoakCli {
         let pass = s.failures.is_empty();
         // Kept for reading when the run failed, unless it was meant to (negative control).
         if pass || self.inject_corruption.is_some() {
-            let _ = std::fs::remove_dir_all(&dir);
+            dir.disable_cleanup(false);
         }
         let ctx = |c: Case| c.extra("seconds", self.seconds).extra("workers", n as u64).extra("pass", pass);
         let cases = vec![

@@ -7,7 +7,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rustix::process::Signal;
-use serde_json::Value;
+use umbp_pool::pool_report::{PeerRole, PoolReport};
 
 /// The pool process of `soak --inject-corruption` (hidden `__soak-pool`): the pool library
 /// with [`umbp_pool::fault::corrupt_every_nth_store`] armed, stopped by SIGTERM/SIGINT
@@ -67,6 +67,11 @@ pub(super) struct PoolProc {
     pub(super) log: PathBuf,
     /// Pool processes started so far.
     pub(super) starts: u64,
+}
+
+/// An SSD tier segment file (`.../seg-<hex>.umbp`).
+fn is_segment(target: &str) -> bool {
+    target.rsplit('/').next().is_some_and(|f| f.starts_with("seg-") && f.ends_with(".umbp"))
 }
 
 /// How a pool process ended, in words ("exit status: 99", "signal: 11 (SIGSEGV)").
@@ -180,38 +185,42 @@ impl PoolProc {
         Err(format!("umbp-pool did not exit within {} s of SIGTERM (killed)", grace.as_secs()))
     }
 
-    /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...).
+    /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...), less
+    /// the SSD tier's segment files (counted by [`Self::segment_fds`]).
     pub(super) fn fd_kinds(&self) -> std::collections::BTreeMap<String, i64> {
         let mut m = std::collections::BTreeMap::new();
         for e in std::fs::read_dir(format!("/proc/{}/fd", self.pid())).into_iter().flatten().flatten() {
             let t = std::fs::read_link(e.path()).map(|t| t.display().to_string()).unwrap_or_default();
+            if is_segment(&t) {
+                continue;
+            }
             let kind: String = t.split(" (deleted)").next().unwrap_or("").chars().map(|c| if c.is_ascii_digit() { 'N' } else { c }).collect();
             *m.entry(kind).or_insert(0) += 1;
         }
         m
     }
 
+    /// Open fds, less the SSD tier's segment files (one per segment, bounded by its
+    /// capacity: checked against the report by the soak).
     pub(super) fn fds(&self) -> usize {
-        std::fs::read_dir(format!("/proc/{}/fd", self.pid())).map(|d| d.count()).unwrap_or(0)
+        self.fd_kinds().values().sum::<i64>() as usize
     }
 
-    /// The pool's JSON state report, through an observer attachment.
-    pub(super) fn report(&self) -> Result<Value, String> {
-        use umbp_ipc::message::{recv_message, send_message};
-        use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
-        let t = Some(Duration::from_secs(5));
-        let sock = UnixStream::connect(&self.socket).map_err(|e| format!("report: {e}"))?;
-        let hello = Hello::new(Role::Observer, 0, std::process::id());
-        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(&hello), &[], t).map_err(|e| e.to_string())?;
-        let m = recv_message(&sock, t).map_err(|e| e.to_string())?;
-        let r: HelloReply = wire::decode(&m.payload).map_err(|e| e.to_string())?;
-        if r.status != 0 {
-            return Err(r.message());
-        }
-        send_message(&sock, MessageKind::StatsRequest, &[], &[], t).map_err(|e| e.to_string())?;
-        let m = recv_message(&sock, t).map_err(|e| e.to_string())?;
-        let _: Reply = wire::decode(&m.payload).map_err(|e| e.to_string())?;
-        serde_json::from_slice(&m.payload[std::mem::size_of::<Reply>()..]).map_err(|e| e.to_string())
+    /// Open fds of SSD segment files (`seg-*.umbp`).
+    pub(super) fn segment_fds(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| is_segment(&t.display().to_string())))
+            .count()
+    }
+
+    /// The pool's state report, through an observer attachment (the test kit's client).
+    pub(super) fn report(&self) -> Result<PoolReport, String> {
+        umbp_integration_tests::try_report(&self.socket)?
+            .into_full()
+            .map_err(|t| format!("got the tenant view (uid {}), not the full report", t.uid))
     }
 }
 
@@ -226,21 +235,8 @@ impl Drop for PoolProc {
 pub(super) const SIGSTOP: Signal = Signal::STOP;
 pub(super) const SIGCONT: Signal = Signal::CONT;
 
-pub(super) fn worker_attachments(r: &Value) -> usize {
-    r["attachments"].as_array().map_or(0, |a| a.iter().filter(|a| a["role"] == "worker").count())
-}
-
-pub(super) fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + timeout;
-    loop {
-        if f() {
-            return true;
-        }
-        if Instant::now() >= deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+pub(super) fn worker_attachments(r: &PoolReport) -> usize {
+    r.attachments_of(PeerRole::Worker).count()
 }
 
 /// The pool's fd count once it stays the same for 200 ms and satisfies `ok` (its last

@@ -95,6 +95,45 @@ fn check_exact(a: &mut WorkerProc, l: &Layout, group: u16, key: u64, seed: u64) 
     Ok(json!({"byte_exact": true, "prefix_words": want_words, "words_checked": u64_of(&v, "words")}))
 }
 
+/// What the in-process pool's GPU copy calls took during timed transfers (none on the host
+/// backend or with an external pool), per direction, beside the end-to-end figures: a
+/// submission's time outside its copy call is the pool's and the rings'.
+#[derive(Default)]
+struct EngineTime {
+    ops: u64,
+    calls: u64,
+    bytes: u64,
+    total_ns: u64,
+    enqueue_ns: u64,
+}
+
+impl EngineTime {
+    /// Runs `f` (one timed transfer) and adds the engine counters it moved.
+    fn around<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let e0 = engine_totals();
+        let r = f();
+        let e1 = engine_totals();
+        self.ops += 1;
+        self.calls += e1.calls - e0.calls;
+        self.bytes += e1.bytes - e0.bytes;
+        self.total_ns += e1.total_ns - e0.total_ns;
+        self.enqueue_ns += e1.enqueue_ns - e0.enqueue_ns;
+        r
+    }
+
+    fn json(&self) -> Value {
+        if self.calls == 0 {
+            return Value::Null;
+        }
+        json!({
+            "calls_per_transfer": self.calls as f64 / self.ops as f64,
+            "us_per_call": self.total_ns as f64 / self.calls as f64 / 1e3,
+            "enqueue_us_per_call": self.enqueue_ns as f64 / self.calls as f64 / 1e3,
+            "gbps_in_calls": gbps(self.bytes, self.total_ns),
+        })
+    }
+}
+
 /// Store and load GB/s of `l` (`per` blocks a transfer, `inflight` outstanding; median of
 /// `reps`), the restore of the prefix (scheduler lookup + one load) in ms, and the
 /// byte-exactness check; cases `<name>_store_gbps`, `<name>_load_gbps`, `<name>_restore_ms`
@@ -109,6 +148,7 @@ fn layout_cases(
     per: usize,
     inflight: usize,
     restore_name: Option<&str>,
+    pool: &PoolHandle,
     ctx: &dyn Fn(Case) -> Case,
 ) -> Result<Vec<Case>, String> {
     let seed = 40 + group as u64;
@@ -116,13 +156,16 @@ fn layout_cases(
     let bytes = l.bytes();
     let base = Base::measure(a, args.backend, bytes, args.reps.max(3), args.copy_threads)?;
     let (mut st, mut ld) = (Vec::new(), Vec::new());
+    let (mut est, mut eld) = (EngineTime::default(), EngineTime::default());
+    let p0 = pool.phases();
     let mut key = key0;
     for r in 0..args.reps as u64 {
         a.call(&Command::Reset)?;
         key = key0 + r * 1_000_000;
-        st.push(gbps(bytes, u64_of(&xfer(a, Op::Store, group, key, &l.blocks, per, inflight)?, "ns")));
-        ld.push(gbps(bytes, u64_of(&xfer(a, Op::Load, group, key, &l.blocks, per, inflight)?, "ns")));
+        st.push(gbps(bytes, u64_of(&est.around(|| xfer(a, Op::Store, group, key, &l.blocks, per, inflight))?, "ns")));
+        ld.push(gbps(bytes, u64_of(&eld.around(|| xfer(a, Op::Load, group, key, &l.blocks, per, inflight))?, "ns")));
     }
+    let phases = phase_means(&p0, &pool.phases());
     let mut ms = Vec::new();
     let mut lookup_us = Vec::new();
     for _ in 0..args.reps.max(3) {
@@ -150,8 +193,11 @@ fn layout_cases(
     let name = l.name;
     let restore_name = restore_name.map_or_else(|| format!("{name}_restore_ms"), str::to_string);
     Ok(vec![
-        lay(base.case(&format!("{name}_store_gbps"), Op::Store, median(st))),
-        lay(base.case(&format!("{name}_load_gbps"), Op::Load, median(ld))).extra("check", exact),
+        lay(base.case(&format!("{name}_store_gbps"), Op::Store, median(st))).extra("engine", est.json()).extra("pool_phases_us", phases["store"].clone()),
+        lay(base.case(&format!("{name}_load_gbps"), Op::Load, median(ld)))
+            .extra("check", exact)
+            .extra("engine", eld.json())
+            .extra("pool_phases_us", phases["load"].clone()),
         lay(Case::new("transfer", &restore_name, median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower))
             .extra("lookup_us", median(lookup_us))
             .extra("tokens", args.tokens),
@@ -160,7 +206,7 @@ fn layout_cases(
 
 /// The single-object table: objects of `--sizes` MiB, one and eight in flight, both ways,
 /// each checked byte-exact after the timed runs.
-fn object_cases(args: &TransferArgs, a: &mut WorkerProc, ctx: &dyn Fn(Case) -> Case) -> Result<Vec<Case>, String> {
+fn object_cases(args: &TransferArgs, a: &mut WorkerProc, pool: &PoolHandle, ctx: &dyn Fn(Case) -> Case) -> Result<Vec<Case>, String> {
     let total = if args.quick { 64 * MIB } else { 1 << 30 };
     let reps = args.reps as u64;
     let mut cases = Vec::new();
@@ -176,17 +222,21 @@ fn object_cases(args: &TransferArgs, a: &mut WorkerProc, ctx: &dyn Fn(Case) -> C
         let mut key = 0;
         for inflight in [1usize, 8] {
             let (mut st, mut ld) = (Vec::new(), Vec::new());
+            let (mut est, mut eld) = (EngineTime::default(), EngineTime::default());
+            let p0 = pool.phases();
             for r in 0..reps {
                 a.call(&Command::Reset)?;
                 key = (50 + group as u64) << 32 | (inflight as u64) << 24 | r << 16;
-                st.push(gbps(ob, u64_of(&xfer(a, Op::Store, group, key, &ol.blocks, 1, inflight)?, "ns")));
-                ld.push(gbps(ob, u64_of(&xfer(a, Op::Load, group, key, &ol.blocks, 1, inflight)?, "ns")));
+                st.push(gbps(ob, u64_of(&est.around(|| xfer(a, Op::Store, group, key, &ol.blocks, 1, inflight))?, "ns")));
+                ld.push(gbps(ob, u64_of(&eld.around(|| xfer(a, Op::Load, group, key, &ol.blocks, 1, inflight))?, "ns")));
             }
+            let phases = phase_means(&p0, &pool.phases());
             let label = format!("obj{mib}m_x{inflight}");
-            for (op, v) in [(Op::Store, st), (Op::Load, ld)] {
+            for (op, v, e) in [(Op::Store, st, &est), (Op::Load, ld, &eld)] {
                 let opn = if op == Op::Store { "store" } else { "load" };
                 cases.push(ctx(base.case(&format!("{label}_{opn}_gbps"), op, median(v)))
-                    .extra("object_bytes", size).extra("objects", count).extra("inflight", inflight).extra("bytes", ob));
+                    .extra("object_bytes", size).extra("objects", count).extra("inflight", inflight).extra("bytes", ob)
+                    .extra("engine", e.json()).extra("pool_phases_us", phases[opn].clone()));
             }
         }
         let exact = check_exact(a, &ol, group, key, seed)?;
@@ -253,10 +303,10 @@ pub(crate) fn bench_host(args: &TransferArgs) -> Result<Vec<Case>, String> {
     }
     for (i, l) in small_page_layouts(args).iter().enumerate() {
         // One submission per store or load, as the connector submits a request's blocks.
-        cases.extend(layout_cases(args, &mut a, l, 20 + i as u16, (30 + i as u64) << 32, l.blocks.len(), 1, None, &ctx)?);
+        cases.extend(layout_cases(args, &mut a, l, 20 + i as u16, (30 + i as u64) << 32, l.blocks.len(), 1, None, &pool, &ctx)?);
     }
     if args.wants("obj") {
-        cases.extend(object_cases(args, &mut a, &ctx)?);
+        cases.extend(object_cases(args, &mut a, &pool, &ctx)?);
     }
     if args.wants("overhead") {
         cases.extend(pool_overhead(args, &pool, &mut a)?);
@@ -332,7 +382,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         key
     };
     let e = args.engine;
-    let stage0 = umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB;
+    let stage0 = args.stage_mib.unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB);
     let mut tuning = Tune { streams: e.streams, batch: e.batch, parallel: e.parallel_submit, batch_max: e.batch_max, stage_mib: stage0 };
     let apply = |t: Tune| {
         if let Some(p) = &pool.pool {
@@ -460,12 +510,22 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
 
     // --- the small-page layouts of issue #14 (one submission per store or load)
     for (i, sl) in small_page_layouts(args).iter().enumerate() {
-        cases.extend(layout_cases(args, &mut a, sl, 20 + i as u16, next_key(0) << 8, sl.blocks.len(), 1, None, &ctx_t)?);
+        let group = 20 + i as u16;
+        cases.extend(layout_cases(args, &mut a, sl, group, next_key(0) << 8, sl.blocks.len(), 1, None, &pool, &ctx_t)?);
+        // The same matmul slowdown while this layout's stores stream (its pages may take the
+        // page copy kernel, which the main layout's 64 KiB pages do not).
+        if let (true, Some(cmd)) = (args.wants("interference"), &args.matmul) {
+            let name = format!("{}_interference_pct", sl.name);
+            match interference(&mut a, cmd, sl, group, next_key(0) << 8, &name, args.quick) {
+                Ok(c) => cases.push(ctx_t(c).extra("layout", sl.about).extra("gather", format!("{:?}", args.engine.gather))),
+                Err(e) => eprintln!("{name} skipped: {e}"),
+            }
+        }
     }
 
     // --- the seed's object table: 1, 16, 64 MiB objects, x1 and x8 in flight
     if args.wants("obj") {
-        cases.extend(object_cases(args, &mut a, &ctx_t)?);
+        cases.extend(object_cases(args, &mut a, &pool, &ctx_t)?);
     }
 
     // --- bidirectional: A stores fresh keys while B loads stored ones
@@ -501,7 +561,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     // --- interference with a matmul loop in another process
     if args.wants("interference") {
         if let Some(cmd) = &args.matmul {
-            match interference(&mut a, cmd, &l, next_key(0), args.quick) {
+            match interference(&mut a, cmd, &l, 0, next_key(0), "interference_pct", args.quick) {
                 Ok(c) => cases.push(lay(c, tuning)),
                 Err(e) => eprintln!("interference_pct skipped: {e}"),
             }
@@ -530,7 +590,7 @@ fn run_matmul(cmd: &str, seconds: f64) -> Result<f64, String> {
 
 /// Matmul rate alone, then while stores stream (and while a plain contiguous cuMemcpy
 /// loop streams, the baseline); the slowdown in percent.
-fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool) -> Result<Case, String> {
+fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, group: u16, key: u64, name: &str, quick: bool) -> Result<Case, String> {
     let secs = if quick { 3.0 } else { 5.0 };
     let _warm = run_matmul(cmd, 1.0)?;
     let alone1 = run_matmul(cmd, secs)?;
@@ -545,13 +605,13 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool
         Ok((t, done))
     };
     a.call(&Command::Reset)?;
-    let (t_store, st) = with(a, Command::StoreLoop { group: 0, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
+    let (t_store, st) = with(a, Command::StoreLoop { group, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
     let (t_copy, cp) = with(a, Command::MemcpyLoop { bytes: l.bytes(), seconds: secs + 1.5 })?;
     let alone2 = run_matmul(cmd, secs)?;
     let alone = (alone1 + alone2) / 2.0;
     let pct = |t: f64| (1.0 - t / alone) * 100.0;
     let noise = ((alone1 - alone2) / alone).abs() * 100.0;
-    Ok(Case::new("transfer", "interference_pct", pct(t_store), "%", pct(t_copy), "same matmul slowdown under a contiguous cuMemcpyDtoH loop", Better::Lower)
+    Ok(Case::new("transfer", name, pct(t_store), "%", pct(t_copy), "same matmul slowdown under a contiguous cuMemcpyDtoH loop", Better::Lower)
         .extra("matmul_tflops_alone", alone)
         .extra("matmul_tflops_with_stores", t_store)
         .extra("matmul_tflops_with_memcpy", t_copy)
@@ -564,12 +624,7 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, key: u64, quick: bool
 fn engine_totals() -> umbp_gpu::EngineStats {
     let mut t = umbp_gpu::EngineStats::default();
     for e in umbp_gpu::loaded_backends().iter().flat_map(|b| b.engine_stats()) {
-        t.calls += e.calls;
-        t.items += e.items;
-        t.bytes += e.bytes;
-        t.enqueue_ns += e.enqueue_ns;
-        t.total_ns += e.total_ns;
-        t.stages += e.stages;
+        t.add(&e);
     }
     t
 }

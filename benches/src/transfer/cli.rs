@@ -79,6 +79,10 @@ pub struct TransferCli {
     /// cuda, in-process pool: streams one large object (4 MiB+) is split over (0 or 1: no split).
     #[arg(long, default_value_t = 0)]
     split_streams: usize,
+    /// cuda, in-process pool: copy stage size in MiB (0: one stage per copy call)
+    /// [default: the pool's].
+    #[arg(long)]
+    stage_mib: Option<u64>,
 }
 
 impl TransferCli {
@@ -125,6 +129,7 @@ impl TransferCli {
             sizes: self.sizes,
             tokens: self.tokens.max(16),
             copy_threads: self.copy_threads.unwrap_or_else(|| PoolConfig::default().copy_threads).max(1),
+            stage_mib: self.stage_mib,
         };
         if args.sizes.contains(&0) {
             return Err("--sizes: object sizes are in MiB and must be at least 1".into());

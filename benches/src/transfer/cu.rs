@@ -1,4 +1,4 @@
-//! The CUDA side of a worker child: its context, stream, kernels ([`super::ptx`]) and
+//! The CUDA side of a worker child: its context, stream, kernels ([`umbp_gpu::testkit`]) and
 //! contiguous-copy baselines.
 
 use std::ffi::{c_void, CString};
@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use umbp_gpu::cuda::sys::{self, CUcontext, CUdeviceptr, CUfunction, CUmodule, CUresult, CUstream};
 
 use super::command::CopyDir;
-use super::ptx::PTX;
+use umbp_gpu::testkit::PTX;
 
 fn ck(call: &str, r: CUresult) -> Result<(), String> {
     if r == CUresult::CUDA_SUCCESS {

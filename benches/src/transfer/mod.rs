@@ -22,7 +22,6 @@ pub mod cli;
 pub mod command;
 mod cu;
 pub(crate) mod parent;
-mod ptx;
 mod worker;
 
 use std::path::PathBuf;
@@ -74,6 +73,8 @@ pub struct TransferArgs {
     /// Copy threads of the in-process pool, and the thread count of the host backend's
     /// multi-threaded memcpy baseline.
     pub copy_threads: usize,
+    /// cuda, in-process pool: copy stage size in MiB (None: the pool's default).
+    pub stage_mib: Option<u64>,
 }
 
 /// Case groups `--layouts` selects from: `pages` (host: 64 KiB..2 MiB pages, one

@@ -13,9 +13,7 @@ use super::command::{Command, CopyDir, Op, Shape, Xfer};
 use super::{cu, median, BackendArg};
 
 /// Pattern word `i` of seed `seed`; the PTX kernels compute the same.
-pub(crate) fn word(seed: u64, i: u64) -> u64 {
-    (i ^ (seed << 40)).wrapping_mul(0x5851_F42D_4C95_7F2D).wrapping_add(seed)
-}
+pub(crate) use umbp_gpu::testkit::pattern_word as word;
 
 const POISON: u8 = 0xEE;
 
@@ -375,16 +373,20 @@ impl WorkerState {
         Ok(json!({"ns": t.elapsed().as_nanos() as u64, "bytes": bytes}))
     }
 
+    /// The fence checks' memory: group `group`'s first allocation (CUDA memory: pointer and
+    /// length) and its blocks per segment.
+    fn fenced_group(&self, group: u16) -> Result<(u64, usize, u64), String> {
+        self.gpu.as_ref().ok_or("needs cuda")?;
+        let g = self.groups.get(&group).ok_or("no such group")?;
+        let Mem::Cuda { ptr, len } = &g.allocs[0].1 else { return Err("needs cuda memory".into()) };
+        Ok((*ptr, *len, g.segments[0].num_blocks))
+    }
+
     fn fence_store(&mut self, group: u16, old: u64, new: u64, spin_ms: u64, key_base: u64, control_key_base: u64) -> Result<Value, String> {
         let spin_ns = spin_ms * 1_000_000;
-        let gpu = self.gpu.as_ref().ok_or("needs cuda")?;
-        let g = self.groups.get(&group).ok_or("no such group")?;
-        let (ptr, len) = match &g.allocs[0].1 {
-            Mem::Cuda { ptr, len } => (*ptr, *len),
-            Mem::Host(_) => return Err("needs cuda memory".into()),
-        };
-        let n = g.segments[0].num_blocks;
+        let (ptr, len, n) = self.fenced_group(group)?;
         let job = |base: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|b| (ObjectKey((base + b) as u128), b)).collect() };
+        let (gpu, g) = (self.gpu.as_ref().expect("checked"), &self.groups[&group]);
         // Fenced: the slow kernel writes `new` after spinning; the store is submitted at once.
         fill_pattern(Some(gpu), &g.allocs[0].1, old)?;
         let t = Instant::now();
@@ -408,14 +410,9 @@ impl WorkerState {
     }
 
     fn fence_load(&mut self, group: u16, seed: u64, base: u64) -> Result<Value, String> {
-        let gpu = self.gpu.as_ref().ok_or("needs cuda")?;
-        let g = self.groups.get(&group).ok_or("no such group")?;
-        let (ptr, len) = match &g.allocs[0].1 {
-            Mem::Cuda { ptr, len } => (*ptr, *len),
-            Mem::Host(_) => return Err("needs cuda memory".into()),
-        };
-        let n = g.segments[0].num_blocks;
+        let (ptr, len, n) = self.fenced_group(group)?;
         let job: Vec<(ObjectKey, u64)> = (0..n).map(|b| (ObjectKey((base + b) as u128), b)).collect();
+        let (gpu, g) = (self.gpu.as_ref().expect("checked"), &self.groups[&group]);
         fill_poison(Some(gpu), &g.allocs[0].1)?;
         let id = self.w.load_before_stream(group, &job, gpu.stream).map_err(|e| e.to_string())?;
         let gpu = self.gpu.as_ref().expect("checked");

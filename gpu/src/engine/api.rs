@@ -28,16 +28,9 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
     fn create_stream(&self) -> Result<Self::Stream, GpuError>;
     fn destroy_stream(&self, stream: Self::Stream);
     /// # Safety
-    /// `host[..len]` is valid (writable for DeviceToHost) until the stream is synchronized;
-    /// `device..device+len` lies inside an open allocation.
-    unsafe fn copy_async(
-        &self,
-        dir: Dir,
-        host: *mut u8,
-        device: u64,
-        len: usize,
-        stream: Self::Stream,
-    ) -> Result<(), GpuError>;
+    /// `item.host[..len]` is valid (writable for DeviceToHost) until the stream is
+    /// synchronized; `item.device..+len` lies inside an open allocation.
+    unsafe fn copy_async(&self, dir: Dir, item: Item, stream: Self::Stream) -> Result<(), GpuError>;
     /// Enqueues every item on `stream`, in one driver call where the driver can. Default:
     /// one [`Self::copy_async`] per item.
     ///
@@ -54,7 +47,7 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
         let _ = (dev, batch);
         for it in items {
             // SAFETY: forwarded contract.
-            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+            unsafe { self.copy_async(dir, *it, stream) }?;
         }
         Ok(())
     }

@@ -109,12 +109,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
     /// A peer that is this very process (embedded mode: the pool runs inside the worker)
     /// has its device pointer used directly, because a process cannot open its own IPC
     /// handle (CUDA refuses it).
-    fn open_region_for(
-        &self,
-        reg: &MemoryRegistration,
-        _fd: Option<OwnedFd>,
-        peer: &crate::Peer<'_>,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region_for(&self, reg: &MemoryRegistration, _fd: Option<OwnedFd>, peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
         self.open_gpu_region(reg, peer.pid, &peer.engine)
     }
 

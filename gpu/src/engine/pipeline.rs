@@ -577,5 +577,11 @@ mod tests {
         assert_eq!((s.calls, s.items, s.bytes, s.stages), (1, 64, 64 * 1024, 4), "{s:?}");
         assert!(s.total_ns >= s.enqueue_ns);
         assert_eq!(other.stats.snapshot(0, [7; 16]).calls, 0);
+        // Summed over engines (the bench's totals): counters add, identity stays.
+        let mut total = other.stats.snapshot(1, [9; 16]);
+        total.add(&s);
+        total.add(&s);
+        assert_eq!((total.ordinal, total.calls, total.items, total.bytes, total.stages), (1, 2, 128, 128 * 1024, 8));
+        assert_eq!((total.total_ns, total.enqueue_ns), (2 * s.total_ns, 2 * s.enqueue_ns));
     }
 }

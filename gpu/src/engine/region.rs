@@ -9,7 +9,7 @@ use super::batch::{push_items, SPLIT_BYTES};
 use super::ipc_cache::IpcKey;
 use super::pipeline::Call;
 use super::{duplicate, DeviceApi, Dir, Engine, EngineConfig, Item};
-use crate::sealed::{Group, RegionHooks, Staged};
+use crate::sealed::{Group, Pipelined, RegionHooks, Staged};
 use crate::{check_ops, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan, TransferArgs};
 
 pub(crate) struct GpuRegion<A: DeviceApi> {
@@ -80,12 +80,7 @@ impl<A: DeviceApi> RegionHooks for GpuRegion<A> {
         Some(Arc::as_ptr(&self.engine) as usize)
     }
 
-    unsafe fn transfer_pipelined<'r>(
-        &self,
-        args: &TransferArgs<'_>,
-        first: StagePlan<'r>,
-        rest: Staged<'_, 'r>,
-    ) -> Result<Result<(), GpuError>, StagePlan<'r>> {
+    unsafe fn transfer_pipelined<'r>(&self, args: &TransferArgs<'_>, first: StagePlan<'r>, rest: Staged<'_, 'r>) -> Pipelined<'r> {
         let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
         let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
             for (region, ops) in stage {

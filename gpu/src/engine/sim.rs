@@ -50,7 +50,7 @@ impl DeviceApi for SimulatedDevice {
         Ok(self.streams_made.fetch_add(1, Ordering::Relaxed))
     }
     fn destroy_stream(&self, _: usize) {}
-    unsafe fn copy_async(&self, dir: Dir, host: *mut u8, device: u64, len: usize, _: usize) -> Result<(), GpuError> {
+    unsafe fn copy_async(&self, dir: Dir, Item { host, device, len }: Item, _: usize) -> Result<(), GpuError> {
         if len == self.fail_len {
             return Err(GpuError::Unsupported("simulated copy failure".into()));
         }
@@ -67,7 +67,7 @@ impl DeviceApi for SimulatedDevice {
         self.batches.lock().unwrap().push((items.len(), batch));
         for it in items {
             // SAFETY: forwarded contract.
-            unsafe { self.copy_async(dir, it.host, it.device, it.len, stream) }?;
+            unsafe { self.copy_async(dir, *it, stream) }?;
         }
         Ok(())
     }

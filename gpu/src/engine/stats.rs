@@ -23,6 +23,19 @@ pub struct EngineStats {
     pub stages: u64,
 }
 
+impl EngineStats {
+    /// Adds the counters of `other` (another engine, or a later snapshot's difference):
+    /// calls, items, bytes, times and stages; the device identity stays this one's.
+    pub fn add(&mut self, other: &EngineStats) {
+        self.calls += other.calls;
+        self.items += other.items;
+        self.bytes += other.bytes;
+        self.enqueue_ns += other.enqueue_ns;
+        self.total_ns += other.total_ns;
+        self.stages += other.stages;
+    }
+}
+
 /// The live counters behind [`EngineStats`].
 #[derive(Default)]
 pub(super) struct EngineCounters {

@@ -7,7 +7,10 @@
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
-use umbp_gpu::{backend_for, CopyOp, GpuError, MemoryKind, MemoryRegistration};
+use std::sync::Arc;
+
+use umbp_gpu::cuda::{self, sys};
+use umbp_gpu::{backend_for, Backend, CopyOp, GpuError, MemoryKind, MemoryRegistration};
 
 /// Set in the environment of a re-executed test binary; child entry points do nothing
 /// without it, so they pass trivially in a normal run.
@@ -251,4 +254,43 @@ pub fn check_missing_library_is_named(
         }
         Err(e) => eprintln!("{lib} present but unusable: {e}"),
     }
+}
+
+/// The CUDA backend, or None (with the reason printed) where there is no GPU. With
+/// `UMBP_REQUIRE_CUDA=1` (set by scripts/device/gpu-check.sh) a missing GPU fails instead,
+/// so a broken GPU machine cannot pass by skipping.
+pub fn cuda_or_skip() -> Option<Arc<dyn Backend>> {
+    let found = backend_for(MemoryKind::Cuda).and_then(|b| Ok((b, cuda::device_count()?)));
+    let reason = match found {
+        Ok((b, n)) if n > 0 => return Some(b),
+        Ok(_) => "CUDA driver loaded but no device is visible".to_string(),
+        Err(e) => format!("no usable CUDA driver: {e}"),
+    };
+    assert!(std::env::var_os("UMBP_REQUIRE_CUDA").is_none(), "UMBP_REQUIRE_CUDA is set but {reason}");
+    eprintln!("SKIPPED: {reason}");
+    None
+}
+
+/// Asserts that driver call `call` succeeded.
+pub fn ck(call: &str, r: sys::CUresult) {
+    assert_eq!(r, sys::CUresult::CUDA_SUCCESS, "{call}");
+}
+
+/// Device 0's primary context, retained for the rest of the process (the one the backend
+/// uses too). The driver must be initialised.
+pub fn retain_primary_context() -> sys::CUcontext {
+    let (mut dev, mut ctx) = (0, std::ptr::null_mut());
+    // SAFETY: plain driver calls with out-pointers to locals.
+    unsafe {
+        ck("cuDeviceGet", sys::cuDeviceGet(&mut dev, 0));
+        ck("cuDevicePrimaryCtxRetain", sys::cuDevicePrimaryCtxRetain(&mut ctx, dev));
+    }
+    ctx
+}
+
+/// Device 0's primary context, made current on this thread (and retained for the process).
+pub fn bind_primary_context() {
+    let ctx = retain_primary_context();
+    // SAFETY: a retained context.
+    unsafe { ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(ctx)) };
 }

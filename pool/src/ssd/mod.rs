@@ -18,6 +18,32 @@ pub mod uring;
 #[cfg(test)]
 mod tests;
 
+#[cfg(test)]
+mod admission_tests {
+    use super::SsdAdmission;
+    use std::time::Duration;
+
+    #[test]
+    fn admission_policies_parse_and_decide() {
+        let p = |v| SsdAdmission::parse("ssd-admission", v);
+        assert_eq!(p("all"), Ok(SsdAdmission::All));
+        assert_eq!(p(" Hit "), Ok(SsdAdmission::Hit));
+        assert_eq!(p("never"), Ok(SsdAdmission::Never));
+        assert_eq!(p("hit-or-young"), Ok(SsdAdmission::default()));
+        let y = p("hit-or-young:2.5").unwrap();
+        assert_eq!(y, SsdAdmission::HitOrYoung { young: Duration::from_millis(2500) });
+        assert_eq!(y.to_string(), "hit-or-young:2.5");
+        for bad in ["sometimes", "hit-or-young:", "hit-or-young:-1", "hit-or-young:x"] {
+            assert!(p(bad).unwrap_err().to_string().starts_with("ssd-admission"), "{bad}");
+        }
+        let s = Duration::from_secs;
+        assert!(SsdAdmission::All.admits(s(1000), 0));
+        assert!(!SsdAdmission::Never.admits(s(0), 5));
+        assert!(SsdAdmission::Hit.admits(s(1000), 1) && !SsdAdmission::Hit.admits(s(0), 0));
+        assert!(y.admits(s(1), 0) && !y.admits(s(3), 0) && y.admits(s(3), 1), "young or hit");
+    }
+}
+
 use std::path::PathBuf;
 
 pub use store::{PutOutcome, SsdObjectInfo, SsdStats, SsdStore};

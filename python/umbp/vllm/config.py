@@ -162,30 +162,26 @@ def parse_bool(value: Any, key: str) -> bool:
     raise ValueError(f"{key}: expected a boolean, got {value!r}")
 
 
+def _parse_positive(value: Any, key: str, expected: str, convert: type, high: float) -> Any:
+    """`convert(value)` when that works, rounds no float and lies in (0, `high`]; otherwise a
+    ValueError naming `key` and what was `expected`. A bool is never a number here."""
+    if not isinstance(value, bool):
+        try:
+            x = convert(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        else:
+            if 0 < x <= high and not (isinstance(value, float) and x != value):
+                return x
+    raise ValueError(f"{key}: expected {expected}, got {value!r}")
+
+
 def parse_positive_int(value: Any, key: str) -> int:
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: expected a positive integer, got {value!r}")
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}: expected a positive integer, got {value!r}") from None
-    if isinstance(value, float) and not value.is_integer():
-        raise ValueError(f"{key}: expected a positive integer, got {value!r}")
-    if n <= 0:
-        raise ValueError(f"{key}: expected a positive integer, got {value!r}")
-    return n
+    return _parse_positive(value, key, "a positive integer", int, float("inf"))
 
 
 def parse_fraction(value: Any, key: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(f"{key}: expected a fraction in (0, 1], got {value!r}")
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{key}: expected a fraction in (0, 1], got {value!r}") from None
-    if not 0.0 < x <= 1.0:
-        raise ValueError(f"{key}: expected a fraction in (0, 1], got {value!r}")
-    return x
+    return _parse_positive(value, key, "a fraction in (0, 1]", float, 1.0)
 
 
 def parse_nonnegative_int(value: Any, key: str) -> int:
