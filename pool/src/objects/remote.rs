@@ -13,7 +13,12 @@ use crate::remote::HeldObject;
 impl ObjectStore {
     /// Lists a peer's object (group 0) unless this pool holds the key in any form.
     pub fn insert_remote(&mut self, o: HeldObject) -> bool {
-        self.insert_lower(0, o.namespace, o.key, o.size, Tier::Remote, 0)
+        let listed = self.insert_lower(0, o.namespace, o.key, o.size, Tier::Remote, 0);
+        if listed {
+            // `insert_lower` counts warm-restart listings; a peer's key is not one.
+            self.tier_stats.restored -= 1;
+        }
+        listed
     }
 
     /// Drops group-0 `key` if it is a remote-only object (not being promoted).
@@ -97,6 +102,7 @@ mod tests {
         let k = ObjectKey(7);
         assert!(s.insert_remote(held(7)));
         assert!(!s.insert_remote(held(7)), "present already");
+        assert_eq!(s.tier_stats.restored, 0, "not a warm-restart listing");
         assert_eq!(s.groups[0].index.get(k).and_then(location::decode), Some((Tier::Remote, 0)));
         assert_eq!(s.reserve_load(k, 4096), LoadReservation::Lower { tier: Tier::Remote });
         assert_eq!(s.reserve_store(5, k, 4096, 1), StoreReservation::AlreadyPresent);
