@@ -2,6 +2,7 @@
 //! measures one subsystem and returns [`report::Case`]s; [`report`] prints them as JSON
 //! lines or a table. The binary in `src/bin/` only parses the command line.
 
+pub mod cluster;
 pub mod index;
 pub mod lookup;
 pub mod multi_gpu;

@@ -29,6 +29,7 @@ mod metrics;
 mod objects;
 mod poller;
 pub mod pool_report;
+pub mod remote;
 mod report;
 mod server;
 mod service;
@@ -135,6 +136,8 @@ pub(crate) struct PoolInner {
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
+    /// The cluster tier's source (remote.rs), once installed; `tiers.remote` reads it.
+    pub remote_source: remote::RemoteSlot,
 }
 
 impl PoolInner {
@@ -211,9 +214,10 @@ impl Pool {
         let metrics_listener = config.metrics_addr.as_deref().map(metrics::bind).transpose()?;
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
         let socket_path = config.socket_path.clone();
+        let remote_source = remote::RemoteSlot::default();
         let inner = Arc::new(PoolInner {
             store: Mutex::new(store),
-            tiers: tier::Tiers { ssd, remote: None },
+            tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
             dram,
             tenant_groups,
             group_mem,
@@ -229,6 +233,7 @@ impl Pool {
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
+            remote_source,
             config,
         });
         let mut threads = Vec::new();
@@ -303,6 +308,11 @@ impl Pool {
     }
 
     /// Keys stored or removed since the last call (for KV events).
+    /// The cluster tier's handle on this pool (remote.rs).
+    pub fn cluster_access(&self) -> remote::ClusterAccess {
+        remote::ClusterAccess { inner: self.inner.clone() }
+    }
+
     pub fn take_events(&self) -> Vec<ObjectEvent> {
         self.inner.store.lock().expect("store lock").take_events()
     }

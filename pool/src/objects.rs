@@ -18,6 +18,8 @@ use umbp_protocol::ObjectKey;
 
 use crate::alloc::SlabAllocator;
 
+mod remote;
+
 /// An object's identity in the store: the tenant group whose index holds it and its key.
 /// A bare `ObjectKey` converts to group 0 (pools without `--namespace-acl` have no other).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

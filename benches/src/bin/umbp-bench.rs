@@ -88,6 +88,12 @@ enum Cmd {
     /// KV store/load GB/s through a pool (host memfd or CUDA memory, workers in child
     /// processes) beside contiguous-copy baselines; `--check` runs the GPU data-path checks.
     Transfer(bench::transfer::TransferCli),
+    /// Cluster tier remote load (pin + NIXL READ over UCX) against a raw NIXL READ of the
+    /// same bytes between the same two agents; needs libnixl_capi.so (scripts/setup-nixl.sh).
+    Cluster(bench::cluster::ClusterCli),
+    /// Internal: the holder process of `cluster`.
+    #[command(name = "__cluster-peer", hide = true)]
+    ClusterPeer(bench::cluster::ClusterPeerCli),
     /// Chaos soak: worker processes store and load checksummed blocks while workers are
     /// SIGKILLed and the pool is stopped, resumed, killed and restarted; checks no corrupted
     /// byte, no blocked call, no leak after any worker death, every worker re-attached.
@@ -153,6 +159,8 @@ fn main() -> ExitCode {
         }
         Cmd::Transfer(t) => t.run(),
         Cmd::TransferWorker(t) => t.run(),
+        Cmd::Cluster(c) => c.run(),
+        Cmd::ClusterPeer(c) => c.run(),
         Cmd::Soak(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakWorker(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakPool(s) => s.run().map_err(std::io::Error::other),

@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Parser;
+
+mod cluster_flags;
 use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 
 /// The node-local KV-cache pool that LLM serving engines share.
@@ -207,6 +209,8 @@ struct Args {
     /// io_uring entries (and registered buffers) per SSD directory: the I/O queue depth.
     #[arg(long = "ssd-queue-depth", env = "UMBP_SSD_QUEUE_DEPTH", value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "SSD tier")]
     ssd_queue_depth: u32,
+    #[command(flatten)]
+    cluster: cluster_flags::ClusterArgs,
 }
 
 /// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
@@ -371,7 +375,15 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let config = match config_from(Args::parse()) {
+    let args = Args::parse();
+    let cluster = match args.cluster.config(!args.namespace_acl.is_empty()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("umbp-pool: {e:#}");
+            return ExitCode::from(2);
+        }
+    };
+    let config = match config_from(args) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("umbp-pool: {e:#}");
@@ -397,8 +409,17 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
+    let tier = match cluster.map(|(c, peers)| cluster_flags::start(&pool, c, peers)).transpose() {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("umbp-pool: {e:#}");
+            pool.shutdown();
+            return ExitCode::from(1);
+        }
+    };
     let sig = stop.wait();
     tracing::info!(signal = sig, "shutting down");
+    drop(tier);
     pool.shutdown();
     ExitCode::SUCCESS
 }

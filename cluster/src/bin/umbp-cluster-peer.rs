@@ -1,0 +1,53 @@
+//! A cluster peer process for tests and benchmarks: a `MemPool` of `--objects` objects of
+//! `--object-bytes` each (key i = i + 1, bytes `mem_pool::pattern`), served by a real
+//! cluster node on `--listen`. Prints `READY <addr>` once listening; runs until killed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use umbp_cluster::control::Secret;
+use umbp_cluster::mem_pool::{pattern, MemPool};
+use umbp_cluster::membership::StaticPeers;
+use umbp_cluster::{Cluster, ClusterConfig};
+
+#[derive(Parser)]
+struct Args {
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: String,
+    #[arg(long = "peer")]
+    peers: Vec<String>,
+    #[arg(long)]
+    secret_file: std::path::PathBuf,
+    #[arg(long, default_value_t = 4)]
+    objects: u64,
+    #[arg(long, default_value_t = 1 << 20)]
+    object_bytes: u64,
+}
+
+fn main() {
+    tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_default_env()).with_writer(std::io::stderr).init();
+    let a = Args::parse();
+    let secret = Secret::from_file(&a.secret_file).unwrap_or_else(|e| {
+        eprintln!("umbp-cluster-peer: {e}");
+        std::process::exit(2)
+    });
+    let pool = Arc::new(MemPool::new((a.objects * a.object_bytes).max(4096) as usize));
+    for i in 0..a.objects {
+        let key = i as u128 + 1;
+        pool.put(key, i * a.object_bytes, &pattern(key, a.object_bytes as usize));
+    }
+    let mut cfg = ClusterConfig::new(a.listen, secret);
+    cfg.heartbeat = Duration::from_millis(200);
+    cfg.dead_after = Duration::from_millis(1000);
+    // SAFETY: the mapping lives as long as `pool`, which outlives the node (never dropped).
+    let node = unsafe { Cluster::start(cfg, Box::new(StaticPeers(a.peers)), pool.clone(), pool.base(), pool.len()) };
+    let node = node.unwrap_or_else(|e| {
+        eprintln!("umbp-cluster-peer: {e}");
+        std::process::exit(2)
+    });
+    println!("READY {}", node.local_addr());
+    loop {
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+}

@@ -1,0 +1,777 @@
+//! One pool's cluster node: the control listener and the connections to peers, heartbeats
+//! and liveness, the catalog of peers' keys fed into the local index, and fetches (pin at
+//! the holder over control, NIXL READ into local DRAM, unpin).
+//!
+//! Connections are one-way subscriptions: pool P connects to each address discovery gives
+//! it (`--cluster-peer`); over that connection the peer Q sends its NIXL `Join`, a
+//! snapshot of its DRAM keys and then their changes, and serves P's pins. So P reads from
+//! Q only if P lists Q; list every other member on each pool (or use a registry).
+//!
+//! Threads: an acceptor (one thread per accepted subscriber), a connector (one thread per
+//! connected peer) and a ticker (heartbeats, liveness, reconnects). No lock is held across
+//! a socket write; every socket has a write timeout, so a slow or stuck peer is dropped,
+//! never waited on by anyone else. The pool's own traffic never enters this module
+//! except for a fetch, which is bounded by `read_timeout`.
+
+use std::collections::{HashMap, HashSet};
+use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use umbp_protocol::ObjectKey;
+
+use crate::catalog::{Catalog, IndexChange, KeyChange, RemoteObject};
+use crate::control::{self, client_handshake, read_msg, server_handshake, write_msg, Msg, Secret, MAX_FRAME};
+use crate::membership::{Discovery, Liveness};
+use crate::placement::NodeId;
+use crate::transport::{self, Agent, PeerRegion, ReadPiece, TransportError};
+
+/// What the cluster node needs from the local pool.
+pub trait LocalPool: Send + Sync + 'static {
+    /// The DRAM-tier keys held now (group 0), for a joining subscriber.
+    fn snapshot(&self) -> Vec<KeyChange>;
+    /// Pins a published DRAM object of `size` bytes for a peer's read; returns its offset
+    /// in the registered DRAM and its namespace.
+    fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String>;
+    fn unpin(&self, group: u32, key: ObjectKey);
+    /// Remote keys appeared (first holder) or vanished (last holder gone): mirror them in
+    /// the local index. Called without any cluster lock held.
+    fn apply_index(&self, changes: &[IndexChange]);
+}
+
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// `--cluster-listen HOST:PORT`.
+    pub listen: String,
+    pub secret: Secret,
+    /// Heartbeat period; a member silent for `dead_after` is dropped.
+    pub heartbeat: Duration,
+    pub dead_after: Duration,
+    /// Bound on one fetch (pin round trip and read).
+    pub read_timeout: Duration,
+    /// Bound on connect and handshake.
+    pub connect_timeout: Duration,
+}
+
+impl ClusterConfig {
+    pub fn new(listen: String, secret: Secret) -> Self {
+        Self {
+            listen,
+            secret,
+            heartbeat: Duration::from_millis(500),
+            dead_after: Duration::from_millis(2000),
+            read_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("cluster listen address {addr}: {source}")]
+    Listen {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+}
+
+/// Why a fetch failed; every case means "recompute".
+#[derive(Debug, thiserror::Error)]
+pub enum FetchError {
+    #[error("key {0:032x} has no live remote holder")]
+    NoHolder(u128),
+    #[error("peer {0:x} left before the fetch finished")]
+    PeerGone(NodeId),
+    #[error("peer {peer:x} refused to pin {key:032x}: {reason}")]
+    PinRefused { peer: NodeId, key: u128, reason: String },
+    #[error("peer {peer:x} did not answer a pin of {key:032x} within {timeout:?}")]
+    PinTimeout { peer: NodeId, key: u128, timeout: Duration },
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The read of a batch failed (the transport's error, shared by its items).
+    #[error("remote read failed: {0}")]
+    Read(String),
+}
+
+impl FetchError {
+    /// The destination may still be written by the transfer (quarantine it).
+    pub fn destination_tainted(&self) -> bool {
+        matches!(self, Self::Transport(e) if e.destination_tainted())
+    }
+}
+
+type PinReply = Result<(u64, u128), String>;
+
+/// Where a pin reply goes: the batch that asked, tagged with its pin id.
+struct PinWaiter {
+    tx: mpsc::Sender<(u64, PinReply)>,
+    id: u64,
+}
+
+/// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
+type HolderBatch = (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>);
+
+/// One object of a batched fetch: `size` bytes of `key` into `dest`.
+#[derive(Debug, Clone, Copy)]
+pub struct FetchRequest {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub dest: *mut u8,
+}
+
+struct Peer {
+    addr: String,
+    writer: Arc<Mutex<TcpStream>>,
+    region: Option<PeerRegion>,
+    pending: HashMap<u64, PinWaiter>,
+}
+
+struct Subscriber {
+    node: NodeId,
+    writer: Arc<Mutex<TcpStream>>,
+}
+
+#[derive(Default)]
+struct State {
+    catalog: Catalog,
+    peers: HashMap<NodeId, Peer>,
+    /// Addresses with a live or connecting connection.
+    connecting: HashSet<String>,
+    subscribers: Vec<Subscriber>,
+}
+
+/// Counters for reports and tests.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct ClusterStats {
+    pub peers: usize,
+    pub subscribers: usize,
+    pub remote_keys: usize,
+    pub fetches: u64,
+    pub fetch_failures: u64,
+    pub fetched_bytes: u64,
+    pub auth_failures: u64,
+}
+
+struct Inner {
+    cfg: ClusterConfig,
+    node: NodeId,
+    agent: Agent,
+    pool: Arc<dyn LocalPool>,
+    state: Mutex<State>,
+    liveness: Mutex<Liveness>,
+    discovery: Mutex<Box<dyn Discovery>>,
+    stop: AtomicBool,
+    next_pin: AtomicU64,
+    fetches: AtomicU64,
+    fetch_failures: AtomicU64,
+    fetched_bytes: AtomicU64,
+    auth_failures: AtomicU64,
+    local_addr: std::net::SocketAddr,
+    reads_in_flight: std::sync::atomic::AtomicUsize,
+    forget: Mutex<Vec<String>>,
+}
+
+/// A running cluster node; stops its threads on drop.
+pub struct Cluster {
+    inner: Arc<Inner>,
+}
+
+fn random_u64() -> u64 {
+    u64::from_le_bytes(control::nonce()[..8].try_into().expect("8"))
+}
+
+fn send(w: &Mutex<TcpStream>, m: &Msg) -> bool {
+    let mut s = w.lock().expect("writer lock");
+    write_msg(&mut *s, m).is_ok()
+}
+
+impl Cluster {
+    /// Starts a node: loads NIXL (a clear error naming `pip install nixl-cu12` when it is
+    /// missing), creates the agent, registers `dram` for peers' reads, listens.
+    ///
+    /// # Safety
+    /// `dram..dram+dram_len` must stay mapped while the node lives; peers may read any of
+    /// it (only objects they pin, in practice) and fetches write into it.
+    pub unsafe fn start(
+        cfg: ClusterConfig,
+        discovery: Box<dyn Discovery>,
+        pool: Arc<dyn LocalPool>,
+        dram: *mut u8,
+        dram_len: usize,
+    ) -> Result<Self, ClusterError> {
+        transport::load_library()?;
+        let listener = TcpListener::bind(&cfg.listen).map_err(|source| ClusterError::Listen { addr: cfg.listen.clone(), source })?;
+        let local_addr = listener.local_addr().map_err(|source| ClusterError::Listen { addr: cfg.listen.clone(), source })?;
+        let node = random_u64();
+        let mut agent = Agent::new(&format!("umbp-{local_addr}-{node:016x}"))?;
+        // SAFETY: forwarded from this function's contract.
+        unsafe { agent.register_dram(dram, dram_len) }?;
+        let inner = Arc::new(Inner {
+            liveness: Mutex::new(Liveness::new(cfg.dead_after)),
+            cfg,
+            node,
+            agent,
+            pool,
+            state: Mutex::new(State::default()),
+            discovery: Mutex::new(discovery),
+            stop: AtomicBool::new(false),
+            next_pin: AtomicU64::new(1),
+            fetches: AtomicU64::new(0),
+            fetch_failures: AtomicU64::new(0),
+            fetched_bytes: AtomicU64::new(0),
+            auth_failures: AtomicU64::new(0),
+            local_addr,
+            reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
+            forget: Mutex::new(Vec::new()),
+        });
+        tracing::info!(listen = %local_addr, node = format!("{node:016x}"), "cluster node started");
+        let i = inner.clone();
+        std::thread::Builder::new().name("cluster-accept".into()).spawn(move || i.accept_loop(listener)).expect("spawn");
+        let i = inner.clone();
+        std::thread::Builder::new().name("cluster-tick".into()).spawn(move || i.tick_loop()).expect("spawn");
+        Ok(Self { inner })
+    }
+
+    pub fn node_id(&self) -> NodeId {
+        self.inner.node
+    }
+
+    pub fn local_addr(&self) -> std::net::SocketAddr {
+        self.inner.local_addr
+    }
+
+    pub fn agent(&self) -> &Agent {
+        &self.inner.agent
+    }
+
+    pub fn stats(&self) -> ClusterStats {
+        let st = self.inner.state.lock().expect("state");
+        ClusterStats {
+            peers: st.peers.values().filter(|p| p.region.is_some()).count(),
+            subscribers: st.subscribers.len(),
+            remote_keys: st.catalog.len(),
+            fetches: self.inner.fetches.load(Ordering::Relaxed),
+            fetch_failures: self.inner.fetch_failures.load(Ordering::Relaxed),
+            fetched_bytes: self.inner.fetched_bytes.load(Ordering::Relaxed),
+            auth_failures: self.inner.auth_failures.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The registered DRAM of each joined peer.
+    pub fn peer_regions(&self) -> Vec<(NodeId, PeerRegion)> {
+        let st = self.inner.state.lock().expect("state");
+        st.peers.iter().filter_map(|(n, p)| p.region.clone().map(|r| (*n, r))).collect()
+    }
+
+    /// Whether some live peer advertises `key`.
+    pub fn holds_remote(&self, group: u32, key: ObjectKey) -> bool {
+        self.inner.state.lock().expect("state").catalog.source((group, key)).is_some()
+    }
+
+    /// Closes every subscriber connection; they re-connect and get a fresh snapshot (after
+    /// the change stream lost events).
+    pub fn resync_subscribers(&self) {
+        let st = self.inner.state.lock().expect("state");
+        for s in &st.subscribers {
+            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Sends local key changes to every subscriber (the pool's change stream).
+    pub fn publish(&self, changes: &[KeyChange]) {
+        if changes.is_empty() {
+            return;
+        }
+        let subs: Vec<Arc<Mutex<TcpStream>>> =
+            self.inner.state.lock().expect("state").subscribers.iter().map(|s| s.writer.clone()).collect();
+        for chunk in changes.chunks(4096) {
+            let m = Msg::Keys { changes: chunk.to_vec(), snapshot: false, more: false };
+            for w in &subs {
+                if !send(w, &m) {
+                    let _ = w.lock().expect("writer").shutdown(Shutdown::Both);
+                }
+            }
+        }
+    }
+
+    /// Pulls `key` (`size` bytes) from a peer that holds it into `dest`; returns the
+    /// object's namespace. Bounded by `read_timeout`.
+    ///
+    /// # Safety
+    /// `dest..dest+size` must lie in the registered DRAM and be reserved for this fetch;
+    /// on an error for which [`FetchError::destination_tainted`] is true it must never be
+    /// reused (quarantine it).
+    pub unsafe fn fetch(&self, group: u32, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {
+        // SAFETY: forwarded.
+        unsafe { self.fetch_batch(group, &[FetchRequest { key, size, dest }]) }.pop().expect("one result")
+    }
+
+    /// [`Self::fetch`] of many objects at once: every pin in flight together, one NIXL
+    /// request per holder. Per-item results, in order.
+    ///
+    /// # Safety
+    /// As for [`Self::fetch`], for every item's `dest..dest+size`.
+    pub unsafe fn fetch_batch(&self, group: u32, items: &[FetchRequest]) -> Vec<Result<u128, FetchError>> {
+        self.inner.fetches.fetch_add(items.len() as u64, Ordering::Relaxed);
+        // SAFETY: forwarded.
+        let r = unsafe { self.inner.fetch_batch(group, items) };
+        for (it, r) in items.iter().zip(&r) {
+            match r {
+                Ok(_) => {
+                    self.inner.fetched_bytes.fetch_add(it.size, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    self.inner.fetch_failures.fetch_add(1, Ordering::Relaxed);
+                    // A holder that just left is routine (its keys are being dropped): debug.
+                    if matches!(e, FetchError::NoHolder(_) | FetchError::PeerGone(_)) {
+                        tracing::debug!(key = format!("{:032x}", it.key.0), "remote fetch failed: {e}");
+                    } else {
+                        tracing::warn!(key = format!("{:032x}", it.key.0), "remote fetch failed: {e}");
+                    }
+                }
+            }
+        }
+        r
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        self.inner.stop.store(true, Ordering::Release);
+        // Wake the acceptor and close every connection so their threads end.
+        let _ = TcpStream::connect_timeout(&self.inner.local_addr, Duration::from_millis(200));
+        let st = self.inner.state.lock().expect("state");
+        for p in st.peers.values() {
+            let _ = p.writer.lock().expect("writer").shutdown(Shutdown::Both);
+        }
+        for s in &st.subscribers {
+            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+        }
+    }
+}
+
+impl Inner {
+    fn stopped(&self) -> bool {
+        self.stop.load(Ordering::Acquire)
+    }
+
+    fn set_timeouts(&self, s: &TcpStream) {
+        let _ = s.set_nodelay(true);
+        let _ = s.set_write_timeout(Some(self.cfg.dead_after));
+    }
+
+    // ---- server side: subscribers ----
+
+    fn accept_loop(self: Arc<Self>, listener: TcpListener) {
+        for conn in listener.incoming() {
+            if self.stopped() {
+                return;
+            }
+            let Ok(s) = conn else { continue };
+            let me = self.clone();
+            let _ = std::thread::Builder::new().name("cluster-sub".into()).spawn(move || me.serve(s));
+        }
+    }
+
+    fn serve(self: Arc<Self>, mut s: TcpStream) {
+        let peer_addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let client = match server_handshake(&mut s, &self.cfg.secret, self.node, self.cfg.connect_timeout) {
+            Ok(c) => c,
+            Err(e) => {
+                if matches!(e, control::ControlError::Auth(_)) {
+                    self.auth_failures.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(peer = %peer_addr, "cluster connection refused: {e}");
+                return;
+            }
+        };
+        if client == self.node {
+            return; // our own address in --cluster-peer
+        }
+        self.set_timeouts(&s);
+        let writer = Arc::new(Mutex::new(s.try_clone().expect("clone")));
+        let region = self.agent.local_region().expect("registered at start");
+        let md = match self.agent.metadata() {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::error!("NIXL metadata: {e}");
+                return;
+            }
+        };
+        {
+            // Register first, then snapshot under the writer lock: a change published
+            // meanwhile is either in the snapshot or sent after it (docs/cluster.md).
+            let mut w = writer.lock().expect("writer");
+            self.state.lock().expect("state").subscribers.push(Subscriber { node: client, writer: writer.clone() });
+            let join = Msg::Join { agent: region.agent, metadata: md, base: region.base, len: region.len };
+            let snap = self.pool.snapshot();
+            let mut ok = write_msg(&mut *w, &join).is_ok();
+            let mut chunks = snap.chunks(65536).peekable();
+            if chunks.peek().is_none() {
+                ok &= write_msg(&mut *w, &Msg::Keys { changes: vec![], snapshot: true, more: false }).is_ok();
+            }
+            let mut first = true;
+            while let Some(c) = chunks.next() {
+                let more = chunks.peek().is_some();
+                ok &= write_msg(&mut *w, &Msg::Keys { changes: c.to_vec(), snapshot: first, more }).is_ok();
+                first = false;
+            }
+            if !ok {
+                drop(w);
+                self.drop_subscriber(client, &writer);
+                return;
+            }
+        }
+        tracing::info!(peer = %peer_addr, node = format!("{client:016x}"), "cluster subscriber joined");
+        let mut pins: HashMap<(u32, u128), u32> = HashMap::new();
+        while let Ok(m) = read_msg(&mut s, MAX_FRAME) {
+            self.liveness.lock().expect("liveness").seen(client, Instant::now());
+            match m {
+                Msg::Heartbeat => {}
+                Msg::Pin { id, group, key, size } => {
+                    let reply = match self.pool.pin(group, ObjectKey(key), size) {
+                        Ok((offset, namespace)) => {
+                            *pins.entry((group, key)).or_default() += 1;
+                            Msg::Pinned { id, group, key, offset, namespace }
+                        }
+                        Err(reason) => Msg::PinFailed { id, reason },
+                    };
+                    if !send(&writer, &reply) {
+                        break;
+                    }
+                }
+                Msg::Unpin { group, key } => {
+                    if let Some(n) = pins.get_mut(&(group, key)) {
+                        *n -= 1;
+                        if *n == 0 {
+                            pins.remove(&(group, key));
+                        }
+                        self.pool.unpin(group, ObjectKey(key));
+                    }
+                }
+                other => tracing::debug!("ignored from subscriber: {other:?}"),
+            }
+        }
+        // The subscriber is gone: release what it still had pinned.
+        for ((group, key), n) in pins {
+            for _ in 0..n {
+                self.pool.unpin(group, ObjectKey(key));
+            }
+        }
+        self.drop_subscriber(client, &writer);
+        tracing::info!(peer = %peer_addr, "cluster subscriber left");
+    }
+
+    fn drop_subscriber(&self, node: NodeId, writer: &Arc<Mutex<TcpStream>>) {
+        let _ = writer.lock().expect("writer").shutdown(Shutdown::Both);
+        let mut st = self.state.lock().expect("state");
+        st.subscribers.retain(|s| !(s.node == node && Arc::ptr_eq(&s.writer, writer)));
+    }
+
+    // ---- client side: peers ----
+
+    fn connect(self: Arc<Self>, addr: String) {
+        let r = self.clone().run_peer(&addr);
+        if let Err(e) = r {
+            tracing::debug!(peer = %addr, "cluster peer connection: {e}");
+        }
+        self.state.lock().expect("state").connecting.remove(&addr);
+    }
+
+    fn run_peer(self: Arc<Self>, addr: &str) -> Result<(), String> {
+        let sa = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or("no address")?;
+        let mut s = TcpStream::connect_timeout(&sa, self.cfg.connect_timeout).map_err(|e| e.to_string())?;
+        let server = match client_handshake(&mut s, &self.cfg.secret, self.node, self.cfg.connect_timeout) {
+            Ok(n) => n,
+            Err(e) => {
+                if matches!(e, control::ControlError::Auth(_)) {
+                    self.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(peer = %addr, "cluster peer refused: {e}");
+                }
+                return Err(e.to_string());
+            }
+        };
+        if server == self.node {
+            return Ok(());
+        }
+        self.set_timeouts(&s);
+        let writer = Arc::new(Mutex::new(s.try_clone().map_err(|e| e.to_string())?));
+        self.state.lock().expect("state").peers.insert(
+            server,
+            Peer { addr: addr.to_string(), writer: writer.clone(), region: None, pending: HashMap::new() },
+        );
+        self.liveness.lock().expect("liveness").seen(server, Instant::now());
+        tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
+        let mut snapshot: Option<Vec<RemoteObject>> = None;
+        let r = loop {
+            let m = match read_msg(&mut s, MAX_FRAME) {
+                Ok(m) => m,
+                Err(e) => break Err(e.to_string()),
+            };
+            self.liveness.lock().expect("liveness").seen(server, Instant::now());
+            match m {
+                Msg::Heartbeat => {}
+                Msg::Join { agent, metadata, base, len } => {
+                    let loaded = match self.agent.load_peer(&metadata) {
+                        Ok(name) if name == agent => name,
+                        Ok(name) => break Err(format!("metadata names agent {name}, Join said {agent}")),
+                        Err(e) => break Err(e.to_string()),
+                    };
+                    if let Some(p) = self.state.lock().expect("state").peers.get_mut(&server) {
+                        p.region = Some(PeerRegion { agent: loaded, base, len });
+                    }
+                }
+                Msg::Keys { changes, snapshot: first, more } => {
+                    let mut out = Vec::new();
+                    if first || snapshot.is_some() {
+                        let snap = snapshot.get_or_insert_with(Vec::new);
+                        snap.extend(changes.iter().filter(|c| c.stored && c.tier == 0).map(|c| RemoteObject {
+                            group: c.group,
+                            key: ObjectKey(c.key),
+                            size: c.size,
+                            namespace: c.namespace,
+                        }));
+                        if !more {
+                            let keys = snapshot.take().unwrap_or_default();
+                            self.state.lock().expect("state").catalog.replace_peer(server, keys, &mut out);
+                        }
+                    } else {
+                        let mut st = self.state.lock().expect("state");
+                        for c in changes {
+                            st.catalog.apply(server, c, &mut out);
+                        }
+                    }
+                    if !out.is_empty() {
+                        self.pool.apply_index(&out);
+                    }
+                }
+                Msg::Pinned { id, group, key, offset, namespace } => self.answer_pin(server, id, group, key, Ok((offset, namespace))),
+                Msg::PinFailed { id, reason } => self.answer_pin(server, id, 0, 0, Err(reason)),
+                other => tracing::debug!("ignored from peer: {other:?}"),
+            }
+        };
+        self.drop_peer(server, &writer);
+        tracing::warn!(peer = %addr, node = format!("{server:016x}"), "cluster peer left");
+        r
+    }
+
+    fn answer_pin(&self, server: NodeId, id: u64, group: u32, key: u128, r: PinReply) {
+        let (w, writer) = {
+            let mut st = self.state.lock().expect("state");
+            let p = st.peers.get_mut(&server);
+            let writer = p.as_ref().map(|p| p.writer.clone());
+            (p.and_then(|p| p.pending.remove(&id)), writer)
+        };
+        match w {
+            Some(w) => {
+                let _ = w.tx.send((w.id, r));
+            }
+            // Nobody waits any more (timed out): give the pin back at once.
+            None => {
+                if let (Ok(_), Some(writer)) = (r, writer) {
+                    send(&writer, &Msg::Unpin { group, key });
+                }
+            }
+        }
+    }
+
+    /// A peer is gone (closed, silent past `dead_after`, or stopping): its keys leave the
+    /// index, its pending pins fail now, its NIXL metadata is dropped.
+    fn drop_peer(&self, node: NodeId, writer: &Arc<Mutex<TcpStream>>) {
+        let _ = writer.lock().expect("writer").shutdown(Shutdown::Both);
+        let mut out = Vec::new();
+        let region = {
+            let mut st = self.state.lock().expect("state");
+            match st.peers.get(&node) {
+                Some(p) if Arc::ptr_eq(&p.writer, writer) => {}
+                _ => return,
+            }
+            let p = st.peers.remove(&node).expect("present");
+            st.catalog.drop_peer(node, &mut out);
+            p.region // dropping p.pending wakes every waiting fetch with "gone"
+        };
+        self.liveness.lock().expect("liveness").remove(node);
+        if !out.is_empty() {
+            self.pool.apply_index(&out);
+        }
+        if let Some(r) = region {
+            // Forgotten once no read is in flight (a read to it then fails on its own).
+            self.forget.lock().expect("forget").push(r.agent);
+        }
+    }
+
+    fn forget_idle_peers(&self) {
+        if self.reads_in_flight.load(Ordering::Acquire) > 0 {
+            return;
+        }
+        let names = std::mem::take(&mut *self.forget.lock().expect("forget"));
+        for n in names {
+            self.agent.forget_peer(&n);
+        }
+    }
+
+    // ---- ticker ----
+
+    fn tick_loop(self: Arc<Self>) {
+        let mut last_connect = Instant::now() - Duration::from_secs(3600);
+        while !self.stopped() {
+            let now = Instant::now();
+            // Heartbeats to everyone we talk to, peers and subscribers.
+            let writers: Vec<Arc<Mutex<TcpStream>>> = {
+                let st = self.state.lock().expect("state");
+                st.peers.values().map(|p| p.writer.clone()).chain(st.subscribers.iter().map(|s| s.writer.clone())).collect()
+            };
+            for w in writers {
+                if !send(&w, &Msg::Heartbeat) {
+                    let _ = w.lock().expect("writer").shutdown(Shutdown::Both);
+                }
+            }
+            // Members silent too long: close their connections; the reader threads clean up.
+            let dead = self.liveness.lock().expect("liveness").expire(now);
+            if !dead.is_empty() {
+                let st = self.state.lock().expect("state");
+                for n in dead {
+                    tracing::warn!(node = format!("{n:016x}"), "cluster member silent past the heartbeat bound: dropped");
+                    if let Some(p) = st.peers.get(&n) {
+                        let _ = p.writer.lock().expect("writer").shutdown(Shutdown::Both);
+                    }
+                    for s in st.subscribers.iter().filter(|s| s.node == n) {
+                        let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+                    }
+                }
+            }
+            // (Re)connect to discovered peers we are not connected to.
+            if now.duration_since(last_connect) >= self.cfg.heartbeat.max(Duration::from_millis(200)) {
+                last_connect = now;
+                let addrs = self.discovery.lock().expect("discovery").peers();
+                let mut st = self.state.lock().expect("state");
+                let connected: HashSet<String> = st.peers.values().map(|p| p.addr.clone()).collect();
+                for a in addrs {
+                    if connected.contains(&a) || !st.connecting.insert(a.clone()) {
+                        continue;
+                    }
+                    let me = self.clone();
+                    let _ = std::thread::Builder::new().name("cluster-peer".into()).spawn(move || me.connect(a));
+                }
+            }
+            self.forget_idle_peers();
+            std::thread::sleep(self.cfg.heartbeat.min(Duration::from_millis(100)).max(Duration::from_millis(10)));
+        }
+    }
+
+    // ---- fetch ----
+
+    /// Pins every item at its holder (all pins in flight at once), reads each holder's
+    /// pinned items with one NIXL request, unpins. Per-item results.
+    unsafe fn fetch_batch(&self, group: u32, items: &[FetchRequest]) -> Vec<Result<u128, FetchError>> {
+        let deadline = Instant::now() + self.cfg.read_timeout;
+        let mut out: Vec<Option<Result<u128, FetchError>>> = (0..items.len()).map(|_| None).collect();
+        let (tx, rx) = mpsc::channel::<(u64, PinReply)>();
+        // Per holder: its writer, region and (item index, pin id).
+        let mut by_node: HashMap<NodeId, HolderBatch> = HashMap::new();
+        {
+            let mut st = self.state.lock().expect("state");
+            for (i, it) in items.iter().enumerate() {
+                let Some(node) = st.catalog.source((group, it.key)) else {
+                    out[i] = Some(Err(FetchError::NoHolder(it.key.0)));
+                    continue;
+                };
+                let Some(p) = st.peers.get_mut(&node) else {
+                    out[i] = Some(Err(FetchError::PeerGone(node)));
+                    continue;
+                };
+                let Some(region) = p.region.clone() else {
+                    out[i] = Some(Err(FetchError::PeerGone(node)));
+                    continue;
+                };
+                let id = self.next_pin.fetch_add(1, Ordering::Relaxed);
+                p.pending.insert(id, PinWaiter { tx: tx.clone(), id });
+                let e = by_node.entry(node).or_insert_with(|| (p.writer.clone(), region, Vec::new()));
+                e.2.push((i, id));
+            }
+        }
+        drop(tx);
+        let mut id_to: HashMap<u64, (NodeId, usize)> = HashMap::new();
+        for (node, (w, _, v)) in &by_node {
+            for &(i, id) in v {
+                id_to.insert(id, (*node, i));
+                if !send(w, &Msg::Pin { id, group, key: items[i].key.0, size: items[i].size }) {
+                    out[i] = Some(Err(FetchError::PeerGone(*node)));
+                }
+            }
+        }
+        // Pin replies until every pin is answered, its peer is gone, or the deadline.
+        let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
+        let mut open = id_to.len();
+        while open > 0 {
+            match rx.recv_timeout(control::left(deadline)) {
+                Ok((id, r)) => {
+                    let Some(&(node, i)) = id_to.get(&id) else { continue };
+                    open -= 1;
+                    match r {
+                        Ok(v) => {
+                            pinned.insert(i, v);
+                        }
+                        Err(reason) => out[i] = Some(Err(FetchError::PinRefused { peer: node, key: items[i].key.0, reason })),
+                    }
+                }
+                Err(_) => break, // timeout, or every waiting peer gone
+            }
+        }
+        {
+            let mut st = self.state.lock().expect("state");
+            for (&id, &(node, i)) in &id_to {
+                if out[i].is_some() || pinned.contains_key(&i) {
+                    continue;
+                }
+                let gone = st.peers.get_mut(&node).is_none_or(|p| p.pending.remove(&id).is_none());
+                out[i] = Some(Err(if gone && Instant::now() < deadline {
+                    FetchError::PeerGone(node)
+                } else {
+                    FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout }
+                }));
+            }
+        }
+        // One read per holder of everything pinned there.
+        for (w, region, v) in by_node.values() {
+            let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i)).collect();
+            if mine.is_empty() {
+                continue;
+            }
+            let pieces: Vec<ReadPiece> =
+                mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
+            self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
+            // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
+            let r = unsafe { self.agent.read(region, &pieces, control::left(deadline).max(Duration::from_millis(1))) };
+            self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
+            for &i in &mine {
+                // Best effort: a dead peer released its pins with its connection.
+                send(w, &Msg::Unpin { group, key: items[i].key.0 });
+            }
+            match r {
+                Ok(()) => {
+                    for &i in &mine {
+                        out[i] = Some(Ok(pinned[&i].1));
+                    }
+                }
+                Err(e) => {
+                    let tainted = e.destination_tainted();
+                    let msg = e.to_string();
+                    for &i in &mine {
+                        out[i] = Some(Err(if tainted {
+                            FetchError::Transport(TransportError::Timeout { peer: region.agent.clone(), timeout: self.cfg.read_timeout })
+                        } else {
+                            FetchError::Read(msg.clone())
+                        }));
+                    }
+                }
+            }
+        }
+        out.into_iter().map(|r| r.unwrap_or(Err(FetchError::Read("not attempted".into())))).collect()
+    }
+}

@@ -1,0 +1,353 @@
+//! A thin safe layer over `nixl-sys`: one NIXL agent with a UCX backend, the pool's DRAM
+//! registered once, metadata out and in, and READs of (remote offset, len) into local DRAM
+//! with a bounded wait. Nothing here knows about keys or peers' catalogs.
+//!
+//! ## Where the library comes from
+//! `nixl-sys` is built with its `stub-api` feature: the build needs no NIXL, and the first
+//! NIXL call `dlopen`s `libnixl_capi.so` by its soname — and `abort`s the process when that
+//! fails. So [`load_library`] runs first (every constructor here calls it): it opens the
+//! library itself, from `$UMBP_NIXL_LIB` (the file, or the directory holding it) or else by
+//! soname (`LD_LIBRARY_PATH`, ld.so.cache), and returns a clear error naming
+//! `pip install nixl-cu12` and the variable instead. Once it is loaded, the stubs'
+//! `dlopen("libnixl_capi.so")` finds the same object by its soname. The wheel's libraries
+//! carry `RPATH=$ORIGIN`, and NIXL finds its UCX plugin in `plugins/` beside `libnixl.so`,
+//! so the one path is all it takes. A pool without cluster flags never calls any of this.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use nixl_sys::{Agent as NixlAgent, AgentConfig, MemType, NixlError, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus};
+
+/// Environment variable naming `libnixl_capi.so` or the directory that holds it.
+pub const LIB_ENV: &str = "UMBP_NIXL_LIB";
+/// The library's file name (and soname).
+pub const LIB_NAME: &str = "libnixl_capi.so";
+/// What to install, for error messages.
+pub const INSTALL_HINT: &str = "pip install nixl-cu12 (scripts/setup-nixl.sh installs it into a venv and prints the path)";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("cluster tier needs NIXL: {LIB_NAME} could not be loaded from {tried} ({reason}); install it with `{INSTALL_HINT}` and set {LIB_ENV} to the library or its directory")]
+    LibraryNotFound { tried: String, reason: String },
+    #[error("NIXL {op} failed: {source}")]
+    Nixl {
+        op: &'static str,
+        #[source]
+        source: NixlError,
+    },
+    #[error("NIXL has no UCX backend plugin (plugins found: {found}); is the plugins/ directory beside libnixl.so?")]
+    NoUcx { found: String },
+    #[error("remote read of {len} bytes at offset {offset} is outside peer {peer}'s registered {region} bytes")]
+    OutOfRange { peer: String, offset: u64, len: u64, region: u64 },
+    #[error("peer agent {0} is not loaded (no metadata, or dropped)")]
+    UnknownPeer(String),
+    #[error("remote read from {peer} failed: {source}")]
+    ReadFailed {
+        peer: String,
+        #[source]
+        source: NixlError,
+    },
+    /// The read did not complete in time. Its request was released, but the backend may
+    /// still write the destination later: the caller must never reuse that memory.
+    #[error("remote read from {peer} did not complete within {timeout:?}")]
+    Timeout { peer: String, timeout: Duration },
+}
+
+impl TransportError {
+    /// Whether the destination may still be written by the transfer after this error
+    /// (the caller quarantines it instead of freeing it).
+    pub fn destination_tainted(&self) -> bool {
+        matches!(self, Self::Timeout { .. })
+    }
+}
+
+fn nixl(op: &'static str) -> impl FnOnce(NixlError) -> TransportError {
+    move |source| TransportError::Nixl { op, source }
+}
+
+static LIBRARY: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+
+/// The path `load_library` tries: `$UMBP_NIXL_LIB` (a file, or a directory holding
+/// `libnixl_capi.so`), else the bare soname.
+pub fn library_candidate(env: Option<&str>) -> PathBuf {
+    match env {
+        Some(v) if !v.is_empty() => {
+            let p = PathBuf::from(v);
+            if p.is_dir() {
+                p.join(LIB_NAME)
+            } else {
+                p
+            }
+        }
+        _ => PathBuf::from(LIB_NAME),
+    }
+}
+
+/// Loads `libnixl_capi.so` once per process (see the module doc). Returns where from.
+pub fn load_library() -> Result<PathBuf, TransportError> {
+    let r = LIBRARY.get_or_init(|| {
+        let env = std::env::var(LIB_ENV).ok();
+        let path = library_candidate(env.as_deref());
+        // SAFETY: loading a shared library runs its initialisers; libnixl_capi and what it
+        // links are ordinary C++ libraries whose initialisers only set up their own state.
+        let lib = unsafe { libloading::os::unix::Library::open(Some(&path), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        match lib {
+            Ok(lib) => {
+                // Kept loaded for the life of the process: the stubs resolve into it.
+                std::mem::forget(lib);
+                tracing::info!(path = %path.display(), "NIXL library loaded");
+                Ok(path)
+            }
+            Err(_) if path.is_absolute() && !path.exists() => Err(format!("{}|no such file", path.display())),
+            Err(e) => Err(format!("{}|{e}", path.display())),
+        }
+    });
+    r.clone().map_err(|s| {
+        let (tried, reason) = s.split_once('|').unwrap_or((s.as_str(), ""));
+        let tried = if Path::new(tried).is_absolute() {
+            tried.to_string()
+        } else {
+            format!("{tried} (by soname: {LIB_ENV} is unset)")
+        };
+        TransportError::LibraryNotFound { tried, reason: reason.to_string() }
+    })
+}
+
+/// Whether the library can be loaded here (tests that need it skip otherwise).
+pub fn available() -> bool {
+    load_library().is_ok()
+}
+
+/// A DRAM range this agent registered. Deregistered on drop.
+struct Region {
+    base: u64,
+    len: u64,
+    _handle: RegistrationHandle,
+}
+
+#[derive(Debug)]
+struct RawRegion {
+    ptr: *const u8,
+    len: usize,
+}
+// SAFETY: only an address and a length, handed to NIXL for registration.
+unsafe impl Send for RawRegion {}
+// SAFETY: as above.
+unsafe impl Sync for RawRegion {}
+
+impl nixl_sys::MemoryRegion for RawRegion {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.ptr
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl nixl_sys::NixlDescriptor for RawRegion {
+    fn mem_type(&self) -> MemType {
+        MemType::Dram
+    }
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// A peer's registered DRAM as this agent knows it (from the control connection).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerRegion {
+    /// NIXL agent name (from its metadata).
+    pub agent: String,
+    /// Address and length of the peer's registered DRAM in the peer's address space.
+    pub base: u64,
+    pub len: u64,
+}
+
+/// One piece of a remote read: `len` bytes at `remote_offset` of the peer's region into
+/// `local` (which must lie in this agent's registered region).
+#[derive(Debug, Clone, Copy)]
+pub struct ReadPiece {
+    pub remote_offset: u64,
+    pub local: *mut u8,
+    pub len: u64,
+}
+
+/// One NIXL agent with a UCX backend and (after [`Agent::register_dram`]) one registered
+/// DRAM region. Thread-safe (NIXL strict thread sync; nixl-sys locks the handle).
+pub struct Agent {
+    agent: NixlAgent,
+    name: String,
+    region: Option<Region>,
+    opt: OptArgs,
+}
+
+// SAFETY: nixl-sys's Agent and Backend are Send + Sync; OptArgs is a handle NIXL only reads
+// while posting (the agent is created with strict thread sync).
+unsafe impl Send for Agent {}
+// SAFETY: as above.
+unsafe impl Sync for Agent {}
+
+impl Agent {
+    /// Loads the library if needed and creates agent `name` (unique in the cluster) with a
+    /// UCX backend. UCX picks its transports from the environment (`UCX_TLS`,
+    /// `UCX_NET_DEVICES`): RDMA where there is RDMA, TCP otherwise.
+    pub fn new(name: &str) -> Result<Self, TransportError> {
+        load_library()?;
+        // NIXL's UCX progress thread polls the workers' event fds with a fallback timer of
+        // ceil(pthr_delay) ms; the nixl-sys default of 0 makes that a busy loop that takes a
+        // whole core (on a 2-core machine: half of it, and the transfers crawl).
+        let cfg = AgentConfig { thread_sync: ThreadSync::Strict, pthr_delay_us: 1000, ..AgentConfig::default() };
+        let agent = NixlAgent::new_configured(name, &cfg).map_err(nixl("create agent"))?;
+        let plugins = agent.get_available_plugins().map_err(nixl("list plugins"))?;
+        let names: Vec<String> = plugins.iter().filter_map(|p| p.ok().map(str::to_string)).collect();
+        if !names.iter().any(|n| n == "UCX") {
+            return Err(TransportError::NoUcx { found: names.join(",") });
+        }
+        let (_mems, params) = agent.get_plugin_params("UCX").map_err(nixl("UCX plugin params"))?;
+        let backend = agent.create_backend("UCX", &params).map_err(nixl("create UCX backend"))?;
+        let mut opt = OptArgs::new().map_err(nixl("opt args"))?;
+        opt.add_backend(&backend).map_err(nixl("opt args backend"))?;
+        Ok(Self { agent, name: name.to_string(), region: None, opt })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The nixl-sys agent underneath (benchmarks drive it directly as their baseline).
+    pub fn raw(&self) -> &NixlAgent {
+        &self.agent
+    }
+
+    /// Optional arguments naming this agent's UCX backend.
+    pub fn opt_args(&self) -> &OptArgs {
+        &self.opt
+    }
+
+    /// Registers `len` bytes at `ptr` (the pool's DRAM mapping) for remote reads and as
+    /// the destination of this agent's reads. One region per agent.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must stay mapped for as long as this agent lives, and peers may read
+    /// any of it at any time (it must hold nothing a peer may not see).
+    pub unsafe fn register_dram(&mut self, ptr: *mut u8, len: usize) -> Result<(), TransportError> {
+        let raw = RawRegion { ptr, len };
+        let handle = self.agent.register_memory(&raw, Some(&self.opt)).map_err(nixl("register DRAM"))?;
+        self.region = Some(Region { base: ptr as u64, len: len as u64, _handle: handle });
+        Ok(())
+    }
+
+    /// This agent's registered region as peers address it.
+    pub fn local_region(&self) -> Option<PeerRegion> {
+        self.region.as_ref().map(|r| PeerRegion { agent: self.name.clone(), base: r.base, len: r.len })
+    }
+
+    /// This agent's metadata blob (connection info and registrations) for peers.
+    pub fn metadata(&self) -> Result<Vec<u8>, TransportError> {
+        self.agent.get_local_md().map_err(nixl("get local metadata"))
+    }
+
+    /// Loads a peer's metadata; returns the peer's agent name.
+    pub fn load_peer(&self, metadata: &[u8]) -> Result<String, TransportError> {
+        self.agent.load_remote_md(metadata).map_err(nixl("load remote metadata"))
+    }
+
+    /// Forgets a peer (dead or left): later reads from it fail with `UnknownPeer`.
+    pub fn forget_peer(&self, agent: &str) {
+        if let Err(e) = self.agent.invalidate_remote_md(agent) {
+            tracing::debug!(agent, "invalidate remote metadata: {e}");
+        }
+    }
+
+    /// Reads `pieces` from `peer` and waits at most `timeout` for them.
+    ///
+    /// # Safety
+    /// Every `pieces[i].local..+len` must lie in this agent's registered region and be
+    /// memory nobody else reads or writes until this returns — and, on an error for which
+    /// [`TransportError::destination_tainted`] is true, forever after.
+    pub unsafe fn read(&self, peer: &PeerRegion, pieces: &[ReadPiece], timeout: Duration) -> Result<(), TransportError> {
+        let deadline = Instant::now() + timeout;
+        let local_region = self.region.as_ref().expect("read before register_dram");
+        let mut local = XferDescList::new(MemType::Dram).map_err(nixl("xfer dlist"))?;
+        let mut remote = XferDescList::new(MemType::Dram).map_err(nixl("xfer dlist"))?;
+        for p in pieces {
+            if p.remote_offset.checked_add(p.len).is_none_or(|end| end > peer.len) {
+                return Err(TransportError::OutOfRange {
+                    peer: peer.agent.clone(),
+                    offset: p.remote_offset,
+                    len: p.len,
+                    region: peer.len,
+                });
+            }
+            let l = p.local as u64;
+            assert!(
+                l >= local_region.base && l + p.len <= local_region.base + local_region.len,
+                "read destination outside the registered region"
+            );
+            local.add_desc(p.local as usize, p.len as usize, 0);
+            remote.add_desc((peer.base + p.remote_offset) as usize, p.len as usize, 0);
+        }
+        if !self.agent.check_remote_metadata(&peer.agent, None) {
+            return Err(TransportError::UnknownPeer(peer.agent.clone()));
+        }
+        let req = self
+            .agent
+            .create_xfer_req(XferOp::Read, &local, &remote, &peer.agent, Some(&self.opt))
+            .map_err(|source| TransportError::ReadFailed { peer: peer.agent.clone(), source })?;
+        let fail = |source| TransportError::ReadFailed { peer: peer.agent.clone(), source };
+        if !self.agent.post_xfer_req(&req, Some(&self.opt)).map_err(fail)? {
+            return Ok(());
+        }
+        let mut backoff = Backoff::default();
+        loop {
+            match self.agent.get_xfer_status(&req).map_err(fail)? {
+                XferStatus::Success => return Ok(()),
+                XferStatus::InProgress => {}
+            }
+            if Instant::now() >= deadline {
+                return Err(TransportError::Timeout { peer: peer.agent.clone(), timeout });
+            }
+            backoff.wait();
+        }
+    }
+}
+
+/// How a waiter polls a transfer's status: spin briefly, then yield, then sleep 50 µs
+/// between polls (each poll also progresses UCX).
+#[derive(Debug, Default)]
+pub struct Backoff(u32);
+
+impl Backoff {
+    pub fn wait(&mut self) {
+        self.0 = self.0.saturating_add(1);
+        if self.0 < 256 {
+            std::hint::spin_loop();
+        } else if self.0 < 1024 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(50));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidate_is_the_env_file_or_dir_or_the_soname() {
+        assert_eq!(library_candidate(None), PathBuf::from(LIB_NAME));
+        assert_eq!(library_candidate(Some("")), PathBuf::from(LIB_NAME));
+        assert_eq!(library_candidate(Some("/x/libnixl_capi.so")), PathBuf::from("/x/libnixl_capi.so"));
+        let d = tempfile::tempdir().unwrap();
+        assert_eq!(library_candidate(Some(d.path().to_str().unwrap())), d.path().join(LIB_NAME));
+    }
+
+    #[test]
+    fn missing_library_error_names_the_install_and_the_variable() {
+        let e = TransportError::LibraryNotFound { tried: "/nope/libnixl_capi.so".into(), reason: "no such file".into() };
+        let s = e.to_string();
+        assert!(s.contains("pip install nixl-cu12") && s.contains(LIB_ENV) && s.contains("/nope/libnixl_capi.so"), "{s}");
+    }
+}

@@ -1,0 +1,72 @@
+//! The `--cluster-*` flags (docs/cluster.md): parsed and checked here, the tier started
+//! after the pool. NIXL is loaded only when `--cluster-listen` is given.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use umbp_cluster::control::Secret;
+use umbp_cluster::membership::StaticPeers;
+use umbp_cluster::pool_tier::ClusterTier;
+use umbp_cluster::ClusterConfig;
+
+#[derive(clap::Args, Debug, Clone)]
+#[command(next_help_heading = "Cluster (docs/cluster.md)")]
+pub struct ClusterArgs {
+    /// Join a cluster of pools: this pool's control address. Needs the NIXL library at run
+    /// time (`pip install nixl-cu12`; set UMBP_NIXL_LIB to libnixl_capi.so or its
+    /// directory) and --cluster-secret-file [default: no cluster]
+    #[arg(long = "cluster-listen", env = "UMBP_CLUSTER_LISTEN", value_name = "HOST:PORT")]
+    pub listen: Option<String>,
+    /// Another pool's --cluster-listen address (repeatable): its DRAM objects appear in this
+    /// pool's index marked remote and load over NIXL.
+    #[arg(long = "cluster-peer", value_name = "HOST:PORT")]
+    pub peers: Vec<String>,
+    /// File holding the shared cluster secret (at least 16 bytes, mode 0600); pools
+    /// authenticate each other with it (HMAC challenge-response, never sent).
+    #[arg(long = "cluster-secret-file", env = "UMBP_CLUSTER_SECRET_FILE", value_name = "PATH")]
+    pub secret_file: Option<PathBuf>,
+    /// Heartbeat period to peers.
+    #[arg(long = "cluster-heartbeat-ms", value_name = "MS", default_value_t = 500)]
+    pub heartbeat_ms: u64,
+    /// A peer silent this long is dropped: its keys leave the index.
+    #[arg(long = "cluster-dead-after-ms", value_name = "MS", default_value_t = 2000)]
+    pub dead_after_ms: u64,
+    /// Bound on one remote load (pin at the holder and NIXL READ); past it the block fails.
+    #[arg(long = "cluster-read-timeout-ms", value_name = "MS", default_value_t = 5000)]
+    pub read_timeout_ms: u64,
+}
+
+impl ClusterArgs {
+    /// The node's configuration, None without --cluster-listen; errors name the flag.
+    pub fn config(&self, namespace_acl: bool) -> anyhow::Result<Option<(ClusterConfig, Vec<String>)>> {
+        let Some(listen) = self.listen.clone() else {
+            if !self.peers.is_empty() || self.secret_file.is_some() {
+                anyhow::bail!("--cluster-peer and --cluster-secret-file need --cluster-listen");
+            }
+            return Ok(None);
+        };
+        if namespace_acl {
+            anyhow::bail!("--cluster-listen cannot be combined with --namespace-acl: the cluster tier serves tenant group 0 only (docs/cluster.md)");
+        }
+        let Some(path) = &self.secret_file else {
+            anyhow::bail!("--cluster-listen needs --cluster-secret-file (a shared secret of at least 16 bytes, mode 0600)");
+        };
+        let secret = Secret::from_file(path)?;
+        if self.heartbeat_ms == 0 || self.dead_after_ms <= self.heartbeat_ms {
+            anyhow::bail!("--cluster-dead-after-ms ({}) must exceed --cluster-heartbeat-ms ({}), which must be > 0", self.dead_after_ms, self.heartbeat_ms);
+        }
+        let mut c = ClusterConfig::new(listen, secret);
+        c.heartbeat = Duration::from_millis(self.heartbeat_ms);
+        c.dead_after = Duration::from_millis(self.dead_after_ms);
+        c.read_timeout = Duration::from_millis(self.read_timeout_ms.max(1));
+        Ok(Some((c, self.peers.clone())))
+    }
+}
+
+/// Starts the cluster tier on a running pool.
+pub fn start(pool: &umbp_pool::Pool, cfg: ClusterConfig, peers: Vec<String>) -> anyhow::Result<ClusterTier> {
+    let listen = cfg.listen.clone();
+    let tier = ClusterTier::start(pool.cluster_access(), cfg, Box::new(StaticPeers(peers.clone())))?;
+    tracing::info!(listen = %listen, bound = %tier.cluster().local_addr(), peers = ?peers, "cluster tier started");
+    Ok(tier)
+}

@@ -1,0 +1,144 @@
+//! Remote objects (the cluster tier, docs/cluster.md): keys a peer pool holds, listed in
+//! group 0 as `Lower { Remote }` objects (h-ssd's lower-tier state: an index entry marked
+//! remote, no DRAM, in the LRU, dropped under index pressure like any object) so
+//! schedulers find cross-node hits with a local lookup, and a load promotes them through
+//! `Tiers::remote` like an SSD object.
+
+use umbp_protocol::location::Tier;
+use umbp_protocol::ObjectKey;
+
+use super::{GroupKey, ObjectEvent, ObjectState, ObjectStore};
+use crate::remote::HeldObject;
+
+impl ObjectStore {
+    /// Lists a peer's object (group 0) unless this pool holds the key in any form.
+    pub fn insert_remote(&mut self, o: HeldObject) -> bool {
+        let listed = self.insert_lower(0, o.namespace, o.key, o.size, Tier::Remote, 0);
+        if listed {
+            // `insert_lower` counts warm-restart listings; a peer's key is not one.
+            self.tier_stats.restored -= 1;
+        }
+        listed
+    }
+
+    /// Drops group-0 `key` if it is a remote-only object (not being promoted).
+    pub fn remove_remote(&mut self, key: ObjectKey) -> bool {
+        let gk = GroupKey::from(key);
+        if self.objects.get(&gk).is_some_and(|o| o.state == (ObjectState::Lower { tier: Tier::Remote })) {
+            self.drop_object(gk);
+            return true;
+        }
+        false
+    }
+
+    /// `group`'s objects published in DRAM.
+    pub fn dram_objects(&self, group: u32) -> Vec<HeldObject> {
+        self.objects
+            .iter()
+            .filter(|(k, o)| k.group == group && o.state == ObjectState::Published)
+            .map(|(k, o)| HeldObject { key: k.key, size: o.size, namespace: o.namespace })
+            .collect()
+    }
+
+    pub fn dram_object(&self, group: u32, key: ObjectKey) -> Option<HeldObject> {
+        let o = self.objects.get(&GroupKey::new(group, key))?;
+        (o.state == ObjectState::Published).then_some(HeldObject { key, size: o.size, namespace: o.namespace })
+    }
+
+    /// Gives up on a promotion whose destination a transfer may still write (a remote read
+    /// that timed out): the object leaves the pool (index, event) and its DRAM stays
+    /// allocated forever (quarantined), so `finish_promotion` finds nothing to free.
+    /// Returns the bytes leaked.
+    pub fn abandon_promotion(&mut self, key: ObjectKey) -> u64 {
+        let gk = GroupKey::from(key);
+        let Some(o) = self.objects.get(&gk) else { return 0 };
+        let ObjectState::Promoting { from } = o.state else { return 0 };
+        let o = self.objects.remove(&gk).expect("present");
+        self.lru.remove(&o.tick);
+        if o.pins > 0 {
+            self.pinned_objects -= 1;
+        }
+        self.lower[from as usize] -= 1;
+        self.release_held(o.namespace, o.size);
+        self.quarantined_bytes += o.size;
+        self.groups[0].index.remove(key);
+        if let Some(ns) = self.namespaces.get_mut(&o.namespace) {
+            ns.objects -= 1;
+            ns.bytes -= o.size;
+            if ns.objects == 0 {
+                self.namespaces.remove(&o.namespace);
+            }
+        }
+        self.push_event(0, ObjectEvent::Removed(key), from);
+        o.size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use umbp_ipc::SharedMemory;
+    use umbp_protocol::{index, location};
+
+    use super::*;
+    use crate::objects::{LoadReservation, StoreReservation};
+
+    fn store() -> ObjectStore {
+        let slots = index::slots_for(1 << 24, 4096);
+        let mem = SharedMemory::create("idx", index::region_bytes(slots), false).unwrap();
+        // SAFETY: fresh zeroed mapping we own.
+        unsafe { index::IndexView::init(mem.as_ptr(), mem.len(), slots) }.unwrap();
+        ObjectStore::new(1 << 24, Arc::new(mem))
+    }
+
+    fn held(k: u128) -> HeldObject {
+        HeldObject { key: ObjectKey(k), size: 4096, namespace: 5 }
+    }
+
+    #[test]
+    fn a_remote_object_is_listed_remote_loads_as_lower_and_is_removable() {
+        let mut s = store();
+        let k = ObjectKey(7);
+        assert!(s.insert_remote(held(7)));
+        assert!(!s.insert_remote(held(7)), "present already");
+        assert_eq!(s.tier_stats.restored, 0, "not a warm-restart listing");
+        assert_eq!(s.groups[0].index.get(k).and_then(location::decode), Some((Tier::Remote, 0)));
+        assert_eq!(s.reserve_load(k, 4096), LoadReservation::Lower { tier: Tier::Remote });
+        assert_eq!(s.reserve_store(5, k, 4096, 1), StoreReservation::AlreadyPresent);
+        assert!(s.dram_objects(0).is_empty(), "not advertised as ours");
+        assert!(s.remove_remote(k) && !s.remove_remote(k));
+        assert_eq!(s.groups[0].index.get(k), None);
+    }
+
+    #[test]
+    fn promotion_publishes_in_dram_and_then_it_is_no_longer_remote() {
+        let mut s = store();
+        let k = ObjectKey(9);
+        assert!(s.insert_remote(held(9)));
+        let (offset, tier, ns) = s.begin_promotion(k).unwrap();
+        assert_eq!((tier, ns), (Tier::Remote, 5));
+        assert!(s.finish_promotion(k, true));
+        assert_eq!(s.groups[0].index.get(k), Some(location::encode(Tier::Dram, offset)));
+        assert!(!s.remove_remote(k), "the local copy stays");
+        assert_eq!(s.dram_objects(0), vec![held(9)]);
+        assert!(!s.insert_remote(held(9)));
+    }
+
+    #[test]
+    fn an_abandoned_promotion_leaks_its_dram_instead_of_freeing_it() {
+        let mut s = store();
+        let k = ObjectKey(11);
+        assert!(s.insert_remote(held(11)));
+        let before = s.allocated_bytes();
+        s.begin_promotion(k).unwrap();
+        let allocated = s.allocated_bytes();
+        assert!(allocated > before);
+        assert_eq!(s.abandon_promotion(k), 4096);
+        assert!(!s.finish_promotion(k, false), "nothing left to free");
+        assert_eq!(s.allocated_bytes(), allocated, "the DRAM is never reused");
+        assert_eq!(s.quarantined_bytes(), 4096);
+        assert_eq!(s.groups[0].index.get(k), None);
+        assert_eq!(s.pinned_count(), 0);
+    }
+}
