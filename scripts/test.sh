@@ -15,6 +15,12 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 
 command -v cargo >/dev/null || { echo "cargo not found: install a Rust toolchain (rustup) first" >&2; exit 1; }
 
+step "cluster tier prerequisites: libclang (nixl-sys generates its bindings at build time) and the NIXL runtime (PyPI nixl-cu12, its own venv)"
+nixl_lib=$(bash scripts/setup-nixl.sh | tail -n 1)
+case "$nixl_lib" in UMBP_NIXL_LIB=*) export "$nixl_lib" ;; *) echo "setup-nixl.sh printed no UMBP_NIXL_LIB line" >&2; exit 1 ;; esac
+# NIXL over UCX TCP on loopback (no RDMA here): docs/cluster.md.
+export UCX_TLS=tcp,self UCX_NET_DEVICES=lo
+
 step "build (workspace binaries: umbp-pool, ringtool, umbp-bench, test workers)"
 cargo build --workspace --bins --locked
 
