@@ -5,6 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
+bash scripts/setup-build-deps.sh   # libclang, for nixl-sys's bindgen
 # The daemon alone: built together with umbp-bench it would link the pool library with
 # the benchmarks' fault-injection feature (cargo unifies features per build).
 cargo build --release --locked -p umbp-pool-daemon

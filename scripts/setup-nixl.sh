@@ -16,16 +16,7 @@ cd "$(dirname "$0")/.."
 VENV=${1:-$PWD/.nixl-venv}
 WHEEL=${NIXL_WHEEL:-nixl-cu12}
 
-if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so.* 2>/dev/null | grep -q 'libclang[-.0-9]*\.so'; then
-  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
-    echo "setup-nixl: installing libclang-dev (bindgen, for nixl-sys's build)" >&2
-    DEBIAN_FRONTEND=noninteractive apt-get update -qq >/dev/null
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev >/dev/null
-  else
-    echo "setup-nixl: libclang not found; install libclang-dev (as root: apt-get install libclang-dev)" >&2
-    exit 1
-  fi
-fi
+bash scripts/setup-build-deps.sh
 
 if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
