@@ -3,6 +3,7 @@
 //! state-report client ([`report()`]), the block pattern ([`fill_pattern`]) and
 //! [`eventually`]. The crate's binaries are the test worker and the attacker.
 
+pub mod metrics;
 pub mod pattern;
 pub mod process;
 pub mod report;

@@ -6,13 +6,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use common::*;
+use umbp_integration_tests::metrics::{free_port, http_get, sample};
 use umbp_pool::pool_report::{PeerRole, PoolReport};
 use umbp_scheduler::{EventKind, IndexClient};
 use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
@@ -53,29 +52,6 @@ fn ringtool(args: &[&str]) -> (bool, String, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn http_get(port: u16, path: &str) -> (String, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to metrics");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    let (head, body) = resp.split_once("\r\n\r\n").expect("http response");
-    (head.to_string(), body.to_string())
-}
-
-/// Value of the sample `series` (name with labels, exactly as printed) in Prometheus text.
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no sample {series} in\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
-}
 
 #[test]
 fn ringtool_and_metrics_match_known_traffic() {

@@ -9,13 +9,12 @@
 
 mod common;
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use common::*;
+use umbp_integration_tests::metrics::{free_port, http_get, sample};
 use umbp_worker::{BlockStatus, MemorySpec, ObjectKey, Segment, Worker, WorkerConfig};
 
 const OBJECT: u64 = 16 << 10;
@@ -77,28 +76,6 @@ impl TestWorker {
 fn ringtool(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(workspace_binary("ringtool")).args(args).output().expect("run ringtool");
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
-}
-
-fn metrics(port: u16) -> String {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect to metrics");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n").unwrap();
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).unwrap();
-    resp.split_once("\r\n\r\n").expect("http response").1.to_string()
-}
-
-fn sample(text: &str, series: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
-        .unwrap_or_else(|| panic!("no sample {series} in\n{text}"))
-        .trim()
-        .parse()
-        .unwrap()
 }
 
 /// `/proc/PID/fd/N` of the pool's memfd whose name starts with `prefix`.
@@ -194,7 +171,7 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     assert_eq!(count("stored", "ssd"), s.demotions, "...and entered the SSD");
 
     // Metrics: the same numbers.
-    let m = metrics(port);
+    let m = http_get(port, "/metrics").1;
     assert_eq!(sample(&m, "umbp_tier_objects{tier=\"dram\"}"), r.tiers.dram as f64);
     assert_eq!(sample(&m, "umbp_tier_objects{tier=\"ssd\"}"), r.tiers.ssd as f64);
     assert_eq!(sample(&m, "umbp_tier_bytes{tier=\"ssd\"}"), s.live_bytes as f64);
@@ -212,7 +189,7 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     let r = pool.report();
     let s = r.ssd.clone().unwrap();
     assert!(s.promotions > 0 && s.promotion_failures == 0, "{s:?}");
-    assert_eq!(sample(&metrics(port), "umbp_ssd_promotions_total"), s.promotions as f64);
+    assert_eq!(sample(&http_get(port, "/metrics").1, "umbp_ssd_promotions_total"), s.promotions as f64);
     let (ok, text, err) = ringtool(&["watch", "--socket", &sock, "--interval", "0.2", "--count", "2"]);
     assert!(ok && text.contains("demotions/s") && text.contains("promotions/s"), "{err}\n{text}");
     drop(w);
@@ -228,7 +205,7 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     let (ok, text, err) = ringtool(&["dump", "--socket", &sock]);
     assert!(ok, "{err}");
     assert!(text.contains(&format!("warm restart: restored {} objects", s.restored_objects)), "{text}");
-    assert_eq!(sample(&metrics(port), "umbp_ssd_restored_objects"), s.restored_objects as f64);
+    assert_eq!(sample(&http_get(port, "/metrics").1, "umbp_ssd_restored_objects"), s.restored_objects as f64);
     let mut w = TestWorker::connect(&pool.socket, 11);
     let mut good = 0;
     for chunk in keys.chunks(BATCH as usize) {

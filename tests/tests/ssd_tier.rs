@@ -7,7 +7,7 @@
 mod common;
 use common::*;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 /// 16 KiB objects: 4 layers x 4 KiB pages (the test worker's per-layer default).
@@ -55,16 +55,6 @@ fn load_all(socket: &Path, ns: u128, count: u64, extra: &[&str]) -> serde_json::
     assert_eq!(n(&l, "corrupt"), 0, "wrong bytes loaded: {l}");
     assert_eq!(n(&l, "loaded") + n(&l, "missing"), count, "{l}");
     l
-}
-
-fn segments(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("seg-"))
-        .collect();
-    v.sort();
-    v
 }
 
 /// (a) + (b): 6x DRAM stored through a real worker all loads back byte-exact (most of it
@@ -122,7 +112,7 @@ fn corrupted_record_is_a_miss() {
     // a 128-byte header and 16 KiB of payload, 4 KiB aligned).
     let rec = 20 << 10;
     let mut flipped = 0;
-    for seg in segments(dir.path()) {
+    for seg in umbp_pool::ssd::segment::segment_files(dir.path()).unwrap() {
         let mut bytes = std::fs::read(&seg).unwrap();
         let mut at = 0usize;
         while at + rec <= bytes.len() {

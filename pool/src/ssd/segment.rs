@@ -71,6 +71,19 @@ pub fn segment_name(id: u64) -> String {
     format!("seg-{id:016x}.umbp")
 }
 
+/// The segment files in `dir`, in segment order (tests and tools that inspect a directory).
+pub fn segment_files(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut v: Vec<(u64, PathBuf)> = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let path = e?.path();
+        if let Some(id) = path.file_name().and_then(|n| n.to_str()).and_then(parse_segment_name) {
+            v.push((id, path));
+        }
+    }
+    v.sort();
+    Ok(v.into_iter().map(|(_, p)| p).collect())
+}
+
 pub fn parse_segment_name(name: &str) -> Option<u64> {
     let hex = name.strip_prefix("seg-")?.strip_suffix(".umbp")?;
     if hex.len() != 16 {

@@ -3,13 +3,13 @@
 //! tests run in a child process (this test binary re-run on an ignored helper test).
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 use umbp_protocol::ObjectKey;
 
 use super::format::{self, HEADER_BYTES};
-use super::{SsdConfig, SsdError, SsdStore};
+use super::{segment, SsdConfig, SsdError, SsdStore};
 
 fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("umbp-ssd-test").tempdir_in("/var/tmp").expect("tempdir in /var/tmp")
@@ -67,16 +67,6 @@ fn check_all(store: &SsdStore, range: std::ops::Range<u64>) {
     }
 }
 
-fn segment_files(dir: &Path) -> Vec<PathBuf> {
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with("seg-"))
-        .collect();
-    v.sort();
-    v
-}
-
 #[test]
 fn put_get_byte_exact_across_segments_and_two_directories() {
     let (a, b) = (tempdir(), tempdir());
@@ -87,7 +77,7 @@ fn put_get_byte_exact_across_segments_and_two_directories() {
     assert_eq!(st.objects, 400);
     assert!(st.direct_io, "ext4 under /var/tmp should take O_DIRECT");
     assert!(st.io_uring, "io_uring is allowed on this machine");
-    assert!(segment_files(a.path()).len() >= 3 && segment_files(b.path()).len() >= 3, "{st:?}");
+    assert!(segment::segment_files(a.path()).unwrap().len() >= 3 && segment::segment_files(b.path()).unwrap().len() >= 3, "{st:?}");
     assert!(store.get(key(10_000), 7).is_none());
     // A batch too: results in order.
     let items: Vec<(ObjectKey, u128, u64, Vec<u8>)> = (400..500).map(|i| (key(i), 7, 65536, payload(i, size_of(i)))).collect();
@@ -143,7 +133,7 @@ fn torn_tail_is_skipped_and_the_rest_found() {
             store.put(key(i), 7, 65536, &payload(i, size)).unwrap();
         }
     }
-    let segs = segment_files(d.path());
+    let segs = segment::segment_files(d.path()).unwrap();
     assert_eq!(segs.len(), 1);
     // Cut the footer and the last record's payload (its header stays), as a crash would;
     // and zero part of record 20's payload (a write that landed partly).
@@ -181,7 +171,7 @@ fn a_flipped_byte_on_disk_is_a_miss_not_wrong_data() {
     for i in 0..4 {
         store.put(key(i), 7, 65536, &payload(i, size)).unwrap();
     }
-    let seg = &segment_files(d.path())[0];
+    let seg = &segment::segment_files(d.path()).unwrap()[0];
     let f = std::fs::OpenOptions::new().read(true).write(true).open(seg).unwrap();
     use std::os::unix::fs::FileExt;
     let flip = |at: u64| {
