@@ -67,34 +67,6 @@ MODE_STANDALONE = "standalone"
 ENV_STANDALONE_ADDRESS = "UMBP_STANDALONE_ADDRESS"
 ENV_DRAM_CAPACITY = "UMBP_DRAM_CAPACITY"
 
-KNOWN_KEYS = frozenset(
-    {
-        "mode",
-        "endpoint",
-        "capacity_bytes",
-        "total_capacity_bytes",
-        "lookup_instance",
-        "load_async",
-        "lookup_async",
-        "enable_lookup",
-        "save_decode_cache",
-        "key_namespace",
-        "timeout_ms",
-        "lookup_timeout_ms",
-        "startup_timeout_ms",
-        "pool_uid",
-        "dram_high_watermark",
-        "dram_low_watermark",
-        "dram_use_hugepages",
-        "dram_hugepage_size",
-        "dram_numa_node",
-        "dram_prefault",
-        "lookup_dir",
-        "num_workers",
-        "kv_event_max_objects",
-    }
-)
-
 # Keys that only configure an embedded pool (the pool of the worker itself).
 EMBEDDED_ONLY_KEYS = (
     "capacity_bytes",
@@ -106,6 +78,26 @@ EMBEDDED_ONLY_KEYS = (
     "dram_numa_node",
     "dram_prefault",
     "lookup_dir",
+)
+
+KNOWN_KEYS = frozenset(
+    {
+        "mode",
+        "endpoint",
+        "lookup_instance",
+        "load_async",
+        "lookup_async",
+        "enable_lookup",
+        "save_decode_cache",
+        "key_namespace",
+        "timeout_ms",
+        "lookup_timeout_ms",
+        "startup_timeout_ms",
+        "pool_uid",
+        "num_workers",
+        "kv_event_max_objects",
+        *EMBEDDED_ONLY_KEYS,
+    }
 )
 
 HUGEPAGE_SIZE = 2 << 20  # the only huge page size the pool maps (MFD_HUGETLB | 2 MiB)
