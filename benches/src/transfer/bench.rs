@@ -492,7 +492,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         // --- restore from the SSD tier: the prefix pushed out of DRAM (demoted), then lookup +
         // load end to end, each object promoted to DRAM before its copy to the GPU
         if let (true, Some(p)) = (args.wants("ssd") && args.ssd_dir.is_some(), pool.pool.as_ref()) {
-            let ssd_of = |p: &umbp_pool::Pool| p.report().ssd.ok_or("--ssd-dir given but the pool reports no SSD tier");
+            let ssd_of = |r: umbp_pool::pool_report::PoolReport| r.ssd.ok_or("--ssd-dir given but the pool reports no SSD tier");
             let (mut ms, mut promoted) = (Vec::new(), Vec::new());
             let mut k = 0;
             for _ in 0..reps.max(3) {
@@ -502,17 +502,20 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
                 a.call(&Command::Reset)?;
                 xfer(&mut a, Op::Store, 0, k, &l.blocks, n, 1)?;
                 push_out_of_dram(&mut a, p, &l.blocks, n, &mut next_key)?;
-                let before = ssd_of(p)?;
+                let before = ssd_of(p.report())?;
                 let r = a.call(&Command::Restore { group: 0, key_base: k, blocks: l.blocks.clone() })?;
                 if u64_of(&r, "hits") != n as u64 || u64_of(&r, "bad") != 0 {
                     return Err(format!("restore from SSD: {r}"));
                 }
                 ms.push(u64_of(&r, "ns") as f64 / 1e6);
-                promoted.push((ssd_of(p)?.promotions - before.promotions) as f64 / n as f64);
-                eprintln!("ssd restore: {:.2} ms, {} of {n} objects promoted from SSD; tiers {:?}", ms.last().expect("one"), ssd_of(p)?.promotions - before.promotions, p.report().tiers);
+                let after = p.report();
+                let tiers = after.tiers;
+                let from_ssd = ssd_of(after)?.promotions - before.promotions;
+                promoted.push(from_ssd as f64 / n as f64);
+                eprintln!("ssd restore: {:.2} ms, {from_ssd} of {n} objects promoted from SSD; tiers {:?}", ms.last().expect("one"), tiers);
             }
             let exact = check_exact(&mut a, &l, 0, k, 1)?;
-            let s = ssd_of(p)?;
+            let s = ssd_of(p.report())?;
             cases.push(lay(Case::new("transfer", "ssd_restore_10k_ms", median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower), tuning)
                 .extra("promoted_fraction", median(promoted)).extra("tokens", 10_000).extra("check", exact)
                 .extra("direct_io", s.direct_io).extra("io_uring", s.io_uring).extra("ssd_dir", s.dirs.join(",")));
