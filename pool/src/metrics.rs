@@ -526,70 +526,39 @@ mod tests {
             .unwrap()
     }
 
-    fn ssd() -> SsdReport {
-        SsdReport {
-            dirs: vec!["/a".into()],
-            objects: 30,
-            bytes: 3 << 20,
-            live_bytes: 2 << 20,
-            segments: 13,
-            capacity_bytes: 4 << 20,
-            high_watermark: 0.95,
-            low_watermark: 0.85,
-            admission: "all".into(),
-            direct_io: false,
-            io_uring: true,
-            demotions: 40,
-            demoted_bytes: 40 << 16,
-            not_admitted: 5,
-            demotion_failures: 2,
-            promotions: 9,
-            promoted_bytes: 9 << 16,
-            promotion_failures: 1,
-            crc_misses: 3,
-            read_errors: 4,
-            write_errors: 6,
-            evicted_objects: 8,
-            compactions: 10,
-            restored_objects: 11,
-            torn_records_skipped: 12,
-            rebuild_ms: 250.0,
-        }
-    }
-
     /// Each tier's objects and bytes and each SSD counter come out under its name with the
     /// report's value; without an SSD tier only the tier gauges are written (SSD zero).
     #[test]
     fn tier_gauges_and_ssd_counters_carry_the_report() {
-        let t = scrape(Fixed(TierCounts { dram: 7, ssd: 30, remote: 2 }, 1 << 20, Some(ssd())));
+        let t = scrape(Fixed(TierCounts { dram: 7, ssd: 30, remote: 2 }, 1 << 20, Some(SsdReport::example())));
         for (series, want) in [
             ("umbp_tier_objects{tier=\"dram\"}", 7.0),
             ("umbp_tier_objects{tier=\"ssd\"}", 30.0),
             ("umbp_tier_objects{tier=\"remote\"}", 2.0),
             ("umbp_tier_bytes{tier=\"dram\"}", (1 << 20) as f64),
-            ("umbp_tier_bytes{tier=\"ssd\"}", (2 << 20) as f64),
-            ("umbp_ssd_capacity_bytes", (4 << 20) as f64),
-            ("umbp_ssd_used_bytes", (3 << 20) as f64),
+            ("umbp_tier_bytes{tier=\"ssd\"}", (2u64 << 30) as f64),
+            ("umbp_ssd_capacity_bytes", (4u64 << 30) as f64),
+            ("umbp_ssd_used_bytes", (3u64 << 30) as f64),
             ("umbp_ssd_occupancy_ratio", 0.75),
             ("umbp_ssd_objects", 30.0),
             ("umbp_ssd_segments", 13.0),
             ("umbp_ssd_direct_io", 0.0),
             ("umbp_ssd_io_uring", 1.0),
-            ("umbp_ssd_demotions_total", 40.0),
-            ("umbp_ssd_demoted_bytes_total", (40 << 16) as f64),
+            ("umbp_ssd_demotions_total", 77.0),
+            ("umbp_ssd_demoted_bytes_total", (77 << 20) as f64),
             ("umbp_ssd_not_admitted_total", 5.0),
             ("umbp_ssd_demotion_failures_total", 2.0),
             ("umbp_ssd_promotions_total", 9.0),
-            ("umbp_ssd_promoted_bytes_total", (9 << 16) as f64),
+            ("umbp_ssd_promoted_bytes_total", (9 << 20) as f64),
             ("umbp_ssd_promotion_failures_total", 1.0),
             ("umbp_ssd_crc_misses_total", 3.0),
             ("umbp_ssd_io_errors_total{direction=\"read\"}", 4.0),
             ("umbp_ssd_io_errors_total{direction=\"write\"}", 6.0),
             ("umbp_ssd_evicted_objects_total", 8.0),
             ("umbp_ssd_compactions_total", 10.0),
-            ("umbp_ssd_restored_objects", 11.0),
-            ("umbp_ssd_torn_records_skipped", 12.0),
-            ("umbp_ssd_rebuild_seconds", 0.25),
+            ("umbp_ssd_restored_objects", 1000.0),
+            ("umbp_ssd_torn_records_skipped", 11.0),
+            ("umbp_ssd_rebuild_seconds", 0.0125),
         ] {
             assert_eq!(sample(&t, series), want, "{series}");
         }

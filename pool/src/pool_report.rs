@@ -93,18 +93,10 @@ pub struct SsdReport {
     pub admission: String,
     pub direct_io: bool,
     pub io_uring: bool,
-    /// Objects written to SSD when evicted from DRAM.
-    pub demotions: u64,
-    pub demoted_bytes: u64,
-    /// Evicted objects the admission policy did not admit (dropped).
-    pub not_admitted: u64,
-    /// Demotions that failed (disk full, I/O error, no room): those objects were dropped.
-    pub demotion_failures: u64,
-    /// Objects brought back into DRAM by loads.
-    pub promotions: u64,
-    pub promoted_bytes: u64,
-    /// Promotions that found no readable record (I/O error, bad CRC, dropped meanwhile): misses.
-    pub promotion_failures: u64,
+    /// What moved between DRAM and SSD (the object store's counters), flat in the JSON;
+    /// `report.demotions` reads through to them ([`std::ops::Deref`]).
+    #[serde(flatten)]
+    pub moves: TierMoves,
     /// Reads whose CRC32C did not match (served as misses).
     pub crc_misses: u64,
     pub read_errors: u64,
@@ -118,20 +110,78 @@ pub struct SsdReport {
     pub rebuild_ms: f64,
 }
 
-/// One GPU copy engine's counters (`umbp_gpu::EngineStats`).
+/// Objects moved between DRAM and SSD and the moves that failed: counted by the object
+/// store (`objects::TierStats`), shown in [`SsdReport`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierMoves {
+    /// Objects written to SSD when evicted from DRAM.
+    pub demotions: u64,
+    pub demoted_bytes: u64,
+    /// Evicted objects the admission policy did not admit (dropped).
+    pub not_admitted: u64,
+    /// Demotions that failed (disk full, I/O error, no room): those objects were dropped.
+    pub demotion_failures: u64,
+    /// Objects brought back into DRAM by loads.
+    pub promotions: u64,
+    pub promoted_bytes: u64,
+    /// Promotions that found no readable record (I/O error, bad CRC, dropped meanwhile): misses.
+    pub promotion_failures: u64,
+}
+
+impl SsdReport {
+    /// A report with a distinct value in every field, for the tests of its readers (the
+    /// metrics endpoint, ringtool): one fixture, so a new field is added once.
+    #[doc(hidden)]
+    pub fn example() -> Self {
+        SsdReport {
+            dirs: vec!["/mnt/nvme0/umbp".into(), "/mnt/nvme1/umbp".into()],
+            objects: 30,
+            bytes: 3 << 30,
+            live_bytes: 2 << 30,
+            segments: 13,
+            capacity_bytes: 4 << 30,
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            admission: "hit-or-young:60".into(),
+            direct_io: false,
+            io_uring: true,
+            moves: TierMoves {
+                demotions: 77,
+                demoted_bytes: 77 << 20,
+                not_admitted: 5,
+                demotion_failures: 2,
+                promotions: 9,
+                promoted_bytes: 9 << 20,
+                promotion_failures: 1,
+            },
+            crc_misses: 3,
+            read_errors: 4,
+            write_errors: 6,
+            evicted_objects: 8,
+            compactions: 10,
+            restored_objects: 1000,
+            torn_records_skipped: 11,
+            rebuild_ms: 12.5,
+        }
+    }
+}
+
+impl std::ops::Deref for SsdReport {
+    type Target = TierMoves;
+
+    fn deref(&self) -> &TierMoves {
+        &self.moves
+    }
+}
+
+/// One GPU copy engine's counters: its backend's memory kind (`Cuda`, `Hip`) and the
+/// engine's [`umbp_gpu::EngineStats`] as they are, flat in the JSON (`ordinal`,
+/// `device_uuid` as hex, `calls`, `items`, `bytes`, `enqueue_ns`, `total_ns`, `stages`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuEngineReport {
-    /// Memory kind of its backend (`Cuda`, `Hip`).
     pub kind: String,
-    pub ordinal: i32,
-    /// Hex UUID of the device.
-    pub device_uuid: String,
-    pub calls: u64,
-    pub items: u64,
-    pub bytes: u64,
-    pub enqueue_ns: u64,
-    pub total_ns: u64,
-    pub stages: u64,
+    #[serde(flatten)]
+    pub engine: umbp_gpu::EngineStats,
 }
 
 impl PoolReport {
@@ -451,4 +501,49 @@ mod tests {
         let e = serde_json::from_str::<PoolReport>(r#"{"version":"x"}"#).unwrap_err().to_string();
         assert!(e.contains("protocol_version"), "{e}");
     }
+
+    /// The keys of `v` (a JSON object), sorted.
+    fn keys(v: &serde_json::Value) -> Vec<&str> {
+        let mut k: Vec<&str> = v.as_object().expect("an object").keys().map(|k| k.as_str()).collect();
+        k.sort_unstable();
+        k
+    }
+
+    /// Reports built from other types (`#[serde(flatten)]`) keep their flat JSON names
+    /// (ringtool, metrics, Python and benches read them) and parse back to themselves.
+    #[test]
+    fn flattened_sections_keep_their_json_names() {
+        let ssd = SsdReport::example();
+        let v = serde_json::to_value(&ssd).unwrap();
+        let mut want = vec![
+            "dirs", "objects", "bytes", "live_bytes", "segments", "capacity_bytes", "high_watermark",
+            "low_watermark", "admission", "direct_io", "io_uring", "demotions", "demoted_bytes",
+            "not_admitted", "demotion_failures", "promotions", "promoted_bytes", "promotion_failures",
+            "crc_misses", "read_errors", "write_errors", "evicted_objects", "compactions",
+            "restored_objects", "torn_records_skipped", "rebuild_ms",
+        ];
+        want.sort_unstable();
+        assert_eq!(keys(&v), want);
+        assert_eq!(v["demotions"], 77);
+        assert_eq!(serde_json::from_value::<SsdReport>(v).unwrap(), ssd);
+
+        let mut uuid = [0u8; 16];
+        uuid[0] = 0xab;
+        uuid[15] = 0x01;
+        let gpu = GpuEngineReport {
+            kind: "Cuda".into(),
+            engine: umbp_gpu::EngineStats { ordinal: 1, device_uuid: uuid, calls: 2, items: 3, bytes: 4, enqueue_ns: 5, total_ns: 6, stages: 7 },
+        };
+        let v = serde_json::to_value(&gpu).unwrap();
+        let mut want = vec!["kind", "ordinal", "device_uuid", "calls", "items", "bytes", "enqueue_ns", "total_ns", "stages"];
+        want.sort_unstable();
+        assert_eq!(keys(&v), want);
+        assert_eq!(v["device_uuid"], "ab000000000000000000000000000001");
+        assert_eq!(serde_json::from_value::<GpuEngineReport>(v).unwrap(), gpu);
+        let bad = serde_json::json!({"kind": "Cuda", "ordinal": 0, "device_uuid": "xyz", "calls": 0, "items": 0,
+            "bytes": 0, "enqueue_ns": 0, "total_ns": 0, "stages": 0});
+        let e = serde_json::from_value::<GpuEngineReport>(bad).unwrap_err().to_string();
+        assert!(e.contains("device_uuid"), "{e}");
+    }
+
 }

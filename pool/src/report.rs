@@ -190,13 +190,7 @@ pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::objects::TierStats) -> S
         admission: t.config.admission.to_string(),
         direct_io: st.direct_io,
         io_uring: st.io_uring,
-        demotions: ts.demotions,
-        demoted_bytes: ts.demoted_bytes,
-        not_admitted: ts.not_admitted,
-        demotion_failures: ts.demotion_failures,
-        promotions: ts.promotions,
-        promoted_bytes: ts.promoted_bytes,
-        promotion_failures: ts.promotion_failures,
+        moves: ts.moves,
         crc_misses: st.crc_failures,
         read_errors: st.read_errors,
         write_errors: st.write_errors,
@@ -214,16 +208,6 @@ fn gpu_engines() -> Vec<GpuEngineReport> {
     umbp_gpu::loaded_backends()
         .iter()
         .flat_map(|b| b.engine_stats().into_iter().map(move |e| (b.kind(), e)))
-        .map(|(kind, e)| GpuEngineReport {
-            kind: format!("{kind:?}"),
-            ordinal: e.ordinal,
-            device_uuid: uuid_hex(&e.device_uuid),
-            calls: e.calls,
-            items: e.items,
-            bytes: e.bytes,
-            enqueue_ns: e.enqueue_ns,
-            total_ns: e.total_ns,
-            stages: e.stages,
-        })
+        .map(|(kind, engine)| GpuEngineReport { kind: format!("{kind:?}"), engine })
         .collect()
 }

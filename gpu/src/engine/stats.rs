@@ -3,12 +3,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Counters of one GPU's copy engine since the backend opened it, as
-/// [`crate::Backend::engine_stats`] and the pool report show them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// [`crate::Backend::engine_stats`] and the pool report show them (serde: the report's
+/// JSON form, the UUID as 32 hex digits).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct EngineStats {
     /// Device ordinal in the pool process.
     pub ordinal: i32,
     /// Device UUID (HIP: the identity of `hip::device_identity`).
+    #[serde(with = "uuid_hex")]
     pub device_uuid: [u8; 16],
     /// Copy calls (one per transfer group or pipelined transfer on this GPU).
     pub calls: u64,
@@ -77,5 +79,25 @@ impl EngineCounters {
             total_ns: self.total_ns.load(Ordering::Relaxed),
             stages: self.stages.load(Ordering::Relaxed),
         }
+    }
+}
+
+/// A device UUID as 32 lowercase hex digits (the pool report's form).
+mod uuid_hex {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(u: &[u8; 16], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("{:032x}", u128::from_be_bytes(*u)))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<[u8; 16], D::Error> {
+        let s = String::deserialize(d)?;
+        if s.len() != 32 {
+            return Err(D::Error::custom(format!("device_uuid {s:?}: not 32 hex digits")));
+        }
+        u128::from_str_radix(&s, 16)
+            .map(u128::to_be_bytes)
+            .map_err(|_| D::Error::custom(format!("device_uuid {s:?}: not 32 hex digits")))
     }
 }

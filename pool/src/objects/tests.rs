@@ -261,7 +261,7 @@ fn demotion_and_promotion_move_tiers_safely() {
     assert_eq!(r.lookup(ObjectKey(9)), None, "failed demotion: dropped");
     assert_eq!(s.allocated_bytes(), 2 * size);
     let t = s.tier_stats();
-    assert_eq!((t.objects[0], t.objects[1], t.demotions, t.demotion_failures), (2, 7, 8, 1));
+    assert_eq!((t.objects[0], t.objects[1], t.moves.demotions, t.moves.demotion_failures), (2, 7, 8, 1));
     // A lower object: not stored again, loads must promote it.
     assert_eq!(s.reserve_store(1, ObjectKey(2), size, 1), StoreReservation::AlreadyPresent);
     assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Lower { tier: Tier::Ssd });

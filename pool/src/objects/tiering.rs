@@ -10,6 +10,7 @@ use umbp_protocol::ObjectKey;
 
 use super::{GroupIndex, GroupKey, Held, Object, ObjectEvent, ObjectState, ObjectStore};
 use crate::alloc::SlabAllocator;
+use crate::pool_report::TierMoves;
 
 /// An object the evictor chose for demotion: its DRAM bytes (stable until
 /// [`ObjectStore::finish_demotion`]) to write to SSD.
@@ -26,13 +27,8 @@ pub struct Demotion {
 pub struct TierStats {
     /// Objects listed in the indexes by tier (DRAM: published in DRAM, incl. promoting).
     pub objects: [u64; 3],
-    pub demotions: u64,
-    pub demoted_bytes: u64,
-    pub not_admitted: u64,
-    pub demotion_failures: u64,
-    pub promotions: u64,
-    pub promoted_bytes: u64,
-    pub promotion_failures: u64,
+    /// Demotions and promotions (the SSD report shows them as they are).
+    pub moves: TierMoves,
     /// Objects moved to SSD without a write (their record was still there).
     pub clean_demotions: u64,
     /// Objects listed at start from the SSD segments.
@@ -182,7 +178,7 @@ impl ObjectStore {
             self.objects.get_mut(&key).expect("present").demoting = true;
             self.demotions.push(d);
         } else {
-            self.tier_stats.not_admitted += 1;
+            self.tier_stats.moves.not_admitted += 1;
             self.drop_object(key);
         }
     }
@@ -221,14 +217,14 @@ impl ObjectStore {
         match written {
             Ok(payload) => {
                 o.ssd_at = Some(payload);
-                self.tier_stats.demotions += 1;
-                self.tier_stats.demoted_bytes += size;
+                self.tier_stats.moves.demotions += 1;
+                self.tier_stats.moves.demoted_bytes += size;
                 if free_now {
                     self.move_to_lower(key, Tier::Ssd, payload);
                 }
             }
             Err(()) => {
-                self.tier_stats.demotion_failures += 1;
+                self.tier_stats.moves.demotion_failures += 1;
                 if free_now {
                     self.drop_object(key);
                 }
@@ -325,8 +321,8 @@ impl ObjectStore {
         if fetched {
             o.state = ObjectState::Published;
             self.lower[from as usize] -= 1;
-            self.tier_stats.promotions += 1;
-            self.tier_stats.promoted_bytes += size;
+            self.tier_stats.moves.promotions += 1;
+            self.tier_stats.moves.promoted_bytes += size;
             self.groups[key.group as usize].index.set_location(key.key, location::encode(Tier::Dram, offset));
             self.push_event(key.group, ObjectEvent::Removed(key.key), from);
             self.push_event(key.group, ObjectEvent::Stored(key.key), Tier::Dram);
@@ -338,7 +334,7 @@ impl ObjectStore {
         self.pinned_objects -= 1;
         self.alloc.free(offset, size);
         self.release_held(namespace, size);
-        self.tier_stats.promotion_failures += 1;
+        self.tier_stats.moves.promotion_failures += 1;
         self.drop_object(key);
         false
     }

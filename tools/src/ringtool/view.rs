@@ -364,40 +364,13 @@ mod tests {
 
     #[test]
     fn ssd_section_shows_use_policy_traffic_and_failures() {
-        let s = SsdReport {
-            dirs: vec!["/mnt/nvme0/umbp".into(), "/mnt/nvme1/umbp".into()],
-            objects: 1234,
-            bytes: 3 << 30,
-            live_bytes: 2 << 30,
-            segments: 13,
-            capacity_bytes: 4 << 30,
-            high_watermark: 0.95,
-            low_watermark: 0.85,
-            admission: "hit-or-young:60".into(),
-            direct_io: false,
-            io_uring: true,
-            demotions: 77,
-            demoted_bytes: 77 << 20,
-            not_admitted: 5,
-            demotion_failures: 2,
-            promotions: 9,
-            promoted_bytes: 9 << 20,
-            promotion_failures: 1,
-            crc_misses: 3,
-            read_errors: 4,
-            write_errors: 6,
-            evicted_objects: 8,
-            compactions: 10,
-            restored_objects: 1000,
-            torn_records_skipped: 11,
-            rebuild_ms: 12.5,
-        };
+        let s = SsdReport::example();
         let mut out = String::new();
         ssd_section(&mut out, &s);
         for want in [
             "dirs /mnt/nvme0/umbp, /mnt/nvme1/umbp",
             "capacity 4.0 GiB  used 3.0 GiB (75.0%) in 13 segments  live 2.0 GiB",
-            "objects 1234  admission hit-or-young:60  O_DIRECT no (buffered)  io_uring yes",
+            "objects 30  admission hit-or-young:60  O_DIRECT no (buffered)  io_uring yes",
             "demotions 77 (77.0 MiB)  not admitted 5  failed 2",
             "promotions 9 (9.0 MiB)  failed 1",
             "CRC misses 3  read errors 4  write errors 6  evicted 8  compactions 10",
