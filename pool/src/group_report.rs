@@ -13,17 +13,8 @@ fn index(inner: &PoolInner, group: usize, histogram: bool) -> Option<IndexReport
     let m = &inner.group_mem[group].index_mem;
     // SAFETY: the pool's own index mapping, alive as long as `inner`.
     let v = unsafe { IndexView::attach(m.as_ptr(), m.len()) }.ok()?;
-    let s = v.snapshot();
-    Some(IndexReport {
-        slots: s.slot_count,
-        epoch: s.epoch,
-        live: s.live,
-        tombstones: s.tombstones,
-        inserts: s.inserts,
-        removes: s.removes,
-        rebuilds: s.rebuilds,
-        probe_histogram: if histogram { v.probe_histogram(8) } else { Vec::new() },
-    })
+    let probe_histogram = if histogram { v.probe_histogram(8) } else { Vec::new() };
+    Some(IndexReport { header: v.snapshot(), probe_histogram })
 }
 
 /// The indexes summed (epoch: group 0's); None when none can be read.
@@ -34,12 +25,13 @@ fn sum(per: &[Option<IndexReport>]) -> Option<IndexReport> {
             total = Some(ix.clone());
             continue;
         };
-        t.slots += ix.slots;
-        t.live += ix.live;
-        t.tombstones += ix.tombstones;
-        t.inserts += ix.inserts;
-        t.removes += ix.removes;
-        t.rebuilds += ix.rebuilds;
+        let (h, x) = (&mut t.header, &ix.header);
+        h.slot_count += x.slot_count;
+        h.live += x.live;
+        h.tombstones += x.tombstones;
+        h.inserts += x.inserts;
+        h.removes += x.removes;
+        h.rebuilds += x.rebuilds;
         for (a, b) in t.probe_histogram.iter_mut().zip(&ix.probe_histogram) {
             *a += b;
         }

@@ -423,7 +423,7 @@ impl Collector for PoolCollector {
         // Summed over the tenant groups' indexes (one without --namespace-acl); headers
         // only: a scrape never walks the tables for the probe histogram.
         if let Some(s) = crate::group_report::index_totals(inner) {
-            gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", s.slots as f64)?;
+            gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", s.slot_count as f64)?;
             gauge(&mut enc, "umbp_index_live", "Live index entries", s.live as f64)?;
             gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", s.tombstones as f64)?;
             gauge(&mut enc, "umbp_index_epoch", "Index epoch (rebuild count, active table = epoch & 1; group 0's)", s.epoch as f64)?;

@@ -245,18 +245,22 @@ impl NamespaceReport {
     }
 }
 
-/// The shared index, read from its header and tables.
+/// The shared index, read from its header (the index's own snapshot, flat in the JSON:
+/// `slots`, `epoch`, `live`, ...; `report.live` reads through to it) and tables.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct IndexReport {
-    pub slots: u64,
-    pub epoch: u64,
-    pub live: u64,
-    pub tombstones: u64,
-    pub inserts: u64,
-    pub removes: u64,
-    pub rebuilds: u64,
+    #[serde(flatten)]
+    pub header: umbp_protocol::index::IndexSnapshot,
     /// Live entries by probe distance 0..7 (the last bucket is 7 and more).
     pub probe_histogram: Vec<u64>,
+}
+
+impl std::ops::Deref for IndexReport {
+    type Target = umbp_protocol::index::IndexSnapshot;
+
+    fn deref(&self) -> &Self::Target {
+        &self.header
+    }
 }
 
 /// One tenant group (docs/security.md): the peers of `uids` see only its index and
@@ -544,6 +548,13 @@ mod tests {
             "bytes": 0, "enqueue_ns": 0, "total_ns": 0, "stages": 0});
         let e = serde_json::from_value::<GpuEngineReport>(bad).unwrap_err().to_string();
         assert!(e.contains("device_uuid"), "{e}");
+
+        let header = umbp_protocol::index::IndexSnapshot { slot_count: 1, epoch: 2, live: 3, tombstones: 4, inserts: 5, removes: 6, rebuilds: 7 };
+        let ix = IndexReport { header, probe_histogram: vec![3, 0] };
+        let v = serde_json::to_value(&ix).unwrap();
+        assert_eq!(keys(&v), ["epoch", "inserts", "live", "probe_histogram", "rebuilds", "removes", "slots", "tombstones"]);
+        assert_eq!(v["slots"], 1);
+        assert_eq!(serde_json::from_value::<IndexReport>(v).unwrap(), ix);
     }
 
 }

@@ -317,9 +317,11 @@ pub struct SlotCopy {
     pub location: u64,
 }
 
-/// Index statistics at one moment.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Index statistics at one moment (serde: the pool report's `index` section, where
+/// `slot_count` is `slots`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub struct IndexSnapshot {
+    #[serde(rename = "slots")]
     pub slot_count: u64,
     pub epoch: u64,
     pub live: u64,

@@ -192,10 +192,10 @@ pub fn dump(r: &PoolReport) -> String {
     namespaces_table(&mut out, &r.namespaces);
     attachments_table(&mut out, &r.attachments);
     if let Some(ix) = &r.index {
-        let slots = ix.slots as f64;
+        let slots = ix.slot_count as f64;
         out.push_str(&format!(
             "\nINDEX\n  slots {}  live {} ({:.1}% occupied)  tombstones {}  epoch {}  inserts {}  removes {}  rebuilds {}\n",
-            ix.slots,
+            ix.slot_count,
             ix.live,
             if slots > 0.0 { 100.0 * ix.live as f64 / slots } else { 0.0 },
             ix.tombstones,
@@ -224,7 +224,7 @@ pub fn dump(r: &PoolReport) -> String {
                 g.group,
                 if g.group == 0 { "(pool's, root)".to_string() } else { list(g.uids.iter().map(u32::to_string).collect()) },
                 if g.group == 0 { "(not listed)".to_string() } else { list(g.namespaces.clone()) },
-                opt(ix.map(|i| i.slots)),
+                opt(ix.map(|i| i.slot_count)),
                 opt(ix.map(|i| i.live)),
                 opt(ix.map(|i| i.tombstones)),
                 opt(ix.map(|i| i.inserts)),
