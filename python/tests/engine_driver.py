@@ -87,6 +87,30 @@ def emit_error(phase: str, e: BaseException) -> None:
           "traceback": traceback.format_exc()[-4000:]})
 
 
+def prefix_cache_metrics(llm) -> dict:
+    """vLLM's prefix-cache metrics by name (the `metrics` command of both drivers)."""
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "prefix_cache" in m.name}
+
+
+def serve(commands, handlers: dict) -> int:
+    """The drivers' command loop: each `(name, arg)` of `commands` runs `handlers[name](arg)`
+    and its record is emitted; `quit` ends the loop. An unknown command or a failed one is
+    an error record and exit status 1 (the test reads why); the end is a `bye` record."""
+    for name, arg in commands:
+        if name == "quit":
+            break
+        try:
+            handler = handlers.get(name)
+            if handler is None:
+                raise ValueError(f"unknown command {name!r}")
+            emit(handler(arg))
+        except Exception as e:  # noqa: BLE001
+            emit_error(name, e)
+            return 1
+    emit({"event": "bye"})
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -190,41 +214,16 @@ def main() -> int:
             time.sleep(0.05 * tries)
         return {"cmd": name, "ok": False, "tries": 10}
 
-    def metrics() -> dict:
-        out = {}
-        for m in llm.get_metrics():
-            if "prefix_cache" in m.name:
-                out[m.name] = getattr(m, "value", None)
-        return {"cmd": "metrics", "metrics": out}
-
     source = args.commands.split(",") if args.commands else sys.stdin
-    for line in source:
-        parts = line.strip().split()
-        if not parts:
-            continue
-        cmd = parts[0]
-        try:
-            if cmd == "run":
-                emit(run(parts[1] if len(parts) > 1 else ""))
-            elif cmd == "batch":
-                emit(batch(parts[1] if len(parts) > 1 else ""))
-            elif cmd == "reset":
-                emit(reset())
-            elif cmd == "reset_all":
-                emit(reset(connector=True))
-            elif cmd == "metrics":
-                emit(metrics())
-            elif cmd == "hashes":
-                emit({"cmd": "hashes", "hashes": [h.hex() for h in block_hashes(tokens)]})
-            elif cmd == "quit":
-                break
-            else:
-                emit({"event": "error", "phase": "command", "error": f"unknown command {cmd!r}"})
-        except Exception as e:  # noqa: BLE001
-            emit_error(cmd, e)
-            return 1
-    emit({"event": "bye"})
-    return 0
+    commands = ((parts[0], parts[1] if len(parts) > 1 else "") for parts in map(str.split, source) if parts)
+    return serve(commands, {
+        "run": run,
+        "batch": batch,
+        "reset": lambda _: reset(),
+        "reset_all": lambda _: reset(connector=True),
+        "metrics": lambda _: {"cmd": "metrics", "metrics": prefix_cache_metrics(llm)},
+        "hashes": lambda _: {"cmd": "hashes", "hashes": [h.hex() for h in block_hashes(tokens)]},
+    })
 
 
 if __name__ == "__main__":

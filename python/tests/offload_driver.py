@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from engine_driver import emit, emit_error, prompt_token_ids
+from engine_driver import emit, emit_error, prefix_cache_metrics, prompt_token_ids, serve
 
 
 def main() -> int:
@@ -64,44 +64,40 @@ def main() -> int:
         sched = llm.llm_engine.engine_core.engine_core.scheduler.connector
         return sched, get_kv_transfer_group()
 
-    for cmd in args.commands.split(","):
-        name, _, arg = cmd.partition(":")
-        try:
-            if name == "run":
-                p = TokensPrompt(prompt_token_ids=prompt_token_ids(int(arg), args.prompt_len))
-                (o,) = llm.generate([p], sp, use_tqdm=False)
-                emit({"cmd": "run", "seed": int(arg), "tokens": list(o.outputs[0].token_ids),
-                      "num_cached_tokens": o.num_cached_tokens})
-            elif name == "reset":
-                ok = False
-                for tries in range(20):
-                    if llm.reset_prefix_cache():
-                        ok = True
-                        break
-                    llm.generate([dummy], SamplingParams(max_tokens=1), use_tqdm=False)
-                    time.sleep(0.05 * (tries + 1))
-                emit({"cmd": "reset", "ok": ok})
-            elif name == "metrics":
-                emit({"cmd": "metrics", "metrics": {m.name: getattr(m, "value", None)
-                                                    for m in llm.get_metrics() if "prefix_cache" in m.name}})
-            elif name == "totals":
-                sched, worker = connectors()
-                # Let in-flight stores land first (a step reaps them).
-                for _ in range(5):
-                    llm.generate([dummy], SamplingParams(max_tokens=1), use_tqdm=False)
-                    time.sleep(0.1)
-                emit({"cmd": "totals", **worker._worker.totals,
-                      "lazy_stored_blocks": sched._sched.lazy_stored_blocks,
-                      "pinned_ops": len(sched._sched._pins),
-                      "groups": [[g.gid, g.kind, g.block_size] for g in sched._groups]})
-            else:
-                raise ValueError(f"unknown command {cmd!r}")
-        except Exception as e:  # noqa: BLE001
-            emit_error(cmd, e)
-            return 1
-    emit({"event": "bye"})
-    return 0
+    def run(arg: str) -> dict:
+        p = TokensPrompt(prompt_token_ids=prompt_token_ids(int(arg), args.prompt_len))
+        (o,) = llm.generate([p], sp, use_tqdm=False)
+        return {"cmd": "run", "seed": int(arg), "tokens": list(o.outputs[0].token_ids),
+                "num_cached_tokens": o.num_cached_tokens}
 
+    def reset(_: str) -> dict:
+        ok = False
+        for tries in range(20):
+            if llm.reset_prefix_cache():
+                ok = True
+                break
+            llm.generate([dummy], SamplingParams(max_tokens=1), use_tqdm=False)
+            time.sleep(0.05 * (tries + 1))
+        return {"cmd": "reset", "ok": ok}
+
+    def totals(_: str) -> dict:
+        sched, worker = connectors()
+        # Let in-flight stores land first (a step reaps them).
+        for _ in range(5):
+            llm.generate([dummy], SamplingParams(max_tokens=1), use_tqdm=False)
+            time.sleep(0.1)
+        return {"cmd": "totals", **worker._worker.totals,
+                "lazy_stored_blocks": sched._sched.lazy_stored_blocks,
+                "pinned_ops": len(sched._sched._pins),
+                "groups": [[g.gid, g.kind, g.block_size] for g in sched._groups]}
+
+    commands = (cmd.partition(":")[::2] for cmd in args.commands.split(","))
+    return serve(commands, {
+        "run": run,
+        "reset": reset,
+        "metrics": lambda _: {"cmd": "metrics", "metrics": prefix_cache_metrics(llm)},
+        "totals": totals,
+    })
 
 if __name__ == "__main__":
     sys.exit(main())
