@@ -94,24 +94,69 @@ impl SsdTier {
 }
 
 impl TierSource for SsdTier {
+    /// All items in one batch per drive (one ring, up to the queue depth of chunks in
+    /// flight), read through the ring's registered buffers straight into each item's DRAM
+    /// allocation: no staging copy. The store checks the header and payload CRC32C of
+    /// every record; a failed or bad record is a miss for that item only.
     fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
+        crate::fault::promotion(items.iter().map(|i| i.key));
         let keys: Vec<(ObjectKey, u128)> = items.iter().map(|i| (i.key, i.namespace)).collect();
-        let mut bufs: Vec<Vec<u8>> = items.iter().map(|i| Vec::with_capacity(i.dst.len())).collect();
-        let mut refs: Vec<&mut Vec<u8>> = bufs.iter_mut().collect();
-        let infos = self.store.get_batch(&keys, &mut refs);
-        let mut ok = Vec::with_capacity(items.len());
-        for ((item, info), buf) in items.iter_mut().zip(infos).zip(&bufs) {
-            // The store checked both CRCs; the size must be the object's too.
-            let good = info.is_some_and(|i| i.namespace == item.namespace && i.size == item.dst.len() as u64)
-                && buf.len() == item.dst.len();
-            if good {
-                item.dst.copy_from_slice(buf);
-            } else {
-                tracing::debug!(key = %format_args!("{:032x}", item.key.0), "SSD fetch missed (record gone, unreadable or bad CRC)");
-            }
-            ok.push(good);
+        let mut dsts: Vec<&mut [u8]> = items.iter_mut().map(|i| &mut *i.dst).collect();
+        let infos = self.store.get_batch_into(&keys, &mut dsts);
+        infos
+            .into_iter()
+            .zip(&keys)
+            .map(|(info, (key, ns))| {
+                // The store matched (key, namespace) and the exact size.
+                let good = info.is_some_and(|i| i.namespace == *ns);
+                if !good {
+                    tracing::debug!(key = %format_args!("{:032x}", key.0), "SSD fetch missed (record gone, unreadable, other size or bad CRC)");
+                }
+                good
+            })
+            .collect()
+    }
+}
+
+/// Ends promotions that did not finish: held by a load between `begin_promotion` and
+/// `finish_promotion`. If the load's copy thread panics in between (the fetch, a tier's
+/// bug), dropping this guard while unwinding finishes each promotion as failed (a miss:
+/// the object and its lower-tier record go) instead of leaving it "promoting" forever,
+/// which would make every later load of the key wait and miss, block storing it again and
+/// hold its DRAM. Objects on the remote tier are abandoned first (a transfer may still
+/// write their DRAM, so it is never reused).
+pub struct PromotionGuard<'a> {
+    inner: &'a PoolInner,
+    /// (object, tier) of each promotion still open.
+    open: Vec<(crate::objects::GroupKey, Tier)>,
+}
+
+impl<'a> PromotionGuard<'a> {
+    pub fn new(inner: &'a PoolInner, open: Vec<(crate::objects::GroupKey, Tier)>) -> Self {
+        Self { inner, open }
+    }
+
+    /// The promotions are about to be finished normally (under the store lock).
+    pub fn disarm(mut self) {
+        self.open.clear();
+    }
+}
+
+impl Drop for PromotionGuard<'_> {
+    fn drop(&mut self) {
+        if self.open.is_empty() {
+            return;
         }
-        ok
+        tracing::error!(objects = self.open.len(), "promotion interrupted (copy thread panicked): finishing it as failed");
+        // Not poisoned by this panic (the fetch runs without the lock); if another thread
+        // poisoned it, contain_panic stops the pool anyway.
+        let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, tier) in self.open.drain(..) {
+            if tier == Tier::Remote {
+                store.abandon_promotion(key.key);
+            }
+            store.finish_promotion(key, false);
+        }
     }
 }
 
