@@ -223,6 +223,71 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
     drop_records(inner, ssd);
 }
 
+/// Clean stop: writes the DRAM objects the admission policy admits (and that have no SSD
+/// record yet) to SSD, most recently used first, in demotion batches, for at most `limit`;
+/// then seals and syncs the segments. A restart on the same directories lists them again.
+/// Called by `Pool::stop` after every pool thread has exited (nothing else touches the
+/// store). Logs what it wrote and what it left for lack of time.
+pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duration) {
+    if limit.is_zero() {
+        return;
+    }
+    let started = Instant::now();
+    let deadline = started + limit;
+    let mut work = {
+        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        // Demotions the evictor chose but did not start before it stopped come first.
+        let mut w = store.take_demotions();
+        w.extend(store.take_flush(started));
+        w
+    };
+    let (objects, bytes) = (work.len(), work.iter().map(|d| d.size).sum::<u64>());
+    if objects > 0 {
+        tracing::info!(objects, bytes, admission = %ssd.config.admission, limit_s = limit.as_secs_f64(), "clean stop: writing DRAM objects to SSD");
+    }
+    let failures_before = ssd.write_failures.load(Ordering::Relaxed);
+    let (mut written, mut written_bytes) = (0usize, 0u64);
+    let mut last_log = started;
+    while !work.is_empty() && Instant::now() < deadline {
+        let mut take = 0;
+        let mut batch_bytes = 0u64;
+        while take < work.len() && take < DEMOTE_BATCH_OBJECTS && (take == 0 || batch_bytes + work[take].size <= ssd.batch_bytes) {
+            batch_bytes += work[take].size;
+            take += 1;
+        }
+        let batch: Vec<Demotion> = work.drain(..take).collect();
+        run_demotions(inner, ssd, batch);
+        written += take;
+        written_bytes += batch_bytes;
+        if last_log.elapsed() >= std::time::Duration::from_secs(1) {
+            last_log = Instant::now();
+            tracing::info!(objects = written, of = objects, bytes = written_bytes, "clean stop: SSD flush progress");
+        }
+    }
+    if !work.is_empty() {
+        let left_bytes: u64 = work.iter().map(|d| d.size).sum();
+        tracing::warn!(objects = work.len(), bytes = left_bytes, limit_s = limit.as_secs_f64(), "clean stop: SSD flush time limit reached; these DRAM objects are not kept (raise --ssd-flush-on-stop)");
+        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        for d in &work {
+            store.cancel_demotion(d.key);
+        }
+    }
+    let failed = ssd.write_failures.load(Ordering::Relaxed) - failures_before;
+    if let Err(e) = ssd.store.flush() {
+        tracing::warn!(error = %e, "clean stop: SSD segments not synced");
+    }
+    if objects > 0 {
+        tracing::info!(
+            objects = written as u64 - failed,
+            bytes = written_bytes,
+            failed,
+            not_written = work.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "clean stop: DRAM objects written to SSD"
+        );
+    }
+}
+
 /// Removes from SSD the records of objects that left the index (reset, index pressure,
 /// failed promotions), outside the store lock.
 pub fn drop_records(inner: &PoolInner, ssd: &SsdTier) {

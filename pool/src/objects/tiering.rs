@@ -236,6 +236,45 @@ impl ObjectStore {
         }
     }
 
+    /// Clean stop (`tier::flush_on_stop`): every published DRAM object without an SSD
+    /// record that the admission policy admits now, most recently used first (the likeliest
+    /// to be wanted after the restart), marked demoting like the evictor's choices: end
+    /// each with [`Self::finish_demotion`] or [`Self::cancel_demotion`].
+    pub fn take_flush(&mut self, now: Instant) -> Vec<Demotion> {
+        let Some(admission) = self.ssd_admission else { return Vec::new() };
+        let keys: Vec<GroupKey> = self
+            .lru
+            .values()
+            .rev()
+            .copied()
+            .filter(|k| {
+                let o = &self.objects[k];
+                o.state == ObjectState::Published
+                    && !o.demoting
+                    && o.ssd_at.is_none()
+                    && admission.admits(now.saturating_duration_since(o.stored_at), o.hits)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let o = self.objects.get_mut(&key).expect("present");
+            o.demoting = true;
+            self.demoting_bytes += SlabAllocator::footprint(o.size);
+            out.push(Demotion { key, namespace: o.namespace, offset: o.offset, size: o.size });
+        }
+        out
+    }
+
+    /// A demotion not written after all (the flush ran out of time): the object stays in
+    /// DRAM as it was.
+    pub fn cancel_demotion(&mut self, key: GroupKey) {
+        let Some(o) = self.objects.get_mut(&key) else { return };
+        if o.demoting {
+            o.demoting = false;
+            self.demoting_bytes -= SlabAllocator::footprint(o.size);
+        }
+    }
+
     /// The SSD store dropped these records for room (or found them unreadable): objects
     /// only there leave the index; DRAM copies just forget them.
     pub fn ssd_records_gone(&mut self, gone: &[(ObjectKey, u128)], groups: &crate::groups::TenantGroups) {
