@@ -62,7 +62,7 @@ fn store(w: &mut Worker, keys: &[u128]) -> Result<(), String> {
         }
         let id = w.store(0, &todo).map_err(|e| e.to_string())?;
         let st = wait_ok(w, id)?;
-        if st.iter().any(|s| *s == BlockStatus::Failed) {
+        if st.contains(&BlockStatus::Failed) {
             return Err(format!("store failed: {st:?}"));
         }
         todo = todo.into_iter().zip(st).filter(|(_, s)| *s == BlockStatus::NotStored).map(|(b, _)| b).collect();

@@ -672,7 +672,7 @@ impl SsdStore {
     /// Where the result is None the output's contents are unspecified.
     pub fn get_batch(&self, keys: &[(ObjectKey, u128)], outs: &mut [&mut Vec<u8>]) -> Vec<Option<SsdObjectInfo>> {
         assert_eq!(keys.len(), outs.len(), "one output per key");
-        let outs: Vec<Out<'_>> = outs.iter_mut().map(|o| Out::Grow(&mut **o)).collect();
+        let outs: Vec<Out<'_>> = outs.iter_mut().map(|o| Out::Grow(o)).collect();
         self.read_into(keys, outs)
     }
 
@@ -683,7 +683,7 @@ impl SsdStore {
     /// contents are unspecified (it may hold part of the record: never use it).
     pub fn get_batch_into(&self, keys: &[(ObjectKey, u128)], outs: &mut [&mut [u8]]) -> Vec<Option<SsdObjectInfo>> {
         assert_eq!(keys.len(), outs.len(), "one output per key");
-        let outs: Vec<Out<'_>> = outs.iter_mut().map(|o| Out::Exact(&mut **o)).collect();
+        let outs: Vec<Out<'_>> = outs.iter_mut().map(|o| Out::Exact(o)).collect();
         self.read_into(keys, outs)
     }
 
