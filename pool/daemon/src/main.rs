@@ -509,7 +509,7 @@ mod tests {
         assert_eq!(c.flush_on_stop, umbp_pool::ssd::DEFAULT_FLUSH_ON_STOP);
         let err = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap_err().to_string();
         for bad in ["-1", "soon", "1e9"] {
-            let e = err(&["--ssd-dir", pa, "--ssd-flush-on-stop", bad]);
+            let e = err(&["--ssd-dir", pa, &format!("--ssd-flush-on-stop={bad}")]);
             assert!(e.contains("ssd-flush-on-stop") && e.contains(bad), "{e}");
         }
         let missing = a.path().join("nope");
