@@ -223,6 +223,72 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
     drop_records(inner, ssd);
 }
 
+/// Most objects one prefetch pass promotes (one fetch batch).
+const PREFETCH_BATCH: usize = 256;
+
+/// Touch-hint prefetch (best effort; the evictor thread): promotes SSD objects a
+/// scheduler's hint found, before the load that usually follows, while DRAM is below its
+/// high watermark (a prefetch never makes the evictor drop or demote anything). Same
+/// steps as a load's promotion (`begin_promotion`, a batched fetch straight into DRAM,
+/// `finish_promotion`), then unpinned: the object is a plain DRAM object, most recently
+/// used. A load that arrives meanwhile waits for it (`Promoting`) instead of reading again.
+/// Returns how many were promoted.
+pub fn prefetch(inner: &PoolInner, ssd: &SsdTier, keys: Vec<crate::objects::GroupKey>) -> usize {
+    let mut keys = keys;
+    let mut promoted = 0;
+    while !keys.is_empty() {
+        let mut mine: Vec<(crate::objects::GroupKey, u64, u64, u128)> = Vec::new();
+        {
+            let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+            let take = keys.len().min(PREFETCH_BATCH);
+            let batch: Vec<crate::objects::GroupKey> = keys.drain(..take).collect();
+            for key in batch {
+                if store.needs_eviction() {
+                    keys.clear();
+                    break;
+                }
+                // Only objects still on SSD (not promoted, loaded or dropped meanwhile).
+                let Some(size) = store.size_on(key, Tier::Ssd) else { continue };
+                if let Some((offset, _, namespace)) = store.begin_promotion(key) {
+                    mine.push((key, offset, size, namespace));
+                }
+            }
+        }
+        if mine.is_empty() {
+            continue;
+        }
+        let guard = PromotionGuard::new(inner, mine.iter().map(|m| (m.0, Tier::Ssd)).collect());
+        let base = inner.dram.base();
+        let mut items: Vec<FetchItem<'_>> = mine
+            .iter()
+            .map(|&(key, offset, size, namespace)| FetchItem {
+                key: key.key,
+                namespace,
+                // SAFETY: `begin_promotion` allocated these `size` bytes of DRAM to this
+                // object and marked it promoting, pinned by this prefetch: no other object
+                // shares them, no copy reads them (loads of it wait) and nothing frees them
+                // until `finish_promotion` below. Distinct objects' allocations do not
+                // overlap, so the slices are disjoint.
+                dst: unsafe { std::slice::from_raw_parts_mut(base.add(offset as usize), size as usize) },
+            })
+            .collect();
+        let ok = ssd.fetch(&mut items);
+        drop(items);
+        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        guard.disarm();
+        for (m, ok) in mine.iter().zip(ok) {
+            if store.finish_promotion(m.0, ok) {
+                store.finish_load(m.0);
+                promoted += 1;
+            }
+        }
+    }
+    if promoted > 0 {
+        tracing::debug!(promoted, "SSD objects prefetched on touch hints");
+    }
+    promoted
+}
+
 /// Clean stop: writes the DRAM objects the admission policy admits (and that have no SSD
 /// record yet) to SSD, most recently used first, in demotion batches, for at most `limit`;
 /// then seals and syncs the segments. A restart on the same directories lists them again.

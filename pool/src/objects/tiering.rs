@@ -21,6 +21,9 @@ pub struct Demotion {
     pub size: u64,
 }
 
+/// Most touch-hinted lower-tier objects queued for prefetch between two evictor passes.
+pub const PREFETCH_QUEUE: usize = 4096;
+
 /// Tier counters of the store (reports).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierStats {
@@ -273,6 +276,16 @@ impl ObjectStore {
             o.demoting = false;
             self.demoting_bytes -= SlabAllocator::footprint(o.size);
         }
+    }
+
+    /// The size of `key` if it is listed on `tier` only (not in DRAM, not being promoted).
+    pub fn size_on(&self, key: GroupKey, tier: Tier) -> Option<u64> {
+        self.objects.get(&key).filter(|o| o.state == ObjectState::Lower { tier }).map(|o| o.size)
+    }
+
+    /// Lower-tier objects touch hints asked for since the last call (tier::prefetch).
+    pub fn take_prefetch(&mut self) -> Vec<GroupKey> {
+        std::mem::take(&mut self.prefetch)
     }
 
     /// The SSD store dropped these records for room (or found them unreadable): objects
