@@ -4,7 +4,7 @@
 //! `Tier::Remote` index entries, and is installed as the pool's `RemoteTier` so a load of
 //! a remote entry pulls the object over NIXL.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,32 +18,60 @@ use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
 use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool};
 
-struct PoolSide(ClusterAccess);
+/// The default cap on remote entries: this share of group 0's index capacity, so peers'
+/// keys never take more than half of the index (local objects keep the rest).
+pub const DEFAULT_REMOTE_SHARE: f64 = 0.5;
+
+/// How the tier runs on the pool.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TierOptions {
+    /// Most remote entries listed in the local index at once (`--cluster-max-remote-entries`);
+    /// None: [`DEFAULT_REMOTE_SHARE`] of the index capacity. Remote keys past it are not
+    /// listed (counted in `remote_refused`); local objects never lose index room to them.
+    pub max_remote_entries: Option<u64>,
+}
+
+struct PoolSide {
+    access: ClusterAccess,
+    max_remote: u64,
+    /// Remote keys not listed because of the cap.
+    refused: AtomicU64,
+}
+
+impl PoolSide {
+    fn list(&self, key: ObjectKey, size: u64, namespace: u128) -> bool {
+        let listed = self.access.insert_remote(HeldObject { key, size, namespace }, self.max_remote);
+        if !listed && self.access.remote_entries() >= self.max_remote && self.refused.fetch_add(1, Ordering::Relaxed) == 0 {
+            tracing::warn!(cap = self.max_remote, "cluster: remote entries reached --cluster-max-remote-entries; further remote keys are not listed");
+        }
+        listed
+    }
+}
 
 impl LocalPool for PoolSide {
     fn snapshot(&self) -> Vec<KeyChange> {
-        self.0.dram_objects().into_iter().map(|o| KeyChange::stored(o.key.0, o.size, o.namespace)).collect()
+        self.access.dram_objects().into_iter().map(|o| KeyChange::stored(o.key.0, o.size, o.namespace)).collect()
     }
 
     fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
         if group != 0 {
             return Err(format!("group {group}: the cluster tier serves group 0 only"));
         }
-        self.0.pin(key, size)
+        self.access.pin(key, size)
     }
 
     fn unpin(&self, _group: u32, key: ObjectKey) {
-        self.0.unpin(key);
+        self.access.unpin(key);
     }
 
     fn apply_index(&self, changes: &[IndexChange]) {
         for c in changes {
             match *c {
                 IndexChange::Insert(o) if o.group == 0 => {
-                    self.0.insert_remote(HeldObject { key: o.key, size: o.size, namespace: o.namespace });
+                    self.list(o.key, o.size, o.namespace);
                 }
                 IndexChange::Remove((0, k)) => {
-                    self.0.remove_remote(k);
+                    self.access.remove_remote(k);
                 }
                 _ => {}
             }
@@ -80,6 +108,7 @@ impl TierSource for FetchSide {
 /// A running cluster tier; stops on drop.
 pub struct ClusterTier {
     cluster: Arc<Cluster>,
+    side: Arc<PoolSide>,
     stop: Arc<AtomicBool>,
     follower: Option<std::thread::JoinHandle<()>>,
 }
@@ -94,27 +123,40 @@ pub enum TierError {
 
 impl ClusterTier {
     /// Starts the node over `access`'s pool and installs it as the pool's remote tier.
-    pub fn start(access: ClusterAccess, cfg: ClusterConfig, discovery: Box<dyn Discovery>) -> Result<Self, TierError> {
+    pub fn start(access: ClusterAccess, cfg: ClusterConfig, discovery: Box<dyn Discovery>, opts: TierOptions) -> Result<Self, TierError> {
         if access.has_tenant_groups() {
             return Err(TierError::TenantGroups);
         }
         let (base, len) = access.dram();
         let events = access.events_memory();
+        let max_remote = opts.max_remote_entries.unwrap_or((access.index_capacity() as f64 * DEFAULT_REMOTE_SHARE) as u64);
+        let side = Arc::new(PoolSide { access: access.clone(), max_remote, refused: AtomicU64::new(0) });
         // SAFETY: the pool's DRAM mapping lives as long as the pool, and the pool outlives
         // this tier (the daemon drops the tier first); peers read only objects they pinned.
-        let cluster = Arc::new(unsafe { Cluster::start(cfg, discovery, Arc::new(PoolSide(access.clone())), base, len) }?);
+        let cluster = Arc::new(unsafe { Cluster::start(cfg, discovery, side.clone(), base, len) }?);
         access.set_remote_source(Arc::new(FetchSide(cluster.clone(), access.clone())));
         let stop = Arc::new(AtomicBool::new(false));
-        let (c, s, a) = (cluster.clone(), stop.clone(), access.clone());
+        let (c, s, p) = (cluster.clone(), stop.clone(), side.clone());
         let follower = std::thread::Builder::new()
             .name("cluster-events".into())
-            .spawn(move || follow(&c, &a, &events, &s))
+            .spawn(move || follow(&c, &p, &events, &s))
             .expect("spawn");
-        Ok(Self { cluster, stop, follower: Some(follower) })
+        tracing::info!(max_remote_entries = max_remote, "cluster tier on the pool");
+        Ok(Self { cluster, side, stop, follower: Some(follower) })
     }
 
     pub fn cluster(&self) -> &Arc<Cluster> {
         &self.cluster
+    }
+
+    /// The cap on remote entries in effect.
+    pub fn max_remote_entries(&self) -> u64 {
+        self.side.max_remote
+    }
+
+    /// Remote keys not listed because of the cap.
+    pub fn remote_refused(&self) -> u64 {
+        self.side.refused.load(Ordering::Relaxed)
     }
 }
 
@@ -129,7 +171,15 @@ impl Drop for ClusterTier {
 
 /// Follows group 0's KV event log and publishes its changes to the subscribers. An
 /// overrun (the log lapped this reader) makes every subscriber re-join for a snapshot.
-fn follow(cluster: &Cluster, access: &ClusterAccess, events: &umbp_ipc::SharedMemory, stop: &AtomicBool) {
+///
+/// It also keeps the index a mirror of the catalog: a remote entry that left the index
+/// while a live peer still advertises the key (a failed fetch from one holder — a stopped
+/// or slow peer — drops the entry like any failed promotion, index pressure, a reset) is
+/// listed again, so the next load pulls it from the holder placement picks then. Without
+/// this a key held by two peers would vanish here for good when one of them failed a
+/// fetch: the catalog only re-inserts a key when its first holder appears.
+fn follow(cluster: &Cluster, side: &PoolSide, events: &umbp_ipc::SharedMemory, stop: &AtomicBool) {
+    let access = &side.access;
     // SAFETY: the pool's event log region, formatted at its start and mapped as long as
     // `events` lives (held by the caller's closure).
     let log = match unsafe { EventLog::attach(events.as_ptr(), events.len()) } {
@@ -151,6 +201,11 @@ fn follow(cluster: &Cluster, access: &ClusterAccess, events: &umbp_ipc::SharedMe
         }
         changes.clear();
         for e in &buf {
+            if e.kind != EventKind::Stored && e.tier == Tier::Remote {
+                if let Some(o) = cluster.remote_object(0, e.key) {
+                    side.list(o.key, o.size, o.namespace);
+                }
+            }
             let mut c = KeyChange { tier: e.tier as u8, ..KeyChange::removed(e.key.0) };
             if e.kind == EventKind::Stored {
                 c.stored = true;
