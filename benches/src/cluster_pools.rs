@@ -61,6 +61,9 @@ fn start_pool(socket: &std::path::Path, bytes: u64, block: u64) -> Result<umbp_p
         // Room for the prefix and the lookup's prefix, below the eviction watermark.
         capacity_bytes: (bytes + LOOKUP_BLOCKS * block) * 3 / 2,
         min_object_bytes: 64 << 10,
+        // Steady state: DRAM touched once (a fresh pool's first remote loads also pay the
+        // page faults of their destinations; the fetch-level cases warm up likewise).
+        prefault: true,
         ..Default::default()
     };
     umbp_pool::Pool::start(cfg).map_err(|e| e.to_string())
@@ -220,6 +223,7 @@ pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Res
             .extra("prefix_tokens", a.prefix_tokens)
             .extra("request_blocks", REQUEST_BLOCKS)
             .extra("remote_fetches", stats.fetches)
+            .extra("prefault", true)
             .extra("ucx_tls", std::env::var("UCX_TLS").unwrap_or_default())
             .extra("verified_bytes", true)
     };

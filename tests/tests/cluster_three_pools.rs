@@ -197,7 +197,9 @@ fn three_pools_share_blocks_survive_a_stopped_peer_and_cap_remote_entries() {
     wait_until("pool 2's keys to leave pools 1's and 3's indexes", bound, || listed(&mut idx1, &k3) == 0 && listed(&mut idx3, &k3) == 0);
     let gone = stopped.elapsed();
     println!("the stopped pool's keys left both indexes {gone:?} after SIGSTOP (dead-after {DEAD_AFTER_MS} ms)");
-    assert!(gone >= Duration::from_millis(DEAD_AFTER_MS - HEARTBEAT_MS - 100), "dropped after {gone:?}, before the heartbeat bound");
+    // (Lower bound loose for a loaded machine, where the last heartbeat before the stop
+    // may be late: what it rules out is a drop by connection reset, within milliseconds.)
+    assert!(gone >= Duration::from_millis(DEAD_AFTER_MS / 2), "dropped after {gone:?}, long before the heartbeat bound");
     // Its objects are misses (recompute), never wrong bytes.
     let m = load(&pool3, "per-layer", 2000, 100);
     assert_eq!((n(&m, "loaded"), n(&m, "corrupt"), n(&m, "missing") + n(&m, "failed")), (0, 0, 100), "{m}");
