@@ -5,7 +5,8 @@
 //! a remote entry pulls the object over NIXL.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use umbp_pool::remote::{ClusterAccess, HeldObject};
@@ -27,24 +28,50 @@ pub const DEFAULT_REMOTE_SHARE: f64 = 0.5;
 pub struct TierOptions {
     /// Most remote entries listed in the local index at once (`--cluster-max-remote-entries`);
     /// None: [`DEFAULT_REMOTE_SHARE`] of the index capacity. Remote keys past it are not
-    /// listed (counted in `remote_refused`); local objects never lose index room to them.
+    /// listed until room frees (counted in `remote_refused`); local objects never lose
+    /// index room to them.
     pub max_remote_entries: Option<u64>,
 }
 
 struct PoolSide {
     access: ClusterAccess,
     max_remote: u64,
-    /// Remote keys not listed because of the cap.
+    /// Remote keys not listed because of the cap (a count, for reports and the one warning).
     refused: AtomicU64,
+    /// Those keys, listed when room frees (a remote entry promoted or removed) while a peer
+    /// still advertises them; forgotten when the catalog drops them.
+    waiting: Mutex<HashSet<ObjectKey>>,
 }
 
 impl PoolSide {
     fn list(&self, key: ObjectKey, size: u64, namespace: u128) -> bool {
         let listed = self.access.insert_remote(HeldObject { key, size, namespace }, self.max_remote);
-        if !listed && self.access.remote_entries() >= self.max_remote && self.refused.fetch_add(1, Ordering::Relaxed) == 0 {
-            tracing::warn!(cap = self.max_remote, "cluster: remote entries reached --cluster-max-remote-entries; further remote keys are not listed");
+        if !listed && self.access.remote_entries() >= self.max_remote {
+            self.waiting.lock().expect("waiting").insert(key);
+            if self.refused.fetch_add(1, Ordering::Relaxed) == 0 {
+                tracing::warn!(
+                    cap = self.max_remote,
+                    "cluster: remote entries reached --cluster-max-remote-entries; further remote keys are listed only as room frees"
+                );
+            }
         }
         listed
+    }
+
+    /// Lists keys the cap held back while there is room and a peer still advertises them.
+    fn refill(&self, cluster: &Cluster) {
+        loop {
+            if self.access.remote_entries() >= self.max_remote {
+                return;
+            }
+            let Some(k) = self.waiting.lock().expect("waiting").iter().next().copied() else { return };
+            self.waiting.lock().expect("waiting").remove(&k);
+            if let Some(o) = cluster.remote_object(0, k) {
+                if !self.list(o.key, o.size, o.namespace) && self.access.remote_entries() >= self.max_remote {
+                    return; // raced with another listing: back in `waiting`
+                }
+            }
+        }
     }
 }
 
@@ -71,6 +98,7 @@ impl LocalPool for PoolSide {
                     self.list(o.key, o.size, o.namespace);
                 }
                 IndexChange::Remove((0, k)) => {
+                    self.waiting.lock().expect("waiting").remove(&k);
                     self.access.remove_remote(k);
                 }
                 _ => {}
@@ -130,7 +158,7 @@ impl ClusterTier {
         let (base, len) = access.dram();
         let events = access.events_memory();
         let max_remote = opts.max_remote_entries.unwrap_or((access.index_capacity() as f64 * DEFAULT_REMOTE_SHARE) as u64);
-        let side = Arc::new(PoolSide { access: access.clone(), max_remote, refused: AtomicU64::new(0) });
+        let side = Arc::new(PoolSide { access: access.clone(), max_remote, refused: AtomicU64::new(0), waiting: Mutex::new(HashSet::new()) });
         // SAFETY: the pool's DRAM mapping lives as long as the pool, and the pool outlives
         // this tier (the daemon drops the tier first); peers read only objects they pinned.
         let cluster = Arc::new(unsafe { Cluster::start(cfg, discovery, side.clone(), base, len) }?);
@@ -200,8 +228,10 @@ fn follow(cluster: &Cluster, side: &PoolSide, events: &umbp_ipc::SharedMemory, s
             cluster.resync_subscribers();
         }
         changes.clear();
+        let mut room_freed = false;
         for e in &buf {
             if e.kind != EventKind::Stored && e.tier == Tier::Remote {
+                room_freed = true;
                 if let Some(o) = cluster.remote_object(0, e.key) {
                     side.list(o.key, o.size, o.namespace);
                 }
@@ -218,6 +248,9 @@ fn follow(cluster: &Cluster, side: &PoolSide, events: &umbp_ipc::SharedMemory, s
             changes.push(c);
         }
         cluster.publish(&changes);
+        if room_freed {
+            side.refill(cluster);
+        }
         if r.read == 0 {
             std::thread::sleep(Duration::from_millis(2));
         }

@@ -45,8 +45,8 @@ impl ClusterArgs {
     /// The node's configuration, None without --cluster-listen; errors name the flag.
     pub fn config(&self, namespace_acl: bool) -> anyhow::Result<Option<(ClusterConfig, Vec<String>, TierOptions)>> {
         let Some(listen) = self.listen.clone() else {
-            if !self.peers.is_empty() || self.secret_file.is_some() {
-                anyhow::bail!("--cluster-peer and --cluster-secret-file need --cluster-listen");
+            if !self.peers.is_empty() || self.secret_file.is_some() || self.max_remote_entries.is_some() {
+                anyhow::bail!("--cluster-peer, --cluster-secret-file and --cluster-max-remote-entries need --cluster-listen");
             }
             return Ok(None);
         };
