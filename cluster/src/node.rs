@@ -273,6 +273,11 @@ impl Cluster {
         self.inner.state.lock().expect("state").catalog.source((group, key)).is_some()
     }
 
+    /// The connected peers that advertise `key` (placement picks among them).
+    pub fn holders(&self, group: u32, key: ObjectKey) -> Vec<NodeId> {
+        self.inner.state.lock().expect("state").catalog.holders((group, key)).to_vec()
+    }
+
     /// `key` as the catalog knows it, while some connected peer advertises it.
     pub fn remote_object(&self, group: u32, key: ObjectKey) -> Option<RemoteObject> {
         self.inner.state.lock().expect("state").catalog.object((group, key))
