@@ -41,6 +41,9 @@ struct PoolSide {
     /// Those keys, listed when room frees (a remote entry promoted or removed) while a peer
     /// still advertises them; forgotten when the catalog drops them.
     waiting: Mutex<HashSet<ObjectKey>>,
+    /// Keys whose pull failed: their promotion's `Removed(remote)` re-lists them while a
+    /// live peer advertises them (other removals, a reset or index pressure, do not).
+    failed: Mutex<HashSet<ObjectKey>>,
 }
 
 impl PoolSide {
@@ -107,7 +110,7 @@ impl LocalPool for PoolSide {
     }
 }
 
-struct FetchSide(Arc<Cluster>, ClusterAccess);
+struct FetchSide(Arc<Cluster>, ClusterAccess, Arc<PoolSide>);
 
 impl TierSource for FetchSide {
     fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
@@ -122,6 +125,8 @@ impl TierSource for FetchSide {
             .map(|(r, res)| match res {
                 Ok(_) => true,
                 Err(e) => {
+                    // Before the pool drops the promotion (its event comes after this).
+                    self.2.failed.lock().expect("failed").insert(r.key);
                     if e.destination_tainted() {
                         let leaked = self.1.abandon_promotion(r.key);
                         tracing::warn!(key = format!("{:032x}", r.key.0), leaked, "remote read timed out: its DRAM is quarantined");
@@ -158,11 +163,17 @@ impl ClusterTier {
         let (base, len) = access.dram();
         let events = access.events_memory();
         let max_remote = opts.max_remote_entries.unwrap_or((access.index_capacity() as f64 * DEFAULT_REMOTE_SHARE) as u64);
-        let side = Arc::new(PoolSide { access: access.clone(), max_remote, refused: AtomicU64::new(0), waiting: Mutex::new(HashSet::new()) });
+        let side = Arc::new(PoolSide {
+            access: access.clone(),
+            max_remote,
+            refused: AtomicU64::new(0),
+            waiting: Mutex::new(HashSet::new()),
+            failed: Mutex::new(HashSet::new()),
+        });
         // SAFETY: the pool's DRAM mapping lives as long as the pool, and the pool outlives
         // this tier (the daemon drops the tier first); peers read only objects they pinned.
         let cluster = Arc::new(unsafe { Cluster::start(cfg, discovery, side.clone(), base, len) }?);
-        access.set_remote_source(Arc::new(FetchSide(cluster.clone(), access.clone())));
+        access.set_remote_source(Arc::new(FetchSide(cluster.clone(), access.clone(), side.clone())));
         let stop = Arc::new(AtomicBool::new(false));
         let (c, s, p) = (cluster.clone(), stop.clone(), side.clone());
         let follower = std::thread::Builder::new()
@@ -200,12 +211,13 @@ impl Drop for ClusterTier {
 /// Follows group 0's KV event log and publishes its changes to the subscribers. An
 /// overrun (the log lapped this reader) makes every subscriber re-join for a snapshot.
 ///
-/// It also keeps the index a mirror of the catalog: a remote entry that left the index
-/// while a live peer still advertises the key (a failed fetch from one holder — a stopped
-/// or slow peer — drops the entry like any failed promotion, index pressure, a reset) is
-/// listed again, so the next load pulls it from the holder placement picks then. Without
-/// this a key held by two peers would vanish here for good when one of them failed a
-/// fetch: the catalog only re-inserts a key when its first holder appears.
+/// It also lists again a remote entry whose pull failed (a stopped or slow holder: the
+/// pool drops the promoting object like any failed promotion) while a live peer still
+/// advertises the key, so the next load pulls it from the holder placement picks then.
+/// Without this a key held by two peers would vanish here for good when one of them failed
+/// a fetch: the catalog only re-inserts a key when its first holder appears. Entries
+/// removed otherwise (a reset, index pressure) are not re-listed. Any removal of a remote
+/// entry frees room under the cap: held-back keys are listed then.
 fn follow(cluster: &Cluster, side: &PoolSide, events: &umbp_ipc::SharedMemory, stop: &AtomicBool) {
     let access = &side.access;
     // SAFETY: the pool's event log region, formatted at its start and mapped as long as
@@ -232,8 +244,10 @@ fn follow(cluster: &Cluster, side: &PoolSide, events: &umbp_ipc::SharedMemory, s
         for e in &buf {
             if e.kind != EventKind::Stored && e.tier == Tier::Remote {
                 room_freed = true;
-                if let Some(o) = cluster.remote_object(0, e.key) {
-                    side.list(o.key, o.size, o.namespace);
+                if side.failed.lock().expect("failed").remove(&e.key) {
+                    if let Some(o) = cluster.remote_object(0, e.key) {
+                        side.list(o.key, o.size, o.namespace);
+                    }
                 }
             }
             let mut c = KeyChange { tier: e.tier as u8, ..KeyChange::removed(e.key.0) };
