@@ -35,8 +35,8 @@ pub struct ClusterArgs {
     #[arg(long = "cluster-read-timeout-ms", value_name = "MS", default_value_t = 5000)]
     pub read_timeout_ms: u64,
     /// Most peers' keys listed in this pool's index at once (remote entries never crowd
-    /// local objects out past it; further remote keys are not listed) [default: half of
-    /// the index capacity]
+    /// local objects out past it; further remote keys wait and are listed as room frees)
+    /// [default: half of the index capacity]
     #[arg(long = "cluster-max-remote-entries", value_name = "N")]
     pub max_remote_entries: Option<u64>,
 }
