@@ -60,7 +60,8 @@ pub(crate) const THREADS: u32 = 512;
 /// `l*16 + k*512` for k = 0..8, then stores them), the rest of a page below 4 KiB in
 /// 16-byte steps. A warp loads its next page's descriptor before it copies the current
 /// page: the list lives in device-mapped pinned memory, so a descriptor load is a PCIe
-/// round trip that would otherwise precede every page's first data access. Streaming
+/// round trip that would otherwise precede every page's first data access (H200,
+/// 2026-12-01: within 1 % of the kernel without it; kept, not slower). Streaming
 /// cache hints (`.cs`) keep the pages from evicting the engine's working set from L2.
 /// Hand-written so that nothing needs nvcc; the driver compiles it for the GPU at load.
 pub(crate) const PTX: &str = r#"
