@@ -1,0 +1,373 @@
+//! Moving objects between tiers: the evictor's passes (bytes, index entries, namespace
+//! quotas), demotion to SSD and promotion back to DRAM, and listing lower-tier objects
+//! (warm restart, remote keys).
+
+use std::time::Instant;
+
+use umbp_protocol::index::Insert;
+use umbp_protocol::location::{self, Tier};
+use umbp_protocol::ObjectKey;
+
+use super::{GroupIndex, GroupKey, Held, Object, ObjectEvent, ObjectState, ObjectStore};
+use crate::alloc::SlabAllocator;
+
+/// An object the evictor chose for demotion: its DRAM bytes (stable until
+/// [`ObjectStore::finish_demotion`]) to write to SSD.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Demotion {
+    pub key: GroupKey,
+    pub namespace: u128,
+    pub offset: u64,
+    pub size: u64,
+}
+
+/// Tier counters of the store (reports).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierStats {
+    /// Objects listed in the indexes by tier (DRAM: published in DRAM, incl. promoting).
+    pub objects: [u64; 3],
+    pub demotions: u64,
+    pub demoted_bytes: u64,
+    pub not_admitted: u64,
+    pub demotion_failures: u64,
+    pub promotions: u64,
+    pub promoted_bytes: u64,
+    pub promotion_failures: u64,
+    /// Objects moved to SSD without a write (their record was still there).
+    pub clean_demotions: u64,
+    /// Objects listed at start from the SSD segments.
+    pub restored: u64,
+}
+
+impl ObjectStore {
+    /// Turns on demotion to SSD with this admission policy.
+    pub fn set_ssd_admission(&mut self, admission: crate::ssd::SsdAdmission) {
+        self.ssd_admission = Some(admission);
+    }
+
+    /// Tier counters; `objects` by tier.
+    pub fn tier_stats(&self) -> TierStats {
+        let mut t = self.tier_stats;
+        let listed = self.published_count();
+        let lower: u64 = self.lower.iter().sum();
+        t.objects = self.lower;
+        t.objects[Tier::Dram as usize] = listed.saturating_sub(lower);
+        t
+    }
+
+    /// Objects chosen for demotion since the last call.
+    pub fn take_demotions(&mut self) -> Vec<Demotion> {
+        std::mem::take(&mut self.demotions)
+    }
+
+    /// SSD records to remove (their objects left the index) since the last call.
+    pub fn take_ssd_drops(&mut self) -> Vec<(ObjectKey, u128)> {
+        std::mem::take(&mut self.ssd_drops)
+    }
+
+    /// A group's index watermark in entries (`wm` of its capacity).
+    fn index_mark(g: &GroupIndex, wm: f64) -> u64 {
+        (g.index.capacity() as f64 * wm) as u64
+    }
+
+    fn namespace_over(&self, h: &Held, f: f64) -> bool {
+        let p = &self.policy;
+        h.objects as f64 > p.namespace_max_objects as f64 * f || h.bytes as f64 > p.namespace_max_bytes as f64 * f
+    }
+
+    /// Whether the evictor has work: bytes or index slots above their high watermark, or
+    /// a namespace above its quota's.
+    pub fn needs_eviction(&self) -> bool {
+        let p = &self.policy;
+        self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes) > p.high_bytes
+            || self.groups.iter().any(|g| g.used() > Self::index_mark(g, p.index_high_wm))
+            || self.held.values().any(|h| self.namespace_over(h, p.namespace_high))
+    }
+
+    /// One evictor pass (evictor.rs): LRU eviction down to the low watermarks of bytes and
+    /// of index entries, and of each namespace over its quota's high mark down to its low
+    /// mark. Skips objects being written, pinned or leased. Returns how many went.
+    pub fn evict(&mut self, now: Instant) -> usize {
+        let p = self.policy;
+        let mut n = 0;
+        if self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes) > p.high_bytes {
+            n += self.evict_to(p.low_bytes, now);
+        }
+        for group in 0..self.groups.len() {
+            let g = &mut self.groups[group];
+            let (high, low) = (Self::index_mark(g, p.index_high_wm), Self::index_mark(g, p.index_low_wm));
+            if g.used() <= high {
+                continue;
+            }
+            // Tombstones go by rebuilding; only live entries need evicting.
+            if g.index.tombstones() > 0 {
+                g.index.rebuild();
+            }
+            if g.index.len() > high {
+                let excess = g.index.len() - low.min(g.index.len());
+                let victims = self.pick_lru(Victims::Group(group as u32), now, |_, evicted| evicted as u64 >= excess);
+                let k = victims.len();
+                for v in victims {
+                    self.drop_object(v);
+                }
+                self.evictions += k as u64;
+                self.index_evictions += k as u64;
+                n += k;
+            }
+        }
+        let over: Vec<(u128, Held)> =
+            self.held.iter().filter(|(_, h)| self.namespace_over(h, p.namespace_high)).map(|(ns, h)| (*ns, *h)).collect();
+        for (ns, h) in over {
+            let (max_o, max_b) = (p.namespace_max_objects as f64 * p.namespace_low, p.namespace_max_bytes as f64 * p.namespace_low);
+            let (mut objects, mut bytes) = (h.objects, h.bytes);
+            let victims = self.pick_lru(Victims::Namespace(ns), now, |size, _| {
+                objects -= 1;
+                bytes = bytes.saturating_sub(SlabAllocator::footprint(size));
+                objects as f64 <= max_o && bytes as f64 <= max_b
+            });
+            let k = victims.len();
+            for v in victims {
+                self.drop_object(v);
+            }
+            self.evictions += k as u64;
+            self.quota_evictions += k as u64;
+            n += k;
+        }
+        n
+    }
+
+    /// Least recently used evictable objects (of `which`) until
+    /// `enough(size of the one just chosen, count chosen so far)` says so. DRAM objects
+    /// for `Any` and `Namespace` (they free DRAM); for `Group` (index pressure) objects on
+    /// lower tiers too (they free index entries).
+    fn pick_lru(&self, which: Victims, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> Vec<GroupKey> {
+        let mut victims = Vec::new();
+        for (_, key) in self.lru.iter() {
+            let o = &self.objects[key];
+            let mine = match which {
+                Victims::Any => Self::evictable(o, now),
+                Victims::Namespace(ns) => o.namespace == ns && Self::evictable(o, now),
+                Victims::Group(g) => key.group == g && (Self::evictable(o, now) || matches!(o.state, ObjectState::Lower { .. })),
+            };
+            if !mine {
+                continue;
+            }
+            victims.push(*key);
+            if enough(o.size, victims.len()) {
+                break;
+            }
+        }
+        victims
+    }
+
+    fn evictable(o: &Object, now: Instant) -> bool {
+        let leased = o.lease.is_some_and(|l| l.until > now);
+        o.state == ObjectState::Published && o.pins == 0 && !leased && !o.demoting
+    }
+
+    /// Takes a DRAM object out of DRAM for byte pressure: to SSD at once if its record is
+    /// still there, chosen for demotion if the admission policy admits it, else dropped.
+    fn evict_dram(&mut self, key: GroupKey, now: Instant) {
+        let o = &self.objects[&key];
+        let Some(admission) = self.ssd_admission else {
+            self.drop_object(key);
+            return;
+        };
+        if let Some(payload) = o.ssd_at {
+            self.tier_stats.clean_demotions += 1;
+            self.move_to_lower(key, Tier::Ssd, payload);
+        } else if admission.admits(now.saturating_duration_since(o.stored_at), o.hits) {
+            let d = Demotion { key, namespace: o.namespace, offset: o.offset, size: o.size };
+            self.demoting_bytes += SlabAllocator::footprint(o.size);
+            self.objects.get_mut(&key).expect("present").demoting = true;
+            self.demotions.push(d);
+        } else {
+            self.tier_stats.not_admitted += 1;
+            self.drop_object(key);
+        }
+    }
+
+    /// Frees a DRAM object's bytes and lists it as on `tier` (no I/O: its bytes are
+    /// there already). The caller checked it is published, unpinned and not demoting.
+    fn move_to_lower(&mut self, key: GroupKey, tier: Tier, payload: u64) {
+        let o = self.objects.get_mut(&key).expect("present");
+        debug_assert!(o.state == ObjectState::Published && o.pins == 0 && !o.demoting);
+        o.state = ObjectState::Lower { tier };
+        let (offset, size, namespace, lease) = (o.offset, o.size, o.namespace, o.lease.take());
+        if let Some(l) = lease {
+            self.leases.get_mut(&l.uid).expect("a lease has its book").bytes -= size;
+        }
+        self.alloc.free(offset, size);
+        self.release_held(namespace, size);
+        self.lower[tier as usize] += 1;
+        self.groups[key.group as usize].index.set_location(key.key, location::encode(tier, payload));
+        self.push_event(key.group, ObjectEvent::Removed(key.key), Tier::Dram);
+        self.push_event(key.group, ObjectEvent::Stored(key.key), tier);
+    }
+
+    /// The demoter wrote (Ok: at location payload) or failed to write a demoted object.
+    /// Written: it leaves DRAM now (unless a load pinned it or a hint leased it
+    /// meanwhile: then the next eviction moves it without a write). Failed: it just goes,
+    /// like an eviction without an SSD tier (a pinned one stays in DRAM).
+    pub fn finish_demotion(&mut self, key: GroupKey, written: Result<u64, ()>, now: Instant) {
+        let Some(o) = self.objects.get_mut(&key) else { return };
+        if !o.demoting {
+            return;
+        }
+        o.demoting = false;
+        let size = o.size;
+        self.demoting_bytes -= SlabAllocator::footprint(size);
+        let free_now = o.pins == 0 && o.lease.is_none_or(|l| l.until <= now);
+        match written {
+            Ok(payload) => {
+                o.ssd_at = Some(payload);
+                self.tier_stats.demotions += 1;
+                self.tier_stats.demoted_bytes += size;
+                if free_now {
+                    self.move_to_lower(key, Tier::Ssd, payload);
+                }
+            }
+            Err(()) => {
+                self.tier_stats.demotion_failures += 1;
+                if free_now {
+                    self.drop_object(key);
+                }
+            }
+        }
+    }
+
+    /// The SSD store dropped these records for room (or found them unreadable): objects
+    /// only there leave the index; DRAM copies just forget them.
+    pub fn ssd_records_gone(&mut self, gone: &[(ObjectKey, u128)], groups: &crate::groups::TenantGroups) {
+        for &(key, ns) in gone {
+            let gk = GroupKey::new(groups.group_of(ns), key);
+            let Some(o) = self.objects.get_mut(&gk) else { continue };
+            if o.namespace != ns {
+                continue;
+            }
+            o.ssd_at = None;
+            if o.state == (ObjectState::Lower { tier: Tier::Ssd }) {
+                self.drop_object(gk);
+            }
+        }
+    }
+
+    /// Lists an object found on a lower tier at start (warm restart): in its group's
+    /// index as that tier. False if the key is already held in that group (the first
+    /// listed wins) or the index is full.
+    pub fn insert_lower(&mut self, group: u32, namespace: u128, key: ObjectKey, size: u64, tier: Tier, payload: u64) -> bool {
+        let gk = GroupKey::new(group, key);
+        if self.objects.contains_key(&gk) {
+            return false;
+        }
+        if self.groups[group as usize].index.insert(key, location::encode(tier, payload)) != Ok(Insert::Inserted) {
+            return false;
+        }
+        let tick = self.next_tick;
+        self.next_tick += 1;
+        self.objects.insert(
+            gk,
+            Object {
+                offset: 0,
+                size,
+                namespace,
+                state: ObjectState::Lower { tier },
+                pins: 0,
+                lease: None,
+                tick,
+                demoting: false,
+                ssd_at: (tier == Tier::Ssd).then_some(payload),
+                hits: 0,
+                stored_at: Instant::now(),
+            },
+        );
+        self.lru.insert(tick, gk);
+        self.lower[tier as usize] += 1;
+        let ns = self.namespaces.entry(namespace).or_default();
+        ns.objects += 1;
+        ns.bytes += size;
+        self.tier_stats.restored += 1;
+        self.push_event(group, ObjectEvent::Stored(key), tier);
+        true
+    }
+
+    /// A load found `key` on a lower tier: allocates its DRAM and pins it for this load,
+    /// which fetches the bytes outside the lock and then calls [`Self::finish_promotion`].
+    /// Returns the DRAM offset, the tier to fetch from and the object's namespace; None: not on a lower tier any
+    /// more, or no DRAM free (the caller wakes the evictor).
+    pub fn begin_promotion(&mut self, key: impl Into<GroupKey>) -> Option<(u64, Tier, u128)> {
+        let key = key.into();
+        let o = self.objects.get(&key)?;
+        let ObjectState::Lower { tier } = o.state else { return None };
+        let (size, namespace) = (o.size, o.namespace);
+        let offset = self.alloc.alloc(size)?;
+        let h = self.held.entry(namespace).or_default();
+        h.objects += 1;
+        h.bytes += SlabAllocator::footprint(size);
+        let o = self.objects.get_mut(&key).expect("present");
+        o.state = ObjectState::Promoting { from: tier };
+        o.offset = offset;
+        o.pins = 1;
+        o.hits += 1;
+        self.pinned_objects += 1;
+        self.touch_lru(key);
+        Some((offset, tier, namespace))
+    }
+
+    /// Ends a promotion: with the bytes in, the object is in DRAM (index and events say
+    /// so) and stays pinned for the load that promoted it; without (I/O error, bad CRC,
+    /// record gone) it leaves the pool: a miss, never wrong bytes. Returns `fetched`.
+    pub fn finish_promotion(&mut self, key: impl Into<GroupKey>, fetched: bool) -> bool {
+        let key = key.into();
+        let Some(o) = self.objects.get_mut(&key) else { return false };
+        let ObjectState::Promoting { from } = o.state else { return false };
+        let (offset, size, namespace) = (o.offset, o.size, o.namespace);
+        if fetched {
+            o.state = ObjectState::Published;
+            self.lower[from as usize] -= 1;
+            self.tier_stats.promotions += 1;
+            self.tier_stats.promoted_bytes += size;
+            self.groups[key.group as usize].index.set_location(key.key, location::encode(Tier::Dram, offset));
+            self.push_event(key.group, ObjectEvent::Removed(key.key), from);
+            self.push_event(key.group, ObjectEvent::Stored(key.key), Tier::Dram);
+            return true;
+        }
+        // Back to "lower only", then dropped like any object there.
+        o.state = ObjectState::Lower { tier: from };
+        o.pins = 0;
+        self.pinned_objects -= 1;
+        self.alloc.free(offset, size);
+        self.release_held(namespace, size);
+        self.tier_stats.promotion_failures += 1;
+        self.drop_object(key);
+        false
+    }
+
+    /// Evicts least recently used DRAM objects until allocated bytes (less those being
+    /// demoted) are at most `target`: to SSD (demoted, or moved if their record is still
+    /// there) where the admission policy says so, else dropped. Skips objects being
+    /// written, pinned by loads, leased or being demoted. Returns how many were chosen.
+    pub fn evict_to(&mut self, target: u64, now: Instant) -> usize {
+        let mut projected = self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes);
+        if projected <= target {
+            return 0;
+        }
+        let victims = self.pick_lru(Victims::Any, now, |size, _| {
+            projected = projected.saturating_sub(SlabAllocator::footprint(size));
+            projected <= target
+        });
+        for v in &victims {
+            self.evict_dram(*v, now);
+        }
+        self.evictions += victims.len() as u64;
+        victims.len()
+    }
+}
+
+/// Which objects an eviction pass may take.
+#[derive(Debug, Clone, Copy)]
+enum Victims {
+    Any,
+    Namespace(u128),
+    Group(u32),
+}
