@@ -68,8 +68,9 @@ pub struct TransferCli {
     /// One JSON object per case and line.
     #[arg(long)]
     json: bool,
-    /// cuda, in-process pool: page copy path: auto (the pool's calibration), kernel, or
-    /// copy-engine (issue #14).
+    /// cuda, in-process pool: page copy path: auto (the pool's calibration), kernel,
+    /// copy-engine, or staged (kernel gather through device staging + copy engines;
+    /// experiment) (issue #14).
     #[arg(long, default_value = "auto")]
     gather: String,
     /// cuda, in-process pool: blocks of the page copy kernel (0: calibrated).
@@ -81,6 +82,9 @@ pub struct TransferCli {
     /// cuda, in-process pool: streams one large object (4 MiB+) is split over (0 or 1: no split).
     #[arg(long, default_value_t = 0)]
     split_streams: usize,
+    /// cuda, in-process pool, `--gather staged`: MiB per device staging chunk (3 per stream set).
+    #[arg(long, default_value_t = 16)]
+    device_stage_mib: usize,
     /// cuda, in-process pool: copy stage size in MiB (0: one stage per copy call)
     /// [default: the pool's].
     #[arg(long)]
@@ -103,7 +107,8 @@ impl TransferCli {
             "auto" => umbp_gpu::GatherMode::Auto,
             "kernel" => umbp_gpu::GatherMode::Kernel,
             "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
-            other => return Err(format!("--gather {other}: expected auto, kernel or copy-engine")),
+            "staged" => umbp_gpu::GatherMode::Staged,
+            other => return Err(format!("--gather {other}: expected auto, kernel, copy-engine or staged")),
         };
         let mut engine = umbp_gpu::EngineConfig::default();
         engine.gather = umbp_gpu::GatherConfig {
@@ -112,6 +117,7 @@ impl TransferCli {
             launch_bytes: self.gather_launch_kib << 10,
             split_streams: self.split_streams,
         };
+        engine.stage_bytes = self.device_stage_mib << 20;
         engine.streams = self.streams.unwrap_or(engine.streams);
         engine.batch = !self.no_batch;
         let default_cap = match (self.backend, self.quick) {
@@ -147,6 +153,9 @@ impl TransferCli {
             eprintln!("page copy kernel calibration, GPU {ordinal}: {c:?}");
         }
         eprintln!("page copy kernel (--gather {}): (launches, pages) {:?}", self.gather, umbp_gpu::gather::kernel_launches());
+        if self.gather == "staged" {
+            eprintln!("device staging: (bytes held, chunks) {:?}", umbp_gpu::gather::staging_stats());
+        }
         if !cases.is_empty() {
             crate::report::print(&cases, self.json);
         }

@@ -186,6 +186,10 @@ impl<A: DeviceApi> Drop for Shared<A> {
                 for mut set in lock(&engine.idle).drain(..) {
                     // SAFETY: idle sets were synchronized before they were put back.
                     unsafe { set.descs.free(&self.api) };
+                    if let Some(mut st) = set.staging.take() {
+                        // SAFETY: as above.
+                        unsafe { st.free(&self.api) };
+                    }
                     set.streams.into_iter().for_each(|s| self.api.destroy_stream(s));
                     set.events.into_iter().chain(set.stage_events).for_each(|e| self.api.destroy_event(e));
                 }

@@ -9,6 +9,8 @@ use crate::gather::GatherConfig;
 /// stream needs its own stage events); more streams may still help where a batch can
 /// spread over several copy engines.
 const DEFAULT_STREAMS: usize = 1;
+/// Device staging chunk of the staged path by default.
+const DEFAULT_STAGE_BYTES: usize = 16 << 20;
 /// Most streams a set may have.
 pub(crate) const MAX_STREAMS: usize = 16;
 
@@ -43,11 +45,15 @@ pub struct EngineConfig {
     /// The page copy kernel path ([`crate::gather`]): mode, blocks, launch size and the
     /// split of large objects (default: by the calibration, no split).
     pub gather: GatherConfig,
+    /// Bytes per device staging chunk of [`crate::GatherMode::Staged`] (rounded up to
+    /// 4 KiB, at least 1 MiB; default 16 MiB); each stream set that stages allocates
+    /// [`crate::gather::STAGE_SLOTS`] of them in device memory once.
+    pub stage_bytes: usize,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { streams: DEFAULT_STREAMS, batch: true, batch_max: DEFAULT_BATCH_MAX, parallel_submit: false, gather: GatherConfig::default() }
+        Self { streams: DEFAULT_STREAMS, batch: true, batch_max: DEFAULT_BATCH_MAX, parallel_submit: false, gather: GatherConfig::default(), stage_bytes: DEFAULT_STAGE_BYTES }
     }
 }
 

@@ -119,11 +119,20 @@ impl<A: DeviceApi> Engine<A> {
             gather::split_large(&mut items, streams);
         }
         let n_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
+        // Device staging needs a kernel stream and a DMA stream.
+        let stage_mode = config.gather.mode == gather::GatherMode::Staged;
+        let n_streams = if stage_mode { n_streams.max(2) } else { n_streams };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
         // SAFETY: the set's previous call synchronized its streams before putting it back.
         unsafe { set.descs.reset(api) };
         let kernel = self.gather_path(config.gather.mode);
+        // SAFETY: as for the descriptors above.
+        let stage_chunk = if stage_mode && kernel.is_some() && unsafe { self.staging_ready(api, &mut set, config.stage_bytes) } {
+            set.staging.as_ref().map_or(0, |s| s.chunk)
+        } else {
+            0
+        };
         let mut used = vec![false; set.streams.len()];
         let mut first_err: Option<GpuError> = None;
         // Store fence: on the GPU when the word is device-mapped and the driver supports
@@ -214,7 +223,15 @@ impl<A: DeviceApi> Engine<A> {
                     }
                     n_items += items.len() as u64;
                     n_bytes += items.iter().map(|i| i.len as u64).sum::<u64>();
-                    if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
+                    if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
+                        (used[0], used[1]) = (true, true);
+                        // SAFETY: forwarded caller contract; `staged_items` checked
+                        // alignment and sizes.
+                        if let Err(e) = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &sorted, set.streams[0], set.streams[1]) } {
+                            first_err = Some(e);
+                            break 'stages;
+                        }
+                    } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
                         // Same stream, same place as the copies: after the store fence's
                         // wait, before the stage event and the load fence's write.
                         used[0] = true;
@@ -272,6 +289,10 @@ impl<A: DeviceApi> Engine<A> {
                 n_bytes = items.iter().map(|i| i.len as u64).sum::<u64>();
                 let runs = balance(&items, n_streams);
                 if first_err.is_some() {
+                } else if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
+                    (used[0], used[1]) = (true, true);
+                    // SAFETY: forwarded caller contract; `staged_items` checked eligibility.
+                    first_err = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &sorted, set.streams[0], set.streams[1]) }.err();
                 } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.
@@ -538,6 +559,78 @@ mod tests {
         let cut = GatherConfig { launch_bytes: 256 << 10, ..split };
         assert_eq!(run(cut, 4096, 4, &registered), (16, 0), "1 MiB stages cut into 256 KiB launches");
         let _ = &mut dst;
+    }
+
+    /// Issue #14, staged path on the CPU stand-in: pages that come layer by layer (as the
+    /// pool's copy calls hand them) but lie object by object in pool memory are gathered
+    /// into device staging chunks and moved as one copy per object, in both directions,
+    /// over several chunks (the 3 staging slots reused); bytes land right. A layout whose
+    /// host runs are short, and the other modes, do not stage.
+    #[test]
+    fn staged_mode_moves_whole_objects_through_device_staging() {
+        use crate::gather::{staging_stats, Calibration, GatherConfig, GatherMode, GatherState};
+        let (api, engine) = simulated(usize::MAX, true, false);
+        assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![], 8) })).is_ok());
+        let (layers, objects, page) = (16usize, 96usize, 4096usize);
+        let total = layers * objects * page;
+        // Device: layer-major (one allocation per layer); host: object-major.
+        let dev: Vec<u8> = (0..total).map(|i| (i % 249) as u8).collect();
+        let mut host = vec![0u8; total];
+        let host_ptr = host.as_mut_ptr();
+        let mut items = Vec::new();
+        for l in 0..layers {
+            for o in 0..objects {
+                items.push(Item { host: host_ptr.wrapping_add((o * layers + l) * page), device: dev[(l * objects + o) * page..].as_ptr() as u64, len: page });
+            }
+        }
+        let mut cfg = EngineConfig::default();
+        cfg.gather = GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() };
+        cfg.stage_bytes = 1 << 20;
+        let run = |dir: Dir, items: Vec<Item>, cfg: EngineConfig| {
+            let mut a = args();
+            a.dir = dir;
+            a.engine = cfg;
+            let (k0, c0, s0) = (api.kernels.load(Ordering::Relaxed), api.copies.load(Ordering::Relaxed), staging_stats().1);
+            // SAFETY: items point into `dev`/`host`, alive for the call.
+            let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+            assert!(r.is_ok(), "{r:?}");
+            (api.kernels.load(Ordering::Relaxed) - k0, api.copies.load(Ordering::Relaxed) - c0, staging_stats().1 - s0)
+        };
+        let check = |host: &[u8]| {
+            for l in 0..layers {
+                for o in 0..objects {
+                    let (h, d) = ((o * layers + l) * page, (l * objects + o) * page);
+                    assert_eq!(&host[h..h + page], &dev[d..d + page], "layer {l} object {o}");
+                }
+            }
+        };
+        // Store: 6 MiB in 1 MiB chunks of 16 objects (64 KiB each, adjacent in pool
+        // memory): one gather and one DMA per chunk.
+        let (k, c, chunks) = run(Dir::DeviceToHost, items.clone(), cfg);
+        assert_eq!((k, c, chunks), (6, 6, 6), "one gather and one host run per chunk");
+        check(&host);
+        // Load back into a cleared device copy: scatter per chunk.
+        let mut dev2 = vec![0u8; total];
+        let back: Vec<Item> = items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
+        let (k, c, chunks) = run(Dir::HostToDevice, back, cfg);
+        assert_eq!((k, c, chunks), (6, 6, 6));
+        assert_eq!(dev2, dev, "loaded bytes");
+        assert!(engine.idle.lock().unwrap().iter().all(|s| s.staging.as_ref().is_some_and(|s| s.chunk == 1 << 20)));
+        // Every other object: still whole objects, one DMA each.
+        let halves: Vec<Item> = items.iter().step_by(2).copied().collect();
+        assert_eq!(run(Dir::DeviceToHost, halves, cfg), (3, objects / 2, 3));
+        check(&host);
+        // Short host runs (one layer: a 4 KiB page per object): not staged, the
+        // calibration's path (copy engines here).
+        let scattered: Vec<Item> = items[..objects].to_vec();
+        let n = scattered.len();
+        // SAFETY: the test clears its own buffer while nothing copies.
+        unsafe { std::ptr::write_bytes(host_ptr, 0, total) };
+        assert_eq!(run(Dir::DeviceToHost, scattered, cfg), (0, n, 0));
+        // Auto: never staged.
+        let auto = EngineConfig { gather: GatherConfig::default(), ..cfg };
+        assert_eq!(run(Dir::DeviceToHost, items.clone(), auto).2, 0);
+        let _ = &mut host;
     }
 
     /// The tuning a transfer passes is the one its copy call uses (it used to be read from

@@ -134,6 +134,16 @@ impl DeviceApi for SimulatedDevice {
         }
         Ok(p.cast())
     }
+    fn alloc_device(&self, bytes: usize) -> Result<u64, GpuError> {
+        Ok(self.alloc_mapped(bytes)? as u64)
+    }
+    unsafe fn free_device(&self, ptr: u64) {
+        // SAFETY: from alloc_mapped in alloc_device.
+        unsafe { self.free_mapped(ptr as *mut u8) };
+    }
+    fn join(&self, _: usize, _: usize, _: usize) -> Result<(), GpuError> {
+        if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
+    }
     unsafe fn free_mapped(&self, ptr: *mut u8) {
         // SAFETY: from aligned_alloc in alloc_mapped.
         unsafe { libc::free(ptr.cast()) };

@@ -14,6 +14,8 @@ pub(super) struct StreamSet<A: DeviceApi> {
     pub(super) stage_events: Vec<A::Event>,
     /// Descriptor lists of kernel-path stages ([`crate::gather`]).
     pub(super) descs: crate::gather::DescBuf,
+    /// Device staging buffers ([`crate::gather::GatherMode::Staged`]), made at first use.
+    pub(super) staging: Option<crate::gather::Staging<A>>,
 }
 
 impl<A: DeviceApi> Engine<A> {
@@ -23,6 +25,7 @@ impl<A: DeviceApi> Engine<A> {
             events: Vec::new(),
             stage_events: Vec::new(),
             descs: crate::gather::DescBuf::default(),
+            staging: None,
         });
         while set.streams.len() < want {
             match api.create_stream() {
@@ -79,6 +82,33 @@ impl<A: DeviceApi> Engine<A> {
         });
     }
 
+
+    /// Makes sure `set` has staging buffers of `chunk` bytes (reallocated if the size
+    /// changed), reset for a new call; false (with a log) where they cannot be had.
+    ///
+    /// # Safety
+    /// The set's streams were synchronized since its last call.
+    pub(super) unsafe fn staging_ready(&self, api: &A, set: &mut StreamSet<A>, chunk: usize) -> bool {
+        let want = chunk.next_multiple_of(4096).max(1 << 20);
+        if let Some(s) = set.staging.as_mut().filter(|s| s.chunk == want) {
+            s.reset();
+            return true;
+        }
+        if let Some(mut old) = set.staging.take() {
+            // SAFETY: forwarded contract.
+            unsafe { old.free(api) };
+        }
+        match crate::gather::Staging::new(api, chunk) {
+            Ok(s) => {
+                set.staging = Some(s);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(api = A::API, ordinal = self.ordinal, "device staging unavailable, not staging: {e}");
+                false
+            }
+        }
+    }
 
     /// Makes sure `set` has `n` stage events; false (and staging off for this engine from
     /// now on) where the driver has no usable events.
