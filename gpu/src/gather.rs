@@ -854,6 +854,30 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn staging_takes_sorted_contiguous_host_runs_only() {
+        // Two objects of 16 pages, handed layer by layer: host runs of 64 KiB once sorted.
+        let mut items = Vec::new();
+        for l in 0..16 {
+            for o in 0..2 {
+                items.push(it(0x100000 + o * 0x20000 + l * 4096, 0x900000 + ((l * 2 + o) * 4096) as u64, 4096));
+            }
+        }
+        assert_eq!(average_host_run(&items), 4096, "as handed: no page follows its neighbour");
+        let sorted = staged_items(GatherMode::Staged, &items, 1 << 20).expect("staged");
+        assert!(sorted.windows(2).all(|w| w[0].host < w[1].host));
+        assert_eq!(average_host_run(&sorted), 64 << 10);
+        assert_eq!(sorted.len(), items.len());
+        assert!(staged_items(GatherMode::Auto, &items, 1 << 20).is_none(), "only when asked for");
+        assert!(staged_items(GatherMode::Staged, &items, 0).is_none(), "no staging memory");
+        assert!(staged_items(GatherMode::Staged, &items[..16], 1 << 20).is_none(), "half the layers: 32 KiB runs");
+        let mut odd = items.clone();
+        odd[3].device += 8;
+        assert!(staged_items(GatherMode::Staged, &odd, 1 << 20).is_none(), "unaligned device address");
+        assert!(staged_items(GatherMode::Staged, &[it(0, 0, 2 << 20)], 1 << 20).is_none(), "copy larger than a chunk");
+        assert_eq!(average_host_run(&[]), 0);
+    }
+
+    #[test]
     fn launches_are_cut_by_bytes() {
         let items: Vec<Item> = (0..10).map(|k| it(k * 4096, 0, 4096)).collect();
         assert_eq!(launch_chunks(&items, 4 * 4096), vec![0..4, 4..8, 8..10]);

@@ -121,6 +121,10 @@ fn kernel_gather_and_scatter_are_byte_exact() {
         (GatherMode::CopyEngine, 4096),
         (GatherMode::Auto, 4096),
         (GatherMode::Auto, 65536),
+        // Through device staging (the host side, reversed pages, is one contiguous run).
+        (GatherMode::Staged, 4096),
+        (GatherMode::Staged, 4096 + 48),
+        (GatherMode::Staged, 16384),
     ] {
         s.mode.set(mode);
         let n = ((16 << 20) / page).min(dev_len / (2 * page));
@@ -128,7 +132,10 @@ fn kernel_gather_and_scatter_are_byte_exact() {
         let src: Vec<u8> = (0..dev_len).map(|i| pattern(3, i)).collect();
         s.upload(&src);
         let before = kernel_launches();
+        let staged_before = umbp_gpu::gather::staging_stats().1;
         s.transfer(true, &ops, Fence::None);
+        let staged_mid = umbp_gpu::gather::staging_stats().1;
+        let staged_store = staged_mid > staged_before;
         let used_kernel = kernel_launches().0 > before.0;
         let host = s.pool.bytes();
         for (k, op) in ops.iter().enumerate() {
@@ -149,9 +156,11 @@ fn kernel_gather_and_scatter_are_byte_exact() {
         }
         let first_bad = dev.iter().zip(&expect).position(|(a, b)| a != b);
         assert_eq!(first_bad, None, "load {mode:?} page {page}: device byte differs");
-        println!("{mode:?} {page} B x {n}: byte-exact both ways, kernel used: {used_kernel}");
+        let staged = staged_store && umbp_gpu::gather::staging_stats().1 > staged_mid;
+        println!("{mode:?} {page} B x {n}: byte-exact both ways, kernel used: {used_kernel}, staged: {staged}");
         match mode {
             GatherMode::Kernel => assert!(used_kernel, "forced kernel path did not launch"),
+            GatherMode::Staged => assert!(staged_store && staged, "staged mode did not stage both ways"),
             GatherMode::CopyEngine => assert!(!used_kernel, "copy engines forced but the kernel ran"),
             GatherMode::Auto => {}
         }
