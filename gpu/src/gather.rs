@@ -738,11 +738,45 @@ pub(crate) fn staged_items(mode: GatherMode, items: &[Item], chunk: usize) -> Op
     if !items.iter().all(|it| (it.device as usize | it.len).is_multiple_of(ALIGN) && it.len <= chunk) {
         return None;
     }
-    let mut sorted = items.to_vec();
-    if !sorted.is_sorted_by_key(|i| i.host as usize) {
-        sorted.sort_unstable_by_key(|i| i.host as usize);
-    }
+    let sorted = by_page(items).unwrap_or_else(|| {
+        let mut sorted = items.to_vec();
+        if !sorted.is_sorted_by_key(|i| i.host as usize) {
+            sorted.sort_unstable_by_key(|i| i.host as usize);
+        }
+        sorted
+    });
     (average_host_run(&sorted) >= STAGE_MIN_RUN).then_some(sorted)
+}
+
+/// `items` in host address order in O(n) where every host address and length is a
+/// multiple of 4 KiB and they span at most 4 pages per item: each is placed at the slot
+/// of its first page. None (sort instead) otherwise or where two start on the same page.
+/// (A comparison sort of a kv4k stage's ~14k items cost ~0.4 ms of CPU per stage on the
+/// H200 machine, enough to slow the whole call.)
+fn by_page(items: &[Item]) -> Option<Vec<Item>> {
+    const PAGE: usize = 4096;
+    let (mut lo, mut hi) = (usize::MAX, 0usize);
+    for it in items {
+        let h = it.host as usize;
+        if !(h | it.len).is_multiple_of(PAGE) {
+            return None;
+        }
+        lo = lo.min(h);
+        hi = hi.max(h + it.len);
+    }
+    let pages = (hi - lo) / PAGE;
+    if pages > 4 * items.len() {
+        return None;
+    }
+    let mut slots: Vec<Option<Item>> = vec![None; pages];
+    for it in items {
+        let slot = &mut slots[(it.host as usize - lo) / PAGE];
+        if slot.is_some() {
+            return None;
+        }
+        *slot = Some(*it);
+    }
+    Some(slots.into_iter().flatten().collect())
 }
 
 /// Enqueues a stage through device staging: per chunk of at most `staging.chunk` bytes,
@@ -875,6 +909,15 @@ pub(crate) mod tests {
         assert!(staged_items(GatherMode::Staged, &odd, 1 << 20).is_none(), "unaligned device address");
         assert!(staged_items(GatherMode::Staged, &[it(0, 0, 2 << 20)], 1 << 20).is_none(), "copy larger than a chunk");
         assert_eq!(average_host_run(&[]), 0);
+        // The O(n) placement agrees with a sort, and steps aside where it cannot place.
+        let mut want = items.clone();
+        want.sort_unstable_by_key(|i| i.host as usize);
+        assert_eq!(by_page(&items), Some(want));
+        let mut dup = items.clone();
+        dup.push(items[0]);
+        assert_eq!(by_page(&dup), None, "two items start on one page");
+        assert_eq!(by_page(&[it(0x1000, 0, 4096), it(0x10_0000, 0, 4096)]), None, "sparse");
+        assert_eq!(by_page(&[it(0x1010, 0, 4096)]), None, "unaligned");
     }
 
     #[test]
