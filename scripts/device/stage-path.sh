@@ -8,6 +8,7 @@
 # $OUT/gpu-tests.log, JSON lines to $OUT/<name>.jsonl (7 files: the device tool returns 8).
 #
 #   STAGES="tests main kintf chunks" bash scripts/device/stage-path.sh
+#   (quick: test-cuda_gather and the staged --check alone; KINTF_MODES="staged auto")
 set -uo pipefail
 bin=${BIN:-.device-bin}
 repo=${REPO:-.}
@@ -39,6 +40,10 @@ else
 fi
 export UMBP_REQUIRE_CUDA=1 RUST_LOG=${RUST_LOG:-warn,umbp_gpu=info}
 b=(transfer --backend cuda)
+if has quick; then  # the staged path's own checks only
+  run tests-gather "$bin/test-cuda_gather" --nocapture --test-threads=1
+  run check-staged "$bin/umbp-bench" "${b[@]}" --check --gather staged
+fi
 if has tests; then
   mkdir -p /tmp/gt
   echo "=== run-gpu-tests" | tee -a "$log"
@@ -53,7 +58,7 @@ if has main; then
   done
 fi
 if has kintf; then
-  for g in staged auto; do
+  for g in ${KINTF_MODES:-staged auto}; do
     run "bench-kintf-$g" "$bin/umbp-bench" "${b[@]}" --json --reps "$reps" --capacity 4GiB --layouts kv4k,interference --gather "$g" "${mm[@]}"
   done
 fi
