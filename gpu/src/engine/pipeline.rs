@@ -583,9 +583,7 @@ mod tests {
                 items.push(Item { host: host_ptr.wrapping_add((o * layers + l) * page), device: dev[(l * objects + o) * page..].as_ptr() as u64, len: page });
             }
         }
-        let mut cfg = EngineConfig::default();
-        cfg.gather = GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() };
-        cfg.stage_bytes = 1 << 20;
+        let cfg = EngineConfig { gather: GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() }, stage_bytes: 1 << 20, ..Default::default() };
         let run = |dir: Dir, items: Vec<Item>, cfg: EngineConfig| {
             let mut a = args();
             a.dir = dir;
