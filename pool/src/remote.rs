@@ -133,3 +133,71 @@ impl ClusterAccess {
         self.inner.remote_source.0.set(source).is_ok()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use umbp_protocol::ObjectKey;
+
+    use crate::objects::{GroupKey, StoreReservation};
+    use crate::{Pool, PoolConfig};
+
+    /// A peer's pin names the namespace: the holder serves only an object stored under it
+    /// (in that namespace's tenant group); the same key under another namespace, or asked
+    /// for under another namespace, is a miss. Remote entries are listed in the group of
+    /// their namespace.
+    #[test]
+    fn pins_and_remote_entries_go_by_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut acl = std::collections::BTreeMap::new();
+        acl.insert(65533u32, vec![0xa11ceu128]);
+        acl.insert(65534u32, vec![0xb0bu128]);
+        // Two namespaces of one reader: one tenant group.
+        acl.insert(65535u32, vec![0xd1u128, 0xd2]);
+        let cfg = PoolConfig {
+            socket_path: dir.path().join("s"),
+            capacity_bytes: 64 << 20,
+            namespace_acl: acl,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::start(cfg).expect("pool starts");
+        let access = pool.cluster_access();
+        let groups = access.tenant_groups().clone();
+        let (ga, gb) = (groups.group_of(0xa11ce), groups.group_of(0xb0b));
+        assert!(ga != gb && ga != 0 && gb != 0);
+        let k = ObjectKey(42);
+        {
+            let mut store = access.inner.store.lock().unwrap();
+            let r = store.reserve_store(0xa11ce, GroupKey::new(ga, k), 4096, 1);
+            assert!(matches!(r, StoreReservation::Reserved { .. }), "{r:?}");
+            assert!(store.finish_store(GroupKey::new(ga, k), true));
+        }
+        assert_eq!(access.dram_objects().iter().map(|(g, o)| (*g, o.key)).collect::<Vec<_>>(), vec![(ga, k)]);
+        let e = access.pin(0xb0b, k, 4096).unwrap_err();
+        assert!(e.contains("not held"), "{e}");
+        let e = access.pin(0xc0c, k, 4096).unwrap_err();
+        assert!(e.contains("not held"), "an unlisted namespace (group 0): {e}");
+        let (_, ns) = access.pin(0xa11ce, k, 4096).expect("pinned under its own namespace");
+        assert_eq!(ns, 0xa11ce);
+        access.unpin(0xa11ce, k);
+        // Same group, another namespace: still a miss (the namespace is checked, not only
+        // the group).
+        let gd = groups.group_of(0xd1);
+        assert_eq!(gd, groups.group_of(0xd2));
+        {
+            let mut store = access.inner.store.lock().unwrap();
+            assert!(matches!(store.reserve_store(0xd1, GroupKey::new(gd, k), 4096, 1), StoreReservation::Reserved { .. }));
+            assert!(store.finish_store(GroupKey::new(gd, k), true));
+        }
+        let e = access.pin(0xd2, k, 4096).unwrap_err();
+        assert!(e.contains("not held under namespace"), "{e}");
+        assert_eq!(access.pin(0xd1, k, 4096).map(|p| p.1), Ok(0xd1));
+        access.unpin(0xd1, k);
+        // A peer's key in namespace B is listed in B's group only.
+        let held = super::HeldObject { key: ObjectKey(43), size: 4096, namespace: 0xb0b };
+        assert_eq!(access.insert_remote(held, u64::MAX), (gb, true));
+        let store = access.inner.store.lock().unwrap();
+        assert_eq!(store.namespace_of(GroupKey::new(gb, ObjectKey(43))), Some(0xb0b));
+        assert_eq!(store.namespace_of(GroupKey::new(ga, ObjectKey(43))), None);
+        assert_eq!(store.namespace_of(GroupKey::new(0, ObjectKey(43))), None);
+    }
+}
