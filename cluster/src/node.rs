@@ -30,7 +30,7 @@ use crate::transport::{self, Agent, PeerRegion, ReadPiece, TransportError};
 
 /// What the cluster node needs from the local pool.
 pub trait LocalPool: Send + Sync + 'static {
-    /// The DRAM-tier keys held now (group 0), for a joining subscriber.
+    /// The DRAM-tier keys held now (every tenant group), for a joining subscriber.
     fn snapshot(&self) -> Vec<KeyChange>;
     /// Pins a published DRAM object of `size` bytes, stored under `namespace`, for a
     /// peer's read (a key held under another namespace is a miss); returns its offset in

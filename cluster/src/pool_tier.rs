@@ -20,8 +20,11 @@ use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
 use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool};
 
-/// The default cap on remote entries: this share of group 0's index capacity, so peers'
-/// keys never take more than half of the index (local objects keep the rest).
+/// The default cap on remote entries: this share of the pool's index capacity (all tenant
+/// groups together), so peers' keys never take more than half of it (local objects keep
+/// the rest). With tenant groups the cap is pool-wide: one group's remote entries are
+/// bounded by it and by that group's own index room (index pressure drops them like any
+/// object), not by half of that group's index.
 pub const DEFAULT_REMOTE_SHARE: f64 = 0.5;
 
 /// How the tier runs on the pool.
