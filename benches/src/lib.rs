@@ -11,4 +11,5 @@ pub mod ring;
 pub mod shm;
 pub mod soak;
 pub mod ssd;
+pub mod ssd_wear;
 pub mod transfer;

@@ -16,6 +16,8 @@ pub struct SsdArgs {
     pub batch: usize,
     /// Objects of one 4 KiB block each for the warm-restart case (0: skip it).
     pub rebuild_objects: u64,
+    /// Pool DRAM of the admission cases (ssd_wear.rs; 0: skip them).
+    pub admission_dram: u64,
 }
 
 /// Runs both phases and returns the cases (docs/benchmarks.md convention).
@@ -49,6 +51,10 @@ pub fn run(args: &SsdArgs) -> Result<Vec<Case>, String> {
             Case::new("ssd", "warm_restart_hits", r.warm_restart_hits, "fraction", 1.0, "every object written before the reopen", Better::Higher)
                 .extras(&ctx),
         );
+    }
+    if args.admission_dram > 0 {
+        let wear = crate::ssd_wear::WearArgs { dram_bytes: args.admission_dram, object_bytes: 64 << 10, stream_factor: 8 };
+        cases.extend(crate::ssd_wear::run(scratch.path(), &wear)?);
     }
     Ok(cases)
 }

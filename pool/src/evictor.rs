@@ -38,6 +38,12 @@ pub fn run(inner: &PoolInner) {
         // Demotion I/O runs here, without the store lock (tier.rs).
         if let Some(ssd) = &inner.tiers.ssd {
             crate::tier::run_demotions(inner, ssd, demotions);
+            // Then SSD objects that touch hints found, into the DRAM left below the high
+            // watermark (best effort, tier::prefetch).
+            let hinted = inner.store.lock().expect("store lock").take_prefetch();
+            if !hinted.is_empty() {
+                crate::tier::prefetch(inner, ssd, hinted);
+            }
         }
     }
 }

@@ -15,6 +15,8 @@ use umbp_protocol::ObjectKey;
 use crate::transfer::JobBlock;
 
 static PANIC_ON_COPY_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
+static PANIC_ON_PROMOTION_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
+static PROMOTION_ARMED: AtomicBool = AtomicBool::new(false);
 static PAUSE_ON_COPY_OF: Mutex<Option<(ObjectKey, Arc<Pause>)>> = Mutex::new(None);
 /// Whether anything is armed: the copy path then pays one relaxed load, no lock.
 static ARMED: AtomicBool = AtomicBool::new(false);
@@ -224,4 +226,23 @@ pub(crate) fn demotion_batch(objects: usize) {
         std::thread::sleep(delay);
         std::process::abort();
     });
+}
+
+/// TEST ONLY: makes the copy thread panic inside the SSD tier's fetch of a batch holding
+/// `key` (after `begin_promotion`, before `finish_promotion`). None disarms.
+#[doc(hidden)]
+pub fn panic_on_promotion_of(key: Option<ObjectKey>) {
+    *PANIC_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()) = key;
+    PROMOTION_ARMED.store(key.is_some(), Ordering::Release);
+}
+
+/// Called by the SSD tier's fetch with the keys of one promotion batch.
+pub(crate) fn promotion(mut keys: impl Iterator<Item = ObjectKey>) {
+    if !PROMOTION_ARMED.load(Ordering::Acquire) {
+        return;
+    }
+    let armed = *PANIC_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(key) = armed.filter(|k| keys.any(|x| x == *k)) {
+        panic!("injected promotion fault for key {:032x}", key.0);
+    }
 }

@@ -24,3 +24,6 @@ pub(crate) unsafe fn stored(_dram: *mut u8, _blocks: &[JobBlock], _size: u64) {}
 
 #[inline(always)]
 pub(crate) fn demotion_batch(_objects: usize) {}
+
+#[inline(always)]
+pub(crate) fn promotion(_keys: impl Iterator<Item = umbp_protocol::ObjectKey>) {}

@@ -342,6 +342,10 @@ impl Pool {
             t.thread().unpark();
             let _ = t.join();
         }
+        // Every pool thread is gone: keep the cache warm for the next start.
+        if let Some(ssd) = &self.inner.tiers.ssd {
+            tier::flush_on_stop(&self.inner, ssd, ssd.config.flush_on_stop);
+        }
         if let Some(reg) = self.registration.take() {
             for (backend, base) in reg.join().unwrap_or_default() {
                 // SAFETY: registered by `register_with_gpus`; every copy thread has exited.

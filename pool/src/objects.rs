@@ -209,6 +209,9 @@ pub struct ObjectStore {
     /// SSD records of objects dropped from the index, to remove from the SSD store
     /// outside the lock ((key, namespace)).
     ssd_drops: Vec<(ObjectKey, u128)>,
+    /// Lower-tier objects a scheduler's touch hint asked for (prefetched by the evictor
+    /// thread, tier::prefetch); at most PREFETCH_QUEUE.
+    prefetch: Vec<GroupKey>,
     /// Objects on a lower tier only (Lower or Promoting), by tier.
     lower: [u64; 3],
     tier_stats: TierStats,
@@ -247,6 +250,7 @@ impl ObjectStore {
             demotions: Vec::new(),
             demoting_bytes: 0,
             ssd_drops: Vec::new(),
+            prefetch: Vec::new(),
             lower: [0; 3],
             tier_stats: TierStats::default(),
         }

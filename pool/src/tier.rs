@@ -94,24 +94,69 @@ impl SsdTier {
 }
 
 impl TierSource for SsdTier {
+    /// All items in one batch per drive (one ring, up to the queue depth of chunks in
+    /// flight), read through the ring's registered buffers straight into each item's DRAM
+    /// allocation: no staging copy. The store checks the header and payload CRC32C of
+    /// every record; a failed or bad record is a miss for that item only.
     fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
+        crate::fault::promotion(items.iter().map(|i| i.key));
         let keys: Vec<(ObjectKey, u128)> = items.iter().map(|i| (i.key, i.namespace)).collect();
-        let mut bufs: Vec<Vec<u8>> = items.iter().map(|i| Vec::with_capacity(i.dst.len())).collect();
-        let mut refs: Vec<&mut Vec<u8>> = bufs.iter_mut().collect();
-        let infos = self.store.get_batch(&keys, &mut refs);
-        let mut ok = Vec::with_capacity(items.len());
-        for ((item, info), buf) in items.iter_mut().zip(infos).zip(&bufs) {
-            // The store checked both CRCs; the size must be the object's too.
-            let good = info.is_some_and(|i| i.namespace == item.namespace && i.size == item.dst.len() as u64)
-                && buf.len() == item.dst.len();
-            if good {
-                item.dst.copy_from_slice(buf);
-            } else {
-                tracing::debug!(key = %format_args!("{:032x}", item.key.0), "SSD fetch missed (record gone, unreadable or bad CRC)");
-            }
-            ok.push(good);
+        let mut dsts: Vec<&mut [u8]> = items.iter_mut().map(|i| &mut *i.dst).collect();
+        let infos = self.store.get_batch_into(&keys, &mut dsts);
+        infos
+            .into_iter()
+            .zip(&keys)
+            .map(|(info, (key, ns))| {
+                // The store matched (key, namespace) and the exact size.
+                let good = info.is_some_and(|i| i.namespace == *ns);
+                if !good {
+                    tracing::debug!(key = %format_args!("{:032x}", key.0), "SSD fetch missed (record gone, unreadable, other size or bad CRC)");
+                }
+                good
+            })
+            .collect()
+    }
+}
+
+/// Ends promotions that did not finish: held by a load between `begin_promotion` and
+/// `finish_promotion`. If the load's copy thread panics in between (the fetch, a tier's
+/// bug), dropping this guard while unwinding finishes each promotion as failed (a miss:
+/// the object and its lower-tier record go) instead of leaving it "promoting" forever,
+/// which would make every later load of the key wait and miss, block storing it again and
+/// hold its DRAM. Objects on the remote tier are abandoned first (a transfer may still
+/// write their DRAM, so it is never reused).
+pub struct PromotionGuard<'a> {
+    inner: &'a PoolInner,
+    /// (object, tier) of each promotion still open.
+    open: Vec<(crate::objects::GroupKey, Tier)>,
+}
+
+impl<'a> PromotionGuard<'a> {
+    pub fn new(inner: &'a PoolInner, open: Vec<(crate::objects::GroupKey, Tier)>) -> Self {
+        Self { inner, open }
+    }
+
+    /// The promotions are about to be finished normally (under the store lock).
+    pub fn disarm(mut self) {
+        self.open.clear();
+    }
+}
+
+impl Drop for PromotionGuard<'_> {
+    fn drop(&mut self) {
+        if self.open.is_empty() {
+            return;
         }
-        ok
+        tracing::error!(objects = self.open.len(), "promotion interrupted (copy thread panicked): finishing it as failed");
+        // Not poisoned by this panic (the fetch runs without the lock); if another thread
+        // poisoned it, contain_panic stops the pool anyway.
+        let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        for (key, tier) in self.open.drain(..) {
+            if tier == Tier::Remote {
+                store.abandon_promotion(key.key);
+            }
+            store.finish_promotion(key, false);
+        }
     }
 }
 
@@ -176,6 +221,137 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
         store.ssd_records_gone(&gone, &inner.tenant_groups);
     }
     drop_records(inner, ssd);
+}
+
+/// Most objects one prefetch pass promotes (one fetch batch).
+const PREFETCH_BATCH: usize = 256;
+
+/// Touch-hint prefetch (best effort; the evictor thread): promotes SSD objects a
+/// scheduler's hint found, before the load that usually follows, while DRAM is below its
+/// high watermark (a prefetch never makes the evictor drop or demote anything). Same
+/// steps as a load's promotion (`begin_promotion`, a batched fetch straight into DRAM,
+/// `finish_promotion`), then unpinned: the object is a plain DRAM object, most recently
+/// used. A load that arrives meanwhile waits for it (`Promoting`) instead of reading again.
+/// Returns how many were promoted.
+pub fn prefetch(inner: &PoolInner, ssd: &SsdTier, keys: Vec<crate::objects::GroupKey>) -> usize {
+    let mut keys = keys;
+    let mut promoted = 0;
+    while !keys.is_empty() {
+        let mut mine: Vec<(crate::objects::GroupKey, u64, u64, u128)> = Vec::new();
+        {
+            let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+            let take = keys.len().min(PREFETCH_BATCH);
+            let batch: Vec<crate::objects::GroupKey> = keys.drain(..take).collect();
+            for key in batch {
+                if store.needs_eviction() {
+                    keys.clear();
+                    break;
+                }
+                // Only objects still on SSD (not promoted, loaded or dropped meanwhile).
+                let Some(size) = store.size_on(key, Tier::Ssd) else { continue };
+                if let Some((offset, _, namespace)) = store.begin_promotion(key) {
+                    mine.push((key, offset, size, namespace));
+                }
+            }
+        }
+        if mine.is_empty() {
+            continue;
+        }
+        let guard = PromotionGuard::new(inner, mine.iter().map(|m| (m.0, Tier::Ssd)).collect());
+        let base = inner.dram.base();
+        let mut items: Vec<FetchItem<'_>> = mine
+            .iter()
+            .map(|&(key, offset, size, namespace)| FetchItem {
+                key: key.key,
+                namespace,
+                // SAFETY: `begin_promotion` allocated these `size` bytes of DRAM to this
+                // object and marked it promoting, pinned by this prefetch: no other object
+                // shares them, no copy reads them (loads of it wait) and nothing frees them
+                // until `finish_promotion` below. Distinct objects' allocations do not
+                // overlap, so the slices are disjoint.
+                dst: unsafe { std::slice::from_raw_parts_mut(base.add(offset as usize), size as usize) },
+            })
+            .collect();
+        let ok = ssd.fetch(&mut items);
+        drop(items);
+        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        guard.disarm();
+        for (m, ok) in mine.iter().zip(ok) {
+            if store.finish_promotion(m.0, ok) {
+                store.finish_load(m.0);
+                promoted += 1;
+            }
+        }
+    }
+    if promoted > 0 {
+        tracing::debug!(promoted, "SSD objects prefetched on touch hints");
+    }
+    promoted
+}
+
+/// Clean stop: writes the DRAM objects the admission policy admits (and that have no SSD
+/// record yet) to SSD, most recently used first, in demotion batches, for at most `limit`;
+/// then seals and syncs the segments. A restart on the same directories lists them again.
+/// Called by `Pool::stop` after every pool thread has exited (nothing else touches the
+/// store). Logs what it wrote and what it left for lack of time.
+pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duration) {
+    if limit.is_zero() {
+        return;
+    }
+    let started = Instant::now();
+    let deadline = started + limit;
+    let mut work = {
+        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        // Demotions the evictor chose but did not start before it stopped come first.
+        let mut w = store.take_demotions();
+        w.extend(store.take_flush(started));
+        w
+    };
+    let (objects, bytes) = (work.len(), work.iter().map(|d| d.size).sum::<u64>());
+    if objects > 0 {
+        tracing::info!(objects, bytes, admission = %ssd.config.admission, limit_s = limit.as_secs_f64(), "clean stop: writing DRAM objects to SSD");
+    }
+    let failures_before = ssd.write_failures.load(Ordering::Relaxed);
+    let (mut written, mut written_bytes) = (0usize, 0u64);
+    let mut last_log = started;
+    while !work.is_empty() && Instant::now() < deadline {
+        let mut take = 0;
+        let mut batch_bytes = 0u64;
+        while take < work.len() && take < DEMOTE_BATCH_OBJECTS && (take == 0 || batch_bytes + work[take].size <= ssd.batch_bytes) {
+            batch_bytes += work[take].size;
+            take += 1;
+        }
+        let batch: Vec<Demotion> = work.drain(..take).collect();
+        run_demotions(inner, ssd, batch);
+        written += take;
+        written_bytes += batch_bytes;
+        if last_log.elapsed() >= std::time::Duration::from_secs(1) {
+            last_log = Instant::now();
+            tracing::info!(objects = written, of = objects, bytes = written_bytes, "clean stop: SSD flush progress");
+        }
+    }
+    if !work.is_empty() {
+        let left_bytes: u64 = work.iter().map(|d| d.size).sum();
+        tracing::warn!(objects = work.len(), bytes = left_bytes, limit_s = limit.as_secs_f64(), "clean stop: SSD flush time limit reached; these DRAM objects are not kept (raise --ssd-flush-on-stop)");
+        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        for d in &work {
+            store.cancel_demotion(d.key);
+        }
+    }
+    let failed = ssd.write_failures.load(Ordering::Relaxed) - failures_before;
+    if let Err(e) = ssd.store.flush() {
+        tracing::warn!(error = %e, "clean stop: SSD segments not synced");
+    }
+    if objects > 0 {
+        tracing::info!(
+            objects = written as u64 - failed,
+            bytes = written_bytes,
+            failed,
+            not_written = work.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "clean stop: DRAM objects written to SSD"
+        );
+    }
 }
 
 /// Removes from SSD the records of objects that left the index (reset, index pressure,

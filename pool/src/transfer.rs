@@ -496,6 +496,8 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
         if mine.is_empty() {
             continue;
         }
+        // Finishes these promotions as failed if this thread panics before they end.
+        let guard = crate::tier::PromotionGuard::new(inner, mine.iter().map(|m| (GroupKey::new(att.group, m.0.key), m.2)).collect());
         let mut fetched = vec![false; mine.len()];
         for tier in umbp_protocol::location::Tier::ALL {
             let idx: Vec<usize> = (0..mine.len()).filter(|&i| mine[i].2 == tier).collect();
@@ -523,6 +525,7 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
             }
         }
         let mut store = inner.store.lock().expect("store lock");
+        guard.disarm();
         for ((c, offset, _, _), ok) in mine.into_iter().zip(fetched) {
             if store.finish_promotion(GroupKey::new(att.group, c.key), ok) {
                 blocks.push(JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset });

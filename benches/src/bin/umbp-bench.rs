@@ -81,6 +81,10 @@ enum Cmd {
         /// One-block objects for the warm-restart cases (0: skip them).
         #[arg(long, default_value_t = 100_000)]
         rebuild_objects: u64,
+        /// Pool DRAM of the admission cases: a store/re-hit workload of 8x this (64 KiB
+        /// objects) under each admission policy, SSD bytes written and re-hit rate (0: skip).
+        #[arg(long, default_value = "32MiB", value_parser = parse_bytes)]
+        admission_dram: u64,
         /// One JSON object per case and line.
         #[arg(long)]
         json: bool,
@@ -152,8 +156,8 @@ fn main() -> ExitCode {
             bench::lookup::run(&bench::lookup::LookupArgs { iterations: iterations.max(1), blocks })
                 .map(|c| bench::report::print(&c, json))
         }
-        Cmd::Ssd { dir, bytes, object_size, batch, rebuild_objects, json } => {
-            bench::ssd::run(&bench::ssd::SsdArgs { dir, bytes, object_bytes: object_size.max(1), batch, rebuild_objects })
+        Cmd::Ssd { dir, bytes, object_size, batch, rebuild_objects, admission_dram, json } => {
+            bench::ssd::run(&bench::ssd::SsdArgs { dir, bytes, object_bytes: object_size.max(1), batch, rebuild_objects, admission_dram })
                 .map(|c| bench::report::print(&c, json))
                 .map_err(std::io::Error::other)
         }

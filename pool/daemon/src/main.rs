@@ -209,6 +209,11 @@ struct Args {
     /// io_uring entries (and registered buffers) per SSD directory: the I/O queue depth.
     #[arg(long = "ssd-queue-depth", env = "UMBP_SSD_QUEUE_DEPTH", value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "SSD tier")]
     ssd_queue_depth: u32,
+    /// On SIGTERM/SIGINT, write the DRAM objects the admission policy admits to SSD before
+    /// exiting, for at most this many seconds, so a restart on the same directories finds
+    /// them (0: off, exit at once).
+    #[arg(long = "ssd-flush-on-stop", env = "UMBP_SSD_FLUSH_ON_STOP", value_name = "SECONDS", default_value = "20", help_heading = "SSD tier")]
+    ssd_flush_on_stop: String,
     #[command(flatten)]
     cluster: cluster_flags::ClusterArgs,
 }
@@ -231,6 +236,7 @@ fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> 
     c.admission = umbp_pool::ssd::SsdAdmission::parse("ssd-admission (UMBP_SSD_ADMISSION)", &args.ssd_admission)?;
     c.segment_bytes = parse_size("ssd-segment-size (UMBP_SSD_SEGMENT_SIZE)", &args.ssd_segment_size)?;
     c.queue_depth = args.ssd_queue_depth;
+    c.flush_on_stop = parse_seconds("ssd-flush-on-stop (UMBP_SSD_FLUSH_ON_STOP)", &args.ssd_flush_on_stop)?;
     c.capacity_bytes = match &args.ssd_capacity {
         Some(v) => parse_size("ssd-capacity (UMBP_SSD_CAPACITY)", v)?,
         None => {
@@ -240,6 +246,14 @@ fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> 
         }
     };
     Ok(Some(c))
+}
+
+/// Seconds (`20`, `2.5`, `0`) as a duration; an error names `key`.
+fn parse_seconds(key: &str, value: &str) -> anyhow::Result<std::time::Duration> {
+    match value.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => Ok(std::time::Duration::from_secs_f64(s)),
+        _ => anyhow::bail!("{key}: {value:?} is not a number of seconds from 0 to 86400"),
+    }
 }
 
 /// An `--ssd-dir` must exist, be a directory and be writable by the pool.
@@ -477,7 +491,7 @@ mod tests {
             parse(&[
                 "--ssd-dir", pa, "--ssd-dir", pb, "--ssd-capacity", "2GiB", "--ssd-high-watermark", "0.9",
                 "--ssd-low-watermark", "0.5", "--ssd-direct-io", "false", "--ssd-admission", "hit-or-young:5",
-                "--ssd-segment-size", "64MiB", "--ssd-queue-depth", "32",
+                "--ssd-segment-size", "64MiB", "--ssd-queue-depth", "32", "--ssd-flush-on-stop", "2.5",
             ])
             .unwrap(),
         )
@@ -486,13 +500,18 @@ mod tests {
         .unwrap();
         assert_eq!(c.dirs, vec![a.path().to_path_buf(), b.path().to_path_buf()]);
         assert_eq!((c.capacity_bytes, c.high_watermark, c.low_watermark, c.direct_io), (2 << 30, 0.9, 0.5, false));
-        assert_eq!((c.segment_bytes, c.queue_depth), (64 << 20, 32));
+        assert_eq!((c.segment_bytes, c.queue_depth, c.flush_on_stop), (64 << 20, 32, std::time::Duration::from_millis(2500)));
         assert_eq!(c.admission, umbp_pool::ssd::SsdAdmission::HitOrYoung { young: std::time::Duration::from_secs(5) });
         // Defaults: capacity from the free space, admission hit-or-young.
         let c = config_from(parse(&["--ssd-dir", pa]).unwrap()).unwrap().ssd.unwrap();
         assert!(c.capacity_bytes >= 256 << 20 && c.direct_io);
         assert_eq!(c.admission, umbp_pool::ssd::SsdAdmission::default());
+        assert_eq!(c.flush_on_stop, umbp_pool::ssd::DEFAULT_FLUSH_ON_STOP);
         let err = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap_err().to_string();
+        for bad in ["-1", "soon", "1e9"] {
+            let e = err(&["--ssd-dir", pa, &format!("--ssd-flush-on-stop={bad}")]);
+            assert!(e.contains("ssd-flush-on-stop") && e.contains(bad), "{e}");
+        }
         let missing = a.path().join("nope");
         let e = err(&["--ssd-dir", missing.to_str().unwrap()]);
         assert!(e.contains("ssd-dir") && e.contains(missing.to_str().unwrap()) && e.contains("No such file"), "{e}");

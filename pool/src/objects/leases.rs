@@ -46,6 +46,16 @@ impl ObjectStore {
             self.foreign_hints += 1;
             return false;
         }
+        if let ObjectState::Lower { .. } = o.state {
+            // A hit on a lower tier: bring it into DRAM ahead of the load (best effort,
+            // tier::prefetch on the evictor thread).
+            o.hits = o.hits.saturating_add(1);
+            if self.prefetch.len() < super::tiering::PREFETCH_QUEUE {
+                self.prefetch.push(key);
+            }
+            self.touch_lru(key);
+            return true;
+        }
         if o.state != ObjectState::Published {
             return false;
         }

@@ -22,6 +22,9 @@ pub struct Demotion {
     pub size: u64,
 }
 
+/// Most touch-hinted lower-tier objects queued for prefetch between two evictor passes.
+pub const PREFETCH_QUEUE: usize = 4096;
+
 /// Tier counters of the store (reports).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct TierStats {
@@ -230,6 +233,55 @@ impl ObjectStore {
                 }
             }
         }
+    }
+
+    /// Clean stop (`tier::flush_on_stop`): every published DRAM object without an SSD
+    /// record that the admission policy admits now, most recently used first (the likeliest
+    /// to be wanted after the restart), marked demoting like the evictor's choices: end
+    /// each with [`Self::finish_demotion`] or [`Self::cancel_demotion`].
+    pub fn take_flush(&mut self, now: Instant) -> Vec<Demotion> {
+        let Some(admission) = self.ssd_admission else { return Vec::new() };
+        let keys: Vec<GroupKey> = self
+            .lru
+            .values()
+            .rev()
+            .copied()
+            .filter(|k| {
+                let o = &self.objects[k];
+                o.state == ObjectState::Published
+                    && !o.demoting
+                    && o.ssd_at.is_none()
+                    && admission.admits(now.saturating_duration_since(o.stored_at), o.hits)
+            })
+            .collect();
+        let mut out = Vec::with_capacity(keys.len());
+        for key in keys {
+            let o = self.objects.get_mut(&key).expect("present");
+            o.demoting = true;
+            self.demoting_bytes += SlabAllocator::footprint(o.size);
+            out.push(Demotion { key, namespace: o.namespace, offset: o.offset, size: o.size });
+        }
+        out
+    }
+
+    /// A demotion not written after all (the flush ran out of time): the object stays in
+    /// DRAM as it was.
+    pub fn cancel_demotion(&mut self, key: GroupKey) {
+        let Some(o) = self.objects.get_mut(&key) else { return };
+        if o.demoting {
+            o.demoting = false;
+            self.demoting_bytes -= SlabAllocator::footprint(o.size);
+        }
+    }
+
+    /// The size of `key` if it is listed on `tier` only (not in DRAM, not being promoted).
+    pub fn size_on(&self, key: GroupKey, tier: Tier) -> Option<u64> {
+        self.objects.get(&key).filter(|o| o.state == ObjectState::Lower { tier }).map(|o| o.size)
+    }
+
+    /// Lower-tier objects touch hints asked for since the last call (tier::prefetch).
+    pub fn take_prefetch(&mut self) -> Vec<GroupKey> {
+        std::mem::take(&mut self.prefetch)
     }
 
     /// The SSD store dropped these records for room (or found them unreadable): objects

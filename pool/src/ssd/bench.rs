@@ -111,52 +111,60 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
     }
     let ssd_write = t.elapsed().as_secs_f64();
 
+    // Both reads land in the same preallocated destinations (like the pool's DRAM
+    // allocations a promotion reads into), written before timing so no page faults count.
+    let mut dests: Vec<Vec<u8>> = (0..batch).map(|_| vec![1u8; object as usize]).collect();
+    // The raw read runs before and after the store's read (a disk or host cache that
+    // favours recent or repeated reads then favours raw too); the faster pass counts.
     let mut sink_bytes = 0u64;
-    let t = Instant::now();
-    let mut i = 0u64;
-    while i < n {
-        let m = (n - i).min(batch as u64);
-        let mut outs: Vec<Vec<u8>> = (0..m).map(|_| vec![0u8; object as usize]).collect();
-        {
-            let mut sinks: Vec<Box<super::uring::Sink<'_>>> = outs
-                .iter_mut()
-                .map(|o| {
-                    Box::new(move |at: u64, d: &[u8]| {
-                        let end = (at as usize + d.len()).min(o.len());
-                        if (at as usize) < end {
-                            o[at as usize..end].copy_from_slice(&d[..end - at as usize]);
-                        }
-                    }) as Box<super::uring::Sink<'_>>
-                })
-                .collect();
-            let mut jobs: Vec<ReadJob<'_>> = sinks
-                .iter_mut()
-                .enumerate()
-                .map(|(k, s)| ReadJob { fd, offset: (i + k as u64) * rec, len: rec, sink: &mut **s })
-                .collect();
-            for r in ring.read_batch(&mut jobs) {
-                r.map_err(|e| SsdError::Io { path: raw_path.clone(), what: "raw read".into(), source: e })?;
+    let mut raw_pass = |dests: &mut Vec<Vec<u8>>| -> Result<f64, SsdError> {
+        let t = Instant::now();
+        let mut i = 0u64;
+        while i < n {
+            let m = (n - i).min(batch as u64);
+            let outs = &mut dests[..m as usize];
+            {
+                let mut sinks: Vec<Box<super::uring::Sink<'_>>> = outs
+                    .iter_mut()
+                    .map(|o| {
+                        Box::new(move |at: u64, d: &[u8]| {
+                            let end = (at as usize + d.len()).min(o.len());
+                            if (at as usize) < end {
+                                o[at as usize..end].copy_from_slice(&d[..end - at as usize]);
+                            }
+                        }) as Box<super::uring::Sink<'_>>
+                    })
+                    .collect();
+                let mut jobs: Vec<ReadJob<'_>> = sinks
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, s)| ReadJob { fd, offset: (i + k as u64) * rec, len: rec, sink: &mut **s })
+                    .collect();
+                for r in ring.read_batch(&mut jobs) {
+                    r.map_err(|e| SsdError::Io { path: raw_path.clone(), what: "raw read".into(), source: e })?;
+                }
             }
+            sink_bytes += outs.iter().map(|o| o[0] as u64).sum::<u64>();
+            i += m;
         }
-        sink_bytes += outs.iter().map(|o| o[0] as u64).sum::<u64>();
-        i += m;
-    }
-    let raw_read = t.elapsed().as_secs_f64();
-    drop(raw);
-    let _ = std::fs::remove_file(&raw_path);
-    std::hint::black_box(sink_bytes);
+        Ok(t.elapsed().as_secs_f64())
+    };
+    let raw_read_1 = raw_pass(&mut dests)?;
     let t = Instant::now();
     let mut i = 0u64;
     let mut found = 0u64;
     while i < n {
         let m = (n - i).min(batch as u64);
         let keys: Vec<(ObjectKey, u128)> = (0..m).map(|k| (key(i + k), 1)).collect();
-        let mut outs: Vec<Vec<u8>> = (0..m).map(|_| Vec::with_capacity(object as usize)).collect();
-        let mut refs: Vec<&mut Vec<u8>> = outs.iter_mut().collect();
-        found += store.get_batch(&keys, &mut refs).iter().filter(|r| r.is_some()).count() as u64;
+        let mut refs: Vec<&mut [u8]> = dests[..m as usize].iter_mut().map(|d| &mut d[..]).collect();
+        found += store.get_batch_into(&keys, &mut refs).iter().filter(|r| r.is_some()).count() as u64;
         i += m;
     }
     let ssd_read = t.elapsed().as_secs_f64();
+    let raw_read = raw_read_1.min(raw_pass(&mut dests)?);
+    drop(raw);
+    let _ = std::fs::remove_file(&raw_path);
+    std::hint::black_box(sink_bytes);
     let direct = store.stats().direct_io;
     drop(store);
     if found != n {

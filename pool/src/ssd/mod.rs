@@ -76,7 +76,16 @@ pub struct SsdConfig {
     pub chunk_bytes: usize,
     /// Which objects evicted from DRAM are written to this tier (the pool's demotion).
     pub admission: SsdAdmission,
+    /// On a clean stop (SIGTERM/SIGINT, `Pool::shutdown`, dropping the pool) the pool
+    /// writes its DRAM objects that `admission` admits and that have no SSD record yet to
+    /// this tier for at most this long, so a restart on the same directories finds them
+    /// (docs/ssd.md, "Clean stop"). Zero: off.
+    pub flush_on_stop: std::time::Duration,
 }
+
+/// Default bound of the flush on a clean stop: inside Kubernetes' default 30 s grace
+/// period, with room for the rest of the stop.
+pub const DEFAULT_FLUSH_ON_STOP: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Which DRAM objects the evictor demotes to SSD instead of dropping (docs/ssd.md,
 /// "Admission"). Every write wears the drive; the default keeps objects that proved useful
@@ -163,6 +172,7 @@ impl Default for SsdConfig {
             direct_io: true,
             io_uring: true,
             admission: SsdAdmission::default(),
+            flush_on_stop: DEFAULT_FLUSH_ON_STOP,
         }
     }
 }

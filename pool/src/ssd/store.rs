@@ -303,8 +303,8 @@ impl Shard {
             let at = |l: &Loc| l.seg == id && l.offset == e.offset;
             if self.index.get(&key).is_some_and(at) {
                 let loc = self.index[&key];
-                let mut data = Vec::new();
-                if self.read_records(&[loc], &mut [&mut data], counters)[0] {
+                let mut data = vec![0u8; loc.header.size as usize];
+                if self.read_records(&[loc], &mut [&mut data[..]], counters)[0] {
                     let hdr = loc.header;
                     if self.put_records(&[(hdr, &data[..])], counters, false)[0].is_ok() {
                         moved += format::record_len(hdr.size);
@@ -423,17 +423,17 @@ impl Shard {
         }
     }
 
-    /// Reads records into `outs` (resized to each payload); `true` where the bytes are
-    /// exactly what was stored (header and payload CRC32C checked). A failure drops the
+    /// Reads records into `outs` (each exactly its payload's size); `true` where the bytes
+    /// are exactly what was stored (header and payload CRC32C checked). A failure drops the
     /// object from the index: it is a miss from then on.
-    fn read_records(&mut self, locs: &[Loc], outs: &mut [&mut Vec<u8>], counters: &Counters) -> Vec<bool> {
+    fn read_records(&mut self, locs: &[Loc], outs: &mut [&mut [u8]], counters: &Counters) -> Vec<bool> {
         let n = locs.len();
         let mut hdrs = vec![[0u8; HEADER_BYTES]; n];
         // Payload CRC per record: chunks that land in order extend a running CRC; others
         // wait in `later` and are combined at the end (crc32c_combine costs microseconds).
         let mut crcs: Vec<PayloadCrc> = (0..n).map(|_| PayloadCrc::default()).collect();
-        for (o, l) in outs.iter_mut().zip(locs) {
-            o.resize(l.header.size as usize, 0);
+        for (o, l) in outs.iter().zip(locs) {
+            assert_eq!(o.len() as u64, l.header.size, "read_records: one payload-sized output per record");
         }
         let results = {
             let mut sinks: Vec<Box<super::uring::Sink<'_>>> = Vec::with_capacity(n);
@@ -519,6 +519,26 @@ impl PayloadCrc {
     fn finish(&mut self) -> u32 {
         self.later.sort_unstable_by_key(|c| c.0);
         self.later.iter().fold(self.crc, |acc, &(_, c, len)| crc32c::crc32c_combine(acc, c, len))
+    }
+}
+
+/// Where one read's payload goes.
+enum Out<'a> {
+    /// Resized to the record's payload.
+    Grow(&'a mut Vec<u8>),
+    /// Caller memory that must be exactly the payload's size.
+    Exact(&'a mut [u8]),
+}
+
+impl<'a> Out<'a> {
+    fn prepare(self, size: u64) -> Option<&'a mut [u8]> {
+        match self {
+            Out::Grow(v) => {
+                v.resize(size as usize, 0);
+                Some(&mut v[..])
+            }
+            Out::Exact(s) => (s.len() as u64 == size).then_some(s),
+        }
     }
 }
 
@@ -652,13 +672,29 @@ impl SsdStore {
     /// Where the result is None the output's contents are unspecified.
     pub fn get_batch(&self, keys: &[(ObjectKey, u128)], outs: &mut [&mut Vec<u8>]) -> Vec<Option<SsdObjectInfo>> {
         assert_eq!(keys.len(), outs.len(), "one output per key");
+        let outs: Vec<Out<'_>> = outs.iter_mut().map(|o| Out::Grow(o)).collect();
+        self.read_into(keys, outs)
+    }
+
+    /// Reads many objects straight into caller memory (the pool's fresh DRAM allocations:
+    /// no staging copy): each `outs[i]` must be exactly its object's size, else that key is
+    /// a miss (counted in `misses`). All keys of one shard go to its ring in one batch, up
+    /// to the queue depth in flight. Per-key info or None; where None, that output's
+    /// contents are unspecified (it may hold part of the record: never use it).
+    pub fn get_batch_into(&self, keys: &[(ObjectKey, u128)], outs: &mut [&mut [u8]]) -> Vec<Option<SsdObjectInfo>> {
+        assert_eq!(keys.len(), outs.len(), "one output per key");
+        let outs: Vec<Out<'_>> = outs.iter_mut().map(|o| Out::Exact(o)).collect();
+        self.read_into(keys, outs)
+    }
+
+    fn read_into(&self, keys: &[(ObjectKey, u128)], outs: Vec<Out<'_>>) -> Vec<Option<SsdObjectInfo>> {
         let n = self.shards.len();
         let mut results = vec![None; keys.len()];
         let mut by_shard: Vec<Vec<usize>> = vec![Vec::new(); n];
         for (i, k) in keys.iter().enumerate() {
             by_shard[Self::shard_index(k.0 .0, n)].push(i);
         }
-        let mut outs: Vec<Option<&mut Vec<u8>>> = outs.iter_mut().map(|o| Some(&mut **o)).collect();
+        let mut outs: Vec<Option<Out<'_>>> = outs.into_iter().map(Some).collect();
         for (s, idx) in by_shard.iter().enumerate() {
             if idx.is_empty() {
                 continue;
@@ -666,15 +702,22 @@ impl SsdStore {
             let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
             let mut found = Vec::new();
             let mut locs = Vec::new();
-            let mut bufs: Vec<&mut Vec<u8>> = Vec::new();
+            let mut bufs: Vec<&mut [u8]> = Vec::new();
             for &i in idx {
-                match shard.index.get(&(keys[i].0 .0, keys[i].1)) {
-                    Some(l) => {
+                let Some(l) = shard.index.get(&(keys[i].0 .0, keys[i].1)).copied() else {
+                    bump(&self.counters.misses, 1);
+                    continue;
+                };
+                match outs[i].take().expect("each output once").prepare(l.header.size) {
+                    Some(buf) => {
                         found.push(i);
-                        locs.push(*l);
-                        bufs.push(outs[i].take().expect("each output once"));
+                        locs.push(l);
+                        bufs.push(buf);
                     }
-                    None => bump(&self.counters.misses, 1),
+                    None => {
+                        tracing::debug!(key = format_args!("{:032x}", l.header.key), size = l.header.size, "SSD record size differs from the destination's: a miss");
+                        bump(&self.counters.misses, 1);
+                    }
                 }
             }
             let ok = shard.read_records(&locs, &mut bufs, &self.counters);
