@@ -40,6 +40,10 @@ pub struct ClusterCli {
     /// One JSON object per case and line.
     #[arg(long)]
     pub json: bool,
+    /// Skip the cases through real pools (cluster_pools.rs: a worker's remote restore and
+    /// the local lookup with remote entries present).
+    #[arg(long)]
+    pub no_pools: bool,
 }
 
 /// The hidden holder process.
@@ -53,7 +57,7 @@ pub struct ClusterPeerCli {
     pub object_bytes: u64,
 }
 
-fn ucx_loopback_defaults() {
+pub(crate) fn ucx_loopback_defaults() {
     if std::env::var_os("UCX_TLS").is_none() {
         // SAFETY (of the env write): called before any thread or NIXL/UCX state exists.
         std::env::set_var("UCX_TLS", "tcp,self");
@@ -85,7 +89,7 @@ impl ClusterPeerCli {
     }
 }
 
-struct Holder(Child);
+pub(crate) struct Holder(pub(crate) Child);
 impl Drop for Holder {
     fn drop(&mut self) {
         let _ = self.0.kill();
@@ -230,10 +234,18 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             .extra("ucx_tls", std::env::var("UCX_TLS").unwrap_or_default())
             .extra("verified_bytes", true)
     };
-    Ok(vec![
+    let mut cases = vec![
         ctx(Case::new("cluster", "remote_load_gbps", gbps(umbp), "GB/s", gbps(raw), "raw NIXL READ, same bytes, same two agents", Better::Higher)),
         ctx(Case::new("cluster", "remote_restore_ms", umbp * 1e3, "ms", raw * 1e3, "raw NIXL READ of the prefix's blocks", Better::Lower)),
-    ])
+    ];
+    if !a.no_pools {
+        // The fetch-level holder and node go first (their memory with them).
+        drop(node);
+        drop(_holder);
+        drop(pool);
+        cases.extend(crate::cluster_pools::run(a, &secret_path)?);
+    }
+    Ok(cases)
 }
 
 /// A fresh random secret for the run (the holder reads the same file).

@@ -3,6 +3,7 @@
 //! lines or a table. The binary in `src/bin/` only parses the command line.
 
 pub mod cluster;
+pub mod cluster_pools;
 pub mod index;
 pub mod lookup;
 pub mod multi_gpu;

@@ -103,6 +103,12 @@ impl Catalog {
         self.holders.get(&k).map_or(&[], Vec::as_slice)
     }
 
+    /// `k` as its first holder described it, while some peer holds it.
+    pub fn object(&self, k: CatalogKey) -> Option<RemoteObject> {
+        let &(size, namespace) = self.info.get(&k)?;
+        Some(RemoteObject { group: k.0, key: k.1, size, namespace })
+    }
+
     /// The peer a load of `k` pulls from (placement.rs), if any holds it.
     pub fn source(&self, k: CatalogKey) -> Option<NodeId> {
         placement::pick_source(k.1, self.holders(k).iter().copied())

@@ -273,6 +273,16 @@ impl Cluster {
         self.inner.state.lock().expect("state").catalog.source((group, key)).is_some()
     }
 
+    /// The connected peers that advertise `key` (placement picks among them).
+    pub fn holders(&self, group: u32, key: ObjectKey) -> Vec<NodeId> {
+        self.inner.state.lock().expect("state").catalog.holders((group, key)).to_vec()
+    }
+
+    /// `key` as the catalog knows it, while some connected peer advertises it.
+    pub fn remote_object(&self, group: u32, key: ObjectKey) -> Option<RemoteObject> {
+        self.inner.state.lock().expect("state").catalog.object((group, key))
+    }
+
     /// Closes every subscriber connection; they re-connect and get a fresh snapshot (after
     /// the change stream lost events).
     pub fn resync_subscribers(&self) {
@@ -705,14 +715,42 @@ impl Inner {
                 }
             }
         }
-        // Pin replies until every pin is answered, its peer is gone, or the deadline.
+        // Pin replies until every pin is answered, its peer is gone, or the pin deadline
+        // (half the budget, so a read always has the other half). Each holder is read as
+        // soon as all its pins are answered: a stopped or slow holder delays only its own
+        // items, never the reads from the others (and never leaves them a read with no
+        // time, which would fail them and quarantine their DRAM).
+        let pin_deadline = deadline - self.cfg.read_timeout / 2;
         let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
-        let mut open = id_to.len();
-        while open > 0 {
-            match rx.recv_timeout(control::left(deadline)) {
+        let mut unanswered: HashMap<NodeId, usize> = HashMap::new();
+        for &(node, i) in id_to.values() {
+            if out[i].is_none() {
+                *unanswered.entry(node).or_default() += 1;
+            }
+        }
+        let mut open: usize = unanswered.values().sum();
+        let mut read_done: HashSet<NodeId> = HashSet::new();
+        loop {
+            let ready: Vec<NodeId> =
+                by_node.keys().filter(|n| !read_done.contains(*n) && unanswered.get(*n).is_none_or(|&c| c == 0)).copied().collect();
+            for node in ready {
+                read_done.insert(node);
+                // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
+                unsafe { self.read_holder(group, items, &by_node[&node], &pinned, deadline, &mut out) };
+            }
+            if open == 0 {
+                break;
+            }
+            match rx.recv_timeout(control::left(pin_deadline)) {
                 Ok((id, r)) => {
                     let Some(&(node, i)) = id_to.get(&id) else { continue };
+                    if out[i].is_some() || pinned.contains_key(&i) {
+                        continue;
+                    }
                     open -= 1;
+                    if let Some(c) = unanswered.get_mut(&node) {
+                        *c -= 1;
+                    }
                     match r {
                         Ok(v) => {
                             pinned.insert(i, v);
@@ -720,7 +758,7 @@ impl Inner {
                         Err(reason) => out[i] = Some(Err(FetchError::PinRefused { peer: node, key: items[i].key.0, reason })),
                     }
                 }
-                Err(_) => break, // timeout, or every waiting peer gone
+                Err(_) => break, // pin deadline, or every waiting peer gone
             }
         }
         {
@@ -730,48 +768,69 @@ impl Inner {
                     continue;
                 }
                 let gone = st.peers.get_mut(&node).is_none_or(|p| p.pending.remove(&id).is_none());
-                out[i] = Some(Err(if gone && Instant::now() < deadline {
+                out[i] = Some(Err(if gone && Instant::now() < pin_deadline {
                     FetchError::PeerGone(node)
                 } else {
-                    FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout }
+                    FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout / 2 }
                 }));
             }
         }
-        // One read per holder of everything pinned there.
-        for (w, region, v) in by_node.values() {
-            let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i)).collect();
-            if mine.is_empty() {
-                continue;
-            }
-            let pieces: Vec<ReadPiece> =
-                mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
-            self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
-            // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-            let r = unsafe { self.agent.read(region, &pieces, control::left(deadline).max(Duration::from_millis(1))) };
-            self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
-            for &i in &mine {
-                // Best effort: a dead peer released its pins with its connection.
-                send(w, &Msg::Unpin { group, key: items[i].key.0 });
-            }
-            match r {
-                Ok(()) => {
-                    for &i in &mine {
-                        out[i] = Some(Ok(pinned[&i].1));
-                    }
-                }
-                Err(e) => {
-                    let tainted = e.destination_tainted();
-                    let msg = e.to_string();
-                    for &i in &mine {
-                        out[i] = Some(Err(if tainted {
-                            FetchError::Transport(TransportError::Timeout { peer: region.agent.clone(), timeout: self.cfg.read_timeout })
-                        } else {
-                            FetchError::Read(msg.clone())
-                        }));
-                    }
-                }
+        // Holders with some pins answered and others not: read what they pinned.
+        for (node, batch) in &by_node {
+            if !read_done.contains(node) {
+                // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
+                unsafe { self.read_holder(group, items, batch, &pinned, deadline, &mut out) };
             }
         }
         out.into_iter().map(|r| r.unwrap_or(Err(FetchError::Read("not attempted".into())))).collect()
+    }
+
+    /// One NIXL read of everything `batch`'s holder pinned (bounded by `deadline`), then
+    /// the unpins; fills those items' results.
+    ///
+    /// # Safety
+    /// As for [`Cluster::fetch_batch`], for every item's destination.
+    unsafe fn read_holder(
+        &self,
+        group: u32,
+        items: &[FetchRequest],
+        batch: &HolderBatch,
+        pinned: &HashMap<usize, (u64, u128)>,
+        deadline: Instant,
+        out: &mut [Option<Result<u128, FetchError>>],
+    ) {
+        let (w, region, v) = batch;
+        let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i) && out[*i].is_none()).collect();
+        if mine.is_empty() {
+            return;
+        }
+        let pieces: Vec<ReadPiece> =
+            mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
+        self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: forwarded from this function's contract.
+        let r = unsafe { self.agent.read(region, &pieces, control::left(deadline).max(Duration::from_millis(1))) };
+        self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
+        for &i in &mine {
+            // Best effort: a dead peer released its pins with its connection.
+            send(w, &Msg::Unpin { group, key: items[i].key.0 });
+        }
+        match r {
+            Ok(()) => {
+                for &i in &mine {
+                    out[i] = Some(Ok(pinned[&i].1));
+                }
+            }
+            Err(e) => {
+                let tainted = e.destination_tainted();
+                let msg = e.to_string();
+                for &i in &mine {
+                    out[i] = Some(Err(if tainted {
+                        FetchError::Transport(TransportError::Timeout { peer: region.agent.clone(), timeout: self.cfg.read_timeout })
+                    } else {
+                        FetchError::Read(msg.clone())
+                    }));
+                }
+            }
+        }
     }
 }

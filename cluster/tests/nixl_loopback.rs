@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use umbp_cluster::control::Secret;
 use umbp_cluster::mem_pool::{pattern, MemPool};
 use umbp_cluster::membership::StaticPeers;
-use umbp_cluster::{transport, Cluster, ClusterConfig, FetchError};
+use umbp_cluster::{transport, Cluster, ClusterConfig, FetchError, FetchRequest};
 use umbp_protocol::ObjectKey;
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -193,4 +193,63 @@ fn a_restarted_peer_rejoins_on_its_address() {
     // SAFETY: in the mapping, unused.
     unsafe { node.fetch(0, ObjectKey(2), 8192, pool.base()) }.unwrap();
     assert!(pool.read(0, 8192) == pattern(2, 8192));
+}
+
+/// Two holders of the same 64 keys, one of them stopped (SIGSTOP: a hung peer, its socket
+/// still open): one batched fetch of all 64 pins each key at its rendezvous home only
+/// (`placement::pick_source` over the real node ids): exactly the keys homed on the stopped
+/// holder fail (pin timeout at half the read budget, no read tainted), every other key is
+/// read byte-exact from the live holder within the budget.
+#[test]
+fn each_key_is_pulled_from_its_rendezvous_home_and_a_stopped_home_fails_only_its_keys() {
+    let Some(_g) = setup() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let s = secret_file(d.path(), "secret", b"a-cluster-secret-of-some-length\n");
+    let (n, size) = (64u64, 64 << 10);
+    let a = spawn_peer(&s, "127.0.0.1:0", n, size);
+    let b = spawn_peer(&s, "127.0.0.1:0", n, size);
+    let pool = Arc::new(MemPool::new((n * size) as usize));
+    let mut cfg = ClusterConfig::new("127.0.0.1:0".into(), Secret::from_file(&s).unwrap());
+    cfg.heartbeat = Duration::from_millis(200);
+    cfg.dead_after = Duration::from_secs(4);
+    cfg.read_timeout = Duration::from_millis(1600);
+    // SAFETY: `pool` outlives the node (dropped after it).
+    let node =
+        unsafe { Cluster::start(cfg, Box::new(StaticPeers(vec![a.addr.clone(), b.addr.clone()])), pool.clone(), pool.base(), pool.len()) }
+            .unwrap();
+    wait_for("both holders of every key", Duration::from_secs(20), || {
+        (1..=n as u128).all(|k| node.holders(0, ObjectKey(k)).len() == 2)
+    });
+    // Which node id is which child: the agent name carries the listen address.
+    let regions = node.peer_regions();
+    let id_of = |addr: &str| regions.iter().find(|(_, r)| r.agent.contains(addr)).map(|(id, _)| *id).expect("joined");
+    let (id_a, id_b) = (id_of(&a.addr), id_of(&b.addr));
+    let homed_b: Vec<u128> =
+        (1..=n as u128).filter(|&k| umbp_cluster::placement::pick_source(ObjectKey(k), [id_a, id_b]) == Some(id_b)).collect();
+    assert!(!homed_b.is_empty() && homed_b.len() < n as usize, "64 keys spread over 2 holders: {}", homed_b.len());
+
+    // SAFETY: signalling our own live child.
+    assert_eq!(unsafe { libc::kill(b.child.id() as i32, libc::SIGSTOP) }, 0);
+    let reqs: Vec<FetchRequest> = (0..n)
+        // SAFETY: object i's range of our mapping, used by nothing else.
+        .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), size, dest: unsafe { pool.base().add((i * size) as usize) } })
+        .collect();
+    let t = Instant::now();
+    // SAFETY: as above, for every request.
+    let results = unsafe { node.fetch_batch(0, &reqs) };
+    let took = t.elapsed();
+    println!("{} of {n} keys homed on the stopped holder; the batch ended in {took:?}", homed_b.len());
+    for (i, r) in results.iter().enumerate() {
+        let key = i as u128 + 1;
+        if homed_b.contains(&key) {
+            let e = r.as_ref().expect_err("homed on the stopped holder: not pulled from the other one");
+            assert!(matches!(e, FetchError::PinTimeout { .. }) && !e.destination_tainted(), "key {key}: {e}");
+        } else {
+            assert!(r.is_ok(), "key {key} (homed on the live holder): {r:?}");
+            assert!(pool.read(i as u64 * size, size as usize) == pattern(key, size as usize), "key {key}: bytes differ");
+        }
+    }
+    assert!(took < Duration::from_millis(1600 + 1000), "bounded by the read budget: {took:?}");
+    // SAFETY: as above.
+    unsafe { libc::kill(b.child.id() as i32, libc::SIGCONT) };
 }

@@ -87,9 +87,21 @@ impl ClusterAccess {
     }
 
     /// Mirrors a peer's key in group 0 as a `Lower { Remote }` object (index entry marked
-    /// remote, KV event `Stored(remote)`); false if held here in any form or no index room.
-    pub fn insert_remote(&self, o: HeldObject) -> bool {
-        self.inner.store.lock().expect("store lock").insert_remote(o)
+    /// remote, KV event `Stored(remote)`); false if held here in any form, no index room,
+    /// or `max_entries` remote objects are listed already (checked under the store lock).
+    pub fn insert_remote(&self, o: HeldObject, max_entries: u64) -> bool {
+        self.inner.store.lock().expect("store lock").insert_remote(o, max_entries)
+    }
+
+    /// Remote objects listed in group 0 now.
+    pub fn remote_entries(&self) -> u64 {
+        self.inner.store.lock().expect("store lock").remote_entries()
+    }
+
+    /// Most live entries the index takes (local and remote together; the cluster tier runs
+    /// only on pools with the one group 0).
+    pub fn index_capacity(&self) -> u64 {
+        self.inner.store.lock().expect("store lock").index_capacity()
     }
 
     /// Drops group-0 `key` if it is (still) a remote-only object.

@@ -98,6 +98,9 @@ enum Cmd {
     /// Internal: the holder process of `cluster`.
     #[command(name = "__cluster-peer", hide = true)]
     ClusterPeer(bench::cluster::ClusterPeerCli),
+    /// Internal: the holder pool process of `cluster` (the cases through real pools).
+    #[command(name = "__cluster-pool-peer", hide = true)]
+    ClusterPoolPeer(bench::cluster_pools::ClusterPoolPeerCli),
     /// Chaos soak: worker processes store and load checksummed blocks while workers are
     /// SIGKILLed and the pool is stopped, resumed, killed and restarted; checks no corrupted
     /// byte, no blocked call, no leak after any worker death, every worker re-attached.
@@ -165,6 +168,7 @@ fn main() -> ExitCode {
         Cmd::TransferWorker(t) => t.run(),
         Cmd::Cluster(c) => c.run(),
         Cmd::ClusterPeer(c) => c.run(),
+        Cmd::ClusterPoolPeer(c) => c.run(),
         Cmd::Soak(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakWorker(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakPool(s) => s.run().map_err(std::io::Error::other),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use umbp_cluster::control::Secret;
 use umbp_cluster::membership::StaticPeers;
-use umbp_cluster::pool_tier::ClusterTier;
+use umbp_cluster::pool_tier::{ClusterTier, TierOptions, DEFAULT_REMOTE_SHARE};
 use umbp_cluster::ClusterConfig;
 
 #[derive(clap::Args, Debug, Clone)]
@@ -34,14 +34,19 @@ pub struct ClusterArgs {
     /// Bound on one remote load (pin at the holder and NIXL READ); past it the block fails.
     #[arg(long = "cluster-read-timeout-ms", value_name = "MS", default_value_t = 5000)]
     pub read_timeout_ms: u64,
+    /// Most peers' keys listed in this pool's index at once (remote entries never crowd
+    /// local objects out past it; further remote keys wait and are listed as room frees)
+    /// [default: half of the index capacity]
+    #[arg(long = "cluster-max-remote-entries", value_name = "N")]
+    pub max_remote_entries: Option<u64>,
 }
 
 impl ClusterArgs {
     /// The node's configuration, None without --cluster-listen; errors name the flag.
-    pub fn config(&self, namespace_acl: bool) -> anyhow::Result<Option<(ClusterConfig, Vec<String>)>> {
+    pub fn config(&self, namespace_acl: bool) -> anyhow::Result<Option<(ClusterConfig, Vec<String>, TierOptions)>> {
         let Some(listen) = self.listen.clone() else {
-            if !self.peers.is_empty() || self.secret_file.is_some() {
-                anyhow::bail!("--cluster-peer and --cluster-secret-file need --cluster-listen");
+            if !self.peers.is_empty() || self.secret_file.is_some() || self.max_remote_entries.is_some() {
+                anyhow::bail!("--cluster-peer, --cluster-secret-file and --cluster-max-remote-entries need --cluster-listen");
             }
             return Ok(None);
         };
@@ -59,14 +64,21 @@ impl ClusterArgs {
         c.heartbeat = Duration::from_millis(self.heartbeat_ms);
         c.dead_after = Duration::from_millis(self.dead_after_ms);
         c.read_timeout = Duration::from_millis(self.read_timeout_ms.max(1));
-        Ok(Some((c, self.peers.clone())))
+        Ok(Some((c, self.peers.clone(), TierOptions { max_remote_entries: self.max_remote_entries })))
     }
 }
 
 /// Starts the cluster tier on a running pool.
-pub fn start(pool: &umbp_pool::Pool, cfg: ClusterConfig, peers: Vec<String>) -> anyhow::Result<ClusterTier> {
+pub fn start(pool: &umbp_pool::Pool, cfg: ClusterConfig, peers: Vec<String>, opts: TierOptions) -> anyhow::Result<ClusterTier> {
     let listen = cfg.listen.clone();
-    let tier = ClusterTier::start(pool.cluster_access(), cfg, Box::new(StaticPeers(peers.clone())))?;
-    tracing::info!(listen = %listen, bound = %tier.cluster().local_addr(), peers = ?peers, "cluster tier started");
+    let tier = ClusterTier::start(pool.cluster_access(), cfg, Box::new(StaticPeers(peers.clone())), opts)?;
+    tracing::info!(
+        listen = %listen,
+        bound = %tier.cluster().local_addr(),
+        peers = ?peers,
+        max_remote_entries = tier.max_remote_entries(),
+        default_share = DEFAULT_REMOTE_SHARE,
+        "cluster tier started"
+    );
     Ok(tier)
 }

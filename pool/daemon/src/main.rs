@@ -423,7 +423,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let tier = match cluster.map(|(c, peers)| cluster_flags::start(&pool, c, peers)).transpose() {
+    let tier = match cluster.map(|(c, peers, opts)| cluster_flags::start(&pool, c, peers, opts)).transpose() {
         Ok(t) => t,
         Err(e) => {
             eprintln!("umbp-pool: {e:#}");

@@ -11,14 +11,24 @@ use super::{GroupKey, ObjectEvent, ObjectState, ObjectStore};
 use crate::remote::HeldObject;
 
 impl ObjectStore {
-    /// Lists a peer's object (group 0) unless this pool holds the key in any form.
-    pub fn insert_remote(&mut self, o: HeldObject) -> bool {
+    /// Lists a peer's object (group 0) unless this pool holds the key in any form or
+    /// `max_entries` remote objects are listed already (the cap that keeps peers' keys from
+    /// crowding local objects out of the index).
+    pub fn insert_remote(&mut self, o: HeldObject, max_entries: u64) -> bool {
+        if self.remote_entries() >= max_entries {
+            return false;
+        }
         let listed = self.insert_lower(0, o.namespace, o.key, o.size, Tier::Remote, 0);
         if listed {
             // `insert_lower` counts warm-restart listings; a peer's key is not one.
             self.tier_stats.restored -= 1;
         }
         listed
+    }
+
+    /// Remote objects listed now (including those being promoted).
+    pub fn remote_entries(&self) -> u64 {
+        self.lower[Tier::Remote as usize]
     }
 
     /// Drops group-0 `key` if it is a remote-only object (not being promoted).
@@ -100,8 +110,8 @@ mod tests {
     fn a_remote_object_is_listed_remote_loads_as_lower_and_is_removable() {
         let mut s = store();
         let k = ObjectKey(7);
-        assert!(s.insert_remote(held(7)));
-        assert!(!s.insert_remote(held(7)), "present already");
+        assert!(s.insert_remote(held(7), u64::MAX));
+        assert!(!s.insert_remote(held(7), u64::MAX), "present already");
         assert_eq!(s.tier_stats.restored, 0, "not a warm-restart listing");
         assert_eq!(s.groups[0].index.get(k).and_then(location::decode), Some((Tier::Remote, 0)));
         assert_eq!(s.reserve_load(k, 4096), LoadReservation::Lower { tier: Tier::Remote });
@@ -115,21 +125,21 @@ mod tests {
     fn promotion_publishes_in_dram_and_then_it_is_no_longer_remote() {
         let mut s = store();
         let k = ObjectKey(9);
-        assert!(s.insert_remote(held(9)));
+        assert!(s.insert_remote(held(9), u64::MAX));
         let (offset, tier, ns) = s.begin_promotion(k).unwrap();
         assert_eq!((tier, ns), (Tier::Remote, 5));
         assert!(s.finish_promotion(k, true));
         assert_eq!(s.groups[0].index.get(k), Some(location::encode(Tier::Dram, offset)));
         assert!(!s.remove_remote(k), "the local copy stays");
         assert_eq!(s.dram_objects(0), vec![held(9)]);
-        assert!(!s.insert_remote(held(9)));
+        assert!(!s.insert_remote(held(9), u64::MAX));
     }
 
     #[test]
     fn an_abandoned_promotion_leaks_its_dram_instead_of_freeing_it() {
         let mut s = store();
         let k = ObjectKey(11);
-        assert!(s.insert_remote(held(11)));
+        assert!(s.insert_remote(held(11), u64::MAX));
         let before = s.allocated_bytes();
         s.begin_promotion(k).unwrap();
         let allocated = s.allocated_bytes();
@@ -140,5 +150,26 @@ mod tests {
         assert_eq!(s.quarantined_bytes(), 4096);
         assert_eq!(s.groups[0].index.get(k), None);
         assert_eq!(s.pinned_count(), 0);
+    }
+
+    #[test]
+    fn remote_entries_stop_at_the_cap_and_never_take_room_from_local_stores() {
+        let mut s = store();
+        for k in 0..10u128 {
+            assert_eq!(s.insert_remote(held(100 + k), 4), k < 4, "entry {k}");
+        }
+        assert_eq!(s.remote_entries(), 4);
+        // Local stores go on (the index has room the cap kept free).
+        for k in 0..8u128 {
+            assert!(matches!(s.reserve_store(5, ObjectKey(k), 4096, 1), StoreReservation::Reserved { .. }), "local store {k}");
+        }
+        // A promoted remote object is local: it no longer counts, so one more may be listed.
+        s.begin_promotion(ObjectKey(100)).unwrap();
+        assert!(s.finish_promotion(ObjectKey(100), true));
+        assert_eq!(s.remote_entries(), 3);
+        assert!(s.insert_remote(held(200), 4) && !s.insert_remote(held(201), 4));
+        // A removed one frees its place too.
+        assert!(s.remove_remote(ObjectKey(101)));
+        assert!(s.insert_remote(held(202), 4));
     }
 }
