@@ -18,6 +18,9 @@
 #   main    umbp-bench gptoss, kv4k/kv8k/kv16k, obj, bidir with the defaults (--gather auto)
 #   kintf   kv4k_interference_pct and interference_pct, --gather auto and copy-engine
 #   stage   the small-page layouts kv4k, kv8k with 16 MiB copy stages
+#   obj     the single-object table alone (1/16/64 MiB, x1 and x8)
+#   objnopoll  the same with the bench workers' completion-wait polling off
+#           (UMBP_BENCH_WAIT_POLL_US=0: they sleep on the ring at once, as before)
 set -uo pipefail
 bin=${BIN:-.device-bin}
 repo=${REPO:-.}
@@ -66,6 +69,8 @@ if has kintf; then
   done
 fi
 has stage && run bench-stage16 "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts kv4k,kv8k --stage-mib 16 $extra
+has obj && run bench-obj "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts obj $extra
+has objnopoll && run bench-objnopoll env UMBP_BENCH_WAIT_POLL_US=0 "$bin/umbp-bench" transfer --backend cuda --json --reps "$reps" --layouts obj $extra
 grep -hE "calibration|kernel used|page copy kernel|byte-exact|stale|test result|panicked|FAIL|error" "$log" | cut -c1-600 | tail -n 80
 echo "=== kernel-path: $([ $fail = 0 ] && echo PASS || echo FAIL)"
 exit $fail

@@ -281,3 +281,29 @@ fn reconnect_remaps_pool_chosen_alloc_ids() {
     let id = w.load(0, &[(ObjectKey(77), 2)]).unwrap();
     assert_eq!(done(&mut w, id).statuses, vec![BlockStatus::Missing]);
 }
+
+/// `wait` polls the completion ring for `wait_poll`, then sleeps: either way it returns a
+/// completion that lands during the wait, and gives up at its timeout, not later, also when
+/// the timeout is shorter than the polling or the polling is off.
+#[test]
+fn wait_polls_then_sleeps_and_keeps_its_timeout() {
+    let path = socket_path("waitpoll");
+    let pool = MockPool::start(&path);
+    for poll in [Duration::ZERO, Duration::from_millis(2), Duration::from_millis(400)] {
+        let mut kv = Kv::new();
+        let mut w = Worker::connect(WorkerConfig { wait_poll: poll, ..config(&path) }).unwrap();
+        // SAFETY: `kv` is declared first (outlives `w`); the mock copies only while not stalled.
+        let a = unsafe { w.register_memory(kv.spec()) }.unwrap();
+        w.register_layout(0, Kv::segments(a)).unwrap();
+        pool.stall(true);
+        let id = w.store(0, &[(ObjectKey(10), 1)]).unwrap();
+        for timeout in [Duration::from_millis(1), Duration::from_millis(20)] {
+            let t = Instant::now();
+            assert!(w.wait(id, timeout).is_none(), "wait_poll {poll:?}: stalled transfer completed");
+            let took = t.elapsed();
+            assert!(took >= timeout && took < timeout + Duration::from_millis(200), "wait_poll {poll:?}, timeout {timeout:?}: took {took:?}");
+        }
+        pool.stall(false);
+        assert!(w.wait(id, Duration::from_secs(5)).expect("completion after the stall").all_ok(), "wait_poll {poll:?}");
+    }
+}

@@ -8,6 +8,8 @@ use super::worker::worker_main;
 use super::{run, BackendArg, TransferArgs, GROUPS};
 
 /// Command line of `umbp-bench transfer` (kept here so the entry point only registers it).
+/// Environment: `UMBP_BENCH_WAIT_POLL_US` sets the bench workers' completion-wait polling
+/// (`WorkerConfig::wait_poll`, µs; 0: sleep at once) for A/B runs.
 #[derive(clap::Args, Debug)]
 pub struct TransferCli {
     /// Worker memory: a host memfd, or CUDA device memory.

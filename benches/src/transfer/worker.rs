@@ -55,6 +55,10 @@ pub(crate) fn worker_main(socket: &Path, backend: BackendArg, namespace: u128) -
     cfg.timeout = Duration::from_secs(60);
     cfg.sq_entries = 1024;
     cfg.arena_bytes = 16 << 20;
+    // For A/B runs of the completion wait (WorkerConfig::wait_poll); default: the worker's.
+    if let Some(us) = std::env::var("UMBP_BENCH_WAIT_POLL_US").ok().and_then(|v| v.parse::<u64>().ok()) {
+        cfg.wait_poll = Duration::from_micros(us);
+    }
     let w = Worker::connect(cfg).map_err(|e| e.to_string())?;
     let mut st = WorkerState { w, gpu, groups: Default::default(), socket: socket.to_path_buf(), namespace };
     let out = std::io::stdout();
