@@ -13,10 +13,9 @@
 mod common;
 use common::*;
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use umbp_protocol::entries::BlockStatus;
 use umbp_protocol::ObjectKey;
@@ -26,20 +25,6 @@ const NS_B: u128 = 0xb0b;
 /// The test worker's default block: 4 layers x 4 KiB pages, one 16 KiB object.
 const OBJ: u64 = 16 << 10;
 
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
-fn wait_until(what: &str, bound: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < bound, "timed out after {bound:?} waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    t.elapsed()
-}
-
 /// None (after printing why) when the test cannot run here.
 fn setup() -> Option<()> {
     // SAFETY: getuid has no preconditions.
@@ -47,16 +32,7 @@ fn setup() -> Option<()> {
         println!("skipped: needs root (workers attach as root to the group of their namespace)");
         return None;
     }
-    if std::env::var_os("UCX_TLS").is_none() {
-        // Set before any pool starts; the pools inherit it. Both tests set the same values.
-        std::env::set_var("UCX_TLS", "tcp,self");
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    }
-    if let Err(e) = umbp_cluster::transport::load_library() {
-        println!("skipped: libnixl_capi.so not found (set {}): {e}", umbp_cluster::transport::LIB_ENV);
-        return None;
-    }
-    Some(())
+    cluster::nixl_on_loopback().then_some(())
 }
 
 fn pool_args(me: &str, peer: &str, secret: &Path, acl: &[&str]) -> Vec<String> {
@@ -72,13 +48,6 @@ fn pool_args(me: &str, peer: &str, secret: &Path, acl: &[&str]) -> Vec<String> {
         v.extend(["--namespace-acl".to_string(), a.to_string()]);
     }
     v
-}
-
-fn secret_file(dir: &Path) -> std::path::PathBuf {
-    let p = dir.join("secret");
-    std::fs::write(&p, b"namespaces-share-a-secret-0123456789").unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
-    p
 }
 
 fn keys(ns: u128, n: u128) -> Vec<ObjectKey> {
@@ -117,9 +86,9 @@ fn same_acl_routes_remote_blocks_by_namespace() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
+    let secret = cluster::secret_file(dir.path(), b"namespaces-share-a-secret-0123456789");
     let acl = ["65533:a11ce", "65534:b0b"];
-    let (a1, a2) = (free_port(), free_port());
+    let (a1, a2) = (cluster::loopback_addr(), cluster::loopback_addr());
     let (args1, args2) = (pool_args(&a1, &a2, &secret, &acl), pool_args(&a2, &a1, &secret, &acl));
     let pool1 = PoolProcess::start(&unique_socket("nsclu1"), &args1.iter().map(String::as_str).collect::<Vec<_>>());
     let pool2 = PoolProcess::start(&unique_socket("nsclu2"), &args2.iter().map(String::as_str).collect::<Vec<_>>());
@@ -208,8 +177,8 @@ fn pools_with_different_acls_refuse_each_other_and_share_nothing() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let secret = secret_file(dir.path());
-    let (a1, a2) = (free_port(), free_port());
+    let secret = cluster::secret_file(dir.path(), b"namespaces-share-a-secret-0123456789");
+    let (a1, a2) = (cluster::loopback_addr(), cluster::loopback_addr());
     // Pool 2 also lets uid 65534 read namespace c0c: another ACL.
     let args1 = pool_args(&a1, &a2, &secret, &["65533:a11ce", "65534:b0b"]);
     let args2 = pool_args(&a2, &a1, &secret, &["65533:a11ce", "65534:b0b,c0c"]);
