@@ -189,7 +189,7 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
         for first in (0..blocks).step_by(batch as usize) {
             let reqs: Vec<FetchRequest> = (first..(first + batch).min(blocks))
                 // SAFETY: block i's range is in the registered mapping and used by nothing else.
-                .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), size: block, dest: unsafe { pool.base().add((i * block) as usize) } })
+                .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), namespace: 0, size: block, dest: unsafe { pool.base().add((i * block) as usize) } })
                 .collect();
             // SAFETY: as above, for every request.
             for r in unsafe { node.fetch_batch(0, &reqs) } {

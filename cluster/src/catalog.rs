@@ -11,8 +11,10 @@ use umbp_protocol::{ObjectKey, Tier};
 
 use crate::placement::{self, NodeId};
 
-/// An object's identity in the cluster: tenant group and key (the cluster tier serves
-/// group 0 only; docs/cluster.md).
+/// An object's identity in the cluster: tenant group and key. Group numbers mean the
+/// same on every member because members run the same namespace ACL (the handshake
+/// compares digests); the pool side still lists a key only in its namespace's group and
+/// pins by namespace (docs/cluster.md, "Namespaces and tenant groups").
 pub type CatalogKey = (u32, ObjectKey);
 
 /// One change of a peer's holdings, as its stream carries it.

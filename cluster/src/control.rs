@@ -5,13 +5,17 @@
 //! ## Handshake (both sides prove the secret; the secret never crosses the wire)
 //! ```text
 //!  client                                           server
-//!  Hello{version, node_c, nonce_c}          ─────▶
-//!                                           ◀─────  Challenge{node_s, nonce_s,
-//!                                                     mac_s = H(S, "umbp-s" nc ns node_c node_s)}
-//!  verify mac_s (else: server does not know S)
-//!  Proof{mac_c = H(S, "umbp-c" ns nc node_s node_c)} ─▶ verify mac_c (else: Refused, close)
+//!  Hello{version, node_c, nonce_c, acl_c}   ─────▶  acl_c != acl_s: Refused (names both)
+//!                                           ◀─────  Challenge{node_s, nonce_s, acl_s,
+//!                                                     mac_s = H(S, "umbp-s" nc ns node_c node_s acl)}
+//!  acl_s != acl_c: stop (names both); verify mac_s (else: server does not know S)
+//!  Proof{mac_c = H(S, "umbp-c" ns nc node_s node_c acl)} ─▶ verify mac_c (else: Refused, close)
 //!                                           ◀─────  Welcome
 //! ```
+//! `acl` is [`acl_digest`] of the pool's namespace ACL: the members of a cluster enforce
+//! the same ACL, so a key listed on one pool is visible to the same engines on every pool
+//! (docs/cluster.md, "Namespaces and tenant groups"). The digest is covered by both MACs,
+//! so a peer cannot join with one digest and act on another.
 //! Fresh 32-byte nonces from both sides make every transcript unique (no replay); the
 //! role labels keep a reflected server MAC from passing as a client proof. Frames before
 //! Welcome are at most [`HANDSHAKE_MAX_FRAME`] bytes and the handshake has a deadline, so
@@ -33,7 +37,8 @@ use sha2::Sha256;
 
 use crate::catalog::{u128_hex, KeyChange};
 
-pub const PROTOCOL_VERSION: u32 = 1;
+/// 2: the namespace ACL digest in the handshake, the namespace in pins.
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest frame before authentication.
 pub const HANDSHAKE_MAX_FRAME: usize = 4096;
 /// Largest frame after it (a snapshot batch, a metadata blob).
@@ -55,6 +60,8 @@ pub enum ControlError {
     Version(u32),
     #[error("cluster authentication failed: {0}")]
     Auth(&'static str),
+    #[error("the peer enforces another --namespace-acl (ACL digest {peer}, this pool {ours}): every member must run with the same --namespace-acl flags")]
+    AclMismatch { peer: String, ours: String },
     #[error("cluster secret file {path}: {reason}")]
     Secret { path: String, reason: String },
 }
@@ -63,8 +70,8 @@ pub enum ControlError {
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 #[serde(tag = "t")]
 pub enum Msg {
-    Hello { version: u32, node: u64, nonce: [u8; 32] },
-    Challenge { node: u64, nonce: [u8; 32], mac: [u8; 32] },
+    Hello { version: u32, node: u64, nonce: [u8; 32], acl: [u8; 32] },
+    Challenge { node: u64, nonce: [u8; 32], acl: [u8; 32], mac: [u8; 32] },
     Proof { mac: [u8; 32] },
     Welcome,
     Refused { reason: String },
@@ -74,10 +81,13 @@ pub enum Msg {
     /// (replaces what the client knew), `more`: further batches of it follow.
     Keys { changes: Vec<KeyChange>, snapshot: bool, more: bool },
     Heartbeat,
-    /// Pin `key` (of `size` bytes) for a read; answered by `Pinned` or `PinFailed`.
+    /// Pin `key` (of `size` bytes), stored under `namespace`, for a read; answered by
+    /// `Pinned` or `PinFailed` (also when the holder has the key under another namespace).
     Pin {
         id: u64,
         group: u32,
+        #[serde(with = "u128_hex")]
+        namespace: u128,
         #[serde(with = "u128_hex")]
         key: u128,
         size: u64,
@@ -94,6 +104,8 @@ pub enum Msg {
     PinFailed { id: u64, reason: String },
     Unpin {
         group: u32,
+        #[serde(with = "u128_hex")]
+        namespace: u128,
         #[serde(with = "u128_hex")]
         key: u128,
     },
@@ -169,25 +181,52 @@ impl Secret {
     }
 }
 
-/// HMAC-SHA256 over the role label and the transcript.
-pub fn transcript_mac(secret: &Secret, label: &[u8], first: &[u8; 32], second: &[u8; 32], node_a: u64, node_b: u64) -> [u8; 32] {
+/// SHA-256 of a pool's normalized namespace ACL: its tenant groups (groups.rs), each
+/// group's sorted uids and namespaces, in their numbering, which depends on the ACL and
+/// not on the order of the flags. Equal digests: the same uids may read the same
+/// namespaces on both pools, and a namespace is in the same group on both.
+pub fn acl_digest(groups: &umbp_pool::groups::TenantGroups) -> [u8; 32] {
+    use sha2::Digest;
+    let mut h = Sha256::new();
+    h.update(b"umbp-namespace-acl-v1");
+    h.update((groups.len() as u64).to_le_bytes());
+    for g in groups.specs() {
+        h.update((g.uids.len() as u64).to_le_bytes());
+        for u in &g.uids {
+            h.update(u.to_le_bytes());
+        }
+        h.update((g.namespaces.len() as u64).to_le_bytes());
+        for ns in &g.namespaces {
+            h.update(ns.to_le_bytes());
+        }
+    }
+    h.finalize().into()
+}
+
+/// The first 8 bytes of a digest in hex (for errors and logs).
+pub fn short_hex(d: &[u8; 32]) -> String {
+    d[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn transcript(secret: &Secret, label: &[u8], first: &[u8; 32], second: &[u8; 32], node_a: u64, node_b: u64, acl: &[u8; 32]) -> Hmac<Sha256> {
     let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key length");
     m.update(label);
     m.update(first);
     m.update(second);
     m.update(&node_a.to_le_bytes());
     m.update(&node_b.to_le_bytes());
-    m.finalize().into_bytes().into()
+    m.update(acl);
+    m
 }
 
-fn verify(secret: &Secret, label: &[u8], first: &[u8; 32], second: &[u8; 32], a: u64, b: u64, mac: &[u8; 32]) -> bool {
-    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(&secret.0).expect("HMAC takes any key length");
-    m.update(label);
-    m.update(first);
-    m.update(second);
-    m.update(&a.to_le_bytes());
-    m.update(&b.to_le_bytes());
-    m.verify_slice(mac).is_ok() // constant time
+/// HMAC-SHA256 over the role label and the transcript (the ACL digest both sides agreed on).
+pub fn transcript_mac(secret: &Secret, label: &[u8], first: &[u8; 32], second: &[u8; 32], node_a: u64, node_b: u64, acl: &[u8; 32]) -> [u8; 32] {
+    transcript(secret, label, first, second, node_a, node_b, acl).finalize().into_bytes().into()
+}
+
+#[allow(clippy::too_many_arguments)]
+fn verify(secret: &Secret, label: &[u8], first: &[u8; 32], second: &[u8; 32], a: u64, b: u64, acl: &[u8; 32], mac: &[u8; 32]) -> bool {
+    transcript(secret, label, first, second, a, b, acl).verify_slice(mac).is_ok() // constant time
 }
 
 const SERVER_LABEL: &[u8] = b"umbp-cluster-v1-server";
@@ -216,23 +255,32 @@ fn expect_msg(got: Msg, expected: &'static str) -> ControlError {
     }
 }
 
-/// Client side of the handshake; returns the server's node id.
-pub fn client_handshake(s: &mut TcpStream, secret: &Secret, node: u64, timeout: Duration) -> Result<u64, ControlError> {
+/// Client side of the handshake (`acl`: this pool's [`acl_digest`]); returns the
+/// server's node id.
+pub fn client_handshake(s: &mut TcpStream, secret: &Secret, node: u64, acl: &[u8; 32], timeout: Duration) -> Result<u64, ControlError> {
     let stream = s.try_clone()?;
     with_deadline(&stream, timeout, || {
         let nc = nonce();
-        write_msg(s, &Msg::Hello { version: PROTOCOL_VERSION, node, nonce: nc })?;
-        let (server, ns, mac) = match read_msg(s, HANDSHAKE_MAX_FRAME)? {
-            Msg::Challenge { node, nonce, mac } => (node, nonce, mac),
+        write_msg(s, &Msg::Hello { version: PROTOCOL_VERSION, node, nonce: nc, acl: *acl })?;
+        let (server, ns, peer_acl, mac) = match read_msg(s, HANDSHAKE_MAX_FRAME)? {
+            Msg::Challenge { node, nonce, acl, mac } => (node, nonce, acl, mac),
             Msg::Refused { reason } if reason.starts_with("version") => {
                 return Err(ControlError::Unexpected { expected: "Challenge", got: reason })
             }
+            Msg::Refused { reason } if reason.starts_with("namespace ACL") => {
+                // "namespace ACL digest {ours} differs from this pool's {theirs}"
+                let peer = reason.rsplit(' ').next().unwrap_or("?").to_string();
+                return Err(ControlError::AclMismatch { peer, ours: short_hex(acl) });
+            }
             m => return Err(expect_msg(m, "Challenge")),
         };
-        if !verify(secret, SERVER_LABEL, &nc, &ns, node, server, &mac) {
+        if peer_acl != *acl {
+            return Err(ControlError::AclMismatch { peer: short_hex(&peer_acl), ours: short_hex(acl) });
+        }
+        if !verify(secret, SERVER_LABEL, &nc, &ns, node, server, acl, &mac) {
             return Err(ControlError::Auth("the server does not know the cluster secret"));
         }
-        write_msg(s, &Msg::Proof { mac: transcript_mac(secret, CLIENT_LABEL, &ns, &nc, server, node) })?;
+        write_msg(s, &Msg::Proof { mac: transcript_mac(secret, CLIENT_LABEL, &ns, &nc, server, node, acl) })?;
         match read_msg(s, HANDSHAKE_MAX_FRAME)? {
             Msg::Welcome => Ok(server),
             Msg::Refused { .. } => Err(ControlError::Auth("the server refused this pool's proof (different cluster secret)")),
@@ -241,25 +289,32 @@ pub fn client_handshake(s: &mut TcpStream, secret: &Secret, node: u64, timeout: 
     })
 }
 
-/// Server side of the handshake; returns the client's node id.
-pub fn server_handshake(s: &mut TcpStream, secret: &Secret, node: u64, timeout: Duration) -> Result<u64, ControlError> {
+/// Server side of the handshake (`acl`: this pool's [`acl_digest`]); returns the
+/// client's node id. A client with another ACL digest is refused before any MAC.
+pub fn server_handshake(s: &mut TcpStream, secret: &Secret, node: u64, acl: &[u8; 32], timeout: Duration) -> Result<u64, ControlError> {
     let stream = s.try_clone()?;
     with_deadline(&stream, timeout, || {
         let (client, nc) = match read_msg(s, HANDSHAKE_MAX_FRAME)? {
-            Msg::Hello { version, node, nonce } => {
+            Msg::Hello { version, node, nonce, acl: peer_acl } => {
                 if version != PROTOCOL_VERSION {
                     let _ = write_msg(s, &Msg::Refused { reason: format!("version {version} unsupported") });
                     return Err(ControlError::Version(version));
+                }
+                if peer_acl != *acl {
+                    let (peer, ours) = (short_hex(&peer_acl), short_hex(acl));
+                    let reason = format!("namespace ACL digest {peer} differs from this pool's {ours}");
+                    let _ = write_msg(s, &Msg::Refused { reason });
+                    return Err(ControlError::AclMismatch { peer, ours });
                 }
                 (node, nonce)
             }
             m => return Err(expect_msg(m, "Hello")),
         };
         let ns = nonce();
-        let mac = transcript_mac(secret, SERVER_LABEL, &nc, &ns, client, node);
-        write_msg(s, &Msg::Challenge { node, nonce: ns, mac })?;
+        let mac = transcript_mac(secret, SERVER_LABEL, &nc, &ns, client, node, acl);
+        write_msg(s, &Msg::Challenge { node, nonce: ns, acl: *acl, mac })?;
         match read_msg(s, HANDSHAKE_MAX_FRAME)? {
-            Msg::Proof { mac } if verify(secret, CLIENT_LABEL, &ns, &nc, node, client, &mac) => {
+            Msg::Proof { mac } if verify(secret, CLIENT_LABEL, &ns, &nc, node, client, acl, &mac) => {
                 write_msg(s, &Msg::Welcome)?;
                 Ok(client)
             }
@@ -287,15 +342,58 @@ mod tests {
     }
 
     fn pair(client_secret: Secret, server_secret: Secret) -> (Result<u64, ControlError>, Result<u64, ControlError>) {
+        pair_acl(client_secret, [0; 32], server_secret, [0; 32])
+    }
+
+    fn pair_acl(
+        client_secret: Secret,
+        client_acl: [u8; 32],
+        server_secret: Secret,
+        server_acl: [u8; 32],
+    ) -> (Result<u64, ControlError>, Result<u64, ControlError>) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (mut s, _) = l.accept().unwrap();
-            server_handshake(&mut s, &server_secret, 2, Duration::from_secs(5))
+            server_handshake(&mut s, &server_secret, 2, &server_acl, Duration::from_secs(5))
         });
         let mut c = TcpStream::connect(addr).unwrap();
-        let cr = client_handshake(&mut c, &client_secret, 1, Duration::from_secs(5));
+        let cr = client_handshake(&mut c, &client_secret, 1, &client_acl, Duration::from_secs(5));
         (cr, server.join().unwrap())
+    }
+
+    fn groups(e: &[(u32, &[u128])]) -> umbp_pool::groups::TenantGroups {
+        let mut m: std::collections::BTreeMap<u32, Vec<u128>> = Default::default();
+        for (u, l) in e {
+            m.entry(*u).or_default().extend_from_slice(l);
+        }
+        umbp_pool::groups::TenantGroups::from_acl(&m)
+    }
+
+    #[test]
+    fn acl_digest_depends_on_the_acl_not_on_its_order() {
+        let a = acl_digest(&groups(&[(7, &[0x30, 0x10]), (5, &[0x20])]));
+        assert_eq!(a, acl_digest(&groups(&[(5, &[0x20, 0x20]), (7, &[0x10, 0x30])])));
+        assert_ne!(a, acl_digest(&groups(&[(7, &[0x30, 0x10]), (5, &[0x21])])), "another namespace");
+        assert_ne!(a, acl_digest(&groups(&[(7, &[0x30, 0x10]), (6, &[0x20])])), "another uid");
+        assert_ne!(a, acl_digest(&umbp_pool::groups::TenantGroups::single()), "no ACL");
+    }
+
+    /// Same secret, different namespace ACLs: both sides refuse with an error naming both
+    /// digests (not an authentication failure).
+    #[test]
+    fn a_peer_with_another_acl_is_refused_naming_both_digests() {
+        let k = secret(b"0123456789abcdef-shared");
+        let (ca, sa) = (acl_digest(&groups(&[(1, &[0xa])])), acl_digest(&groups(&[(1, &[0xb])])));
+        let (c, s) = pair_acl(k.clone(), ca, k, sa);
+        for (side, r) in [("client", c), ("server", s)] {
+            let e = r.expect_err(side);
+            assert!(matches!(e, ControlError::AclMismatch { .. }), "{side}: {e:?}");
+            let t = e.to_string();
+            assert!(t.contains(&short_hex(&ca)) && t.contains(&short_hex(&sa)) && t.contains("--namespace-acl"), "{side}: {t}");
+        }
+        let (c, s) = pair_acl(secret(b"0123456789abcdef-shared"), ca, secret(b"0123456789abcdef-shared"), ca);
+        assert_eq!((c.unwrap(), s.unwrap()), (2, 1), "same ACL joins");
     }
 
     #[test]
@@ -317,9 +415,12 @@ mod tests {
     fn a_reflected_server_mac_is_not_a_client_proof() {
         let k = secret(b"0123456789abcdef-shared");
         let (nc, ns) = (nonce(), nonce());
-        let server_mac = transcript_mac(&k, SERVER_LABEL, &nc, &ns, 1, 2);
-        assert!(!verify(&k, CLIENT_LABEL, &ns, &nc, 2, 1, &server_mac));
-        assert!(verify(&k, CLIENT_LABEL, &ns, &nc, 2, 1, &transcript_mac(&k, CLIENT_LABEL, &ns, &nc, 2, 1)));
+        let acl = [7u8; 32];
+        let server_mac = transcript_mac(&k, SERVER_LABEL, &nc, &ns, 1, 2, &acl);
+        assert!(!verify(&k, CLIENT_LABEL, &ns, &nc, 2, 1, &acl, &server_mac));
+        let mac = transcript_mac(&k, CLIENT_LABEL, &ns, &nc, 2, 1, &acl);
+        assert!(verify(&k, CLIENT_LABEL, &ns, &nc, 2, 1, &acl, &mac));
+        assert!(!verify(&k, CLIENT_LABEL, &ns, &nc, 2, 1, &[8u8; 32], &mac), "the MAC covers the ACL digest");
     }
 
     #[test]
@@ -337,7 +438,7 @@ mod tests {
         let _c = TcpStream::connect(addr).unwrap();
         let (mut s, _) = l.accept().unwrap();
         let t = Instant::now();
-        let r = server_handshake(&mut s, &secret(b"0123456789abcdef"), 2, Duration::from_millis(200));
+        let r = server_handshake(&mut s, &secret(b"0123456789abcdef"), 2, &[0; 32], Duration::from_millis(200));
         assert!(r.is_err());
         assert!(t.elapsed() < Duration::from_secs(2));
     }

@@ -91,9 +91,9 @@ impl LocalPool for MemPool {
         self.objects.lock().unwrap().iter().map(|(&key, o)| KeyChange::stored(key, o.1, 0)).collect()
     }
 
-    fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
-        if group != 0 {
-            return Err(format!("group {group}: the cluster tier serves group 0 only"));
+    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+        if group != 0 || namespace != 0 {
+            return Err(format!("group {group}, namespace {namespace:x}: this test pool holds namespace 0 in group 0 only"));
         }
         let mut o = self.objects.lock().unwrap();
         let Some(e) = o.get_mut(&key.0) else { return Err(format!("key {:032x} not held", key.0)) };
@@ -104,7 +104,7 @@ impl LocalPool for MemPool {
         Ok((e.0, 0))
     }
 
-    fn unpin(&self, _group: u32, key: ObjectKey) {
+    fn unpin(&self, _group: u32, _namespace: u128, key: ObjectKey) {
         if let Some(e) = self.objects.lock().unwrap().get_mut(&key.0) {
             e.2 = e.2.saturating_sub(1);
         }

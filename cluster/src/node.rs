@@ -30,12 +30,14 @@ use crate::transport::{self, Agent, PeerRegion, ReadPiece, TransportError};
 
 /// What the cluster node needs from the local pool.
 pub trait LocalPool: Send + Sync + 'static {
-    /// The DRAM-tier keys held now (group 0), for a joining subscriber.
+    /// The DRAM-tier keys held now (every tenant group), for a joining subscriber.
     fn snapshot(&self) -> Vec<KeyChange>;
-    /// Pins a published DRAM object of `size` bytes for a peer's read; returns its offset
-    /// in the registered DRAM and its namespace.
-    fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String>;
-    fn unpin(&self, group: u32, key: ObjectKey);
+    /// Pins a published DRAM object of `size` bytes, stored under `namespace`, for a
+    /// peer's read (a key held under another namespace is a miss); returns its offset in
+    /// the registered DRAM and its namespace. `group`: the tenant group the peer found it
+    /// in (the same as here: members run the same ACL).
+    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String>;
+    fn unpin(&self, group: u32, namespace: u128, key: ObjectKey);
     /// Remote keys appeared (first holder) or vanished (last holder gone): mirror them in
     /// the local index. Called without any cluster lock held.
     fn apply_index(&self, changes: &[IndexChange]);
@@ -53,6 +55,9 @@ pub struct ClusterConfig {
     pub read_timeout: Duration,
     /// Bound on connect and handshake.
     pub connect_timeout: Duration,
+    /// [`control::acl_digest`] of this pool's namespace ACL; a peer with another one is
+    /// refused. Default: that of a pool without `--namespace-acl`.
+    pub acl: [u8; 32],
 }
 
 impl ClusterConfig {
@@ -64,6 +69,7 @@ impl ClusterConfig {
             dead_after: Duration::from_millis(2000),
             read_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
+            acl: control::acl_digest(&umbp_pool::groups::TenantGroups::single()),
         }
     }
 }
@@ -120,6 +126,8 @@ type HolderBatch = (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>);
 #[derive(Debug, Clone, Copy)]
 pub struct FetchRequest {
     pub key: ObjectKey,
+    /// The namespace it was stored under (the holder serves only that).
+    pub namespace: u128,
     pub size: u64,
     pub dest: *mut u8,
 }
@@ -316,9 +324,9 @@ impl Cluster {
     /// `dest..dest+size` must lie in the registered DRAM and be reserved for this fetch;
     /// on an error for which [`FetchError::destination_tainted`] is true it must never be
     /// reused (quarantine it).
-    pub unsafe fn fetch(&self, group: u32, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {
+    pub unsafe fn fetch(&self, group: u32, namespace: u128, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {
         // SAFETY: forwarded.
-        unsafe { self.fetch_batch(group, &[FetchRequest { key, size, dest }]) }.pop().expect("one result")
+        unsafe { self.fetch_batch(group, &[FetchRequest { key, namespace, size, dest }]) }.pop().expect("one result")
     }
 
     /// [`Self::fetch`] of many objects at once: every pin in flight together, one NIXL
@@ -390,13 +398,17 @@ impl Inner {
 
     fn serve(self: Arc<Self>, mut s: TcpStream) {
         let peer_addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        let client = match server_handshake(&mut s, &self.cfg.secret, self.node, self.cfg.connect_timeout) {
+        let client = match server_handshake(&mut s, &self.cfg.secret, self.node, &self.cfg.acl, self.cfg.connect_timeout) {
             Ok(c) => c,
             Err(e) => {
                 if matches!(e, control::ControlError::Auth(_)) {
                     self.auth_failures.fetch_add(1, Ordering::Relaxed);
                 }
-                tracing::warn!(peer = %peer_addr, "cluster connection refused: {e}");
+                if matches!(e, control::ControlError::AclMismatch { .. }) {
+                    tracing::error!(peer = %peer_addr, "cluster connection refused: {e}");
+                } else {
+                    tracing::warn!(peer = %peer_addr, "cluster connection refused: {e}");
+                }
                 return;
             }
         };
@@ -438,15 +450,15 @@ impl Inner {
             }
         }
         tracing::info!(peer = %peer_addr, node = format!("{client:016x}"), "cluster subscriber joined");
-        let mut pins: HashMap<(u32, u128), u32> = HashMap::new();
+        let mut pins: HashMap<(u32, u128, u128), u32> = HashMap::new();
         while let Ok(m) = read_msg(&mut s, MAX_FRAME) {
             self.liveness.lock().expect("liveness").seen(client, Instant::now());
             match m {
                 Msg::Heartbeat => {}
-                Msg::Pin { id, group, key, size } => {
-                    let reply = match self.pool.pin(group, ObjectKey(key), size) {
+                Msg::Pin { id, group, namespace, key, size } => {
+                    let reply = match self.pool.pin(group, namespace, ObjectKey(key), size) {
                         Ok((offset, namespace)) => {
-                            *pins.entry((group, key)).or_default() += 1;
+                            *pins.entry((group, namespace, key)).or_default() += 1;
                             Msg::Pinned { id, group, key, offset, namespace }
                         }
                         Err(reason) => Msg::PinFailed { id, reason },
@@ -455,22 +467,22 @@ impl Inner {
                         break;
                     }
                 }
-                Msg::Unpin { group, key } => {
-                    if let Some(n) = pins.get_mut(&(group, key)) {
+                Msg::Unpin { group, namespace, key } => {
+                    if let Some(n) = pins.get_mut(&(group, namespace, key)) {
                         *n -= 1;
                         if *n == 0 {
-                            pins.remove(&(group, key));
+                            pins.remove(&(group, namespace, key));
                         }
-                        self.pool.unpin(group, ObjectKey(key));
+                        self.pool.unpin(group, namespace, ObjectKey(key));
                     }
                 }
                 other => tracing::debug!("ignored from subscriber: {other:?}"),
             }
         }
         // The subscriber is gone: release what it still had pinned.
-        for ((group, key), n) in pins {
+        for ((group, namespace, key), n) in pins {
             for _ in 0..n {
-                self.pool.unpin(group, ObjectKey(key));
+                self.pool.unpin(group, namespace, ObjectKey(key));
             }
         }
         self.drop_subscriber(client, &writer);
@@ -496,11 +508,14 @@ impl Inner {
     fn run_peer(self: Arc<Self>, addr: &str) -> Result<(), String> {
         let sa = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or("no address")?;
         let mut s = TcpStream::connect_timeout(&sa, self.cfg.connect_timeout).map_err(|e| e.to_string())?;
-        let server = match client_handshake(&mut s, &self.cfg.secret, self.node, self.cfg.connect_timeout) {
+        let server = match client_handshake(&mut s, &self.cfg.secret, self.node, &self.cfg.acl, self.cfg.connect_timeout) {
             Ok(n) => n,
             Err(e) => {
                 if matches!(e, control::ControlError::Auth(_)) {
                     self.auth_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::error!(peer = %addr, "cluster peer refused: {e}");
+                }
+                if matches!(e, control::ControlError::AclMismatch { .. }) {
                     tracing::error!(peer = %addr, "cluster peer refused: {e}");
                 }
                 return Err(e.to_string());
@@ -583,8 +598,8 @@ impl Inner {
             }
             // Nobody waits any more (timed out): give the pin back at once.
             None => {
-                if let (Ok(_), Some(writer)) = (r, writer) {
-                    send(&writer, &Msg::Unpin { group, key });
+                if let (Ok((_, namespace)), Some(writer)) = (r, writer) {
+                    send(&writer, &Msg::Unpin { group, namespace, key });
                 }
             }
         }
@@ -710,7 +725,7 @@ impl Inner {
         for (node, (w, _, v)) in &by_node {
             for &(i, id) in v {
                 id_to.insert(id, (*node, i));
-                if !send(w, &Msg::Pin { id, group, key: items[i].key.0, size: items[i].size }) {
+                if !send(w, &Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
                     out[i] = Some(Err(FetchError::PeerGone(*node)));
                 }
             }
@@ -812,7 +827,7 @@ impl Inner {
         self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
         for &i in &mine {
             // Best effort: a dead peer released its pins with its connection.
-            send(w, &Msg::Unpin { group, key: items[i].key.0 });
+            send(w, &Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
         }
         match r {
             Ok(()) => {

@@ -1,8 +1,9 @@
 //! The cluster tier on a real pool (`umbp_pool::remote::ClusterAccess`): the node serves
-//! pins from the pool's store, advertises the pool's group-0 keys (a snapshot on join,
-//! then the pool's KV event log, followed by its own reader), mirrors peers' keys as
-//! `Tier::Remote` index entries, and is installed as the pool's `RemoteTier` so a load of
-//! a remote entry pulls the object over NIXL.
+//! pins from the pool's store, advertises the pool's DRAM keys of every tenant group (a
+//! snapshot on join, then each group's KV event log, followed by its own reader), mirrors
+//! peers' keys as `Tier::Remote` index entries in the tenant group of their NAMESPACE
+//! here, and is installed as the pool's `RemoteTier` so a load of a remote entry pulls
+//! the object over NIXL (the pin names the namespace; docs/cluster.md).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::collections::HashSet;
@@ -19,8 +20,11 @@ use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
 use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool};
 
-/// The default cap on remote entries: this share of group 0's index capacity, so peers'
-/// keys never take more than half of the index (local objects keep the rest).
+/// The default cap on remote entries: this share of the pool's index capacity (all tenant
+/// groups together), so peers' keys never take more than half of it (local objects keep
+/// the rest). With tenant groups the cap is pool-wide: one group's remote entries are
+/// bounded by it and by that group's own index room (index pressure drops them like any
+/// object), not by half of that group's index.
 pub const DEFAULT_REMOTE_SHARE: f64 = 0.5;
 
 /// How the tier runs on the pool.
@@ -40,17 +44,26 @@ struct PoolSide {
     refused: AtomicU64,
     /// Those keys, listed when room frees (a remote entry promoted or removed) while a peer
     /// still advertises them; forgotten when the catalog drops them.
-    waiting: Mutex<HashSet<ObjectKey>>,
+    waiting: Mutex<HashSet<(u32, ObjectKey)>>,
     /// Keys whose pull failed: their promotion's `Removed(remote)` re-lists them while a
     /// live peer advertises them (other removals, a reset or index pressure, do not).
-    failed: Mutex<HashSet<ObjectKey>>,
+    failed: Mutex<HashSet<(u32, ObjectKey)>>,
 }
 
 impl PoolSide {
-    fn list(&self, key: ObjectKey, size: u64, namespace: u128) -> bool {
-        let listed = self.access.insert_remote(HeldObject { key, size, namespace }, self.max_remote);
+    /// Lists a peer's key in the tenant group of its namespace here. `group`: the group
+    /// the holder advertised it in, which is the same on every member (they run the same
+    /// ACL: the handshake compares digests); a key whose namespace maps elsewhere is not
+    /// listed (it could not be fetched by the catalog's group).
+    fn list(&self, group: u32, key: ObjectKey, size: u64, namespace: u128) -> bool {
+        let here = self.access.tenant_groups().group_of(namespace);
+        if here != group {
+            tracing::warn!(key = format!("{:032x}", key.0), group, here, "cluster: a peer advertised a key in another tenant group than its namespace's; not listed");
+            return false;
+        }
+        let (_, listed) = self.access.insert_remote(HeldObject { key, size, namespace }, self.max_remote);
         if !listed && self.access.remote_entries() >= self.max_remote {
-            self.waiting.lock().expect("waiting").insert(key);
+            self.waiting.lock().expect("waiting").insert((group, key));
             if self.refused.fetch_add(1, Ordering::Relaxed) == 0 {
                 tracing::warn!(
                     cap = self.max_remote,
@@ -67,10 +80,10 @@ impl PoolSide {
             if self.access.remote_entries() >= self.max_remote {
                 return;
             }
-            let Some(k) = self.waiting.lock().expect("waiting").iter().next().copied() else { return };
-            self.waiting.lock().expect("waiting").remove(&k);
-            if let Some(o) = cluster.remote_object(0, k) {
-                if !self.list(o.key, o.size, o.namespace) && self.access.remote_entries() >= self.max_remote {
+            let Some((g, k)) = self.waiting.lock().expect("waiting").iter().next().copied() else { return };
+            self.waiting.lock().expect("waiting").remove(&(g, k));
+            if let Some(o) = cluster.remote_object(g, k) {
+                if !self.list(g, o.key, o.size, o.namespace) && self.access.remote_entries() >= self.max_remote {
                     return; // raced with another listing: back in `waiting`
                 }
             }
@@ -80,31 +93,32 @@ impl PoolSide {
 
 impl LocalPool for PoolSide {
     fn snapshot(&self) -> Vec<KeyChange> {
-        self.access.dram_objects().into_iter().map(|o| KeyChange::stored(o.key.0, o.size, o.namespace)).collect()
+        self.access
+            .dram_objects()
+            .into_iter()
+            .map(|(g, o)| KeyChange { group: g, ..KeyChange::stored(o.key.0, o.size, o.namespace) })
+            .collect()
     }
 
-    fn pin(&self, group: u32, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
-        if group != 0 {
-            return Err(format!("group {group}: the cluster tier serves group 0 only"));
-        }
-        self.access.pin(key, size)
+    fn pin(&self, _group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+        // By namespace: the group follows from it (and only an object stored under it).
+        self.access.pin(namespace, key, size)
     }
 
-    fn unpin(&self, _group: u32, key: ObjectKey) {
-        self.access.unpin(key);
+    fn unpin(&self, _group: u32, namespace: u128, key: ObjectKey) {
+        self.access.unpin(namespace, key);
     }
 
     fn apply_index(&self, changes: &[IndexChange]) {
         for c in changes {
             match *c {
-                IndexChange::Insert(o) if o.group == 0 => {
-                    self.list(o.key, o.size, o.namespace);
+                IndexChange::Insert(o) => {
+                    self.list(o.group, o.key, o.size, o.namespace);
                 }
-                IndexChange::Remove((0, k)) => {
-                    self.waiting.lock().expect("waiting").remove(&k);
-                    self.access.remove_remote(k);
+                IndexChange::Remove((g, k)) => {
+                    self.waiting.lock().expect("waiting").remove(&(g, k));
+                    self.access.remove_remote(g, k);
                 }
-                _ => {}
             }
         }
     }
@@ -114,27 +128,52 @@ struct FetchSide(Arc<Cluster>, ClusterAccess, Arc<PoolSide>);
 
 impl TierSource for FetchSide {
     fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool> {
-        let reqs: Vec<FetchRequest> =
-            items.iter_mut().map(|it| FetchRequest { key: it.key, size: it.dst.len() as u64, dest: it.dst.as_mut_ptr() }).collect();
-        // SAFETY: each `dst` is the object's new DRAM allocation (in the mapping this node
-        // registered), written only by this fetch until the promotion ends; on a tainted
-        // failure the promotion is abandoned below, so that DRAM is never reused.
-        let results = unsafe { self.0.fetch_batch(0, &reqs) };
-        reqs.iter()
-            .zip(results)
-            .map(|(r, res)| match res {
-                Ok(_) => true,
-                Err(e) => {
-                    // Before the pool drops the promotion (its event comes after this).
-                    self.2.failed.lock().expect("failed").insert(r.key);
-                    if e.destination_tainted() {
-                        let leaked = self.1.abandon_promotion(r.key);
-                        tracing::warn!(key = format!("{:032x}", r.key.0), leaked, "remote read timed out: its DRAM is quarantined");
-                    }
-                    false
+        let groups = self.1.tenant_groups();
+        // The load's tenant group: that of the namespace the object was listed under.
+        let mut by_group: std::collections::BTreeMap<u32, Vec<usize>> = Default::default();
+        for (i, it) in items.iter().enumerate() {
+            by_group.entry(groups.group_of(it.namespace)).or_default().push(i);
+        }
+        let mut ok = vec![false; items.len()];
+        for (g, idx) in by_group {
+            let reqs: Vec<FetchRequest> = idx
+                .iter()
+                .map(|&i| {
+                    let it = &mut items[i];
+                    FetchRequest { key: it.key, namespace: it.namespace, size: it.dst.len() as u64, dest: it.dst.as_mut_ptr() }
+                })
+                .collect();
+            // SAFETY: each `dst` is the object's new DRAM allocation (in the mapping this
+            // node registered), written only by this fetch until the promotion ends; on a
+            // tainted failure the promotion is abandoned below, so that DRAM is never reused.
+            let results = unsafe { self.0.fetch_batch(g, &reqs) };
+            for ((r, res), &i) in reqs.iter().zip(results).zip(&idx) {
+                ok[i] = self.settle(g, r, res);
+            }
+        }
+        ok
+    }
+}
+
+impl FetchSide {
+    fn settle(&self, g: u32, r: &FetchRequest, res: Result<u128, crate::node::FetchError>) -> bool {
+        match res {
+            // The holder pinned it under the namespace asked for (node.rs, `Pin`).
+            Ok(ns) if ns == r.namespace => true,
+            Ok(ns) => {
+                tracing::warn!(key = format!("{:032x}", r.key.0), "remote holder served namespace {ns:x}, not {:x}: a miss", r.namespace);
+                false
+            }
+            Err(e) => {
+                // Before the pool drops the promotion (its event comes after this).
+                self.2.failed.lock().expect("failed").insert((g, r.key));
+                if e.destination_tainted() {
+                    let leaked = self.1.abandon_promotion(r.namespace, r.key);
+                    tracing::warn!(key = format!("{:032x}", r.key.0), leaked, "remote read timed out: its DRAM is quarantined");
                 }
-            })
-            .collect()
+                false
+            }
+        }
     }
 }
 
@@ -148,20 +187,17 @@ pub struct ClusterTier {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TierError {
-    #[error("--cluster-* cannot be combined with --namespace-acl: the cluster tier serves tenant group 0 only (docs/cluster.md)")]
-    TenantGroups,
     #[error(transparent)]
     Cluster(#[from] ClusterError),
 }
 
 impl ClusterTier {
     /// Starts the node over `access`'s pool and installs it as the pool's remote tier.
-    pub fn start(access: ClusterAccess, cfg: ClusterConfig, discovery: Box<dyn Discovery>, opts: TierOptions) -> Result<Self, TierError> {
-        if access.has_tenant_groups() {
-            return Err(TierError::TenantGroups);
-        }
+    /// `cfg.acl` is set to this pool's ACL digest: peers must run the same `--namespace-acl`.
+    pub fn start(access: ClusterAccess, mut cfg: ClusterConfig, discovery: Box<dyn Discovery>, opts: TierOptions) -> Result<Self, TierError> {
+        cfg.acl = crate::control::acl_digest(access.tenant_groups());
         let (base, len) = access.dram();
-        let events = access.events_memory();
+        let events: Vec<_> = (0..access.tenant_groups().len() as u32).map(|g| access.events_memory(g)).collect();
         let max_remote = opts.max_remote_entries.unwrap_or((access.index_capacity() as f64 * DEFAULT_REMOTE_SHARE) as u64);
         let side = Arc::new(PoolSide {
             access: access.clone(),
@@ -180,7 +216,12 @@ impl ClusterTier {
             .name("cluster-events".into())
             .spawn(move || follow(&c, &p, &events, &s))
             .expect("spawn");
-        tracing::info!(max_remote_entries = max_remote, "cluster tier on the pool");
+        tracing::info!(
+            max_remote_entries = max_remote,
+            tenant_groups = access.tenant_groups().len(),
+            acl_digest = crate::control::short_hex(&crate::control::acl_digest(access.tenant_groups())),
+            "cluster tier on the pool"
+        );
         Ok(Self { cluster, side, stop, follower: Some(follower) })
     }
 
@@ -208,8 +249,9 @@ impl Drop for ClusterTier {
     }
 }
 
-/// Follows group 0's KV event log and publishes its changes to the subscribers. An
-/// overrun (the log lapped this reader) makes every subscriber re-join for a snapshot.
+/// Follows every tenant group's KV event log and publishes their changes (tagged with
+/// the group) to the subscribers. An overrun (a log lapped this reader) makes every
+/// subscriber re-join for a snapshot.
 ///
 /// It also lists again a remote entry whose pull failed (a stopped or slow holder: the
 /// pool drops the promoting object like any failed promotion) while a live peer still
@@ -218,54 +260,61 @@ impl Drop for ClusterTier {
 /// a fetch: the catalog only re-inserts a key when its first holder appears. Entries
 /// removed otherwise (a reset, index pressure) are not re-listed. Any removal of a remote
 /// entry frees room under the cap: held-back keys are listed then.
-fn follow(cluster: &Cluster, side: &PoolSide, events: &umbp_ipc::SharedMemory, stop: &AtomicBool) {
+fn follow(cluster: &Cluster, side: &PoolSide, events: &[Arc<umbp_ipc::SharedMemory>], stop: &AtomicBool) {
     let access = &side.access;
-    // SAFETY: the pool's event log region, formatted at its start and mapped as long as
-    // `events` lives (held by the caller's closure).
-    let log = match unsafe { EventLog::attach(events.as_ptr(), events.len()) } {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!("cluster: cannot follow the KV event log: {e}");
-            return;
+    let mut readers = Vec::with_capacity(events.len());
+    for (g, mem) in events.iter().enumerate() {
+        // SAFETY: the pool's event log region of group `g`, formatted at its start and
+        // mapped as long as `events` lives (held by the caller's closure).
+        match unsafe { EventLog::attach(mem.as_ptr(), mem.len()) } {
+            Ok(l) => readers.push((g as u32, EventLogReader::from_now(l))),
+            Err(e) => {
+                tracing::error!(group = g, "cluster: cannot follow the KV event log: {e}");
+                return;
+            }
         }
-    };
-    let mut reader = EventLogReader::from_now(log);
+    }
     let mut buf = Vec::new();
     let mut changes = Vec::new();
     while !stop.load(Ordering::Acquire) {
-        buf.clear();
-        let r = reader.poll(&mut buf, 4096);
-        if r.lost > 0 {
-            tracing::warn!(lost = r.lost, "cluster: KV event log overrun; subscribers re-join for a snapshot");
-            cluster.resync_subscribers();
-        }
+        let mut read = 0;
         changes.clear();
         let mut room_freed = false;
-        for e in &buf {
-            if e.kind != EventKind::Stored && e.tier == Tier::Remote {
-                room_freed = true;
-                if side.failed.lock().expect("failed").remove(&e.key) {
-                    if let Some(o) = cluster.remote_object(0, e.key) {
-                        side.list(o.key, o.size, o.namespace);
+        for (group, reader) in &mut readers {
+            let group = *group;
+            buf.clear();
+            let r = reader.poll(&mut buf, 4096);
+            read += r.read;
+            if r.lost > 0 {
+                tracing::warn!(lost = r.lost, group, "cluster: KV event log overrun; subscribers re-join for a snapshot");
+                cluster.resync_subscribers();
+            }
+            for e in &buf {
+                if e.kind != EventKind::Stored && e.tier == Tier::Remote {
+                    room_freed = true;
+                    if side.failed.lock().expect("failed").remove(&(group, e.key)) {
+                        if let Some(o) = cluster.remote_object(group, e.key) {
+                            side.list(group, o.key, o.size, o.namespace);
+                        }
                     }
                 }
-            }
-            let mut c = KeyChange { tier: e.tier as u8, ..KeyChange::removed(e.key.0) };
-            if e.kind == EventKind::Stored {
-                c.stored = true;
-                if e.tier == Tier::Dram {
-                    // Size and namespace from the store; gone already: its Removed follows.
-                    let Some(o) = access.dram_object(e.key) else { continue };
-                    (c.size, c.namespace) = (o.size, o.namespace);
+                let mut c = KeyChange { group, tier: e.tier as u8, ..KeyChange::removed(e.key.0) };
+                if e.kind == EventKind::Stored {
+                    c.stored = true;
+                    if e.tier == Tier::Dram {
+                        // Size and namespace from the store; gone already: its Removed follows.
+                        let Some(o) = access.dram_object(group, e.key) else { continue };
+                        (c.size, c.namespace) = (o.size, o.namespace);
+                    }
                 }
+                changes.push(c);
             }
-            changes.push(c);
         }
         cluster.publish(&changes);
         if room_freed {
             side.refill(cluster);
         }
-        if r.read == 0 {
+        if read == 0 {
             std::thread::sleep(Duration::from_millis(2));
         }
     }

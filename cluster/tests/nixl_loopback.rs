@@ -103,17 +103,17 @@ fn remote_read_between_two_processes_is_byte_exact() {
         let key = i as u128 + 1;
         let off = (n - 1 - i) * size; // a different place than at the peer
         // SAFETY: [off, off+size) is in the mapping and nothing else uses it.
-        let ns = unsafe { node.fetch(0, ObjectKey(key), size, pool.base().add(off as usize)) }.unwrap();
+        let ns = unsafe { node.fetch(0, 0, ObjectKey(key), size, pool.base().add(off as usize)) }.unwrap();
         assert_eq!(ns, 0);
         assert!(pool.read(off, size as usize) == pattern(key, size as usize), "key {key}: bytes differ");
     }
     // A size the holder does not have is refused at the holder (a layout mismatch).
     // SAFETY: as above.
-    let e = unsafe { node.fetch(0, ObjectKey(1), size - 1, pool.base()) }.unwrap_err();
+    let e = unsafe { node.fetch(0, 0, ObjectKey(1), size - 1, pool.base()) }.unwrap_err();
     assert!(matches!(e, FetchError::PinRefused { .. }), "{e}");
     // A key nobody holds: no holder, no network.
     // SAFETY: as above.
-    let e = unsafe { node.fetch(0, ObjectKey(999), size, pool.base()) }.unwrap_err();
+    let e = unsafe { node.fetch(0, 0, ObjectKey(999), size, pool.base()) }.unwrap_err();
     assert!(matches!(e, FetchError::NoHolder(_)), "{e}");
     let st = node.stats();
     assert_eq!((st.fetches, st.fetch_failures, st.fetched_bytes), (n + 2, 2, n * size));
@@ -134,7 +134,7 @@ fn a_peer_with_another_secret_is_refused() {
     assert_eq!((st.peers, st.remote_keys), (0, 0), "nothing learned from a peer that failed auth");
     assert!(pool.remote_keys().is_empty());
     // SAFETY: in the mapping, unused.
-    let e = unsafe { node.fetch(0, ObjectKey(1), 4096, pool.base()) }.unwrap_err();
+    let e = unsafe { node.fetch(0, 0, ObjectKey(1), 4096, pool.base()) }.unwrap_err();
     assert!(matches!(e, FetchError::NoHolder(_)), "{e}");
 }
 
@@ -153,7 +153,7 @@ fn a_peer_killed_mid_transfer_fails_the_read_cleanly_and_its_keys_leave() {
     let t0 = Instant::now();
     let fetch = std::thread::spawn(move || {
         // SAFETY: the whole mapping is this fetch's destination; nothing else uses it.
-        let r = unsafe { n2.fetch(0, ObjectKey(1), size, p2.base()) };
+        let r = unsafe { n2.fetch(0, 0, ObjectKey(1), size, p2.base()) };
         (r, t0.elapsed())
     });
     std::thread::sleep(Duration::from_millis(40));
@@ -170,7 +170,7 @@ fn a_peer_killed_mid_transfer_fails_the_read_cleanly_and_its_keys_leave() {
     let gone = wait_for("the dead peer's keys to leave", Duration::from_secs(3), || pool.remote_keys().is_empty());
     println!("dead peer's keys left the index {gone:?} after its death was noticed");
     // SAFETY: as above.
-    let e = unsafe { node.fetch(0, ObjectKey(1), size, pool.base()) }.unwrap_err();
+    let e = unsafe { node.fetch(0, 0, ObjectKey(1), size, pool.base()) }.unwrap_err();
     assert!(matches!(e, FetchError::NoHolder(_)), "{e}");
 }
 
@@ -191,7 +191,7 @@ fn a_restarted_peer_rejoins_on_its_address() {
     let t = wait_for("keys after restart", Duration::from_secs(20), || pool.remote_keys().len() == 2);
     println!("re-joined {t:?} after restart");
     // SAFETY: in the mapping, unused.
-    unsafe { node.fetch(0, ObjectKey(2), 8192, pool.base()) }.unwrap();
+    unsafe { node.fetch(0, 0, ObjectKey(2), 8192, pool.base()) }.unwrap();
     assert!(pool.read(0, 8192) == pattern(2, 8192));
 }
 
@@ -232,7 +232,7 @@ fn each_key_is_pulled_from_its_rendezvous_home_and_a_stopped_home_fails_only_its
     assert_eq!(unsafe { libc::kill(b.child.id() as i32, libc::SIGSTOP) }, 0);
     let reqs: Vec<FetchRequest> = (0..n)
         // SAFETY: object i's range of our mapping, used by nothing else.
-        .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), size, dest: unsafe { pool.base().add((i * size) as usize) } })
+        .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), namespace: 0, size, dest: unsafe { pool.base().add((i * size) as usize) } })
         .collect();
     let t = Instant::now();
     // SAFETY: as above, for every request.

@@ -4,14 +4,15 @@
 //! list and follow this pool's keys, mirror peers' keys as `Lower { Remote }` objects, and
 //! install the [`TierSource`] that loads of those promote through (tier.rs: the same seam
 //! as the SSD tier; `Tiers::remote` is a [`RemoteSlot`] filled once the cluster starts).
-//! The cluster tier serves tenant group 0 (pools without `--namespace-acl`).
+//! With `--namespace-acl`, peers' keys are routed by namespace: each is listed in the
+//! tenant group of its namespace, and a peer's pin names the namespace.
 
 use std::sync::{Arc, OnceLock};
 
 use umbp_ipc::SharedMemory;
 use umbp_protocol::ObjectKey;
 
-use crate::objects::LoadReservation;
+use crate::objects::{GroupKey, LoadReservation};
 pub use crate::tier::{FetchItem, TierSource};
 use crate::PoolInner;
 
@@ -49,74 +50,154 @@ impl ClusterAccess {
         (self.inner.dram.base(), self.inner.dram.len())
     }
 
-    /// Whether the pool has tenant groups (`--namespace-acl`): the cluster tier refuses them.
-    pub fn has_tenant_groups(&self) -> bool {
-        self.inner.tenant_groups.len() > 1
+    /// This pool's tenant groups (from `--namespace-acl`; one group without it).
+    pub fn tenant_groups(&self) -> &crate::groups::TenantGroups {
+        &self.inner.tenant_groups
     }
 
-    /// Pins a published group-0 DRAM object of `size` bytes for a peer's read; returns its
-    /// DRAM offset and namespace. Objects on a lower tier are not served (a peer would
-    /// have to wait for a promotion here).
-    pub fn pin(&self, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+    /// Pins a published DRAM object of `size` bytes for a peer's read, found by its
+    /// NAMESPACE: only in the tenant group of `namespace` here, and only if it was stored
+    /// under `namespace` (anything else is a miss). Returns its DRAM offset and namespace.
+    /// Objects on a lower tier are not served (a peer would have to wait for a promotion).
+    pub fn pin(&self, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+        let gk = GroupKey::new(self.inner.tenant_groups.group_of(namespace), key);
         let mut store = self.inner.store.lock().expect("store lock");
-        let ns = store.namespace_of(key).unwrap_or_default();
-        match store.reserve_load(key, size) {
-            LoadReservation::Pinned { offset } => Ok((offset, ns)),
+        match store.namespace_of(gk) {
+            Some(ns) if ns == namespace => {}
+            Some(_) => return Err(format!("key {:032x} is not held under namespace {namespace:032x} here", key.0)),
+            None => return Err(format!("key {:032x} not held here", key.0)),
+        }
+        match store.reserve_load(gk, size) {
+            LoadReservation::Pinned { offset } => Ok((offset, namespace)),
             LoadReservation::SizeMismatch { stored } => Err(format!("key {:032x} is {stored} bytes, not {size}", key.0)),
             other => Err(format!("key {:032x} not in DRAM here ({other:?})", key.0)),
         }
     }
 
-    pub fn unpin(&self, key: ObjectKey) {
-        self.inner.store.lock().expect("store lock").finish_load(key);
+    /// Releases a pin taken by [`Self::pin`] (same namespace and key).
+    pub fn unpin(&self, namespace: u128, key: ObjectKey) {
+        let gk = GroupKey::new(self.inner.tenant_groups.group_of(namespace), key);
+        self.inner.store.lock().expect("store lock").finish_load(gk);
     }
 
-    /// Group 0's objects published in DRAM.
-    pub fn dram_objects(&self) -> Vec<HeldObject> {
-        self.inner.store.lock().expect("store lock").dram_objects(0)
+    /// Every group's objects published in DRAM, with their group.
+    pub fn dram_objects(&self) -> Vec<(u32, HeldObject)> {
+        let store = self.inner.store.lock().expect("store lock");
+        (0..self.inner.tenant_groups.len() as u32).flat_map(|g| store.dram_objects(g).into_iter().map(move |o| (g, o))).collect()
     }
 
-    /// Size and namespace of group-0 `key` if it is published in DRAM here.
-    pub fn dram_object(&self, key: ObjectKey) -> Option<HeldObject> {
-        self.inner.store.lock().expect("store lock").dram_object(0, key)
+    /// Size and namespace of `key` of `group` if it is published in DRAM here.
+    pub fn dram_object(&self, group: u32, key: ObjectKey) -> Option<HeldObject> {
+        self.inner.store.lock().expect("store lock").dram_object(group, key)
     }
 
-    /// Group 0's KV event log (the change stream the cluster follows).
-    pub fn events_memory(&self) -> Arc<SharedMemory> {
-        self.inner.group_mem[0].events_mem.clone()
+    /// `group`'s KV event log (the change streams the cluster follows, one per group).
+    pub fn events_memory(&self, group: u32) -> Arc<SharedMemory> {
+        self.inner.group_mem[group as usize].events_mem.clone()
     }
 
-    /// Mirrors a peer's key in group 0 as a `Lower { Remote }` object (index entry marked
-    /// remote, KV event `Stored(remote)`); false if held here in any form, no index room,
-    /// or `max_entries` remote objects are listed already (checked under the store lock).
-    pub fn insert_remote(&self, o: HeldObject, max_entries: u64) -> bool {
-        self.inner.store.lock().expect("store lock").insert_remote(o, max_entries)
+    /// Mirrors a peer's key as a `Lower { Remote }` object (index entry marked remote, KV
+    /// event `Stored(remote)`) in the tenant group of its NAMESPACE here (so only engines
+    /// whose ACL allows that namespace see it); false if held there in any form, no index
+    /// room, or `max_entries` remote objects are listed already (checked under the store
+    /// lock). Returns the group too.
+    pub fn insert_remote(&self, o: HeldObject, max_entries: u64) -> (u32, bool) {
+        let g = self.inner.tenant_groups.group_of(o.namespace);
+        (g, self.inner.store.lock().expect("store lock").insert_remote(g, o, max_entries))
     }
 
-    /// Remote objects listed in group 0 now.
+    /// Remote objects listed now (all groups).
     pub fn remote_entries(&self) -> u64 {
         self.inner.store.lock().expect("store lock").remote_entries()
     }
 
-    /// Most live entries the index takes (local and remote together; the cluster tier runs
-    /// only on pools with the one group 0).
+    /// Most live entries the indexes take (local and remote together, all groups).
     pub fn index_capacity(&self) -> u64 {
         self.inner.store.lock().expect("store lock").index_capacity()
     }
 
-    /// Drops group-0 `key` if it is (still) a remote-only object.
-    pub fn remove_remote(&self, key: ObjectKey) -> bool {
-        self.inner.store.lock().expect("store lock").remove_remote(key)
+    /// Drops `key` of tenant group `group` if it is (still) a remote-only object.
+    pub fn remove_remote(&self, group: u32, key: ObjectKey) -> bool {
+        self.inner.store.lock().expect("store lock").remove_remote(group, key)
     }
 
     /// A promotion from the remote tier whose destination a transfer may still write
     /// (timeout): the object leaves the pool and its DRAM is never handed out again.
-    pub fn abandon_promotion(&self, key: ObjectKey) -> u64 {
-        self.inner.store.lock().expect("store lock").abandon_promotion(key)
+    pub fn abandon_promotion(&self, namespace: u128, key: ObjectKey) -> u64 {
+        let g = self.inner.tenant_groups.group_of(namespace);
+        self.inner.store.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key))
     }
 
     /// Installs the source loads of remote objects promote through (once).
     pub fn set_remote_source(&self, source: Arc<dyn TierSource>) -> bool {
         self.inner.remote_source.0.set(source).is_ok()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use umbp_protocol::ObjectKey;
+
+    use crate::objects::{GroupKey, StoreReservation};
+    use crate::{Pool, PoolConfig};
+
+    /// A peer's pin names the namespace: the holder serves only an object stored under it
+    /// (in that namespace's tenant group); the same key under another namespace, or asked
+    /// for under another namespace, is a miss. Remote entries are listed in the group of
+    /// their namespace.
+    #[test]
+    fn pins_and_remote_entries_go_by_namespace() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut acl = std::collections::BTreeMap::new();
+        acl.insert(65533u32, vec![0xa11ceu128]);
+        acl.insert(65534u32, vec![0xb0bu128]);
+        // Two namespaces of one reader: one tenant group.
+        acl.insert(65535u32, vec![0xd1u128, 0xd2]);
+        let cfg = PoolConfig {
+            socket_path: dir.path().join("s"),
+            capacity_bytes: 64 << 20,
+            namespace_acl: acl,
+            ..PoolConfig::default()
+        };
+        let pool = Pool::start(cfg).expect("pool starts");
+        let access = pool.cluster_access();
+        let groups = access.tenant_groups().clone();
+        let (ga, gb) = (groups.group_of(0xa11ce), groups.group_of(0xb0b));
+        assert!(ga != gb && ga != 0 && gb != 0);
+        let k = ObjectKey(42);
+        {
+            let mut store = access.inner.store.lock().unwrap();
+            let r = store.reserve_store(0xa11ce, GroupKey::new(ga, k), 4096, 1);
+            assert!(matches!(r, StoreReservation::Reserved { .. }), "{r:?}");
+            assert!(store.finish_store(GroupKey::new(ga, k), true));
+        }
+        assert_eq!(access.dram_objects().iter().map(|(g, o)| (*g, o.key)).collect::<Vec<_>>(), vec![(ga, k)]);
+        let e = access.pin(0xb0b, k, 4096).unwrap_err();
+        assert!(e.contains("not held"), "{e}");
+        let e = access.pin(0xc0c, k, 4096).unwrap_err();
+        assert!(e.contains("not held"), "an unlisted namespace (group 0): {e}");
+        let (_, ns) = access.pin(0xa11ce, k, 4096).expect("pinned under its own namespace");
+        assert_eq!(ns, 0xa11ce);
+        access.unpin(0xa11ce, k);
+        // Same group, another namespace: still a miss (the namespace is checked, not only
+        // the group).
+        let gd = groups.group_of(0xd1);
+        assert_eq!(gd, groups.group_of(0xd2));
+        {
+            let mut store = access.inner.store.lock().unwrap();
+            assert!(matches!(store.reserve_store(0xd1, GroupKey::new(gd, k), 4096, 1), StoreReservation::Reserved { .. }));
+            assert!(store.finish_store(GroupKey::new(gd, k), true));
+        }
+        let e = access.pin(0xd2, k, 4096).unwrap_err();
+        assert!(e.contains("not held under namespace"), "{e}");
+        assert_eq!(access.pin(0xd1, k, 4096).map(|p| p.1), Ok(0xd1));
+        access.unpin(0xd1, k);
+        // A peer's key in namespace B is listed in B's group only.
+        let held = super::HeldObject { key: ObjectKey(43), size: 4096, namespace: 0xb0b };
+        assert_eq!(access.insert_remote(held, u64::MAX), (gb, true));
+        let store = access.inner.store.lock().unwrap();
+        assert_eq!(store.namespace_of(GroupKey::new(gb, ObjectKey(43))), Some(0xb0b));
+        assert_eq!(store.namespace_of(GroupKey::new(ga, ObjectKey(43))), None);
+        assert_eq!(store.namespace_of(GroupKey::new(0, ObjectKey(43))), None);
     }
 }

@@ -153,7 +153,7 @@ impl Drop for PromotionGuard<'_> {
         let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
         for (key, tier) in self.open.drain(..) {
             if tier == Tier::Remote {
-                store.abandon_promotion(key.key);
+                store.abandon_promotion(key);
             }
             store.finish_promotion(key, false);
         }

@@ -86,8 +86,9 @@ impl EmbeddedPool {
     /// directory per drive, each existing and writable, held by this pool alone) turns on
     /// the SSD tier below DRAM; the other `ssd_*` are umbp-pool's `--ssd-*` flags
     /// (`ssd_capacity` is required with `ssd_dir`; `ssd_segment_bytes` None: 256 MiB, or
-    /// less where the capacity per directory is small).
-    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None, hugepages=false, numa_node=None, prefault=false, copy_threads=None, ssd_dir=None, ssd_capacity=None, ssd_high_wm=None, ssd_low_wm=None, ssd_direct_io=true, ssd_admission=None, ssd_segment_bytes=None))]
+    /// less where the capacity per directory is small; `ssd_flush_on_stop` is seconds, None:
+    /// the pool's default, 0: off).
+    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None, hugepages=false, numa_node=None, prefault=false, copy_threads=None, ssd_dir=None, ssd_capacity=None, ssd_high_wm=None, ssd_low_wm=None, ssd_direct_io=true, ssd_admission=None, ssd_segment_bytes=None, ssd_flush_on_stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -107,6 +108,7 @@ impl EmbeddedPool {
         ssd_direct_io: bool,
         ssd_admission: Option<String>,
         ssd_segment_bytes: Option<u64>,
+        ssd_flush_on_stop: Option<f64>,
     ) -> PyResult<Self> {
         let mut cfg = umbp_pool::PoolConfig { capacity_bytes, high_watermark: high_wm, low_watermark: low_wm, hugepages, numa_node, prefault, ..Default::default() };
         let opts = SsdArgs {
@@ -117,6 +119,7 @@ impl EmbeddedPool {
             direct_io: ssd_direct_io,
             admission: ssd_admission,
             segment_bytes: ssd_segment_bytes,
+            flush_on_stop: ssd_flush_on_stop,
         };
         cfg.ssd = ssd_config(opts)?;
         if let Some(m) = min_object_bytes {
@@ -180,6 +183,8 @@ struct SsdArgs {
     direct_io: bool,
     admission: Option<String>,
     segment_bytes: Option<u64>,
+    /// Seconds the pool may spend writing DRAM objects to SSD when it stops (0: off).
+    flush_on_stop: Option<f64>,
 }
 
 /// The SSD tier's config from the `ssd_*` arguments; None without a directory. Each
@@ -189,8 +194,8 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
     let bad = |msg: String| PyValueError::new_err(msg);
     let dirs: Vec<PathBuf> = a.dirs.iter().filter(|d| !d.trim().is_empty()).map(PathBuf::from).collect();
     if dirs.is_empty() {
-        if a.capacity.is_some() || a.admission.is_some() || a.segment_bytes.is_some() {
-            return Err(bad("ssd_capacity, ssd_admission, ssd_segment_bytes: no effect without ssd_dir".into()));
+        if a.capacity.is_some() || a.admission.is_some() || a.segment_bytes.is_some() || a.flush_on_stop.is_some() {
+            return Err(bad("ssd_capacity, ssd_admission, ssd_segment_bytes, ssd_flush_on_stop: no effect without ssd_dir".into()));
         }
         return Ok(None);
     }
@@ -219,6 +224,12 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
     }
     if let Some(p) = &a.admission {
         c.admission = umbp_pool::SsdAdmission::parse("ssd_admission", p).map_err(|e| bad(e.to_string()))?;
+    }
+    if let Some(secs) = a.flush_on_stop {
+        if !(secs.is_finite() && (0.0..=86_400.0).contains(&secs)) {
+            return Err(bad(format!("ssd_flush_on_stop: expected seconds in [0, 86400], got {secs}")));
+        }
+        c.flush_on_stop = std::time::Duration::from_secs_f64(secs);
     }
     c.capacity_bytes = a.capacity.ok_or_else(|| bad("ssd_capacity: required with ssd_dir (bytes of SSD for this pool)".into()))?;
     c.segment_bytes = match a.segment_bytes {

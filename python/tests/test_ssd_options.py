@@ -85,9 +85,11 @@ def test_seed_environment_spellings(monkeypatch, tmp_path):
     monkeypatch.setenv("UMBP_SSD_LOW_WM", "0.6")
     monkeypatch.setenv("UMBP_SSD_DIRECT_IO", "0")
     monkeypatch.setenv("UMBP_SSD_ADMISSION", "all")
+    monkeypatch.setenv("UMBP_SSD_FLUSH_ON_STOP", "7.5")
     c = parse({})
     assert c.ssd == SsdOptions(dirs=(str(tmp_path),), capacity_bytes=3 << 30, high_watermark=0.8,
-                               low_watermark=0.6, direct_io=False, admission="all")
+                               low_watermark=0.6, direct_io=False, admission="all", flush_on_stop_s=7.5)
+    assert c.embedded_pool_kwargs()["ssd_flush_on_stop"] == 7.5
     # A key wins over its environment spelling.
     assert parse({"ssd_capacity": "1GiB"}).ssd.capacity_bytes == 1 << 30
     # UMBP_SSD_ENABLED=0 turns off what only the environment asked for; =1 keeps it.
@@ -118,6 +120,9 @@ def test_enabled_without_a_directory_is_an_error(monkeypatch):
 @pytest.mark.parametrize("extra,words", [
     ({"ssd_capacity": "1GiB"}, ["ssd_capacity", "without ssd_dir"]),
     ({"ssd_admission": "all"}, ["ssd_admission", "without ssd_dir"]),
+    ({"ssd_flush_on_stop": 5}, ["ssd_flush_on_stop", "without ssd_dir"]),
+    ({"ssd_dir": "/x", "ssd_flush_on_stop": -1}, ["ssd_flush_on_stop", "seconds"]),
+    ({"ssd_dir": "/x", "ssd_flush_on_stop": "soon"}, ["ssd_flush_on_stop", "seconds"]),
     ({"ssd_dir": "/x", "ssd_admission": "sometimes"}, ["ssd_admission", "hit-or-young"]),
     ({"ssd_dir": "/x", "ssd_capacity": "0"}, ["ssd_capacity"]),
     ({"ssd_dir": "/x", "ssd_high_watermark": 0}, ["ssd_high_watermark"]),
@@ -199,6 +204,8 @@ def test_binding_refuses_bad_ssd_dirs_naming_option_and_path(native, tmp_path):
         n.EmbeddedPool(8 * MiB, ssd_dir=[str(tmp_path)], ssd_capacity=64 * MiB, ssd_admission="sometimes")
     with pytest.raises(ValueError, match="without ssd_dir"):
         n.EmbeddedPool(8 * MiB, ssd_capacity=64 * MiB)
+    with pytest.raises(ValueError, match="ssd_flush_on_stop: expected seconds"):
+        n.EmbeddedPool(8 * MiB, ssd_dir=[str(tmp_path)], ssd_capacity=64 * MiB, ssd_flush_on_stop=-1.0)
 
 
 def _fill(buf, block, seed):
@@ -265,6 +272,49 @@ def test_tiny_dram_with_ssd_keeps_several_times_dram_loadable_byte_exact(native,
         assert any(k == "removed" and t == "dram" for k, _, t in events)
         # The SSD directory holds segment files.
         assert any(p.name.startswith("seg-") for p in ssd.iterdir())
+        w.close()
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("flush", [5.0, 0.0])
+def test_close_writes_dram_objects_to_ssd_for_the_next_pool(native, tmp_path, short_tmp, flush):
+    """16 objects that fit in DRAM (never demoted) survive `close()` and a new pool on the same
+    directory when `ssd_flush_on_stop` allows it; with 0 they are gone (the control)."""
+    n = native
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    ns = n.namespace_digest("test_ssd_flush_on_stop")
+    keys = n.object_keys(ns, 0, 0, [i.to_bytes(4, "little") for i in range(16)])
+    buf = (ctypes.c_ubyte * (32 * PAGE))()
+
+    def pool_and_worker(sock):
+        pool = n.EmbeddedPool(8 * MiB, socket_path=str(short_tmp / sock), ssd_dir=[str(ssd)],
+                              ssd_capacity=64 * MiB, ssd_admission="all", ssd_flush_on_stop=flush)
+        w = n.Worker(pool.socket_path, ns, timeout_ms=10000, startup_timeout_ms=5000)
+        alloc = w.register_host_memory(ctypes.addressof(buf), len(buf))
+        assert w.register_layout(0, [(alloc, 0, PAGE, PAGE, 32)]) == PAGE
+        return pool, w
+
+    pool, w = pool_and_worker("a.sock")
+    try:
+        for j in range(16):
+            _fill(buf, j, j)
+        assert w.wait(w.store(0, keys, list(range(16))), 10000) == [n.STATUS_STORED] * 16
+        report = json.loads(pool.report())
+        assert report["tiers"]["dram"] == 16 and report["tiers"]["ssd"] == 0, report["tiers"]
+        w.close()
+    finally:
+        pool.close()
+    pool, w = pool_and_worker("b.sock")
+    try:
+        got = w.wait(w.load(0, keys, list(range(16, 32))), 10000)
+        if flush == 0:
+            assert got == [n.STATUS_MISSING] * 16, got
+        else:
+            assert got == [n.STATUS_LOADED] * 16, got
+            for j in range(16):
+                assert _block(buf, 16 + j) == _block(buf, j), f"object {j} differs"
         w.close()
     finally:
         pool.close()

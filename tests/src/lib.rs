@@ -3,6 +3,7 @@
 //! state-report client ([`report()`]), the block pattern ([`fill_pattern`]) and
 //! [`eventually`]. The crate's binaries are the test worker and the attacker.
 
+pub mod cluster;
 pub mod metrics;
 pub mod pattern;
 pub mod process;
@@ -12,4 +13,4 @@ pub mod wait;
 pub use pattern::{fill_pattern, verify_pattern};
 pub use process::{pool_binary, pool_command, pool_wrapper, stop_gracefully, unique_socket, workspace_binary, PoolProcess};
 pub use report::{report, report_json, try_report};
-pub use wait::eventually;
+pub use wait::{eventually, wait_until};

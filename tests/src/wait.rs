@@ -16,6 +16,17 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Waits until `f` holds, polling every 20 ms; panics naming `what` after `bound`. Returns
+/// how long it took (tests assert bounds on it, e.g. a heartbeat's).
+pub fn wait_until(what: &str, bound: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(t.elapsed() < bound, "timed out after {bound:?} waiting for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t.elapsed()
+}
+
 /// Whether every thread of process `pid` is in state T (stopped), per /proc.
 pub fn all_threads_stopped(pid: i32) -> bool {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return false };

@@ -8,42 +8,18 @@
 mod common;
 use common::*;
 
-use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use umbp_protocol::ObjectKey;
 
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
-fn wait_until(what: &str, bound: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < bound, "timed out after {bound:?} waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    t.elapsed()
-}
-
 #[test]
 fn two_pools_share_blocks_over_nixl_and_survive_a_peer_death() {
-    if std::env::var_os("UCX_TLS").is_none() {
-        // SAFETY (of the env write): before any thread of this test binary uses the env
-        // concurrently (one test in this file); the pools inherit it.
-        std::env::set_var("UCX_TLS", "tcp,self");
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    }
-    if let Err(e) = umbp_cluster::transport::load_library() {
-        println!("skipped: libnixl_capi.so not found (set {}): {e}", umbp_cluster::transport::LIB_ENV);
+    if !cluster::nixl_on_loopback() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let secret = dir.path().join("secret");
-    std::fs::write(&secret, b"two-pools-share-a-secret-0123456789").unwrap();
-    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let (a1, a2) = (free_port(), free_port());
+    let secret = cluster::secret_file(dir.path(), b"two-pools-share-a-secret-0123456789");
+    let (a1, a2) = (cluster::loopback_addr(), cluster::loopback_addr());
     let args = |me: &str, peer: &str| -> Vec<String> {
         [
             "--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", me, "--cluster-peer", peer,

@@ -18,7 +18,6 @@
 mod common;
 use common::*;
 
-use std::os::unix::fs::PermissionsExt;
 use std::time::{Duration, Instant};
 
 use umbp_protocol::ObjectKey;
@@ -31,20 +30,6 @@ const DEAD_AFTER_MS: u64 = 2000;
 const READ_TIMEOUT_MS: u64 = 1600;
 /// Remote entries pool 3 may list.
 const POOL3_CAP: u64 = 400;
-
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
-fn wait_until(what: &str, bound: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !f() {
-        assert!(t.elapsed() < bound, "timed out after {bound:?} waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    t.elapsed()
-}
 
 fn keys(first: u128, count: u128) -> Vec<ObjectKey> {
     (first..first + count).map(|i| ObjectKey::derive(1, 0, 0, &i.to_le_bytes())).collect()
@@ -71,21 +56,12 @@ fn store(pool: &PoolProcess, first: u128, count: u64) {
 
 #[test]
 fn three_pools_share_blocks_survive_a_stopped_peer_and_cap_remote_entries() {
-    if std::env::var_os("UCX_TLS").is_none() {
-        // SAFETY (of the env write): before any thread of this test binary uses the env
-        // concurrently (one test in this file); the pools inherit it.
-        std::env::set_var("UCX_TLS", "tcp,self");
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    }
-    if let Err(e) = umbp_cluster::transport::load_library() {
-        println!("skipped: libnixl_capi.so not found (set {}): {e}", umbp_cluster::transport::LIB_ENV);
+    if !cluster::nixl_on_loopback() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let secret = dir.path().join("secret");
-    std::fs::write(&secret, b"three-pools-share-a-secret-0123456789").unwrap();
-    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let addrs = [free_port(), free_port(), free_port()];
+    let secret = cluster::secret_file(dir.path(), b"three-pools-share-a-secret-0123456789");
+    let addrs = [cluster::loopback_addr(), cluster::loopback_addr(), cluster::loopback_addr()];
     let args = |me: usize, extra: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = [
             "--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", &addrs[me],
@@ -253,14 +229,14 @@ fn three_pools_share_blocks_survive_a_stopped_peer_and_cap_remote_entries() {
 #[test]
 fn cluster_flags_are_refused_with_a_message_naming_the_flag() {
     let dir = tempfile::tempdir().unwrap();
-    let secret = dir.path().join("secret");
-    std::fs::write(&secret, b"flags-check-secret-0123456789").unwrap();
-    std::fs::set_permissions(&secret, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let secret = cluster::secret_file(dir.path(), b"flags-check-secret-0123456789");
     let s = secret.to_str().unwrap();
-    let cases: [(&[&str], &str); 3] = [
+    let cases: [(&[&str], &str); 4] = [
         (&["--cluster-max-remote-entries", "10"], "--cluster-max-remote-entries need --cluster-listen"),
         (&["--cluster-peer", "127.0.0.1:1"], "need --cluster-listen"),
-        (&["--cluster-listen", "127.0.0.1:0", "--cluster-secret-file", s, "--namespace-acl", "4242:aa"], "--namespace-acl"),
+        // (--namespace-acl with --cluster-listen is allowed since issue #17: cluster_namespaces.rs.)
+        (&["--cluster-listen", "127.0.0.1:0", "--namespace-acl", "4242:aa"], "--cluster-listen needs --cluster-secret-file"),
+        (&["--cluster-secret-file", s, "--namespace-acl", "4242:aa"], "need --cluster-listen"),
     ];
     for (args, says) in cases {
         let out = std::process::Command::new(umbp_integration_tests::pool_binary())

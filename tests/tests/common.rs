@@ -32,6 +32,25 @@ pub fn n(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or_else(|| panic!("no {k} in {v}"))
 }
 
+/// Stores keys 0..count through the test worker (`per-layer` layout, namespace `ns`, the
+/// worker flags `extra` first), again and again until every one is in the pool: a store
+/// that finds DRAM full while the evictor is still demoting is `NotStored`, and retried.
+pub fn store_all(socket: &Path, ns: u128, count: u64, extra: &[&str]) {
+    let c = count.to_string();
+    for pass in 0..60 {
+        let mut args: Vec<&str> = extra.to_vec();
+        args.extend(["store", "--first-key", "0", "--count", &c]);
+        let r = run_worker(socket, ns, "per-layer", &args);
+        assert_eq!(n(&r, "failed"), 0, "pass {pass}: {r}");
+        assert_eq!(n(&r, "stored") + n(&r, "already_present") + n(&r, "not_stored"), count, "{r}");
+        if n(&r, "not_stored") == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("stores kept finding no room after 60 passes");
+}
+
 /// A test worker left running (`store-pin`, `flood-loads`): started and waited for until
 /// its first line says it is ready. Killed and reaped on drop.
 pub struct RunningWorker {

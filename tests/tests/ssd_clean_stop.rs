@@ -26,16 +26,7 @@ fn store_stop_restart(tag: &str, flush: &str) -> (u64, umbp_pool::PoolReport, Po
     ];
     let mut pool = PoolProcess::start(&unique_socket(tag), &args);
     let count = 2 * DRAM / OBJECT;
-    let c = count.to_string();
-    for pass in 0.. {
-        assert!(pass < 60, "stores kept finding no room");
-        let r = run_worker(&pool.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", &c]);
-        assert_eq!(n(&r, "failed"), 0, "{r}");
-        if n(&r, "not_stored") == 0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    store_all(&pool.socket, 1, count, &[]);
     // Let the evictor settle, then count what is in DRAM only.
     std::thread::sleep(Duration::from_millis(300));
     let r = pool.report();

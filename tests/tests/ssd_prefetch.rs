@@ -21,16 +21,7 @@ fn touch_hints_promote_ssd_objects_before_the_load() {
     );
     // 2x DRAM: the first keys stored end up on SSD only.
     let count = 2 * DRAM / OBJECT;
-    let c = count.to_string();
-    for pass in 0.. {
-        assert!(pass < 60, "stores kept finding no room");
-        let r = run_worker(&pool.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", &c]);
-        assert_eq!(n(&r, "failed"), 0, "{r}");
-        if n(&r, "not_stored") == 0 {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    store_all(&pool.socket, 1, count, &[]);
     std::thread::sleep(Duration::from_millis(300));
     let before = pool.report();
     assert!(before.tiers.ssd >= count / 4, "{:?}", before.tiers);

@@ -8,7 +8,6 @@ mod common;
 use common::*;
 
 use std::path::Path;
-use std::time::Duration;
 
 /// 16 KiB objects: 4 layers x 4 KiB pages (the test worker's per-layer default).
 const OBJECT: u64 = 16 << 10;
@@ -27,24 +26,6 @@ fn ssd_pool(tag: &str, dir: &Path, extra: &[&str]) -> PoolProcess {
     ];
     args.extend_from_slice(extra);
     PoolProcess::start(&unique_socket(tag), &args)
-}
-
-/// Stores keys 0..count, again and again until every one is in the pool (a store that
-/// finds DRAM full while the evictor is still demoting is `NotStored`: it is retried).
-fn store_all(socket: &Path, ns: u128, count: u64, extra: &[&str]) {
-    let c = count.to_string();
-    for pass in 0..60 {
-        let mut args: Vec<&str> = extra.to_vec();
-        args.extend(["store", "--first-key", "0", "--count", &c]);
-        let r = run_worker(socket, ns, "per-layer", &args);
-        assert_eq!(n(&r, "failed"), 0, "pass {pass}: {r}");
-        assert_eq!(n(&r, "stored") + n(&r, "already_present") + n(&r, "not_stored"), count, "{r}");
-        if n(&r, "not_stored") == 0 {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("stores kept finding no room after 60 passes");
 }
 
 fn load_all(socket: &Path, ns: u128, count: u64, extra: &[&str]) -> serde_json::Value {

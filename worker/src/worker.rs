@@ -778,7 +778,6 @@ impl Worker {
     }
 }
 
-/// Moves every completion in the CQ to `ready`, freeing arena ranges.
 /// Polls `conn`'s completion ring until an entry is there or `until` passes; yields the
 /// CPU between short spins, so a polling waiter never starves the threads it shares a
 /// core with (the pool's, on a small machine).
@@ -797,6 +796,7 @@ fn poll_cq(conn: &mut Connection, until: Instant) -> Result<(), ProtocolError> {
     }
 }
 
+/// Moves every completion in the CQ to `ready`, freeing arena ranges.
 fn reap_into(
     conn: &mut Connection,
     inflight: &mut HashMap<u64, InFlight>,

@@ -14,11 +14,13 @@ use umbp_cluster::ClusterConfig;
 pub struct ClusterArgs {
     /// Join a cluster of pools: this pool's control address. Needs the NIXL library at run
     /// time (`pip install nixl-cu12`; set UMBP_NIXL_LIB to libnixl_capi.so or its
-    /// directory) and --cluster-secret-file [default: no cluster]
+    /// directory) and --cluster-secret-file. With --namespace-acl every member must run the
+    /// same ACL (a peer with another is refused); peers' objects are then listed only for
+    /// the uids allowed their namespace [default: no cluster]
     #[arg(long = "cluster-listen", env = "UMBP_CLUSTER_LISTEN", value_name = "HOST:PORT")]
     pub listen: Option<String>,
     /// Another pool's --cluster-listen address (repeatable): its DRAM objects appear in this
-    /// pool's index marked remote and load over NIXL.
+    /// pool's index (that of their namespace's tenant group) marked remote and load over NIXL.
     #[arg(long = "cluster-peer", value_name = "HOST:PORT")]
     pub peers: Vec<String>,
     /// File holding the shared cluster secret (at least 16 bytes, mode 0600); pools
@@ -43,16 +45,13 @@ pub struct ClusterArgs {
 
 impl ClusterArgs {
     /// The node's configuration, None without --cluster-listen; errors name the flag.
-    pub fn config(&self, namespace_acl: bool) -> anyhow::Result<Option<(ClusterConfig, Vec<String>, TierOptions)>> {
+    pub fn config(&self) -> anyhow::Result<Option<(ClusterConfig, Vec<String>, TierOptions)>> {
         let Some(listen) = self.listen.clone() else {
             if !self.peers.is_empty() || self.secret_file.is_some() || self.max_remote_entries.is_some() {
                 anyhow::bail!("--cluster-peer, --cluster-secret-file and --cluster-max-remote-entries need --cluster-listen");
             }
             return Ok(None);
         };
-        if namespace_acl {
-            anyhow::bail!("--cluster-listen cannot be combined with --namespace-acl: the cluster tier serves tenant group 0 only (docs/cluster.md)");
-        }
         let Some(path) = &self.secret_file else {
             anyhow::bail!("--cluster-listen needs --cluster-secret-file (a shared secret of at least 16 bytes, mode 0600)");
         };

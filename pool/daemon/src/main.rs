@@ -390,7 +390,7 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
-    let cluster = match args.cluster.config(!args.namespace_acl.is_empty()) {
+    let cluster = match args.cluster.config() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("umbp-pool: {e:#}");

@@ -1,5 +1,5 @@
 //! Remote objects (the cluster tier, docs/cluster.md): keys a peer pool holds, listed in
-//! group 0 as `Lower { Remote }` objects (h-ssd's lower-tier state: an index entry marked
+//! the tenant group of their namespace as `Lower { Remote }` objects (h-ssd's lower-tier state: an index entry marked
 //! remote, no DRAM, in the LRU, dropped under index pressure like any object) so
 //! schedulers find cross-node hits with a local lookup, and a load promotes them through
 //! `Tiers::remote` like an SSD object.
@@ -11,14 +11,15 @@ use super::{GroupKey, ObjectEvent, ObjectState, ObjectStore};
 use crate::remote::HeldObject;
 
 impl ObjectStore {
-    /// Lists a peer's object (group 0) unless this pool holds the key in any form or
-    /// `max_entries` remote objects are listed already (the cap that keeps peers' keys from
-    /// crowding local objects out of the index).
-    pub fn insert_remote(&mut self, o: HeldObject, max_entries: u64) -> bool {
-        if self.remote_entries() >= max_entries {
+    /// Lists a peer's object in `group` (the tenant group of its namespace here) unless
+    /// this pool holds the key in that group in any form or `max_entries` remote objects
+    /// are listed already (the cap that keeps peers' keys from crowding local objects out
+    /// of the index).
+    pub fn insert_remote(&mut self, group: u32, o: HeldObject, max_entries: u64) -> bool {
+        if self.remote_entries() >= max_entries || group as usize >= self.groups.len() {
             return false;
         }
-        let listed = self.insert_lower(0, o.namespace, o.key, o.size, Tier::Remote, 0);
+        let listed = self.insert_lower(group, o.namespace, o.key, o.size, Tier::Remote, 0);
         if listed {
             // `insert_lower` counts warm-restart listings; a peer's key is not one.
             self.tier_stats.restored -= 1;
@@ -31,9 +32,9 @@ impl ObjectStore {
         self.lower[Tier::Remote as usize]
     }
 
-    /// Drops group-0 `key` if it is a remote-only object (not being promoted).
-    pub fn remove_remote(&mut self, key: ObjectKey) -> bool {
-        let gk = GroupKey::from(key);
+    /// Drops `key` of `group` if it is a remote-only object (not being promoted).
+    pub fn remove_remote(&mut self, group: u32, key: ObjectKey) -> bool {
+        let gk = GroupKey::new(group, key);
         if self.objects.get(&gk).is_some_and(|o| o.state == (ObjectState::Lower { tier: Tier::Remote })) {
             self.drop_object(gk);
             return true;
@@ -59,8 +60,9 @@ impl ObjectStore {
     /// that timed out): the object leaves the pool (index, event) and its DRAM stays
     /// allocated forever (quarantined), so `finish_promotion` finds nothing to free.
     /// Returns the bytes leaked.
-    pub fn abandon_promotion(&mut self, key: ObjectKey) -> u64 {
-        let gk = GroupKey::from(key);
+    pub fn abandon_promotion(&mut self, key: impl Into<GroupKey>) -> u64 {
+        let gk = key.into();
+        let (group, key) = (gk.group, gk.key);
         let Some(o) = self.objects.get(&gk) else { return 0 };
         let ObjectState::Promoting { from } = o.state else { return 0 };
         let o = self.objects.remove(&gk).expect("present");
@@ -71,7 +73,7 @@ impl ObjectStore {
         self.lower[from as usize] -= 1;
         self.release_held(o.namespace, o.size);
         self.quarantined_bytes += o.size;
-        self.groups[0].index.remove(key);
+        self.groups[group as usize].index.remove(key);
         if let Some(ns) = self.namespaces.get_mut(&o.namespace) {
             ns.objects -= 1;
             ns.bytes -= o.size;
@@ -79,7 +81,7 @@ impl ObjectStore {
                 self.namespaces.remove(&o.namespace);
             }
         }
-        self.push_event(0, ObjectEvent::Removed(key), from);
+        self.push_event(group, ObjectEvent::Removed(key), from);
         o.size
     }
 }
@@ -110,14 +112,14 @@ mod tests {
     fn a_remote_object_is_listed_remote_loads_as_lower_and_is_removable() {
         let mut s = store();
         let k = ObjectKey(7);
-        assert!(s.insert_remote(held(7), u64::MAX));
-        assert!(!s.insert_remote(held(7), u64::MAX), "present already");
+        assert!(s.insert_remote(0, held(7), u64::MAX));
+        assert!(!s.insert_remote(0, held(7), u64::MAX), "present already");
         assert_eq!(s.tier_stats.restored, 0, "not a warm-restart listing");
         assert_eq!(s.groups[0].index.get(k).and_then(location::decode), Some((Tier::Remote, 0)));
         assert_eq!(s.reserve_load(k, 4096), LoadReservation::Lower { tier: Tier::Remote });
         assert_eq!(s.reserve_store(5, k, 4096, 1), StoreReservation::AlreadyPresent);
         assert!(s.dram_objects(0).is_empty(), "not advertised as ours");
-        assert!(s.remove_remote(k) && !s.remove_remote(k));
+        assert!(s.remove_remote(0, k) && !s.remove_remote(0, k));
         assert_eq!(s.groups[0].index.get(k), None);
     }
 
@@ -125,21 +127,21 @@ mod tests {
     fn promotion_publishes_in_dram_and_then_it_is_no_longer_remote() {
         let mut s = store();
         let k = ObjectKey(9);
-        assert!(s.insert_remote(held(9), u64::MAX));
+        assert!(s.insert_remote(0, held(9), u64::MAX));
         let (offset, tier, ns) = s.begin_promotion(k).unwrap();
         assert_eq!((tier, ns), (Tier::Remote, 5));
         assert!(s.finish_promotion(k, true));
         assert_eq!(s.groups[0].index.get(k), Some(location::encode(Tier::Dram, offset)));
-        assert!(!s.remove_remote(k), "the local copy stays");
+        assert!(!s.remove_remote(0, k), "the local copy stays");
         assert_eq!(s.dram_objects(0), vec![held(9)]);
-        assert!(!s.insert_remote(held(9), u64::MAX));
+        assert!(!s.insert_remote(0, held(9), u64::MAX));
     }
 
     #[test]
     fn an_abandoned_promotion_leaks_its_dram_instead_of_freeing_it() {
         let mut s = store();
         let k = ObjectKey(11);
-        assert!(s.insert_remote(held(11), u64::MAX));
+        assert!(s.insert_remote(0, held(11), u64::MAX));
         let before = s.allocated_bytes();
         s.begin_promotion(k).unwrap();
         let allocated = s.allocated_bytes();
@@ -156,7 +158,7 @@ mod tests {
     fn remote_entries_stop_at_the_cap_and_never_take_room_from_local_stores() {
         let mut s = store();
         for k in 0..10u128 {
-            assert_eq!(s.insert_remote(held(100 + k), 4), k < 4, "entry {k}");
+            assert_eq!(s.insert_remote(0, held(100 + k), 4), k < 4, "entry {k}");
         }
         assert_eq!(s.remote_entries(), 4);
         // Local stores go on (the index has room the cap kept free).
@@ -167,9 +169,9 @@ mod tests {
         s.begin_promotion(ObjectKey(100)).unwrap();
         assert!(s.finish_promotion(ObjectKey(100), true));
         assert_eq!(s.remote_entries(), 3);
-        assert!(s.insert_remote(held(200), 4) && !s.insert_remote(held(201), 4));
+        assert!(s.insert_remote(0, held(200), 4) && !s.insert_remote(0, held(201), 4));
         // A removed one frees its place too.
-        assert!(s.remove_remote(ObjectKey(101)));
-        assert!(s.insert_remote(held(202), 4));
+        assert!(s.remove_remote(0, ObjectKey(101)));
+        assert!(s.insert_remote(0, held(202), 4));
     }
 }

@@ -38,6 +38,7 @@ Keys (all optional):
 | `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else 0.95 / 0.85 | embedded: SSD reclaim watermarks |
 | `ssd_direct_io` | bool | `$UMBP_SSD_DIRECT_IO`, else true | embedded: O_DIRECT segment files (buffered with a warning where refused) |
 | `ssd_admission` | `all` \\| `hit` \\| `never` \\| `hit-or-young[:SECONDS]` | `$UMBP_SSD_ADMISSION`, else hit-or-young | embedded: which evicted objects are written to SSD |
+| `ssd_flush_on_stop` | seconds >= 0 | `$UMBP_SSD_FLUSH_ON_STOP`, else 20 | embedded: at shutdown, how long the pool may write its admitted DRAM objects to SSD so a restarted engine finds them (0: off) |
 
 `UMBP_SSD_ENABLED=0` turns off an SSD tier that only `UMBP_SSD_DIR` asked for;
 `UMBP_SSD_ENABLED=1` without a directory is an error.
@@ -182,6 +183,19 @@ def parse_positive_int(value: Any, key: str) -> int:
 
 def parse_fraction(value: Any, key: str) -> float:
     return _parse_positive(value, key, "a fraction in (0, 1]", float, 1.0)
+
+
+def parse_seconds(value: Any, key: str) -> float:
+    """Seconds >= 0 (at most a day), as a number or a string; otherwise a ValueError naming `key`."""
+    if not isinstance(value, bool):
+        try:
+            x = float(value)
+        except (TypeError, ValueError, OverflowError):
+            pass
+        else:
+            if 0 <= x <= 86400:
+                return x
+    raise ValueError(f"{key}: expected seconds in [0, 86400], got {value!r}")
 
 
 def parse_nonnegative_int(value: Any, key: str) -> int:
@@ -567,7 +581,15 @@ class OffloadOptions:
 # UMBP_SSD_ADMISSION). Parsed apart from UMBPConnectorConfig's own keys; its `ssd` field
 # holds the result.
 SSD_KEYS = frozenset(
-    {"ssd_dir", "ssd_capacity", "ssd_high_watermark", "ssd_low_watermark", "ssd_direct_io", "ssd_admission"}
+    {
+        "ssd_dir",
+        "ssd_capacity",
+        "ssd_high_watermark",
+        "ssd_low_watermark",
+        "ssd_direct_io",
+        "ssd_admission",
+        "ssd_flush_on_stop",
+    }
 )
 KNOWN_KEYS = KNOWN_KEYS | SSD_KEYS
 ENV_SSD_ENABLED = "UMBP_SSD_ENABLED"
@@ -577,6 +599,7 @@ ENV_SSD_DIRECT_IO = "UMBP_SSD_DIRECT_IO"
 ENV_SSD_HIGH_WM = "UMBP_SSD_HIGH_WM"
 ENV_SSD_LOW_WM = "UMBP_SSD_LOW_WM"
 ENV_SSD_ADMISSION = "UMBP_SSD_ADMISSION"
+ENV_SSD_FLUSH_ON_STOP = "UMBP_SSD_FLUSH_ON_STOP"
 # Each key's environment spelling (the extra config wins over the environment).
 SSD_ENV = {
     "ssd_dir": ENV_SSD_DIR,
@@ -585,6 +608,7 @@ SSD_ENV = {
     "ssd_high_watermark": ENV_SSD_HIGH_WM,
     "ssd_low_watermark": ENV_SSD_LOW_WM,
     "ssd_admission": ENV_SSD_ADMISSION,
+    "ssd_flush_on_stop": ENV_SSD_FLUSH_ON_STOP,
 }
 DEFAULT_SSD_HIGH_WM = 0.95
 DEFAULT_SSD_LOW_WM = 0.85
@@ -609,8 +633,8 @@ def parse_dirs(value: Any, key: str) -> tuple[str, ...]:
 class SsdOptions:
     """The embedded pool's SSD tier: `dirs` (one per drive), `capacity_bytes` per worker
     (None: half the free space of the first directory's file system, split over the local
-    TP ranks), watermarks, O_DIRECT and the admission policy (None: the pool's default,
-    hit-or-young)."""
+    TP ranks), watermarks, O_DIRECT, the admission policy (None: the pool's default,
+    hit-or-young) and the flush at shutdown in seconds (None: the pool's default, 20 s)."""
 
     dirs: tuple[str, ...]
     capacity_bytes: int | None = None
@@ -618,6 +642,7 @@ class SsdOptions:
     low_watermark: float = DEFAULT_SSD_LOW_WM
     direct_io: bool = True
     admission: str | None = None
+    flush_on_stop_s: float | None = None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], mode: str) -> "SsdOptions | None":
@@ -676,6 +701,8 @@ class SsdOptions:
                     f"{key}: expected all, hit, never, hit-or-young or hit-or-young:SECONDS, got {v!r}"
                 )
             kw["admission"] = v.strip().lower()
+        if (f := get("ssd_flush_on_stop")) is not None:
+            kw["flush_on_stop_s"] = parse_seconds(*f)
         return cls(**kw)
 
     def rank_dirs(self, dp_rank: int, tp_rank: int) -> list[str]:
@@ -719,4 +746,6 @@ class SsdOptions:
         }
         if self.admission is not None:
             kw["ssd_admission"] = self.admission
+        if self.flush_on_stop_s is not None:
+            kw["ssd_flush_on_stop"] = self.flush_on_stop_s
         return kw

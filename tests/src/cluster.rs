@@ -1,0 +1,38 @@
+//! What the cluster tests (`tests/cluster_*.rs`) share: UCX over TCP on loopback, the NIXL
+//! library or a printed "skipped", free listen addresses and the cluster secret file.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+/// Sets UCX to TCP on loopback (unless the environment already chose) and loads
+/// libnixl_capi.so; false, after printing "skipped" and why, when the library is missing
+/// (scripts/setup-nixl.sh installs it). Call it first in a test: the pools it starts
+/// inherit the environment.
+pub fn nixl_on_loopback() -> bool {
+    if std::env::var_os("UCX_TLS").is_none() {
+        // Every cluster test sets the same values, before it starts a pool.
+        std::env::set_var("UCX_TLS", "tcp,self");
+        std::env::set_var("UCX_NET_DEVICES", "lo");
+    }
+    match umbp_cluster::transport::load_library() {
+        Ok(_) => true,
+        Err(e) => {
+            println!("skipped: libnixl_capi.so not found (set {}): {e}", umbp_cluster::transport::LIB_ENV);
+            false
+        }
+    }
+}
+
+/// A free TCP address on loopback ("127.0.0.1:PORT") for `--cluster-listen`.
+pub fn loopback_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a loopback port");
+    l.local_addr().expect("its address").to_string()
+}
+
+/// `dir/secret` holding `secret`, mode 0600 (the pool refuses a secret others can read).
+pub fn secret_file(dir: &Path, secret: &[u8]) -> PathBuf {
+    let p = dir.join("secret");
+    std::fs::write(&p, secret).expect("write the cluster secret");
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod 0600 the secret");
+    p
+}
