@@ -103,15 +103,7 @@ impl Drop for WorkerProc {
 pub(crate) struct PoolHandle {
     pub(crate) pool: Option<Pool>,
     pub(crate) socket: PathBuf,
-    _dir: Option<TempDir>,
-}
-
-struct TempDir(PathBuf);
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+    _dir: Option<tempfile::TempDir>,
 }
 
 impl PoolHandle {
@@ -148,9 +140,11 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
     if let Some(s) = &args.pool_socket {
         return Ok(PoolHandle { pool: None, socket: s.clone(), _dir: None });
     }
-    let dir = std::env::temp_dir().join(format!("umbp-bench-transfer-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-    let socket = dir.join("pool.sock");
+    let dir = tempfile::Builder::new()
+        .prefix("umbp-bench-transfer-")
+        .tempdir()
+        .map_err(|e| format!("a temporary directory for the pool's socket: {e}"))?;
+    let socket = dir.path().join("pool.sock");
     let config = PoolConfig {
         socket_path: socket.clone(),
         capacity_bytes: args.capacity,
@@ -183,7 +177,7 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Ok(PoolHandle { pool: Some(pool), socket, _dir: Some(TempDir(dir)) })
+    Ok(PoolHandle { pool: Some(pool), socket, _dir: Some(dir) })
 }
 
 /// One round of `blocks` (keys `key_base + i`) in transfers of `per` blocks, `inflight`

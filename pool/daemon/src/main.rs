@@ -77,8 +77,10 @@ struct Args {
     copy_parallel_submit: bool,
     /// GPU copies of small pages: auto (the kernel where the GPU's calibration, done at its
     /// first registration, found it faster than copy engines), kernel (wherever it can
-    /// run), copy-engine (never; no SM is used for copies, no calibration).
-    #[arg(long = "copy-kernel", env = "UMBP_COPY_KERNEL", value_name = "MODE", default_value = "auto", value_parser = ["auto", "kernel", "copy-engine"], help_heading = "GPU copy engine")]
+    /// run), copy-engine (never; no SM is used for copies, no calibration), staged (pages
+    /// gathered in GPU memory, then moved by copy engines: the engine slows less than with
+    /// the kernel, but transfers are slower; docs/gpu.md "Device staging").
+    #[arg(long = "copy-kernel", env = "UMBP_COPY_KERNEL", value_name = "MODE", default_value = "auto", value_parser = ["auto", "kernel", "copy-engine", "staged"], help_heading = "GPU copy engine")]
     copy_kernel: String,
     /// GPU copies: blocks (SMs) the page copy kernel runs on (0: chosen by the calibration).
     #[arg(long = "copy-kernel-blocks", env = "UMBP_COPY_KERNEL_BLOCKS", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096), help_heading = "GPU copy engine")]
@@ -313,6 +315,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
         mode: match args.copy_kernel.as_str() {
             "kernel" => umbp_gpu::GatherMode::Kernel,
             "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
+            "staged" => umbp_gpu::GatherMode::Staged,
             _ => umbp_gpu::GatherMode::Auto,
         },
         blocks: args.copy_kernel_blocks,
@@ -463,6 +466,9 @@ mod tests {
         assert_eq!((g.mode, g.blocks, g.launch_bytes, g.split_streams), (umbp_gpu::GatherMode::CopyEngine, 12, 4 << 20, 4));
         let g = config_from(parse(&["--copy-kernel", "kernel"]).unwrap()).unwrap().engine.gather;
         assert_eq!(g.mode, umbp_gpu::GatherMode::Kernel);
+        let g = config_from(parse(&["--copy-kernel", "staged"]).unwrap()).unwrap().engine.gather;
+        assert_eq!(g.mode, umbp_gpu::GatherMode::Staged);
+        assert!(parse(&["--copy-kernel", "stage"]).is_err(), "an unknown mode is refused");
         let err = config_from(parse(&["--copy-kernel-launch-size", "lots"]).unwrap()).unwrap_err().to_string();
         assert!(err.contains("copy-kernel-launch-size"), "{err}");
         for bad in [
