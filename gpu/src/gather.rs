@@ -185,9 +185,9 @@ pub enum GatherMode {
     /// Staged through device memory (experiment, issue #14): the kernel gathers a stage's
     /// pages device-to-device into a contiguous staging buffer and one copy-engine copy
     /// per contiguous host run moves it to pool memory (loads: the reverse), in chunks of
-    /// [`crate::EngineConfig::stage_bytes`] over [`STAGE_SLOTS`] buffers so the gather
+    /// [`crate::EngineConfig::stage_bytes`] over three (`STAGE_SLOTS`) buffers so the gather
     /// of one chunk overlaps the DMA of the one before. Used where a stage's host side
-    /// runs contiguous for at least [`STAGE_MIN_RUN`] bytes on average; elsewhere as
+    /// runs contiguous for at least `STAGE_MIN_RUN` (64 KiB) on average; elsewhere as
     /// [`GatherMode::Auto`].
     Staged,
 }

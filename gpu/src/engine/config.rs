@@ -47,7 +47,7 @@ pub struct EngineConfig {
     pub gather: GatherConfig,
     /// Bytes per device staging chunk of [`crate::GatherMode::Staged`] (rounded up to
     /// 4 KiB, at least 1 MiB; default 16 MiB); each stream set that stages allocates
-    /// [`crate::gather::STAGE_SLOTS`] of them in device memory once.
+    /// `STAGE_SLOTS` (3) of them in device memory once.
     pub stage_bytes: usize,
 }
 
