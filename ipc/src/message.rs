@@ -75,6 +75,19 @@ impl Deadline {
     }
 }
 
+/// Runs one system call again while a signal interrupts it (EINTR). An engine process
+/// has signal handlers the pool's code does not own (CPython installs its handlers without
+/// SA_RESTART), so a blocked send or receive may return EINTR with nothing transferred;
+/// that is no error of the connection. The socket timeouts bound each retry as before.
+fn restarting<T>(mut call: impl FnMut() -> rustix::io::Result<T>) -> rustix::io::Result<T> {
+    loop {
+        match call() {
+            Err(rustix::io::Errno::INTR) => continue,
+            r => return r,
+        }
+    }
+}
+
 fn map_io(e: std::io::Error) -> MessageError {
     match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => MessageError::Timeout,
@@ -105,12 +118,14 @@ pub fn send_message(
         assert!(fds.len() <= MAX_FDS, "at most {MAX_FDS} fds per message");
         control.push(SendAncillaryMessage::ScmRights(fds));
     }
-    let mut sent = sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL)
+    let mut sent = restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL))
         .map_err(|e| map_io(e.into()))?;
     while sent < buf.len() {
         deadline.arm(sock)?;
-        let n = sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)
-            .map_err(|e| map_io(e.into()))?;
+        let n = restarting(|| {
+            sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)
+        })
+        .map_err(|e| map_io(e.into()))?;
         sent += n;
     }
     Ok(())
@@ -144,7 +159,7 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
     let mut off = 0;
     while off < payload.len() {
         deadline.arm(sock)?;
-        let n = rustix::io::read(sock.as_fd(), &mut payload[off..]).map_err(|e| map_io(e.into()))?;
+        let n = restarting(|| rustix::io::read(sock.as_fd(), &mut payload[off..])).map_err(|e| map_io(e.into()))?;
         if n == 0 {
             return Err(MessageError::Closed);
         }
@@ -166,7 +181,7 @@ pub struct Chunk {
 pub fn recv_chunk(sock: &UnixStream, buf: &mut [u8], flags: RecvFlags) -> Result<Chunk, MessageError> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let r = recvmsg(sock.as_fd(), &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC | flags)
+    let r = restarting(|| recvmsg(sock.as_fd(), &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC | flags))
         .map_err(|e| map_io(e.into()))?;
     let mut fds = Vec::new();
     for msg in control.drain() {
@@ -186,7 +201,7 @@ pub fn send_chunk(sock: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) -> Result<us
     if !borrowed.is_empty() && !control.push(SendAncillaryMessage::ScmRights(&borrowed)) {
         return Err(MessageError::FdCount { got: fds.len(), want: MAX_FDS });
     }
-    sendmsg(sock.as_fd(), &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL | SendFlags::DONTWAIT)
+    restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL | SendFlags::DONTWAIT))
         .map_err(|e| map_io(e.into()))
 }
 
@@ -213,6 +228,42 @@ pub fn peer_gone(sock: &UnixStream) -> bool {
 mod tests {
     use super::*;
     use umbp_protocol::wire::{Hello, Role};
+
+    extern "C" fn note_signal(_: libc::c_int) {}
+
+    /// A signal with a handler installed without SA_RESTART (as CPython installs its own)
+    /// interrupts a receive blocked on the pool's reply: the receive goes on and gets the
+    /// message, not an "Interrupted system call" error (seen in an embedded pool's test
+    /// under pytest; before the fix this returned `MessageError::Io(EINTR)`).
+    #[test]
+    fn a_signal_does_not_break_a_blocked_receive() {
+        // SAFETY: installs a handler that does nothing for SIGURG (ignored by default and
+        // used by nothing else in this test binary), without SA_RESTART.
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = note_signal as *const () as usize;
+            libc::sigemptyset(&mut act.sa_mask);
+            act.sa_flags = 0;
+            assert_eq!(libc::sigaction(libc::SIGURG, &act, std::ptr::null_mut()), 0);
+        }
+        let (a, b) = UnixStream::pair().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let receiver = std::thread::spawn(move || {
+            // SAFETY: pthread_self has no preconditions.
+            tx.send(unsafe { libc::pthread_self() }).unwrap();
+            recv_message(&b, Some(Duration::from_secs(10)))
+        });
+        let thread = rx.recv().unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        for _ in 0..5 {
+            // SAFETY: the receiver thread is alive (it blocks until the message below).
+            assert_eq!(unsafe { libc::pthread_kill(thread, libc::SIGURG) }, 0);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        send_message(&a, MessageKind::StatsRequest, &[], &[], None).unwrap();
+        let m = receiver.join().unwrap().expect("the receive survives the signals");
+        assert_eq!(m.kind, MessageKind::StatsRequest);
+    }
 
     #[test]
     fn round_trip_with_fds() {
