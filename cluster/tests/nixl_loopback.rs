@@ -211,8 +211,11 @@ fn each_key_is_pulled_from_its_rendezvous_home_and_a_stopped_home_fails_only_its
     let pool = Arc::new(MemPool::new((n * size) as usize));
     let mut cfg = ClusterConfig::new("127.0.0.1:0".into(), Secret::from_file(&s).unwrap());
     cfg.heartbeat = Duration::from_millis(200);
-    cfg.dead_after = Duration::from_secs(4);
-    cfg.read_timeout = Duration::from_millis(1600);
+    // A generous read budget (pins get half): the live holder's reads must finish within
+    // it while this binary's other tests stream large transfers on the same 2 cores (CI
+    // once saw 1.6 s run out). Below dead_after, so the stopped holder is still a member.
+    cfg.dead_after = Duration::from_secs(10);
+    cfg.read_timeout = Duration::from_secs(5);
     // SAFETY: `pool` outlives the node (dropped after it).
     let node =
         unsafe { Cluster::start(cfg, Box::new(StaticPeers(vec![a.addr.clone(), b.addr.clone()])), pool.clone(), pool.base(), pool.len()) }
@@ -249,7 +252,7 @@ fn each_key_is_pulled_from_its_rendezvous_home_and_a_stopped_home_fails_only_its
             assert!(pool.read(i as u64 * size, size as usize) == pattern(key, size as usize), "key {key}: bytes differ");
         }
     }
-    assert!(took < Duration::from_millis(1600 + 1000), "bounded by the read budget: {took:?}");
+    assert!(took < Duration::from_millis(5000 + 1000), "bounded by the read budget: {took:?}");
     // SAFETY: as above.
     unsafe { libc::kill(b.child.id() as i32, libc::SIGCONT) };
 }
