@@ -15,6 +15,16 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 
 command -v cargo >/dev/null || { echo "cargo not found: install a Rust toolchain (rustup) first" >&2; exit 1; }
 
+# A clean build gains nothing from incremental caches, and they double the disk a build needs.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
+# The whole run needs about 12 GB of disk (target dirs, the vLLM and SGLang venvs); say so
+# up front instead of failing a link step with "No space left on device".
+free_kb=$(df -Pk "$ROOT" | awk 'NR==2 {print $4}')
+echo "disk free at $ROOT: $((free_kb / 1024 / 1024)) GiB" >&2
+if [ "$free_kb" -lt $((12 * 1024 * 1024)) ]; then
+  echo "warning: less than 12 GiB free at $ROOT; the build or the Python envs may run out of space" >&2
+fi
+
 step "cluster tier prerequisites: libclang (nixl-sys generates its bindings at build time) and the NIXL runtime (PyPI nixl-cu12, its own venv)"
 nixl_lib=$(bash scripts/setup-nixl.sh | tail -n 1)
 case "$nixl_lib" in UMBP_NIXL_LIB=*) export "$nixl_lib" ;; *) echo "setup-nixl.sh printed no UMBP_NIXL_LIB line" >&2; exit 1 ;; esac
