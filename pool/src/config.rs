@@ -8,6 +8,8 @@ use std::time::Duration;
 /// store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages, 50.8/50.9 in 32,
 /// 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions pipelined too.
 pub const DEFAULT_COPY_STAGE_BYTES: u64 = 64 << 20;
+/// Default `promotion_ahead_bytes`: two default stages.
+pub const DEFAULT_PROMOTION_AHEAD_BYTES: u64 = 128 << 20;
 
 /// Everything a pool needs to start. `Default` gives the documented defaults.
 #[derive(Debug, Clone)]
@@ -40,6 +42,10 @@ pub struct PoolConfig {
     /// A submission moving more than this is copied in stages of about this size, each
     /// published as it lands while the next ones copy; 0 = one stage.
     pub copy_stage_bytes: u64,
+    /// Loads from lower tiers (SSD, remote pools): bytes of DRAM the pool promotes ahead of
+    /// the stage a load copies (its later stages, the peer's next loads), so that fetches
+    /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
+    pub promotion_ahead_bytes: u64,
     /// How GPU copy calls are submitted (streams, batching); passed with every transfer.
     pub engine: umbp_gpu::EngineConfig,
     /// Attachments the pool serves at once (all peers together).
@@ -206,6 +212,7 @@ impl Default for PoolConfig {
             copy_threads: std::thread::available_parallelism().map(|n| n.get().clamp(2, 8)).unwrap_or(2),
             copy_threads_per_peer: 0,
             copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
+            promotion_ahead_bytes: DEFAULT_PROMOTION_AHEAD_BYTES,
             engine: umbp_gpu::EngineConfig::default(),
             max_attachments: 1024,
             default_sq_entries: 1024,

@@ -246,3 +246,21 @@ pub(crate) fn promotion(mut keys: impl Iterator<Item = ObjectKey>) {
         panic!("injected promotion fault for key {:032x}", key.0);
     }
 }
+
+static FAIL_FETCH_OF: Mutex<Vec<ObjectKey>> = Mutex::new(Vec::new());
+static FETCH_FAIL_ARMED: AtomicBool = AtomicBool::new(false);
+
+/// TEST ONLY: a promotion thread's fetch of any of `keys` reports failure (as a tier's
+/// read error or bad CRC would), after the tier wrote the bytes: the promotion must end as
+/// a miss, never publish them. Empty disarms.
+#[doc(hidden)]
+pub fn fail_fetch_of(keys: Vec<ObjectKey>) {
+    let armed = !keys.is_empty();
+    *FAIL_FETCH_OF.lock().unwrap_or_else(|e| e.into_inner()) = keys;
+    FETCH_FAIL_ARMED.store(armed, Ordering::Release);
+}
+
+/// Whether the fetch of `key` is to fail (see [`fail_fetch_of`]).
+pub(crate) fn fetch_fails(key: ObjectKey) -> bool {
+    FETCH_FAIL_ARMED.load(Ordering::Acquire) && FAIL_FETCH_OF.lock().unwrap_or_else(|e| e.into_inner()).contains(&key)
+}

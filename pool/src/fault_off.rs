@@ -27,3 +27,8 @@ pub(crate) fn demotion_batch(_objects: usize) {}
 
 #[inline(always)]
 pub(crate) fn promotion(_keys: impl Iterator<Item = umbp_protocol::ObjectKey>) {}
+
+#[inline(always)]
+pub(crate) fn fetch_fails(_key: umbp_protocol::ObjectKey) -> bool {
+    false
+}

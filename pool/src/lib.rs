@@ -28,6 +28,7 @@ mod liveness;
 mod metrics;
 mod objects;
 mod poller;
+mod promote;
 pub mod pool_report;
 pub mod remote;
 mod report;
@@ -138,6 +139,8 @@ pub(crate) struct PoolInner {
     pub uid: u32,
     /// The cluster tier's source (remote.rs), once installed; `tiers.remote` reads it.
     pub remote_source: remote::RemoteSlot,
+    /// Pipelined promotion (promote.rs): the promotion threads' queue and look-ahead.
+    pub promoter: promote::Promoter,
 }
 
 impl PoolInner {
@@ -215,6 +218,7 @@ impl Pool {
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
         let socket_path = config.socket_path.clone();
         let remote_source = remote::RemoteSlot::default();
+        let (promoter, promotions_rx) = promote::Promoter::new(config.promotion_ahead_bytes, dram.len() as u64);
         let inner = Arc::new(PoolInner {
             store: Mutex::new(store),
             tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
@@ -234,6 +238,7 @@ impl Pool {
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
             remote_source,
+            promoter,
             config,
         });
         let mut threads = Vec::new();
@@ -243,6 +248,10 @@ impl Pool {
         for i in 0..inner.config.copy_threads {
             let (inner, rx) = (inner.clone(), jobs_rx.clone());
             threads.push(spawn(&format!("umbp-copy-{i}"), Box::new(move || transfer::run_copy_thread(&inner, rx)))?);
+        }
+        for i in 0..promote::PROMOTION_THREADS {
+            let (inner, rx) = (inner.clone(), promotions_rx.clone());
+            threads.push(spawn(&format!("umbp-promote-{i}"), Box::new(move || promote::run_promotion_thread(&inner, rx)))?);
         }
         let i2 = inner.clone();
         threads.push(spawn("umbp-service", Box::new(move || service::run(&i2)))?);

@@ -209,6 +209,13 @@ pub struct PoolSection {
     pub evictions: u64,
     /// DRAM of stores failed by a copy-thread panic, never reused until restart.
     pub quarantined_bytes: u64,
+    /// DRAM held now by promotions launched ahead of their load's current stage
+    /// (pool/src/promote.rs; at most `promotion_ahead_bytes`).
+    #[serde(default)]
+    pub promotion_ahead_bytes: u64,
+    /// Objects promoted ahead of their load's current stage since the start.
+    #[serde(default)]
+    pub promotions_ahead: u64,
     /// Index entries the pool admits (slots less the load-factor headroom).
     pub index_capacity: u64,
     pub defences: Defences,

@@ -128,6 +128,8 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
         pinned_objects: store.pinned_count() as u64,
         evictions: store.evictions(),
         quarantined_bytes: store.quarantined_bytes(),
+        promotion_ahead_bytes: inner.promoter.ahead_bytes(),
+        promotions_ahead: inner.promoter.launched_ahead(),
         index_capacity: store.index_capacity(),
         defences: store.defence_counters(),
         namespace_share: inner.config.namespace_share,

@@ -237,6 +237,7 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         cancelled: false,
         accepted,
         submitted: Instant::now(),
+        ahead: Default::default(),
     };
     if job.candidates.is_empty() {
         crate::transfer::finish(inner, job, &[], 0);

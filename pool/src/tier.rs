@@ -147,7 +147,7 @@ impl Drop for PromotionGuard<'_> {
         if self.open.is_empty() {
             return;
         }
-        tracing::error!(objects = self.open.len(), "promotion interrupted (copy thread panicked): finishing it as failed");
+        tracing::error!(objects = self.open.len(), "promotion interrupted (its thread panicked): finishing it as failed");
         // Not poisoned by this panic (the fetch runs without the lock); if another thread
         // poisoned it, contain_panic stops the pool anyway.
         let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());

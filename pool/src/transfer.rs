@@ -65,6 +65,9 @@ pub struct Job {
     pub accepted: Instant,
     /// When the service thread queued it for a copy thread (transfer latency metric).
     pub submitted: Instant,
+    /// Loads: promotions from lower tiers launched ahead of the copy (promote.rs); the
+    /// copy thread of the peer's previous load may launch the first ones.
+    pub ahead: Arc<crate::promote::Ahead>,
 }
 
 /// Hands a job to the copy threads, or queues it behind the peer's own jobs when the peer
@@ -298,7 +301,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         plan_ns: 0,
         publish_ns: 0,
     });
-    let (att, op) = (&job.att, job.op);
+    let (att, op, ahead) = (&job.att, job.op, &*job.ahead);
     let state = job.state_offset.and_then(|o| att.arena.atomic_u64(o).ok()).map(TransferState::new);
     let mut plan = |s: usize| -> umbp_gpu::StagePlan<'_> {
         let p = &mut *progress.borrow_mut();
@@ -311,7 +314,23 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             p.stage_blocks.push(from..from);
             return group_regions.iter().map(|r| (*r, Vec::new())).collect();
         }
-        reserve(inner, att, op, size, &p.candidates[s * n / stages..(s + 1) * n / stages], p.blocks, p.statuses);
+        let (a, b) = (s * n / stages, (s + 1) * n / stages);
+        if op == Opcode::Load {
+            // This stage's lower-tier objects go to the promotion threads (if the look-ahead
+            // did not already), then later stages' and the peer's next loads' within the
+            // look-ahead window: they fetch while this stage copies.
+            crate::promote::launch(inner, att, size, p.candidates, ahead, b, true);
+            if crate::promote::launch(inner, att, size, p.candidates, ahead, n, false) >= n {
+                launch_next_loads(inner, att);
+            }
+            crate::promote::take(inner, att, ahead, b, p.blocks, p.statuses, n);
+            let rest = ahead.unhandled(a..b);
+            let cands: Vec<Candidate> = rest.iter().map(|&i| p.candidates[i]).collect();
+            reserve(inner, att, op, size, &cands, p.blocks, p.statuses);
+            ahead.mark_handled(n, rest.into_iter());
+        } else {
+            reserve(inner, att, op, size, &p.candidates[a..b], p.blocks, p.statuses);
+        }
         crate::fault::check_copy(&p.blocks[from..]);
         let t_plan = Instant::now();
         p.reserve_ns += ns_between(t, t_plan);
@@ -377,8 +396,10 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     // On failure every reserved block not settled yet failed; so did those of a store the
     // worker abandoned (see stage_landed).
     let store_abandoned = op == Opcode::Store && state.is_some_and(|st| st.abandoned());
-    let failed: Vec<usize> =
+    let mut failed: Vec<usize> =
         if result.is_err() || store_abandoned { p.blocks[p.settled..].iter().map(|b| b.index).collect() } else { Vec::new() };
+    // `settle` searches it; promoted blocks follow pinned ones within a stage.
+    failed.sort_unstable();
     if p.abandoned {
         Counters::add(&inner.counters.transfers_cancelled, 1);
     }
@@ -439,6 +460,31 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
     drop(store);
     if !lower.is_empty() {
         promote(inner, att, size, lower, blocks, statuses);
+    }
+}
+
+/// Loads of the peer queued behind the running ones (the first few): their first
+/// lower-tier objects are launched within the look-ahead window, so that they fetch while
+/// this load copies (a worker restoring a prefix submits many loads at once).
+fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
+    const NEXT_LOADS: usize = 4;
+    if !inner.promoter.enabled() {
+        return;
+    }
+    let next: Vec<(Arc<crate::promote::Ahead>, Vec<Candidate>, u64)> = {
+        let slots = att.copy_slots.lock().expect("copy slots lock");
+        slots
+            .waiting
+            .iter()
+            .filter(|j| j.op == Opcode::Load)
+            .take(NEXT_LOADS)
+            .map(|j| (j.ahead.clone(), j.candidates.clone(), j.layout.object_bytes()))
+            .collect()
+    };
+    for (ahead, cands, size) in next {
+        if crate::promote::launch(inner, att, size, &cands, &ahead, cands.len(), false) < cands.len() {
+            break;
+        }
     }
 }
 
@@ -606,6 +652,8 @@ pub fn signal_load_fence(att: &Attachment, sqe: &Sqe, all_loaded: bool) {
 /// Publishes or unpins the blocks not settled yet (all but the first `settled`), writes
 /// per-block statuses and posts the completion.
 pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize], settled: usize) {
+    // Promotions launched for it and not taken: unpinned once fetched.
+    job.ahead.close(inner);
     let size = job.layout.object_bytes();
     settle(inner, job.op, &job.blocks[settled.min(job.blocks.len())..], &mut job.statuses, failed);
     // Candidates never reserved (the copy failed or was refused before their stage).

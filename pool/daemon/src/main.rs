@@ -61,6 +61,12 @@ struct Args {
     /// the next stages still copy. 0 copies every submission in one piece.
     #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
     copy_stage_size: String,
+    /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
+    /// copies (its later stages, the peer's next queued loads), so that lower-tier fetches
+    /// overlap the copies; at most a quarter of --capacity. 0 fetches each stage only when
+    /// the copy reaches it.
+    #[arg(long = "promotion-ahead", env = "UMBP_PROMOTION_AHEAD", value_name = "SIZE", default_value = "128MiB")]
+    promotion_ahead: String,
     /// GPU copies: streams one copy call spreads its copies over (1-16).
     #[arg(long = "copy-streams", env = "UMBP_COPY_STREAMS", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16), help_heading = "GPU copy engine")]
     copy_streams: u16,
@@ -307,6 +313,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     }
     c.copy_threads_per_peer = args.copy_threads_per_peer;
     c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size)?;
+    c.promotion_ahead_bytes = parse_size("promotion-ahead (UMBP_PROMOTION_AHEAD)", &args.promotion_ahead)?;
     c.engine.streams = args.copy_streams.into();
     c.engine.batch = args.copy_batch;
     c.engine.batch_max = args.copy_batch_max as usize;
