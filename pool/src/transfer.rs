@@ -320,7 +320,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             // did not already), then later stages' and the peer's next loads' within the
             // look-ahead window: they fetch while this stage copies.
             crate::promote::launch(inner, att, size, p.candidates, ahead, b, true);
-            if crate::promote::launch(inner, att, size, p.candidates, ahead, n, false) >= n {
+            if launch_stages(inner, att, size, p.candidates, ahead, s + 1, stages) {
                 launch_next_loads(inner, att);
             }
             crate::promote::take(inner, att, ahead, b, p.blocks, p.statuses, n);
@@ -481,11 +481,23 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
             .map(|j| (j.ahead.clone(), j.candidates.clone(), j.layout.object_bytes()))
             .collect()
     };
+    let stage_bytes = inner.copy_stage_bytes.load(Ordering::Relaxed);
     for (ahead, cands, size) in next {
-        if crate::promote::launch(inner, att, size, &cands, &ahead, cands.len(), false) < cands.len() {
+        if !launch_stages(inner, att, size, &cands, &ahead, 0, stage_count(cands.len(), size, stage_bytes)) {
             break;
         }
     }
+}
+
+/// Launches stages `from..stages` of a load's candidates ahead, one ticket per stage (so
+/// that each stage takes only its own), while the look-ahead window has room. True if all
+/// were launched.
+fn launch_stages(inner: &PoolInner, att: &Attachment, size: u64, cands: &[Candidate], ahead: &crate::promote::Ahead, from: usize, stages: usize) -> bool {
+    let n = cands.len();
+    (from..stages).all(|k| {
+        let to = (k + 1) * n / stages;
+        crate::promote::launch(inner, att, size, cands, ahead, to, false) >= to
+    })
 }
 
 /// How long a load waits for another load's promotion of the same object, or for DRAM
