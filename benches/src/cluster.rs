@@ -44,6 +44,10 @@ pub struct ClusterCli {
     /// the local lookup with remote entries present).
     #[arg(long)]
     pub no_pools: bool,
+    /// The loading pool's `promotion_ahead_bytes` in MiB (pipelined promotion; 0 = each
+    /// stage fetched only when the copy reaches it) [default: the pool's default].
+    #[arg(long, value_name = "MIB")]
+    pub promotion_ahead_mib: Option<u64>,
 }
 
 /// The hidden holder process.

@@ -55,8 +55,8 @@ fn cluster_cfg(secret: Secret) -> ClusterConfig {
     c
 }
 
-fn start_pool(socket: &std::path::Path, bytes: u64, block: u64) -> Result<umbp_pool::Pool, String> {
-    let cfg = umbp_pool::PoolConfig {
+fn start_pool(socket: &std::path::Path, bytes: u64, block: u64, promotion_ahead: Option<u64>) -> Result<umbp_pool::Pool, String> {
+    let mut cfg = umbp_pool::PoolConfig {
         socket_path: socket.to_path_buf(),
         // Room for the prefix and the lookup's prefix, below the eviction watermark.
         capacity_bytes: (bytes + LOOKUP_BLOCKS * block) * 3 / 2,
@@ -66,6 +66,9 @@ fn start_pool(socket: &std::path::Path, bytes: u64, block: u64) -> Result<umbp_p
         prefault: true,
         ..Default::default()
     };
+    if let Some(b) = promotion_ahead {
+        cfg.promotion_ahead_bytes = b;
+    }
     umbp_pool::Pool::start(cfg).map_err(|e| e.to_string())
 }
 
@@ -102,7 +105,7 @@ impl ClusterPoolPeerCli {
         let secret = Secret::from_file(&self.secret_file).map_err(e)?;
         let dir = tempfile::Builder::new().prefix("umbp-bench-cluster-a-").tempdir()?;
         let socket = dir.path().join("pool.sock");
-        let pool = start_pool(&socket, self.blocks * self.block_bytes, self.block_bytes).map_err(e)?;
+        let pool = start_pool(&socket, self.blocks * self.block_bytes, self.block_bytes, None).map_err(e)?;
         let tier = ClusterTier::start(pool.cluster_access(), cluster_cfg(secret), Box::new(StaticPeers(vec![])), TierOptions::default())
             .map_err(e)?;
         let mut mem = vec![0u8; (self.blocks * self.block_bytes) as usize];
@@ -158,10 +161,15 @@ pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Res
 
     let dir = tempfile::Builder::new().prefix("umbp-bench-cluster-b-").tempdir().map_err(|e| e.to_string())?;
     let socket = dir.path().join("pool.sock");
-    let pool = start_pool(&socket, total, block)?;
+    let promotion_ahead = a.promotion_ahead_mib.map(|m| m << 20);
+    let pool = start_pool(&socket, total, block, promotion_ahead)?;
     let mut mem = vec![0u8; ((blocks + LOOKUP_BLOCKS) * block) as usize];
+    // Touched before anything is timed: the local reload below writes resident pages, so
+    // the remote restore must too (a first write into fresh pages costs a page fault per
+    // page, which measured more than the fetch and the copy together on the 2-core VM).
+    mem.fill(0xa5);
     let mut w = worker(&socket, NS_REMOTE, &mem, block, blocks + LOOKUP_BLOCKS)?;
-    // The lookup's prefix, stored locally (from the zeroed tail of `mem`).
+    // The lookup's prefix, stored locally (from the tail of `mem`).
     let mut lw = worker(&socket, NS_LOCAL, &mem, block, blocks + LOOKUP_BLOCKS)?;
     let local: Vec<(ObjectKey, u64)> = (0..LOOKUP_BLOCKS).map(|i| (key(NS_LOCAL, i), blocks + i)).collect();
     if transfer(&mut lw, true, &local)? != local.len() {
@@ -213,6 +221,7 @@ pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Res
         return Err(format!("local restore loaded {ok} of {blocks} blocks"));
     }
     let stats = tier.cluster().stats();
+    let pool_ahead = promotion_ahead.unwrap_or(umbp_pool::config::DEFAULT_PROMOTION_AHEAD_BYTES);
     drop(tier);
     let ctx = |c: Case| {
         c.extra("cpus", std::thread::available_parallelism().map_or(1, |n| n.get()))
@@ -224,6 +233,8 @@ pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Res
             .extra("request_blocks", REQUEST_BLOCKS)
             .extra("remote_fetches", stats.fetches)
             .extra("prefault", true)
+            .extra("destination_touched", true)
+            .extra("promotion_ahead_bytes", pool_ahead)
             .extra("ucx_tls", std::env::var("UCX_TLS").unwrap_or_default())
             .extra("verified_bytes", true)
     };
