@@ -438,3 +438,33 @@ fn a_partitioned_subscriber_does_not_stall_heartbeats_to_healthy_peers() {
     let r = load(pc, 1000, 100);
     assert_eq!(outcome(&r), (100, 0, 0), "C loads B's blocks while A is partitioned: {r}");
 }
+
+/// Known bug (issue #17; docs/cluster.md, "What was tested here"): a fetch from a
+/// partitioned holder overruns its read budget. B loads 1024 of A's blocks in one request
+/// just after A is cut off: `fetch_batch` (cluster/src/node.rs) sends the 1024 `Pin` frames
+/// (~150 KB of JSON) with blocking socket writes before it starts its pin deadline; the
+/// unacknowledged connection's send buffer fills and a write blocks for the socket's write
+/// timeout (`dead_after`, 2 s here), holding the peer's writer lock (so the ticker's
+/// heartbeats wait too), against a budget of `read_timeout` (1.6 s). In the main test's
+/// cut-mid-load phase the same shows now and then (fetches of 64 blocks of 2.03 s and
+/// 5.4 s measured with the budget 1.6 s). The fix belongs in node.rs: the pins' sends must
+/// not block past the fetch's deadline (an outbound queue per connection, as for the
+/// heartbeats; a full queue fails those pins at once as `PeerGone`), and a send that
+/// failed should close that connection instead of leaving a half-written frame on it.
+#[test]
+#[ignore = "known bug: pin sends to a partitioned holder block past the read budget (cluster/src/node.rs fetch_batch)"]
+fn a_fetch_from_a_partitioned_holder_ends_within_the_read_budget() {
+    let Some(c3) = cluster3("budget") else { return };
+    let (net, pools) = (&c3.net, &c3.pools);
+    let (pa, pb) = (&pools[0], &pools[1]);
+    let mut ib = index(pb);
+    let k = keys(40_000, 1024);
+    store(pa, 40_000, 1024);
+    wait_until("B to list A's 1024 blocks", Duration::from_secs(30), || listed(&mut ib, &k) == 1024);
+    net.cut("a");
+    let t = Instant::now();
+    let r = run_worker(&pb.socket, 1, "per-layer", &["--blocks", "1024", "load", "--first-key", "40000", "--count", "1024"]);
+    println!("B's load of 1024 of A's blocks in one request right after the cut: {r} in {:?}", t.elapsed());
+    assert_eq!(outcome(&r), (0, 0, 1024), "{r}");
+    assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS + 400, "the fetch took {} ms, budget {READ_TIMEOUT_MS} ms", n(&r, "max_wait_ms"));
+}
