@@ -16,7 +16,13 @@
 //!   them), B's and C's keys leave A's; A still serves its own engines;
 //! - heal: A re-joins both (keys listed again, loads byte-exact again);
 //! - a partition in the middle of B's load of 1000 of A's blocks: every block ends loaded
-//!   or missing, none corrupt, in bounded time; after healing all 1000 load byte-exact.
+//!   or missing, none corrupt, each request within the read budget; after healing all
+//!   1000 load byte-exact.
+//!
+//! Two `#[ignore]`d tests pin down known bugs this found (cluster/src/node.rs: blocking
+//! socket writes under a peer's writer lock): a partitioned subscriber stalls its holder's
+//! heartbeats to healthy peers, and a fetch from a partitioned holder overruns its read
+//! budget. Run them with `-- --ignored`; they pass once the bugs are fixed.
 //!
 //! Skips, printing why, as a non-root user, without `ip` (iproute2), when `ip netns add`
 //! is refused (no CAP_SYS_ADMIN/CAP_NET_ADMIN, e.g. in an unprivileged container), or
@@ -305,7 +311,9 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
         "a local load on B waited {} ms while A was partitioned (read timeout {READ_TIMEOUT_MS} ms)",
         n(&local, "max_wait_ms")
     );
-    let st = store(pb, 3000, 100);
+    // (20 blocks: their change stream to A, ~3 KB, stays within the connection's send
+    // buffer; a larger one stalls B's heartbeats to C, the first known-bug test below.)
+    let st = store(pb, 3000, 20);
     assert!(n(&st, "max_wait_ms") < 1000, "a local store on B waited {} ms during the partition", n(&st, "max_wait_ms"));
     println!(
         "B's local loads during the partition: max_wait_ms {} (done {local_done:?} after the cut), stores max_wait_ms {}",
@@ -315,6 +323,7 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
     let (r, remote_took, remote_done) = remote.join().unwrap();
     println!("B's load of 64 of A's blocks started at the cut: {r} in {remote_took:?}");
     assert_eq!(outcome(&r), (0, 0, 64), "a partitioned holder's blocks are misses, never bytes: {r}");
+    assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS + 200, "the fetch took {} ms, budget {READ_TIMEOUT_MS} ms: {r}", n(&r, "max_wait_ms"));
     assert!(
         remote_took < Duration::from_millis(READ_TIMEOUT_MS + 1500),
         "the load of a partitioned holder's blocks took {remote_took:?} (read budget {READ_TIMEOUT_MS} ms)"
@@ -363,9 +372,13 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
     wait_until("B to list the 1050 new blocks of A", Duration::from_secs(30), || {
         listed(&mut ib, &k_a3) == 1000 && listed(&mut ib, &k_a4) == 50
     });
+    // Requests of 16 blocks: the pins sent after the cut (~2.5 KB a request) stay within
+    // the connection's send buffer; larger ones overrun the read budget, the second
+    // known-bug test below.
     let sb = pb.socket.clone();
     let t = Instant::now();
-    let inflight = std::thread::spawn(move || run_worker(&sb, 1, "per-layer", &["load", "--first-key", "10000", "--count", "1000"]));
+    let inflight =
+        std::thread::spawn(move || run_worker(&sb, 1, "per-layer", &["--blocks", "16", "load", "--first-key", "10000", "--count", "1000"]));
     std::thread::sleep(Duration::from_millis(60));
     net.cut("a");
     let r = inflight.join().unwrap();
@@ -373,8 +386,9 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
     println!("B's load of 1000 of A's blocks, A cut 60 ms in: {r} in {took:?}; B quarantined {} bytes", pb.report().pool.quarantined_bytes);
     let (loaded, corrupt, missing) = outcome(&r);
     assert_eq!((corrupt, loaded + missing), (0, 1000), "every block loaded or missing, none corrupt: {r}");
+    assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS + 200, "a request took {} ms, budget {READ_TIMEOUT_MS} ms: {r}", n(&r, "max_wait_ms"));
     assert!(
-        took < Duration::from_millis(DEAD_AFTER_MS + 2 * READ_TIMEOUT_MS + 3000),
+        took < Duration::from_millis(DEAD_AFTER_MS + READ_TIMEOUT_MS + 3000),
         "the load cut off mid-way took {took:?} (dead-after {DEAD_AFTER_MS} ms, read budget {READ_TIMEOUT_MS} ms)"
     );
     if missing == 0 {
