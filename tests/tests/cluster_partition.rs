@@ -92,14 +92,25 @@ impl Net {
             return None;
         }
         net.made.push(sw.clone());
-        must(&["-n", &sw, "link", "add", "br0", "type", "bridge"]);
+        // Bridge and veth are kernel modules a container may lack: a skip, not a failure.
+        if let Err(e) = ip(&["-n", &sw, "link", "add", "br0", "type", "bridge"]) {
+            println!("skipped: cannot create a bridge (kernel module `bridge`): {e}");
+            return None;
+        }
         must(&["-n", &sw, "link", "set", "br0", "up"]);
         for (i, p) in POOLS.iter().enumerate() {
             let ns = net.ns(p);
             must(&["netns", "add", &ns]);
             net.made.push(ns.clone());
             let port = format!("p{p}");
-            must(&["-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", DEV, "netns", &ns]);
+            let veth = ["-n", &sw, "link", "add", &port, "type", "veth", "peer", "name", DEV, "netns", &ns];
+            if let Err(e) = ip(&veth) {
+                if i == 0 {
+                    println!("skipped: cannot create a veth pair (kernel module `veth`): {e}");
+                    return None;
+                }
+                panic!("{e}");
+            }
             must(&["-n", &sw, "link", "set", &port, "master", "br0"]);
             must(&["-n", &sw, "link", "set", &port, "up"]);
             must(&["-n", &ns, "addr", "add", &format!("{}/24", Self::host(i)), "dev", DEV]);
