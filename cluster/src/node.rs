@@ -14,7 +14,7 @@
 //! except for a fetch, which is bounded by `read_timeout`.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 use umbp_protocol::ObjectKey;
 
 use crate::catalog::{Catalog, IndexChange, KeyChange, RemoteObject};
-use crate::control::{self, client_handshake, read_msg, server_handshake, write_msg, Msg, Secret, MAX_FRAME};
+use crate::control::{self, client_handshake, read_msg, server_handshake, Msg, Secret, MAX_FRAME};
 use crate::membership::{Discovery, Liveness};
+use crate::outbox::Outbox;
 use crate::placement::NodeId;
 use crate::transport::{self, Agent, PeerRegion, ReadPiece, TransportError};
 
@@ -120,12 +121,12 @@ struct PinWaiter {
 }
 
 /// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
-type HolderBatch = (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>);
+type HolderBatch = (Arc<Outbox>, PeerRegion, Vec<(usize, u64)>);
 
 /// One holder's read in flight: the items it carries (indexes into the batch).
 struct HolderRead<'a> {
     node: NodeId,
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Outbox>,
     agent: String,
     mine: Vec<usize>,
     read: transport::PendingRead<'a>,
@@ -134,7 +135,7 @@ struct HolderRead<'a> {
 /// What settling a holder's read needs (whether or not its post succeeded).
 struct ReadParts<'a> {
     node: NodeId,
-    writer: &'a Arc<Mutex<TcpStream>>,
+    writer: &'a Arc<Outbox>,
     agent: &'a str,
     mine: &'a [usize],
 }
@@ -157,14 +158,14 @@ pub struct FetchRequest {
 
 struct Peer {
     addr: String,
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Outbox>,
     region: Option<PeerRegion>,
     pending: HashMap<u64, PinWaiter>,
 }
 
 struct Subscriber {
     node: NodeId,
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Outbox>,
 }
 
 #[derive(Default)]
@@ -214,11 +215,6 @@ pub struct Cluster {
 
 fn random_u64() -> u64 {
     u64::from_le_bytes(control::nonce()[..8].try_into().expect("8"))
-}
-
-fn send(w: &Mutex<TcpStream>, m: &Msg) -> bool {
-    let mut s = w.lock().expect("writer lock");
-    write_msg(&mut *s, m).is_ok()
 }
 
 impl Cluster {
@@ -319,7 +315,7 @@ impl Cluster {
     pub fn resync_subscribers(&self) {
         let st = self.inner.state.lock().expect("state");
         for s in &st.subscribers {
-            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+            s.writer.close();
         }
     }
 
@@ -328,14 +324,14 @@ impl Cluster {
         if changes.is_empty() {
             return;
         }
-        let subs: Vec<Arc<Mutex<TcpStream>>> =
+        let subs: Vec<Arc<Outbox>> =
             self.inner.state.lock().expect("state").subscribers.iter().map(|s| s.writer.clone()).collect();
         for chunk in changes.chunks(4096) {
             let m = Msg::Keys { changes: chunk.to_vec(), snapshot: false, more: false };
             for w in &subs {
-                if !send(w, &m) {
-                    let _ = w.lock().expect("writer").shutdown(Shutdown::Both);
-                }
+                // Queued, never waited on: a subscriber that falls too far behind is
+                // closed (it re-joins with a snapshot).
+                w.send(&m);
             }
         }
     }
@@ -388,10 +384,10 @@ impl Drop for Cluster {
         let _ = TcpStream::connect_timeout(&self.inner.local_addr, Duration::from_millis(200));
         let st = self.inner.state.lock().expect("state");
         for p in st.peers.values() {
-            let _ = p.writer.lock().expect("writer").shutdown(Shutdown::Both);
+            p.writer.close();
         }
         for s in &st.subscribers {
-            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+            s.writer.close();
         }
     }
 }
@@ -439,7 +435,13 @@ impl Inner {
             return; // our own address in --cluster-peer
         }
         self.set_timeouts(&s);
-        let writer = Arc::new(Mutex::new(s.try_clone().expect("clone")));
+        let writer = match Outbox::new(&s, "cluster-sub-tx") {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(peer = %peer_addr, "cluster connection writer: {e}");
+                return;
+            }
+        };
         let region = self.agent.local_region().expect("registered at start");
         let md = match self.agent.metadata() {
             Ok(m) => m,
@@ -449,21 +451,21 @@ impl Inner {
             }
         };
         {
-            // Register first, then snapshot under the writer lock: a change published
-            // meanwhile is either in the snapshot or sent after it (docs/cluster.md).
-            let mut w = writer.lock().expect("writer");
+            // Register first, then snapshot holding the outbox's order: a change published
+            // meanwhile is either in the snapshot or queued after it (docs/cluster.md).
+            let mut w = writer.batch();
             self.state.lock().expect("state").subscribers.push(Subscriber { node: client, writer: writer.clone() });
             let join = Msg::Join { agent: region.agent, metadata: md, base: region.base, len: region.len };
             let snap = self.pool.snapshot();
-            let mut ok = write_msg(&mut *w, &join).is_ok();
+            let mut ok = w.push_unbounded(&join);
             let mut chunks = snap.chunks(65536).peekable();
             if chunks.peek().is_none() {
-                ok &= write_msg(&mut *w, &Msg::Keys { changes: vec![], snapshot: true, more: false }).is_ok();
+                ok &= w.push_unbounded(&Msg::Keys { changes: vec![], snapshot: true, more: false });
             }
             let mut first = true;
             while let Some(c) = chunks.next() {
                 let more = chunks.peek().is_some();
-                ok &= write_msg(&mut *w, &Msg::Keys { changes: c.to_vec(), snapshot: first, more }).is_ok();
+                ok &= w.push_unbounded(&Msg::Keys { changes: c.to_vec(), snapshot: first, more });
                 first = false;
             }
             if !ok {
@@ -486,7 +488,7 @@ impl Inner {
                         }
                         Err(reason) => Msg::PinFailed { id, reason },
                     };
-                    if !send(&writer, &reply) {
+                    if !writer.send(&reply) {
                         break;
                     }
                 }
@@ -512,8 +514,8 @@ impl Inner {
         tracing::info!(peer = %peer_addr, "cluster subscriber left");
     }
 
-    fn drop_subscriber(&self, node: NodeId, writer: &Arc<Mutex<TcpStream>>) {
-        let _ = writer.lock().expect("writer").shutdown(Shutdown::Both);
+    fn drop_subscriber(&self, node: NodeId, writer: &Arc<Outbox>) {
+        writer.close();
         let mut st = self.state.lock().expect("state");
         st.subscribers.retain(|s| !(s.node == node && Arc::ptr_eq(&s.writer, writer)));
     }
@@ -548,7 +550,7 @@ impl Inner {
             return Ok(());
         }
         self.set_timeouts(&s);
-        let writer = Arc::new(Mutex::new(s.try_clone().map_err(|e| e.to_string())?));
+        let writer = Outbox::new(&s, "cluster-peer-tx").map_err(|e| e.to_string())?;
         self.state.lock().expect("state").peers.insert(
             server,
             Peer { addr: addr.to_string(), writer: writer.clone(), region: None, pending: HashMap::new() },
@@ -622,7 +624,7 @@ impl Inner {
             // Nobody waits any more (timed out): give the pin back at once.
             None => {
                 if let (Ok((_, namespace)), Some(writer)) = (r, writer) {
-                    send(&writer, &Msg::Unpin { group, namespace, key });
+                    writer.send(&Msg::Unpin { group, namespace, key });
                 }
             }
         }
@@ -630,8 +632,8 @@ impl Inner {
 
     /// A peer is gone (closed, silent past `dead_after`, or stopping): its keys leave the
     /// index, its pending pins fail now, its NIXL metadata is dropped.
-    fn drop_peer(&self, node: NodeId, writer: &Arc<Mutex<TcpStream>>) {
-        let _ = writer.lock().expect("writer").shutdown(Shutdown::Both);
+    fn drop_peer(&self, node: NodeId, writer: &Arc<Outbox>) {
+        writer.close();
         let mut out = Vec::new();
         let region = {
             let mut st = self.state.lock().expect("state");
@@ -670,14 +672,12 @@ impl Inner {
         while !self.stopped() {
             let now = Instant::now();
             // Heartbeats to everyone we talk to, peers and subscribers.
-            let writers: Vec<Arc<Mutex<TcpStream>>> = {
+            let writers: Vec<Arc<Outbox>> = {
                 let st = self.state.lock().expect("state");
                 st.peers.values().map(|p| p.writer.clone()).chain(st.subscribers.iter().map(|s| s.writer.clone())).collect()
             };
             for w in writers {
-                if !send(&w, &Msg::Heartbeat) {
-                    let _ = w.lock().expect("writer").shutdown(Shutdown::Both);
-                }
+                w.send(&Msg::Heartbeat);
             }
             // Members silent too long: close their connections; the reader threads clean up.
             let dead = self.liveness.lock().expect("liveness").expire(now);
@@ -686,10 +686,10 @@ impl Inner {
                 for n in dead {
                     tracing::warn!(node = format!("{n:016x}"), "cluster member silent past the heartbeat bound: dropped");
                     if let Some(p) = st.peers.get(&n) {
-                        let _ = p.writer.lock().expect("writer").shutdown(Shutdown::Both);
+                        p.writer.close();
                     }
                     for s in st.subscribers.iter().filter(|s| s.node == n) {
-                        let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+                        s.writer.close();
                     }
                 }
             }
@@ -748,7 +748,7 @@ impl Inner {
         for (node, (w, _, v)) in &by_node {
             for &(i, id) in v {
                 id_to.insert(id, (*node, i));
-                if !send(w, &Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
+                if !w.send(&Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
                     out[i] = Some(Err(FetchError::PeerGone(*node)));
                 }
             }
@@ -920,7 +920,7 @@ impl Inner {
         self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
         for &i in r.mine {
             // Best effort: a dead peer released its pins with its connection.
-            send(r.writer, &Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
+            r.writer.send(&Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
         }
         match result {
             Ok(()) => {

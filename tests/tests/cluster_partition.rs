@@ -19,10 +19,10 @@
 //!   or missing, none corrupt, each request within the read budget; after healing all
 //!   1000 load byte-exact.
 //!
-//! Two `#[ignore]`d tests pin down known bugs this found (cluster/src/node.rs: blocking
-//! socket writes under a peer's writer lock): a partitioned subscriber stalls its holder's
-//! heartbeats to healthy peers, and a fetch from a partitioned holder overruns its read
-//! budget. Run them with `-- --ignored`; they pass once the bugs are fixed.
+//! Two more tests pin down bugs this found (blocking socket writes under a peer's writer
+//! lock, fixed by cluster/src/outbox.rs): a partitioned subscriber stalled its holder's
+//! heartbeats to healthy peers, and a fetch from a partitioned holder overran its read
+//! budget. Both failed on the code before the fix.
 //!
 //! Skips, printing why, as a non-root user, without `ip` (iproute2), when `ip netns add`
 //! is refused (no CAP_SYS_ADMIN/CAP_NET_ADMIN, e.g. in an unprivileged container), or
@@ -415,8 +415,8 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
     assert_eq!(outcome(&r), (1000, 0, 0), "after the second heal: {r}");
 }
 
-/// Known bug (issue #17; docs/cluster.md, "What was tested here"): a partitioned
-/// *subscriber* stalls its holder's heartbeats to healthy peers. B stores 1200 blocks just
+/// Fixed bug (issue #17; docs/cluster.md, "What was tested here"): a partitioned
+/// *subscriber* stalled its holder's heartbeats to healthy peers. B stores 1200 blocks just
 /// after A is cut off: B's change stream to A (~170 KB of `Keys` JSON) fills that
 /// connection's send buffer, `Cluster::publish` (the `cluster-events` thread) blocks in
 /// the write for up to the write timeout (`dead_after`) holding A's writer lock, and B's
@@ -424,12 +424,9 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
 /// `dead_after` and drops it; the healthy B-C link is torn down and B's blocks vanish from
 /// C's index (observed: K_B 0 of 100 listed in C, B's new keys listed in C 3.4 s after the
 /// store; B's loads of C's blocks then missed; in other runs C keeps B but lists B's new
-/// keys only after more than 3.5 s: the change stream to C waits behind the one to A). The fix belongs in cluster/src/node.rs: no
-/// thread but a connection's own writer should ever block on its socket (a bounded
-/// outbound queue per connection, drained by a writer thread; heartbeats and publishes
-/// enqueue without waiting; a full queue or a write timeout closes that connection only).
+/// keys only after more than 3.5 s: the change stream to C waits behind the one to A). Fixed by cluster/src/outbox.rs:
+/// only a connection's own writer thread ever blocks on its socket.
 #[test]
-#[ignore = "known bug: a partitioned subscriber stalls the holder's heartbeats to healthy peers (cluster/src/node.rs publish + tick_loop)"]
 fn a_partitioned_subscriber_does_not_stall_heartbeats_to_healthy_peers() {
     let Some(c3) = cluster3("stall") else { return };
     let (net, pools) = (&c3.net, &c3.pools);
@@ -465,20 +462,18 @@ fn a_partitioned_subscriber_does_not_stall_heartbeats_to_healthy_peers() {
     assert_eq!(outcome(&r), (100, 0, 0), "C loads B's blocks while A is partitioned: {r}");
 }
 
-/// Known bug (issue #17; docs/cluster.md, "What was tested here"): a fetch from a
-/// partitioned holder overruns its read budget. B loads 1024 of A's blocks in one request
+/// Fixed bug (issue #17; docs/cluster.md, "What was tested here"): a fetch from a
+/// partitioned holder overran its read budget. B loads 1024 of A's blocks in one request
 /// just after A is cut off: `fetch_batch` (cluster/src/node.rs) sends the 1024 `Pin` frames
 /// (~150 KB of JSON) with blocking socket writes before it starts its pin deadline; the
 /// unacknowledged connection's send buffer fills and a write blocks for the socket's write
 /// timeout (`dead_after`, 2 s here), holding the peer's writer lock (so the ticker's
 /// heartbeats wait too), against a budget of `read_timeout` (1.6 s). In the main test's
 /// cut-mid-load phase the same shows now and then (fetches of 64 blocks of 2.03 s and
-/// 5.4 s measured with the budget 1.6 s). The fix belongs in node.rs: the pins' sends must
-/// not block past the fetch's deadline (an outbound queue per connection, as for the
-/// heartbeats; a full queue fails those pins at once as `PeerGone`), and a send that
-/// failed should close that connection instead of leaving a half-written frame on it.
+/// 5.4 s measured with the budget 1.6 s). Fixed by cluster/src/outbox.rs:
+/// pins are queued, never written by the fetch itself; a connection that does not drain is
+/// closed and its pins fail at once as `PeerGone`.
 #[test]
-#[ignore = "known bug: pin sends to a partitioned holder block past the read budget (cluster/src/node.rs fetch_batch)"]
 fn a_fetch_from_a_partitioned_holder_ends_within_the_read_budget() {
     let Some(c3) = cluster3("budget") else { return };
     let (net, pools) = (&c3.net, &c3.pools);
