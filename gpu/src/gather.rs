@@ -272,15 +272,15 @@ pub(crate) struct GatherState {
 }
 
 impl GatherState {
-    /// Whether a stage of `items` goes to the kernel: by the calibration (or forced by
-    /// [`GatherMode::Kernel`]) and only where [`eligible`].
-    pub(crate) fn wants(&self, mode: GatherMode, dir: Dir, items: &[Item], ranges: &[(usize, usize)]) -> bool {
+    /// Whether a stage goes to the kernel: by the calibration (or forced by
+    /// [`GatherMode::Kernel`]) and only where [`eligible`] (`scan` of the stage's items).
+    pub(crate) fn wants(&self, mode: GatherMode, dir: Dir, scan: &Scan) -> bool {
         let chosen = match mode {
             GatherMode::CopyEngine => false,
             GatherMode::Kernel => true,
-            GatherMode::Auto | GatherMode::Staged => self.calibration.use_kernel(dir, average(items)),
+            GatherMode::Auto | GatherMode::Staged => self.calibration.use_kernel(dir, scan.average()),
         };
-        chosen && eligible(items, ranges)
+        chosen && scan.eligible
     }
 }
 
@@ -307,16 +307,52 @@ pub fn kernel_launches() -> (u64, u64) {
 /// Whether every item can go to the kernel: 16-byte aligned addresses and lengths, host
 /// side inside one registered (device-mapped) range.
 pub(crate) fn eligible(items: &[Item], ranges: &[(usize, usize)]) -> bool {
-    !items.is_empty()
-        && items.iter().all(|it| {
-            let h = it.host as usize;
-            (h | it.device as usize | it.len).is_multiple_of(ALIGN) && in_ranges(ranges, h, it.len)
-        })
+    scan(items, ranges).eligible
 }
 
-fn in_ranges(ranges: &[(usize, usize)], start: usize, len: usize) -> bool {
-    let i = ranges.partition_point(|r| r.0 <= start);
-    i > 0 && start.checked_add(len).is_some_and(|end| end <= ranges[i - 1].1)
+/// What one pass over a stage's items finds, for the copy call's bookkeeping, its choice
+/// of path and the kernel's descriptor count (issue #14: the separate passes over 16,000
+/// items per stage were a measurable part of the CPU time the GPU waited for).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Scan {
+    pub items: usize,
+    pub bytes: u64,
+    /// Descriptors [`build_descs`] writes for them ([`desc_count`]).
+    pub descs: usize,
+    /// [`eligible`]: non-empty, 16-byte aligned, each host range inside one registration.
+    pub eligible: bool,
+}
+
+impl Scan {
+    /// Average bytes per item (0 for none).
+    pub(crate) fn average(&self) -> usize {
+        (self.bytes as usize).checked_div(self.items).unwrap_or(0)
+    }
+}
+
+/// One pass over `items`: see [`Scan`]. Consecutive items of a stage almost always lie in
+/// the registration of the one before (the pool's DRAM is one), so the range found last
+/// is tried before the binary search.
+pub(crate) fn scan(items: &[Item], ranges: &[(usize, usize)]) -> Scan {
+    let (mut bytes, mut descs, mut bits, mut inside) = (0u64, 0usize, 0usize, !items.is_empty());
+    let mut cur = (0usize, 0usize);
+    for it in items {
+        let h = it.host as usize;
+        bytes += it.len as u64;
+        descs += if it.len <= DESC_MAX { 1 } else { it.len.div_ceil(DESC_MAX) };
+        bits |= h | it.device as usize | it.len;
+        if inside {
+            let fits = |r: (usize, usize)| h >= r.0 && h.checked_add(it.len).is_some_and(|end| end <= r.1);
+            if !fits(cur) {
+                let i = ranges.partition_point(|r| r.0 <= h);
+                match i.checked_sub(1).map(|i| ranges[i]) {
+                    Some(r) if fits(r) => cur = r,
+                    _ => inside = false,
+                }
+            }
+        }
+    }
+    Scan { items: items.len(), bytes, descs, eligible: inside && bits.is_multiple_of(ALIGN) }
 }
 
 /// Average bytes per item (0 for none).
@@ -337,17 +373,27 @@ pub(crate) fn desc_count(items: &[Item]) -> usize {
 /// checked that the driver allows it) into `out` (of [`desc_count`] entries), copies over
 /// [`DESC_MAX`] cut into pieces of at most that.
 pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
+    // The direction is decided once, not per page: this runs for every page of a stage.
+    match dir {
+        Dir::DeviceToHost => fill_descs(items, out, |host, device, len| Desc { src: device, dst: host, len }),
+        Dir::HostToDevice => fill_descs(items, out, |host, device, len| Desc { src: host, dst: device, len }),
+    }
+}
+
+#[inline(always)]
+fn fill_descs(items: &[Item], out: &mut [Desc], make: impl Fn(u64, u64, u64) -> Desc) {
     let mut out = out.iter_mut();
     for it in items {
+        if it.len <= DESC_MAX {
+            let Some(d) = out.next() else { return };
+            *d = make(it.host as u64, it.device, it.len as u64);
+            continue;
+        }
         let mut done = 0;
         while done < it.len {
             let len = DESC_MAX.min(it.len - done);
-            let (host, device) = (it.host as u64 + done as u64, it.device + done as u64);
             let Some(d) = out.next() else { return };
-            *d = match dir {
-                Dir::DeviceToHost => Desc { src: device, dst: host, len: len as u64 },
-                Dir::HostToDevice => Desc { src: host, dst: device, len: len as u64 },
-            };
+            *d = make(it.host as u64 + done as u64, it.device + done as u64, len as u64);
             done += len;
         }
     }
@@ -470,15 +516,18 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
     config: &GatherConfig,
     dir: Dir,
     items: &[Item],
+    scan: &Scan,
     stream: A::Stream,
 ) -> Result<(), GpuError> {
     if items.is_empty() {
         return Ok(());
     }
     let max_bytes = config.launch_bytes();
-    for chunk in launch_chunks(items, max_bytes) {
-        let items = &items[chunk];
-        let n = desc_count(items);
+    let one = [0..items.len()];
+    let chunks = if scan.bytes as usize <= max_bytes { None } else { Some(launch_chunks(items, max_bytes)) };
+    for chunk in chunks.as_deref().unwrap_or(&one) {
+        let items = &items[chunk.clone()];
+        let n = if chunks.is_none() { scan.descs } else { desc_count(items) };
         let (slice, dev) = descs.take(api, n)?;
         build_descs(dir, items, slice);
         let blocks = blocks_for(state.calibration.blocks, n);
@@ -588,12 +637,13 @@ fn measure_all<A: DeviceApi>(
     let descs = std::cell::RefCell::new(descs);
     let kernel_rate = |items: &[Item], dir: Dir, blocks: u32| -> Result<f64, GpuError> {
         let state = GatherState { kernel, calibration: Calibration { blocks, ..Default::default() } };
+        let sc = scan(items, &[]);
         time(&mut || {
             let mut d = descs.borrow_mut();
             // SAFETY: the stream was synchronized after every launch of this function.
             unsafe { d.reset(api) };
             // SAFETY: items lie in our two allocations, 16-byte aligned.
-            unsafe { launch(api, &state, &mut d, &config, dir, items, stream) }
+            unsafe { launch(api, &state, &mut d, &config, dir, items, &sc, stream) }
         })
     };
     // Copy engines as the engine feeds them: a small first batch, then growing ones.

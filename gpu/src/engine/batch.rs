@@ -47,6 +47,47 @@ pub(crate) fn push_items(
     }
 }
 
+/// Checks the ops of one region as [`crate::check_ops`] does and appends their items as
+/// [`push_items`] does, in one pass (issue #14: a kv4k stage is 16,000 ops). The
+/// registration that held the last op's host range is tried first (a stage's ops almost
+/// always lie in the pool's one DRAM registration); only ops outside it, or over `split`
+/// bytes, take [`push_items`]'s search. On a bad op nothing is appended and the error is
+/// `check_ops`'s.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn push_ops(
+    items: &mut Vec<Item>,
+    host_base: *mut u8,
+    dev_base: u64,
+    ops: &[CopyOp],
+    alloc_id: u32,
+    region_len: u64,
+    ranges: &[(usize, usize)],
+    split: u64,
+) -> Result<(), crate::GpuError> {
+    let start = items.len();
+    items.reserve(ops.len());
+    // Without registrations no op is cut but at `split`: every range "fits".
+    let mut cur = if ranges.is_empty() { (0, usize::MAX) } else { (0, 0) };
+    for op in ops {
+        if op.alloc_id != alloc_id || !crate::op_inside(op, region_len) {
+            items.truncate(start);
+            return crate::check_ops(ops, alloc_id, region_len);
+        }
+        let host = host_base as usize + op.host_offset as usize;
+        let fits = op.len <= split && host >= cur.0 && host.checked_add(op.len as usize).is_some_and(|end| end <= cur.1);
+        if fits {
+            items.push(Item { host: host as *mut u8, device: dev_base + op.device_offset, len: op.len as usize });
+            continue;
+        }
+        push_items(items, host_base, dev_base, op, ranges, split);
+        let i = ranges.partition_point(|r| r.0 <= host);
+        if let Some(&r) = i.checked_sub(1).map(|i| &ranges[i]).filter(|r| r.1 > host) {
+            cur = r;
+        }
+    }
+    Ok(())
+}
+
 /// The batch after one of `size` copies: BATCH_GROWTH larger (at least one more), at most
 /// `per_call`.
 pub(crate) fn next_batch(size: usize, per_call: usize) -> usize {
