@@ -1007,6 +1007,21 @@ pub(crate) mod tests {
         assert!(!eligible(&[it(0x10000, 0x900000, 4097)], &ranges));
     }
 
+    /// The one pass of a stage finds what the separate passes did: bytes, average,
+    /// descriptor count, eligibility (also when items jump between registrations).
+    #[test]
+    fn scan_is_the_separate_passes_in_one() {
+        let ranges = [(0x10000, 0x20000), (0x20000, 0x30000), (0x100000, 0x200000)];
+        let items = [it(0x10000, 0x900000, 4096), it(0x2f000, 0x900010, 4096), it(0x100000, 0x990000, 3 * DESC_MAX), it(0x11000, 0x900000, 16)];
+        let sc = scan(&items, &ranges);
+        assert_eq!(sc, Scan { items: 4, bytes: 4096 * 2 + 3 * DESC_MAX as u64 + 16, descs: desc_count(&items), eligible: true });
+        assert_eq!(sc.descs, 6);
+        assert_eq!(sc.average(), average(&items));
+        assert!(!scan(&items, &ranges[..2]).eligible, "the large item lies in no registration");
+        assert_eq!(scan(&[], &ranges), Scan::default());
+        assert!(!scan(&[it(0x10000, 0x900000, 4096), it(0x1f800, 0x900000, 4096)], &ranges).eligible, "straddles");
+    }
+
     #[test]
     fn descriptors_point_from_source_to_destination() {
         let items = [it(0x10000, 0x900000, 4096), it(0x11000, 0x980000, 8192)];

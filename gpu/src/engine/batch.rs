@@ -147,6 +147,45 @@ mod tests {
     /// real driver path runs on the device machine): "device" addresses are host
     /// addresses, copies happen at once, events are done when recorded unless
 
+    /// `push_ops` (one pass, last registration tried first) appends exactly what
+    /// `check_ops` + `push_items` per op did, whatever the mix of ops inside one
+    /// registration, across two, outside all, over the split size, or with no
+    /// registrations at all; a bad op appends nothing and gives `check_ops`'s error.
+    #[test]
+    fn push_ops_is_check_ops_and_push_items_in_one_pass() {
+        let base = 0x1000_0000usize as *mut u8;
+        let ranges = [(0x1000_0000, 0x1010_0000), (0x1010_0000, 0x1400_0000), (0x1800_0000, 0x1900_0000)];
+        let ops = [
+            op(0, 0, 4096),
+            op(4096, 8192, 4096),
+            op(0, 0x10_0000 - 2048, 4096),       // straddles the first two registrations
+            op(0x2000, 0x20_0000, 4096),         // in the second
+            op(0x3000, 0x20_1000, 4096),
+            op(0x4000, 0x500_0000, 4096),        // in none
+            op(0x5000, 0x800_0000, 4096),        // the third
+            op(0x6000, 0x100_0000, 40 << 20),    // over the split size and into no registration
+            op(0x7000, 16, 48),
+        ];
+        for ranges in [&ranges[..], &[]] {
+            let mut want = vec![Item { host: std::ptr::null_mut(), device: 1, len: 1 }];
+            for o in &ops {
+                push_items(&mut want, base, 0x9_0000_0000, o, ranges, SPLIT_BYTES);
+            }
+            let mut got = vec![Item { host: std::ptr::null_mut(), device: 1, len: 1 }];
+            push_ops(&mut got, base, 0x9_0000_0000, &ops, 1, 1 << 40, ranges, SPLIT_BYTES).unwrap();
+            assert_eq!(got, want, "ranges {ranges:?}");
+        }
+        let mut items = vec![];
+        let mut bad = ops.to_vec();
+        bad[3].alloc_id = 2;
+        let e = push_ops(&mut items, base, 0, &bad, 1, 1 << 40, &ranges, SPLIT_BYTES).unwrap_err();
+        assert_eq!(e.to_string(), crate::check_ops(&bad, 1, 1 << 40).unwrap_err().to_string());
+        assert!(items.is_empty(), "a refused region appends nothing");
+        let e = push_ops(&mut items, base, 0, &ops, 1, 0x6000, &ranges, SPLIT_BYTES).unwrap_err();
+        assert_eq!(e.to_string(), crate::check_ops(&ops, 1, 0x6000).unwrap_err().to_string());
+        assert!(items.is_empty());
+    }
+
     #[test]
     fn batches_grow_to_the_maximum_and_stay_there() {
         for per_call in [1, 2, 16, 512, 65536] {
