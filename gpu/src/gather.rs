@@ -306,6 +306,7 @@ pub fn kernel_launches() -> (u64, u64) {
 
 /// Whether every item can go to the kernel: 16-byte aligned addresses and lengths, host
 /// side inside one registered (device-mapped) range.
+#[cfg(test)]
 pub(crate) fn eligible(items: &[Item], ranges: &[(usize, usize)]) -> bool {
     scan(items, ranges).eligible
 }
