@@ -127,6 +127,8 @@ impl<A: DeviceApi> Engine<A> {
         // SAFETY: the set's previous call synchronized its streams before putting it back.
         unsafe { set.descs.reset(api) };
         let kernel = self.gather_path(config.gather.mode);
+        // Eligibility for the kernel is looked up only where a kernel could take the stage.
+        let scan_ranges: &[(usize, usize)] = if kernel.is_some() { ranges } else { &[] };
         // SAFETY: as for the descriptors above.
         let stage_chunk = if stage_mode && kernel.is_some() && unsafe { self.staging_ready(api, &mut set, config.stage_bytes) } {
             set.staging.as_ref().map_or(0, |s| s.chunk)
@@ -222,7 +224,7 @@ impl<A: DeviceApi> Engine<A> {
                         gather::split_large(&mut items, n_streams);
                     }
                     // One pass for the counters, the path and the descriptor count.
-                    let scan = gather::scan(&items, ranges);
+                    let scan = gather::scan(&items, scan_ranges);
                     n_items += scan.items as u64;
                     n_bytes += scan.bytes;
                     if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
@@ -287,7 +289,7 @@ impl<A: DeviceApi> Engine<A> {
                         }
                     }
                 }
-                let scan = gather::scan(&items, ranges);
+                let scan = gather::scan(&items, scan_ranges);
                 n_items = scan.items as u64;
                 n_bytes = scan.bytes;
                 let runs = balance(&items, n_streams);
