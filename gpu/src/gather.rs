@@ -506,10 +506,12 @@ impl DescBuf {
     }
 }
 
-/// Enqueues the kernel for `items` on `stream`, descriptors taken from `descs`.
+/// Enqueues the kernel for `items` (whose [`scan`] is `scan`) on `stream`, descriptors
+/// taken from `descs`.
 ///
 /// # Safety
 /// As [`DeviceApi::copy_async`] for every item, and [`eligible`] holds for them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch<A: DeviceApi>(
     api: &A,
     state: &GatherState,
@@ -524,11 +526,13 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
         return Ok(());
     }
     let max_bytes = config.launch_bytes();
-    let one = [0..items.len()];
-    let chunks = if scan.bytes as usize <= max_bytes { None } else { Some(launch_chunks(items, max_bytes)) };
-    for chunk in chunks.as_deref().unwrap_or(&one) {
+    // One launch for the stage (the default) needs no chunk list: `scan` has its count.
+    let whole = scan.bytes as usize <= max_bytes;
+    let all = 0..items.len();
+    let chunks = if whole { Vec::new() } else { launch_chunks(items, max_bytes) };
+    for chunk in if whole { std::slice::from_ref(&all) } else { &chunks[..] } {
         let items = &items[chunk.clone()];
-        let n = if chunks.is_none() { scan.descs } else { desc_count(items) };
+        let n = if whole { scan.descs } else { desc_count(items) };
         let (slice, dev) = descs.take(api, n)?;
         build_descs(dir, items, slice);
         let blocks = blocks_for(state.calibration.blocks, n);

@@ -143,10 +143,6 @@ mod tests {
         assert_eq!(range_end(&ranges, 0x2000_0000), None);
     }
 
-    /// A CPU stand-in for a GPU driver (no GPU on the machines that run the unit tests; the
-    /// real driver path runs on the device machine): "device" addresses are host
-    /// addresses, copies happen at once, events are done when recorded unless
-
     /// `push_ops` (one pass, last registration tried first) appends exactly what
     /// `check_ops` + `push_items` per op did, whatever the mix of ops inside one
     /// registration, across two, outside all, over the split size, or with no

@@ -38,8 +38,8 @@ fn setup(crossover: usize) -> Setup {
     let object = LAYERS as u64 * 2 * PAGE;
     // SAFETY: the simulated driver registers nothing; the range is only compared.
     unsafe { backend.register_host_memory(HOST_BASE as *mut u8, (BLOCKS * object) as usize) }.unwrap();
-    let mut engine = EngineConfig::default();
-    engine.gather.mode = GatherMode::CopyEngine; // no calibration at open
+    // Copy engines at open: no calibration (the test sets its own below).
+    let engine = EngineConfig { gather: GatherConfig { mode: GatherMode::CopyEngine, ..GatherConfig::default() }, ..EngineConfig::default() };
     let peer = Peer { attachment: 0, pid: std::process::id(), pidfd: None, verify: &|| Ok(()), engine };
     let regions: Vec<Box<dyn DeviceRegion>> = (0..LAYERS)
         .map(|l| {
@@ -85,8 +85,7 @@ fn run(setup: &Setup, gather: GatherMode, reps: usize) -> (f64, usize) {
     for rep in 0..reps {
         for dir in [Dir::DeviceToHost, Dir::HostToDevice] {
             let mut plans: Vec<Option<StagePlan<'_>>> = (0..STAGES).map(|s| Some(plan(&setup.regions, s))).collect();
-            let mut engine = EngineConfig::default();
-            engine.gather = GatherConfig { mode: gather, ..GatherConfig::default() };
+            let engine = EngineConfig { gather: GatherConfig { mode: gather, ..GatherConfig::default() }, ..EngineConfig::default() };
             let args = TransferArgs { dir, host_base: HOST_BASE as *mut u8, fence: Fence::None, keep_waiting: &|| true, engine };
             let mut done = 0;
             let t = Instant::now();
