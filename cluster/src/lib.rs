@@ -7,13 +7,15 @@
 //! One concern per file: `transport` (NIXL, dlopened only when a node starts),
 //! `membership` (discovery seam + heartbeat liveness), `control` (framing, HMAC auth,
 //! messages), `catalog` (who holds what → index changes), `placement` (which holder a load
-//! pulls from), `node` (the running node tying them together).
+//! pulls from), `outbox` (a connection's queued writes, so no shared thread ever waits on a
+//! peer's socket), `node` (the running node tying them together).
 
 pub mod catalog;
 pub mod control;
 pub mod mem_pool;
 pub mod membership;
 pub mod node;
+pub mod outbox;
 pub mod placement;
 pub mod pool_tier;
 pub mod transport;

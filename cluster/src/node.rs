@@ -14,7 +14,7 @@
 //! except for a fetch, which is bounded by `read_timeout`.
 
 use std::collections::{HashMap, HashSet};
-use std::net::{Shutdown, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 use umbp_protocol::ObjectKey;
 
 use crate::catalog::{Catalog, IndexChange, KeyChange, RemoteObject};
-use crate::control::{self, client_handshake, read_msg, server_handshake, write_msg, Msg, Secret, MAX_FRAME};
+use crate::control::{self, client_handshake, read_msg, server_handshake, Msg, Secret, MAX_FRAME};
 use crate::membership::{Discovery, Liveness};
+use crate::outbox::Outbox;
 use crate::placement::NodeId;
 use crate::transport::{self, Agent, PeerRegion, ReadPiece, TransportError};
 
@@ -120,7 +121,30 @@ struct PinWaiter {
 }
 
 /// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
-type HolderBatch = (Arc<Mutex<TcpStream>>, PeerRegion, Vec<(usize, u64)>);
+type HolderBatch = (Arc<Outbox>, PeerRegion, Vec<(usize, u64)>);
+
+/// One holder's read in flight: the items it carries (indexes into the batch).
+struct HolderRead<'a> {
+    node: NodeId,
+    writer: Arc<Outbox>,
+    agent: String,
+    mine: Vec<usize>,
+    read: transport::PendingRead<'a>,
+}
+
+/// What settling a holder's read needs (whether or not its post succeeded).
+struct ReadParts<'a> {
+    node: NodeId,
+    writer: &'a Arc<Outbox>,
+    agent: &'a str,
+    mine: &'a [usize],
+}
+
+impl HolderRead<'_> {
+    fn parts(&self) -> ReadParts<'_> {
+        ReadParts { node: self.node, writer: &self.writer, agent: &self.agent, mine: &self.mine }
+    }
+}
 
 /// One object of a batched fetch: `size` bytes of `key` into `dest`.
 #[derive(Debug, Clone, Copy)]
@@ -134,14 +158,14 @@ pub struct FetchRequest {
 
 struct Peer {
     addr: String,
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Outbox>,
     region: Option<PeerRegion>,
     pending: HashMap<u64, PinWaiter>,
 }
 
 struct Subscriber {
     node: NodeId,
-    writer: Arc<Mutex<TcpStream>>,
+    writer: Arc<Outbox>,
 }
 
 #[derive(Default)]
@@ -191,11 +215,6 @@ pub struct Cluster {
 
 fn random_u64() -> u64 {
     u64::from_le_bytes(control::nonce()[..8].try_into().expect("8"))
-}
-
-fn send(w: &Mutex<TcpStream>, m: &Msg) -> bool {
-    let mut s = w.lock().expect("writer lock");
-    write_msg(&mut *s, m).is_ok()
 }
 
 impl Cluster {
@@ -296,7 +315,7 @@ impl Cluster {
     pub fn resync_subscribers(&self) {
         let st = self.inner.state.lock().expect("state");
         for s in &st.subscribers {
-            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+            s.writer.close();
         }
     }
 
@@ -305,14 +324,14 @@ impl Cluster {
         if changes.is_empty() {
             return;
         }
-        let subs: Vec<Arc<Mutex<TcpStream>>> =
+        let subs: Vec<Arc<Outbox>> =
             self.inner.state.lock().expect("state").subscribers.iter().map(|s| s.writer.clone()).collect();
         for chunk in changes.chunks(4096) {
             let m = Msg::Keys { changes: chunk.to_vec(), snapshot: false, more: false };
             for w in &subs {
-                if !send(w, &m) {
-                    let _ = w.lock().expect("writer").shutdown(Shutdown::Both);
-                }
+                // Queued, never waited on: a subscriber that falls too far behind is
+                // closed (it re-joins with a snapshot).
+                w.send(&m);
             }
         }
     }
@@ -365,10 +384,10 @@ impl Drop for Cluster {
         let _ = TcpStream::connect_timeout(&self.inner.local_addr, Duration::from_millis(200));
         let st = self.inner.state.lock().expect("state");
         for p in st.peers.values() {
-            let _ = p.writer.lock().expect("writer").shutdown(Shutdown::Both);
+            p.writer.close();
         }
         for s in &st.subscribers {
-            let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+            s.writer.close();
         }
     }
 }
@@ -416,7 +435,13 @@ impl Inner {
             return; // our own address in --cluster-peer
         }
         self.set_timeouts(&s);
-        let writer = Arc::new(Mutex::new(s.try_clone().expect("clone")));
+        let writer = match Outbox::new(&s, "cluster-sub-tx") {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(peer = %peer_addr, "cluster connection writer: {e}");
+                return;
+            }
+        };
         let region = self.agent.local_region().expect("registered at start");
         let md = match self.agent.metadata() {
             Ok(m) => m,
@@ -426,21 +451,21 @@ impl Inner {
             }
         };
         {
-            // Register first, then snapshot under the writer lock: a change published
-            // meanwhile is either in the snapshot or sent after it (docs/cluster.md).
-            let mut w = writer.lock().expect("writer");
+            // Register first, then snapshot holding the outbox's order: a change published
+            // meanwhile is either in the snapshot or queued after it (docs/cluster.md).
+            let mut w = writer.batch();
             self.state.lock().expect("state").subscribers.push(Subscriber { node: client, writer: writer.clone() });
             let join = Msg::Join { agent: region.agent, metadata: md, base: region.base, len: region.len };
             let snap = self.pool.snapshot();
-            let mut ok = write_msg(&mut *w, &join).is_ok();
+            let mut ok = w.push_unbounded(&join);
             let mut chunks = snap.chunks(65536).peekable();
             if chunks.peek().is_none() {
-                ok &= write_msg(&mut *w, &Msg::Keys { changes: vec![], snapshot: true, more: false }).is_ok();
+                ok &= w.push_unbounded(&Msg::Keys { changes: vec![], snapshot: true, more: false });
             }
             let mut first = true;
             while let Some(c) = chunks.next() {
                 let more = chunks.peek().is_some();
-                ok &= write_msg(&mut *w, &Msg::Keys { changes: c.to_vec(), snapshot: first, more }).is_ok();
+                ok &= w.push_unbounded(&Msg::Keys { changes: c.to_vec(), snapshot: first, more });
                 first = false;
             }
             if !ok {
@@ -463,7 +488,7 @@ impl Inner {
                         }
                         Err(reason) => Msg::PinFailed { id, reason },
                     };
-                    if !send(&writer, &reply) {
+                    if !writer.send(&reply) {
                         break;
                     }
                 }
@@ -489,8 +514,8 @@ impl Inner {
         tracing::info!(peer = %peer_addr, "cluster subscriber left");
     }
 
-    fn drop_subscriber(&self, node: NodeId, writer: &Arc<Mutex<TcpStream>>) {
-        let _ = writer.lock().expect("writer").shutdown(Shutdown::Both);
+    fn drop_subscriber(&self, node: NodeId, writer: &Arc<Outbox>) {
+        writer.close();
         let mut st = self.state.lock().expect("state");
         st.subscribers.retain(|s| !(s.node == node && Arc::ptr_eq(&s.writer, writer)));
     }
@@ -525,7 +550,7 @@ impl Inner {
             return Ok(());
         }
         self.set_timeouts(&s);
-        let writer = Arc::new(Mutex::new(s.try_clone().map_err(|e| e.to_string())?));
+        let writer = Outbox::new(&s, "cluster-peer-tx").map_err(|e| e.to_string())?;
         self.state.lock().expect("state").peers.insert(
             server,
             Peer { addr: addr.to_string(), writer: writer.clone(), region: None, pending: HashMap::new() },
@@ -599,7 +624,7 @@ impl Inner {
             // Nobody waits any more (timed out): give the pin back at once.
             None => {
                 if let (Ok((_, namespace)), Some(writer)) = (r, writer) {
-                    send(&writer, &Msg::Unpin { group, namespace, key });
+                    writer.send(&Msg::Unpin { group, namespace, key });
                 }
             }
         }
@@ -607,8 +632,8 @@ impl Inner {
 
     /// A peer is gone (closed, silent past `dead_after`, or stopping): its keys leave the
     /// index, its pending pins fail now, its NIXL metadata is dropped.
-    fn drop_peer(&self, node: NodeId, writer: &Arc<Mutex<TcpStream>>) {
-        let _ = writer.lock().expect("writer").shutdown(Shutdown::Both);
+    fn drop_peer(&self, node: NodeId, writer: &Arc<Outbox>) {
+        writer.close();
         let mut out = Vec::new();
         let region = {
             let mut st = self.state.lock().expect("state");
@@ -647,14 +672,12 @@ impl Inner {
         while !self.stopped() {
             let now = Instant::now();
             // Heartbeats to everyone we talk to, peers and subscribers.
-            let writers: Vec<Arc<Mutex<TcpStream>>> = {
+            let writers: Vec<Arc<Outbox>> = {
                 let st = self.state.lock().expect("state");
                 st.peers.values().map(|p| p.writer.clone()).chain(st.subscribers.iter().map(|s| s.writer.clone())).collect()
             };
             for w in writers {
-                if !send(&w, &Msg::Heartbeat) {
-                    let _ = w.lock().expect("writer").shutdown(Shutdown::Both);
-                }
+                w.send(&Msg::Heartbeat);
             }
             // Members silent too long: close their connections; the reader threads clean up.
             let dead = self.liveness.lock().expect("liveness").expire(now);
@@ -663,10 +686,10 @@ impl Inner {
                 for n in dead {
                     tracing::warn!(node = format!("{n:016x}"), "cluster member silent past the heartbeat bound: dropped");
                     if let Some(p) = st.peers.get(&n) {
-                        let _ = p.writer.lock().expect("writer").shutdown(Shutdown::Both);
+                        p.writer.close();
                     }
                     for s in st.subscribers.iter().filter(|s| s.node == n) {
-                        let _ = s.writer.lock().expect("writer").shutdown(Shutdown::Both);
+                        s.writer.close();
                     }
                 }
             }
@@ -725,16 +748,17 @@ impl Inner {
         for (node, (w, _, v)) in &by_node {
             for &(i, id) in v {
                 id_to.insert(id, (*node, i));
-                if !send(w, &Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
+                if !w.send(&Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
                     out[i] = Some(Err(FetchError::PeerGone(*node)));
                 }
             }
         }
         // Pin replies until every pin is answered, its peer is gone, or the pin deadline
-        // (half the budget, so a read always has the other half). Each holder is read as
-        // soon as all its pins are answered: a stopped or slow holder delays only its own
-        // items, never the reads from the others (and never leaves them a read with no
-        // time, which would fail them and quarantine their DRAM).
+        // (half the budget, so a read always has the other half). Each holder's read is
+        // posted as soon as all its pins are answered, and the reads of all holders are in
+        // flight together: a stopped or slow holder (at the pin or during its read) delays
+        // only its own items, never the reads from the others (nor leaves them a read with
+        // no time, which would fail them and quarantine their DRAM).
         let pin_deadline = deadline - self.cfg.read_timeout / 2;
         let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
         let mut unanswered: HashMap<NodeId, usize> = HashMap::new();
@@ -744,19 +768,42 @@ impl Inner {
             }
         }
         let mut open: usize = unanswered.values().sum();
-        let mut read_done: HashSet<NodeId> = HashSet::new();
+        let mut posted: HashSet<NodeId> = HashSet::new();
+        let mut reads: Vec<HolderRead<'_>> = Vec::new();
+        let mut pins_over = false;
+        let mut backoff = transport::Backoff::default();
         loop {
-            let ready: Vec<NodeId> =
-                by_node.keys().filter(|n| !read_done.contains(*n) && unanswered.get(*n).is_none_or(|&c| c == 0)).copied().collect();
+            let ready: Vec<NodeId> = by_node
+                .keys()
+                .filter(|n| !posted.contains(*n) && (pins_over || unanswered.get(*n).is_none_or(|&c| c == 0)))
+                .copied()
+                .collect();
             for node in ready {
-                read_done.insert(node);
+                posted.insert(node);
                 // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-                unsafe { self.read_holder(group, items, &by_node[&node], &pinned, deadline, &mut out) };
+                if let Some(r) = unsafe { self.post_holder_read(group, items, node, &by_node[&node], &pinned, &mut out) } {
+                    reads.push(r);
+                }
             }
-            if open == 0 {
+            reads.retain_mut(|r| !self.settle_if_done(group, items, r, &pinned, &mut out));
+            if pins_over && reads.is_empty() {
                 break;
             }
-            match rx.recv_timeout(control::left(pin_deadline)) {
+            if Instant::now() >= deadline {
+                for r in reads.drain(..) {
+                    let e = r.read.timed_out(self.cfg.read_timeout);
+                    self.settle_holder_read(group, items, &r.parts(), &pinned, Err(e), &mut out);
+                }
+                break;
+            }
+            if pins_over || open == 0 {
+                pins_over = true;
+                backoff.wait();
+                continue;
+            }
+            // Waiting for pins; poll the reads in flight meanwhile.
+            let wait = if reads.is_empty() { control::left(pin_deadline) } else { Duration::from_micros(200).min(control::left(pin_deadline)) };
+            match rx.recv_timeout(wait) {
                 Ok((id, r)) => {
                     let Some(&(node, i)) = id_to.get(&id) else { continue };
                     if out[i].is_some() || pinned.contains_key(&i) {
@@ -773,74 +820,121 @@ impl Inner {
                         Err(reason) => out[i] = Some(Err(FetchError::PinRefused { peer: node, key: items[i].key.0, reason })),
                     }
                 }
-                Err(_) => break, // pin deadline, or every waiting peer gone
-            }
-        }
-        {
-            let mut st = self.state.lock().expect("state");
-            for (&id, &(node, i)) in &id_to {
-                if out[i].is_some() || pinned.contains_key(&i) {
-                    continue;
+                Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < pin_deadline => {}
+                Err(_) => {
+                    // Pin deadline, or every waiting peer gone: the unanswered pins fail;
+                    // holders with some pins answered are read for what they pinned.
+                    pins_over = true;
+                    self.fail_unanswered_pins(items, &id_to, &pinned, pin_deadline, &mut out);
                 }
-                let gone = st.peers.get_mut(&node).is_none_or(|p| p.pending.remove(&id).is_none());
-                out[i] = Some(Err(if gone && Instant::now() < pin_deadline {
-                    FetchError::PeerGone(node)
-                } else {
-                    FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout / 2 }
-                }));
-            }
-        }
-        // Holders with some pins answered and others not: read what they pinned.
-        for (node, batch) in &by_node {
-            if !read_done.contains(node) {
-                // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-                unsafe { self.read_holder(group, items, batch, &pinned, deadline, &mut out) };
             }
         }
         out.into_iter().map(|r| r.unwrap_or(Err(FetchError::Read("not attempted".into())))).collect()
     }
 
-    /// One NIXL read of everything `batch`'s holder pinned (bounded by `deadline`), then
-    /// the unpins; fills those items' results.
+    /// Fails every pin of the batch with no answer: the peer is gone, or it timed out.
+    fn fail_unanswered_pins(
+        &self,
+        items: &[FetchRequest],
+        id_to: &HashMap<u64, (NodeId, usize)>,
+        pinned: &HashMap<usize, (u64, u128)>,
+        pin_deadline: Instant,
+        out: &mut [Option<Result<u128, FetchError>>],
+    ) {
+        let mut st = self.state.lock().expect("state");
+        for (&id, &(node, i)) in id_to {
+            if out[i].is_some() || pinned.contains_key(&i) {
+                continue;
+            }
+            let gone = st.peers.get_mut(&node).is_none_or(|p| p.pending.remove(&id).is_none());
+            out[i] = Some(Err(if gone && Instant::now() < pin_deadline {
+                FetchError::PeerGone(node)
+            } else {
+                FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout / 2 }
+            }));
+        }
+    }
+
+    /// Posts one NIXL read of everything `batch`'s holder pinned; None when there is
+    /// nothing to read or the post failed (those items' results are then filled).
     ///
     /// # Safety
     /// As for [`Cluster::fetch_batch`], for every item's destination.
-    unsafe fn read_holder(
+    unsafe fn post_holder_read(
         &self,
         group: u32,
         items: &[FetchRequest],
+        node: NodeId,
         batch: &HolderBatch,
         pinned: &HashMap<usize, (u64, u128)>,
-        deadline: Instant,
         out: &mut [Option<Result<u128, FetchError>>],
-    ) {
+    ) -> Option<HolderRead<'_>> {
         let (w, region, v) = batch;
         let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i) && out[*i].is_none()).collect();
         if mine.is_empty() {
-            return;
+            return None;
         }
         let pieces: Vec<ReadPiece> =
             mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
         self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: forwarded from this function's contract.
-        let r = unsafe { self.agent.read(region, &pieces, control::left(deadline).max(Duration::from_millis(1))) };
-        self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
-        for &i in &mine {
-            // Best effort: a dead peer released its pins with its connection.
-            send(w, &Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
+        // SAFETY: forwarded from this function's contract; the read is polled to its end
+        // or given up as tainted (`settle_holder_read`).
+        match unsafe { self.agent.post_read(region, &pieces) } {
+            Ok(read) => Some(HolderRead { node, writer: w.clone(), agent: region.agent.clone(), mine, read }),
+            Err(e) => {
+                let parts = ReadParts { node, writer: w, agent: &region.agent, mine: &mine };
+                self.settle_holder_read(group, items, &parts, pinned, Err(e), out);
+                None
+            }
         }
-        match r {
+    }
+
+    /// Polls `r`; once it is done (or failed), unpins and fills its items. True when settled.
+    fn settle_if_done(
+        &self,
+        group: u32,
+        items: &[FetchRequest],
+        r: &mut HolderRead<'_>,
+        pinned: &HashMap<usize, (u64, u128)>,
+        out: &mut [Option<Result<u128, FetchError>>],
+    ) -> bool {
+        let result = match r.read.poll() {
+            Ok(false) => return false,
+            Ok(true) => Ok(()),
+            Err(e) => Err(e),
+        };
+        self.settle_holder_read(group, items, &r.parts(), pinned, result, out);
+        true
+    }
+
+    /// The unpins and the items' results of one holder's read.
+    fn settle_holder_read(
+        &self,
+        group: u32,
+        items: &[FetchRequest],
+        r: &ReadParts<'_>,
+        pinned: &HashMap<usize, (u64, u128)>,
+        result: Result<(), TransportError>,
+        out: &mut [Option<Result<u128, FetchError>>],
+    ) {
+        self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
+        for &i in r.mine {
+            // Best effort: a dead peer released its pins with its connection.
+            r.writer.send(&Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
+        }
+        match result {
             Ok(()) => {
-                for &i in &mine {
+                for &i in r.mine {
                     out[i] = Some(Ok(pinned[&i].1));
                 }
             }
             Err(e) => {
                 let tainted = e.destination_tainted();
                 let msg = e.to_string();
-                for &i in &mine {
+                tracing::debug!(node = format!("{:016x}", r.node), agent = %r.agent, "remote read failed: {msg}");
+                for &i in r.mine {
                     out[i] = Some(Err(if tainted {
-                        FetchError::Transport(TransportError::Timeout { peer: region.agent.clone(), timeout: self.cfg.read_timeout })
+                        FetchError::Transport(TransportError::Timeout { peer: r.agent.to_string(), timeout: self.cfg.read_timeout })
                     } else {
                         FetchError::Read(msg.clone())
                     }));

@@ -268,6 +268,28 @@ impl Agent {
     /// [`TransportError::destination_tainted`] is true, forever after.
     pub unsafe fn read(&self, peer: &PeerRegion, pieces: &[ReadPiece], timeout: Duration) -> Result<(), TransportError> {
         let deadline = Instant::now() + timeout;
+        // SAFETY: forwarded.
+        let mut read = unsafe { self.post_read(peer, pieces) }?;
+        let mut backoff = Backoff::default();
+        loop {
+            if read.poll()? {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(read.timed_out(timeout));
+            }
+            backoff.wait();
+        }
+    }
+
+    /// Posts a read of `pieces` from `peer` and returns at once; [`PendingRead::poll`]
+    /// tells when it is done. Several reads (from several peers) can be in flight at once,
+    /// so a hung peer holds up only its own read.
+    ///
+    /// # Safety
+    /// As for [`Self::read`], until the returned read has completed — or forever, if it is
+    /// dropped before [`PendingRead::poll`] returned `Ok(true)` or an error.
+    pub unsafe fn post_read(&self, peer: &PeerRegion, pieces: &[ReadPiece]) -> Result<PendingRead<'_>, TransportError> {
         let local_region = self.region.as_ref().expect("read before register_dram");
         let mut local = XferDescList::new(MemType::Dram).map_err(nixl("xfer dlist"))?;
         let mut remote = XferDescList::new(MemType::Dram).map_err(nixl("xfer dlist"))?;
@@ -291,25 +313,39 @@ impl Agent {
         if !self.agent.check_remote_metadata(&peer.agent, None) {
             return Err(TransportError::UnknownPeer(peer.agent.clone()));
         }
-        let req = self
-            .agent
-            .create_xfer_req(XferOp::Read, &local, &remote, &peer.agent, Some(&self.opt))
-            .map_err(|source| TransportError::ReadFailed { peer: peer.agent.clone(), source })?;
         let fail = |source| TransportError::ReadFailed { peer: peer.agent.clone(), source };
-        if !self.agent.post_xfer_req(&req, Some(&self.opt)).map_err(fail)? {
-            return Ok(());
+        let req = self.agent.create_xfer_req(XferOp::Read, &local, &remote, &peer.agent, Some(&self.opt)).map_err(fail)?;
+        let in_progress = self.agent.post_xfer_req(&req, Some(&self.opt)).map_err(fail)?;
+        Ok(PendingRead { agent: self, req, peer: peer.agent.clone(), done: !in_progress })
+    }
+}
+
+/// A posted read ([`Agent::post_read`]). Dropping it while in progress releases the
+/// request, but the backend may still write the destination later (see `post_read`).
+pub struct PendingRead<'a> {
+    agent: &'a Agent,
+    req: nixl_sys::XferRequest,
+    peer: String,
+    done: bool,
+}
+
+impl PendingRead<'_> {
+    /// Whether the read has completed (each call also progresses UCX).
+    pub fn poll(&mut self) -> Result<bool, TransportError> {
+        if !self.done {
+            let status = self
+                .agent
+                .agent
+                .get_xfer_status(&self.req)
+                .map_err(|source| TransportError::ReadFailed { peer: self.peer.clone(), source })?;
+            self.done = matches!(status, XferStatus::Success);
         }
-        let mut backoff = Backoff::default();
-        loop {
-            match self.agent.get_xfer_status(&req).map_err(fail)? {
-                XferStatus::Success => return Ok(()),
-                XferStatus::InProgress => {}
-            }
-            if Instant::now() >= deadline {
-                return Err(TransportError::Timeout { peer: peer.agent.clone(), timeout });
-            }
-            backoff.wait();
-        }
+        Ok(self.done)
+    }
+
+    /// The error for a read given up after `timeout` (its destination is tainted).
+    pub fn timed_out(&self, timeout: Duration) -> TransportError {
+        TransportError::Timeout { peer: self.peer.clone(), timeout }
     }
 }
 

@@ -272,15 +272,15 @@ pub(crate) struct GatherState {
 }
 
 impl GatherState {
-    /// Whether a stage of `items` goes to the kernel: by the calibration (or forced by
-    /// [`GatherMode::Kernel`]) and only where [`eligible`].
-    pub(crate) fn wants(&self, mode: GatherMode, dir: Dir, items: &[Item], ranges: &[(usize, usize)]) -> bool {
+    /// Whether a stage goes to the kernel: by the calibration (or forced by
+    /// [`GatherMode::Kernel`]) and only where [`eligible`] (`scan` of the stage's items).
+    pub(crate) fn wants(&self, mode: GatherMode, dir: Dir, scan: &Scan) -> bool {
         let chosen = match mode {
             GatherMode::CopyEngine => false,
             GatherMode::Kernel => true,
-            GatherMode::Auto | GatherMode::Staged => self.calibration.use_kernel(dir, average(items)),
+            GatherMode::Auto | GatherMode::Staged => self.calibration.use_kernel(dir, scan.average()),
         };
-        chosen && eligible(items, ranges)
+        chosen && scan.eligible
     }
 }
 
@@ -306,17 +306,54 @@ pub fn kernel_launches() -> (u64, u64) {
 
 /// Whether every item can go to the kernel: 16-byte aligned addresses and lengths, host
 /// side inside one registered (device-mapped) range.
+#[cfg(test)]
 pub(crate) fn eligible(items: &[Item], ranges: &[(usize, usize)]) -> bool {
-    !items.is_empty()
-        && items.iter().all(|it| {
-            let h = it.host as usize;
-            (h | it.device as usize | it.len).is_multiple_of(ALIGN) && in_ranges(ranges, h, it.len)
-        })
+    scan(items, ranges).eligible
 }
 
-fn in_ranges(ranges: &[(usize, usize)], start: usize, len: usize) -> bool {
-    let i = ranges.partition_point(|r| r.0 <= start);
-    i > 0 && start.checked_add(len).is_some_and(|end| end <= ranges[i - 1].1)
+/// What one pass over a stage's items finds, for the copy call's bookkeeping, its choice
+/// of path and the kernel's descriptor count (issue #14: the separate passes over 16,000
+/// items per stage were a measurable part of the CPU time the GPU waited for).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Scan {
+    pub items: usize,
+    pub bytes: u64,
+    /// Descriptors [`build_descs`] writes for them ([`desc_count`]).
+    pub descs: usize,
+    /// [`eligible`]: non-empty, 16-byte aligned, each host range inside one registration.
+    pub eligible: bool,
+}
+
+impl Scan {
+    /// Average bytes per item (0 for none).
+    pub(crate) fn average(&self) -> usize {
+        (self.bytes as usize).checked_div(self.items).unwrap_or(0)
+    }
+}
+
+/// One pass over `items`: see [`Scan`]. Consecutive items of a stage almost always lie in
+/// the registration of the one before (the pool's DRAM is one), so the range found last
+/// is tried before the binary search.
+pub(crate) fn scan(items: &[Item], ranges: &[(usize, usize)]) -> Scan {
+    let (mut bytes, mut descs, mut bits, mut inside) = (0u64, 0usize, 0usize, !items.is_empty());
+    let mut cur = (0usize, 0usize);
+    for it in items {
+        let h = it.host as usize;
+        bytes += it.len as u64;
+        descs += if it.len <= DESC_MAX { 1 } else { it.len.div_ceil(DESC_MAX) };
+        bits |= h | it.device as usize | it.len;
+        if inside {
+            let fits = |r: (usize, usize)| h >= r.0 && h.checked_add(it.len).is_some_and(|end| end <= r.1);
+            if !fits(cur) {
+                let i = ranges.partition_point(|r| r.0 <= h);
+                match i.checked_sub(1).map(|i| ranges[i]) {
+                    Some(r) if fits(r) => cur = r,
+                    _ => inside = false,
+                }
+            }
+        }
+    }
+    Scan { items: items.len(), bytes, descs, eligible: inside && bits.is_multiple_of(ALIGN) }
 }
 
 /// Average bytes per item (0 for none).
@@ -337,17 +374,27 @@ pub(crate) fn desc_count(items: &[Item]) -> usize {
 /// checked that the driver allows it) into `out` (of [`desc_count`] entries), copies over
 /// [`DESC_MAX`] cut into pieces of at most that.
 pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
+    // The direction is decided once, not per page: this runs for every page of a stage.
+    match dir {
+        Dir::DeviceToHost => fill_descs(items, out, |host, device, len| Desc { src: device, dst: host, len }),
+        Dir::HostToDevice => fill_descs(items, out, |host, device, len| Desc { src: host, dst: device, len }),
+    }
+}
+
+#[inline(always)]
+fn fill_descs(items: &[Item], out: &mut [Desc], make: impl Fn(u64, u64, u64) -> Desc) {
     let mut out = out.iter_mut();
     for it in items {
+        if it.len <= DESC_MAX {
+            let Some(d) = out.next() else { return };
+            *d = make(it.host as u64, it.device, it.len as u64);
+            continue;
+        }
         let mut done = 0;
         while done < it.len {
             let len = DESC_MAX.min(it.len - done);
-            let (host, device) = (it.host as u64 + done as u64, it.device + done as u64);
             let Some(d) = out.next() else { return };
-            *d = match dir {
-                Dir::DeviceToHost => Desc { src: device, dst: host, len: len as u64 },
-                Dir::HostToDevice => Desc { src: host, dst: device, len: len as u64 },
-            };
+            *d = make(it.host as u64 + done as u64, it.device + done as u64, len as u64);
             done += len;
         }
     }
@@ -459,10 +506,12 @@ impl DescBuf {
     }
 }
 
-/// Enqueues the kernel for `items` on `stream`, descriptors taken from `descs`.
+/// Enqueues the kernel for `items` (whose [`scan`] is `scan`) on `stream`, descriptors
+/// taken from `descs`.
 ///
 /// # Safety
 /// As [`DeviceApi::copy_async`] for every item, and [`eligible`] holds for them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch<A: DeviceApi>(
     api: &A,
     state: &GatherState,
@@ -470,15 +519,20 @@ pub(crate) unsafe fn launch<A: DeviceApi>(
     config: &GatherConfig,
     dir: Dir,
     items: &[Item],
+    scan: &Scan,
     stream: A::Stream,
 ) -> Result<(), GpuError> {
     if items.is_empty() {
         return Ok(());
     }
     let max_bytes = config.launch_bytes();
-    for chunk in launch_chunks(items, max_bytes) {
-        let items = &items[chunk];
-        let n = desc_count(items);
+    // One launch for the stage (the default) needs no chunk list: `scan` has its count.
+    let whole = scan.bytes as usize <= max_bytes;
+    let all = 0..items.len();
+    let chunks = if whole { Vec::new() } else { launch_chunks(items, max_bytes) };
+    for chunk in if whole { std::slice::from_ref(&all) } else { &chunks[..] } {
+        let items = &items[chunk.clone()];
+        let n = if whole { scan.descs } else { desc_count(items) };
         let (slice, dev) = descs.take(api, n)?;
         build_descs(dir, items, slice);
         let blocks = blocks_for(state.calibration.blocks, n);
@@ -588,12 +642,13 @@ fn measure_all<A: DeviceApi>(
     let descs = std::cell::RefCell::new(descs);
     let kernel_rate = |items: &[Item], dir: Dir, blocks: u32| -> Result<f64, GpuError> {
         let state = GatherState { kernel, calibration: Calibration { blocks, ..Default::default() } };
+        let sc = scan(items, &[]);
         time(&mut || {
             let mut d = descs.borrow_mut();
             // SAFETY: the stream was synchronized after every launch of this function.
             unsafe { d.reset(api) };
             // SAFETY: items lie in our two allocations, 16-byte aligned.
-            unsafe { launch(api, &state, &mut d, &config, dir, items, stream) }
+            unsafe { launch(api, &state, &mut d, &config, dir, items, &sc, stream) }
         })
     };
     // Copy engines as the engine feeds them: a small first batch, then growing ones.
@@ -955,6 +1010,21 @@ pub(crate) mod tests {
         assert!(!eligible(&[it(0x10008, 0x900000, 4096)], &ranges));
         assert!(!eligible(&[it(0x10000, 0x900008, 4096)], &ranges));
         assert!(!eligible(&[it(0x10000, 0x900000, 4097)], &ranges));
+    }
+
+    /// The one pass of a stage finds what the separate passes did: bytes, average,
+    /// descriptor count, eligibility (also when items jump between registrations).
+    #[test]
+    fn scan_is_the_separate_passes_in_one() {
+        let ranges = [(0x10000, 0x20000), (0x20000, 0x30000), (0x100000, 0x200000)];
+        let items = [it(0x10000, 0x900000, 4096), it(0x2f000, 0x900010, 4096), it(0x100000, 0x990000, 3 * DESC_MAX), it(0x11000, 0x900000, 16)];
+        let sc = scan(&items, &ranges);
+        assert_eq!(sc, Scan { items: 4, bytes: 4096 * 2 + 3 * DESC_MAX as u64 + 16, descs: desc_count(&items), eligible: true });
+        assert_eq!(sc.descs, 6);
+        assert_eq!(sc.average(), average(&items));
+        assert!(!scan(&items, &ranges[..2]).eligible, "the large item lies in no registration");
+        assert_eq!(scan(&[], &ranges), Scan::default());
+        assert!(!scan(&[it(0x10000, 0x900000, 4096), it(0x1f800, 0x900000, 4096)], &ranges).eligible, "straddles");
     }
 
     #[test]

@@ -419,15 +419,7 @@ pub fn check_ops(ops: &[CopyOp], alloc_id: u32, region_len: u64) -> Result<(), G
                 found: op.alloc_id,
             });
         }
-        let inside = op
-            .device_offset
-            .checked_add(op.len)
-            .is_some_and(|end| end <= region_len)
-            && op
-                .host_offset
-                .checked_add(op.len)
-                .is_some_and(|end| end <= isize::MAX as u64);
-        if !inside {
+        if !op_inside(op, region_len) {
             return Err(GpuError::OutOfRange {
                 index,
                 device_offset: op.device_offset,
@@ -437,6 +429,14 @@ pub fn check_ops(ops: &[CopyOp], alloc_id: u32, region_len: u64) -> Result<(), G
         }
     }
     Ok(())
+}
+
+/// Whether `op` stays inside a region of `region_len` bytes and its host range is
+/// addressable (the range half of [`check_ops`]).
+#[inline]
+pub(crate) fn op_inside(op: &CopyOp, region_len: u64) -> bool {
+    op.device_offset.checked_add(op.len).is_some_and(|end| end <= region_len)
+        && op.host_offset.checked_add(op.len).is_some_and(|end| end <= isize::MAX as u64)
 }
 
 /// A registration with every field zero but those given; the GPU exports fill in the

@@ -1,5 +1,5 @@
 //! A cluster peer process for tests and benchmarks: a `MemPool` of `--objects` objects of
-//! `--object-bytes` each (key i = i + 1, bytes `mem_pool::pattern`), served by a real
+//! `--object-bytes` each (key `--first-key` + i, bytes `mem_pool::pattern`), served by a real
 //! cluster node on `--listen`. Prints `READY <addr>` once listening; runs until killed.
 
 use std::sync::Arc;
@@ -23,6 +23,9 @@ struct Args {
     objects: u64,
     #[arg(long, default_value_t = 1 << 20)]
     object_bytes: u64,
+    /// Key of the first object (the others follow it).
+    #[arg(long, default_value_t = 1)]
+    first_key: u128,
 }
 
 fn main() {
@@ -34,7 +37,7 @@ fn main() {
     });
     let pool = Arc::new(MemPool::new((a.objects * a.object_bytes).max(4096) as usize));
     for i in 0..a.objects {
-        let key = i as u128 + 1;
+        let key = a.first_key + i as u128;
         pool.put(key, i * a.object_bytes, &pattern(key, a.object_bytes as usize));
     }
     let mut cfg = ClusterConfig::new(a.listen, secret);

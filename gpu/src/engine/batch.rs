@@ -47,6 +47,47 @@ pub(crate) fn push_items(
     }
 }
 
+/// Checks the ops of one region as [`crate::check_ops`] does and appends their items as
+/// [`push_items`] does, in one pass (issue #14: a kv4k stage is 16,000 ops). The
+/// registration that held the last op's host range is tried first (a stage's ops almost
+/// always lie in the pool's one DRAM registration); only ops outside it, or over `split`
+/// bytes, take [`push_items`]'s search. On a bad op nothing is appended and the error is
+/// `check_ops`'s.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn push_ops(
+    items: &mut Vec<Item>,
+    host_base: *mut u8,
+    dev_base: u64,
+    ops: &[CopyOp],
+    alloc_id: u32,
+    region_len: u64,
+    ranges: &[(usize, usize)],
+    split: u64,
+) -> Result<(), crate::GpuError> {
+    let start = items.len();
+    items.reserve(ops.len());
+    // Without registrations no op is cut but at `split`: every range "fits".
+    let mut cur = if ranges.is_empty() { (0, usize::MAX) } else { (0, 0) };
+    for op in ops {
+        if op.alloc_id != alloc_id || !crate::op_inside(op, region_len) {
+            items.truncate(start);
+            return crate::check_ops(ops, alloc_id, region_len);
+        }
+        let host = host_base as usize + op.host_offset as usize;
+        let fits = op.len <= split && host >= cur.0 && host.checked_add(op.len as usize).is_some_and(|end| end <= cur.1);
+        if fits {
+            items.push(Item { host: host as *mut u8, device: dev_base + op.device_offset, len: op.len as usize });
+            continue;
+        }
+        push_items(items, host_base, dev_base, op, ranges, split);
+        let i = ranges.partition_point(|r| r.0 <= host);
+        if let Some(&r) = i.checked_sub(1).map(|i| &ranges[i]).filter(|r| r.1 > host) {
+            cur = r;
+        }
+    }
+    Ok(())
+}
+
 /// The batch after one of `size` copies: BATCH_GROWTH larger (at least one more), at most
 /// `per_call`.
 pub(crate) fn next_batch(size: usize, per_call: usize) -> usize {
@@ -102,9 +143,44 @@ mod tests {
         assert_eq!(range_end(&ranges, 0x2000_0000), None);
     }
 
-    /// A CPU stand-in for a GPU driver (no GPU on the machines that run the unit tests; the
-    /// real driver path runs on the device machine): "device" addresses are host
-    /// addresses, copies happen at once, events are done when recorded unless
+    /// `push_ops` (one pass, last registration tried first) appends exactly what
+    /// `check_ops` + `push_items` per op did, whatever the mix of ops inside one
+    /// registration, across two, outside all, over the split size, or with no
+    /// registrations at all; a bad op appends nothing and gives `check_ops`'s error.
+    #[test]
+    fn push_ops_is_check_ops_and_push_items_in_one_pass() {
+        let base = 0x1000_0000usize as *mut u8;
+        let ranges = [(0x1000_0000, 0x1010_0000), (0x1010_0000, 0x1400_0000), (0x1800_0000, 0x1900_0000)];
+        let ops = [
+            op(0, 0, 4096),
+            op(4096, 8192, 4096),
+            op(0, 0x10_0000 - 2048, 4096),       // straddles the first two registrations
+            op(0x2000, 0x20_0000, 4096),         // in the second
+            op(0x3000, 0x20_1000, 4096),
+            op(0x4000, 0x500_0000, 4096),        // in none
+            op(0x5000, 0x800_0000, 4096),        // the third
+            op(0x6000, 0x100_0000, 40 << 20),    // over the split size and into no registration
+            op(0x7000, 16, 48),
+        ];
+        for ranges in [&ranges[..], &[]] {
+            let mut want = vec![Item { host: std::ptr::null_mut(), device: 1, len: 1 }];
+            for o in &ops {
+                push_items(&mut want, base, 0x9_0000_0000, o, ranges, SPLIT_BYTES);
+            }
+            let mut got = vec![Item { host: std::ptr::null_mut(), device: 1, len: 1 }];
+            push_ops(&mut got, base, 0x9_0000_0000, &ops, 1, 1 << 40, ranges, SPLIT_BYTES).unwrap();
+            assert_eq!(got, want, "ranges {ranges:?}");
+        }
+        let mut items = vec![];
+        let mut bad = ops.to_vec();
+        bad[3].alloc_id = 2;
+        let e = push_ops(&mut items, base, 0, &bad, 1, 1 << 40, &ranges, SPLIT_BYTES).unwrap_err();
+        assert_eq!(e.to_string(), crate::check_ops(&bad, 1, 1 << 40).unwrap_err().to_string());
+        assert!(items.is_empty(), "a refused region appends nothing");
+        let e = push_ops(&mut items, base, 0, &ops, 1, 0x6000, &ranges, SPLIT_BYTES).unwrap_err();
+        assert_eq!(e.to_string(), crate::check_ops(&ops, 1, 0x6000).unwrap_err().to_string());
+        assert!(items.is_empty());
+    }
 
     #[test]
     fn batches_grow_to_the_maximum_and_stay_there() {

@@ -27,6 +27,8 @@ mod api;
 mod backend;
 pub(crate) mod batch;
 mod config;
+#[cfg(test)]
+mod cost;
 mod ipc_cache;
 mod pipeline;
 mod region;

@@ -127,6 +127,8 @@ impl<A: DeviceApi> Engine<A> {
         // SAFETY: the set's previous call synchronized its streams before putting it back.
         unsafe { set.descs.reset(api) };
         let kernel = self.gather_path(config.gather.mode);
+        // Eligibility for the kernel is looked up only where a kernel could take the stage.
+        let scan_ranges: &[(usize, usize)] = if kernel.is_some() { ranges } else { &[] };
         // SAFETY: as for the descriptors above.
         let stage_chunk = if stage_mode && kernel.is_some() && unsafe { self.staging_ready(api, &mut set, config.stage_bytes) } {
             set.staging.as_ref().map_or(0, |s| s.chunk)
@@ -221,8 +223,10 @@ impl<A: DeviceApi> Engine<A> {
                     if large {
                         gather::split_large(&mut items, n_streams);
                     }
-                    n_items += items.len() as u64;
-                    n_bytes += items.iter().map(|i| i.len as u64).sum::<u64>();
+                    // One pass for the counters, the path and the descriptor count.
+                    let scan = gather::scan(&items, scan_ranges);
+                    n_items += scan.items as u64;
+                    n_bytes += scan.bytes;
                     if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
                         (used[0], used[1]) = (true, true);
                         // SAFETY: forwarded caller contract; `staged_items` checked
@@ -231,12 +235,12 @@ impl<A: DeviceApi> Engine<A> {
                             first_err = Some(e);
                             break 'stages;
                         }
-                    } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
+                    } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &scan)) {
                         // Same stream, same place as the copies: after the store fence's
                         // wait, before the stage event and the load fence's write.
                         used[0] = true;
                         // SAFETY: forwarded caller contract; `wants` checked eligibility.
-                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, set.streams[0]) } {
+                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, &scan, set.streams[0]) } {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -285,18 +289,19 @@ impl<A: DeviceApi> Engine<A> {
                         }
                     }
                 }
-                n_items = items.len() as u64;
-                n_bytes = items.iter().map(|i| i.len as u64).sum::<u64>();
+                let scan = gather::scan(&items, scan_ranges);
+                n_items = scan.items as u64;
+                n_bytes = scan.bytes;
                 let runs = balance(&items, n_streams);
                 if first_err.is_some() {
                 } else if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
                     (used[0], used[1]) = (true, true);
                     // SAFETY: forwarded caller contract; `staged_items` checked eligibility.
                     first_err = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &sorted, set.streams[0], set.streams[1]) }.err();
-                } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &items, ranges)) {
+                } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &scan)) {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.
-                    first_err = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, set.streams[0]) }.err();
+                    first_err = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, &scan, set.streams[0]) }.err();
                 } else if runs.len() > 1 && items.len() >= PARALLEL_MIN_ITEMS && config.parallel_submit {
                     let results: Vec<Result<(), GpuError>> = std::thread::scope(|scope| {
                         let handles: Vec<_> = runs

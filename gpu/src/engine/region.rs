@@ -5,12 +5,12 @@ use std::any::Any;
 use std::sync::Arc;
 
 use super::backend::Shared;
-use super::batch::{push_items, SPLIT_BYTES};
+use super::batch::{push_ops, SPLIT_BYTES};
 use super::ipc_cache::IpcKey;
 use super::pipeline::Call;
 use super::{duplicate, DeviceApi, Dir, Engine, EngineConfig, Item};
 use crate::sealed::{Group, Pipelined, RegionHooks, Staged};
-use crate::{check_ops, CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan, TransferArgs};
+use crate::{CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan, TransferArgs};
 
 pub(crate) struct GpuRegion<A: DeviceApi> {
     pub(super) shared: Arc<Shared<A>>,
@@ -87,14 +87,13 @@ impl<A: DeviceApi> RegionHooks for GpuRegion<A> {
                 let r = self.same_engine(*region).ok_or_else(|| {
                     GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into())
                 })?;
-                check_ops(ops, r.alloc_id, r.len)?;
-                for op in ops {
-                    push_items(items, args.host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
-                }
+                push_ops(items, args.host_base, r.device_ptr, ops, r.alloc_id, r.len, &ranges, SPLIT_BYTES)?;
             }
             Ok(())
         };
-        let mut items = Vec::new();
+        // Room for one item per op (most ops are one item) of the first stage; later
+        // stages reuse it.
+        let mut items = Vec::with_capacity(first.iter().map(|(_, ops)| ops.len()).sum());
         if let Err(e) = push_stage(&first, &mut items) {
             return Ok(Err(e));
         }
@@ -120,12 +119,9 @@ impl<A: DeviceApi> RegionHooks for GpuRegion<A> {
                 continue;
             };
             group.claimed[i] = true;
-            if let Err(e) = check_ops(p.ops, r.alloc_id, r.len) {
+            if let Err(e) = push_ops(&mut items, args.host_base, r.device_ptr, p.ops, r.alloc_id, r.len, &ranges, SPLIT_BYTES) {
                 group.results[i] = Some(Err(e));
                 continue;
-            }
-            for op in p.ops {
-                push_items(&mut items, args.host_base, r.device_ptr, op, &ranges, SPLIT_BYTES);
             }
             members.push(i);
         }

@@ -25,6 +25,10 @@ pub(super) struct SimulatedDevice {
     pub(super) streams_made: AtomicUsize,
     /// Size of every batch handed to `copy_batch_async`, and whether batching was asked.
     pub(super) batches: Mutex<Vec<(usize, bool)>>,
+    /// Copies and kernels move no bytes (the CPU cost tests: addresses are made up).
+    pub(super) dry: bool,
+    /// Size `address_range` reports for every allocation.
+    pub(super) alloc_len: u64,
 }
 
 impl DeviceApi for SimulatedDevice {
@@ -55,6 +59,9 @@ impl DeviceApi for SimulatedDevice {
             return Err(GpuError::Unsupported("simulated copy failure".into()));
         }
         self.copies.fetch_add(1, Ordering::Relaxed);
+        if self.dry {
+            return Ok(());
+        }
         let (src, dst) = match dir {
             Dir::DeviceToHost => (device as *const u8, host),
             Dir::HostToDevice => (host as *const u8, device as *mut u8),
@@ -102,7 +109,7 @@ impl DeviceApi for SimulatedDevice {
         Ok(())
     }
     fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
-        Ok((ptr, 1 << 20))
+        Ok((ptr, self.alloc_len))
     }
     unsafe fn host_register(&self, _: *mut u8, _: usize) -> Result<(), GpuError> {
         Ok(())
@@ -118,6 +125,9 @@ impl DeviceApi for SimulatedDevice {
     }
     unsafe fn launch_copy_kernel(&self, _: u64, descs: u64, n: u64, _: u32, _: u32, _: usize) -> Result<(), GpuError> {
         self.kernels.fetch_add(1, Ordering::Relaxed);
+        if self.dry {
+            return Ok(());
+        }
         // SAFETY: `descs` is this process's memory from alloc_mapped holding `n` entries.
         let descs = unsafe { std::slice::from_raw_parts(descs as *const crate::gather::Desc, n as usize) };
         for d in descs {
@@ -161,6 +171,8 @@ pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (Sim
         kernels: AtomicUsize::new(0),
         streams_made: AtomicUsize::new(0),
         batches: Mutex::new(Vec::new()),
+        dry: false,
+        alloc_len: 1 << 20,
     };
     let engine = Engine::new(0, [7; 16], (), false);
     (api, engine)
