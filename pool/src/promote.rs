@@ -221,10 +221,10 @@ impl Ahead {
                     }
                 }
             };
-            match done {
-                Some(results) => t.unpin(inner, &results),
-                // The promotion thread unpins when it completes; until then the bytes count.
-                None => {}
+            // Still in flight: the promotion thread unpins when it completes; until then
+            // the bytes count.
+            if let Some(results) = done {
+                t.unpin(inner, &results);
             }
         }
     }
