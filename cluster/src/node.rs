@@ -8,9 +8,9 @@
 //! Q only if P lists Q; list every other member on each pool (or use a registry).
 //!
 //! Threads: an acceptor (one thread per accepted subscriber), a connector (one thread per
-//! connected peer) and a ticker (heartbeats, liveness, reconnects). No lock is held across
-//! a socket write; every socket has a write timeout, so a slow or stuck peer is dropped,
-//! never waited on by anyone else. The pool's own traffic never enters this module
+//! connected peer), a writer per connection (`outbox`) and a ticker (heartbeats, liveness,
+//! reconnects). Only a connection's own writer blocks on its socket (with a write
+//! timeout); everyone else queues, so a slow or stuck peer is dropped, never waited on. The pool's own traffic never enters this module
 //! except for a fetch, which is bounded by `read_timeout`.
 
 use std::collections::{HashMap, HashSet};
