@@ -10,8 +10,9 @@
 //! Threads: an acceptor (one thread per accepted subscriber), a connector (one thread per
 //! connected peer), a writer per connection (`outbox`) and a ticker (heartbeats, liveness,
 //! reconnects). Only a connection's own writer blocks on its socket (with a write
-//! timeout); everyone else queues, so a slow or stuck peer is dropped, never waited on. The pool's own traffic never enters this module
-//! except for a fetch, which is bounded by `read_timeout`.
+//! timeout); everyone else queues, so a slow or stuck peer is dropped, never waited on.
+//! The pool's own traffic never enters this module except for a fetch, which is bounded
+//! by `read_timeout`.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
