@@ -57,6 +57,8 @@ impl SsdPool {
             min_object_bytes: OBJECT,
             copy_threads,
             copy_stage_bytes: OBJECT,
+            // Opt-in (off by default): what these tests exercise.
+            promotion_ahead_bytes: 128 << 20,
             ssd: Some(ssd),
             ..Default::default()
         })
@@ -282,7 +284,7 @@ fn remote_loads_in_many_stages_are_byte_exact_with_look_ahead() {
         [
             "--capacity", "64MiB", "--min-object-size", "16KiB", "--copy-stage-size", "16KiB", "--cluster-listen", me,
             "--cluster-peer", peer, "--cluster-secret-file", secret.to_str().unwrap(), "--cluster-heartbeat-ms", "200",
-            "--cluster-dead-after-ms", "3000", "--cluster-read-timeout-ms", "5000",
+            "--cluster-dead-after-ms", "3000", "--cluster-read-timeout-ms", "5000", "--promotion-ahead", "128MiB",
         ]
         .iter()
         .map(|s| s.to_string())
