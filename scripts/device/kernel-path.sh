@@ -28,30 +28,9 @@ out=${OUT:-/tmp}
 stages=${STAGES:-tests check layout full kfull}
 reps=${REPS:-5}
 extra=${EXTRA:-}
-fail=0
-has() { [[ " $stages " == *" $1 "* ]]; }
 log=$out/kernel-path.log
-run() { # name, command... (stdout of bench stages: $out/name.jsonl)
-  local name=$1; shift
-  echo "=== $name: $*" | tee -a "$log"
-  local t0=$SECONDS rc
-  if [[ $name == bench-* ]]; then
-    timeout -k 5 "${STAGE_TIMEOUT:-300}" "$@" > "$out/$name.jsonl" 2>> "$log"; rc=$?
-    grep -hE '"case"' "$out/$name.jsonl" | cut -c1-400
-  else
-    timeout -k 5 "${STAGE_TIMEOUT:-300}" "$@" >> "$log" 2>&1; rc=$?
-  fi
-  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
-  [ $rc = 0 ] || fail=1
-}
-nvidia-smi --query-gpu=name,driver_version,pci.bus_id,memory.total,clocks.sm,clocks.mem --format=csv || exit 1
-mm=()
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
-  mm=(--matmul "python3 $repo/scripts/device/matmul_loop.py")
-else
-  echo "interference_pct will be skipped: python3 with CUDA torch not found"
-fi
-export UMBP_REQUIRE_CUDA=1 RUST_LOG=${RUST_LOG:-warn,umbp_gpu=info}
+source "$repo/scripts/device/stages.sh"
+gpu_setup
 has tests && run tests-gather "$bin/test-cuda_gather" --nocapture --test-threads=1
 has tests && run tests-cuda "$bin/test-cuda" --test-threads=1
 has check && run check-kernel "$bin/umbp-bench" transfer --backend cuda --check --gather kernel

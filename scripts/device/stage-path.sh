@@ -15,30 +15,11 @@ repo=${REPO:-.}
 out=${OUT:-/tmp}
 stages=${STAGES:-tests main kintf chunks}
 reps=${REPS:-5}
-fail=0
-has() { [[ " $stages " == *" $1 "* ]]; }
 log=$out/stage.log
-run() { # name, command... (JSON lines of bench-* to $out/name.jsonl)
-  local name=$1; shift
-  echo "=== $name: $*" | tee -a "$log"
-  local t0=$SECONDS rc
-  if [[ $name == bench-* ]]; then
-    timeout -k 5 "${STAGE_TIMEOUT:-200}" "$@" > "$out/${name#bench-}.jsonl" 2>> "$log"; rc=$?
-    grep -hE '"case"' "$out/${name#bench-}.jsonl" | cut -c1-220
-  else
-    timeout -k 5 "${STAGE_TIMEOUT:-200}" "$@" >> "$log" 2>&1; rc=$?
-  fi
-  echo "=== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$log"
-  [ $rc = 0 ] || fail=1
-}
-nvidia-smi --query-gpu=name,driver_version,pci.bus_id,memory.total,clocks.sm,clocks.mem --format=csv || exit 1
-mm=()
-if python3 -c 'import torch; assert torch.cuda.is_available()' 2>/dev/null; then
-  mm=(--matmul "python3 $repo/scripts/device/matmul_loop.py")
-else
-  echo "interference_pct will be skipped: python3 with CUDA torch not found"
-fi
-export UMBP_REQUIRE_CUDA=1 RUST_LOG=${RUST_LOG:-warn,umbp_gpu=info}
+jsonl_strip=bench-
+stage_timeout=200
+source "$repo/scripts/device/stages.sh"
+gpu_setup
 b=(transfer --backend cuda)
 if has quick; then  # the staged path's own checks only
   run tests-gather "$bin/test-cuda_gather" --nocapture --test-threads=1

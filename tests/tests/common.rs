@@ -13,6 +13,18 @@ pub const EVICTING_POOL: [&str; 8] = ["--capacity", "64MiB", "--min-object-size"
 /// The capacity of [`EVICTING_POOL`].
 pub const EVICTING_POOL_BYTES: u64 = 64 << 20;
 
+/// An SSD tier in `dir` for in-process test pools: 256 MiB in 4 MiB segments, every
+/// evicted object admitted (so a test's evictions reach the drive).
+pub fn small_ssd(dir: &Path) -> umbp_pool::SsdConfig {
+    umbp_pool::SsdConfig {
+        dirs: vec![dir.to_path_buf()],
+        capacity_bytes: 256 << 20,
+        segment_bytes: 4 << 20,
+        admission: umbp_pool::SsdAdmission::All,
+        ..Default::default()
+    }
+}
+
 /// Runs the test worker to completion and returns its JSON result line.
 pub fn run_worker(socket: &Path, ns: u128, layout: &str, cmd: &[&str]) -> serde_json::Value {
     let out = Command::new(workspace_binary("umbp-test-worker"))

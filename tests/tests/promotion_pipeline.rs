@@ -44,13 +44,7 @@ impl SsdPool {
     fn start(tag: &str, base: u128, copy_threads: usize, timeout: Duration) -> SsdPool {
         let dir = tempfile::Builder::new().prefix("umbp-it-pipeline-").tempdir_in("/var/tmp").expect("tempdir in /var/tmp");
         let socket = unique_socket(tag);
-        let ssd = umbp_pool::SsdConfig {
-            dirs: vec![dir.path().into()],
-            capacity_bytes: 256 << 20,
-            segment_bytes: 4 << 20,
-            admission: umbp_pool::SsdAdmission::All,
-            ..Default::default()
-        };
+        let ssd = small_ssd(dir.path());
         let pool = Pool::start(PoolConfig {
             socket_path: socket.clone(),
             capacity_bytes: DRAM,

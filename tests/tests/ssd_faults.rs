@@ -29,14 +29,10 @@ fn child_pool_aborting_during_demotion() {
     let Some(spec) = std::env::var(CHILD_ENV).ok() else { return };
     let (socket, dir) = spec.split_once('|').unwrap();
     let ssd = umbp_pool::SsdConfig {
-        dirs: vec![dir.into()],
-        capacity_bytes: 256 << 20,
-        segment_bytes: 4 << 20,
-        admission: umbp_pool::SsdAdmission::All,
         // 8 KiB I/Os: a 20 KiB record is three writes in flight at once, so the kill can
         // land between them (a record with a header and part of its payload: torn).
         chunk_bytes: 8 << 10,
-        ..Default::default()
+        ..small_ssd(Path::new(dir))
     };
     let config = umbp_pool::PoolConfig {
         socket_path: socket.into(),

@@ -23,13 +23,7 @@ fn worker(socket: &Path, cmd: &[&str]) -> serde_json::Value {
 fn a_panic_during_promotion_ends_it_as_failed() {
     let dir = tempfile::Builder::new().prefix("umbp-ssd-it-promo-panic-").tempdir_in("/var/tmp").expect("tempdir in /var/tmp");
     let socket = unique_socket("ssd-promo-panic");
-    let ssd = umbp_pool::SsdConfig {
-        dirs: vec![dir.path().into()],
-        capacity_bytes: 256 << 20,
-        segment_bytes: 4 << 20,
-        admission: umbp_pool::SsdAdmission::All,
-        ..Default::default()
-    };
+    let ssd = small_ssd(dir.path());
     let pool = umbp_pool::Pool::start(umbp_pool::PoolConfig {
         socket_path: socket.clone(),
         capacity_bytes: DRAM,
