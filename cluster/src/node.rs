@@ -718,7 +718,8 @@ impl Inner {
     /// Pins every item at its holder (all pins in flight at once), reads each holder's
     /// pinned items with one NIXL request, unpins. Per-item results.
     unsafe fn fetch_batch(&self, group: u32, items: &[FetchRequest]) -> Vec<Result<u128, FetchError>> {
-        let deadline = Instant::now() + self.cfg.read_timeout;
+        let started = Instant::now();
+        let deadline = started + self.cfg.read_timeout;
         let mut out: Vec<Option<Result<u128, FetchError>>> = (0..items.len()).map(|_| None).collect();
         let (tx, rx) = mpsc::channel::<(u64, PinReply)>();
         // Per holder: its writer, region and (item index, pin id).
@@ -772,6 +773,8 @@ impl Inner {
         let mut posted: HashSet<NodeId> = HashSet::new();
         let mut reads: Vec<HolderRead<'_>> = Vec::new();
         let mut pins_over = false;
+        // When the last pin was answered (or the pins gave up): for the slow-fetch log.
+        let mut pins_at: Option<Duration> = None;
         let mut backoff = transport::Backoff::default();
         loop {
             let ready: Vec<NodeId> = by_node
@@ -799,6 +802,7 @@ impl Inner {
             }
             if pins_over || open == 0 {
                 pins_over = true;
+                pins_at.get_or_insert_with(|| started.elapsed());
                 backoff.wait();
                 continue;
             }
@@ -826,9 +830,25 @@ impl Inner {
                     // Pin deadline, or every waiting peer gone: the unanswered pins fail;
                     // holders with some pins answered are read for what they pinned.
                     pins_over = true;
+                    pins_at.get_or_insert_with(|| started.elapsed());
                     self.fail_unanswered_pins(items, &id_to, &pinned, pin_deadline, &mut out);
                 }
             }
+        }
+        let took = started.elapsed();
+        if took > self.cfg.read_timeout / 2 {
+            // Where a slow fetch spent its budget (pins vs. reads), for an operator and for
+            // a test that fails on it.
+            let failed = out.iter().filter(|r| !matches!(r, Some(Ok(_)))).count();
+            tracing::warn!(
+                items = items.len(),
+                failed,
+                holders = by_node.len(),
+                pins_ms = pins_at.unwrap_or(took).as_millis() as u64,
+                took_ms = took.as_millis() as u64,
+                budget_ms = self.cfg.read_timeout.as_millis() as u64,
+                "slow remote fetch"
+            );
         }
         out.into_iter().map(|r| r.unwrap_or(Err(FetchError::Read("not attempted".into())))).collect()
     }

@@ -255,9 +255,11 @@ impl Agent {
 
     /// Forgets a peer (dead or left): later reads from it fail with `UnknownPeer`.
     pub fn forget_peer(&self, agent: &str) {
+        let t = std::time::Instant::now();
         if let Err(e) = self.agent.invalidate_remote_md(agent) {
             tracing::debug!(agent, "invalidate remote metadata: {e}");
         }
+        tracing::debug!(agent, took_us = t.elapsed().as_micros() as u64, "peer's NIXL metadata invalidated");
     }
 
     /// Reads `pieces` from `peer` and waits at most `timeout` for them.

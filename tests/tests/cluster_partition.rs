@@ -459,6 +459,7 @@ fn a_partitioned_subscriber_does_not_stall_heartbeats_to_healthy_peers() {
     let listed_at = all_new.expect("C never listed B's new blocks");
     assert!(listed_at < stored + Duration::from_millis(1000), "C listed B's new blocks {listed_at:?} after the cut (stored {stored:?})");
     let r = load(pc, 1000, 100);
+    println!("C's load of B's blocks: {r}; promoted ahead in C: {}", pc.report().pool.promotions_ahead);
     assert_eq!(outcome(&r), (100, 0, 0), "C loads B's blocks while A is partitioned: {r}");
 }
 

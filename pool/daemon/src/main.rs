@@ -64,8 +64,8 @@ struct Args {
     /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
     /// copies (its later stages, the peer's next queued loads), so that lower-tier fetches
     /// overlap the copies; at most a quarter of --capacity. 0 fetches each stage only when
-    /// the copy reaches it (the default: opt-in, see docs/operations.md; 128MiB measured).
-    #[arg(long = "promotion-ahead", env = "UMBP_PROMOTION_AHEAD", value_name = "SIZE", default_value = "0")]
+    /// the copy reaches it.
+    #[arg(long = "promotion-ahead", env = "UMBP_PROMOTION_AHEAD", value_name = "SIZE", default_value = "128MiB")]
     promotion_ahead: String,
     /// GPU copies: streams one copy call spreads its copies over (1-16).
     #[arg(long = "copy-streams", env = "UMBP_COPY_STREAMS", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16), help_heading = "GPU copy engine")]
