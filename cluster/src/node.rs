@@ -11,8 +11,8 @@
 //! connected peer), a writer per connection (`outbox`) and a ticker (heartbeats, liveness,
 //! reconnects). Only a connection's own writer blocks on its socket (with a write
 //! timeout); everyone else queues, so a slow or stuck peer is dropped, never waited on.
-//! The pool's own traffic never enters this module except for a fetch, which is bounded
-//! by `read_timeout`.
+//! The pool's own traffic never enters this module except for a fetch (`node/fetch.rs`),
+//! which is bounded by `read_timeout`.
 
 use std::collections::{HashMap, HashSet};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
@@ -28,7 +28,9 @@ use crate::control::{self, client_handshake, read_msg, server_handshake, Msg, Se
 use crate::membership::{Discovery, Liveness};
 use crate::outbox::Outbox;
 use crate::placement::NodeId;
-use crate::transport::{self, Agent, PeerRegion, ReadPiece, TransportError};
+use crate::transport::{self, Agent, PeerRegion, TransportError};
+
+mod fetch;
 
 /// What the cluster node needs from the local pool.
 pub trait LocalPool: Send + Sync + 'static {
@@ -119,32 +121,6 @@ type PinReply = Result<(u64, u128), String>;
 struct PinWaiter {
     tx: mpsc::Sender<(u64, PinReply)>,
     id: u64,
-}
-
-/// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
-type HolderBatch = (Arc<Outbox>, PeerRegion, Vec<(usize, u64)>);
-
-/// One holder's read in flight: the items it carries (indexes into the batch).
-struct HolderRead<'a> {
-    node: NodeId,
-    writer: Arc<Outbox>,
-    agent: String,
-    mine: Vec<usize>,
-    read: transport::PendingRead<'a>,
-}
-
-/// What settling a holder's read needs (whether or not its post succeeded).
-struct ReadParts<'a> {
-    node: NodeId,
-    writer: &'a Arc<Outbox>,
-    agent: &'a str,
-    mine: &'a [usize],
-}
-
-impl HolderRead<'_> {
-    fn parts(&self) -> ReadParts<'_> {
-        ReadParts { node: self.node, writer: &self.writer, agent: &self.agent, mine: &self.mine }
-    }
 }
 
 /// One object of a batched fetch: `size` bytes of `key` into `dest`.
@@ -710,257 +686,6 @@ impl Inner {
             }
             self.forget_idle_peers();
             std::thread::sleep(self.cfg.heartbeat.min(Duration::from_millis(100)).max(Duration::from_millis(10)));
-        }
-    }
-
-    // ---- fetch ----
-
-    /// Pins every item at its holder (all pins in flight at once), reads each holder's
-    /// pinned items with one NIXL request, unpins. Per-item results.
-    unsafe fn fetch_batch(&self, group: u32, items: &[FetchRequest]) -> Vec<Result<u128, FetchError>> {
-        let started = Instant::now();
-        let deadline = started + self.cfg.read_timeout;
-        let mut out: Vec<Option<Result<u128, FetchError>>> = (0..items.len()).map(|_| None).collect();
-        let (tx, rx) = mpsc::channel::<(u64, PinReply)>();
-        // Per holder: its writer, region and (item index, pin id).
-        let mut by_node: HashMap<NodeId, HolderBatch> = HashMap::new();
-        {
-            let mut st = self.state.lock().expect("state");
-            for (i, it) in items.iter().enumerate() {
-                let Some(node) = st.catalog.source((group, it.key)) else {
-                    out[i] = Some(Err(FetchError::NoHolder(it.key.0)));
-                    continue;
-                };
-                let Some(p) = st.peers.get_mut(&node) else {
-                    out[i] = Some(Err(FetchError::PeerGone(node)));
-                    continue;
-                };
-                let Some(region) = p.region.clone() else {
-                    out[i] = Some(Err(FetchError::PeerGone(node)));
-                    continue;
-                };
-                let id = self.next_pin.fetch_add(1, Ordering::Relaxed);
-                p.pending.insert(id, PinWaiter { tx: tx.clone(), id });
-                let e = by_node.entry(node).or_insert_with(|| (p.writer.clone(), region, Vec::new()));
-                e.2.push((i, id));
-            }
-        }
-        drop(tx);
-        let mut id_to: HashMap<u64, (NodeId, usize)> = HashMap::new();
-        for (node, (w, _, v)) in &by_node {
-            for &(i, id) in v {
-                id_to.insert(id, (*node, i));
-                if !w.send(&Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
-                    out[i] = Some(Err(FetchError::PeerGone(*node)));
-                }
-            }
-        }
-        // Pin replies until every pin is answered, its peer is gone, or the pin deadline
-        // (half the budget, so a read always has the other half). Each holder's read is
-        // posted as soon as all its pins are answered, and the reads of all holders are in
-        // flight together: a stopped or slow holder (at the pin or during its read) delays
-        // only its own items, never the reads from the others (nor leaves them a read with
-        // no time, which would fail them and quarantine their DRAM).
-        let pin_deadline = deadline - self.cfg.read_timeout / 2;
-        let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
-        let mut unanswered: HashMap<NodeId, usize> = HashMap::new();
-        for &(node, i) in id_to.values() {
-            if out[i].is_none() {
-                *unanswered.entry(node).or_default() += 1;
-            }
-        }
-        let mut open: usize = unanswered.values().sum();
-        let mut posted: HashSet<NodeId> = HashSet::new();
-        let mut reads: Vec<HolderRead<'_>> = Vec::new();
-        let mut pins_over = false;
-        // When the last pin was answered (or the pins gave up): for the slow-fetch log.
-        let mut pins_at: Option<Duration> = None;
-        let mut backoff = transport::Backoff::default();
-        loop {
-            let ready: Vec<NodeId> = by_node
-                .keys()
-                .filter(|n| !posted.contains(*n) && (pins_over || unanswered.get(*n).is_none_or(|&c| c == 0)))
-                .copied()
-                .collect();
-            for node in ready {
-                posted.insert(node);
-                // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-                if let Some(r) = unsafe { self.post_holder_read(group, items, node, &by_node[&node], &pinned, &mut out) } {
-                    reads.push(r);
-                }
-            }
-            reads.retain_mut(|r| !self.settle_if_done(group, items, r, &pinned, &mut out));
-            if pins_over && reads.is_empty() {
-                break;
-            }
-            if Instant::now() >= deadline {
-                for r in reads.drain(..) {
-                    let e = r.read.timed_out(self.cfg.read_timeout);
-                    self.settle_holder_read(group, items, &r.parts(), &pinned, Err(e), &mut out);
-                }
-                break;
-            }
-            if pins_over || open == 0 {
-                pins_over = true;
-                pins_at.get_or_insert_with(|| started.elapsed());
-                backoff.wait();
-                continue;
-            }
-            // Waiting for pins; poll the reads in flight meanwhile.
-            let wait = if reads.is_empty() { control::left(pin_deadline) } else { Duration::from_micros(200).min(control::left(pin_deadline)) };
-            match rx.recv_timeout(wait) {
-                Ok((id, r)) => {
-                    let Some(&(node, i)) = id_to.get(&id) else { continue };
-                    if out[i].is_some() || pinned.contains_key(&i) {
-                        continue;
-                    }
-                    open -= 1;
-                    if let Some(c) = unanswered.get_mut(&node) {
-                        *c -= 1;
-                    }
-                    match r {
-                        Ok(v) => {
-                            pinned.insert(i, v);
-                        }
-                        Err(reason) => out[i] = Some(Err(FetchError::PinRefused { peer: node, key: items[i].key.0, reason })),
-                    }
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) if Instant::now() < pin_deadline => {}
-                Err(_) => {
-                    // Pin deadline, or every waiting peer gone: the unanswered pins fail;
-                    // holders with some pins answered are read for what they pinned.
-                    pins_over = true;
-                    pins_at.get_or_insert_with(|| started.elapsed());
-                    self.fail_unanswered_pins(items, &id_to, &pinned, pin_deadline, &mut out);
-                }
-            }
-        }
-        let took = started.elapsed();
-        if took > self.cfg.read_timeout / 2 {
-            // Where a slow fetch spent its budget (pins vs. reads), for an operator and for
-            // a test that fails on it.
-            let failed = out.iter().filter(|r| !matches!(r, Some(Ok(_)))).count();
-            tracing::warn!(
-                items = items.len(),
-                failed,
-                holders = by_node.len(),
-                pins_ms = pins_at.unwrap_or(took).as_millis() as u64,
-                took_ms = took.as_millis() as u64,
-                budget_ms = self.cfg.read_timeout.as_millis() as u64,
-                "slow remote fetch"
-            );
-        }
-        out.into_iter().map(|r| r.unwrap_or(Err(FetchError::Read("not attempted".into())))).collect()
-    }
-
-    /// Fails every pin of the batch with no answer: the peer is gone, or it timed out.
-    fn fail_unanswered_pins(
-        &self,
-        items: &[FetchRequest],
-        id_to: &HashMap<u64, (NodeId, usize)>,
-        pinned: &HashMap<usize, (u64, u128)>,
-        pin_deadline: Instant,
-        out: &mut [Option<Result<u128, FetchError>>],
-    ) {
-        let mut st = self.state.lock().expect("state");
-        for (&id, &(node, i)) in id_to {
-            if out[i].is_some() || pinned.contains_key(&i) {
-                continue;
-            }
-            let gone = st.peers.get_mut(&node).is_none_or(|p| p.pending.remove(&id).is_none());
-            out[i] = Some(Err(if gone && Instant::now() < pin_deadline {
-                FetchError::PeerGone(node)
-            } else {
-                FetchError::PinTimeout { peer: node, key: items[i].key.0, timeout: self.cfg.read_timeout / 2 }
-            }));
-        }
-    }
-
-    /// Posts one NIXL read of everything `batch`'s holder pinned; None when there is
-    /// nothing to read or the post failed (those items' results are then filled).
-    ///
-    /// # Safety
-    /// As for [`Cluster::fetch_batch`], for every item's destination.
-    unsafe fn post_holder_read(
-        &self,
-        group: u32,
-        items: &[FetchRequest],
-        node: NodeId,
-        batch: &HolderBatch,
-        pinned: &HashMap<usize, (u64, u128)>,
-        out: &mut [Option<Result<u128, FetchError>>],
-    ) -> Option<HolderRead<'_>> {
-        let (w, region, v) = batch;
-        let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i) && out[*i].is_none()).collect();
-        if mine.is_empty() {
-            return None;
-        }
-        let pieces: Vec<ReadPiece> =
-            mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
-        self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
-        // SAFETY: forwarded from this function's contract; the read is polled to its end
-        // or given up as tainted (`settle_holder_read`).
-        match unsafe { self.agent.post_read(region, &pieces) } {
-            Ok(read) => Some(HolderRead { node, writer: w.clone(), agent: region.agent.clone(), mine, read }),
-            Err(e) => {
-                let parts = ReadParts { node, writer: w, agent: &region.agent, mine: &mine };
-                self.settle_holder_read(group, items, &parts, pinned, Err(e), out);
-                None
-            }
-        }
-    }
-
-    /// Polls `r`; once it is done (or failed), unpins and fills its items. True when settled.
-    fn settle_if_done(
-        &self,
-        group: u32,
-        items: &[FetchRequest],
-        r: &mut HolderRead<'_>,
-        pinned: &HashMap<usize, (u64, u128)>,
-        out: &mut [Option<Result<u128, FetchError>>],
-    ) -> bool {
-        let result = match r.read.poll() {
-            Ok(false) => return false,
-            Ok(true) => Ok(()),
-            Err(e) => Err(e),
-        };
-        self.settle_holder_read(group, items, &r.parts(), pinned, result, out);
-        true
-    }
-
-    /// The unpins and the items' results of one holder's read.
-    fn settle_holder_read(
-        &self,
-        group: u32,
-        items: &[FetchRequest],
-        r: &ReadParts<'_>,
-        pinned: &HashMap<usize, (u64, u128)>,
-        result: Result<(), TransportError>,
-        out: &mut [Option<Result<u128, FetchError>>],
-    ) {
-        self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
-        for &i in r.mine {
-            // Best effort: a dead peer released its pins with its connection.
-            r.writer.send(&Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
-        }
-        match result {
-            Ok(()) => {
-                for &i in r.mine {
-                    out[i] = Some(Ok(pinned[&i].1));
-                }
-            }
-            Err(e) => {
-                let tainted = e.destination_tainted();
-                let msg = e.to_string();
-                tracing::debug!(node = format!("{:016x}", r.node), agent = %r.agent, "remote read failed: {msg}");
-                for &i in r.mine {
-                    out[i] = Some(Err(if tainted {
-                        FetchError::Transport(TransportError::Timeout { peer: r.agent.to_string(), timeout: self.cfg.read_timeout })
-                    } else {
-                        FetchError::Read(msg.clone())
-                    }));
-                }
-            }
         }
     }
 }
