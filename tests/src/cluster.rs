@@ -36,3 +36,33 @@ pub fn secret_file(dir: &Path, secret: &[u8]) -> PathBuf {
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).expect("chmod 0600 the secret");
     p
 }
+
+/// Heartbeat period, dead-after bound and read budget of a test cluster, in milliseconds.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    pub heartbeat_ms: u64,
+    pub dead_after_ms: u64,
+    pub read_timeout_ms: u64,
+}
+
+/// The flags of a small cluster pool (64 MiB of DRAM, 16 KiB objects) listening at `me`,
+/// subscribed to each of `peers`, with the secret file and `timing`; then `extra`.
+pub fn pool_args(me: &str, peers: &[&str], secret: &Path, timing: Timing, extra: &[&str]) -> Vec<String> {
+    let mut v: Vec<String> = ["--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", me, "--cluster-secret-file"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    v.push(secret.to_str().expect("a UTF-8 secret path").to_string());
+    for p in peers {
+        v.extend(["--cluster-peer".to_string(), p.to_string()]);
+    }
+    for (flag, ms) in [
+        ("--cluster-heartbeat-ms", timing.heartbeat_ms),
+        ("--cluster-dead-after-ms", timing.dead_after_ms),
+        ("--cluster-read-timeout-ms", timing.read_timeout_ms),
+    ] {
+        v.extend([flag.to_string(), ms.to_string()]);
+    }
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}

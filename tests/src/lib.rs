@@ -11,6 +11,6 @@ pub mod report;
 pub mod wait;
 
 pub use pattern::{fill_pattern, verify_pattern};
-pub use process::{pool_binary, pool_command, pool_wrapper, stop_gracefully, unique_socket, workspace_binary, PoolProcess};
+pub use process::{kill_and_clean, pool_binary, pool_command, pool_wrapper, stop_gracefully, unique_socket, workspace_binary, PoolProcess};
 pub use report::{report, report_json, try_report};
 pub use wait::{eventually, wait_until};

@@ -60,6 +60,16 @@ pub fn stop_gracefully(child: &mut Child) -> Option<std::process::ExitStatus> {
     None
 }
 
+/// Kills and reaps a pool started by hand and removes its socket's directory (what a
+/// test's own pool handle does on drop).
+pub fn kill_and_clean(child: &mut Child, socket: &Path) {
+    let _ = child.kill();
+    let _ = child.wait();
+    if let Some(d) = socket.parent() {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 /// A `umbp-pool` child process; killed on drop.
 pub struct PoolProcess {
     pub child: Child,

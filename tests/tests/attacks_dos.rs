@@ -400,11 +400,7 @@ struct LimitedPool {
 
 impl Drop for LimitedPool {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Some(d) = self.socket.parent() {
-            let _ = std::fs::remove_dir_all(d);
-        }
+        kill_and_clean(&mut self.child, &self.socket);
     }
 }
 

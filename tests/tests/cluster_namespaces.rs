@@ -36,18 +36,8 @@ fn setup() -> Option<()> {
 }
 
 fn pool_args(me: &str, peer: &str, secret: &Path, acl: &[&str]) -> Vec<String> {
-    let mut v: Vec<String> = [
-        "--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", me, "--cluster-peer", peer,
-        "--cluster-secret-file", secret.to_str().unwrap(), "--cluster-heartbeat-ms", "200", "--cluster-dead-after-ms", "1000",
-        "--cluster-read-timeout-ms", "3000",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    for a in acl {
-        v.extend(["--namespace-acl".to_string(), a.to_string()]);
-    }
-    v
+    let acl: Vec<&str> = acl.iter().flat_map(|a| ["--namespace-acl", a]).collect();
+    cluster::pool_args(me, &[peer], secret, cluster::Timing { heartbeat_ms: 200, dead_after_ms: 1000, read_timeout_ms: 3000 }, &acl)
 }
 
 fn keys(ns: u128, n: u128) -> Vec<ObjectKey> {

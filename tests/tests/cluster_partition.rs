@@ -188,11 +188,7 @@ impl NsPool {
 
 impl Drop for NsPool {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if let Some(d) = self.socket.parent() {
-            let _ = std::fs::remove_dir_all(d);
-        }
+        kill_and_clean(&mut self.child, &self.socket);
     }
 }
 
@@ -237,25 +233,12 @@ fn cluster3(tag: &str) -> Option<Cluster3> {
     let dir = tempfile::tempdir().unwrap();
     let secret = cluster::secret_file(dir.path(), b"partition-test-secret-0123456789");
     let addr = |i: usize| format!("{}:{CONTROL_PORT}", Net::host(i));
+    let timing = cluster::Timing { heartbeat_ms: HEARTBEAT_MS, dead_after_ms: DEAD_AFTER_MS, read_timeout_ms: READ_TIMEOUT_MS };
     let pools: Vec<NsPool> = (0..POOLS.len())
         .map(|me| {
-            let mut a: Vec<String> = [
-                "--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", &addr(me),
-                "--cluster-secret-file", secret.to_str().unwrap(),
-            ]
-            .iter()
-            .map(|s| s.to_string())
-            .collect();
-            for other in (0..POOLS.len()).filter(|&o| o != me) {
-                a.extend(["--cluster-peer".to_string(), addr(other)]);
-            }
-            for (f, v) in [
-                ("--cluster-heartbeat-ms", HEARTBEAT_MS),
-                ("--cluster-dead-after-ms", DEAD_AFTER_MS),
-                ("--cluster-read-timeout-ms", READ_TIMEOUT_MS),
-            ] {
-                a.extend([f.to_string(), v.to_string()]);
-            }
+            let peers: Vec<String> = (0..POOLS.len()).filter(|&o| o != me).map(addr).collect();
+            let peers: Vec<&str> = peers.iter().map(String::as_str).collect();
+            let a = cluster::pool_args(&addr(me), &peers, &secret, timing, &[]);
             NsPool::start(&net.ns(POOLS[me]), &unique_socket(&format!("part-{tag}-{}", POOLS[me])), &a)
         })
         .collect();

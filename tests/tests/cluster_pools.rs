@@ -20,16 +20,8 @@ fn two_pools_share_blocks_over_nixl_and_survive_a_peer_death() {
     let dir = tempfile::tempdir().unwrap();
     let secret = cluster::secret_file(dir.path(), b"two-pools-share-a-secret-0123456789");
     let (a1, a2) = (cluster::loopback_addr(), cluster::loopback_addr());
-    let args = |me: &str, peer: &str| -> Vec<String> {
-        [
-            "--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", me, "--cluster-peer", peer,
-            "--cluster-secret-file", secret.to_str().unwrap(), "--cluster-heartbeat-ms", "200", "--cluster-dead-after-ms", "1000",
-            "--cluster-read-timeout-ms", "3000",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: 1000, read_timeout_ms: 3000 };
+    let args = |me: &str, peer: &str| cluster::pool_args(me, &[peer], &secret, timing, &[]);
     let (args1, args2) = (args(&a1, &a2), args(&a2, &a1));
     let mut pool1 = PoolProcess::start(&unique_socket("clu1"), &args1.iter().map(String::as_str).collect::<Vec<_>>());
     let pool2 = PoolProcess::start(&unique_socket("clu2"), &args2.iter().map(String::as_str).collect::<Vec<_>>());

@@ -62,30 +62,10 @@ fn three_pools_share_blocks_survive_a_stopped_peer_and_cap_remote_entries() {
     let dir = tempfile::tempdir().unwrap();
     let secret = cluster::secret_file(dir.path(), b"three-pools-share-a-secret-0123456789");
     let addrs = [cluster::loopback_addr(), cluster::loopback_addr(), cluster::loopback_addr()];
-    let args = |me: usize, extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = [
-            "--capacity", "64MiB", "--min-object-size", "16KiB", "--cluster-listen", &addrs[me],
-            "--cluster-secret-file", secret.to_str().unwrap(),
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        for (i, a) in addrs.iter().enumerate() {
-            if i != me {
-                v.extend(["--cluster-peer".to_string(), a.clone()]);
-            }
-        }
-        v.extend(
-            [
-                ("--cluster-heartbeat-ms", HEARTBEAT_MS),
-                ("--cluster-dead-after-ms", DEAD_AFTER_MS),
-                ("--cluster-read-timeout-ms", READ_TIMEOUT_MS),
-            ]
-            .iter()
-            .flat_map(|(f, v)| [f.to_string(), v.to_string()]),
-        );
-        v.extend(extra.iter().map(|s| s.to_string()));
-        v
+    let timing = cluster::Timing { heartbeat_ms: HEARTBEAT_MS, dead_after_ms: DEAD_AFTER_MS, read_timeout_ms: READ_TIMEOUT_MS };
+    let args = |me: usize, extra: &[&str]| {
+        let peers: Vec<&str> = (0..addrs.len()).filter(|&i| i != me).map(|i| addrs[i].as_str()).collect();
+        cluster::pool_args(&addrs[me], &peers, &secret, timing, extra)
     };
     let start = |i: usize, extra: &[&str]| {
         let a = args(i, extra);

@@ -274,16 +274,8 @@ fn remote_loads_in_many_stages_are_byte_exact_with_look_ahead() {
     let dir = tempfile::tempdir().unwrap();
     let secret = cluster::secret_file(dir.path(), b"pipelined-promotion-secret-0123456789");
     let (a1, a2) = (cluster::loopback_addr(), cluster::loopback_addr());
-    let args = |me: &str, peer: &str| -> Vec<String> {
-        [
-            "--capacity", "64MiB", "--min-object-size", "16KiB", "--copy-stage-size", "16KiB", "--cluster-listen", me,
-            "--cluster-peer", peer, "--cluster-secret-file", secret.to_str().unwrap(), "--cluster-heartbeat-ms", "200",
-            "--cluster-dead-after-ms", "3000", "--cluster-read-timeout-ms", "5000", "--promotion-ahead", "128MiB",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
+    let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: 3000, read_timeout_ms: 5000 };
+    let args = |me: &str, peer: &str| cluster::pool_args(me, &[peer], &secret, timing, &["--copy-stage-size", "16KiB", "--promotion-ahead", "128MiB"]);
     let (args1, args2) = (args(&a1, &a2), args(&a2, &a1));
     let pool1 = PoolProcess::start(&unique_socket("pipe-clu1"), &args1.iter().map(String::as_str).collect::<Vec<_>>());
     let pool2 = PoolProcess::start(&unique_socket("pipe-clu2"), &args2.iter().map(String::as_str).collect::<Vec<_>>());
