@@ -41,8 +41,9 @@ pub struct PoolConfig {
     /// Copy threads one attachment may occupy at once (0 = all but one): a peer whose
     /// copies wait (an unwritten store fence, slow memory) never holds every thread.
     pub copy_threads_per_peer: usize,
-    /// A submission moving more than this is copied in stages of about this size, each
-    /// published as it lands while the next ones copy; 0 = one stage.
+    /// A submission moving more than this is copied in stages of up to this size, each
+    /// published as it lands while the next ones copy (the first stages smaller:
+    /// `umbp_protocol::stage_split`); 0 = one stage.
     pub copy_stage_bytes: u64,
     /// Loads from lower tiers (SSD, remote pools): bytes of DRAM the pool promotes ahead of
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches

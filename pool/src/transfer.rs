@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
 use umbp_protocol::layout::{push_coalesced, CopyOp, KvLayout};
+use umbp_protocol::stage_split::StageSplit;
 use umbp_protocol::transfer_state::TransferState;
 use umbp_protocol::ObjectKey;
 
@@ -191,19 +192,6 @@ fn ns_between(a: Instant, b: Instant) -> u64 {
     b.saturating_duration_since(a).as_nanos() as u64
 }
 
-/// Stages for `blocks` blocks: `stage_bytes` of objects per stage (0 = one stage), at
-/// most one stage per block and [`MAX_STAGES`].
-pub fn stage_count(blocks: usize, object_bytes: u64, stage_bytes: u64) -> usize {
-    if stage_bytes == 0 || blocks == 0 {
-        return 1;
-    }
-    let total = blocks as u64 * object_bytes;
-    (total.div_ceil(stage_bytes) as usize).clamp(1, blocks.min(MAX_STAGES))
-}
-
-/// Stages per submission at most (each costs an event per copy stream).
-const MAX_STAGES: usize = 64;
-
 /// What [`copy`] did: submission positions whose copy failed, and how many of
 /// `job.blocks` (a prefix) are settled already — published or unpinned, status written —
 /// because their stage landed while later stages still copied.
@@ -288,8 +276,8 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         Opcode::Nop => return Copied { failed: Vec::new(), settled: 0, cancelled: false },
     };
     let size = job.layout.object_bytes();
-    let stages = stage_count(job.candidates.len(), size, inner.copy_stage_bytes.load(Ordering::Relaxed));
-    let n = job.candidates.len();
+    let split = StageSplit::new(job.candidates.len(), size, inner.copy_stage_bytes.load(Ordering::Relaxed));
+    let (stages, n) = (split.count(), job.candidates.len());
     let progress = RefCell::new(Progress {
         candidates: &job.candidates,
         blocks: &mut job.blocks,
@@ -314,13 +302,13 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             p.stage_blocks.push(from..from);
             return group_regions.iter().map(|r| (*r, Vec::new())).collect();
         }
-        let (a, b) = (s * n / stages, (s + 1) * n / stages);
+        let std::ops::Range { start: a, end: b } = split.range(s);
         if op == Opcode::Load {
             // This stage's lower-tier objects go to the promotion threads (if the look-ahead
             // did not already), then later stages' and the peer's next loads' within the
             // look-ahead window: they fetch while this stage copies.
             crate::promote::launch(inner, att, size, p.candidates, ahead, b, true);
-            if launch_stages(inner, att, size, p.candidates, ahead, s + 1, stages) {
+            if launch_stages(inner, att, size, p.candidates, ahead, &split, s + 1) {
                 launch_next_loads(inner, att);
             }
             crate::promote::take(inner, att, ahead, b, p.blocks, p.statuses, n);
@@ -483,19 +471,18 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
     };
     let stage_bytes = inner.copy_stage_bytes.load(Ordering::Relaxed);
     for (ahead, cands, size) in next {
-        if !launch_stages(inner, att, size, &cands, &ahead, 0, stage_count(cands.len(), size, stage_bytes)) {
+        if !launch_stages(inner, att, size, &cands, &ahead, &StageSplit::new(cands.len(), size, stage_bytes), 0) {
             break;
         }
     }
 }
 
-/// Launches stages `from..stages` of a load's candidates ahead, one ticket per stage (so
-/// that each stage takes only its own), while the look-ahead window has room. True if all
-/// were launched.
-fn launch_stages(inner: &PoolInner, att: &Attachment, size: u64, cands: &[Candidate], ahead: &crate::promote::Ahead, from: usize, stages: usize) -> bool {
-    let n = cands.len();
-    (from..stages).all(|k| {
-        let to = (k + 1) * n / stages;
+/// Launches stages `from..` of a load's candidates (cut by `split`) ahead, one ticket per
+/// stage (so that each stage takes only its own), while the look-ahead window has room.
+/// True if all were launched.
+fn launch_stages(inner: &PoolInner, att: &Attachment, size: u64, cands: &[Candidate], ahead: &crate::promote::Ahead, split: &StageSplit, from: usize) -> bool {
+    (from..split.count()).all(|k| {
+        let to = split.range(k).end;
         crate::promote::launch(inner, att, size, cands, ahead, to, false) >= to
     })
 }

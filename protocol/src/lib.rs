@@ -18,6 +18,7 @@ pub mod layout;
 pub mod location;
 pub mod arena;
 pub mod ring;
+pub mod stage_split;
 pub mod transfer_state;
 mod sync;
 pub mod wire;

@@ -56,9 +56,11 @@ struct Args {
     /// submissions queue per peer [default: 0 = all copy threads but one].
     #[arg(long = "copy-threads-per-peer", env = "UMBP_COPY_THREADS_PER_PEER", value_name = "N", default_value_t = 0)]
     copy_threads_per_peer: usize,
-    /// A submission moving more than this is copied in stages of about this size; each
-    /// stage's blocks are published (stores) or released (loads) as soon as it lands, while
-    /// the next stages still copy. 0 copies every submission in one piece.
+    /// A submission moving more than this is copied in stages of up to this size (the first
+    /// 1/16 of it, each next one twice the one before, so that the first bytes move after
+    /// little planning); each stage's blocks are published (stores) or released (loads) as
+    /// soon as it lands, while the next stages still copy. 0 copies every submission in one
+    /// piece.
     #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
     copy_stage_size: String,
     /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
