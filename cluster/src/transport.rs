@@ -119,6 +119,28 @@ pub fn available() -> bool {
     load_library().is_ok()
 }
 
+/// UCX settings this agent needs, after the plugin's own `engine_config` (`KEY=VALUE,...`,
+/// keys without `UCX_`; NIXL applies each unless `UCX_KEY` is set in the environment).
+///
+/// `TCP_CONN_NB=y`: UCX's TCP transport otherwise connects with a blocking `connect()`
+/// inside `ucp_ep_create`, i.e. inside [`Agent::load_peer`], holding the UCP worker's lock.
+/// When the peer's address does not answer (partitioned just as its `Join` arrived, or a
+/// data network that is down while the control network is up), that call blocks for the
+/// kernel's SYN retries (14 s measured here, minutes over a router) and the worker makes no
+/// progress meanwhile: NIXL's progress thread spins on the lock, so no read this pool makes
+/// *or serves* completes (issue #17, docs/cluster.md "What was tested here").
+pub const UCX_ENGINE_CONFIG: &str = "TCP_CONN_NB=y";
+
+/// `given` (the plugin's default `engine_config`) with [`UCX_ENGINE_CONFIG`] appended.
+pub fn ucx_engine_config(given: &str) -> String {
+    let given = given.trim_matches(',');
+    if given.is_empty() {
+        UCX_ENGINE_CONFIG.to_string()
+    } else {
+        format!("{given},{UCX_ENGINE_CONFIG}")
+    }
+}
+
 /// A DRAM range this agent registered. Deregistered on drop.
 struct Region {
     base: u64,
@@ -204,7 +226,17 @@ impl Agent {
         if !names.iter().any(|n| n == "UCX") {
             return Err(TransportError::NoUcx { found: names.join(",") });
         }
-        let (_mems, params) = agent.get_plugin_params("UCX").map_err(nixl("UCX plugin params"))?;
+        let (_mems, mut params) = agent.get_plugin_params("UCX").map_err(nixl("UCX plugin params"))?;
+        let given = params
+            .iter()
+            .map_err(nixl("UCX plugin params"))?
+            .filter_map(Result::ok)
+            .find(|(k, _)| *k == "engine_config")
+            .map(|(_, v)| v.to_string())
+            .unwrap_or_default();
+        let engine_config = ucx_engine_config(&given);
+        params.set("engine_config", &engine_config).map_err(nixl("UCX engine config"))?;
+        tracing::debug!(engine_config, "UCX backend configuration");
         let backend = agent.create_backend("UCX", &params).map_err(nixl("create UCX backend"))?;
         let mut opt = OptArgs::new().map_err(nixl("opt args"))?;
         opt.add_backend(&backend).map_err(nixl("opt args backend"))?;
@@ -316,9 +348,11 @@ impl Agent {
             return Err(TransportError::UnknownPeer(peer.agent.clone()));
         }
         let fail = |source| TransportError::ReadFailed { peer: peer.agent.clone(), source };
+        let posted = Instant::now();
         let req = self.agent.create_xfer_req(XferOp::Read, &local, &remote, &peer.agent, Some(&self.opt)).map_err(fail)?;
         let in_progress = self.agent.post_xfer_req(&req, Some(&self.opt)).map_err(fail)?;
-        Ok(PendingRead { agent: self, req, peer: peer.agent.clone(), done: !in_progress })
+        tracing::debug!(agent = %peer.agent, pieces = pieces.len(), in_progress, post_us = posted.elapsed().as_micros() as u64, "remote read posted");
+        Ok(PendingRead { agent: self, req, peer: peer.agent.clone(), done: !in_progress, posted })
     }
 }
 
@@ -329,6 +363,7 @@ pub struct PendingRead<'a> {
     req: nixl_sys::XferRequest,
     peer: String,
     done: bool,
+    posted: Instant,
 }
 
 impl PendingRead<'_> {
@@ -341,6 +376,9 @@ impl PendingRead<'_> {
                 .get_xfer_status(&self.req)
                 .map_err(|source| TransportError::ReadFailed { peer: self.peer.clone(), source })?;
             self.done = matches!(status, XferStatus::Success);
+            if self.done {
+                tracing::debug!(agent = %self.peer, took_us = self.posted.elapsed().as_micros() as u64, "remote read completed");
+            }
         }
         Ok(self.done)
     }
@@ -380,6 +418,12 @@ mod tests {
         assert_eq!(library_candidate(Some("/x/libnixl_capi.so")), PathBuf::from("/x/libnixl_capi.so"));
         let d = tempfile::tempdir().unwrap();
         assert_eq!(library_candidate(Some(d.path().to_str().unwrap())), d.path().join(LIB_NAME));
+    }
+
+    #[test]
+    fn engine_config_asks_for_non_blocking_tcp_connects() {
+        assert_eq!(ucx_engine_config(""), "TCP_CONN_NB=y");
+        assert_eq!(ucx_engine_config("RC_FENCE=none,"), "RC_FENCE=none,TCP_CONN_NB=y");
     }
 
     #[test]
