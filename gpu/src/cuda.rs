@@ -404,6 +404,11 @@ impl DeviceApi for Cuda {
         check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(waiter.0, event.0, 0) })
     }
 
+    fn wait_event(&self, waiter: CudaStream, event: CudaEvent) -> Result<(), GpuError> {
+        // SAFETY: live event and stream of the bound context.
+        check("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(waiter.0, event.0, 0) })
+    }
+
     fn record(&self, event: CudaEvent, stream: CudaStream) -> Result<(), GpuError> {
         // SAFETY: live event and stream of the bound context.
         check("cuEventRecord", unsafe { sys::cuEventRecord(event.0, stream.0) })

@@ -21,17 +21,19 @@
 //! its streams, and a set is reused only by a later call (after that synchronization).
 //!
 //! Which path a stage takes is decided by measurement: the first time a GPU's engine opens
-//! a region, the engine times copy engines against the kernel for pages of 4 KiB to
-//! 128 KiB in both directions (`calibrate`) and keeps, per direction, the largest page
-//! size at which the kernel was faster (`Calibration::use_kernel`). [`GatherConfig`]
-//! forces either path and sets the kernel's block count.
+//! a region, the engine times copy engines, the kernel and device staging (the kernel
+//! gathers pages device-to-device into a staging buffer, copy engines move it whole;
+//! `gather/staged.rs`) for pages of 4 KiB to 128 KiB in both directions (`calibrate`) and
+//! keeps, per direction, the largest page size at which each path that runs a kernel won
+//! (`Calibration::use_staged`, `Calibration::use_kernel`). [`GatherConfig`] forces a
+//! path and sets the kernel's block count.
 //!
 //! HIP: [`HIP_SOURCE`] is the same kernel in HIP C++, for hiprtc; the HIP backend does not
 //! compile or launch it yet (it reports the kernel path unavailable and uses copy engines).
 //! It has never run on AMD hardware.
 //!
 //! Files: this one holds the descriptors, the kernel sources, the calibration and the
-//! launch; `gather/staged.rs` the device-staging experiment; `gather/tests.rs` the tests.
+//! launch; `gather/staged.rs` device staging; `gather/tests.rs` the tests.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -185,9 +187,10 @@ pub enum GatherMode {
     Kernel,
     /// Copy engines only (no SM is used for copies).
     CopyEngine,
-    /// Staged through device memory (experiment, issue #14): the kernel gathers a stage's
-    /// pages device-to-device into a contiguous staging buffer and one copy-engine copy
-    /// per contiguous host run moves it to pool memory (loads: the reverse), in chunks of
+    /// Staged through device memory wherever it can run (`Auto` stages where the
+    /// calibration found it fastest): the kernel gathers a stage's pages device-to-device
+    /// into a contiguous staging buffer and one copy-engine copy per contiguous host run
+    /// moves it to pool memory (loads: the reverse), in chunks of
     /// [`crate::EngineConfig::stage_bytes`] over three (`STAGE_SLOTS`) buffers so the gather
     /// of one chunk overlaps the DMA of the one before. Used where a stage's host side
     /// runs contiguous for at least `STAGE_MIN_RUN` (64 KiB) on average; elsewhere as
@@ -225,15 +228,26 @@ impl GatherConfig {
     }
 }
 
-/// One measured page size.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// One measured page size (GB/s; 0: not measured).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Point {
     pub page: usize,
     pub d2h_ce_gbps: f64,
     pub d2h_kernel_gbps: f64,
     pub h2d_ce_gbps: f64,
     pub h2d_kernel_gbps: f64,
+    /// Device staging (kernel gather device-to-device, copy engines for the DMA).
+    pub d2h_staged_gbps: f64,
+    pub h2d_staged_gbps: f64,
 }
+
+/// A path that runs a kernel must beat copy engines by this factor: its kernel takes
+/// turns on the GPU from the engine's own (H200, 2026-12-01/02: an 8192³ matmul in another
+/// process slowed by 2-4 % under staged copies and by 11-24 % under the direct kernel,
+/// not measurably under copy engines).
+pub const KERNEL_MARGIN: f64 = 1.10;
+/// Device staging must beat the direct kernel by this factor to replace it.
+const STAGED_OVER_KERNEL: f64 = 1.02;
 
 /// What a GPU's calibration measured and decided.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -246,16 +260,38 @@ pub struct Calibration {
     /// Largest page size at which the kernel beat copy engines, per direction (0: never).
     pub d2h_crossover: usize,
     pub h2d_crossover: usize,
+    /// Largest page size at which device staging beat both, per direction (0: never).
+    pub d2h_staged_up_to: usize,
+    pub h2d_staged_up_to: usize,
 }
 
 impl Calibration {
     /// Derives the crossovers from measured points: per direction, the largest page size
-    /// where the kernel was at least 2% faster than copy engines.
+    /// where the kernel beat copy engines by [`KERNEL_MARGIN`], and where device staging
+    /// beat copy engines by as much and the kernel by 2%.
     pub fn from_points(points: Vec<Point>, blocks: u32) -> Self {
         let cross = |f: &dyn Fn(&Point) -> bool| points.iter().filter(|p| f(p)).map(|p| p.page).max().unwrap_or(0);
-        let d2h_crossover = cross(&|p| p.d2h_kernel_gbps > p.d2h_ce_gbps * 1.02);
-        let h2d_crossover = cross(&|p| p.h2d_kernel_gbps > p.h2d_ce_gbps * 1.02);
-        Calibration { points, blocks, block_rates: Vec::new(), d2h_crossover, h2d_crossover }
+        let d2h_crossover = cross(&|p| p.d2h_kernel_gbps > p.d2h_ce_gbps * KERNEL_MARGIN);
+        let h2d_crossover = cross(&|p| p.h2d_kernel_gbps > p.h2d_ce_gbps * KERNEL_MARGIN);
+        let staged = |st: f64, ce: f64, k: f64| st > ce * KERNEL_MARGIN && st > k * STAGED_OVER_KERNEL;
+        let d2h_staged_up_to = cross(&|p| staged(p.d2h_staged_gbps, p.d2h_ce_gbps, p.d2h_kernel_gbps));
+        let h2d_staged_up_to = cross(&|p| staged(p.h2d_staged_gbps, p.h2d_ce_gbps, p.h2d_kernel_gbps));
+        Calibration { points, blocks, block_rates: Vec::new(), d2h_crossover, h2d_crossover, d2h_staged_up_to, h2d_staged_up_to }
+    }
+
+    /// Whether a stage of average copy size `avg` in direction `dir` goes through device
+    /// staging (where it can: [`staged_items`]).
+    pub(crate) fn use_staged(&self, dir: Dir, avg: usize) -> bool {
+        let up_to = match dir {
+            Dir::DeviceToHost => self.d2h_staged_up_to,
+            Dir::HostToDevice => self.h2d_staged_up_to,
+        };
+        avg > 0 && avg <= up_to
+    }
+
+    /// Whether any stage could go through device staging (so staging buffers are needed).
+    pub(crate) fn stages_any(&self) -> bool {
+        self.d2h_staged_up_to > 0 || self.h2d_staged_up_to > 0
     }
 
     /// Whether a stage of average copy size `avg` in direction `dir` goes to the kernel.
@@ -275,6 +311,16 @@ pub(crate) struct GatherState {
 }
 
 impl GatherState {
+    /// Whether a stage goes through device staging: forced by [`GatherMode::Staged`] or by
+    /// the calibration under [`GatherMode::Auto`] (where it can run: [`staged_items`]).
+    pub(crate) fn wants_staged(&self, mode: GatherMode, dir: Dir, scan: &Scan) -> bool {
+        match mode {
+            GatherMode::Staged => true,
+            GatherMode::Auto => self.calibration.use_staged(dir, scan.average()),
+            GatherMode::Kernel | GatherMode::CopyEngine => false,
+        }
+    }
+
     /// Whether a stage goes to the kernel: by the calibration (or forced by
     /// [`GatherMode::Kernel`]) and only where [`eligible`] (`scan` of the stage's items).
     pub(crate) fn wants(&self, mode: GatherMode, dir: Dir, scan: &Scan) -> bool {
@@ -575,6 +621,9 @@ pub(crate) fn blocks_for(blocks: u32, pages: usize) -> u32 {
 pub(crate) const CALIBRATION_PAGES: [usize; 6] = [4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10];
 /// Bytes moved per calibration measurement.
 const CALIBRATION_BYTES: usize = 16 << 20;
+/// Staging chunk of the calibration: 4 chunks per measurement, so that gathers and DMAs
+/// overlap as in a transfer's stages.
+const CALIBRATION_STAGE_CHUNK: usize = CALIBRATION_BYTES / 4;
 /// Block counts tried for 4 KiB pages when none is configured.
 const CALIBRATION_BLOCKS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
 
@@ -596,12 +645,34 @@ pub(crate) fn calibrate<A: DeviceApi>(api: &A, dev: &A::Device, config: GatherCo
     };
     let stream = api.create_stream();
     let mut descs = DescBuf::default();
+    // Device staging needs a second stream, staging buffers and events; without them the
+    // calibration measures the other two paths only.
+    let mut staging = match (api.create_stream(), Staging::new(api, CALIBRATION_STAGE_CHUNK)) {
+        (Ok(s2), Ok(st)) => Some((s2, st)),
+        (s2, st) => {
+            tracing::debug!(api = A::API, "calibration without device staging: {:?} {:?}", s2.as_ref().err(), st.as_ref().err());
+            if let Ok(s2) = s2 {
+                api.destroy_stream(s2);
+            }
+            if let Ok(mut st) = st {
+                // SAFETY: nothing was enqueued on it.
+                unsafe { st.free(api) };
+            }
+            None
+        }
+    };
     let r = stream.and_then(|stream| {
-        let r = measure_all(api, dev, kernel, config, batch_max, stream, device, host, &mut descs);
+        let r = measure_all(api, dev, kernel, config, batch_max, stream, device, host, &mut descs, staging.as_mut());
         let _ = api.synchronize(stream);
         api.destroy_stream(stream);
         r
     });
+    if let Some((s2, mut st)) = staging {
+        let _ = api.synchronize(s2);
+        api.destroy_stream(s2);
+        // SAFETY: both streams that used it were synchronized.
+        unsafe { st.free(api) };
+    }
     // SAFETY: the stream was synchronized (or never created); nothing reads these.
     unsafe {
         descs.free(api);
@@ -622,6 +693,7 @@ fn measure_all<A: DeviceApi>(
     device: u64,
     host: *mut u8,
     descs: &mut DescBuf,
+    staging: Option<&mut (A::Stream, Staging<A>)>,
 ) -> Result<Calibration, GpuError> {
     // Pages every other page-size slot on the device (not one contiguous run), packed on
     // the host: the pool's layout.
@@ -630,14 +702,19 @@ fn measure_all<A: DeviceApi>(
             .map(|i| Item { host: host.wrapping_add(i * page), device: device + (2 * i * page) as u64, len: page })
             .collect()
     };
+    let second = staging.as_ref().map(|s| s.0);
+    let sync = || -> Result<(), GpuError> {
+        api.synchronize(stream)?;
+        second.map_or(Ok(()), |s| api.synchronize(s))
+    };
     let time = |f: &mut dyn FnMut() -> Result<(), GpuError>| -> Result<f64, GpuError> {
         f()?;
-        api.synchronize(stream)?;
+        sync()?;
         let mut best = f64::MAX;
         for _ in 0..3 {
             let t = std::time::Instant::now();
             f()?;
-            api.synchronize(stream)?;
+            sync()?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         Ok(CALIBRATION_BYTES as f64 / best / 1e9)
@@ -670,6 +747,24 @@ fn measure_all<A: DeviceApi>(
             Ok(())
         })
     };
+    let staging = staging.map(|s| std::cell::RefCell::new(&mut s.1));
+    // Device staging as a transfer's stage runs it: the items in host order, then chunks
+    // over the staging slots (the kernel gathers on `stream`, copy engines on the second).
+    let staged_rate = |items: &[Item], dir: Dir| -> Result<f64, GpuError> {
+        let (Some(staging), Some(kd)) = (staging.as_ref(), second) else { return Ok(0.0) };
+        let state = GatherState { kernel, calibration: Calibration::default() };
+        let chunk = staging.borrow().chunk;
+        let Some(sorted) = staged_items(true, items, chunk) else { return Ok(0.0) };
+        time(&mut || {
+            let (mut d, mut st) = (descs.borrow_mut(), staging.borrow_mut());
+            // SAFETY: both streams were synchronized after every launch of this function.
+            unsafe { d.reset(api) };
+            st.reset();
+            // SAFETY: items lie in our two allocations, 16-byte aligned, each one page of
+            // at most 128 KiB, smaller than a chunk (`staged_items` checked).
+            unsafe { launch_staged(api, dev, &state, &mut d, &mut st, &config, dir, &sorted, stream, kd) }
+        })
+    };
     let mut block_rates = Vec::new();
     let blocks = if config.blocks > 0 {
         config.blocks
@@ -692,6 +787,8 @@ fn measure_all<A: DeviceApi>(
             d2h_kernel_gbps: kernel_rate(&its, Dir::DeviceToHost, blocks)?,
             h2d_ce_gbps: ce_rate(&its, Dir::HostToDevice)?,
             h2d_kernel_gbps: kernel_rate(&its, Dir::HostToDevice, blocks)?,
+            d2h_staged_gbps: staged_rate(&its, Dir::DeviceToHost)?,
+            h2d_staged_gbps: staged_rate(&its, Dir::HostToDevice)?,
         });
     }
     Ok(Calibration { block_rates, ..Calibration::from_points(points, blocks) })

@@ -361,6 +361,13 @@ impl DeviceApi for HipApi {
         let _ = unsafe { (self.0.event_destroy)(event.0) };
     }
 
+    fn wait_event(&self, waiter: HipStreamHandle, event: HipEventHandle) -> Result<(), GpuError> {
+        // SAFETY: live event and stream of the bound device; flags must be 0.
+        self.0.check("hipStreamWaitEvent", unsafe {
+            (self.0.stream_wait_event)(waiter.0, event.0, 0)
+        })
+    }
+
     fn join(
         &self,
         waiter: HipStreamHandle,

@@ -61,6 +61,12 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
         let _ = (waiter, event, other);
         Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
     }
+    /// `waiter` waits (on the GPU) for the work before the last [`Self::record`] of
+    /// `event` (on any stream).
+    fn wait_event(&self, waiter: Self::Stream, event: Self::Event) -> Result<(), GpuError> {
+        let _ = (waiter, event);
+        Err(GpuError::Unsupported(format!("{}: events not wired", Self::API)))
+    }
     /// Records `event` on `stream`: it completes once the work enqueued so far is done.
     fn record(&self, event: Self::Event, stream: Self::Stream) -> Result<(), GpuError> {
         let _ = (event, stream);

@@ -48,7 +48,7 @@ fn setup(crossover: usize) -> Setup {
             backend.open_region_for(&reg, None, &peer).unwrap()
         })
         .collect();
-    let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0 };
+    let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0, ..Point::default() };
     let engines = backend.shared.engines.lock().unwrap();
     let engine = engines.values().next().unwrap();
     let points = if crossover == 0 { vec![] } else { vec![p(crossover)] };

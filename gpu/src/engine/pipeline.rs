@@ -119,14 +119,20 @@ impl<A: DeviceApi> Engine<A> {
             gather::split_large(&mut items, streams);
         }
         let n_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
-        // Device staging needs a kernel stream and a DMA stream.
-        let stage_mode = config.gather.mode == gather::GatherMode::Staged;
+        let mode = config.gather.mode;
+        let kernel = self.gather_path(mode);
+        // Device staging (forced, or where the calibration found it fastest) needs a
+        // kernel stream and a DMA stream.
+        let stage_mode = match mode {
+            gather::GatherMode::Staged => true,
+            gather::GatherMode::Auto => kernel.is_some_and(|g| g.calibration.stages_any()),
+            _ => false,
+        };
         let n_streams = if stage_mode { n_streams.max(2) } else { n_streams };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
         // SAFETY: the set's previous call synchronized its streams before putting it back.
         unsafe { set.descs.reset(api) };
-        let kernel = self.gather_path(config.gather.mode);
         // Eligibility for the kernel is looked up only where a kernel could take the stage.
         let scan_ranges: &[(usize, usize)] = if kernel.is_some() { ranges } else { &[] };
         // SAFETY: as for the descriptors above.
@@ -227,7 +233,8 @@ impl<A: DeviceApi> Engine<A> {
                     let scan = gather::scan(&items, scan_ranges);
                     n_items += scan.items as u64;
                     n_bytes += scan.bytes;
-                    if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
+                    let staged = kernel.and_then(|g| gather::staged_items(g.wants_staged(mode, dir, &scan), &items, stage_chunk));
+                    if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), staged) {
                         (used[0], used[1]) = (true, true);
                         // SAFETY: forwarded caller contract; `staged_items` checked
                         // alignment and sizes.
@@ -235,7 +242,7 @@ impl<A: DeviceApi> Engine<A> {
                             first_err = Some(e);
                             break 'stages;
                         }
-                    } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &scan)) {
+                    } else if let Some(g) = kernel.filter(|g| g.wants(mode, dir, &scan)) {
                         // Same stream, same place as the copies: after the store fence's
                         // wait, before the stage event and the load fence's write.
                         used[0] = true;
@@ -294,11 +301,13 @@ impl<A: DeviceApi> Engine<A> {
                 n_bytes = scan.bytes;
                 let runs = balance(&items, n_streams);
                 if first_err.is_some() {
-                } else if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), gather::staged_items(config.gather.mode, &items, stage_chunk)) {
+                } else if let (Some(g), Some(staging), Some(sorted)) =
+                    (kernel, set.staging.as_mut(), kernel.and_then(|g| gather::staged_items(g.wants_staged(mode, dir, &scan), &items, stage_chunk)))
+                {
                     (used[0], used[1]) = (true, true);
                     // SAFETY: forwarded caller contract; `staged_items` checked eligibility.
                     first_err = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &sorted, set.streams[0], set.streams[1]) }.err();
-                } else if let Some(g) = kernel.filter(|g| g.wants(config.gather.mode, dir, &scan)) {
+                } else if let Some(g) = kernel.filter(|g| g.wants(mode, dir, &scan)) {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.
                     first_err = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, &scan, set.streams[0]) }.err();
@@ -511,7 +520,7 @@ mod tests {
         use crate::gather::{Calibration, GatherConfig, GatherMode, GatherState, Point};
         let split = GatherConfig { split_streams: 4, ..GatherConfig::default() };
         let (api, engine) = simulated(usize::MAX, true, false);
-        let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0 };
+        let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0, ..Point::default() };
         let calibration = Calibration::from_points(vec![p(4096), p(16384)], 8);
         assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration })).is_ok());
         let total = 4 << 20;
@@ -573,7 +582,7 @@ mod tests {
     /// host runs are short, and the other modes, do not stage.
     #[test]
     fn staged_mode_moves_whole_objects_through_device_staging() {
-        use crate::gather::{staging_stats, Calibration, GatherConfig, GatherMode, GatherState};
+        use crate::gather::{staging_stats, Calibration, GatherConfig, GatherMode, GatherState, Point};
         let (api, engine) = simulated(usize::MAX, true, false);
         assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![], 8) })).is_ok());
         let (layers, objects, page) = (16usize, 96usize, 4096usize);
@@ -630,9 +639,39 @@ mod tests {
         // SAFETY: the test clears its own buffer while nothing copies.
         unsafe { std::ptr::write_bytes(host_ptr, 0, total) };
         assert_eq!(run(Dir::DeviceToHost, scattered, cfg), (0, n, 0));
-        // Auto: never staged.
+        // Auto, under a calibration where staging never won: not staged.
         let auto = EngineConfig { gather: GatherConfig::default(), ..cfg };
         assert_eq!(run(Dir::DeviceToHost, items.clone(), auto).2, 0);
+        // Auto on a GPU whose calibration found staging fastest for 4 KiB stores only
+        // (loads: the direct kernel won): stores stage, loads take the kernel, and a
+        // forced mode overrides the calibration. (Same test: the staging counters are
+        // process-wide, a parallel test would disturb them.)
+        let point = Point { page, d2h_ce_gbps: 5.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 5.0, h2d_kernel_gbps: 40.0, d2h_staged_gbps: 50.0, h2d_staged_gbps: 30.0 };
+        let (api2, engine2) = simulated(usize::MAX, true, false);
+        assert!(engine2.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![point], 8) })).is_ok());
+        let run2 = |dir: Dir, items: Vec<Item>, mode: GatherMode| {
+            let mut a = args();
+            a.dir = dir;
+            a.engine = EngineConfig { gather: GatherConfig { mode, ..GatherConfig::default() }, ..cfg };
+            let (k0, c0, s0) = (api2.kernels.load(Ordering::Relaxed), api2.copies.load(Ordering::Relaxed), staging_stats().1);
+            // SAFETY: items point into `dev`/`host`, alive for the call.
+            let registered = [(host_ptr as usize, host_ptr as usize + total)];
+            let r = unsafe { engine2.run(&api2, &Call { args: &a, stages: 1, signal: false, ranges: &registered }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+            assert!(r.is_ok(), "{r:?}");
+            (api2.kernels.load(Ordering::Relaxed) - k0, api2.copies.load(Ordering::Relaxed) - c0, staging_stats().1 - s0)
+        };
+        // SAFETY: the test clears its own buffer while nothing copies.
+        unsafe { std::ptr::write_bytes(host_ptr, 0, total) };
+        assert_eq!(run2(Dir::DeviceToHost, items.clone(), GatherMode::Auto), (6, 6, 6), "auto store: staged");
+        check(&host);
+        dev2.fill(0);
+        let back2: Vec<Item> = items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
+        let (k, c, chunks) = run2(Dir::HostToDevice, back2, GatherMode::Auto);
+        assert_eq!((c, chunks), (0, 0), "auto load: the direct kernel, no staging");
+        assert!(k > 0);
+        assert_eq!(dev2, dev, "loaded bytes");
+        assert_eq!(run2(Dir::DeviceToHost, items.clone(), GatherMode::Kernel).2, 0, "forced kernel: not staged");
+        assert_eq!(run2(Dir::DeviceToHost, items.clone(), GatherMode::CopyEngine), (0, items.len(), 0), "forced copy engines");
         let _ = &mut host;
     }
 

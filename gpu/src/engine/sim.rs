@@ -151,6 +151,9 @@ impl DeviceApi for SimulatedDevice {
         // SAFETY: from alloc_mapped in alloc_device.
         unsafe { self.free_mapped(ptr as *mut u8) };
     }
+    fn wait_event(&self, _: usize, _: usize) -> Result<(), GpuError> {
+        if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
+    }
     fn join(&self, _: usize, _: usize, _: usize) -> Result<(), GpuError> {
         if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
     }

@@ -67,10 +67,12 @@ impl<A: DeviceApi> Engine<A> {
                     api = A::API,
                     ordinal = self.ordinal,
                     blocks = c.blocks,
+                    d2h_staged_up_to = c.d2h_staged_up_to,
+                    h2d_staged_up_to = c.h2d_staged_up_to,
                     d2h_kernel_up_to = c.d2h_crossover,
                     h2d_kernel_up_to = c.h2d_crossover,
                     points = ?c.points,
-                    "page copy kernel calibrated: pages up to these sizes go to the kernel, larger ones to copy engines"
+                    "page copy kernel calibrated: pages up to the staged sizes go through device staging, up to the kernel sizes to the kernel, larger ones to copy engines"
                 );
                 gather::record_calibration(self.ordinal, c);
                 Some(g)

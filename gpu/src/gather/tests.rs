@@ -7,7 +7,7 @@ fn it(host: usize, device: u64, len: usize) -> Item {
 
 #[test]
 fn crossover_is_the_largest_page_where_the_kernel_wins() {
-    let p = |page, d2h_ce, d2h_k, h2d_ce, h2d_k| Point { page, d2h_ce_gbps: d2h_ce, d2h_kernel_gbps: d2h_k, h2d_ce_gbps: h2d_ce, h2d_kernel_gbps: h2d_k };
+    let p = |page, d2h_ce, d2h_k, h2d_ce, h2d_k| Point { page, d2h_ce_gbps: d2h_ce, d2h_kernel_gbps: d2h_k, h2d_ce_gbps: h2d_ce, h2d_kernel_gbps: h2d_k, ..Point::default() };
     let c = Calibration::from_points(
         vec![p(4096, 5.0, 45.0, 5.0, 40.0), p(16384, 20.0, 48.0, 20.0, 30.0), p(65536, 50.0, 49.0, 50.0, 30.0)],
         8,
@@ -23,6 +23,39 @@ fn crossover_is_the_largest_page_where_the_kernel_wins() {
     assert_eq!((c.d2h_crossover, c.h2d_crossover), (0, 0));
     assert!(!c.use_kernel(Dir::DeviceToHost, 4096));
     assert_eq!(Calibration::from_points(vec![], 8).d2h_crossover, 0);
+    // A kernel 5% faster than copy engines does not pay for the turns it takes.
+    let c = Calibration::from_points(vec![p(65536, 50.0, 52.5, 50.0, 52.5)], 8);
+    assert!(!c.use_kernel(Dir::DeviceToHost, 65536) && !c.stages_any());
+}
+
+#[test]
+fn staging_is_chosen_where_it_beats_both_other_paths() {
+    let p = |page, ce: f64, k: f64, d2h_st: f64, h2d_st: f64| Point {
+        page,
+        d2h_ce_gbps: ce,
+        d2h_kernel_gbps: k,
+        h2d_ce_gbps: ce,
+        h2d_kernel_gbps: k,
+        d2h_staged_gbps: d2h_st,
+        h2d_staged_gbps: h2d_st,
+    };
+    let c = Calibration::from_points(
+        vec![
+            p(4096, 5.0, 47.0, 52.0, 47.5),  // stores stage; loads: staging not 2% over the kernel
+            p(16384, 20.0, 50.0, 53.0, 53.0), // both stage
+            p(65536, 51.0, 50.0, 53.0, 53.0), // staging only 4% over copy engines: not worth a kernel
+        ],
+        8,
+    );
+    assert_eq!((c.d2h_staged_up_to, c.h2d_staged_up_to), (16384, 16384));
+    assert!(c.use_staged(Dir::DeviceToHost, 4096) && c.use_staged(Dir::DeviceToHost, 16384));
+    assert!(!c.use_staged(Dir::DeviceToHost, 16385) && !c.use_staged(Dir::DeviceToHost, 0));
+    assert!(c.stages_any());
+    // Where staging is not taken (short host runs) the kernel still is.
+    assert_eq!((c.d2h_crossover, c.h2d_crossover), (16384, 16384));
+    // Not measured (no staging memory): never chosen.
+    let c = Calibration::from_points(vec![p(4096, 5.0, 47.0, 0.0, 0.0)], 8);
+    assert!(!c.stages_any() && c.use_kernel(Dir::HostToDevice, 4096));
 }
 
 #[test]
@@ -35,17 +68,17 @@ fn staging_takes_sorted_contiguous_host_runs_only() {
         }
     }
     assert_eq!(average_host_run(&items), 4096, "as handed: no page follows its neighbour");
-    let sorted = staged_items(GatherMode::Staged, &items, 1 << 20).expect("staged");
+    let sorted = staged_items(true, &items, 1 << 20).expect("staged");
     assert!(sorted.windows(2).all(|w| w[0].host < w[1].host));
     assert_eq!(average_host_run(&sorted), 64 << 10);
     assert_eq!(sorted.len(), items.len());
-    assert!(staged_items(GatherMode::Auto, &items, 1 << 20).is_none(), "only when asked for");
-    assert!(staged_items(GatherMode::Staged, &items, 0).is_none(), "no staging memory");
-    assert!(staged_items(GatherMode::Staged, &items[..16], 1 << 20).is_none(), "half the layers: 32 KiB runs");
+    assert!(staged_items(false, &items, 1 << 20).is_none(), "only when wanted");
+    assert!(staged_items(true, &items, 0).is_none(), "no staging memory");
+    assert!(staged_items(true, &items[..16], 1 << 20).is_none(), "half the layers: 32 KiB runs");
     let mut odd = items.clone();
     odd[3].device += 8;
-    assert!(staged_items(GatherMode::Staged, &odd, 1 << 20).is_none(), "unaligned device address");
-    assert!(staged_items(GatherMode::Staged, &[it(0, 0, 2 << 20)], 1 << 20).is_none(), "copy larger than a chunk");
+    assert!(staged_items(true, &odd, 1 << 20).is_none(), "unaligned device address");
+    assert!(staged_items(true, &[it(0, 0, 2 << 20)], 1 << 20).is_none(), "copy larger than a chunk");
     assert_eq!(average_host_run(&[]), 0);
     // The O(n) placement agrees with a sort, and steps aside where it cannot place.
     let mut want = items.clone();
