@@ -654,8 +654,8 @@ mod tests {
             a.dir = dir;
             a.engine = EngineConfig { gather: GatherConfig { mode, ..GatherConfig::default() }, ..cfg };
             let (k0, c0, s0) = (api2.kernels.load(Ordering::Relaxed), api2.copies.load(Ordering::Relaxed), staging_stats().1);
-            // SAFETY: items point into `dev`/`host`, alive for the call.
             let registered = [(host_ptr as usize, host_ptr as usize + total)];
+            // SAFETY: items point into `dev`/`host`, alive for the call.
             let r = unsafe { engine2.run(&api2, &Call { args: &a, stages: 1, signal: false, ranges: &registered }, items, &mut |_, _| Ok(()), &mut |_| {}) };
             assert!(r.is_ok(), "{r:?}");
             (api2.kernels.load(Ordering::Relaxed) - k0, api2.copies.load(Ordering::Relaxed) - c0, staging_stats().1 - s0)
