@@ -118,7 +118,8 @@ impl<A: DeviceApi> Engine<A> {
         if large && !staged {
             gather::split_large(&mut items, streams);
         }
-        let n_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
+        // Streams the copy engines' copies are spread over (the configured count).
+        let copy_streams = if staged { streams } else { streams.clamp(1, items.len().max(1)) };
         let mode = config.gather.mode;
         let kernel = self.gather_path(mode);
         // Device staging (forced, or where the calibration found it fastest) needs a
@@ -128,7 +129,10 @@ impl<A: DeviceApi> Engine<A> {
             gather::GatherMode::Auto => kernel.is_some_and(|g| g.calibration.stages_any()),
             _ => false,
         };
-        let n_streams = if stage_mode { n_streams.max(2) } else { n_streams };
+        // The set may have more (staging's DMA stream); copies that are not staged still
+        // use `copy_streams` only: 64 KiB pages over two streams ran ~2 % slower (H200,
+        // 2026-12-02, gpt-oss layout 0.91 vs 0.93 of contiguous in one run).
+        let n_streams = if stage_mode { copy_streams.max(2) } else { copy_streams };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
         // SAFETY: the set's previous call synchronized its streams before putting it back.
@@ -227,7 +231,7 @@ impl<A: DeviceApi> Engine<A> {
                         }
                     }
                     if large {
-                        gather::split_large(&mut items, n_streams);
+                        gather::split_large(&mut items, copy_streams);
                     }
                     // One pass for the counters, the path and the descriptor count.
                     let scan = gather::scan(&items, scan_ranges);
@@ -252,7 +256,7 @@ impl<A: DeviceApi> Engine<A> {
                             break 'stages;
                         }
                     } else {
-                        for (k, run) in balance(&items, n_streams).into_iter().enumerate() {
+                        for (k, run) in balance(&items, copy_streams).into_iter().enumerate() {
                             used[k] = true;
                             if let Err(e) = enqueue(&items, set.streams[k], run) {
                                 first_err = Some(e);
@@ -299,7 +303,7 @@ impl<A: DeviceApi> Engine<A> {
                 let scan = gather::scan(&items, scan_ranges);
                 n_items = scan.items as u64;
                 n_bytes = scan.bytes;
-                let runs = balance(&items, n_streams);
+                let runs = balance(&items, copy_streams);
                 if first_err.is_some() {
                 } else if let (Some(g), Some(staging), Some(sorted)) =
                     (kernel, set.staging.as_mut(), kernel.and_then(|g| gather::staged_items(g.wants_staged(mode, dir, &scan), &items, stage_chunk)))
