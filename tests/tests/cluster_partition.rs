@@ -367,7 +367,7 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
         n(&local, "max_wait_ms")
     );
     // (20 blocks: their change stream to A, ~3 KB, stays within the connection's send
-    // buffer; a larger one stalls B's heartbeats to C, the first known-bug test below.)
+    // buffer; a larger one stalled B's heartbeats to C before outbox.rs, the stall test below.)
     let st = store(pb, 3000, 20);
     assert!(n(&st, "max_wait_ms") < 1000, "a local store on B waited {} ms during the partition", n(&st, "max_wait_ms"));
     println!(
@@ -428,8 +428,8 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
         listed(&mut ib, &k_a3) == 1000 && listed(&mut ib, &k_a4) == 50
     });
     // Requests of 16 blocks: the pins sent after the cut (~2.5 KB a request) stay within
-    // the connection's send buffer; larger ones overrun the read budget, the second
-    // known-bug test below.
+    // the connection's send buffer; larger ones overran the read budget before outbox.rs,
+    // the budget test below.
     let sb = pb.socket.clone();
     let t = Instant::now();
     let inflight =
