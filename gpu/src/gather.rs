@@ -280,7 +280,7 @@ impl Calibration {
     }
 
     /// Whether a stage of average copy size `avg` in direction `dir` goes through device
-    /// staging (where it can: [`staged_items`]).
+    /// staging (where it can: [`staged_order`]).
     pub(crate) fn use_staged(&self, dir: Dir, avg: usize) -> bool {
         let up_to = match dir {
             Dir::DeviceToHost => self.d2h_staged_up_to,
@@ -760,7 +760,8 @@ fn measure_all<A: DeviceApi>(
         let (Some(staging), Some(kd)) = (staging.as_ref(), second) else { return Ok(0.0) };
         let state = GatherState { kernel, calibration: Calibration::default() };
         let chunk = staging.borrow().chunk;
-        let Some(sorted) = staged_items(true, items, chunk) else { return Ok(0.0) };
+        let Some(order) = staged_order(true, items, chunk) else { return Ok(0.0) };
+        let n_descs = desc_count(items);
         time_passes(CALIBRATION_STAGE_PASSES, &mut || {
             let (mut d, mut st) = (descs.borrow_mut(), staging.borrow_mut());
             // SAFETY: both streams were synchronized after every launch of this function.
@@ -768,9 +769,9 @@ fn measure_all<A: DeviceApi>(
             st.reset();
             for _ in 0..CALIBRATION_STAGE_PASSES {
                 // SAFETY: items lie in our two allocations, 16-byte aligned, each one page
-                // of at most 128 KiB, smaller than a chunk (`staged_items` checked); the
+                // of at most 128 KiB, smaller than a chunk (`staged_order` checked); the
                 // slots' own events order each pass after the one before.
-                unsafe { launch_staged(api, dev, &state, &mut d, &mut st, &config, dir, &sorted, stream, kd) }?;
+                unsafe { launch_staged(api, dev, &state, &mut d, &mut st, &config, dir, items, &order, n_descs, stream, kd) }?;
             }
             Ok(())
         })
@@ -811,7 +812,7 @@ pub(crate) fn pick_blocks(rates: &[(u32, f64)]) -> u32 {
 }
 
 mod staged;
-pub(crate) use staged::{launch_staged, staged_items, Staging};
+pub(crate) use staged::{launch_staged, staged_order, Staging};
 pub use staged::staging_stats;
 
 #[cfg(test)]

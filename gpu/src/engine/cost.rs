@@ -108,7 +108,7 @@ fn run(setup: &Setup, gather: GatherMode, reps: usize) -> (f64, usize) {
 fn kv4k_engine_cost_per_page() {
     let reps: usize = std::env::var("UMBP_COST_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(11);
     let only = std::env::var("UMBP_COST_MODE").unwrap_or_default();
-    for (name, mode, crossover) in [("kernel", GatherMode::Auto, 16384), ("copy-engine", GatherMode::CopyEngine, 0)] {
+    for (name, mode, crossover) in [("kernel", GatherMode::Auto, 16384), ("staged", GatherMode::Staged, 16384), ("copy-engine", GatherMode::CopyEngine, 0)] {
         if !only.is_empty() && only != name {
             continue;
         }

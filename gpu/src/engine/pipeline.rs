@@ -237,12 +237,12 @@ impl<A: DeviceApi> Engine<A> {
                     let scan = gather::scan(&items, scan_ranges);
                     n_items += scan.items as u64;
                     n_bytes += scan.bytes;
-                    let staged = kernel.and_then(|g| gather::staged_items(g.wants_staged(mode, dir, &scan), &items, stage_chunk));
-                    if let (Some(g), Some(staging), Some(sorted)) = (kernel, set.staging.as_mut(), staged) {
+                    let staged = kernel.and_then(|g| gather::staged_order(g.wants_staged(mode, dir, &scan), &items, stage_chunk));
+                    if let (Some(g), Some(staging), Some(order)) = (kernel, set.staging.as_mut(), staged) {
                         (used[0], used[1]) = (true, true);
-                        // SAFETY: forwarded caller contract; `staged_items` checked
+                        // SAFETY: forwarded caller contract; `staged_order` checked
                         // alignment and sizes.
-                        if let Err(e) = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &sorted, set.streams[0], set.streams[1]) } {
+                        if let Err(e) = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &items, &order, scan.descs, set.streams[0], set.streams[1]) } {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -305,12 +305,12 @@ impl<A: DeviceApi> Engine<A> {
                 n_bytes = scan.bytes;
                 let runs = balance(&items, copy_streams);
                 if first_err.is_some() {
-                } else if let (Some(g), Some(staging), Some(sorted)) =
-                    (kernel, set.staging.as_mut(), kernel.and_then(|g| gather::staged_items(g.wants_staged(mode, dir, &scan), &items, stage_chunk)))
+                } else if let (Some(g), Some(staging), Some(order)) =
+                    (kernel, set.staging.as_mut(), kernel.and_then(|g| gather::staged_order(g.wants_staged(mode, dir, &scan), &items, stage_chunk)))
                 {
                     (used[0], used[1]) = (true, true);
-                    // SAFETY: forwarded caller contract; `staged_items` checked eligibility.
-                    first_err = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &sorted, set.streams[0], set.streams[1]) }.err();
+                    // SAFETY: forwarded caller contract; `staged_order` checked eligibility.
+                    first_err = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &items, &order, scan.descs, set.streams[0], set.streams[1]) }.err();
                 } else if let Some(g) = kernel.filter(|g| g.wants(mode, dir, &scan)) {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.

@@ -5,7 +5,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{blocks_for, build_descs, desc_count, launch_chunks, DescBuf, GatherConfig, GatherState, ALIGN, LAUNCHED_PAGES, LAUNCHES, THREADS};
+use super::{blocks_for, Desc, DescBuf, GatherConfig, GatherState, ALIGN, LAUNCHED_PAGES, LAUNCHES, THREADS};
+#[cfg(doc)]
+use super::{build_descs, desc_count};
 #[cfg(doc)]
 use super::GatherMode;
 use crate::engine::{DeviceApi, Dir, Item};
@@ -84,78 +86,107 @@ impl<A: DeviceApi> Staging<A> {
     }
 }
 
-/// Average length of the contiguous host runs of `items` in order (0 for none).
-pub(crate) fn average_host_run(items: &[Item]) -> usize {
-    let total: usize = items.iter().map(|i| i.len).sum();
-    let runs = items.windows(2).filter(|w| w[0].host.wrapping_add(w[0].len) != w[1].host).count() + usize::from(!items.is_empty());
+/// Average length of the contiguous host runs of `items` taken in `order` (0 for none).
+pub(crate) fn average_host_run(items: &[Item], order: &[u32]) -> usize {
+    let (mut total, mut runs, mut end) = (0usize, 0usize, None::<usize>);
+    for &i in order {
+        let it = &items[i as usize];
+        if end != Some(it.host as usize) {
+            runs += 1;
+        }
+        total += it.len;
+        end = Some(it.host as usize + it.len);
+    }
     total.checked_div(runs).unwrap_or(0)
 }
 
-/// The items of a stage that goes through device staging of `chunk`-byte buffers, in
-/// host address order (a call's items come layer by layer; the pages of one object lie
-/// next to each other in pool memory), or None where it does not: not `wanted`
-/// ([`GatherState::wants_staged`]), a device address or length not 16-byte aligned, an
-/// item larger than a chunk, or contiguous host runs shorter than [`STAGE_MIN_RUN`] on
-/// average.
-pub(crate) fn staged_items(wanted: bool, items: &[Item], chunk: usize) -> Option<Vec<Item>> {
-    if !wanted || chunk == 0 || items.is_empty() {
+/// The order (indices into `items`, host addresses ascending) in which a stage goes
+/// through device staging of `chunk`-byte buffers (a call's items come layer by layer;
+/// the pages of one object lie next to each other in pool memory), or None where it does
+/// not: not `wanted` ([`GatherState::wants_staged`]), a device address or length not
+/// 16-byte aligned, an item larger than a chunk, or contiguous host runs shorter than
+/// [`STAGE_MIN_RUN`] on average. Indices, not item copies: for 4 KiB pages this runs for
+/// every page and the copies cost (issue #14: 34 ns per page with copies and separate
+/// passes against 14 for the direct kernel, on the dry simulated driver).
+pub(crate) fn staged_order(wanted: bool, items: &[Item], chunk: usize) -> Option<Vec<u32>> {
+    if !wanted || chunk == 0 || items.is_empty() || u32::try_from(items.len()).is_err() {
         return None;
     }
-    if !items.iter().all(|it| (it.device as usize | it.len).is_multiple_of(ALIGN) && it.len <= chunk) {
+    let (mut lo, mut hi, mut bits, mut page_bits, mut longest) = (usize::MAX, 0usize, 0usize, 0usize, 0usize);
+    for it in items {
+        let h = it.host as usize;
+        lo = lo.min(h);
+        hi = hi.max(h + it.len);
+        bits |= it.device as usize | it.len;
+        page_bits |= h | it.len;
+        longest = longest.max(it.len);
+    }
+    if !bits.is_multiple_of(ALIGN) || longest > chunk {
         return None;
     }
-    let sorted = by_page(items).unwrap_or_else(|| {
-        let mut sorted = items.to_vec();
-        if !sorted.is_sorted_by_key(|i| i.host as usize) {
-            sorted.sort_unstable_by_key(|i| i.host as usize);
-        }
-        sorted
+    let order = by_page(items, lo, hi, page_bits).unwrap_or_else(|| {
+        let mut order: Vec<u32> = (0..items.len() as u32).collect();
+        order.sort_unstable_by_key(|&i| items[i as usize].host as usize);
+        order
     });
-    (average_host_run(&sorted) >= STAGE_MIN_RUN).then_some(sorted)
+    (average_host_run(items, &order) >= STAGE_MIN_RUN).then_some(order)
 }
 
 /// `items` in host address order in O(n) where every host address and length is a
-/// multiple of 4 KiB and they span at most 4 pages per item: each is placed at the slot
-/// of its first page. None (sort instead) otherwise or where two start on the same page.
-/// (A comparison sort of a kv4k stage's ~14k items cost ~0.4 ms of CPU per stage on the
-/// H200 machine, enough to slow the whole call.)
-pub(super) fn by_page(items: &[Item]) -> Option<Vec<Item>> {
+/// multiple of 4 KiB (`page_bits`: all of them or'ed) and they span (`lo..hi`) at most 4
+/// pages per item: each is placed at the slot of its first page. None (sort instead)
+/// otherwise or where two start on the same page. (A comparison sort of a kv4k stage's
+/// ~14k items cost ~0.4 ms of CPU per stage on the H200 machine, enough to slow the whole
+/// call.)
+pub(super) fn by_page(items: &[Item], lo: usize, hi: usize, page_bits: usize) -> Option<Vec<u32>> {
     const PAGE: usize = 4096;
-    let (mut lo, mut hi) = (usize::MAX, 0usize);
-    for it in items {
-        let h = it.host as usize;
-        if !(h | it.len).is_multiple_of(PAGE) {
-            return None;
-        }
-        lo = lo.min(h);
-        hi = hi.max(h + it.len);
-    }
+    const EMPTY: u32 = u32::MAX;
     let pages = (hi - lo) / PAGE;
-    if pages > 4 * items.len() {
+    if !page_bits.is_multiple_of(PAGE) || pages > 4 * items.len() {
         return None;
     }
-    let mut slots: Vec<Option<Item>> = vec![None; pages];
-    for it in items {
+    let mut slots = vec![EMPTY; pages];
+    for (i, it) in items.iter().enumerate() {
         let slot = &mut slots[(it.host as usize - lo) / PAGE];
-        if slot.is_some() {
+        if *slot != EMPTY {
             return None;
         }
-        *slot = Some(*it);
+        *slot = i as u32;
     }
-    Some(slots.into_iter().flatten().collect())
+    slots.retain(|&s| s != EMPTY);
+    Some(slots)
 }
 
-/// Enqueues a stage through device staging: per chunk of at most `staging.chunk` bytes,
-/// DeviceToHost: the kernel gathers the pages into a staging slot on `ks`, then `kd`
-/// copies each contiguous host run out of it with copy engines; HostToDevice: `kd` copies
-/// the runs in, then the kernel scatters them on `ks`. Slots are reused only after their
-/// previous drain (GPU-side event waits); chunk `i + 1`'s gather overlaps chunk `i`'s DMA.
-/// The last work of a stores' stage is on `kd`, of a load's on `ks`: the caller records
-/// stage events and joins the fence write on both.
+/// Writes the descriptors of one page moved between `staged` (an address in a staging
+/// slot) and `device` at `out[*next..]`, cut at [`super::DESC_MAX`] as [`build_descs`]
+/// cuts.
+#[inline(always)]
+fn put_descs(out: &mut [Desc], next: &mut usize, dir: Dir, staged: u64, device: u64, len: usize) {
+    let mut done = 0;
+    while done < len {
+        let n = super::DESC_MAX.min(len - done);
+        let (s, d) = (staged + done as u64, device + done as u64);
+        out[*next] = match dir {
+            Dir::DeviceToHost => Desc { src: d, dst: s, len: n as u64 },
+            Dir::HostToDevice => Desc { src: s, dst: d, len: n as u64 },
+        };
+        *next += 1;
+        done += n;
+    }
+}
+
+/// Enqueues a stage through device staging: per chunk of at most `staging.chunk` bytes of
+/// `items` taken in `order` ([`staged_order`]), DeviceToHost: the kernel gathers the pages
+/// into a staging slot on `ks`, then `kd` copies each contiguous host run out of it with
+/// copy engines; HostToDevice: `kd` copies the runs in, then the kernel scatters them on
+/// `ks`. Slots are reused only after their previous drain (GPU-side event waits); chunk
+/// `i + 1`'s gather overlaps chunk `i`'s DMA. The last work of a stores' stage is on `kd`,
+/// of a load's on `ks`: the caller records stage events and joins the fence write on both.
+/// `n_descs` is [`desc_count`] of the items (the caller's scan has it).
 ///
 /// # Safety
-/// As [`DeviceApi::copy_async`] for every item; each item's length is at most
-/// `staging.chunk` and device addresses and lengths are 16-byte aligned ([`staged_items`]).
+/// As [`DeviceApi::copy_async`] for every item; `order` comes from [`staged_order`] for
+/// these items and this chunk size (lengths at most a chunk, 16-byte aligned).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn launch_staged<A: DeviceApi>(
     api: &A,
@@ -166,31 +197,38 @@ pub(crate) unsafe fn launch_staged<A: DeviceApi>(
     config: &GatherConfig,
     dir: Dir,
     items: &[Item],
+    order: &[u32],
+    n_descs: usize,
     ks: A::Stream,
     kd: A::Stream,
 ) -> Result<(), GpuError> {
     let blocks = if config.blocks > 0 { config.blocks } else { STAGE_BLOCKS };
-    for chunk in launch_chunks(items, staging.chunk) {
-        let items = &items[chunk];
+    // One descriptor list for the stage, written chunk by chunk as the pages are placed.
+    let (out, dev_descs) = descs.take(api, n_descs)?;
+    let mut runs: Vec<Item> = Vec::new();
+    let (mut pos, mut next) = (0usize, 0usize);
+    while pos < order.len() {
         let slot = staging.next;
         staging.next = (slot + 1) % STAGE_SLOTS;
         let base = staging.base + (slot * staging.chunk) as u64;
-        // Staging offsets in item order; one DMA item per contiguous host run.
-        let mut runs: Vec<Item> = Vec::new();
-        let mut off = 0u64;
-        let mut moves: Vec<Item> = Vec::with_capacity(items.len());
-        for it in items {
+        // Staging offsets in host order; one DMA item per contiguous host run.
+        runs.clear();
+        let (first_pos, first_desc, mut off) = (pos, next, 0usize);
+        while let Some(&i) = order.get(pos) {
+            let it = items[i as usize];
+            if pos > first_pos && off + it.len > staging.chunk {
+                break;
+            }
             match runs.last_mut() {
                 Some(r) if r.host.wrapping_add(r.len) == it.host => r.len += it.len,
-                _ => runs.push(Item { host: it.host, device: base + off, len: it.len }),
+                _ => runs.push(Item { host: it.host, device: base + off as u64, len: it.len }),
             }
-            // The kernel's view: `host` is the staging address, `device` the page.
-            moves.push(Item { host: (base + off) as *mut u8, device: it.device, len: it.len });
-            off += it.len as u64;
+            put_descs(out, &mut next, dir, base + off as u64, it.device, it.len);
+            off += it.len;
+            pos += 1;
         }
-        let n = desc_count(&moves);
-        let (slice, dev_descs) = descs.take(api, n)?;
-        build_descs(dir, &moves, slice);
+        let n = next - first_desc;
+        let chunk_descs = dev_descs + (first_desc * std::mem::size_of::<Desc>()) as u64;
         let blocks = blocks_for(blocks, n);
         let (filled, drained) = (staging.filled[slot], staging.drained[slot]);
         match dir {
@@ -205,7 +243,7 @@ pub(crate) unsafe fn launch_staged<A: DeviceApi>(
                 }
                 // SAFETY: descriptors written, kept until the call synchronized; pages and
                 // staging slot are device memory valid for the call.
-                unsafe { api.launch_copy_kernel(state.kernel, dev_descs, n as u64, blocks, THREADS, ks) }?;
+                unsafe { api.launch_copy_kernel(state.kernel, chunk_descs, n as u64, blocks, THREADS, ks) }?;
                 api.join(kd, filled, ks)?;
                 // SAFETY: forwarded caller contract for the host runs; the staging slot
                 // is ours until the next drain wait.
@@ -220,13 +258,13 @@ pub(crate) unsafe fn launch_staged<A: DeviceApi>(
                 unsafe { api.copy_batch_async(dev, dir, &runs, kd, true) }?;
                 api.join(ks, filled, kd)?;
                 // SAFETY: as above.
-                unsafe { api.launch_copy_kernel(state.kernel, dev_descs, n as u64, blocks, THREADS, ks) }?;
+                unsafe { api.launch_copy_kernel(state.kernel, chunk_descs, n as u64, blocks, THREADS, ks) }?;
                 api.record(drained, ks)?;
             }
         }
         staging.armed[slot] = true;
         LAUNCHES.fetch_add(1, Ordering::Relaxed);
-        LAUNCHED_PAGES.fetch_add(items.len() as u64, Ordering::Relaxed);
+        LAUNCHED_PAGES.fetch_add((pos - first_pos) as u64, Ordering::Relaxed);
         STAGED_CHUNKS.fetch_add(1, Ordering::Relaxed);
     }
     Ok(())
