@@ -69,8 +69,8 @@ pub struct TransferCli {
     #[arg(long)]
     json: bool,
     /// cuda, in-process pool: page copy path: auto (the pool's calibration), kernel,
-    /// copy-engine, or staged (kernel gather through device staging + copy engines;
-    /// experiment) (issue #14).
+    /// copy-engine, or staged (kernel gather through device staging + copy engines)
+    /// (issue #14).
     #[arg(long, default_value = "auto")]
     gather: String,
     /// cuda, in-process pool: blocks of the page copy kernel (0: calibrated).
@@ -82,7 +82,8 @@ pub struct TransferCli {
     /// cuda, in-process pool: streams one large object (4 MiB+) is split over (0 or 1: no split).
     #[arg(long, default_value_t = 0)]
     split_streams: usize,
-    /// cuda, in-process pool, `--gather staged`: MiB per device staging chunk (3 per stream set).
+    /// cuda, in-process pool, where stages go through device staging: MiB per staging
+    /// chunk (3 per stream set).
     #[arg(long, default_value_t = 16)]
     device_stage_mib: usize,
     /// cuda, in-process pool: copy stage size in MiB (0: one stage per copy call)
@@ -153,9 +154,7 @@ impl TransferCli {
             eprintln!("page copy kernel calibration, GPU {ordinal}: {c:?}");
         }
         eprintln!("page copy kernel (--gather {}): (launches, pages) {:?}", self.gather, umbp_gpu::gather::kernel_launches());
-        if self.gather == "staged" {
-            eprintln!("device staging: (bytes held, chunks) {:?}", umbp_gpu::gather::staging_stats());
-        }
+        eprintln!("device staging: (bytes held, chunks) {:?}", umbp_gpu::gather::staging_stats());
         if !cases.is_empty() {
             crate::report::print(&cases, self.json);
         }

@@ -83,11 +83,12 @@ struct Args {
     /// (measured no gain on the H200).
     #[arg(long = "copy-parallel-submit", env = "UMBP_COPY_PARALLEL", value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
     copy_parallel_submit: bool,
-    /// GPU copies of small pages: auto (the kernel where the GPU's calibration, done at its
-    /// first registration, found it faster than copy engines), kernel (wherever it can
-    /// run), copy-engine (never; no SM is used for copies, no calibration), staged (pages
-    /// gathered in GPU memory, then moved by copy engines: the engine slows less than with
-    /// the kernel, but transfers are slower; docs/gpu.md "Device staging").
+    /// GPU copies of small pages: auto (per stage the path the GPU's calibration, done at
+    /// its first registration, found fastest for its page size: device staging, the
+    /// kernel over PCIe or copy engines), staged (pages gathered in GPU memory by a kernel,
+    /// moved by copy engines, wherever it can run), kernel (the direct kernel wherever it
+    /// can run), copy-engine (never a kernel: the engine's own kernels are not slowed,
+    /// small pages move slower; no calibration). docs/gpu.md "Device staging".
     #[arg(long = "copy-kernel", env = "UMBP_COPY_KERNEL", value_name = "MODE", default_value = "auto", value_parser = ["auto", "kernel", "copy-engine", "staged"], help_heading = "GPU copy engine")]
     copy_kernel: String,
     /// GPU copies: blocks (SMs) the page copy kernel runs on (0: chosen by the calibration).
