@@ -434,18 +434,26 @@ pub(crate) fn build_descs(dir: Dir, items: &[Item], out: &mut [Desc]) {
 fn fill_descs(items: &[Item], out: &mut [Desc], make: impl Fn(u64, u64, u64) -> Desc) {
     let mut out = out.iter_mut();
     for it in items {
-        if it.len <= DESC_MAX {
-            let Some(d) = out.next() else { return };
-            *d = make(it.host as u64, it.device, it.len as u64);
-            continue;
-        }
-        let mut done = 0;
-        while done < it.len {
-            let len = DESC_MAX.min(it.len - done);
-            let Some(d) = out.next() else { return };
-            *d = make(it.host as u64 + done as u64, it.device + done as u64, len as u64);
-            done += len;
-        }
+        desc_pieces(it.len, |off, len| {
+            if let Some(d) = out.next() {
+                *d = make(it.host as u64 + off, it.device + off, len);
+            }
+        });
+    }
+}
+
+/// Calls `emit(offset, length)` for each descriptor of a `len`-byte copy: one, or pieces
+/// of at most [`DESC_MAX`].
+#[inline(always)]
+pub(crate) fn desc_pieces(len: usize, mut emit: impl FnMut(u64, u64)) {
+    if len <= DESC_MAX {
+        return emit(0, len as u64);
+    }
+    let mut done = 0;
+    while done < len {
+        let n = DESC_MAX.min(len - done);
+        emit(done as u64, n as u64);
+        done += n;
     }
 }
 

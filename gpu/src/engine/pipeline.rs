@@ -679,6 +679,39 @@ mod tests {
         let _ = &mut host;
     }
 
+    /// Pages over a descriptor's maximum (64 KiB) through device staging: each is cut into
+    /// several descriptors of the stage's one list, and the bytes land right both ways.
+    #[test]
+    fn staged_pages_over_a_descriptor_are_cut_and_land_right() {
+        use crate::gather::{Calibration, GatherConfig, GatherMode, GatherState, DESC_MAX};
+        let (api, engine) = simulated(usize::MAX, true, false);
+        assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![], 8) })).is_ok());
+        let (pages, page) = (24usize, DESC_MAX + DESC_MAX / 2);
+        let dev: Vec<u8> = (0..pages * page).map(|i| (i % 241) as u8).collect();
+        let mut host = vec![0u8; pages * page];
+        let host_ptr = host.as_mut_ptr();
+        // Device pages in reverse order, host packed: one contiguous host run.
+        let items: Vec<Item> = (0..pages).map(|i| Item { host: host_ptr.wrapping_add(i * page), device: dev[(pages - 1 - i) * page..].as_ptr() as u64, len: page }).collect();
+        let mut a = args();
+        a.engine = EngineConfig { gather: GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() }, stage_bytes: 1 << 20, ..Default::default() };
+        let k0 = api.kernels.load(Ordering::Relaxed);
+        // SAFETY: items point into `dev`/`host`, alive for the call.
+        let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items.clone(), &mut |_, _| Ok(()), &mut |_| {}) };
+        assert!(r.is_ok(), "{r:?}");
+        assert!(api.kernels.load(Ordering::Relaxed) > k0, "staged: the gather kernel ran");
+        for i in 0..pages {
+            assert_eq!(&host[i * page..(i + 1) * page], &dev[(pages - 1 - i) * page..(pages - i) * page], "page {i}");
+        }
+        let mut dev2 = vec![0u8; dev.len()];
+        let back: Vec<Item> = items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
+        a.dir = Dir::HostToDevice;
+        // SAFETY: as above.
+        let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, back, &mut |_, _| Ok(()), &mut |_| {}) };
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!(dev2, dev, "loaded bytes");
+        let _ = &mut host;
+    }
+
     /// The tuning a transfer passes is the one its copy call uses (it used to be read from
     /// process-wide statics): streams, batch maximum and batching.
     #[test]

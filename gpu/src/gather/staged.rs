@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{blocks_for, Desc, DescBuf, GatherConfig, GatherState, ALIGN, LAUNCHED_PAGES, LAUNCHES, THREADS};
+use super::{blocks_for, desc_pieces, Desc, DescBuf, GatherConfig, GatherState, ALIGN, LAUNCHED_PAGES, LAUNCHES, THREADS};
 #[cfg(doc)]
 use super::{build_descs, desc_count};
 #[cfg(doc)]
@@ -158,21 +158,17 @@ pub(super) fn by_page(items: &[Item], lo: usize, hi: usize, page_bits: usize) ->
 }
 
 /// Writes the descriptors of one page moved between `staged` (an address in a staging
-/// slot) and `device` at `out[*next..]`, cut at [`super::DESC_MAX`] as [`build_descs`]
-/// cuts.
+/// slot) and `device` at `out[*next..]`, cut as [`build_descs`] cuts.
 #[inline(always)]
 fn put_descs(out: &mut [Desc], next: &mut usize, dir: Dir, staged: u64, device: u64, len: usize) {
-    let mut done = 0;
-    while done < len {
-        let n = super::DESC_MAX.min(len - done);
-        let (s, d) = (staged + done as u64, device + done as u64);
+    desc_pieces(len, |off, n| {
+        let (s, d) = (staged + off, device + off);
         out[*next] = match dir {
-            Dir::DeviceToHost => Desc { src: d, dst: s, len: n as u64 },
-            Dir::HostToDevice => Desc { src: s, dst: d, len: n as u64 },
+            Dir::DeviceToHost => Desc { src: d, dst: s, len: n },
+            Dir::HostToDevice => Desc { src: s, dst: d, len: n },
         };
         *next += 1;
-        done += n;
-    }
+    });
 }
 
 /// Enqueues a stage through device staging: per chunk of at most `staging.chunk` bytes of
