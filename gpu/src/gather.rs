@@ -312,7 +312,7 @@ pub(crate) struct GatherState {
 
 impl GatherState {
     /// Whether a stage goes through device staging: forced by [`GatherMode::Staged`] or by
-    /// the calibration under [`GatherMode::Auto`] (where it can run: [`staged_items`]).
+    /// the calibration under [`GatherMode::Auto`] (where it can run: [`staged_order`]).
     pub(crate) fn wants_staged(&self, mode: GatherMode, dir: Dir, scan: &Scan) -> bool {
         match mode {
             GatherMode::Staged => true,

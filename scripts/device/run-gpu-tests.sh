@@ -13,6 +13,8 @@
 #             kernel; worker killed mid-transfer (in-process pool, mapping counts)
 #   kcheck    the same checks with the page copy kernel forced (--gather kernel): fences
 #             and a killed worker on the kernel path (issue #14)
+#   scheck    the same with device staging forced (--gather staged); `check` stages only
+#             where the calibration chose it
 #   extpool   the cross-worker checks again against a real umbp-pool process
 #   bench     umbp-bench transfer --backend cuda --json --sweep (+ interference with
 #             scripts/device/matmul_loop.py when torch is there)
@@ -27,7 +29,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/../.."
 bin=${BIN:-.device-bin}
 out=${OUT:-/tmp}
-stages=${STAGES:-gpucheck check kcheck extpool bench host multigpu}
+stages=${STAGES:-gpucheck check kcheck scheck extpool bench host multigpu}
 fail=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 run() { # name, command...
@@ -53,6 +55,7 @@ if [ $gpu = 1 ]; then
   has gpucheck && run gpucheck env MIB=${MIB:-1024} BIN="$bin" bash "$here/gpu-check.sh"
   has check && run check "$bin/umbp-bench" transfer --backend cuda --check
   has kcheck && run kcheck "$bin/umbp-bench" transfer --backend cuda --check --gather kernel
+  has scheck && run scheck "$bin/umbp-bench" transfer --backend cuda --check --gather staged
   if has extpool; then
     sock=/tmp/umbp-extpool-$$.sock
     RUST_LOG=${RUST_LOG:-info} "$bin/umbp-pool" --socket "$sock" --capacity 4GiB > "$out/extpool-pool.log" 2>&1 &
