@@ -132,6 +132,8 @@ pub(crate) struct PoolInner {
     pub counters: stats::Counters,
     /// `config.copy_stage_bytes`, changeable while running ([`Pool::set_copy_stage_bytes`]).
     pub copy_stage_bytes: AtomicU64,
+    /// `config.copy_stage_growth_percent`, changeable while running.
+    pub copy_stage_growth_percent: AtomicU32,
     /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
     pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
@@ -233,6 +235,7 @@ impl Pool {
             shutdown: AtomicBool::new(false),
             counters: stats::Counters::default(),
             copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
+            copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
             engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
@@ -295,6 +298,11 @@ impl Pool {
     /// Changes `--copy-stage-size` for submissions copied from now on (0 = one stage).
     pub fn set_copy_stage_bytes(&self, bytes: u64) {
         self.inner.copy_stage_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Changes `--copy-stage-growth` (percent) for submissions copied from now on.
+    pub fn set_copy_stage_growth_percent(&self, percent: u32) {
+        self.inner.copy_stage_growth_percent.store(percent, Ordering::Relaxed);
     }
 
     /// Changes the GPU copy engine's tuning for submissions copied from now on.

@@ -276,7 +276,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         Opcode::Nop => return Copied { failed: Vec::new(), settled: 0, cancelled: false },
     };
     let size = job.layout.object_bytes();
-    let split = StageSplit::new(job.candidates.len(), size, inner.copy_stage_bytes.load(Ordering::Relaxed));
+    let split = stage_split(inner, job.candidates.len(), size);
     let (stages, n) = (split.count(), job.candidates.len());
     let progress = RefCell::new(Progress {
         candidates: &job.candidates,
@@ -401,6 +401,13 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     Copied { failed, settled: p.settled, cancelled: p.abandoned && p.stage_blocks.first().is_some_and(|r| r.is_empty()) }
 }
 
+/// The copy stages of a submission of `blocks` objects of `size` bytes, by the pool's
+/// settings now (`--copy-stage-size`, `--copy-stage-growth`).
+fn stage_split(inner: &PoolInner, blocks: usize, size: u64) -> StageSplit {
+    let (bytes, growth) = (inner.copy_stage_bytes.load(Ordering::Relaxed), inner.copy_stage_growth_percent.load(Ordering::Relaxed));
+    StageSplit::new(blocks, size, bytes, growth)
+}
+
 /// Reserves (store) or pins (load) the objects of `candidates`: reserved ones are
 /// appended to `blocks`, the others get their final status (first writer wins: a key
 /// present or being written is `AlreadyPresent`; no room is `NotStored`; a load of an
@@ -469,9 +476,8 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
             .map(|j| (j.ahead.clone(), j.candidates.clone(), j.layout.object_bytes()))
             .collect()
     };
-    let stage_bytes = inner.copy_stage_bytes.load(Ordering::Relaxed);
     for (ahead, cands, size) in next {
-        if !launch_stages(inner, att, size, &cands, &ahead, &StageSplit::new(cands.len(), size, stage_bytes), 0) {
+        if !launch_stages(inner, att, size, &cands, &ahead, &stage_split(inner, cands.len(), size), 0) {
             break;
         }
     }

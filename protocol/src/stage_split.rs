@@ -1,17 +1,22 @@
 //! How one submission is cut into copy stages. The pool's copy thread plans stage `s + 1`
 //! (reserves or pins its objects, lists its copies) while stage `s` copies, so no byte
-//! moves before the first stage is planned. Stages therefore start small and double up to
-//! the configured size: the first byte moves after planning a few MiB instead of a whole
-//! stage (~0.4 ms of CPU for 64 MiB of 4 KiB pages on the H200 machine, 5 % of a
-//! 10k-token restore), and doubling keeps the planning ahead of the DMA as long as planning
-//! a byte is faster than copying it: while a stage is planned, all the stages before it
-//! are queued on the GPU, and together they are as large as it less one first stage.
+//! moves before the first stage is planned. Stages therefore start small (a few MiB
+//! instead of a whole stage: ~0.4 ms of CPU for 64 MiB of 4 KiB pages on the H200
+//! machine, 5 % of a 10k-token restore) and then grow by a factor up to the configured
+//! size. While stage `s + 1` is planned, the GPU has at least stage `s` left to copy; so
+//! the DMA never waits for the planning when planning a byte takes less than 1/growth of
+//! copying it. Constant stages (growth 1) keep it fed whenever planning is faster than
+//! copying at all; doubling (growth 2) needs it twice as fast, which 4 KiB pages are not
+//! on every host (H200 machine, 2026-12-02: planning 0.6-0.8 of the copy time).
 
 /// Stages per submission at most (each costs an event per copy stream).
 pub const MAX_STAGES: usize = 64;
 
 /// The first stage is this fraction of a full stage (at least one block).
 pub const FIRST_STAGE_DIVISOR: usize = 16;
+
+/// Default growth of each stage over the one before, in percent.
+pub const DEFAULT_GROWTH_PERCENT: u32 = 200;
 
 /// The blocks of each stage of one submission, in order: stage `s` is
 /// `range(s)`, the ranges cover `0..blocks` without gaps.
@@ -24,20 +29,24 @@ pub struct StageSplit {
 impl StageSplit {
     /// Stages for `blocks` blocks of `object_bytes` each with at most `stage_bytes` of
     /// objects per stage (0: one stage), at least one block each: the first stage holds
-    /// 1/[`FIRST_STAGE_DIVISOR`] of a full one and each next one twice the one before,
-    /// up to a full stage. Where that would take more than [`MAX_STAGES`] stages the
-    /// blocks are split evenly into [`MAX_STAGES`] instead.
-    pub fn new(blocks: usize, object_bytes: u64, stage_bytes: u64) -> Self {
+    /// 1/[`FIRST_STAGE_DIVISOR`] of a full one and each next one `growth_percent` % of
+    /// the one before (at least 100: stages never shrink), up to a full stage. Where that
+    /// would take more than [`MAX_STAGES`] stages the blocks are split evenly into
+    /// [`MAX_STAGES`] instead.
+    pub fn new(blocks: usize, object_bytes: u64, stage_bytes: u64, growth_percent: u32) -> Self {
         if stage_bytes == 0 || blocks == 0 {
             return StageSplit { ends: vec![blocks] };
         }
         let full = usize::try_from(stage_bytes / object_bytes.max(1)).unwrap_or(usize::MAX).max(1);
+        let growth = growth_percent.max(100) as u64;
         let mut ends = Vec::new();
-        let (mut end, mut size) = (0usize, (full / FIRST_STAGE_DIVISOR).max(1));
+        // `size` in hundredths of a block, so that slow growth still grows from 1 block.
+        let (mut end, mut size) = (0usize, ((full / FIRST_STAGE_DIVISOR).max(1) as u64).saturating_mul(100));
         while end < blocks {
-            end = end.saturating_add(size).min(blocks);
+            let n = usize::try_from(size / 100).unwrap_or(usize::MAX).clamp(1, full);
+            end = end.saturating_add(n).min(blocks);
             ends.push(end);
-            size = size.saturating_mul(2).min(full);
+            size = (size.saturating_mul(growth) / 100).min((full as u64).saturating_mul(100));
         }
         if ends.len() > MAX_STAGES {
             ends = (1..=MAX_STAGES).map(|s| s * blocks / MAX_STAGES).collect();
@@ -77,16 +86,40 @@ mod tests {
     #[test]
     fn stages_start_small_and_double_up_to_the_configured_size() {
         // The kv4k layout of issue #14: 625 blocks of 640 KiB, 64 MiB stages (102 blocks).
-        let split = StageSplit::new(625, 640 << 10, 64 << 20);
+        let split = StageSplit::new(625, 640 << 10, 64 << 20, 200);
         assert_covers(&split, 625);
         let sizes: Vec<usize> = (0..split.count()).map(|s| split.range(s).len()).collect();
         assert_eq!(sizes, vec![6, 12, 24, 48, 96, 102, 102, 102, 102, 31]);
     }
 
     #[test]
+    fn slower_growth_grows_each_stage_by_at_most_its_factor() {
+        // kv4k again: 6 blocks first, full stages of 102.
+        let slow = StageSplit::new(625, 640 << 10, 64 << 20, 125);
+        assert_covers(&slow, 625);
+        let sizes: Vec<usize> = (0..slow.count()).map(|s| slow.range(s).len()).collect();
+        assert_eq!(sizes[0], 6);
+        assert!(sizes.iter().all(|&n| n <= 102), "{sizes:?}");
+        for w in sizes.windows(2).take(sizes.len() - 2) {
+            assert!(w[1] >= w[0] && w[1] * 100 <= w[0] * 125 + 100, "{sizes:?}");
+        }
+        assert!(sizes.len() > 10, "{sizes:?}");
+        // Constant stages of 6 blocks would be 105: evenly split into the cap instead.
+        let constant = StageSplit::new(625, 640 << 10, 64 << 20, 100);
+        assert_covers(&constant, 625);
+        assert_eq!(constant.count(), MAX_STAGES);
+        assert!((0..MAX_STAGES).all(|s| (9..=10).contains(&constant.range(s).len())));
+        // Fewer blocks: constant stages of the first stage's size.
+        let short = StageSplit::new(60, 640 << 10, 64 << 20, 100);
+        assert_eq!((0..short.count()).map(|s| short.range(s).len()).collect::<Vec<_>>(), vec![6; 10]);
+        // Below 100 % is read as 100 %: stages never shrink.
+        assert_eq!(StageSplit::new(60, 640 << 10, 64 << 20, 50), short);
+    }
+
+    #[test]
     fn each_stage_is_planned_while_nearly_as_many_bytes_are_queued_before_it() {
         for (blocks, object, stage) in [(625, 640 << 10, 64 << 20), (300, 3 << 20, 64 << 20), (7, 1 << 20, 4 << 20), (40, 1 << 20, 16 << 20)] {
-            let split = StageSplit::new(blocks, object, stage);
+            let split = StageSplit::new(blocks, object, stage, 200);
             let first = split.range(0).len();
             assert!(split.count() > 1, "{blocks} x {object} B in stages of {stage} B");
             let mut queued = first;
@@ -100,21 +133,21 @@ mod tests {
 
     #[test]
     fn no_stage_size_or_tiny_objects_give_one_stage_or_at_most_the_cap() {
-        assert_eq!(StageSplit::new(100, 4096, 0).count(), 1);
-        assert_eq!(StageSplit::new(100, 4096, 0).range(0), 0..100);
-        assert_eq!(StageSplit::new(0, 4096, 1 << 20).count(), 1);
-        assert_eq!(StageSplit::new(0, 4096, 1 << 20).range(0), 0..0);
+        assert_eq!(StageSplit::new(100, 4096, 0, 200).count(), 1);
+        assert_eq!(StageSplit::new(100, 4096, 0, 200).range(0), 0..100);
+        assert_eq!(StageSplit::new(0, 4096, 1 << 20, 200).count(), 1);
+        assert_eq!(StageSplit::new(0, 4096, 1 << 20, 200).range(0), 0..0);
         // One block per stage: as many stages as blocks up to the cap.
-        let one = StageSplit::new(5, 1 << 20, 1 << 20);
+        let one = StageSplit::new(5, 1 << 20, 1 << 20, 200);
         assert_eq!(one.count(), 5);
         assert_covers(&one, 5);
-        let capped = StageSplit::new(1000, 1 << 20, 1 << 20);
+        let capped = StageSplit::new(1000, 1 << 20, 1 << 20, 200);
         assert_eq!(capped.count(), MAX_STAGES);
         assert_covers(&capped, 1000);
         // Objects larger than a stage: one block per stage.
-        assert_eq!(StageSplit::new(3, 8 << 20, 1 << 20).count(), 3);
+        assert_eq!(StageSplit::new(3, 8 << 20, 1 << 20, 200).count(), 3);
         // Everything fits in the first stage.
-        assert_eq!(StageSplit::new(4, 4096, 64 << 20).count(), 1);
+        assert_eq!(StageSplit::new(4, 4096, 64 << 20, 200).count(), 1);
     }
 
     #[test]
@@ -122,7 +155,9 @@ mod tests {
         for blocks in [1, 2, 3, 17, 100, 625, 4095] {
             for object in [1u64, 4096, 640 << 10, 16 << 20] {
                 for stage in [1u64, 4096, 1 << 20, 64 << 20, u64::MAX] {
-                    assert_covers(&StageSplit::new(blocks, object, stage), blocks);
+                    for growth in [0, 100, 125, 200, 1000] {
+                        assert_covers(&StageSplit::new(blocks, object, stage, growth), blocks);
+                    }
                 }
             }
         }

@@ -138,7 +138,7 @@ impl EngineTime {
 /// Store and load GB/s of `l` (`per` blocks a transfer, `inflight` outstanding; median of
 /// `reps`), the restore of the prefix (scheduler lookup + one load) in ms, and the
 /// byte-exactness check; cases `<name>_store_gbps`, `<name>_load_gbps`, `<name>_restore_ms`
-/// (`restore_name` where the layout keeps an older case name).
+/// (`<name>`: `name`, else the layout's).
 #[allow(clippy::too_many_arguments)]
 fn layout_cases(
     args: &TransferArgs,
@@ -148,7 +148,7 @@ fn layout_cases(
     key0: u64,
     per: usize,
     inflight: usize,
-    restore_name: Option<&str>,
+    name: Option<&str>,
     pool: &PoolHandle,
     ctx: &dyn Fn(Case) -> Case,
 ) -> Result<Vec<Case>, String> {
@@ -191,8 +191,8 @@ fn layout_cases(
             .extra("blocks_per_transfer", per)
             .extra("inflight", inflight)
     };
-    let name = l.name;
-    let restore_name = restore_name.map_or_else(|| format!("{name}_restore_ms"), str::to_string);
+    let name = name.unwrap_or(l.name);
+    let restore_name = format!("{name}_restore_ms");
     Ok(vec![
         lay(base.case(&format!("{name}_store_gbps"), Op::Store, median(st))).extra("engine", est.json()).extra("pool_phases_us", phases["store"].clone()),
         lay(base.case(&format!("{name}_load_gbps"), Op::Load, median(ld)))
@@ -220,6 +220,17 @@ fn object_cases(args: &TransferArgs, a: &mut WorkerProc, pool: &PoolHandle, ctx:
         ol.setup(a, group, seed)?;
         let ob = ol.bytes();
         let base = Base::measure(a, args.backend, ob, 5, args.copy_threads)?;
+        // The latency floor of one object in flight: one copy of one object and its
+        // synchronization at a time, in the worker's own process (no pool, no IPC).
+        let one = |a: &mut WorkerProc, dir| -> Result<f64, String> {
+            Ok(gbps(size, u64_of(&a.call(&Command::Baseline { bytes: size, dir, reps: 100, threads: 1 })?, "ns")))
+        };
+        let one_store = one(a, CopyDir::D2h)?;
+        let one_load = if args.backend == BackendArg::Cuda { one(a, CopyDir::H2d)? } else { one_store };
+        let one_name = match args.backend {
+            BackendArg::Cuda => "one pinned cuMemcpy of one object and a stream synchronize at a time, in the worker process (no pool)",
+            BackendArg::Host => "one memcpy of one object at a time, in the worker process (no pool)",
+        };
         let mut key = 0;
         for inflight in [1usize, 8] {
             let (mut st, mut ld) = (Vec::new(), Vec::new());
@@ -235,9 +246,18 @@ fn object_cases(args: &TransferArgs, a: &mut WorkerProc, pool: &PoolHandle, ctx:
             let label = format!("obj{mib}m_x{inflight}");
             for (op, v, e) in [(Op::Store, st, &est), (Op::Load, ld, &eld)] {
                 let opn = if op == Op::Store { "store" } else { "load" };
-                cases.push(ctx(base.case(&format!("{label}_{opn}_gbps"), op, median(v)))
+                let value = median(v);
+                let mut c = ctx(base.case(&format!("{label}_{opn}_gbps"), op, value))
                     .extra("object_bytes", size).extra("objects", count).extra("inflight", inflight).extra("bytes", ob)
-                    .extra("engine", e.json()).extra("pool_phases_us", phases[opn].clone()));
+                    .extra("engine", e.json()).extra("pool_phases_us", phases[opn].clone());
+                if inflight == 1 {
+                    let one = if op == Op::Store { one_store } else { one_load };
+                    c = c
+                        .extra("baseline_one_copy", (one * 1000.0).round() / 1000.0)
+                        .extra("baseline_one_copy_name", one_name)
+                        .extra("speedup_one_copy", if one > 0.0 { (value / one * 100.0).round() / 100.0 } else { f64::NAN });
+                }
+                cases.push(c);
             }
         }
         let exact = check_exact(a, &ol, group, key, seed)?;
@@ -541,10 +561,28 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     }
     let ctx_t = |c: Case| ctx(c).extra("streams", tuning.streams).extra("batch", tuning.batch).extra("parallel_submit", tuning.parallel);
 
-    // --- the small-page layouts of issue #14 (one submission per store or load)
+    // --- the small-page layouts of issue #14 (one submission per store or load), once per
+    // --stage-growth (one value: the case names stay plain)
+    let growths: Vec<Option<u32>> = match args.stage_growth.as_slice() {
+        [] => vec![None],
+        g => g.iter().map(|&g| Some(g)).collect(),
+    };
+    let named = growths.len() > 1;
+    let growth0 = args.stage_growth.first().copied().unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT);
     for (i, sl) in small_page_layouts(args).iter().enumerate() {
         let group = 20 + i as u16;
-        cases.extend(layout_cases(args, &mut a, sl, group, next_key(0) << 8, sl.blocks.len(), 1, None, &pool, &ctx_t)?);
+        for &growth in &growths {
+            let percent = growth.unwrap_or(growth0);
+            if let Some(p) = &pool.pool {
+                p.set_copy_stage_growth_percent(percent);
+            }
+            let name = named.then(|| format!("{}_g{percent}", sl.name));
+            let ctx_g = |c: Case| ctx_t(c).extra("copy_stage_growth_percent", percent);
+            cases.extend(layout_cases(args, &mut a, sl, group, next_key(0) << 8, sl.blocks.len(), 1, name.as_deref(), &pool, &ctx_g)?);
+        }
+        if let Some(p) = &pool.pool {
+            p.set_copy_stage_growth_percent(growth0);
+        }
         // The same matmul slowdown while this layout's stores stream (its pages may take the
         // page copy kernel, which the main layout's 64 KiB pages do not).
         if let (true, Some(cmd)) = (args.wants("interference"), &args.matmul) {

@@ -90,6 +90,12 @@ pub struct TransferCli {
     /// [default: the pool's].
     #[arg(long)]
     stage_mib: Option<u64>,
+    /// cuda, in-process pool: copy stage growth in percent of the stage before
+    /// (`umbp-pool --copy-stage-growth`); several (comma separated) measure the small-page
+    /// layouts once per value in this one process, cases then named
+    /// `<layout>_g<percent>_...` [default: the pool's].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(100..=1000))]
+    stage_growth: Vec<u32>,
     /// In-process pool: give it an SSD tier in this directory (4x --capacity, admission
     /// `all`) and measure `ssd_restore_10k_ms`, the gpt-oss prefix restored from SSD (case
     /// group `ssd`; needs `gptoss`).
@@ -144,6 +150,7 @@ impl TransferCli {
             tokens: self.tokens.max(16),
             copy_threads: self.copy_threads.unwrap_or_else(|| PoolConfig::default().copy_threads).max(1),
             stage_mib: self.stage_mib,
+            stage_growth: self.stage_growth,
             ssd_dir: self.ssd_dir,
         };
         if args.sizes.contains(&0) {

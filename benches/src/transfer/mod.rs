@@ -75,6 +75,9 @@ pub struct TransferArgs {
     pub copy_threads: usize,
     /// cuda, in-process pool: copy stage size in MiB (None: the pool's default).
     pub stage_mib: Option<u64>,
+    /// cuda, in-process pool: copy stage growth percentages the small-page layouts are
+    /// measured with (empty: the pool's default only).
+    pub stage_growth: Vec<u32>,
     /// In-process pool: an SSD tier in this directory (admission `all`), for the `ssd`
     /// case group (`ssd_restore_10k_ms`).
     pub ssd_dir: Option<PathBuf>,

@@ -152,6 +152,8 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         // pool_overhead's objects: 24 pages of 64 B (layouts below this are refused).
         min_object_bytes: 24 * 64,
         copy_threads: args.copy_threads,
+        // Several values: the small-page layouts set each in turn, the rest use the first.
+        copy_stage_growth_percent: args.stage_growth.first().copied().unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT),
         engine: args.engine,
         ssd: args.ssd_dir.as_ref().map(|d| umbp_pool::ssd::SsdConfig {
             dirs: vec![d.clone()],

@@ -25,6 +25,8 @@ pub(super) struct SimulatedDevice {
     pub(super) streams_made: AtomicUsize,
     /// Size of every batch handed to `copy_batch_async`, and whether batching was asked.
     pub(super) batches: Mutex<Vec<(usize, bool)>>,
+    /// The stream of every batch handed to `copy_batch_async`.
+    pub(super) batch_streams: Mutex<Vec<usize>>,
     /// Copies and kernels move no bytes (the CPU cost tests: addresses are made up).
     pub(super) dry: bool,
     /// Size `address_range` reports for every allocation.
@@ -72,6 +74,7 @@ impl DeviceApi for SimulatedDevice {
     }
     unsafe fn copy_batch_async(&self, _: &(), dir: Dir, items: &[Item], stream: usize, batch: bool) -> Result<(), GpuError> {
         self.batches.lock().unwrap().push((items.len(), batch));
+        self.batch_streams.lock().unwrap().push(stream);
         for it in items {
             // SAFETY: forwarded contract.
             unsafe { self.copy_async(dir, *it, stream) }?;
@@ -174,6 +177,7 @@ pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (Sim
         kernels: AtomicUsize::new(0),
         streams_made: AtomicUsize::new(0),
         batches: Mutex::new(Vec::new()),
+        batch_streams: Mutex::new(Vec::new()),
         dry: false,
         alloc_len: 1 << 20,
     };

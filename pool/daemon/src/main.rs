@@ -57,12 +57,20 @@ struct Args {
     #[arg(long = "copy-threads-per-peer", env = "UMBP_COPY_THREADS_PER_PEER", value_name = "N", default_value_t = 0)]
     copy_threads_per_peer: usize,
     /// A submission moving more than this is copied in stages of up to this size (the first
-    /// 1/16 of it, each next one twice the one before, so that the first bytes move after
-    /// little planning); each stage's blocks are published (stores) or released (loads) as
+    /// 1/16 of it, each next one --copy-stage-growth of the one before, so that the first
+    /// bytes move after little planning); each stage's blocks are published (stores) or released (loads) as
     /// soon as it lands, while the next stages still copy. 0 copies every submission in one
     /// piece.
     #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
     copy_stage_size: String,
+    /// Each copy stage after the first is this percentage of the one before, up to
+    /// --copy-stage-size. A stage is planned while the ones before it copy, so the copy
+    /// never waits for planning as long as planning a byte takes less than 100/PERCENT of
+    /// copying it: 100 (equal stages) is the safest for small pages, 200 (doubling) needs
+    /// the fewest stages.
+    #[arg(long = "copy-stage-growth", env = "UMBP_COPY_STAGE_GROWTH", value_name = "PERCENT", default_value_t = umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT,
+          value_parser = clap::value_parser!(u32).range(100..=1000))]
+    copy_stage_growth: u32,
     /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
     /// copies (its later stages, the peer's next queued loads), so that lower-tier fetches
     /// overlap the copies; at most a quarter of --capacity. 0 fetches each stage only when
@@ -316,6 +324,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     }
     c.copy_threads_per_peer = args.copy_threads_per_peer;
     c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size)?;
+    c.copy_stage_growth_percent = args.copy_stage_growth;
     c.promotion_ahead_bytes = parse_size("promotion-ahead (UMBP_PROMOTION_AHEAD)", &args.promotion_ahead)?;
     c.engine.streams = args.copy_streams.into();
     c.engine.batch = args.copy_batch;
