@@ -8,8 +8,8 @@ use std::time::Duration;
 /// store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages, 50.8/50.9 in 32,
 /// 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions pipelined too.
 pub const DEFAULT_COPY_STAGE_BYTES: u64 = 64 << 20;
-/// Default `--copy-stage-growth` (percent of the stage before).
-pub use umbp_protocol::stage_split::DEFAULT_GROWTH_PERCENT as DEFAULT_COPY_STAGE_GROWTH_PERCENT;
+/// Default `--copy-stage-growth`: by the page size (`umbp_protocol::stage_split::auto_growth_percent`).
+pub use umbp_protocol::stage_split::AUTO_GROWTH as DEFAULT_COPY_STAGE_GROWTH_PERCENT;
 /// Default `promotion_ahead_bytes`: two default stages. (It was 0 for a while, on a
 /// network-partition test failure wrongly laid at its door: the failing load is one stage
 /// and launches nothing ahead, `promotions_ahead` 0 with either setting.)
@@ -48,7 +48,7 @@ pub struct PoolConfig {
     /// `umbp_protocol::stage_split`); 0 = one stage.
     pub copy_stage_bytes: u64,
     /// Each copy stage is this percentage of the one before, up to `copy_stage_bytes`
-    /// (100: all as small as the first; 200: doubling).
+    /// (100: all as small as the first; 200: doubling; 0: by the layout's page size).
     pub copy_stage_growth_percent: u32,
     /// Loads from lower tiers (SSD, remote pools): bytes of DRAM the pool promotes ahead of
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches

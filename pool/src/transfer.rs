@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
 use umbp_protocol::layout::{push_coalesced, CopyOp, KvLayout};
-use umbp_protocol::stage_split::StageSplit;
+use umbp_protocol::stage_split::{self, StageSplit};
 use umbp_protocol::transfer_state::TransferState;
 use umbp_protocol::ObjectKey;
 
@@ -276,7 +276,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         Opcode::Nop => return Copied { failed: Vec::new(), settled: 0, cancelled: false },
     };
     let size = job.layout.object_bytes();
-    let split = stage_split(inner, job.candidates.len(), size);
+    let split = stage_split(inner, job.candidates.len(), size, segments.len());
     let (stages, n) = (split.count(), job.candidates.len());
     let progress = RefCell::new(Progress {
         candidates: &job.candidates,
@@ -401,10 +401,11 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     Copied { failed, settled: p.settled, cancelled: p.abandoned && p.stage_blocks.first().is_some_and(|r| r.is_empty()) }
 }
 
-/// The copy stages of a submission of `blocks` objects of `size` bytes, by the pool's
-/// settings now (`--copy-stage-size`, `--copy-stage-growth`).
-fn stage_split(inner: &PoolInner, blocks: usize, size: u64) -> StageSplit {
+/// The copy stages of a submission of `blocks` objects of `size` bytes in `pages` pages
+/// each, by the pool's settings now (`--copy-stage-size`, `--copy-stage-growth`).
+fn stage_split(inner: &PoolInner, blocks: usize, size: u64, pages: usize) -> StageSplit {
     let (bytes, growth) = (inner.copy_stage_bytes.load(Ordering::Relaxed), inner.copy_stage_growth_percent.load(Ordering::Relaxed));
+    let growth = if growth == stage_split::AUTO_GROWTH { stage_split::auto_growth_percent(size / pages.max(1) as u64) } else { growth };
     StageSplit::new(blocks, size, bytes, growth)
 }
 
@@ -466,18 +467,18 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
     if !inner.promoter.enabled() {
         return;
     }
-    let next: Vec<(Arc<crate::promote::Ahead>, Vec<Candidate>, u64)> = {
+    let next: Vec<(Arc<crate::promote::Ahead>, Vec<Candidate>, u64, usize)> = {
         let slots = att.copy_slots.lock().expect("copy slots lock");
         slots
             .waiting
             .iter()
             .filter(|j| j.op == Opcode::Load)
             .take(NEXT_LOADS)
-            .map(|j| (j.ahead.clone(), j.candidates.clone(), j.layout.object_bytes()))
+            .map(|j| (j.ahead.clone(), j.candidates.clone(), j.layout.object_bytes(), j.layout.segments().len()))
             .collect()
     };
-    for (ahead, cands, size) in next {
-        if !launch_stages(inner, att, size, &cands, &ahead, &stage_split(inner, cands.len(), size), 0) {
+    for (ahead, cands, size, pages) in next {
+        if !launch_stages(inner, att, size, &cands, &ahead, &stage_split(inner, cands.len(), size, pages), 0) {
             break;
         }
     }

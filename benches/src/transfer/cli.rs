@@ -91,10 +91,10 @@ pub struct TransferCli {
     #[arg(long)]
     stage_mib: Option<u64>,
     /// cuda, in-process pool: copy stage growth in percent of the stage before
-    /// (`umbp-pool --copy-stage-growth`); several (comma separated) measure the small-page
-    /// layouts once per value in this one process, cases then named
-    /// `<layout>_g<percent>_...` [default: the pool's].
-    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(100..=1000))]
+    /// (`umbp-pool --copy-stage-growth`; 0: auto, by page size); several (comma separated)
+    /// measure the small-page layouts once per value in this one process, cases then named
+    /// `<layout>_g<percent>_...` [default: the pool's, auto].
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(0..=1000))]
     stage_growth: Vec<u32>,
     /// In-process pool: give it an SSD tier in this directory (4x --capacity, admission
     /// `all`) and measure `ssd_restore_10k_ms`, the gpt-oss prefix restored from SSD (case

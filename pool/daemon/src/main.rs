@@ -63,13 +63,13 @@ struct Args {
     /// piece.
     #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
     copy_stage_size: String,
-    /// Each copy stage after the first is this percentage of the one before, up to
-    /// --copy-stage-size. A stage is planned while the ones before it copy, so the copy
+    /// Each copy stage after the first is this percentage (100-1000) of the one before, up
+    /// to --copy-stage-size. A stage is planned while the ones before it copy, so the copy
     /// never waits for planning as long as planning a byte takes less than 100/PERCENT of
-    /// copying it: 100 (equal stages) is the safest for small pages, 200 (doubling) needs
-    /// the fewest stages.
-    #[arg(long = "copy-stage-growth", env = "UMBP_COPY_STAGE_GROWTH", value_name = "PERCENT", default_value_t = umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT,
-          value_parser = clap::value_parser!(u32).range(100..=1000))]
+    /// copying it: 100 (equal stages) suits small pages, whose planning is slow, 200
+    /// (doubling) needs the fewest stages. `auto` picks by each submission's page size:
+    /// 100 for 4 KiB pages, 200 from 8 KiB.
+    #[arg(long = "copy-stage-growth", env = "UMBP_COPY_STAGE_GROWTH", value_name = "PERCENT|auto", default_value = "auto", value_parser = parse_growth)]
     copy_stage_growth: u32,
     /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
     /// copies (its later stages, the peer's next queued loads), so that lower-tier fetches
@@ -240,6 +240,17 @@ struct Args {
 /// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
 /// directory is checked now (exists, is a directory, writable) so a bad one stops the
 /// pool at start with the flag and path named.
+/// `--copy-stage-growth`: `auto` (0) or a percentage from 100 to 1000.
+fn parse_growth(s: &str) -> Result<u32, String> {
+    if s == "auto" {
+        return Ok(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT);
+    }
+    match s.parse::<u32>() {
+        Ok(p) if (100..=1000).contains(&p) => Ok(p),
+        _ => Err(format!("{s:?}: expected auto or a percentage from 100 to 1000")),
+    }
+}
+
 fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> {
     let dirs: Vec<PathBuf> = args.ssd_dir.iter().filter(|d| !d.as_os_str().is_empty()).cloned().collect();
     if dirs.is_empty() {
