@@ -58,9 +58,9 @@ struct Args {
     copy_threads_per_peer: usize,
     /// A submission moving more than this is copied in stages of up to this size (the first
     /// 1/16 of it, each next one --copy-stage-growth of the one before, so that the first
-    /// bytes move after little planning); each stage's blocks are published (stores) or released (loads) as
-    /// soon as it lands, while the next stages still copy. 0 copies every submission in one
-    /// piece.
+    /// bytes move after little planning); each stage's blocks are published (stores) or
+    /// released (loads) as soon as it lands, while the next stages still copy. 0 copies
+    /// every submission in one piece.
     #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
     copy_stage_size: String,
     /// Each copy stage after the first is this percentage (100-1000) of the one before, up
@@ -68,7 +68,7 @@ struct Args {
     /// never waits for planning as long as planning a byte takes less than 100/PERCENT of
     /// copying it: 100 (equal stages) suits small pages, whose planning is slow, 200
     /// (doubling) needs the fewest stages. `auto` picks by each submission's page size:
-    /// 100 for 4 KiB pages, 200 from 8 KiB.
+    /// 104 for 4 KiB pages, 200 from 8 KiB.
     #[arg(long = "copy-stage-growth", env = "UMBP_COPY_STAGE_GROWTH", value_name = "PERCENT|auto", default_value = "auto", value_parser = parse_growth)]
     copy_stage_growth: u32,
     /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
@@ -237,9 +237,6 @@ struct Args {
     cluster: cluster_flags::ClusterArgs,
 }
 
-/// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
-/// directory is checked now (exists, is a directory, writable) so a bad one stops the
-/// pool at start with the flag and path named.
 /// `--copy-stage-growth`: `auto` (0) or a percentage from 100 to 1000.
 fn parse_growth(s: &str) -> Result<u32, String> {
     if s == "auto" {
@@ -251,6 +248,9 @@ fn parse_growth(s: &str) -> Result<u32, String> {
     }
 }
 
+/// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
+/// directory is checked now (exists, is a directory, writable) so a bad one stops the
+/// pool at start with the flag and path named.
 fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> {
     let dirs: Vec<PathBuf> = args.ssd_dir.iter().filter(|d| !d.as_os_str().is_empty()).cloned().collect();
     if dirs.is_empty() {
@@ -487,6 +487,10 @@ mod tests {
         assert_eq!((c.engine.streams, c.engine.batch, c.engine.batch_max, c.engine.parallel_submit), (4, false, 64, true));
         let g = config_from(parse(&[]).unwrap()).unwrap().engine.gather;
         assert_eq!(g, umbp_gpu::GatherConfig::default(), "page copy kernel defaults");
+        let growth = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap().copy_stage_growth_percent;
+        assert_eq!(growth(&[]), umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT, "auto by default");
+        assert_eq!(growth(&["--copy-stage-growth", "auto"]), umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT);
+        assert_eq!(growth(&["--copy-stage-growth", "125"]), 125);
         let g = config_from(
             parse(&["--copy-kernel", "copy-engine", "--copy-kernel-blocks", "12", "--copy-kernel-launch-size", "4MiB", "--copy-split-streams", "4"]).unwrap(),
         )
@@ -508,6 +512,9 @@ mod tests {
             ["--copy-batch", "maybe"],
             ["--copy-kernel", "gpu"],
             ["--copy-split-streams", "17"],
+            ["--copy-stage-growth", "99"],
+            ["--copy-stage-growth", "1001"],
+            ["--copy-stage-growth", "fast"],
         ] {
             let err = parse(&bad).unwrap_err().to_string();
             assert!(err.contains(bad[0]), "{bad:?}: {err}");
