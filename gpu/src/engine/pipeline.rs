@@ -585,7 +585,7 @@ mod tests {
     /// host runs are short, and the other modes, do not stage.
     #[test]
     fn staged_mode_moves_whole_objects_through_device_staging() {
-        use crate::gather::{staging_stats, Calibration, GatherConfig, GatherMode, GatherState, Point};
+        use crate::gather::{Calibration, GatherConfig, GatherMode, GatherState, Point};
         let (api, engine) = simulated(usize::MAX, true, false);
         assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![], 8) })).is_ok());
         let (layers, objects, page) = (16usize, 96usize, 4096usize);
@@ -605,11 +605,11 @@ mod tests {
             let mut a = args();
             a.dir = dir;
             a.engine = cfg;
-            let (k0, c0, s0) = (api.kernels.load(Ordering::Relaxed), api.copies.load(Ordering::Relaxed), staging_stats().1);
+            let (k0, c0, s0) = (api.kernels.load(Ordering::Relaxed), api.copies.load(Ordering::Relaxed), api.joins.load(Ordering::Relaxed));
             // SAFETY: items point into `dev`/`host`, alive for the call.
             let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {}) };
             assert!(r.is_ok(), "{r:?}");
-            (api.kernels.load(Ordering::Relaxed) - k0, api.copies.load(Ordering::Relaxed) - c0, staging_stats().1 - s0)
+            (api.kernels.load(Ordering::Relaxed) - k0, api.copies.load(Ordering::Relaxed) - c0, api.joins.load(Ordering::Relaxed) - s0)
         };
         let check = |host: &[u8]| {
             for l in 0..layers {
@@ -647,8 +647,7 @@ mod tests {
         assert_eq!(run(Dir::DeviceToHost, items.clone(), auto).2, 0);
         // Auto on a GPU whose calibration found staging fastest for 4 KiB stores only
         // (loads: the direct kernel won): stores stage, loads take the kernel, and a
-        // forced mode overrides the calibration. (Same test: the staging counters are
-        // process-wide, a parallel test would disturb them.)
+        // forced mode overrides the calibration.
         let point = Point { page, d2h_ce_gbps: 5.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 5.0, h2d_kernel_gbps: 40.0, d2h_staged_gbps: 50.0, h2d_staged_gbps: 30.0 };
         let (api2, engine2) = simulated(usize::MAX, true, false);
         assert!(engine2.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![point], 8) })).is_ok());
@@ -656,12 +655,12 @@ mod tests {
             let mut a = args();
             a.dir = dir;
             a.engine = EngineConfig { gather: GatherConfig { mode, ..GatherConfig::default() }, ..cfg };
-            let (k0, c0, s0) = (api2.kernels.load(Ordering::Relaxed), api2.copies.load(Ordering::Relaxed), staging_stats().1);
+            let (k0, c0, s0) = (api2.kernels.load(Ordering::Relaxed), api2.copies.load(Ordering::Relaxed), api2.joins.load(Ordering::Relaxed));
             let registered = [(host_ptr as usize, host_ptr as usize + total)];
             // SAFETY: items point into `dev`/`host`, alive for the call.
             let r = unsafe { engine2.run(&api2, &Call { args: &a, stages: 1, signal: false, ranges: &registered }, items, &mut |_, _| Ok(()), &mut |_| {}) };
             assert!(r.is_ok(), "{r:?}");
-            (api2.kernels.load(Ordering::Relaxed) - k0, api2.copies.load(Ordering::Relaxed) - c0, staging_stats().1 - s0)
+            (api2.kernels.load(Ordering::Relaxed) - k0, api2.copies.load(Ordering::Relaxed) - c0, api2.joins.load(Ordering::Relaxed) - s0)
         };
         // SAFETY: the test clears its own buffer while nothing copies.
         unsafe { std::ptr::write_bytes(host_ptr, 0, total) };

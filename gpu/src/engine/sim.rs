@@ -27,6 +27,10 @@ pub(super) struct SimulatedDevice {
     pub(super) batches: Mutex<Vec<(usize, bool)>>,
     /// The stream of every batch handed to `copy_batch_async`.
     pub(super) batch_streams: Mutex<Vec<usize>>,
+    /// Stream joins: device staging makes one per chunk (a GPU-side load fence one per
+    /// stream after the first). Per device, unlike the process-wide `staging_stats`, so
+    /// tests running in parallel do not see each other's chunks.
+    pub(super) joins: AtomicUsize,
     /// Copies and kernels move no bytes (the CPU cost tests: addresses are made up).
     pub(super) dry: bool,
     /// Size `address_range` reports for every allocation.
@@ -158,6 +162,7 @@ impl DeviceApi for SimulatedDevice {
         if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
     }
     fn join(&self, _: usize, _: usize, _: usize) -> Result<(), GpuError> {
+        self.joins.fetch_add(1, Ordering::Relaxed);
         if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
     }
     unsafe fn free_mapped(&self, ptr: *mut u8) {
@@ -178,6 +183,7 @@ pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (Sim
         streams_made: AtomicUsize::new(0),
         batches: Mutex::new(Vec::new()),
         batch_streams: Mutex::new(Vec::new()),
+        joins: AtomicUsize::new(0),
         dry: false,
         alloc_len: 1 << 20,
     };
