@@ -8,8 +8,10 @@ use std::time::Duration;
 /// store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages, 50.8/50.9 in 32,
 /// 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions pipelined too.
 pub const DEFAULT_COPY_STAGE_BYTES: u64 = 64 << 20;
-/// Default `--copy-stage-growth`: by the page size (`umbp_protocol::stage_split::auto_growth_percent`).
-pub use umbp_protocol::stage_split::AUTO_GROWTH as DEFAULT_COPY_STAGE_GROWTH_PERCENT;
+/// `--copy-stage-growth auto`: by the page size (`umbp_protocol::stage_split::auto_growth_percent`).
+pub use umbp_protocol::stage_split::AUTO_GROWTH as AUTO_COPY_STAGE_GROWTH;
+/// Default `--copy-stage-growth`.
+pub const DEFAULT_COPY_STAGE_GROWTH_PERCENT: u32 = AUTO_COPY_STAGE_GROWTH;
 /// Default `promotion_ahead_bytes`: two default stages. (It was 0 for a while, on a
 /// network-partition test failure wrongly laid at its door: the failing load is one stage
 /// and launches nothing ahead, `promotions_ahead` 0 with either setting.)

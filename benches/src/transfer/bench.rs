@@ -569,16 +569,12 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
 
     // --- the small-page layouts of issue #14 (one submission per store or load), once per
     // --stage-growth (one value: the case names stay plain)
-    let growths: Vec<Option<u32>> = match args.stage_growth.as_slice() {
-        [] => vec![None],
-        g => g.iter().map(|&g| Some(g)).collect(),
-    };
+    let growth0 = args.first_stage_growth();
+    let growths = if args.stage_growth.is_empty() { vec![growth0] } else { args.stage_growth.clone() };
     let named = growths.len() > 1;
-    let growth0 = args.stage_growth.first().copied().unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT);
     for (i, sl) in small_page_layouts(args).iter().enumerate() {
         let group = 20 + i as u16;
-        for &growth in &growths {
-            let percent = growth.unwrap_or(growth0);
+        for &percent in &growths {
             if let Some(p) = &pool.pool {
                 p.set_copy_stage_growth_percent(percent);
             }

@@ -92,6 +92,12 @@ pub struct TransferArgs {
 pub const GROUPS: &[&str] = &["pages", "gptoss", "kv4k", "kv8k", "kv16k", "obj", "overhead", "bidir", "interference", "ssd"];
 
 impl TransferArgs {
+    /// The stage growth the in-process pool starts with: the first `--stage-growth`, else
+    /// the pool's default.
+    pub(crate) fn first_stage_growth(&self) -> u32 {
+        self.stage_growth.first().copied().unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT)
+    }
+
     /// Does `--layouts` select case group `g`?
     pub(crate) fn wants(&self, g: &str) -> bool {
         self.layouts.is_empty() || self.layouts.iter().any(|l| l == g)

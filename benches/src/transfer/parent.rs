@@ -153,7 +153,7 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         min_object_bytes: 24 * 64,
         copy_threads: args.copy_threads,
         // Several values: the small-page layouts set each in turn, the rest use the first.
-        copy_stage_growth_percent: args.stage_growth.first().copied().unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT),
+        copy_stage_growth_percent: args.first_stage_growth(),
         engine: args.engine,
         ssd: args.ssd_dir.as_ref().map(|d| umbp_pool::ssd::SsdConfig {
             dirs: vec![d.clone()],

@@ -240,7 +240,7 @@ struct Args {
 /// `--copy-stage-growth`: `auto` (0) or a percentage from 100 to 1000.
 fn parse_growth(s: &str) -> Result<u32, String> {
     if s == "auto" {
-        return Ok(umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT);
+        return Ok(umbp_pool::config::AUTO_COPY_STAGE_GROWTH);
     }
     match s.parse::<u32>() {
         Ok(p) if (100..=1000).contains(&p) => Ok(p),
@@ -488,8 +488,8 @@ mod tests {
         let g = config_from(parse(&[]).unwrap()).unwrap().engine.gather;
         assert_eq!(g, umbp_gpu::GatherConfig::default(), "page copy kernel defaults");
         let growth = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap().copy_stage_growth_percent;
-        assert_eq!(growth(&[]), umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT, "auto by default");
-        assert_eq!(growth(&["--copy-stage-growth", "auto"]), umbp_pool::config::DEFAULT_COPY_STAGE_GROWTH_PERCENT);
+        assert_eq!(growth(&[]), umbp_pool::config::AUTO_COPY_STAGE_GROWTH, "auto by default");
+        assert_eq!(growth(&["--copy-stage-growth", "auto"]), umbp_pool::config::AUTO_COPY_STAGE_GROWTH);
         assert_eq!(growth(&["--copy-stage-growth", "125"]), 125);
         let g = config_from(
             parse(&["--copy-kernel", "copy-engine", "--copy-kernel-blocks", "12", "--copy-kernel-launch-size", "4MiB", "--copy-split-streams", "4"]).unwrap(),
