@@ -12,6 +12,11 @@ pub const DEFAULT_COPY_STAGE_BYTES: u64 = 64 << 20;
 pub use umbp_protocol::stage_split::AUTO_GROWTH as AUTO_COPY_STAGE_GROWTH;
 /// Default `--copy-stage-growth`.
 pub const DEFAULT_COPY_STAGE_GROWTH_PERCENT: u32 = AUTO_COPY_STAGE_GROWTH;
+/// Default `idle_poll`: long enough for a worker's next submission right after its
+/// completion (one object at a time), short enough that an idle pool sleeps at once.
+pub const DEFAULT_IDLE_POLL: Duration = Duration::from_micros(50);
+/// Longest `idle_poll` accepted (`--idle-poll-us`).
+pub const MAX_IDLE_POLL: Duration = Duration::from_secs(1);
 /// Default `promotion_ahead_bytes`: two default stages. (It was 0 for a while, on a
 /// network-partition test failure wrongly laid at its door: the failing load is one stage
 /// and launches nothing ahead, `promotions_ahead` 0 with either setting.)
@@ -56,6 +61,12 @@ pub struct PoolConfig {
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches
     /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
     pub promotion_ahead_bytes: u64,
+    /// How long the service thread and a copy thread keep polling for work after their
+    /// last before they sleep. Waking a sleeping thread costs tens to hundreds of µs on a
+    /// VM (the vCPU halted); polling longer than the gap between an engine's transfers
+    /// (one engine step) removes that from every transfer at the price of a busy core per
+    /// polling thread while traffic flows.
+    pub idle_poll: Duration,
     /// How GPU copy calls are submitted (streams, batching); passed with every transfer.
     pub engine: umbp_gpu::EngineConfig,
     /// Attachments the pool serves at once (all peers together).
@@ -224,6 +235,7 @@ impl Default for PoolConfig {
             copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
             copy_stage_growth_percent: DEFAULT_COPY_STAGE_GROWTH_PERCENT,
             promotion_ahead_bytes: DEFAULT_PROMOTION_AHEAD_BYTES,
+            idle_poll: DEFAULT_IDLE_POLL,
             engine: umbp_gpu::EngineConfig::default(),
             max_attachments: 1024,
             default_sq_entries: 1024,

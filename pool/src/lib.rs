@@ -45,7 +45,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub use alloc::PAGE_BYTES;
 pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, ProgressFn, UidLimits};
@@ -134,6 +134,8 @@ pub(crate) struct PoolInner {
     pub copy_stage_bytes: AtomicU64,
     /// `config.copy_stage_growth_percent`, changeable while running.
     pub copy_stage_growth_percent: AtomicU32,
+    /// `config.idle_poll` in ns, changeable while running ([`Pool::set_idle_poll`]).
+    pub idle_poll_ns: AtomicU64,
     /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
     pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
@@ -154,6 +156,23 @@ impl PoolInner {
 
     pub fn is_shutting_down(&self) -> bool {
         self.shutdown.load(Ordering::Acquire)
+    }
+
+    /// Whether a service or copy thread idle for `idle` keeps polling (`idle_poll`); if
+    /// so, it pauses briefly first: a spin hint for the first 50 µs, a yield after, so a
+    /// long poll never starves the threads it shares a core with (a small machine).
+    pub fn keep_polling(&self, idle: Duration) -> bool {
+        const PURE_SPIN: Duration = Duration::from_micros(50);
+        let poll = self.idle_poll_ns.load(Ordering::Relaxed);
+        if idle.as_nanos() as u64 >= poll {
+            return false;
+        }
+        if idle < PURE_SPIN {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+        true
     }
 }
 
@@ -236,6 +255,7 @@ impl Pool {
             counters: stats::Counters::default(),
             copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
             copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
+            idle_poll_ns: AtomicU64::new(config.idle_poll.min(config::MAX_IDLE_POLL).as_nanos() as u64),
             engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
@@ -303,6 +323,12 @@ impl Pool {
     /// Changes `--copy-stage-growth` (percent) for submissions copied from now on.
     pub fn set_copy_stage_growth_percent(&self, percent: u32) {
         self.inner.copy_stage_growth_percent.store(percent, Ordering::Relaxed);
+    }
+
+    /// Changes `--idle-poll-us`: how long the service and copy threads poll for work after
+    /// their last before they sleep (at most [`config::MAX_IDLE_POLL`]).
+    pub fn set_idle_poll(&self, poll: Duration) {
+        self.inner.idle_poll_ns.store(poll.min(config::MAX_IDLE_POLL).as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Changes the GPU copy engine's tuning for submissions copied from now on.

@@ -20,7 +20,7 @@ use crate::{validate, PoolInner};
 
 /// Submissions taken from one ring before looking at the next (fairness).
 const BATCH: usize = 64;
-/// How long the thread keeps polling after the last work before it sleeps.
+/// How long the thread keeps polling past a peer's last transfer in flight.
 const SPIN: Duration = Duration::from_micros(50);
 /// How long the thread keeps polling after the last work while a peer has transfers in
 /// flight: longer than one 64 MiB copy (~1.2 ms at 55 GB/s).
@@ -68,8 +68,7 @@ pub fn run(inner: &Arc<PoolInner>) {
             continue;
         }
         let idle = last_work.elapsed();
-        if idle < SPIN {
-            std::hint::spin_loop();
+        if inner.keep_polling(idle) {
             continue;
         }
         // A peer with transfers in flight submits again right after their completion
@@ -100,6 +99,10 @@ pub fn run(inner: &Arc<PoolInner>) {
                 Err(e) => corrupt(inner, att, e),
             }
         }
+        // Work is coming (a ring was not empty, or a doorbell rang): poll again after it.
+        // A wake by timeout or for an attachment change is no work: with a long
+        // `idle_poll` the thread would otherwise never really sleep.
+        let mut woken_for_work = !all_empty;
         if all_empty {
             let has_schedulers = current.iter().any(|a| a.role == Role::Scheduler);
             // A paused peer is polled for reaping (it rings no doorbell when it reaps).
@@ -115,13 +118,16 @@ pub fn run(inner: &Arc<PoolInner>) {
                     inner.service_wake.drain();
                 } else if let Some(a) = watched.get(&(token as u32)) {
                     a.doorbell.drain();
+                    woken_for_work = true;
                 }
             }
         }
         for att in current.iter().filter(|a| a.role == Role::Worker) {
             att.sq.lock().expect("sq lock").finish_sleep();
         }
-        last_work = Instant::now();
+        if woken_for_work {
+            last_work = Instant::now();
+        }
     }
 }
 

@@ -112,21 +112,16 @@ fn release_slot(inner: &PoolInner, att: &Attachment) {
     }
 }
 
-/// How long a copy thread that just finished a job polls for the next before it sleeps:
-/// a worker's next submission usually follows its completion within microseconds, and a
-/// sleeping thread takes tens of microseconds to wake (~55 us measured in the `queue`
-/// phase on the H200 VM), as much as a 1 MiB copy takes.
-const COPY_SPIN: Duration = Duration::from_micros(50);
-
 pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) {
     let mut last_job = Instant::now();
     loop {
         let mut job = match rx.try_recv() {
             Ok(job) => job,
-            Err(crossbeam_channel::TryRecvError::Empty) if last_job.elapsed() < COPY_SPIN => {
-                std::hint::spin_loop();
-                continue;
-            }
+            // A copy thread that just finished a job polls for the next (`idle_poll`): a
+            // worker's next submission usually follows its completion within
+            // microseconds, and a sleeping thread takes tens of microseconds to wake (~55
+            // µs measured in the `queue` phase on the H200 VM), as long as a 1 MiB copy.
+            Err(crossbeam_channel::TryRecvError::Empty) if inner.keep_polling(last_job.elapsed()) => continue,
             Err(crossbeam_channel::TryRecvError::Empty) => match rx.recv_timeout(Duration::from_millis(100)) {
                 Ok(job) => job,
                 Err(crossbeam_channel::RecvTimeoutError::Timeout) if !inner.is_shutting_down() => continue,

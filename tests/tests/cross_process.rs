@@ -65,3 +65,54 @@ fn copy_stage_growth_sets_how_fast_stages_grow() {
     let (equal, auto, doubling) = (stages("100"), stages("auto"), stages("200"));
     assert!(equal > auto && auto > doubling, "stages: 100 % {equal}, auto {auto}, 200 % {doubling}");
 }
+
+/// `--idle-poll-us` keeps the service thread polling after a peer's last transfer: with a
+/// long poll (0.5 s) its submission ring is still unarmed 100 ms after a store (the next
+/// submission would ring no doorbell: the pool is awake), and armed once the poll ran out,
+/// and not before (the pool sleeps then: no core burned while idle, also not after the
+/// wake-ups that reading the report causes); with the default (50 µs) it is armed soon
+/// after the store.
+#[test]
+fn idle_poll_keeps_the_pool_awake_between_transfers() {
+    use std::time::{Duration, Instant};
+    use umbp_worker::{ObjectKey, Segment, Worker, WorkerConfig};
+    const PAGE: u64 = 16 << 10;
+    // (whether the ring was armed 100 ms after the store, when it was first seen armed
+    // counted from the submission, the time of the first look)
+    let armed_after_store = |poll: Option<&str>| {
+        let mut args = vec!["--capacity", "64MiB", "--min-object-size", "16KiB"];
+        args.extend(poll.map(|p| ["--idle-poll-us", p]).iter().flatten());
+        let pool = PoolProcess::start(&unique_socket(&format!("xpoll{}", poll.unwrap_or("d"))), &args);
+        let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
+        let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * 4) as usize, false).unwrap();
+        let alloc = w.register_memfd(kv.fd().try_clone_to_owned().unwrap(), 0, PAGE * 4).unwrap();
+        w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, 4)]).unwrap();
+        let batch: Vec<(ObjectKey, u64)> = (0..4).map(|i| (ObjectKey(0x1d1e_0000 + i as u128), i)).collect();
+        let submitted = Instant::now();
+        let id = w.store(0, &batch).unwrap();
+        assert!(w.wait(id, Duration::from_secs(10)).expect("store completes").all_ok());
+        let armed = || {
+            let r = pool.report();
+            let mut workers = r.attachments_of(umbp_pool::pool_report::PeerRole::Worker);
+            workers.next().expect("the worker is attached").sq.need_wakeup
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        let looked = submitted.elapsed();
+        let early = armed();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !armed() {
+            assert!(Instant::now() < deadline, "the service thread never armed the ring (poll {poll:?})");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (early, submitted.elapsed(), looked)
+    };
+    let (_, slept, _) = armed_after_store(None);
+    println!("default poll: armed {slept:?} after the store's submission");
+    let (early, slept, looked) = armed_after_store(Some("500000"));
+    assert!(slept >= Duration::from_millis(500), "armed {slept:?} after the store's submission, before the 0.5 s poll ran out");
+    if looked < Duration::from_millis(400) {
+        assert!(!early, "a 0.5 s poll still polls {looked:?} after the store's submission");
+    } else {
+        println!("skipped: the first look came {looked:?} after the submission (a loaded machine), too late to see the poll");
+    }
+}

@@ -402,7 +402,9 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let batch_api = umbp_gpu::cuda::batch_copy_api();
     let mut cases = Vec::new();
     let reps = args.reps as u64;
-    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api);
+    // The in-process pool's; an external pool's is its own (null).
+    let idle_poll_us = args.pool_socket.is_none().then_some(args.idle_poll.as_micros() as u64);
+    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api).extra("idle_poll_us", idle_poll_us);
     let mut key = 1u64 << 40;
     let mut next_key = |n: u64| {
         key += n + 1000;

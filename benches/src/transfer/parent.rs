@@ -154,6 +154,7 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         copy_threads: args.copy_threads,
         // Several values: the small-page layouts set each in turn, the rest use the first.
         copy_stage_growth_percent: args.first_stage_growth(),
+        idle_poll: args.idle_poll,
         engine: args.engine,
         ssd: args.ssd_dir.as_ref().map(|d| umbp_pool::ssd::SsdConfig {
             dirs: vec![d.clone()],
