@@ -111,6 +111,25 @@ pub(crate) struct GroupMemory {
     pub events_mem: Arc<SharedMemory>,
 }
 
+/// How long an idle thread spins (a spin hint per look) before it yields between looks.
+pub(crate) const SHORT_POLL: Duration = Duration::from_micros(50);
+
+/// Whether a service or copy thread idle for `idle` keeps polling, its poll lasting
+/// `window`; if so, it pauses briefly first: a spin hint for the first [`SHORT_POLL`], a
+/// yield after, so a long poll never starves the threads it shares a core with (a small
+/// machine).
+pub(crate) fn poll_pause(idle: Duration, window: Duration) -> bool {
+    if idle >= window {
+        return false;
+    }
+    if idle < SHORT_POLL {
+        std::hint::spin_loop();
+    } else {
+        std::thread::yield_now();
+    }
+    true
+}
+
 pub(crate) struct PoolInner {
     pub config: PoolConfig,
     pub dram: dram::Dram,
@@ -136,6 +155,9 @@ pub(crate) struct PoolInner {
     pub copy_stage_growth_percent: AtomicU32,
     /// `config.idle_poll` in ns, changeable while running ([`Pool::set_idle_poll`]).
     pub idle_poll_ns: AtomicU64,
+    /// A copy thread polls for jobs through all of `idle_poll` (the others sleep after
+    /// [`SHORT_POLL`]): one busy core, not one per copy thread.
+    pub copy_poller: AtomicBool,
     /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
     pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
@@ -158,21 +180,9 @@ impl PoolInner {
         self.shutdown.load(Ordering::Acquire)
     }
 
-    /// Whether a service or copy thread idle for `idle` keeps polling (`idle_poll`); if
-    /// so, it pauses briefly first: a spin hint for the first 50 µs, a yield after, so a
-    /// long poll never starves the threads it shares a core with (a small machine).
-    pub fn keep_polling(&self, idle: Duration) -> bool {
-        const PURE_SPIN: Duration = Duration::from_micros(50);
-        let poll = self.idle_poll_ns.load(Ordering::Relaxed);
-        if idle.as_nanos() as u64 >= poll {
-            return false;
-        }
-        if idle < PURE_SPIN {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
-        true
+    /// `idle_poll` now ([`Pool::set_idle_poll`]).
+    pub fn idle_poll(&self) -> Duration {
+        Duration::from_nanos(self.idle_poll_ns.load(Ordering::Relaxed))
     }
 }
 
@@ -255,6 +265,7 @@ impl Pool {
             counters: stats::Counters::default(),
             copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
             copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
+            copy_poller: AtomicBool::new(false),
             idle_poll_ns: AtomicU64::new(config.idle_poll.min(config::MAX_IDLE_POLL).as_nanos() as u64),
             engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),

@@ -68,7 +68,7 @@ pub fn run(inner: &Arc<PoolInner>) {
             continue;
         }
         let idle = last_work.elapsed();
-        if inner.keep_polling(idle) {
+        if crate::poll_pause(idle, inner.idle_poll()) {
             continue;
         }
         // A peer with transfers in flight submits again right after their completion

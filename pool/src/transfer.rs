@@ -114,21 +114,40 @@ fn release_slot(inner: &PoolInner, att: &Attachment) {
 
 pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) {
     let mut last_job = Instant::now();
+    // This thread holds `inner.copy_poller`: it polls through all of `idle_poll`.
+    let mut poller = false;
     loop {
         let mut job = match rx.try_recv() {
             Ok(job) => job,
-            // A copy thread that just finished a job polls for the next (`idle_poll`): a
-            // worker's next submission usually follows its completion within
-            // microseconds, and a sleeping thread takes tens of microseconds to wake (~55
-            // µs measured in the `queue` phase on the H200 VM), as long as a 1 MiB copy.
-            Err(crossbeam_channel::TryRecvError::Empty) if inner.keep_polling(last_job.elapsed()) => continue,
-            Err(crossbeam_channel::TryRecvError::Empty) => match rx.recv_timeout(Duration::from_millis(100)) {
-                Ok(job) => job,
-                Err(crossbeam_channel::RecvTimeoutError::Timeout) if !inner.is_shutting_down() => continue,
-                Err(_) => return,
-            },
-            Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+            // A copy thread that just finished a job polls for the next: a worker's next
+            // submission usually follows its completion within microseconds, and a
+            // sleeping thread takes tens of microseconds to wake (~55 µs measured in the
+            // `queue` phase on the H200 VM), as long as a 1 MiB copy. Past the short
+            // spin, one thread at a time goes on polling (`idle_poll`); every thread
+            // polling would slow the copies on the cores they share (1 MiB objects one
+            // at a time ran 0.9x with all eight polling, H200 VM).
+            Err(crossbeam_channel::TryRecvError::Empty) => {
+                let idle = last_job.elapsed();
+                if !poller && idle >= crate::SHORT_POLL && idle < inner.idle_poll() {
+                    poller = inner.copy_poller.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok();
+                }
+                if crate::poll_pause(idle, if poller { inner.idle_poll() } else { crate::SHORT_POLL.min(inner.idle_poll()) }) {
+                    continue;
+                }
+                release_poller(inner, &mut poller);
+                match rx.recv_timeout(Duration::from_millis(100)) {
+                    Ok(job) => job,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if !inner.is_shutting_down() => continue,
+                    Err(_) => return,
+                }
+            }
+            Err(crossbeam_channel::TryRecvError::Disconnected) => {
+                release_poller(inner, &mut poller);
+                return;
+            }
         };
+        // Busy now: another idle thread may take over polling.
+        release_poller(inner, &mut poller);
         let att = job.att.clone();
         if !att.is_alive() || inner.is_shutting_down() {
             finish_cancelled(inner, job);
@@ -151,6 +170,12 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
         Counters::add(&phases.finish_ns, tail.elapsed().as_nanos() as u64);
         Counters::add(&phases.jobs, 1);
         last_job = Instant::now();
+    }
+}
+
+fn release_poller(inner: &PoolInner, poller: &mut bool) {
+    if std::mem::take(poller) {
+        inner.copy_poller.store(false, Ordering::Release);
     }
 }
 

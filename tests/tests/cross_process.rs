@@ -116,3 +116,59 @@ fn idle_poll_keeps_the_pool_awake_between_transfers() {
         println!("skipped: the first look came {looked:?} after the submission (a loaded machine), too late to see the poll");
     }
 }
+
+/// With a long `--idle-poll-us`, one copy thread goes on polling after the jobs end, not
+/// every copy thread that ran one (each poller is a busy core). Four copy threads run
+/// overlapping 8 MiB stores; in the 0.4 s after, well inside the 1 s poll, at most one
+/// copy thread uses the CPU for 0.1 s or more.
+#[test]
+fn idle_poll_keeps_one_copy_thread_polling() {
+    use std::time::Duration;
+    use umbp_worker::{ObjectKey, Segment, Worker, WorkerConfig};
+    const PAGE: u64 = 1 << 20;
+    const BLOCKS: u64 = 32;
+    let pool = PoolProcess::start(
+        &unique_socket("xpoll1"),
+        &["--capacity", "256MiB", "--min-object-size", "1MiB", "--copy-threads", "4", "--copy-threads-per-peer", "4", "--idle-poll-us", "1000000"],
+    );
+    let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
+    let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
+    let alloc = w.register_memfd(kv.fd().try_clone_to_owned().unwrap(), 0, PAGE * BLOCKS).unwrap();
+    w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
+    // CPU ticks (user + system) of each copy thread, by thread id.
+    let copy_ticks = || -> Vec<(String, u64)> {
+        let mut out = Vec::new();
+        for t in std::fs::read_dir(format!("/proc/{}/task", pool.pid())).unwrap().flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            if !comm.starts_with("umbp-copy") {
+                continue;
+            }
+            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
+            // Fields after the ")" that closes the name: state is the 1st, utime the 12th.
+            let f: Vec<&str> = stat.rsplit_once(')').map_or("", |s| s.1).split_whitespace().collect();
+            let ticks = f.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0) + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
+            out.push((t.file_name().to_string_lossy().into_owned(), ticks));
+        }
+        out.sort();
+        out
+    };
+    for round in 0..3u128 {
+        let ids: Vec<_> = (0..4u128)
+            .map(|j| {
+                let batch: Vec<(ObjectKey, u64)> = (0..8).map(|i| (ObjectKey(0x0c0f_0000 + round * 64 + j * 8 + i as u128), (j * 8 + i) as u64)).collect();
+                w.store(0, &batch).unwrap()
+            })
+            .collect();
+        for id in ids {
+            assert!(w.wait(id, Duration::from_secs(10)).expect("store completes").all_ok());
+        }
+    }
+    let before = copy_ticks();
+    assert_eq!(before.len(), 4, "four copy threads: {before:?}");
+    std::thread::sleep(Duration::from_millis(400));
+    let after = copy_ticks();
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let busy: Vec<u64> = before.iter().zip(&after).map(|(b, a)| (a.1 - b.1) * 1000 / hz).filter(|ms| *ms >= 100).collect();
+    assert!(busy.len() <= 1, "copy threads busy for 100 ms or more in 400 ms: {busy:?} ms");
+    println!("copy threads' CPU ms in the 400 ms after the stores: {:?}", before.iter().zip(&after).map(|(b, a)| (a.1 - b.1) * 1000 / hz).collect::<Vec<_>>());
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Issue #14, eighth pass (docs/benchmarks.md "Wake-ups and cold lookups"): the device
+# checks on these binaries, then the same transfer cases with the pool's default idle
+# poll (50 µs) and with --idle-poll-us 1000000 (the pool stays awake between the
+# bench's transfers), alternating in separate processes (A B A B), then the index's cold
+# lookups on this machine's CPU. Raw output under $OUT. Run from the repository root with
+# the binaries of scripts/device/build.sh in BIN (default .device-bin):
+#
+#   OUT=/tmp/poll bash scripts/device/idle-poll.sh
+#
+# About 6 minutes of an H200. Exit status non-zero if a check or a bench failed.
+set -uo pipefail
+bin=${BIN:-.device-bin}
+out=${OUT:-/tmp}
+layouts=${LAYOUTS:-kv4k,kv8k,gptoss,obj}
+fail=0
+echo "=== checks: ${CHECKS-gpucheck check kcheck scheck extpool}"
+if [ -n "${CHECKS-gpucheck check kcheck scheck extpool}" ]; then
+  BIN=$bin OUT=$out STAGES="${CHECKS-gpucheck check kcheck scheck extpool}" STAGE_TIMEOUT=150 \
+    bash scripts/device/run-gpu-tests.sh > "$out/gpu-tests.log" 2>&1 || fail=1
+  grep "=== .*rc=" "$out/gpu-tests.log"
+fi
+for round in 1 2; do
+  for poll in 50 1000000; do
+    name=poll$poll-$round
+    echo "=== $name: transfer --backend cuda --json --reps 3 --layouts $layouts --idle-poll-us $poll"
+    timeout -k 5 200 "$bin/umbp-bench" transfer --backend cuda --json --reps 3 --layouts "$layouts" \
+      --idle-poll-us "$poll" > "$out/$name.jsonl" 2> "$out/$name.err" || fail=1
+    grep -hoE '"case":"[a-z0-9_]+","value":[0-9.]+' "$out/$name.jsonl" | sed 's/"case"://; s/,"value"//' | tr '\n' ' '
+    echo
+  done
+done
+echo "=== index: index --json --keys 625 --iterations 2000"
+timeout -k 5 120 "$bin/umbp-bench" index --json --keys 625 --iterations 2000 > "$out/index.jsonl" 2> "$out/index.err" || fail=1
+grep -h cold "$out/index.jsonl" | cut -c1-200
+echo "=== fail=$fail"
+exit $fail
