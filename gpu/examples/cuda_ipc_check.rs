@@ -63,6 +63,9 @@ fn child(len: usize) {
             "cuMemcpyHtoD",
             sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), len),
         );
+        // The pageable copy may still run when the call returns; the other process
+        // reads this memory next.
+        ck("cuCtxSynchronize", sys::cuCtxSynchronize());
     }
     let reg = cuda::export_cuda_memory(dptr + OFFSET, len as u64, 1).expect("export");
     let hex: String = bytemuck::bytes_of(&reg)

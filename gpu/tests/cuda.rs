@@ -49,6 +49,9 @@ fn cuda_child_entry() {
             "cuMemcpyHtoD",
             sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), LEN),
         );
+        // The memset and the pageable copy may still run when their calls return; the
+        // other process reads this memory next, ordered by nothing else.
+        ck("cuCtxSynchronize", sys::cuCtxSynchronize());
     }
     let reg = cuda::export_cuda_memory(dptr + OFFSET, LEN as u64, 21).unwrap();
     assert_eq!(reg.offset, OFFSET);
@@ -189,6 +192,9 @@ fn cuda_in_process_region() {
             "cuMemcpyHtoD",
             sys::cuMemcpyHtoD_v2(dptr + 4096, host.as_ptr().cast(), len),
         );
+        // A pageable copy may still run when the call returns; the engine's streams do
+        // not wait for the legacy stream.
+        ck("cuCtxSynchronize", sys::cuCtxSynchronize());
     }
     let reg = cuda::export_cuda_memory(dptr + 4096, len as u64, 3).unwrap();
     let region = backend.open_region(&reg, None, std::process::id()).unwrap();

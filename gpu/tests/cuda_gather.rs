@@ -54,7 +54,12 @@ impl Setup {
 
     fn upload(&self, bytes: &[u8]) {
         // SAFETY: `bytes` fits the allocation (callers pass dev_len bytes at most).
-        unsafe { ck("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(self.dptr, bytes.as_ptr().cast(), bytes.len())) };
+        // (The pageable copy may still run when the call returns; the engine's
+        // non-blocking streams do not wait for the legacy stream.)
+        unsafe {
+            ck("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(self.dptr, bytes.as_ptr().cast(), bytes.len()));
+            ck("cuCtxSynchronize", sys::cuCtxSynchronize());
+        }
     }
 
     fn download(&self) -> Vec<u8> {
@@ -197,6 +202,8 @@ impl Worker {
             ck("check_pattern", sys::cuModuleGetFunction(&mut w.check, m, c"check_pattern".as_ptr()));
             ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut w.bad, 8));
             ck("cuMemsetD8", sys::cuMemsetD8_v2(w.bad, 0, 8));
+            // (A memset may still run when its call returns; `w.stream` does not wait.)
+            ck("cuCtxSynchronize", sys::cuCtxSynchronize());
         }
         w
     }

@@ -13,6 +13,7 @@ set -uo pipefail
 bin=${BIN:-.device-bin}
 out=${OUT:-/tmp}
 layouts=${LAYOUTS:-kv4k,kv8k,gptoss,obj}
+# ROUNDS: A B pairs (default 2); CHECKS: run-gpu-tests.sh stages ("" for none).
 fail=0
 echo "=== checks: ${CHECKS-gpucheck check kcheck scheck extpool}"
 if [ -n "${CHECKS-gpucheck check kcheck scheck extpool}" ]; then
@@ -20,7 +21,7 @@ if [ -n "${CHECKS-gpucheck check kcheck scheck extpool}" ]; then
     bash scripts/device/run-gpu-tests.sh > "$out/gpu-tests.log" 2>&1 || fail=1
   grep "=== .*rc=" "$out/gpu-tests.log"
 fi
-for round in 1 2; do
+for round in $(seq 1 "${ROUNDS:-2}"); do
   for poll in 50 1000000; do
     name=poll$poll-$round
     echo "=== $name: transfer --backend cuda --json --reps 3 --layouts $layouts --idle-poll-us $poll"

@@ -74,10 +74,12 @@ impl Gpu {
         Ok(p)
     }
 
+    /// Copies `src` to `dst` and waits until the bytes are in device memory.
     pub fn htod(&self, dst: u64, src: &[u8]) -> Result<(), String> {
         // SAFETY: `dst..+len` lies in one of our allocations (callers check), `src` is
-        // a live slice; synchronous copy.
-        ck("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) })
+        // a live slice.
+        ck("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) })?;
+        Self::settle()
     }
 
     pub fn dtoh(&self, src: u64, len: usize) -> Result<Vec<u8>, String> {
@@ -87,9 +89,22 @@ impl Gpu {
         Ok(v)
     }
 
+    /// Sets `len` bytes at `dst` to `byte` and waits until they are set.
     pub fn memset(&self, dst: u64, byte: u8, len: usize) -> Result<(), String> {
-        // SAFETY: inside one of our allocations; synchronous.
-        ck("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(dst, byte, len) })
+        // SAFETY: inside one of our allocations.
+        ck("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(dst, byte, len) })?;
+        Self::settle()
+    }
+
+    /// Waits for this context's work on the legacy stream: a memset of device memory, and
+    /// a copy from pageable memory past its staging, may still run when their (so-called
+    /// synchronous) calls return (CUDA's "API synchronization behavior"), and the pool
+    /// copies this memory next from another process, ordered by nothing else. (A load
+    /// into poisoned memory once found a page still poisoned: the memset landed after the
+    /// pool's copy, H200, 2026-12-02, with the pool polling, so copying at once.)
+    fn settle() -> Result<(), String> {
+        // SAFETY: no arguments; the context is current on this thread (`new`).
+        ck("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
     pub fn sync(&self) -> Result<(), String> {
