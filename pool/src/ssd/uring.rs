@@ -217,10 +217,19 @@ impl Ring {
                 if res < 0 {
                     errors[c.job].get_or_insert(io::Error::from_raw_os_error(-res));
                 } else if res as usize != c.len {
-                    errors[c.job].get_or_insert(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("short {} ({res} of {} bytes)", if write { "write" } else { "read" }, c.len),
-                    ));
+                    // A short transfer is no error by itself (a write stops at the file
+                    // size limit or a full disk, a read at the end of the file): the rest
+                    // goes again, synchronously, and completes or fails with the kernel's
+                    // reason (EFBIG, ENOSPC: disk full; a read past the end: short read).
+                    let (fd, base) = fds[c.job];
+                    let n = res as usize;
+                    match sync_io(write, fd, &mut self.bufs[b as usize][n..c.len], base + c.at + n as u64) {
+                        Ok(()) if !write => done(c, &self.bufs[b as usize][..c.len]),
+                        Ok(()) => {}
+                        Err(e) => {
+                            errors[c.job].get_or_insert(e);
+                        }
+                    }
                 } else if !write {
                     done(c, &self.bufs[b as usize][..c.len]);
                 }
