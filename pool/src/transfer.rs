@@ -135,10 +135,14 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
                     continue;
                 }
                 release_poller(inner, &mut poller);
-                match rx.recv_timeout(Duration::from_millis(100)) {
-                    Ok(job) => job,
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if !inner.is_shutting_down() => continue,
-                    Err(_) => return,
+                // Blocked until a job comes: a thread that wakes by timeout does not poll
+                // (only one fresh from its own job does).
+                loop {
+                    match rx.recv_timeout(Duration::from_millis(100)) {
+                        Ok(job) => break job,
+                        Err(crossbeam_channel::RecvTimeoutError::Timeout) if !inner.is_shutting_down() => {}
+                        Err(_) => return,
+                    }
                 }
             }
             Err(crossbeam_channel::TryRecvError::Disconnected) => {
