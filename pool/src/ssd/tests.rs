@@ -620,7 +620,7 @@ fn a_write_cut_short_by_the_file_size_limit_is_disk_full() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "child failed:\n{text}");
     if text.contains("URING false") {
-        println!("skipped: io_uring is not available here (the synchronous path retries short writes itself)");
+        println!("io_uring is not available here: this checked the synchronous path only");
     }
     assert!(text.contains(&format!("RESULT Some({})", libc::EFBIG)), "{text}");
 }
