@@ -130,6 +130,11 @@ pub(crate) fn poll_pause(idle: Duration, window: Duration) -> bool {
     true
 }
 
+/// `idle_poll` as kept in [`PoolInner::idle_poll_ns`]: at most [`config::MAX_IDLE_POLL`].
+fn idle_poll_ns(poll: Duration) -> u64 {
+    poll.min(config::MAX_IDLE_POLL).as_nanos() as u64
+}
+
 pub(crate) struct PoolInner {
     pub config: PoolConfig,
     pub dram: dram::Dram,
@@ -266,7 +271,7 @@ impl Pool {
             copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
             copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
             copy_poller: AtomicBool::new(false),
-            idle_poll_ns: AtomicU64::new(config.idle_poll.min(config::MAX_IDLE_POLL).as_nanos() as u64),
+            idle_poll_ns: AtomicU64::new(idle_poll_ns(config.idle_poll)),
             engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
@@ -339,7 +344,7 @@ impl Pool {
     /// Changes `--idle-poll-us`: how long the service and copy threads poll for work after
     /// their last before they sleep (at most [`config::MAX_IDLE_POLL`]).
     pub fn set_idle_poll(&self, poll: Duration) {
-        self.inner.idle_poll_ns.store(poll.min(config::MAX_IDLE_POLL).as_nanos() as u64, Ordering::Relaxed);
+        self.inner.idle_poll_ns.store(idle_poll_ns(poll), Ordering::Relaxed);
     }
 
     /// Changes the GPU copy engine's tuning for submissions copied from now on.

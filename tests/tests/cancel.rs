@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use umbp_pool::{Pool, PoolConfig};
 use umbp_protocol::ObjectKey;
-use umbp_worker::{BlockStatus, CancelOutcome, CqeError, Segment, Worker, WorkerConfig};
+use umbp_worker::{BlockStatus, CancelOutcome, CqeError, Worker, WorkerConfig};
 
 const TIMEOUT: Duration = Duration::from_millis(300);
 
@@ -95,11 +95,7 @@ impl Held {
         let pool = Pool::start(cfg).expect("pool starts");
         let mut wc = WorkerConfig::new(&socket, 5);
         wc.timeout = TIMEOUT;
-        let mut w = Worker::connect(wc).expect("worker attaches");
-        let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
-        let fd = kv.fd().try_clone_to_owned().unwrap();
-        let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
-        w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
+        let (w, kv) = worker_on_memfd(wc, PAGE, BLOCKS);
         Held { _pool: pool, w, kv }
     }
 

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use umbp_integration_tests::unique_socket;
+use umbp_integration_tests::{unique_socket, worker_on_memfd};
 use umbp_pool::{Pool, PoolConfig};
-use umbp_worker::{BlockStatus, ObjectKey, Segment, Worker, WorkerConfig};
+use umbp_worker::{BlockStatus, ObjectKey, WorkerConfig};
 
 const PAGE: u64 = 64 << 10;
 const BLOCKS: u64 = 64;
@@ -17,11 +17,7 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     // One copy thread: if the panic killed it, nothing after it would ever complete.
     let pool = Pool::start(PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, copy_threads: 1, ..PoolConfig::default() })
         .expect("pool starts");
-    let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).expect("worker attaches");
-    let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
-    let fd = kv.fd().try_clone_to_owned().unwrap();
-    let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
-    w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
+    let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&socket, 5), PAGE, BLOCKS);
     let job = |first: u128, n: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect() };
 
     umbp_pool::fault::panic_on_copy_of(Some(ObjectKey(1003)));

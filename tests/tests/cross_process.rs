@@ -75,7 +75,7 @@ fn copy_stage_growth_sets_how_fast_stages_grow() {
 #[test]
 fn idle_poll_keeps_the_pool_awake_between_transfers() {
     use std::time::{Duration, Instant};
-    use umbp_worker::{ObjectKey, Segment, Worker, WorkerConfig};
+    use umbp_worker::{ObjectKey, WorkerConfig};
     const PAGE: u64 = 16 << 10;
     // (whether the ring was armed 100 ms after the store, when it was first seen armed
     // counted from the submission, the time of the first look)
@@ -83,10 +83,7 @@ fn idle_poll_keeps_the_pool_awake_between_transfers() {
         let mut args = vec!["--capacity", "64MiB", "--min-object-size", "16KiB"];
         args.extend(poll.map(|p| ["--idle-poll-us", p]).iter().flatten());
         let pool = PoolProcess::start(&unique_socket(&format!("xpoll{}", poll.unwrap_or("d"))), &args);
-        let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
-        let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * 4) as usize, false).unwrap();
-        let alloc = w.register_memfd(kv.fd().try_clone_to_owned().unwrap(), 0, PAGE * 4).unwrap();
-        w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, 4)]).unwrap();
+        let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&pool.socket, 7), PAGE, 4);
         let batch: Vec<(ObjectKey, u64)> = (0..4).map(|i| (ObjectKey(0x1d1e_0000 + i as u128), i)).collect();
         let submitted = Instant::now();
         let id = w.store(0, &batch).unwrap();
@@ -99,11 +96,7 @@ fn idle_poll_keeps_the_pool_awake_between_transfers() {
         std::thread::sleep(Duration::from_millis(100));
         let looked = submitted.elapsed();
         let early = armed();
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while !armed() {
-            assert!(Instant::now() < deadline, "the service thread never armed the ring (poll {poll:?})");
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        wait_until(&format!("the service thread to arm the ring (poll {poll:?})"), Duration::from_secs(20), armed);
         (early, submitted.elapsed(), looked)
     };
     let (_, slept, _) = armed_after_store(None);
@@ -124,34 +117,14 @@ fn idle_poll_keeps_the_pool_awake_between_transfers() {
 #[test]
 fn idle_poll_keeps_one_copy_thread_polling() {
     use std::time::Duration;
-    use umbp_worker::{ObjectKey, Segment, Worker, WorkerConfig};
+    use umbp_worker::{ObjectKey, WorkerConfig};
     const PAGE: u64 = 1 << 20;
     const BLOCKS: u64 = 32;
     let pool = PoolProcess::start(
         &unique_socket("xpoll1"),
         &["--capacity", "256MiB", "--min-object-size", "1MiB", "--copy-threads", "4", "--copy-threads-per-peer", "4", "--idle-poll-us", "1000000"],
     );
-    let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
-    let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
-    let alloc = w.register_memfd(kv.fd().try_clone_to_owned().unwrap(), 0, PAGE * BLOCKS).unwrap();
-    w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
-    // CPU ticks (user + system) of each copy thread, by thread id.
-    let copy_ticks = || -> Vec<(String, u64)> {
-        let mut out = Vec::new();
-        for t in std::fs::read_dir(format!("/proc/{}/task", pool.pid())).unwrap().flatten() {
-            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
-            if !comm.starts_with("umbp-copy") {
-                continue;
-            }
-            let stat = std::fs::read_to_string(t.path().join("stat")).unwrap_or_default();
-            // Fields after the ")" that closes the name: state is the 1st, utime the 12th.
-            let f: Vec<&str> = stat.rsplit_once(')').map_or("", |s| s.1).split_whitespace().collect();
-            let ticks = f.get(11).and_then(|u| u.parse::<u64>().ok()).unwrap_or(0) + f.get(12).and_then(|s| s.parse::<u64>().ok()).unwrap_or(0);
-            out.push((t.file_name().to_string_lossy().into_owned(), ticks));
-        }
-        out.sort();
-        out
-    };
+    let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&pool.socket, 7), PAGE, BLOCKS);
     for round in 0..3u128 {
         let ids: Vec<_> = (0..4u128)
             .map(|j| {
@@ -163,12 +136,12 @@ fn idle_poll_keeps_one_copy_thread_polling() {
             assert!(w.wait(id, Duration::from_secs(10)).expect("store completes").all_ok());
         }
     }
-    let before = copy_ticks();
+    let before = thread_cpu_ms(pool.pid(), "umbp-copy");
     assert_eq!(before.len(), 4, "four copy threads: {before:?}");
     std::thread::sleep(Duration::from_millis(400));
-    let after = copy_ticks();
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    let busy: Vec<u64> = before.iter().zip(&after).map(|(b, a)| (a.1 - b.1) * 1000 / hz).filter(|ms| *ms >= 100).collect();
+    let after = thread_cpu_ms(pool.pid(), "umbp-copy");
+    let used: Vec<u64> = before.iter().zip(&after).map(|(b, a)| a - b).collect();
+    println!("copy threads' CPU ms in the 400 ms after the stores: {used:?}");
+    let busy: Vec<&u64> = used.iter().filter(|ms| **ms >= 100).collect();
     assert!(busy.len() <= 1, "copy threads busy for 100 ms or more in 400 ms: {busy:?} ms");
-    println!("copy threads' CPU ms in the 400 ms after the stores: {:?}", before.iter().zip(&after).map(|(b, a)| (a.1 - b.1) * 1000 / hz).collect::<Vec<_>>());
 }

@@ -6,9 +6,9 @@
 
 use std::time::{Duration, Instant};
 
-use umbp_integration_tests::{unique_socket, PoolProcess};
+use umbp_integration_tests::{unique_socket, worker_on_memfd, PoolProcess};
 use umbp_scheduler::IndexClient;
-use umbp_worker::{ObjectKey, Segment, Worker, WorkerConfig};
+use umbp_worker::{ObjectKey, WorkerConfig};
 
 const PAGE: u64 = 16 << 10;
 const BLOCKS: u64 = 16;
@@ -16,11 +16,7 @@ const BLOCKS: u64 = 16;
 #[test]
 fn killed_pool_lookups_miss_once_it_is_reaped() {
     let mut pool = PoolProcess::start(&unique_socket("liveness"), &["--capacity", "64MiB", "--min-object-size", "16KiB"]);
-    let mut w = Worker::connect(WorkerConfig::new(&pool.socket, 7)).expect("worker attaches");
-    let kv = umbp_ipc::SharedMemory::create("kv", (PAGE * BLOCKS) as usize, false).unwrap();
-    let fd = kv.fd().try_clone_to_owned().unwrap();
-    let alloc = w.register_memfd(fd, 0, PAGE * BLOCKS).unwrap();
-    w.register_layout(0, vec![Segment::new(alloc, 0, PAGE, PAGE, BLOCKS)]).unwrap();
+    let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&pool.socket, 7), PAGE, BLOCKS);
     let keys: Vec<ObjectKey> = (0..BLOCKS as u128).map(|i| ObjectKey(0x11fe_0000 + i)).collect();
     let batch: Vec<_> = keys.iter().enumerate().map(|(i, k)| (*k, i as u64)).collect();
     let id = w.store(0, &batch).unwrap();
