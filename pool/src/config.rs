@@ -12,11 +12,62 @@ pub const DEFAULT_COPY_STAGE_BYTES: u64 = 64 << 20;
 pub use umbp_protocol::stage_split::AUTO_GROWTH as AUTO_COPY_STAGE_GROWTH;
 /// Default `--copy-stage-growth`.
 pub const DEFAULT_COPY_STAGE_GROWTH_PERCENT: u32 = AUTO_COPY_STAGE_GROWTH;
-/// Default `idle_poll`: long enough for a worker's next submission right after its
-/// completion (one object at a time), short enough that an idle pool sleeps at once.
-pub const DEFAULT_IDLE_POLL: Duration = Duration::from_micros(50);
 /// Longest `idle_poll` accepted (`--idle-poll-us`).
 pub const MAX_IDLE_POLL: Duration = Duration::from_secs(1);
+/// The most `--idle-poll-us auto` polls: longer than the gap between a worker's
+/// back-to-back transfers (a lookup and a submission: 0.5-3 ms measured between the
+/// bench's transfers on the 2-core VM), far shorter than an engine step, so a pool serving
+/// engines that submit once a step sleeps between them.
+pub const AUTO_IDLE_POLL_MAX: Duration = Duration::from_millis(2);
+/// Default `idle_poll`: adaptive (pool/src/idle_poll.rs).
+pub const DEFAULT_IDLE_POLL: IdlePoll = IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX };
+
+/// How long the service thread and a copy thread poll for work after the pool's last
+/// activity before they sleep (`--idle-poll-us`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdlePoll {
+    /// Always this long (`--idle-poll-us N`).
+    Fixed(Duration),
+    /// From 50 µs up to `max`, longer while work keeps arriving soon after the threads
+    /// slept (`--idle-poll-us auto`).
+    Auto { max: Duration },
+}
+
+impl IdlePoll {
+    /// Within [`MAX_IDLE_POLL`].
+    pub fn clamped(self) -> Self {
+        match self {
+            IdlePoll::Fixed(d) => IdlePoll::Fixed(d.min(MAX_IDLE_POLL)),
+            IdlePoll::Auto { max } => IdlePoll::Auto { max: max.min(MAX_IDLE_POLL) },
+        }
+    }
+}
+
+impl std::fmt::Display for IdlePoll {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            IdlePoll::Fixed(d) => write!(f, "{}", d.as_micros()),
+            IdlePoll::Auto { max } if *max == AUTO_IDLE_POLL_MAX => write!(f, "auto"),
+            IdlePoll::Auto { max } => write!(f, "auto (up to {} µs)", max.as_micros()),
+        }
+    }
+}
+
+impl std::str::FromStr for IdlePoll {
+    type Err = String;
+
+    /// `auto`, or µs from 0 to 1,000,000.
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "auto" {
+            return Ok(DEFAULT_IDLE_POLL);
+        }
+        let max = MAX_IDLE_POLL.as_micros();
+        match s.parse::<u64>() {
+            Ok(us) if us as u128 <= max => Ok(IdlePoll::Fixed(Duration::from_micros(us))),
+            _ => Err(format!("'{s}' is not `auto` or a whole number of µs from 0 to {max}")),
+        }
+    }
+}
 /// Default `promotion_ahead_bytes`: two default stages. (It was 0 for a while, on a
 /// network-partition test failure wrongly laid at its door: the failing load is one stage
 /// and launches nothing ahead, `promotions_ahead` 0 with either setting.)
@@ -61,12 +112,12 @@ pub struct PoolConfig {
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches
     /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
     pub promotion_ahead_bytes: u64,
-    /// How long the service thread and a copy thread keep polling for work after their
-    /// last before they sleep. Waking a sleeping thread costs tens to hundreds of µs on a
-    /// VM (the vCPU halted); polling longer than the gap between an engine's transfers
-    /// (one engine step) removes that from every transfer at the price of a busy core per
-    /// polling thread while traffic flows.
-    pub idle_poll: Duration,
+    /// How long the service thread and a copy thread keep polling for work after the
+    /// pool's last activity before they sleep. Waking a sleeping thread costs tens to
+    /// hundreds of µs on a VM (the vCPU halted); polling through the gap between a worker's
+    /// transfers removes that from every transfer at the price of a busy core per polling
+    /// thread while traffic flows.
+    pub idle_poll: IdlePoll,
     /// How GPU copy calls are submitted (streams, batching); passed with every transfer.
     pub engine: umbp_gpu::EngineConfig,
     /// Attachments the pool serves at once (all peers together).

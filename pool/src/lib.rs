@@ -24,6 +24,7 @@ pub mod fault;
 #[path = "fault_off.rs"]
 mod fault;
 pub mod groups;
+mod idle_poll;
 mod liveness;
 mod metrics;
 mod objects;
@@ -111,30 +112,6 @@ pub(crate) struct GroupMemory {
     pub events_mem: Arc<SharedMemory>,
 }
 
-/// How long an idle thread spins (a spin hint per look) before it yields between looks.
-pub(crate) const SHORT_POLL: Duration = Duration::from_micros(50);
-
-/// Whether a service or copy thread idle for `idle` keeps polling, its poll lasting
-/// `window`; if so, it pauses briefly first: a spin hint for the first [`SHORT_POLL`], a
-/// yield after, so a long poll never starves the threads it shares a core with (a small
-/// machine).
-pub(crate) fn poll_pause(idle: Duration, window: Duration) -> bool {
-    if idle >= window {
-        return false;
-    }
-    if idle < SHORT_POLL {
-        std::hint::spin_loop();
-    } else {
-        std::thread::yield_now();
-    }
-    true
-}
-
-/// `idle_poll` as kept in [`PoolInner::idle_poll_ns`]: at most [`config::MAX_IDLE_POLL`].
-fn idle_poll_ns(poll: Duration) -> u64 {
-    poll.min(config::MAX_IDLE_POLL).as_nanos() as u64
-}
-
 pub(crate) struct PoolInner {
     pub config: PoolConfig,
     pub dram: dram::Dram,
@@ -158,11 +135,21 @@ pub(crate) struct PoolInner {
     pub copy_stage_bytes: AtomicU64,
     /// `config.copy_stage_growth_percent`, changeable while running.
     pub copy_stage_growth_percent: AtomicU32,
-    /// `config.idle_poll` in ns, changeable while running ([`Pool::set_idle_poll`]).
+    /// `config.idle_poll`, changeable while running ([`Pool::set_idle_poll`]). The lock
+    /// also orders the service thread's window updates against a change of mode.
+    pub idle_poll_mode: Mutex<config::IdlePoll>,
+    /// How long idle threads poll now, in ns (idle_poll.rs: fixed, or adapted by the
+    /// service thread).
     pub idle_poll_ns: AtomicU64,
-    /// A copy thread polls for jobs through all of `idle_poll` (the others sleep after
-    /// [`SHORT_POLL`]): one busy core, not one per copy thread.
+    /// A copy thread polls for jobs through all of the window (the others sleep after
+    /// [`idle_poll::SHORT_POLL`]): one busy core, not one per copy thread.
     pub copy_poller: AtomicBool,
+    /// When a copy thread last finished a job ([`idle_poll::ns_since`] `started`): the
+    /// pool's threads poll from there, as a worker's next submission follows it.
+    pub last_completion_ns: AtomicU64,
+    /// The service thread is asleep (or about to be) in epoll: a completion while the
+    /// window is long wakes it, so it polls for the worker's next submission.
+    pub service_asleep: AtomicBool,
     /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
     pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
@@ -185,9 +172,28 @@ impl PoolInner {
         self.shutdown.load(Ordering::Acquire)
     }
 
-    /// `idle_poll` now ([`Pool::set_idle_poll`]).
+    /// How long idle threads poll now (idle_poll.rs).
     pub fn idle_poll(&self) -> Duration {
         Duration::from_nanos(self.idle_poll_ns.load(Ordering::Relaxed))
+    }
+
+    /// A copy thread finished a job: the pool's threads poll from now for the worker's
+    /// next submission; the service thread, if asleep through the copy, is woken for it
+    /// when the window is longer than its short spin.
+    pub fn note_completion(&self) {
+        // SeqCst pairs with the service thread's store to `service_asleep` and its re-read
+        // of this word (service.rs): one of the two sees the other.
+        self.last_completion_ns.store(idle_poll::ns_since(self.started), Ordering::SeqCst);
+        if idle_poll::polls_after_completion(self.idle_poll()) && self.service_asleep.swap(false, Ordering::SeqCst) {
+            self.service_wake.ring();
+        }
+    }
+
+    /// Time since the pool's last activity: `last_work` (the caller's) or the last completion.
+    pub fn idle_since(&self, last_work: Instant) -> Duration {
+        let completed = Duration::from_nanos(self.last_completion_ns.load(Ordering::SeqCst));
+        let now = self.started.elapsed();
+        last_work.elapsed().min(now.saturating_sub(completed))
     }
 }
 
@@ -271,7 +277,10 @@ impl Pool {
             copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
             copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
             copy_poller: AtomicBool::new(false),
-            idle_poll_ns: AtomicU64::new(idle_poll_ns(config.idle_poll)),
+            idle_poll_mode: Mutex::new(config.idle_poll.clamped()),
+            idle_poll_ns: AtomicU64::new(idle_poll::initial_window(config.idle_poll.clamped()).as_nanos() as u64),
+            last_completion_ns: AtomicU64::new(0),
+            service_asleep: AtomicBool::new(false),
             engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
@@ -342,9 +351,12 @@ impl Pool {
     }
 
     /// Changes `--idle-poll-us`: how long the service and copy threads poll for work after
-    /// their last before they sleep (at most [`config::MAX_IDLE_POLL`]).
-    pub fn set_idle_poll(&self, poll: Duration) {
-        self.inner.idle_poll_ns.store(idle_poll_ns(poll), Ordering::Relaxed);
+    /// their last before they sleep (a fixed window, or `auto`).
+    pub fn set_idle_poll(&self, poll: config::IdlePoll) {
+        let poll = poll.clamped();
+        let mut mode = self.inner.idle_poll_mode.lock().expect("idle poll lock");
+        *mode = poll;
+        self.inner.idle_poll_ns.store(idle_poll::initial_window(poll).as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Changes the GPU copy engine's tuning for submissions copied from now on.

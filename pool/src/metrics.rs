@@ -357,6 +357,7 @@ impl Collector for PoolCollector {
         gauge(&mut enc, "umbp_namespaces", "Namespaces with at least one object", namespaces as f64)?;
         counter(&mut enc, "umbp_evictions", "Objects evicted by the evictor", p.evictions)?;
         counter(&mut enc, "umbp_events", "KV events written to the shared event log", p.events_written)?;
+        gauge(&mut enc, "umbp_idle_poll_window_seconds", "How long idle pool threads poll for work before they sleep (--idle-poll-us)", p.idle_poll_window_us / 1e6)?;
 
         labelled_counter(
             &mut enc,
@@ -406,6 +407,7 @@ impl Collector for PoolCollector {
             ],
         )?;
         counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", c.submissions)?;
+        counter(&mut enc, "umbp_service_wakeups", "Submissions that found the pool asleep: the service thread woke for a doorbell (--idle-poll-us)", c.service_wakeups)?;
         counter(&mut enc, "umbp_rejected_submissions", "Submissions answered with an error CQE", c.rejected_submissions)?;
         counter(&mut enc, "umbp_transfers_cancelled", "Transfers abandoned by their worker before the pool issued all their stages", c.transfers_cancelled)?;
         counter(&mut enc, "umbp_hints", "Touch hints drained from schedulers", c.hints)?;

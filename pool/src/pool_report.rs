@@ -224,6 +224,12 @@ pub struct PoolSection {
     pub events_written: u64,
     pub high_watermark: f64,
     pub low_watermark: f64,
+    /// `--idle-poll-us`: `auto` or µs.
+    #[serde(default)]
+    pub idle_poll: String,
+    /// How long idle threads poll now (µs): `--idle-poll-us` when fixed, adapted for `auto`.
+    #[serde(default)]
+    pub idle_poll_window_us: f64,
 }
 
 /// What the tenant defences did (docs/security.md).
@@ -400,6 +406,10 @@ pub struct CountersReport {
     pub busy_refusals: u64,
     /// Peers whose pidfd was taken with `pidfd_open` at accept (no `SO_PEERPIDFD`).
     pub pidfd_open_peers: u64,
+    /// Times a worker's doorbell woke the sleeping service thread: transfers that found
+    /// the pool asleep (the rest were caught while it polled).
+    #[serde(default)]
+    pub service_wakeups: u64,
     pub store_copy_ns: u64,
     pub load_copy_ns: u64,
     pub phases: Phases,

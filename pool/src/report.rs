@@ -137,6 +137,8 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
         events_written: store.events_written(),
         high_watermark: inner.config.high_watermark,
         low_watermark: inner.config.low_watermark,
+        idle_poll: inner.idle_poll_mode.lock().expect("idle poll lock").to_string(),
+        idle_poll_window_us: inner.idle_poll().as_nanos() as f64 / 1e3,
     }
 }
 

@@ -13,6 +13,7 @@ use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
+use crate::idle_poll;
 use crate::poller::Poller;
 use crate::stats::Counters;
 use crate::transfer::{Candidate, Job};
@@ -67,8 +68,10 @@ pub fn run(inner: &Arc<PoolInner>) {
             last_work = Instant::now();
             continue;
         }
-        let idle = last_work.elapsed();
-        if crate::poll_pause(idle, inner.idle_poll()) {
+        // Idle since this thread's last work or a copy thread's last completion, whichever
+        // is later: a worker's next submission follows its completion.
+        let idle = inner.idle_since(last_work);
+        if idle_poll::poll_pause(idle, inner.idle_poll()) {
             continue;
         }
         // A peer with transfers in flight submits again right after their completion
@@ -103,7 +106,14 @@ pub fn run(inner: &Arc<PoolInner>) {
         // A wake by timeout or for an attachment change is no work: with a long
         // `idle_poll` the thread would otherwise never really sleep.
         let mut woken_for_work = !all_empty;
+        let mut slept = false;
         if all_empty {
+            // Announce the sleep, then look once more for a completion that came since
+            // (pairs with PoolInner::note_completion: one of the two sees the other).
+            inner.service_asleep.store(true, Ordering::SeqCst);
+            slept = inner.idle_since(last_work) >= inner.idle_poll();
+        }
+        if slept {
             let has_schedulers = current.iter().any(|a| a.role == Role::Scheduler);
             // A paused peer is polled for reaping (it rings no doorbell when it reaps).
             let timeout = if paused {
@@ -122,6 +132,11 @@ pub fn run(inner: &Arc<PoolInner>) {
                 }
             }
         }
+        inner.service_asleep.store(false, Ordering::SeqCst);
+        if slept && woken_for_work {
+            Counters::add(&inner.counters.service_wakeups, 1);
+            adapt_idle_poll(inner, inner.idle_since(last_work));
+        }
         for att in current.iter().filter(|a| a.role == Role::Worker) {
             att.sq.lock().expect("sq lock").finish_sleep();
         }
@@ -129,6 +144,17 @@ pub fn run(inner: &Arc<PoolInner>) {
             last_work = Instant::now();
         }
     }
+}
+
+/// Work woke the thread `gap` after the pool's last activity: the idle-poll window adapts
+/// (idle_poll.rs). The mode's lock orders this against `Pool::set_idle_poll`.
+fn adapt_idle_poll(inner: &PoolInner, gap: Duration) {
+    let mode = inner.idle_poll_mode.lock().expect("idle poll lock");
+    let window = idle_poll::after_sleep(*mode, inner.idle_poll(), gap);
+    if window != inner.idle_poll() {
+        tracing::trace!(gap_us = gap.as_micros() as u64, window_us = window.as_micros() as u64, "idle poll window");
+    }
+    inner.idle_poll_ns.store(window.as_nanos() as u64, Ordering::Relaxed);
 }
 
 fn sync_watch_list(poller: &mut Poller, watched: &mut HashMap<u32, Arc<Attachment>>, current: &[Arc<Attachment>]) {

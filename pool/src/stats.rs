@@ -27,6 +27,9 @@ pub struct Counters {
     pub busy_refusals: AtomicU64,
     /// Peers whose pidfd was taken with `pidfd_open` at accept (no `SO_PEERPIDFD`).
     pub pidfd_open_peers: AtomicU64,
+    /// Times the service thread slept and a worker's doorbell woke it: each is a transfer
+    /// that found the pool asleep and paid its wake-ups (idle_poll.rs).
+    pub service_wakeups: AtomicU64,
     /// Where the time of stores and of loads goes (copy time also gives GB/s).
     pub store_phases: PhaseCounters,
     pub load_phases: PhaseCounters,
@@ -109,6 +112,7 @@ impl Counters {
             refusals: g(&self.refusals),
             busy_refusals: g(&self.busy_refusals),
             pidfd_open_peers: g(&self.pidfd_open_peers),
+            service_wakeups: g(&self.service_wakeups),
             store_copy_ns: store.copy_ns,
             load_copy_ns: load.copy_ns,
             phases: Phases { store, load },

@@ -16,6 +16,7 @@ use umbp_protocol::transfer_state::TransferState;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
+use crate::idle_poll;
 use crate::objects::{GroupKey, LoadReservation, StoreReservation};
 use crate::stats::Counters;
 use crate::PoolInner;
@@ -114,7 +115,7 @@ fn release_slot(inner: &PoolInner, att: &Attachment) {
 
 pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) {
     let mut last_job = Instant::now();
-    // This thread holds `inner.copy_poller`: it polls through all of `idle_poll`.
+    // This thread holds `inner.copy_poller`: it polls through the whole idle-poll window.
     let mut poller = false;
     loop {
         let mut job = match rx.try_recv() {
@@ -123,15 +124,15 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
             // submission usually follows its completion within microseconds, and a
             // sleeping thread takes tens of microseconds to wake (~55 µs measured in the
             // `queue` phase on the H200 VM), as long as a 1 MiB copy. Past the short
-            // spin, one thread at a time goes on polling (`idle_poll`); every thread
+            // spin, one thread at a time goes on polling (idle_poll.rs); every thread
             // polling would slow the copies on the cores they share (1 MiB objects one
             // at a time ran 0.9x with all eight polling, H200 VM).
             Err(crossbeam_channel::TryRecvError::Empty) => {
                 let idle = last_job.elapsed();
-                if !poller && idle >= crate::SHORT_POLL && idle < inner.idle_poll() {
+                if !poller && idle >= idle_poll::SHORT_POLL && idle < inner.idle_poll() {
                     poller = inner.copy_poller.compare_exchange(false, true, Ordering::AcqRel, Ordering::Relaxed).is_ok();
                 }
-                if crate::poll_pause(idle, if poller { inner.idle_poll() } else { crate::SHORT_POLL.min(inner.idle_poll()) }) {
+                if idle_poll::poll_pause(idle, if poller { inner.idle_poll() } else { idle_poll::SHORT_POLL.min(inner.idle_poll()) }) {
                     continue;
                 }
                 release_poller(inner, &mut poller);
@@ -724,6 +725,9 @@ pub fn finish(inner: &PoolInner, mut job: Job, failed: &[usize], settled: usize)
     let raw: Vec<u8> = job.statuses.iter().map(|s| *s as u8).collect();
     // Checked at submission; the arena cannot shrink (sealed memfd).
     let _ = att.arena.write(job.sqe.status_offset, &raw);
+    // Before the worker can see the completion: the service thread's wake-up, if it
+    // slept through the copy, overlaps the worker's.
+    inner.note_completion();
     att.complete(Cqe {
         user_data: job.sqe.user_data,
         result: if job.cancelled { -(CqeError::Cancelled as i32) } else { 0 },

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue #14, eighth pass (docs/benchmarks.md "Wake-ups and cold lookups"): the device
-# checks on these binaries, then the same transfer cases with the pool's default idle
-# poll (50 µs) and with --idle-poll-us 1000000 (the pool stays awake between the
+# Issue #14, eighth and ninth passes (docs/benchmarks.md "Wake-ups"): the device checks
+# on these binaries, then the same transfer cases with each --idle-poll-us of POLLS
+# (default "50 1000000": a 50 µs poll, and one that keeps the pool awake between the
 # bench's transfers), alternating in separate processes (A B A B), then the index's cold
-# lookups on this machine's CPU. Raw output under $OUT. Run from the repository root with
-# the binaries of scripts/device/build.sh in BIN (default .device-bin):
+# lookups on this machine's CPU (INDEX=0 skips them). Raw output under $OUT. Run from the
+# repository root with the binaries of scripts/device/build.sh in BIN (default .device-bin):
 #
 #   OUT=/tmp/poll bash scripts/device/idle-poll.sh
 #
@@ -22,7 +22,7 @@ if [ -n "${CHECKS-gpucheck check kcheck scheck extpool}" ]; then
   grep "=== .*rc=" "$out/gpu-tests.log"
 fi
 for round in $(seq 1 "${ROUNDS:-2}"); do
-  for poll in 50 1000000; do
+  for poll in ${POLLS:-50 1000000}; do
     name=poll$poll-$round
     echo "=== $name: transfer --backend cuda --json --reps 3 --layouts $layouts --idle-poll-us $poll"
     timeout -k 5 200 "$bin/umbp-bench" transfer --backend cuda --json --reps 3 --layouts "$layouts" \
@@ -31,8 +31,10 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     echo
   done
 done
-echo "=== index: index --json --keys 625 --iterations 2000"
-timeout -k 5 120 "$bin/umbp-bench" index --json --keys 625 --iterations 2000 > "$out/index.jsonl" 2> "$out/index.err" || fail=1
-grep -h cold "$out/index.jsonl" | cut -c1-200
+if [ "${INDEX:-1}" != 0 ]; then
+  echo "=== index: index --json --keys 625 --iterations 2000"
+  timeout -k 5 120 "$bin/umbp-bench" index --json --keys 625 --iterations 2000 > "$out/index.jsonl" 2> "$out/index.err" || fail=1
+  grep -h cold "$out/index.jsonl" | cut -c1-200
+fi
 echo "=== fail=$fail"
 exit $fail

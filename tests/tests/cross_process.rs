@@ -145,3 +145,68 @@ fn idle_poll_keeps_one_copy_thread_polling() {
     let busy: Vec<&u64> = used.iter().filter(|ms| **ms >= 100).collect();
     assert!(busy.len() <= 1, "copy threads busy for 100 ms or more in 400 ms: {busy:?} ms");
 }
+
+/// `--idle-poll-us auto` (the default) keeps the pool awake between a worker's
+/// back-to-back transfers and lets it sleep between sparse ones. Transfers 300 µs apart
+/// (the gap measured here; the comparison is skipped when this machine stretched the
+/// gaps past 1 ms) soon find the pool polling, where a fixed
+/// 50 µs poll sleeps before nearly every one; the window grows past 50 µs, and 20 ms gaps
+/// shrink it back to 50 µs. The 32 MiB loads outlast the service thread's in-flight poll
+/// (2 ms), so they also check that a completion wakes it to poll for the next submission.
+#[test]
+fn idle_poll_auto_polls_through_short_gaps_only() {
+    use std::time::{Duration, Instant};
+    use umbp_worker::{ObjectKey, WorkerConfig};
+    const TRANSFERS: u64 = 40;
+    // (wake-ups in the short-gap transfers, the window after them and after the long
+    // gaps in µs, gaps measured over 1 ms)
+    let run = |poll: &str, page: u64, blocks: u64| {
+        let pool = PoolProcess::start(
+            &unique_socket(&format!("xauto{poll}{page}")),
+            &["--capacity", "256MiB", "--min-object-size", "16KiB", "--idle-poll-us", poll],
+        );
+        let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&pool.socket, 7), page, blocks);
+        let batch: Vec<(ObjectKey, u64)> = (0..blocks).map(|i| (ObjectKey(0xa070_0000 + i as u128), i)).collect();
+        let id = w.store(0, &batch).unwrap();
+        assert!(w.wait(id, Duration::from_secs(10)).expect("store completes").all_ok());
+        let mut transfer = |w: &mut umbp_worker::Worker| {
+            let id = w.load(0, &batch).unwrap();
+            let done = w.wait(id, Duration::from_secs(10)).expect("load completes");
+            assert_eq!(done.ok_count() as u64, blocks, "every block loads");
+            Instant::now()
+        };
+        let before = pool.report().counters.service_wakeups;
+        let mut long_gaps = 0;
+        let mut done = transfer(&mut w);
+        for _ in 0..TRANSFERS {
+            // Sleeping, not spinning: on a 2-core machine a spinning worker takes the core
+            // the pool's threads need.
+            std::thread::sleep(Duration::from_micros(300).saturating_sub(done.elapsed()));
+            long_gaps += (done.elapsed() > Duration::from_millis(1)) as u64;
+            done = transfer(&mut w);
+        }
+        let r = pool.report();
+        let (wakeups, short_window) = (r.counters.service_wakeups - before, r.pool.idle_poll_window_us);
+        for _ in 0..8 {
+            std::thread::sleep(Duration::from_millis(20));
+            transfer(&mut w);
+        }
+        (wakeups, short_window, pool.report().pool.idle_poll_window_us, long_gaps)
+    };
+    for (page, blocks, what) in [(16u64 << 10, 1u64, "16 KiB loads"), (4 << 20, 8, "32 MiB loads")] {
+        let (auto_wakeups, grown, shrunk, auto_late) = run("auto", page, blocks);
+        let (fixed_wakeups, fixed, fixed_after, fixed_late) = run("50", page, blocks);
+        println!(
+            "{what}: wake-ups in {TRANSFERS} transfers 300 µs apart: auto {auto_wakeups} (window {grown} µs, {shrunk} µs after 20 ms gaps), fixed 50 µs {fixed_wakeups}; gaps over 1 ms: {auto_late}, {fixed_late}"
+        );
+        assert_eq!((fixed, fixed_after), (50.0, 50.0), "{what}: a fixed window never moves");
+        assert_eq!(shrunk, 50.0, "{what}: 20 ms gaps shrink the window back to 50 µs");
+        if auto_late + fixed_late > TRANSFERS / 4 {
+            println!("skipped ({what}): this machine stretched {} of the 300 µs gaps past 1 ms", auto_late + fixed_late);
+            continue;
+        }
+        assert!(grown > 50.0, "{what}: the window grew for 300 µs gaps ({grown} µs)");
+        assert!(fixed_wakeups >= TRANSFERS / 2, "{what}: a 50 µs poll sleeps before most transfers 300 µs apart ({fixed_wakeups})");
+        assert!(auto_wakeups * 3 <= fixed_wakeups, "{what}: auto found the pool asleep {auto_wakeups} times, fixed {fixed_wakeups}");
+    }
+}

@@ -172,7 +172,8 @@ fn layout_cases(
         st.push(gbps(bytes, u64_of(&est.around(|| xfer(a, Op::Store, group, key, &l.blocks, per, inflight))?, "ns")));
         ld.push(gbps(bytes, u64_of(&eld.around(|| xfer(a, Op::Load, group, key, &l.blocks, per, inflight))?, "ns")));
     }
-    let phases = phase_means(&p0, &pool.phases());
+    let p1 = pool.phases();
+    let phases = phase_means(&p0, &p1);
     let mut ms = Vec::new();
     let mut lookup_us = Vec::new();
     for _ in 0..args.reps.max(3) {
@@ -183,6 +184,7 @@ fn layout_cases(
         ms.push(u64_of(&r, "ns") as f64 / 1e6);
         lookup_us.push(u64_of(&r, "lookup_ns") as f64 / 1e3);
     }
+    let restore_wakeups = phase_means(&p1, &pool.phases())["service_wakeups_per_job"].clone();
     let exact = check_exact(a, l, group, key, seed)?;
     a.call(&Command::Reset)?;
     let pages = l.blocks.len() as u64 * l.shape.layers * l.shape.segments_per_layer;
@@ -200,13 +202,18 @@ fn layout_cases(
     let name = name.unwrap_or(l.name);
     let restore_name = format!("{name}_restore_ms");
     Ok(vec![
-        lay(base.case(&format!("{name}_store_gbps"), Op::Store, median(st))).extra("engine", est.json()).extra("pool_phases_us", phases["store"].clone()),
+        lay(base.case(&format!("{name}_store_gbps"), Op::Store, median(st)))
+            .extra("engine", est.json())
+            .extra("pool_phases_us", phases["store"].clone())
+            .extra("service_wakeups_per_job", phases["service_wakeups_per_job"].clone()),
         lay(base.case(&format!("{name}_load_gbps"), Op::Load, median(ld)))
             .extra("check", exact)
             .extra("engine", eld.json())
-            .extra("pool_phases_us", phases["load"].clone()),
+            .extra("pool_phases_us", phases["load"].clone())
+            .extra("service_wakeups_per_job", phases["service_wakeups_per_job"].clone()),
         lay(Case::new("transfer", &restore_name, median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower))
             .extra("lookup_us", median(lookup_us))
+            .extra("service_wakeups_per_job", restore_wakeups)
             .extra("tokens", args.tokens),
     ])
 }
@@ -403,8 +410,12 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let mut cases = Vec::new();
     let reps = args.reps as u64;
     // The in-process pool's; an external pool's is its own (null).
-    let idle_poll_us = args.pool_socket.is_none().then_some(args.idle_poll.as_micros() as u64);
-    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api).extra("idle_poll_us", idle_poll_us);
+    // A number for a fixed window, "auto" for the adaptive one; null with an external pool.
+    let idle_poll_us = args.pool_socket.is_none().then(|| match args.idle_poll {
+        umbp_pool::config::IdlePoll::Fixed(d) => serde_json::json!(d.as_micros() as u64),
+        auto => serde_json::json!(auto.to_string()),
+    });
+    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api).extra("idle_poll_us", idle_poll_us.clone());
     let mut key = 1u64 << 40;
     let mut next_key = |n: u64| {
         key += n + 1000;
@@ -497,7 +508,8 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / (e1.calls - e0.calls).max(1) as f64 / 1e6;
         for (op, v, opn) in [(Op::Store, s, "store"), (Op::Load, d, "load")] {
             cases.push(lay(base.case(&format!("gptoss_{opn}_gbps"), op, v), tuning)
-                .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases[opn].clone()));
+                .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases[opn].clone())
+                .extra("service_wakeups_per_job", phases["service_wakeups_per_job"].clone()));
         }
 
         // --- restore: lookup + load of the 10k prefix, end to end
@@ -505,6 +517,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         a.call(&Command::Reset)?;
         xfer(&mut a, Op::Store, 0, k, &l.blocks, n, 1)?;
         let (mut ms, mut lookup_us) = (Vec::new(), Vec::new());
+        let p0 = pool.phases();
         for _ in 0..reps.max(3) {
             let r = a.call(&Command::Restore { group: 0, key_base: k, blocks: l.blocks.clone() })?;
             if u64_of(&r, "hits") != n as u64 || u64_of(&r, "bad") != 0 {
@@ -513,9 +526,10 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             ms.push(u64_of(&r, "ns") as f64 / 1e6);
             lookup_us.push(u64_of(&r, "lookup_ns") as f64 / 1e3);
         }
+        let restore_wakeups = phase_means(&p0, &pool.phases())["service_wakeups_per_job"].clone();
         let exact = check_exact(&mut a, &l, 0, k, 1)?;
         cases.push(lay(Case::new("transfer", "restore_10k_ms", median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower), tuning)
-            .extra("lookup_us", median(lookup_us)).extra("tokens", 10_000).extra("check", exact));
+            .extra("lookup_us", median(lookup_us)).extra("tokens", 10_000).extra("check", exact).extra("service_wakeups_per_job", restore_wakeups));
 
         // --- restore from the SSD tier: the prefix pushed out of DRAM (demoted), then lookup +
         // load end to end, each object promoted to DRAM before its copy to the GPU

@@ -96,10 +96,10 @@ pub struct TransferCli {
     /// `<layout>_g<percent>_...` [default: the pool's, auto].
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(0..=1000))]
     stage_growth: Vec<u32>,
-    /// In-process pool: µs its service and copy threads poll for work before they sleep
-    /// (`umbp-pool --idle-poll-us`) [default: the pool's, 50].
-    #[arg(long, value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
-    idle_poll_us: Option<u64>,
+    /// In-process pool: µs its service and copy threads poll for work before they sleep, or
+    /// `auto` (`umbp-pool --idle-poll-us`) [default: the pool's, auto].
+    #[arg(long, value_name = "US|auto")]
+    idle_poll_us: Option<umbp_pool::config::IdlePoll>,
     /// In-process pool: give it an SSD tier in this directory (4x --capacity, admission
     /// `all`) and measure `ssd_restore_10k_ms`, the gpt-oss prefix restored from SSD (case
     /// group `ssd`; needs `gptoss`).
@@ -155,7 +155,7 @@ impl TransferCli {
             copy_threads: self.copy_threads.unwrap_or_else(|| PoolConfig::default().copy_threads).max(1),
             stage_mib: self.stage_mib,
             stage_growth: self.stage_growth,
-            idle_poll: self.idle_poll_us.map_or(umbp_pool::config::DEFAULT_IDLE_POLL, std::time::Duration::from_micros),
+            idle_poll: self.idle_poll_us.unwrap_or(umbp_pool::config::DEFAULT_IDLE_POLL),
             ssd_dir: self.ssd_dir,
         };
         if args.sizes.contains(&0) {

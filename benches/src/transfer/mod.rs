@@ -79,7 +79,7 @@ pub struct TransferArgs {
     /// measured with (empty: the pool's default only).
     pub stage_growth: Vec<u32>,
     /// In-process pool: how long its threads poll for work before they sleep.
-    pub idle_poll: std::time::Duration,
+    pub idle_poll: umbp_pool::config::IdlePoll,
     /// In-process pool: an SSD tier in this directory (admission `all`), for the `ssd`
     /// case group (`ssd_restore_10k_ms`).
     pub ssd_dir: Option<PathBuf>,

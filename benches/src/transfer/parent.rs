@@ -107,17 +107,29 @@ pub(crate) struct PoolHandle {
 }
 
 impl PoolHandle {
-    /// The in-process pool's per-phase time counters (none for an external pool).
+    /// The in-process pool's per-phase time counters and its service thread's wake-ups
+    /// (none for an external pool).
     pub(crate) fn phases(&self) -> Option<Value> {
-        self.pool.as_ref().map(|p| serde_json::to_value(p.report().counters.phases).expect("json"))
+        self.pool.as_ref().map(|p| {
+            let c = p.report().counters;
+            let mut v = serde_json::to_value(c.phases).expect("json");
+            v["service_wakeups"] = c.service_wakeups.into();
+            v
+        })
     }
 }
 
 /// Mean microseconds per job of each pool phase between two [`PoolHandle::phases`]
-/// snapshots, per direction: where a submission's time went inside the pool.
+/// snapshots, per direction: where a submission's time went inside the pool; and the
+/// share of jobs that found the pool asleep (`service_wakeups_per_job`, both directions).
 pub(crate) fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Value {
     let (Some(b), Some(a)) = (before, after) else { return Value::Null };
     let mut out = serde_json::Map::new();
+    let all_jobs: u64 = ["store", "load"].iter().map(|op| u64_of(&a[op], "jobs").saturating_sub(u64_of(&b[op], "jobs"))).sum();
+    if all_jobs > 0 {
+        let wakeups = u64_of(a, "service_wakeups").saturating_sub(u64_of(b, "service_wakeups"));
+        out.insert("service_wakeups_per_job".into(), json!((wakeups as f64 / all_jobs as f64 * 100.0).round() / 100.0));
+    }
     for op in ["store", "load"] {
         let d = |k: &str| u64_of(&a[op], k).saturating_sub(u64_of(&b[op], k));
         let jobs = d("jobs");

@@ -77,13 +77,16 @@ struct Args {
     /// the copy reaches it.
     #[arg(long = "promotion-ahead", env = "UMBP_PROMOTION_AHEAD", value_name = "SIZE", default_value = "128MiB")]
     promotion_ahead: String,
-    /// How long (µs) the service thread and a copy thread keep polling for work after
-    /// their last before they sleep (0-1000000). Waking a sleeping thread costs tens to
-    /// hundreds of µs on a VM, on every transfer that finds the pool asleep; a value longer
-    /// than the engine's step (e.g. 20000) keeps the pool awake between steps, at the price
-    /// of a busy core per polling thread while traffic flows (none once idle this long).
-    #[arg(long = "idle-poll-us", env = "UMBP_IDLE_POLL_US", value_name = "US", default_value_t = umbp_pool::config::DEFAULT_IDLE_POLL.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=umbp_pool::config::MAX_IDLE_POLL.as_micros() as u64))]
-    idle_poll_us: u64,
+    /// How long (µs, 0-1000000) the service thread and a copy thread keep polling for work
+    /// after the pool's last activity before they sleep, or `auto`. Waking a sleeping thread
+    /// costs tens to hundreds of µs on a VM, on every transfer that finds the pool asleep.
+    /// `auto` polls 50 µs, longer (up to 2000) while work keeps arriving soon after the
+    /// threads slept, as when a worker submits back to back, and shrinks back when they
+    /// sleep longer than that. A fixed value longer than the engine's step (e.g. 20000)
+    /// keeps the pool awake between steps, at the price of a busy core per polling thread
+    /// while traffic flows (none once idle this long).
+    #[arg(long = "idle-poll-us", env = "UMBP_IDLE_POLL_US", value_name = "US|auto", default_value = "auto")]
+    idle_poll_us: umbp_pool::config::IdlePoll,
     /// GPU copies: streams one copy call spreads its copies over (1-16).
     #[arg(long = "copy-streams", env = "UMBP_COPY_STREAMS", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16), help_heading = "GPU copy engine")]
     copy_streams: u16,
@@ -344,7 +347,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size)?;
     c.copy_stage_growth_percent = args.copy_stage_growth;
     c.promotion_ahead_bytes = parse_size("promotion-ahead (UMBP_PROMOTION_AHEAD)", &args.promotion_ahead)?;
-    c.idle_poll = std::time::Duration::from_micros(args.idle_poll_us);
+    c.idle_poll = args.idle_poll_us;
     c.engine.streams = args.copy_streams.into();
     c.engine.batch = args.copy_batch;
     c.engine.batch_max = args.copy_batch_max as usize;
@@ -501,8 +504,9 @@ mod tests {
         assert_eq!(growth(&["--copy-stage-growth", "125"]), 125);
         let poll = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap().idle_poll;
         assert_eq!(poll(&[]), umbp_pool::config::DEFAULT_IDLE_POLL);
-        assert_eq!(poll(&["--idle-poll-us", "20000"]), std::time::Duration::from_millis(20));
-        assert_eq!(poll(&["--idle-poll-us", "0"]), std::time::Duration::ZERO);
+        assert_eq!(poll(&["--idle-poll-us", "auto"]), umbp_pool::config::IdlePoll::Auto { max: umbp_pool::config::AUTO_IDLE_POLL_MAX });
+        assert_eq!(poll(&["--idle-poll-us", "20000"]), umbp_pool::config::IdlePoll::Fixed(std::time::Duration::from_millis(20)));
+        assert_eq!(poll(&["--idle-poll-us", "0"]), umbp_pool::config::IdlePoll::Fixed(std::time::Duration::ZERO));
         let g = config_from(
             parse(&["--copy-kernel", "copy-engine", "--copy-kernel-blocks", "12", "--copy-kernel-launch-size", "4MiB", "--copy-split-streams", "4"]).unwrap(),
         )
@@ -529,6 +533,8 @@ mod tests {
             ["--copy-stage-growth", "fast"],
             ["--idle-poll-us", "1000001"],
             ["--idle-poll-us", "1ms"],
+            ["--idle-poll-us", "1.5"],
+            ["--idle-poll-us", "Auto"],
         ] {
             let err = parse(&bad).unwrap_err().to_string();
             assert!(err.contains(bad[0]), "{bad:?}: {err}");
