@@ -150,8 +150,9 @@ fn idle_poll_keeps_one_copy_thread_polling() {
 /// back-to-back transfers and lets it sleep between sparse ones. Transfers 300 µs apart
 /// (the gap measured here; the comparison is skipped when this machine stretched the
 /// gaps past 1 ms) soon find the pool polling, where a fixed
-/// 50 µs poll sleeps before nearly every one; the window grows past 50 µs, and 20 ms gaps
-/// shrink it back to 50 µs. The 32 MiB loads outlast the service thread's in-flight poll
+/// 50 µs poll sleeps before nearly every one; the window grows past 50 µs; when traffic
+/// stops the threads go to sleep (little CPU in the 300 ms after), and 20 ms gaps shrink
+/// the window back to 50 µs. The 32 MiB loads outlast the service thread's in-flight poll
 /// (2 ms), so they also check that a completion wakes it to poll for the next submission.
 #[test]
 fn idle_poll_auto_polls_through_short_gaps_only() {
@@ -169,7 +170,7 @@ fn idle_poll_auto_polls_through_short_gaps_only() {
         let batch: Vec<(ObjectKey, u64)> = (0..blocks).map(|i| (ObjectKey(0xa070_0000 + i as u128), i)).collect();
         let id = w.store(0, &batch).unwrap();
         assert!(w.wait(id, Duration::from_secs(10)).expect("store completes").all_ok());
-        let mut transfer = |w: &mut umbp_worker::Worker| {
+        let transfer = |w: &mut umbp_worker::Worker| {
             let id = w.load(0, &batch).unwrap();
             let done = w.wait(id, Duration::from_secs(10)).expect("load completes");
             assert_eq!(done.ok_count() as u64, blocks, "every block loads");
@@ -187,6 +188,14 @@ fn idle_poll_auto_polls_through_short_gaps_only() {
         }
         let r = pool.report();
         let (wakeups, short_window) = (r.counters.service_wakeups - before, r.pool.idle_poll_window_us);
+        // Traffic stops while the window is long: the pool polls it out, then sleeps.
+        let cpu = || -> u64 { ["umbp-service", "umbp-copy"].iter().flat_map(|t| thread_cpu_ms(pool.pid(), t)).sum() };
+        std::thread::sleep(Duration::from_millis(20));
+        let before = cpu();
+        std::thread::sleep(Duration::from_millis(300));
+        let idle_cpu_ms = cpu() - before;
+        println!("poll {poll}: the service and copy threads used {idle_cpu_ms} ms of CPU in the 300 ms after the traffic stopped");
+        assert!(idle_cpu_ms <= 60, "poll {poll}: the service and copy threads used {idle_cpu_ms} ms of CPU in 300 ms without traffic");
         for _ in 0..8 {
             std::thread::sleep(Duration::from_millis(20));
             transfer(&mut w);
