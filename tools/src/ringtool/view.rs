@@ -181,6 +181,13 @@ pub fn dump(r: &PoolReport) -> String {
         "  evictions {}  KV events written {} (log of {} entries)\n",
         p.evictions, r.events.written, r.events.capacity
     ));
+    out.push_str(&format!(
+        "  idle poll {} (window now {:.0} µs)  submissions that found the pool asleep {} of {}\n",
+        if p.idle_poll.is_empty() { "?" } else { &p.idle_poll },
+        p.idle_poll_window_us,
+        r.counters.service_wakeups,
+        r.counters.submissions
+    ));
     let t = &r.tiers;
     out.push_str(&format!(
         "  objects by tier (indexes)  {}\n\n",
@@ -309,6 +316,7 @@ pub fn rates(prev: &PoolReport, cur: &PoolReport, dt: Duration) -> Vec<(&'static
         ("store B/s", d(|r| r.counters.bytes_stored)),
         ("load B/s", d(|r| r.counters.bytes_loaded)),
         ("submissions/s", d(|r| r.counters.submissions)),
+        ("pool wake-ups/s", d(|r| r.counters.service_wakeups)),
         ("hints/s", d(|r| r.counters.hints)),
         ("evictions/s", d(|r| r.pool.evictions)),
         ("events/s", d(|r| r.events.written)),
