@@ -117,7 +117,15 @@ pub enum Command {
     /// the group's shape, not by what was registered), poison elsewhere.
     VerifyAll { group: u16, seed: u64, blocks: Vec<u64> },
     /// Scheduler lookup of keys `key_base + i`, then one load of the hits; end to end.
-    Restore { group: u16, key_base: u64, blocks: Vec<u64> },
+    /// The index client is connected for this restore, or with `keep_index` kept from the
+    /// last such restore (a scheduler that stays connected, as an engine's does).
+    Restore {
+        group: u16,
+        key_base: u64,
+        blocks: Vec<u64>,
+        #[serde(default)]
+        keep_index: bool,
+    },
     /// Store `blocks` with fresh keys for `seconds`, one transfer in flight (replies
     /// `{"started": true}` first).
     StoreLoop { group: u16, key_base: u64, blocks: Vec<u64>, seconds: f64, no_reset: bool },

@@ -44,6 +44,8 @@ struct WorkerState {
     groups: std::collections::HashMap<u16, Group>,
     socket: PathBuf,
     namespace: u128,
+    /// The index client of `Restore { keep_index: true }`, connected at the first.
+    index: Option<umbp_scheduler::IndexClient>,
 }
 
 pub(crate) fn worker_main(socket: &Path, backend: BackendArg, namespace: u128) -> Result<(), String> {
@@ -60,7 +62,7 @@ pub(crate) fn worker_main(socket: &Path, backend: BackendArg, namespace: u128) -
         cfg.wait_poll = Duration::from_micros(us);
     }
     let w = Worker::connect(cfg).map_err(|e| e.to_string())?;
-    let mut st = WorkerState { w, gpu, groups: Default::default(), socket: socket.to_path_buf(), namespace };
+    let mut st = WorkerState { w, gpu, groups: Default::default(), socket: socket.to_path_buf(), namespace, index: None };
     let out = std::io::stdout();
     let say = |v: Value| {
         let mut o = out.lock();
@@ -110,7 +112,7 @@ impl WorkerState {
             Command::Verify { group, seed, blocks } => self.verify(group, seed, &blocks, false),
             Command::VerifyPoison { group, blocks } => self.verify(group, 0, &blocks, true),
             Command::VerifyAll { group, seed, blocks } => self.verify_all(group, seed, &blocks),
-            Command::Restore { group, key_base, blocks } => self.restore(group, key_base, &blocks),
+            Command::Restore { group, key_base, blocks, keep_index } => self.restore(group, key_base, &blocks, keep_index),
             Command::StoreLoop { group, key_base, blocks, seconds, no_reset } => self.store_loop(group, key_base, &blocks, seconds, no_reset, say),
             Command::MemcpyLoop { bytes, seconds } => {
                 let gpu = self.gpu.as_ref().ok_or("memcpy_loop needs cuda")?;
@@ -343,9 +345,19 @@ impl WorkerState {
     }
 
     /// Lookup through the scheduler's shared index, then load the hits; end to end.
-    fn restore(&mut self, group: u16, base: u64, blocks: &[u64]) -> Result<Value, String> {
+    fn restore(&mut self, group: u16, base: u64, blocks: &[u64], keep_index: bool) -> Result<Value, String> {
         let keys: Vec<ObjectKey> = (0..blocks.len()).map(|i| ObjectKey((base + i as u64) as u128)).collect();
-        let mut index = umbp_scheduler::IndexClient::connect(&self.socket, self.namespace, Duration::from_secs(5)).map_err(|e| e.to_string())?;
+        let (socket, namespace) = (self.socket.clone(), self.namespace);
+        let connect = move || umbp_scheduler::IndexClient::connect(&socket, namespace, Duration::from_secs(5)).map_err(|e| e.to_string());
+        let mut fresh = None;
+        let index = if keep_index {
+            if self.index.is_none() {
+                self.index = Some(connect()?);
+            }
+            self.index.as_mut().expect("connected")
+        } else {
+            fresh.insert(connect()?)
+        };
         let t = Instant::now();
         let hits = index.match_prefix(&keys);
         let lookup_ns = t.elapsed().as_nanos() as u64;
