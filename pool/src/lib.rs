@@ -182,7 +182,9 @@ impl PoolInner {
     /// when the window is longer than its short spin.
     pub fn note_completion(&self) {
         // SeqCst pairs with the service thread's store to `service_asleep` and its re-read
-        // of this word (service.rs): one of the two sees the other.
+        // of this word (service.rs): one of the two sees the other. Only speed depends on
+        // it: a missed wake costs one doorbell, as the worker's next submission finds the
+        // rings armed (`need_wakeup`) and rings it.
         self.last_completion_ns.store(idle_poll::ns_since(self.started), Ordering::SeqCst);
         if idle_poll::polls_after_completion(self.idle_poll()) && self.service_asleep.swap(false, Ordering::SeqCst) {
             self.service_wake.ring();
