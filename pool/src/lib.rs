@@ -29,6 +29,7 @@ mod liveness;
 mod metrics;
 mod objects;
 mod poller;
+mod priority_lock;
 mod promote;
 pub mod pool_report;
 pub mod remote;
@@ -119,7 +120,8 @@ pub(crate) struct PoolInner {
     pub tenant_groups: groups::TenantGroups,
     /// By group number: the index and event log a peer of that group is handed.
     pub group_mem: Vec<GroupMemory>,
-    pub store: Mutex<ObjectStore>,
+    /// Copy threads take it with `lock_urgent`: their stage work is on a transfer's critical path.
+    pub store: priority_lock::PriorityMutex<ObjectStore>,
     /// Tiers below DRAM (tier.rs): where loads fetch objects not in DRAM from.
     pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
@@ -264,7 +266,7 @@ impl Pool {
         let remote_source = remote::RemoteSlot::default();
         let (promoter, promotions_rx) = promote::Promoter::new(config.promotion_ahead_bytes, dram.len() as u64);
         let inner = Arc::new(PoolInner {
-            store: Mutex::new(store),
+            store: priority_lock::PriorityMutex::new(store),
             tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
             dram,
             tenant_groups,

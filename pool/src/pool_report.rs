@@ -435,6 +435,10 @@ pub struct PhaseReport {
     pub copy_ns: u64,
     pub publish_ns: u64,
     pub finish_ns: u64,
+    /// Of `reserve_ns` and `plan_ns`, stage 0's: what delays the first byte (a report of
+    /// an older pool has none).
+    #[serde(default)]
+    pub first_stage_ns: u64,
 }
 
 impl PhaseReport {

@@ -44,7 +44,7 @@ pub struct Counters {
 /// publishing done inside it for later stages), `publish` (settling landed stages while
 /// later ones copy), `finish` (after the copy call: settling the rest, statuses, the
 /// completion). Only stage 0's reserve and plan delay the first byte; the rest overlap
-/// the copies.
+/// the copies: `first_stage` is that part of `reserve` and `plan` (not a phase of its own).
 #[derive(Default)]
 pub struct PhaseCounters {
     pub jobs: AtomicU64,
@@ -55,6 +55,7 @@ pub struct PhaseCounters {
     pub copy_ns: AtomicU64,
     pub publish_ns: AtomicU64,
     pub finish_ns: AtomicU64,
+    pub first_stage_ns: AtomicU64,
     /// Stages settled through the staged-copy callback (during the copy call on one GPU,
     /// at its end otherwise).
     pub stages: AtomicU64,
@@ -73,6 +74,7 @@ impl PhaseCounters {
             copy_ns: g(&self.copy_ns),
             publish_ns: g(&self.publish_ns),
             finish_ns: g(&self.finish_ns),
+            first_stage_ns: g(&self.first_stage_ns),
         }
     }
 }

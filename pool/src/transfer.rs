@@ -241,6 +241,7 @@ struct Progress<'j> {
     abandoned: bool,
     reserve_ns: u64,
     plan_ns: u64,
+    first_stage_ns: u64,
     publish_ns: u64,
 }
 
@@ -312,6 +313,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         abandoned: false,
         reserve_ns: 0,
         plan_ns: 0,
+        first_stage_ns: 0,
         publish_ns: 0,
     });
     let (att, op, ahead) = (&job.att, job.op, &*job.ahead);
@@ -366,6 +368,9 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         }
         p.stage_blocks.push(from..p.blocks.len());
         p.plan_ns += t_plan.elapsed().as_nanos() as u64;
+        if s == 0 {
+            p.first_stage_ns = t.elapsed().as_nanos() as u64;
+        }
         plan
     };
     let mut stage_landed = |s: usize| {
@@ -423,6 +428,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     Counters::add(&phases.plan_ns, p.plan_ns + ns_between(started, copy_started));
     Counters::add(&phases.copy_ns, copy_only);
     Counters::add(&phases.publish_ns, p.publish_ns);
+    Counters::add(&phases.first_stage_ns, p.first_stage_ns);
     Copied { failed, settled: p.settled, cancelled: p.abandoned && p.stage_blocks.first().is_some_and(|r| r.is_empty()) }
 }
 
@@ -440,7 +446,7 @@ fn stage_split(inner: &PoolInner, blocks: usize, size: u64, pages: usize) -> Sta
 /// absent key is `Missing`).
 fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidates: &[Candidate], blocks: &mut Vec<JobBlock>, statuses: &mut [BlockStatus]) {
     let strict = !inner.config.namespace_acl.is_empty();
-    let mut store = inner.store.lock().expect("store lock");
+    let mut store = inner.store.lock_urgent().expect("store lock");
     let mut no_room = false;
     // Loads of objects on a lower tier: promoted (fetched into DRAM) below, outside the lock.
     let mut lower: Vec<Candidate> = Vec::new();
@@ -623,7 +629,7 @@ fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [Bl
     if blocks.is_empty() {
         return;
     }
-    let mut store = inner.store.lock().expect("store lock");
+    let mut store = inner.store.lock_urgent().expect("store lock");
     for b in blocks {
         let ok = failed.binary_search(&b.index).is_err();
         statuses[b.index] = match op {

@@ -61,6 +61,11 @@ impl Base {
         })
     }
 
+    /// A restore case: the median of `ms` against the load-direction copy of the same bytes.
+    fn restore_case(&self, name: &str, ms: Vec<f64>) -> Case {
+        Case::new("transfer", name, median(ms), "ms", self.load_ns as f64 / 1e6, self.load_name, Better::Lower)
+    }
+
     /// The store- or load-direction case of `value` GB/s, with the host's second baseline
     /// (`baseline_mt`, `baseline_mt_name`, `speedup_mt`) where there is one.
     fn case(&self, name: &str, op: Op, value: f64) -> Case {
@@ -201,10 +206,8 @@ fn layout_cases(
             .extra("engine", eld.json())
             .extra("pool_phases_us", phases["load"].clone())
             .extra("service_wakeups_per_job", phases["service_wakeups_per_job"].clone()),
-        cold.case(lay(Case::new("transfer", &restore_name, median(cold.ms.clone()), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower)))
-            .extra("tokens", args.tokens),
-        warm.case(lay(Case::new("transfer", &format!("{name}_restore_warm_ms"), median(warm.ms.clone()), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower)))
-            .extra("tokens", args.tokens),
+        lay(cold.case(&restore_name, &base)).extra("tokens", args.tokens),
+        lay(warm.case(&format!("{name}_restore_warm_ms"), &base)).extra("tokens", args.tokens),
     ])
 }
 
@@ -214,13 +217,17 @@ struct Restores {
     lookup_us: Vec<f64>,
     /// Share of the restores that found the pool asleep (its service thread woken).
     wakeups: Value,
+    /// The pool's load phases over these restores (`first_stage_us`: before the first byte).
+    phases: Value,
     keep_index: bool,
 }
 
 impl Restores {
-    fn case(&self, c: Case) -> Case {
-        c.extra("lookup_us", median(self.lookup_us.clone()))
+    fn case(&self, name: &str, base: &Base) -> Case {
+        base.restore_case(name, self.ms.clone())
+            .extra("lookup_us", median(self.lookup_us.clone()))
             .extra("service_wakeups_per_job", self.wakeups.clone())
+            .extra("pool_phases_us", self.phases["load"].clone())
             .extra("index_client", if self.keep_index { "kept: connected once, restores back to back" } else { "connected for each restore" })
     }
 }
@@ -245,8 +252,8 @@ fn restores(a: &mut WorkerProc, pool: &PoolHandle, group: u16, key: u64, blocks:
         ms.push(u64_of(&r, "ns") as f64 / 1e6);
         lookup_us.push(u64_of(&r, "lookup_ns") as f64 / 1e3);
     }
-    let wakeups = phase_means(&p0, &pool.phases())["service_wakeups_per_job"].clone();
-    Ok(Restores { ms, lookup_us, wakeups, keep_index })
+    let phases = phase_means(&p0, &pool.phases());
+    Ok(Restores { ms, lookup_us, wakeups: phases["service_wakeups_per_job"].clone(), phases, keep_index })
 }
 
 /// The single-object table: objects of `--sizes` MiB, one and eight in flight, both ways,
@@ -549,8 +556,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         xfer(&mut a, Op::Store, 0, k, &l.blocks, n, 1)?;
         let cold = restores(&mut a, &pool, 0, k, &l.blocks, reps.max(3) as usize, false)?;
         let exact = check_exact(&mut a, &l, 0, k, 1)?;
-        cases.push(cold.case(lay(Case::new("transfer", "restore_10k_ms", median(cold.ms.clone()), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower), tuning))
-            .extra("tokens", 10_000).extra("check", exact));
+        cases.push(lay(cold.case("restore_10k_ms", &base), tuning).extra("tokens", 10_000).extra("check", exact));
 
         // --- restore from the SSD tier: the prefix pushed out of DRAM (demoted), then lookup +
         // load end to end, each object promoted to DRAM before its copy to the GPU
@@ -579,7 +585,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             }
             let exact = check_exact(&mut a, &l, 0, k, 1)?;
             let s = ssd_of(p.report())?;
-            cases.push(lay(Case::new("transfer", "ssd_restore_10k_ms", median(ms), "ms", base.load_ns as f64 / 1e6, base.load_name, Better::Lower), tuning)
+            cases.push(lay(base.restore_case("ssd_restore_10k_ms", ms), tuning)
                 .extra("promoted_fraction", median(promoted)).extra("tokens", 10_000).extra("check", exact)
                 .extra("direct_io", s.direct_io).extra("io_uring", s.io_uring).extra("ssd_dir", s.dirs.join(",")));
         }

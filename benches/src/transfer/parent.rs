@@ -139,7 +139,7 @@ pub(crate) fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Valu
         let mut m = serde_json::Map::new();
         m.insert("jobs".into(), jobs.into());
         m.insert("stages_per_job".into(), json!(d("stages") as f64 / jobs as f64));
-        for phase in ["admit", "queue", "reserve", "plan", "copy", "publish", "finish"] {
+        for phase in ["admit", "queue", "reserve", "plan", "copy", "publish", "finish", "first_stage"] {
             let us = d(&format!("{phase}_ns")) as f64 / jobs as f64 / 1e3;
             m.insert(format!("{phase}_us"), json!((us * 10.0).round() / 10.0));
         }
