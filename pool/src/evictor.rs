@@ -9,6 +9,12 @@ use std::time::{Duration, Instant};
 
 use crate::PoolInner;
 
+/// Objects evicted per hold of the store lock (about 1.7 µs each on the 2-core VM): a copy
+/// thread waits at most one step for its stage's reservations.
+const EVICTION_STEP: usize = 64;
+/// How long the evictor stays out of the store lock for copy threads that keep coming.
+const EVICTION_YIELD_PATIENCE: Duration = Duration::from_millis(1);
+
 pub fn run(inner: &PoolInner) {
     let (lock, cv) = &inner.evict_wake;
     while !inner.is_shutting_down() {
@@ -23,7 +29,16 @@ pub fn run(inner: &PoolInner) {
             let mut store = inner.store.lock().expect("store lock");
             if store.needs_eviction() {
                 let (bytes, entries) = (store.allocated_bytes(), store.published_count());
-                let n = store.evict(Instant::now());
+                let mut pass = store.eviction_pass();
+                let mut n = 0;
+                loop {
+                    n += store.evict_step(&mut pass, Instant::now(), EVICTION_STEP);
+                    if pass.is_done() {
+                        break;
+                    }
+                    // Transfers of the whole node wait while this thread holds the lock.
+                    store = inner.store.yield_to_urgent(store, EVICTION_YIELD_PATIENCE).expect("store lock");
+                }
                 tracing::debug!(
                     evicted = n,
                     bytes_before = bytes,

@@ -23,6 +23,7 @@ use umbp_protocol::ObjectKey;
 use crate::alloc::SlabAllocator;
 
 mod events;
+mod eviction;
 mod leases;
 mod policy;
 mod remote;

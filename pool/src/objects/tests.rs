@@ -4,11 +4,16 @@ use super::*;
 use umbp_protocol::index;
 
 fn store(capacity: u64) -> ObjectStore {
-    let slots = index::slots_for(capacity, 4096);
+    ObjectStore::new(capacity, index_mem(capacity, 4096))
+}
+
+/// A formatted index for a store of `capacity` bytes of objects of at least `min_object`.
+fn index_mem(capacity: u64, min_object: u64) -> Arc<SharedMemory> {
+    let slots = index::slots_for(capacity, min_object);
     let mem = SharedMemory::create("idx", index::region_bytes(slots), false).unwrap();
     // SAFETY: fresh zeroed mapping we own.
     unsafe { IndexView::init(mem.as_ptr(), mem.len(), slots) }.unwrap();
-    ObjectStore::new(capacity, Arc::new(mem))
+    Arc::new(mem)
 }
 
 fn reader(s: &ObjectStore) -> IndexView<'_> {
@@ -151,15 +156,7 @@ fn namespace_quota_evicts_its_own_lru() {
 #[test]
 fn tenant_groups_have_their_own_objects_indexes_and_logs() {
     let cap = 4u64 << 20;
-    let mems: Vec<_> = (0..3)
-        .map(|_| {
-            let slots = index::slots_for(cap, 64 << 10);
-            let mem = SharedMemory::create("idx", index::region_bytes(slots), false).unwrap();
-            // SAFETY: fresh zeroed mapping we own.
-            unsafe { IndexView::init(mem.as_ptr(), mem.len(), slots) }.unwrap();
-            Arc::new(mem)
-        })
-        .collect();
+    let mems: Vec<_> = (0..3).map(|_| index_mem(cap, 64 << 10)).collect();
     let mut s = ObjectStore::with_groups(cap, mems);
     let logs: Vec<_> = (0..3).map(|g| crate::event_log::SharedEventLog::create(&format!("ev{g}"), 64).unwrap()).collect();
     let log_mems: Vec<_> = logs.iter().map(|l| l.memory().clone()).collect();
@@ -353,4 +350,82 @@ fn hints_only_for_own_namespace_and_leases_capped_per_uid() {
     let later = now + Duration::from_secs(61);
     assert_eq!(s.evict_to(0, later), 1);
     assert_eq!(s.allocated_bytes(), 0);
+}
+
+/// The evictor's passes go in bounded steps (it hands the store lock to copy threads
+/// between them): steps of 7 evict exactly what one pass at once does (bytes, index
+/// entries and namespaces' quotas, around pinned and leased objects), each step at most
+/// 7, and the pass goes on to the low watermarks after the first step took the store
+/// below the high ones.
+#[test]
+fn eviction_in_steps_evicts_what_one_pass_does() {
+    const SIZE: u64 = 4096;
+    let build = || {
+        // Slabs of three sizes (2 MiB pages each), and room for every object below.
+        let cap = 16 << 20;
+        let mut s = ObjectStore::with_groups(cap, vec![index_mem(4 << 20, 4096), index_mem(4 << 20, 4096)]);
+        s.set_policy(Policy {
+            high_bytes: 1 << 20,
+            low_bytes: 512 << 10,
+            index_high_wm: 0.9,
+            index_low_wm: 0.5,
+            namespace_max_bytes: 1 << 20,
+            namespace_high: 0.9,
+            namespace_low: 0.5,
+            ..Policy::default()
+        });
+        let now = Instant::now();
+        // Group 0: two namespaces over their quota's high mark, and together over the
+        // bytes one.
+        for i in 0..120u128 {
+            assert!(publish_in(&mut s, 0, 1, i, 2 * SIZE), "store {i}");
+        }
+        for i in 1000..1235u128 {
+            assert!(publish_in(&mut s, 0, 2, i, SIZE), "store {i}");
+        }
+        // Group 1: small objects over its index mark.
+        let cap1 = s.groups[1].index.capacity();
+        for i in 0..(cap1 - 4) as u128 {
+            assert!(publish_in(&mut s, 1, 3, i, 64), "group 1 store {i}");
+        }
+        // Protected: pinned, leased, scattered through the LRU.
+        for i in (0..120u128).step_by(13) {
+            s.reserve_load(ObjectKey(i), 2 * SIZE);
+        }
+        for i in (5..1235u128).step_by(17) {
+            s.touch(ObjectKey(i), Duration::from_secs(600), now);
+        }
+        s.take_events();
+        (s, now)
+    };
+    let (mut whole, now) = build();
+    assert!(whole.needs_eviction());
+    let evicted = whole.evict(now);
+
+    let (mut stepped, now) = build();
+    let mut pass = stepped.eviction_pass();
+    let (mut total, mut steps) = (0, 0);
+    while !pass.is_done() {
+        let k = stepped.evict_step(&mut pass, now, 7);
+        assert!(k <= 7, "a step evicts at most its budget: {k}");
+        total += k;
+        steps += 1;
+        assert!(steps < 10_000, "the pass ends");
+    }
+    assert_eq!(total, evicted);
+    assert!(steps > evicted / 7, "{steps} steps for {evicted} objects");
+    assert_eq!(stepped.object_count(), whole.object_count());
+    assert_eq!(stepped.allocated_bytes(), whole.allocated_bytes());
+    assert!(stepped.allocated_bytes() <= stepped.policy.low_bytes, "down to the low watermark, not just under the high one");
+    for g in 0..2 {
+        assert_eq!(stepped.groups[g].index.len(), whole.groups[g].index.len(), "group {g}");
+    }
+    for (key, o) in &whole.objects {
+        assert!(stepped.objects.get(key).is_some_and(|s| s.size == o.size), "{key:?} kept in both");
+    }
+    for ns in [1, 2, 3] {
+        assert_eq!(stepped.namespaces().get(&ns).map(|h| h.objects), whole.namespaces().get(&ns).map(|h| h.objects), "namespace {ns}");
+    }
+    assert_eq!(stepped.needs_eviction(), whole.needs_eviction(), "what is left is protected in both");
+    assert!(evicted > 1000, "a pass of {evicted} objects");
 }

@@ -1,6 +1,6 @@
-//! Moving objects between tiers: the evictor's passes (bytes, index entries, namespace
-//! quotas), demotion to SSD and promotion back to DRAM, and listing lower-tier objects
-//! (warm restart, remote keys).
+//! Moving objects between tiers: eviction out of DRAM (the passes are in eviction.rs),
+//! demotion to SSD and promotion back to DRAM, and listing lower-tier objects (warm
+//! restart, remote keys).
 
 use std::time::Instant;
 
@@ -8,7 +8,7 @@ use umbp_protocol::index::Insert;
 use umbp_protocol::location::{self, Tier};
 use umbp_protocol::ObjectKey;
 
-use super::{GroupIndex, GroupKey, Held, Object, ObjectEvent, ObjectState, ObjectStore};
+use super::{GroupKey, Object, ObjectEvent, ObjectState, ObjectStore};
 use crate::alloc::SlabAllocator;
 use crate::pool_report::TierMoves;
 
@@ -64,109 +64,9 @@ impl ObjectStore {
         std::mem::take(&mut self.ssd_drops)
     }
 
-    /// A group's index watermark in entries (`wm` of its capacity).
-    fn index_mark(g: &GroupIndex, wm: f64) -> u64 {
-        (g.index.capacity() as f64 * wm) as u64
-    }
-
-    fn namespace_over(&self, h: &Held, f: f64) -> bool {
-        let p = &self.policy;
-        h.objects as f64 > p.namespace_max_objects as f64 * f || h.bytes as f64 > p.namespace_max_bytes as f64 * f
-    }
-
-    /// Whether the evictor has work: bytes or index slots above their high watermark, or
-    /// a namespace above its quota's.
-    pub fn needs_eviction(&self) -> bool {
-        let p = &self.policy;
-        self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes) > p.high_bytes
-            || self.groups.iter().any(|g| g.used() > Self::index_mark(g, p.index_high_wm))
-            || self.held.values().any(|h| self.namespace_over(h, p.namespace_high))
-    }
-
-    /// One evictor pass (evictor.rs): LRU eviction down to the low watermarks of bytes and
-    /// of index entries, and of each namespace over its quota's high mark down to its low
-    /// mark. Skips objects being written, pinned or leased. Returns how many went.
-    pub fn evict(&mut self, now: Instant) -> usize {
-        let p = self.policy;
-        let mut n = 0;
-        if self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes) > p.high_bytes {
-            n += self.evict_to(p.low_bytes, now);
-        }
-        for group in 0..self.groups.len() {
-            let g = &mut self.groups[group];
-            let (high, low) = (Self::index_mark(g, p.index_high_wm), Self::index_mark(g, p.index_low_wm));
-            if g.used() <= high {
-                continue;
-            }
-            // Tombstones go by rebuilding; only live entries need evicting.
-            if g.index.tombstones() > 0 {
-                g.index.rebuild();
-            }
-            if g.index.len() > high {
-                let excess = g.index.len() - low.min(g.index.len());
-                let victims = self.pick_lru(Victims::Group(group as u32), now, |_, evicted| evicted as u64 >= excess);
-                let k = victims.len();
-                for v in victims {
-                    self.drop_object(v);
-                }
-                self.evictions += k as u64;
-                self.index_evictions += k as u64;
-                n += k;
-            }
-        }
-        let over: Vec<(u128, Held)> =
-            self.held.iter().filter(|(_, h)| self.namespace_over(h, p.namespace_high)).map(|(ns, h)| (*ns, *h)).collect();
-        for (ns, h) in over {
-            let (max_o, max_b) = (p.namespace_max_objects as f64 * p.namespace_low, p.namespace_max_bytes as f64 * p.namespace_low);
-            let (mut objects, mut bytes) = (h.objects, h.bytes);
-            let victims = self.pick_lru(Victims::Namespace(ns), now, |size, _| {
-                objects -= 1;
-                bytes = bytes.saturating_sub(SlabAllocator::footprint(size));
-                objects as f64 <= max_o && bytes as f64 <= max_b
-            });
-            let k = victims.len();
-            for v in victims {
-                self.drop_object(v);
-            }
-            self.evictions += k as u64;
-            self.quota_evictions += k as u64;
-            n += k;
-        }
-        n
-    }
-
-    /// Least recently used evictable objects (of `which`) until
-    /// `enough(size of the one just chosen, count chosen so far)` says so. DRAM objects
-    /// for `Any` and `Namespace` (they free DRAM); for `Group` (index pressure) objects on
-    /// lower tiers too (they free index entries).
-    fn pick_lru(&self, which: Victims, now: Instant, mut enough: impl FnMut(u64, usize) -> bool) -> Vec<GroupKey> {
-        let mut victims = Vec::new();
-        for (_, key) in self.lru.iter() {
-            let o = &self.objects[key];
-            let mine = match which {
-                Victims::Any => Self::evictable(o, now),
-                Victims::Namespace(ns) => o.namespace == ns && Self::evictable(o, now),
-                Victims::Group(g) => key.group == g && (Self::evictable(o, now) || matches!(o.state, ObjectState::Lower { .. })),
-            };
-            if !mine {
-                continue;
-            }
-            victims.push(*key);
-            if enough(o.size, victims.len()) {
-                break;
-            }
-        }
-        victims
-    }
-
-    fn evictable(o: &Object, now: Instant) -> bool {
-        let leased = o.lease.is_some_and(|l| l.until > now);
-        o.state == ObjectState::Published && o.pins == 0 && !leased && !o.demoting
-    }
-
     /// Takes a DRAM object out of DRAM for byte pressure: to SSD at once if its record is
     /// still there, chosen for demotion if the admission policy admits it, else dropped.
-    fn evict_dram(&mut self, key: GroupKey, now: Instant) {
+    pub(super) fn evict_dram(&mut self, key: GroupKey, now: Instant) {
         let o = &self.objects[&key];
         let Some(admission) = self.ssd_admission else {
             self.drop_object(key);
@@ -390,32 +290,4 @@ impl ObjectStore {
         self.drop_object(key);
         false
     }
-
-    /// Evicts least recently used DRAM objects until allocated bytes (less those being
-    /// demoted) are at most `target`: to SSD (demoted, or moved if their record is still
-    /// there) where the admission policy says so, else dropped. Skips objects being
-    /// written, pinned by loads, leased or being demoted. Returns how many were chosen.
-    pub fn evict_to(&mut self, target: u64, now: Instant) -> usize {
-        let mut projected = self.alloc.allocated_bytes().saturating_sub(self.demoting_bytes);
-        if projected <= target {
-            return 0;
-        }
-        let victims = self.pick_lru(Victims::Any, now, |size, _| {
-            projected = projected.saturating_sub(SlabAllocator::footprint(size));
-            projected <= target
-        });
-        for v in &victims {
-            self.evict_dram(*v, now);
-        }
-        self.evictions += victims.len() as u64;
-        victims.len()
-    }
-}
-
-/// Which objects an eviction pass may take.
-#[derive(Debug, Clone, Copy)]
-enum Victims {
-    Any,
-    Namespace(u128),
-    Group(u32),
 }
