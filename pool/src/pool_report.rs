@@ -435,8 +435,8 @@ pub struct PhaseReport {
     pub copy_ns: u64,
     pub publish_ns: u64,
     pub finish_ns: u64,
-    /// Of `reserve_ns` and `plan_ns`, stage 0's: what delays the first byte (a report of
-    /// an older pool has none).
+    /// From a copy thread taking the job to stage 0 handed to the device: what of
+    /// `reserve_ns` and `plan_ns` delays the first byte (a report of an older pool has none).
     #[serde(default)]
     pub first_stage_ns: u64,
 }

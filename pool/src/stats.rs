@@ -44,7 +44,9 @@ pub struct Counters {
 /// publishing done inside it for later stages), `publish` (settling landed stages while
 /// later ones copy), `finish` (after the copy call: settling the rest, statuses, the
 /// completion). Only stage 0's reserve and plan delay the first byte; the rest overlap
-/// the copies: `first_stage` is that part of `reserve` and `plan` (not a phase of its own).
+/// the copies. `first_stage` (not a phase of its own) is the copy thread's time from taking
+/// the job to handing stage 0 to the device: what of `reserve` and `plan` delays the first
+/// byte.
 #[derive(Default)]
 pub struct PhaseCounters {
     pub jobs: AtomicU64,

@@ -369,7 +369,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         p.stage_blocks.push(from..p.blocks.len());
         p.plan_ns += t_plan.elapsed().as_nanos() as u64;
         if s == 0 {
-            p.first_stage_ns = t.elapsed().as_nanos() as u64;
+            p.first_stage_ns = ns_between(started, Instant::now());
         }
         plan
     };

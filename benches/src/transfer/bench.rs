@@ -215,6 +215,8 @@ fn layout_cases(
 struct Restores {
     ms: Vec<f64>,
     lookup_us: Vec<f64>,
+    /// The worker's load call (building and posting the submission).
+    submit_us: Vec<f64>,
     /// Share of the restores that found the pool asleep (its service thread woken).
     wakeups: Value,
     /// The pool's load phases over these restores (`first_stage_us`: before the first byte).
@@ -226,6 +228,7 @@ impl Restores {
     fn case(&self, name: &str, base: &Base) -> Case {
         base.restore_case(name, self.ms.clone())
             .extra("lookup_us", median(self.lookup_us.clone()))
+            .extra("submit_us", median(self.submit_us.clone()))
             .extra("service_wakeups_per_job", self.wakeups.clone())
             .extra("pool_phases_us", self.phases["load"].clone())
             .extra("index_client", if self.keep_index { "kept: connected once, restores back to back" } else { "connected for each restore" })
@@ -246,14 +249,15 @@ fn restores(a: &mut WorkerProc, pool: &PoolHandle, group: u16, key: u64, blocks:
         restore(a)?;
     }
     let p0 = pool.phases();
-    let (mut ms, mut lookup_us) = (Vec::new(), Vec::new());
+    let (mut ms, mut lookup_us, mut submit_us) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..n {
         let r = restore(a)?;
         ms.push(u64_of(&r, "ns") as f64 / 1e6);
         lookup_us.push(u64_of(&r, "lookup_ns") as f64 / 1e3);
+        submit_us.push(u64_of(&r, "submit_ns") as f64 / 1e3);
     }
     let phases = phase_means(&p0, &pool.phases());
-    Ok(Restores { ms, lookup_us, wakeups: phases["service_wakeups_per_job"].clone(), phases, keep_index })
+    Ok(Restores { ms, lookup_us, submit_us, wakeups: phases["service_wakeups_per_job"].clone(), phases, keep_index })
 }
 
 /// The single-object table: objects of `--sizes` MiB, one and eight in flight, both ways,

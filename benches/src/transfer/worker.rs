@@ -363,9 +363,10 @@ impl WorkerState {
         let lookup_ns = t.elapsed().as_nanos() as u64;
         let job: Vec<(ObjectKey, u64)> = keys.iter().copied().zip(blocks.iter().copied()).take(hits).collect();
         let id = self.w.load(group, &job).map_err(|e| e.to_string())?;
+        let submit_ns = t.elapsed().as_nanos() as u64 - lookup_ns;
         let c = self.w.wait(id, Duration::from_secs(60)).ok_or("restore timed out")?;
         let ns = t.elapsed().as_nanos() as u64;
-        Ok(json!({"ns": ns, "lookup_ns": lookup_ns, "hits": hits, "bad": c.statuses.iter().filter(|s| !s.is_ok()).count()}))
+        Ok(json!({"ns": ns, "lookup_ns": lookup_ns, "submit_ns": submit_ns, "hits": hits, "bad": c.statuses.iter().filter(|s| !s.is_ok()).count()}))
     }
 
     /// Stores `blocks` with fresh keys in a loop for `seconds` (resetting the namespace
