@@ -36,6 +36,8 @@ impl Segment {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvLayout {
     segments: Vec<Segment>,
+    /// [`KvLayout::segments_by_alloc`], computed once.
+    by_alloc: Vec<(u32, Vec<(usize, u64)>)>,
     object_bytes: u64,
     num_blocks: u64,
 }
@@ -78,11 +80,29 @@ impl KvLayout {
                 .ok_or(ProtocolError::InvalidField { what: "object bytes", value: s.page_bytes })?;
             num_blocks = num_blocks.min(s.num_blocks);
         }
-        Ok(Self { segments, object_bytes, num_blocks })
+        let mut by_alloc: Vec<(u32, Vec<(usize, u64)>)> = Vec::new();
+        let mut object_offset = 0u64;
+        for (i, seg) in segments.iter().enumerate() {
+            match by_alloc.iter_mut().find(|g| g.0 == seg.alloc_id) {
+                Some(g) => g.1.push((i, object_offset)),
+                None => by_alloc.push((seg.alloc_id, vec![(i, object_offset)])),
+            }
+            object_offset += seg.page_bytes;
+        }
+        Ok(Self { segments, by_alloc, object_bytes, num_blocks })
     }
 
     pub fn segments(&self) -> &[Segment] {
         &self.segments
+    }
+
+    /// The segments grouped by allocation, in order of first appearance: for each
+    /// allocation, its segments' indexes with each segment's byte offset inside an object.
+    /// One pass over an allocation's segments per block lets consecutive segments of a
+    /// block (and consecutive blocks) that continue on both sides coalesce, with no hashing
+    /// per copy (a 10k-token prefix of a 24-layer model is 7,500 copies).
+    pub fn segments_by_alloc(&self) -> &[(u32, Vec<(usize, u64)>)] {
+        &self.by_alloc
     }
 
     /// Bytes of one object of this layout.
@@ -153,6 +173,22 @@ mod tests {
             1 => Some(4096),
             _ => None,
         }
+    }
+
+    /// Segments of one allocation come together, in order of first appearance, each with
+    /// its offset inside an object (the sum of the pages before it, whatever allocation
+    /// they are in).
+    #[test]
+    fn segments_are_grouped_by_allocation_with_their_object_offsets() {
+        let segs = vec![
+            Segment::new(0, 0, 1024, 256, 4),
+            Segment::new(1, 0, 1024, 512, 4),
+            Segment::new(0, 256, 1024, 128, 4),
+            Segment::new(1, 512, 1024, 64, 4),
+        ];
+        let l = KvLayout::new(segs, sizes).unwrap();
+        assert_eq!(l.segments_by_alloc(), &[(0, vec![(0, 0), (2, 768)]), (1, vec![(1, 256), (3, 896)])]);
+        assert_eq!(l.object_bytes(), 960);
     }
 
     #[test]

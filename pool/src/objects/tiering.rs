@@ -175,6 +175,11 @@ impl ObjectStore {
     }
 
     /// The size of `key` if it is listed on `tier` only (not in DRAM, not being promoted).
+    /// Objects listed on a tier below DRAM (not promoting).
+    pub fn lower_objects(&self) -> u64 {
+        self.lower.iter().sum()
+    }
+
     pub fn size_on(&self, key: GroupKey, tier: Tier) -> Option<u64> {
         self.objects.get(&key).filter(|o| o.state == ObjectState::Lower { tier }).map(|o| o.size)
     }
