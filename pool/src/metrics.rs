@@ -395,6 +395,15 @@ impl Collector for PoolCollector {
                 ConstCounter::new(ns as f64 * 1e-9).encode(m.encode_family(&[("phase", phase)])?)?;
             }
         }
+        let mut m = enc.encode_descriptor(
+            "umbp_first_stage_seconds",
+            "Copy threads' time from taking a job to its first stage handed to the device, summed over jobs (part of reserve and plan: what delays the first byte)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (direction, phases) in [("store", &c.phases.store), ("load", &c.phases.load)] {
+            ConstCounter::new(phases.first_stage_ns as f64 * 1e-9).encode(m.encode_family(&[("direction", direction)])?)?;
+        }
         let gbps = |bytes: u64, ns: u64| if ns > 0 { bytes as f64 / ns as f64 } else { 0.0 };
         labelled_gauge(
             &mut enc,

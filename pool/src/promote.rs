@@ -244,7 +244,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
     let mut items = Vec::new();
     let mut reached = from;
     {
-        let mut store = inner.store.lock().expect("store lock");
+        let mut store = inner.store.lock_urgent().expect("store lock");
         // Nothing of the pool below DRAM: the load needs no look-ahead at all, and its
         // later stages are not looked at again (one lock per load, not one per stage:
         // 60-170 us before a kv4k load's first byte). An object demoted meanwhile is
@@ -394,7 +394,7 @@ pub fn take(inner: &PoolInner, att: &Attachment, ahead: &Ahead, to: usize, block
             }
         }
         if !duplicates.is_empty() {
-            let mut store = inner.store.lock().expect("store lock");
+            let mut store = inner.store.lock_urgent().expect("store lock");
             for k in duplicates {
                 store.finish_load(k);
             }

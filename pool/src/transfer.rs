@@ -539,7 +539,7 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
         let mut still = Vec::new();
         let mut no_room = false;
         {
-            let mut store = inner.store.lock().expect("store lock");
+            let mut store = inner.store.lock_urgent().expect("store lock");
             for c in waiting.drain(..) {
                 let key = GroupKey::new(att.group, c.key);
                 match store.reserve_load(key, size) {
@@ -595,7 +595,7 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
                 fetched[i] = ok;
             }
         }
-        let mut store = inner.store.lock().expect("store lock");
+        let mut store = inner.store.lock_urgent().expect("store lock");
         guard.disarm();
         for ((c, offset, _, _), ok) in mine.into_iter().zip(fetched) {
             if store.finish_promotion(GroupKey::new(att.group, c.key), ok) {
