@@ -15,7 +15,8 @@ Attributes of the opening marker:
   latest  only the last N matching files (the newest run is always one of them)
   bench   only cases of this bench
   case    only cases whose name matches this regular expression
-  extra   comma-separated extra fields to show as columns (e.g. "baseline_mt,speedup_mt")
+  extra   comma-separated extra fields to show as columns (e.g. "baseline_mt,speedup_mt"); a
+          dotted name reads a field of a nested object ("pool_phases_us.first_stage_us")
 
 A file holding several runs (the same case printed again) gets a `run` per repetition. Usage:
 
@@ -94,6 +95,14 @@ def read_runs(path: str) -> list[dict]:
     return out
 
 
+def field(r: dict, name: str):
+    """`name` of `r`; a dotted name goes into nested objects (None where one is missing)."""
+    v = r
+    for part in name.split("."):
+        v = v.get(part) if isinstance(v, dict) else None
+    return v
+
+
 def table(attrs: dict[str, str]) -> str:
     files = sorted(glob.glob(os.path.join(ROOT, attrs["files"])))
     if not files:
@@ -126,7 +135,7 @@ def table(attrs: dict[str, str]) -> str:
             f"{fmt(r.get('baseline'))} {unit}".strip(),
             f"{fmt(r.get('speedup'))}x",
         ]
-        cells += [fmt(r.get(e)) for e in extra]
+        cells += [fmt(field(r, e)) for e in extra]
         cells.append(str(r.get("baseline_name", "")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
