@@ -109,11 +109,7 @@ impl ObjectStore {
             };
             let want = len.saturating_sub(low).min((budget - n) as u64) as usize;
             let victims = if want == 0 { Vec::new() } else { self.pick_lru(Victims::Group(*group), now, cursor, |_, chosen| chosen >= want) };
-            let k = victims.len();
-            for v in victims {
-                self.drop_object(v);
-            }
-            self.evictions += k as u64;
+            let k = self.drop_victims(victims);
             self.index_evictions += k as u64;
             n += k;
             if k < want || len - k as u64 <= low {
@@ -142,11 +138,7 @@ impl ObjectStore {
                     reached(objects, bytes) || chosen >= room
                 })
             };
-            let k = victims.len();
-            for v in victims {
-                self.drop_object(v);
-            }
-            self.evictions += k as u64;
+            let k = self.drop_victims(victims);
             self.quota_evictions += k as u64;
             n += k;
             if reached(objects, bytes) || k < room {
@@ -154,6 +146,16 @@ impl ObjectStore {
             }
         }
         n
+    }
+
+    /// Drops `victims` (index entries and DRAM alike); returns how many.
+    fn drop_victims(&mut self, victims: Vec<GroupKey>) -> usize {
+        let k = victims.len();
+        for v in victims {
+            self.drop_object(v);
+        }
+        self.evictions += k as u64;
+        k
     }
 
     /// A whole pass at once (no lock hand-over): LRU eviction down to the low watermarks
