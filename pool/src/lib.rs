@@ -122,6 +122,8 @@ pub(crate) struct PoolInner {
     pub group_mem: Vec<GroupMemory>,
     /// Copy threads take it with `lock_urgent`: their stage work is on a transfer's critical path.
     pub store: priority_lock::PriorityMutex<ObjectStore>,
+    /// Objects of the store below DRAM (promoting included), readable without its lock.
+    pub lower_objects: Arc<std::sync::atomic::AtomicU64>,
     /// Tiers below DRAM (tier.rs): where loads fetch objects not in DRAM from.
     pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
@@ -265,8 +267,10 @@ impl Pool {
         let socket_path = config.socket_path.clone();
         let remote_source = remote::RemoteSlot::default();
         let (promoter, promotions_rx) = promote::Promoter::new(config.promotion_ahead_bytes, dram.len() as u64);
+        let lower_objects = store.lower_objects_counter();
         let inner = Arc::new(PoolInner {
             store: priority_lock::PriorityMutex::new(store),
+            lower_objects,
             tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
             dram,
             tenant_groups,

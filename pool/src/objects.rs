@@ -12,6 +12,7 @@
 //! (KV events), `remote` (the cluster tier's keys).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -213,8 +214,11 @@ pub struct ObjectStore {
     /// Lower-tier objects a scheduler's touch hint asked for (prefetched by the evictor
     /// thread, tier::prefetch); at most PREFETCH_QUEUE.
     prefetch: Vec<GroupKey>,
-    /// Objects on a lower tier only (Lower or Promoting), by tier.
+    /// Objects on a lower tier only (Lower or Promoting), by tier; change it only through
+    /// `count_lower`.
     lower: [u64; 3],
+    /// Their sum, readable without the store lock ([`ObjectStore::lower_objects_counter`]).
+    lower_total: Arc<AtomicU64>,
     tier_stats: TierStats,
 }
 
@@ -253,6 +257,7 @@ impl ObjectStore {
             ssd_drops: Vec::new(),
             prefetch: Vec::new(),
             lower: [0; 3],
+            lower_total: Arc::new(AtomicU64::new(0)),
             tier_stats: TierStats::default(),
         }
     }
@@ -454,7 +459,7 @@ impl ObjectStore {
             }
             let tier = match o.state {
                 ObjectState::Lower { tier } => {
-                    self.lower[tier as usize] -= 1;
+                    self.count_lower(tier, -1);
                     tier
                 }
                 _ => {

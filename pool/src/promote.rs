@@ -240,20 +240,21 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
     if closed || from >= to || inner.is_shutting_down() || (!forced && !inner.promoter.enabled()) {
         return from;
     }
+    if inner.lower_objects.load(Ordering::Acquire) == 0 {
+        // Nothing of the pool below DRAM: the load needs no look-ahead at all, and none of
+        // its stages is looked at again, without taking the store lock (a look-ahead per
+        // stage cost 60-170 us before a kv4k load's first byte). An object demoted
+        // meanwhile is promoted by its stage's own reservation.
+        let mut s = ahead.state.lock().expect("look-ahead lock");
+        s.launched = s.launched.max(candidates.len());
+        return candidates.len();
+    }
     let strict = !inner.config.namespace_acl.is_empty();
     let mut items = Vec::new();
     let mut reached = from;
     {
         let mut store = inner.store.lock_urgent().expect("store lock");
-        // Nothing of the pool below DRAM: the load needs no look-ahead at all, and its
-        // later stages are not looked at again (one lock per load, not one per stage:
-        // 60-170 us before a kv4k load's first byte). An object demoted meanwhile is
-        // promoted by its stage's own reservation.
-        let nothing_below = store.lower_objects() == 0;
-        if nothing_below {
-            reached = candidates.len();
-        }
-        for (pos, c) in candidates.iter().enumerate().take(if nothing_below { 0 } else { to }).skip(from) {
+        for (pos, c) in candidates.iter().enumerate().take(to).skip(from) {
             let key = GroupKey::new(att.group, c.key);
             let lower = [Tier::Ssd, Tier::Remote].into_iter().find(|&t| inner.tiers.source(t).is_some() && store.size_on(key, t) == Some(size));
             if lower.is_some() && !forced {

@@ -70,7 +70,7 @@ impl ObjectStore {
         if o.pins > 0 {
             self.pinned_objects -= 1;
         }
-        self.lower[from as usize] -= 1;
+        self.count_lower(from, -1);
         self.release_held(o.namespace, o.size);
         self.quarantined_bytes += o.size;
         self.groups[group as usize].index.remove(key);

@@ -259,6 +259,10 @@ fn demotion_and_promotion_move_tiers_safely() {
     assert_eq!(s.allocated_bytes(), 2 * size);
     let t = s.tier_stats();
     assert_eq!((t.objects[0], t.objects[1], t.moves.demotions, t.moves.demotion_failures), (2, 7, 8, 1));
+    // The count a load's look-ahead reads without the store lock follows every move.
+    let lower = s.lower_objects_counter();
+    let lower_now = |s: &ObjectStore| (lower.load(std::sync::atomic::Ordering::Acquire), s.lower_objects());
+    assert_eq!(lower_now(&s), (7, 7));
     // A lower object: not stored again, loads must promote it.
     assert_eq!(s.reserve_store(1, ObjectKey(2), size, 1), StoreReservation::AlreadyPresent);
     assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Lower { tier: Tier::Ssd });
@@ -267,9 +271,11 @@ fn demotion_and_promotion_move_tiers_safely() {
     assert_eq!((tier, ns), (Tier::Ssd, 1));
     assert_eq!(s.reserve_load(ObjectKey(2), size), LoadReservation::Promoting, "a second load waits");
     assert!(s.begin_promotion(ObjectKey(2)).is_none(), "never fetched twice");
+    assert_eq!(lower_now(&s), (7, 7), "a promoting object is still below DRAM");
     assert_eq!(s.evict_to(0, now), 0, "a promoting object is pinned");
     let head = s.group_events_written(0);
     assert!(s.finish_promotion(ObjectKey(2), true));
+    assert_eq!(lower_now(&s), (6, 6));
     assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(offset));
     assert_eq!(
         (event(head), event(head + 1)),
@@ -289,6 +295,7 @@ fn demotion_and_promotion_move_tiers_safely() {
     s.take_ssd_drops();
     s.begin_promotion(ObjectKey(3)).unwrap();
     assert!(!s.finish_promotion(ObjectKey(3), false));
+    assert_eq!(lower.load(std::sync::atomic::Ordering::Acquire), s.lower_objects(), "a failed promotion drops the object");
     assert_eq!(reader(&s).lookup(ObjectKey(3)), None);
     assert_eq!(s.reserve_load(ObjectKey(3), size), LoadReservation::Missing);
     assert_eq!(s.take_ssd_drops(), vec![(ObjectKey(3), 1)]);

@@ -2,6 +2,8 @@
 //! demotion to SSD and promotion back to DRAM, and listing lower-tier objects (warm
 //! restart, remote keys).
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use umbp_protocol::index::Insert;
@@ -98,7 +100,7 @@ impl ObjectStore {
         }
         self.alloc.free(offset, size);
         self.release_held(namespace, size);
-        self.lower[tier as usize] += 1;
+        self.count_lower(tier, 1);
         self.groups[key.group as usize].index.set_location(key.key, location::encode(tier, payload));
         self.push_event(key.group, ObjectEvent::Removed(key.key), Tier::Dram);
         self.push_event(key.group, ObjectEvent::Stored(key.key), tier);
@@ -175,9 +177,23 @@ impl ObjectStore {
     }
 
     /// The size of `key` if it is listed on `tier` only (not in DRAM, not being promoted).
-    /// Objects listed on a tier below DRAM (not promoting).
+    /// Objects listed on a tier below DRAM, those being promoted included.
+    #[cfg(test)]
     pub fn lower_objects(&self) -> u64 {
         self.lower.iter().sum()
+    }
+
+    /// [`Self::lower_objects`] kept up to date in an atomic, for readers without the store
+    /// lock: a load's look-ahead skips the lock when nothing is below DRAM.
+    pub fn lower_objects_counter(&self) -> Arc<AtomicU64> {
+        self.lower_total.clone()
+    }
+
+    /// Adds `delta` to the objects listed on `tier`, and to the lock-free total.
+    pub(super) fn count_lower(&mut self, tier: Tier, delta: i64) {
+        let n = &mut self.lower[tier as usize];
+        *n = n.checked_add_signed(delta).expect("lower-tier count stays in range");
+        self.lower_total.store(self.lower.iter().sum(), Ordering::Release);
     }
 
     pub fn size_on(&self, key: GroupKey, tier: Tier) -> Option<u64> {
@@ -235,7 +251,7 @@ impl ObjectStore {
             },
         );
         self.lru.insert(tick, gk);
-        self.lower[tier as usize] += 1;
+        self.count_lower(tier, 1);
         let ns = self.namespaces.entry(namespace).or_default();
         ns.objects += 1;
         ns.bytes += size;
@@ -277,7 +293,7 @@ impl ObjectStore {
         let (offset, size, namespace) = (o.offset, o.size, o.namespace);
         if fetched {
             o.state = ObjectState::Published;
-            self.lower[from as usize] -= 1;
+            self.count_lower(from, -1);
             self.tier_stats.moves.promotions += 1;
             self.tier_stats.moves.promoted_bytes += size;
             self.groups[key.group as usize].index.set_location(key.key, location::encode(Tier::Dram, offset));
