@@ -30,6 +30,8 @@ nixl_lib=$(bash scripts/setup-nixl.sh | tail -n 1)
 case "$nixl_lib" in UMBP_NIXL_LIB=*) export "$nixl_lib" ;; *) echo "setup-nixl.sh printed no UMBP_NIXL_LIB line" >&2; exit 1 ;; esac
 # NIXL over UCX TCP on loopback (no RDMA here): docs/cluster.md.
 export UCX_TLS=tcp,self UCX_NET_DEVICES=lo
+# NIXL is installed above: a cluster test that cannot load it fails instead of skipping.
+export UMBP_REQUIRE_NIXL=1
 # tests/tests/cluster_partition.rs partitions pools in network namespaces (ip netns, veth).
 if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null \

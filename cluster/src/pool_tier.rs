@@ -189,6 +189,8 @@ pub struct ClusterTier {
 pub enum TierError {
     #[error(transparent)]
     Cluster(#[from] ClusterError),
+    #[error("cannot follow the KV event log of tenant group {group}: {reason}")]
+    EventLog { group: u32, reason: String },
 }
 
 impl ClusterTier {
@@ -198,6 +200,14 @@ impl ClusterTier {
         cfg.acl = crate::control::acl_digest(access.tenant_groups());
         let (base, len) = access.dram();
         let events: Vec<_> = (0..access.tenant_groups().len() as u32).map(|g| access.events_memory(g)).collect();
+        // Where the change stream starts, fixed before any peer can join: a subscriber's
+        // snapshot is taken after this, so every change is in its snapshot or its stream,
+        // however late the follower thread first runs (docs/cluster.md).
+        let cursors = events
+            .iter()
+            .enumerate()
+            .map(|(g, mem)| attach_log(g as u32, mem).map(|l| l.head()))
+            .collect::<Result<Vec<u64>, TierError>>()?;
         let max_remote = opts.max_remote_entries.unwrap_or((access.index_capacity() as f64 * DEFAULT_REMOTE_SHARE) as u64);
         let side = Arc::new(PoolSide {
             access: access.clone(),
@@ -214,7 +224,7 @@ impl ClusterTier {
         let (c, s, p) = (cluster.clone(), stop.clone(), side.clone());
         let follower = std::thread::Builder::new()
             .name("cluster-events".into())
-            .spawn(move || follow(&c, &p, &events, &s))
+            .spawn(move || follow(&c, &p, &events, &cursors, &s))
             .expect("spawn");
         tracing::info!(
             max_remote_entries = max_remote,
@@ -260,16 +270,15 @@ impl Drop for ClusterTier {
 /// a fetch: the catalog only re-inserts a key when its first holder appears. Entries
 /// removed otherwise (a reset, index pressure) are not re-listed. Any removal of a remote
 /// entry frees room under the cap: held-back keys are listed then.
-fn follow(cluster: &Cluster, side: &PoolSide, events: &[Arc<umbp_ipc::SharedMemory>], stop: &AtomicBool) {
+fn follow(cluster: &Cluster, side: &PoolSide, events: &[Arc<umbp_ipc::SharedMemory>], cursors: &[u64], stop: &AtomicBool) {
+    umbp_pool::pass_hold_point(umbp_pool::HoldPoint::ClusterFollowerStart);
     let access = &side.access;
     let mut readers = Vec::with_capacity(events.len());
-    for (g, mem) in events.iter().enumerate() {
-        // SAFETY: the pool's event log region of group `g`, formatted at its start and
-        // mapped as long as `events` lives (held by the caller's closure).
-        match unsafe { EventLog::attach(mem.as_ptr(), mem.len()) } {
-            Ok(l) => readers.push((g as u32, EventLogReader::from_now(l))),
+    for ((g, mem), &cursor) in events.iter().enumerate().zip(cursors) {
+        match attach_log(g as u32, mem) {
+            Ok(l) => readers.push((g as u32, EventLogReader::at(l, cursor))),
             Err(e) => {
-                tracing::error!(group = g, "cluster: cannot follow the KV event log: {e}");
+                tracing::error!("cluster: {e}");
                 return;
             }
         }
@@ -318,4 +327,11 @@ fn follow(cluster: &Cluster, side: &PoolSide, events: &[Arc<umbp_ipc::SharedMemo
             std::thread::sleep(Duration::from_millis(2));
         }
     }
+}
+
+/// Group `group`'s KV event log in `mem`, for reading.
+fn attach_log(group: u32, mem: &umbp_ipc::SharedMemory) -> Result<EventLog<'_>, TierError> {
+    // SAFETY: the pool's event log region of `group`, formatted at its start and mapped
+    // as long as `mem` lives (the borrow ties the log to it).
+    unsafe { EventLog::attach(mem.as_ptr(), mem.len()) }.map_err(|e| TierError::EventLog { group, reason: e.to_string() })
 }

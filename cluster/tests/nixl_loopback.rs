@@ -27,6 +27,8 @@ fn setup() -> Option<MutexGuard<'static, ()>> {
         std::env::set_var("UCX_NET_DEVICES", "lo");
     }
     if let Err(e) = transport::load_library() {
+        // CI sets UMBP_REQUIRE_NIXL (scripts/test.sh installs NIXL): fail there, never skip.
+        assert!(std::env::var_os("UMBP_REQUIRE_NIXL").is_none(), "UMBP_REQUIRE_NIXL is set and libnixl_capi.so cannot be loaded: {e}");
         println!("skipped: libnixl_capi.so not found (set {}): {e}", transport::LIB_ENV);
         return None;
     }

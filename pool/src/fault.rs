@@ -124,14 +124,19 @@ pub enum HoldPoint {
     ServiceBeforeArm = 0,
     /// The service thread found a corrupted ring and is about to detach that peer.
     ServiceCorrupt = 1,
+    /// The cluster tier's change follower, started, before its first read of the KV event
+    /// logs (a thread the scheduler runs late).
+    ClusterFollowerStart = 2,
 }
+
+const HOLD_POINTS: usize = 3;
 
 struct Holds {
-    armed: [bool; 2],
-    reached: [bool; 2],
+    armed: [bool; HOLD_POINTS],
+    reached: [bool; HOLD_POINTS],
 }
 
-static HOLDS: Mutex<Holds> = Mutex::new(Holds { armed: [false; 2], reached: [false; 2] });
+static HOLDS: Mutex<Holds> = Mutex::new(Holds { armed: [false; HOLD_POINTS], reached: [false; HOLD_POINTS] });
 static HOLDS_CHANGED: std::sync::Condvar = std::sync::Condvar::new();
 static HOLDS_ARMED: AtomicBool = AtomicBool::new(false);
 
@@ -156,8 +161,10 @@ pub fn wait_reached(point: HoldPoint, timeout: std::time::Duration) -> bool {
     h.reached[point as usize]
 }
 
-/// Called by pool threads at `point`: returns at once unless a test armed it.
-pub(crate) fn pass(point: HoldPoint) {
+/// Called by pool threads (and the cluster tier's, over the pool) at `point`: returns at
+/// once unless a test armed it.
+#[doc(hidden)]
+pub fn pass(point: HoldPoint) {
     if !HOLDS_ARMED.load(Ordering::Acquire) {
         return;
     }

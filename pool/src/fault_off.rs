@@ -5,17 +5,20 @@
 use crate::transfer::JobBlock;
 
 /// The hold points (see fault.rs); never held in this build.
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum HoldPoint {
+pub enum HoldPoint {
     ServiceBeforeArm,
     ServiceCorrupt,
+    ClusterFollowerStart,
 }
 
 #[inline(always)]
 pub(crate) fn check_copy(_blocks: &[JobBlock]) {}
 
+#[doc(hidden)]
 #[inline(always)]
-pub(crate) fn pass(_point: HoldPoint) {}
+pub fn pass(_point: HoldPoint) {}
 
 /// # Safety
 /// None needed: does nothing (the armable version's contract is in fault.rs).

@@ -23,6 +23,10 @@ pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 #[path = "fault_off.rs"]
 mod fault;
+/// A hold point the pool's other crates pass too (the cluster tier's threads): empty and
+/// inlined away unless this build has `fault-injection`.
+#[doc(hidden)]
+pub use fault::{pass as pass_hold_point, HoldPoint};
 pub mod groups;
 mod idle_poll;
 mod liveness;

@@ -4,9 +4,13 @@
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+/// Set (to anything) where the cluster tests must run: a missing NIXL then fails them.
+pub const REQUIRE_NIXL_ENV: &str = "UMBP_REQUIRE_NIXL";
+
 /// Sets UCX to TCP on loopback (unless the environment already chose) and loads
 /// libnixl_capi.so; false, after printing "skipped" and why, when the library is missing
-/// (scripts/setup-nixl.sh installs it). Call it first in a test: the pools it starts
+/// (scripts/setup-nixl.sh installs it), unless [`REQUIRE_NIXL_ENV`] is set: then it
+/// panics. Call it first in a test: the pools it starts
 /// inherit the environment.
 pub fn nixl_on_loopback() -> bool {
     if std::env::var_os("UCX_TLS").is_none() {
@@ -17,6 +21,9 @@ pub fn nixl_on_loopback() -> bool {
     match umbp_cluster::transport::load_library() {
         Ok(_) => true,
         Err(e) => {
+            // CI sets it (scripts/test.sh installs NIXL): a lost library must fail there,
+            // not pass every cluster test as skipped.
+            assert!(std::env::var_os(REQUIRE_NIXL_ENV).is_none(), "{REQUIRE_NIXL_ENV} is set and libnixl_capi.so cannot be loaded: {e}");
             println!("skipped: libnixl_capi.so not found (set {}): {e}", umbp_cluster::transport::LIB_ENV);
             false
         }
