@@ -15,6 +15,22 @@ fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("umbp-ssd-test").tempdir_in("/var/tmp").expect("tempdir in /var/tmp")
 }
 
+/// Opens a store on `c`; a directory still locked is tried again for a while. Tests open
+/// a directory again right after dropping its store, and another test thread may fork a
+/// child (the crash and disk-full tests do) that holds a copy of every fd of this process,
+/// the directory's lock included, from its fork until its exec: the lock can outlive the
+/// drop by that moment. Any other error fails at once.
+fn open_store(c: &SsdConfig) -> SsdStore {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match SsdStore::open(c) {
+            Ok(s) => return s,
+            Err(SsdError::Locked { .. }) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(5)),
+            Err(e) => panic!("open the SSD store: {e}"),
+        }
+    }
+}
+
 fn cfg(dirs: &[&Path], capacity: u64, segment: u64) -> SsdConfig {
     SsdConfig {
         dirs: dirs.iter().map(|d| d.to_path_buf()).collect(),
@@ -70,7 +86,7 @@ fn check_all(store: &SsdStore, range: std::ops::Range<u64>) {
 #[test]
 fn put_get_byte_exact_across_segments_and_two_directories() {
     let (a, b) = (tempdir(), tempdir());
-    let store = SsdStore::open(&cfg(&[a.path(), b.path()], 64 << 20, 256 << 10)).unwrap();
+    let store = open_store(&cfg(&[a.path(), b.path()], 64 << 20, 256 << 10));
     put_all(&store, 0..400);
     check_all(&store, 0..400);
     let st = store.stats();
@@ -98,7 +114,7 @@ fn restart_finds_everything_and_keeps_removals() {
     let (a, b) = (tempdir(), tempdir());
     let c = cfg(&[a.path(), b.path()], 64 << 20, 256 << 10);
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         put_all(&store, 0..300);
         for i in (0..300).step_by(10) {
             assert!(store.remove(key(i), 7));
@@ -106,7 +122,7 @@ fn restart_finds_everything_and_keeps_removals() {
         // Overwrite: the newest copy wins after restart.
         store.put(key(1), 7, 65536, b"newest").unwrap();
     }
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     let st = store.stats();
     assert_eq!(st.segments_scanned, 0, "a clean close seals every segment: {st:?}");
     assert!(st.segments_from_footer >= 4);
@@ -128,7 +144,7 @@ fn torn_tail_is_skipped_and_the_rest_found() {
     let size = 20_000usize;
     let rl = format::record_len(size as u64);
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         for i in 0..50 {
             store.put(key(i), 7, 65536, &payload(i, size)).unwrap();
         }
@@ -142,7 +158,7 @@ fn torn_tail_is_skipped_and_the_rest_found() {
     use std::os::unix::fs::FileExt;
     f.write_all_at(&[0u8; 4096], 20 * rl + 8192).unwrap();
     drop(f);
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     let st = store.stats();
     assert_eq!(st.segments_scanned, 1);
     assert_eq!(st.torn_records_skipped, 2, "{st:?}");
@@ -156,7 +172,7 @@ fn torn_tail_is_skipped_and_the_rest_found() {
     }
     // The scanned segment was sealed: the next start reads its footer.
     drop(store);
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     assert_eq!(store.stats().segments_scanned, 0);
     assert_eq!(store.stats().objects, 48);
 }
@@ -167,7 +183,7 @@ fn a_flipped_byte_on_disk_is_a_miss_not_wrong_data() {
     let c = cfg(&[d.path()], 64 << 20, 8 << 20);
     let size = 10_000usize;
     let rl = format::record_len(size as u64);
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     for i in 0..4 {
         store.put(key(i), 7, 65536, &payload(i, size)).unwrap();
     }
@@ -193,7 +209,7 @@ fn a_flipped_byte_on_disk_is_a_miss_not_wrong_data() {
     drop(store);
     // After a restart (footer rebuild trusts the footer) the flipped records are still misses.
     flip(2 * rl + HEADER_BYTES as u64 + 1); // and one more, in record 2
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     assert!(store.get(key(0), 7).is_none() && store.get(key(1), 7).is_none() && store.get(key(2), 7).is_none());
     assert!(store.get(key(3), 7).unwrap().1 == payload(3, size));
 }
@@ -203,7 +219,7 @@ fn compaction_reclaims_dead_records_and_keeps_live_ones() {
     let d = tempdir();
     let c = cfg(&[d.path()], 64 << 20, 256 << 10);
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         put_all(&store, 0..400);
         // Remove 3 of every 4 (tombstones), overwrite some.
         for i in 0..400 {
@@ -226,7 +242,7 @@ fn compaction_reclaims_dead_records_and_keeps_live_ones() {
         }
     }
     // Removed keys stay removed across a restart (tombstones were carried where needed).
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     assert_eq!(store.stats().objects, 100);
     for i in 0..400 {
         if i % 4 == 0 {
@@ -242,7 +258,7 @@ fn capacity_watermarks_evict_oldest_and_refuse_what_cannot_fit() {
     let d = tempdir();
     let seg = 256u64 << 10;
     let c = cfg(&[d.path()], 8 * seg, seg);
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     let size = 30_000usize;
     let mut evicted = Vec::new();
     for i in 0..200 {
@@ -275,7 +291,7 @@ fn bad_directories_give_errors_naming_them() {
     let e = SsdStore::open(&cfg(&[&file], 64 << 20, 1 << 20)).err().expect("file refused").to_string();
     assert!(e.contains(file.to_str().unwrap()) && e.contains("not a directory"), "{e}");
     // Two stores on one directory: the second is refused.
-    let s = SsdStore::open(&cfg(&[d.path()], 64 << 20, 1 << 20)).unwrap();
+    let s = open_store(&cfg(&[d.path()], 64 << 20, 1 << 20));
     let e = SsdStore::open(&cfg(&[d.path()], 64 << 20, 1 << 20)).err().expect("second store refused").to_string();
     assert!(e.contains("in use"), "{e}");
     drop(s);
@@ -353,7 +369,7 @@ fn run_child(test: &str, dir: &Path) -> std::process::Child {
 #[ignore = "helper run by sigkill_mid_write_keeps_everything_acknowledged"]
 fn child_writer() {
     let Some(dir) = std::env::var_os(CHILD_ENV) else { return };
-    let store = SsdStore::open(&cfg(&[Path::new(&dir)], 1 << 30, 4 << 20)).unwrap();
+    let store = open_store(&cfg(&[Path::new(&dir)], 1 << 30, 4 << 20));
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     for i in 0.. {
@@ -367,8 +383,26 @@ fn child_writer() {
     }
 }
 
+/// A writer killed with SIGKILL loses nothing it acknowledged, and what it wrote but did
+/// not acknowledge is byte-exact or absent. The kill should land inside a segment being
+/// written (its footer missing: the restart scans it). Now and then (once in 37 runs on
+/// the 2-core VM) it lands right after a segment was sealed and before the next one got a
+/// record: every segment then has its footer, the scan went unobserved, and the attempt
+/// is run again.
 #[test]
 fn sigkill_mid_write_keeps_everything_acknowledged() {
+    const ATTEMPTS: usize = 5;
+    for attempt in 1..=ATTEMPTS {
+        if kill_writer_and_check_restart() {
+            return;
+        }
+        println!("attempt {attempt}: the kill landed between two segments (no segment to scan); again");
+    }
+    panic!("in {ATTEMPTS} attempts no kill landed inside a segment being written");
+}
+
+/// One kill and restart; whether the restart scanned a segment left without a footer.
+fn kill_writer_and_check_restart() -> bool {
     let d = tempdir();
     let mut child = run_child("ssd::tests::child_writer", d.path());
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
@@ -392,10 +426,9 @@ fn sigkill_mid_write_keeps_everything_acknowledged() {
     }
     let status = child.wait().unwrap();
     assert!(!status.success());
-    let store = SsdStore::open(&cfg(&[d.path()], 1 << 30, 4 << 20)).unwrap();
+    let store = open_store(&cfg(&[d.path()], 1 << 30, 4 << 20));
     let st = store.stats();
     println!("after SIGKILL: acked {acked}, found {}, torn skipped {}, scanned {}", st.objects, st.torn_records_skipped, st.segments_scanned);
-    assert!(st.segments_scanned >= 1, "the segment being written has no footer: {st:?}");
     for j in 0..acked {
         let (_, data) = store.get(key(j), 7).unwrap_or_else(|| panic!("acknowledged object {j} lost"));
         assert!(data == payload(j, 100_000 + (j as usize % 5) * 7_000), "object {j} differs");
@@ -406,6 +439,10 @@ fn sigkill_mid_write_keeps_everything_acknowledged() {
         let (_, data) = store.get(k, 7).unwrap();
         assert!(data == payload(j, 100_000 + (j as usize % 5) * 7_000));
     }
+    if st.segments_scanned == 0 {
+        assert_eq!(st.segments_from_footer, st.segments, "no segment scanned, so every one had its footer: {st:?}");
+    }
+    st.segments_scanned >= 1
 }
 
 /// Child of `disk_full_gives_a_clear_error`: writes under RLIMIT_FSIZE until refused.
@@ -418,7 +455,7 @@ fn child_disk_full() {
     let lim = libc::rlimit { rlim_cur: 1 << 20, rlim_max: 1 << 20 };
     // SAFETY: setrlimit reads one rlimit.
     assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_FSIZE, &lim) }, 0);
-    let store = SsdStore::open(&cfg(&[Path::new(&dir)], 1 << 30, 4 << 20)).unwrap();
+    let store = open_store(&cfg(&[Path::new(&dir)], 1 << 30, 4 << 20));
     for i in 0..100 {
         match store.put(key(i), 7, 65536, &payload(i, 100_000)) {
             Ok(_) => {}
@@ -458,14 +495,14 @@ fn tmpfs_directory_works_with_or_without_o_direct() {
         println!("skipped: no /dev/shm");
         return;
     };
-    let store = SsdStore::open(&cfg(&[d.path()], 64 << 20, 1 << 20)).unwrap();
+    let store = open_store(&cfg(&[d.path()], 64 << 20, 1 << 20));
     put_all(&store, 0..50);
     check_all(&store, 0..50);
     if store.stats().direct_io {
         println!("skipped (fallback part): this kernel's tmpfs accepts O_DIRECT, so the buffered fallback was not exercised");
     }
     drop(store);
-    let store = SsdStore::open(&cfg(&[d.path()], 64 << 20, 1 << 20)).unwrap();
+    let store = open_store(&cfg(&[d.path()], 64 << 20, 1 << 20));
     check_all(&store, 0..50);
 }
 
@@ -474,12 +511,12 @@ fn buffered_mode_works_and_survives_a_restart() {
     let d = tempdir();
     let c = SsdConfig { direct_io: false, ..cfg(&[d.path()], 64 << 20, 256 << 10) };
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         assert!(!store.stats().direct_io);
         put_all(&store, 0..200);
         check_all(&store, 0..200);
     }
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     assert_eq!(store.stats().segments_scanned, 0);
     check_all(&store, 0..200);
 }
@@ -489,12 +526,12 @@ fn without_io_uring_the_synchronous_path_is_byte_exact() {
     let d = tempdir();
     let c = SsdConfig { io_uring: false, ..cfg(&[d.path()], 64 << 20, 256 << 10) };
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         assert!(!store.stats().io_uring && store.stats().direct_io);
         put_all(&store, 0..150);
         check_all(&store, 0..150);
     }
-    let store = SsdStore::open(&SsdConfig { io_uring: true, ..c }).unwrap();
+    let store = open_store(&SsdConfig { io_uring: true, ..c });
     assert!(store.stats().io_uring);
     check_all(&store, 0..150);
 }
@@ -504,12 +541,12 @@ fn an_unreadable_segment_is_skipped_not_fatal() {
     let d = tempdir();
     let c = cfg(&[d.path()], 64 << 20, 256 << 10);
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         put_all(&store, 0..100);
     }
     // A segment name that cannot be opened as a file (EISDIR).
     std::fs::create_dir(d.path().join(super::segment::segment_name(0xff))).unwrap();
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     assert_eq!(store.stats().segments_unreadable, 1);
     check_all(&store, 0..100);
     // New segments are numbered past it.
@@ -558,7 +595,7 @@ fn bench_rebuild() {
     let small = vec![0x5au8; 4096 - HEADER_BYTES];
     let t = std::time::Instant::now();
     {
-        let store = SsdStore::open(&c).unwrap();
+        let store = open_store(&c);
         let mut i = 0;
         while i < n {
             let m = (n - i).min(1024);
@@ -570,7 +607,7 @@ fn bench_rebuild() {
     let write_s = t.elapsed().as_secs_f64();
     let before = rss_bytes();
     let t = std::time::Instant::now();
-    let store = SsdStore::open(&c).unwrap();
+    let store = open_store(&c);
     let open_ms = t.elapsed().as_secs_f64() * 1000.0;
     let st = store.stats();
     let after = rss_bytes();
