@@ -12,8 +12,6 @@ use crate::PoolInner;
 /// Objects evicted per hold of the store lock (about 1.7 µs each on the 2-core VM): a copy
 /// thread waits at most one step for its stage's reservations.
 const EVICTION_STEP: usize = 64;
-/// How long the evictor stays out of the store lock for copy threads that keep coming.
-const EVICTION_YIELD_PATIENCE: Duration = Duration::from_millis(1);
 
 pub fn run(inner: &PoolInner) {
     let (lock, cv) = &inner.evict_wake;
@@ -37,7 +35,7 @@ pub fn run(inner: &PoolInner) {
                         break;
                     }
                     // Transfers of the whole node wait while this thread holds the lock.
-                    store = inner.store.yield_to_urgent(store, EVICTION_YIELD_PATIENCE).expect("store lock");
+                    store = inner.store.yield_to_urgent(store, crate::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
                 }
                 tracing::debug!(
                     evicted = n,

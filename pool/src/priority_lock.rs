@@ -18,6 +18,10 @@ use std::time::{Duration, Instant};
 /// background batch (32 touch hints, 64 evictions: 10-110 µs on the 2-core VM).
 pub const URGENT_SPIN: Duration = Duration::from_micros(50);
 
+/// How long a background holder (the hint drain, the evictor) stays out of the lock at a
+/// yield point for urgent takers that keep coming: then its own work goes on.
+pub const BACKGROUND_YIELD_PATIENCE: Duration = Duration::from_millis(1);
+
 pub struct PriorityMutex<T> {
     mutex: Mutex<T>,
     /// Urgent takers waiting for the lock now.

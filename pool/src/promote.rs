@@ -183,6 +183,19 @@ impl Ahead {
         (s.launched, s.closed)
     }
 
+    /// Candidates before `reached` were considered; the load's state after it (`closed`:
+    /// it ended). `ticket`, if any, joins the load's tickets unless it ended.
+    fn mark_launched(&self, reached: usize, ticket: Option<&Arc<Ticket>>) -> bool {
+        let mut s = self.state.lock().expect("look-ahead lock");
+        s.launched = s.launched.max(reached);
+        if let Some(t) = ticket {
+            if !s.closed {
+                s.tickets.push(t.clone());
+            }
+        }
+        s.closed
+    }
+
     /// Positions in `range` not handled yet (not taken from a ticket).
     pub fn unhandled(&self, range: std::ops::Range<usize>) -> Vec<usize> {
         let s = self.state.lock().expect("look-ahead lock");
@@ -245,8 +258,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
         // its stages is looked at again, without taking the store lock (a look-ahead per
         // stage cost 60-170 us before a kv4k load's first byte). An object demoted
         // meanwhile is promoted by its stage's own reservation.
-        let mut s = ahead.state.lock().expect("look-ahead lock");
-        s.launched = s.launched.max(candidates.len());
+        ahead.mark_launched(candidates.len(), None);
         return candidates.len();
     }
     let strict = !inner.config.namespace_acl.is_empty();
@@ -293,16 +305,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
             done: Condvar::new(),
         })
     });
-    let closed = {
-        let mut s = ahead.state.lock().expect("look-ahead lock");
-        s.launched = s.launched.max(reached);
-        if let Some(t) = &ticket {
-            if !s.closed {
-                s.tickets.push(t.clone());
-            }
-        }
-        s.closed
-    };
+    let closed = ahead.mark_launched(reached, ticket.as_ref());
     if let Some(t) = ticket {
         if closed {
             // The load ended meanwhile: the ticket runs abandoned (unpinned when done).

@@ -32,8 +32,6 @@ const PAUSED_POLL: Duration = Duration::from_millis(2);
 /// Touch hints applied per hold of the store lock (about 0.35 µs each, on the 2-core VM):
 /// a copy thread waits at most one batch for its stage's reservations.
 const HINT_BATCH: usize = 32;
-/// How long the hint drain stays out of the store lock for copy threads that keep coming.
-const HINT_YIELD_PATIENCE: Duration = Duration::from_millis(1);
 
 pub fn run(inner: &Arc<PoolInner>) {
     let mut poller = Poller::new().expect("epoll");
@@ -305,7 +303,7 @@ fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
             if i > 0 {
                 // The hints of a lookup arrive right before the load of the same prefix:
                 // that load's copy thread goes first.
-                store = inner.store.yield_to_urgent(store, HINT_YIELD_PATIENCE).expect("store lock");
+                store = inner.store.yield_to_urgent(store, crate::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
             }
             for h in batch {
                 let key = crate::objects::GroupKey::new(att.group, ObjectKey::from_words(h.key));
