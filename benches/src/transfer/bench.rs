@@ -457,7 +457,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         umbp_pool::config::IdlePoll::Fixed(d) => serde_json::json!(d.as_micros() as u64),
         auto => serde_json::json!(auto.to_string()),
     });
-    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api).extra("idle_poll_us", idle_poll_us.clone());
+    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api).extra("idle_poll_us", idle_poll_us.clone()).extra("hugepages", args.pool_socket.is_none().then_some(args.hugepages));
     let mut key = 1u64 << 40;
     let mut next_key = |n: u64| {
         key += n + 1000;

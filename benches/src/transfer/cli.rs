@@ -105,6 +105,10 @@ pub struct TransferCli {
     /// group `ssd`; needs `gptoss`).
     #[arg(long)]
     ssd_dir: Option<std::path::PathBuf>,
+    /// In-process pool: back its DRAM with 2 MiB huge pages (`umbp-pool --hugepages`;
+    /// needs that many free in /proc/sys/vm/nr_hugepages).
+    #[arg(long)]
+    hugepages: bool,
 }
 
 impl TransferCli {
@@ -157,6 +161,7 @@ impl TransferCli {
             stage_growth: self.stage_growth,
             idle_poll: self.idle_poll_us.unwrap_or(umbp_pool::config::DEFAULT_IDLE_POLL),
             ssd_dir: self.ssd_dir,
+            hugepages: self.hugepages,
         };
         if args.sizes.contains(&0) {
             return Err("--sizes: object sizes are in MiB and must be at least 1".into());

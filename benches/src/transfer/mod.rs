@@ -83,6 +83,8 @@ pub struct TransferArgs {
     /// In-process pool: an SSD tier in this directory (admission `all`), for the `ssd`
     /// case group (`ssd_restore_10k_ms`).
     pub ssd_dir: Option<PathBuf>,
+    /// In-process pool: DRAM on 2 MiB huge pages.
+    pub hugepages: bool,
 }
 
 /// Case groups `--layouts` selects from: `pages` (host: 64 KiB..2 MiB pages, one

@@ -161,6 +161,7 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         socket_path: socket.clone(),
         capacity_bytes: args.capacity,
         prefault: true,
+        hugepages: args.hugepages,
         // pool_overhead's objects: 24 pages of 64 B (layouts below this are refused).
         min_object_bytes: 24 * 64,
         copy_threads: args.copy_threads,
