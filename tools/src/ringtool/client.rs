@@ -42,6 +42,10 @@ impl Observer {
                 socket.display()
             )
         })?;
+        // As workers do: only a pool of our uid, root or UMBP_POOL_UID hears our Hello (a socket
+        // another user put in place of the pool's learns nothing, docs/security.md item 4).
+        umbp_ipc::peer::check_pool_peer(std::os::fd::AsFd::as_fd(&sock), None)
+            .map_err(|e| format!("pool at {}: {e}", socket.display()))?;
         let mut hello = Hello::new(Role::Observer, 0, std::process::id());
         // An observer submits nothing: ask for the smallest rings and arena the pool allows.
         hello.sq_entries = 1;

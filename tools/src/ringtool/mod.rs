@@ -25,8 +25,10 @@ use decode::RecordType;
 
 /// See inside a live UMBP pool: its state, rings, index and events.
 ///
-/// dump and watch attach to the pool's socket as a read-only observer; decode and encode
-/// work offline on protocol records; inspect maps a memfd of a live process read-only.
+/// dump and watch attach to the pool's socket as a read-only observer (only to a pool
+/// running as this user, root, or $UMBP_POOL_UID: checked before anything is sent); decode
+/// and encode work offline on protocol records; inspect maps a memfd of a live process
+/// read-only.
 #[derive(Parser, Debug)]
 #[command(name = "ringtool", version, about, long_about)]
 pub struct Cli {
