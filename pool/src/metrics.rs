@@ -666,6 +666,12 @@ pub fn encode_tiers(
     counter(enc, "umbp_ssd_compactions", "SSD segments compacted", s.compactions)?;
     gauge(enc, "umbp_ssd_restored_objects", "Objects listed from the SSD segments at start (warm restart)", s.restored_objects as f64)?;
     gauge(enc, "umbp_ssd_torn_records_skipped", "Torn SSD records (crash mid-write) skipped at start", s.torn_records_skipped as f64)?;
+    gauge(
+        enc,
+        "umbp_ssd_segments_refused",
+        "SSD segment files refused at start (symlink, not a regular file, another uid's, hard-linked) and left untouched",
+        s.segments_refused as f64,
+    )?;
     gauge(enc, "umbp_ssd_rebuild_seconds", "Time the SSD index rebuild took at start", s.rebuild_ms / 1e3)?;
     Ok(())
 }
@@ -731,6 +737,7 @@ mod tests {
             ("umbp_ssd_compactions_total", 10.0),
             ("umbp_ssd_restored_objects", 1000.0),
             ("umbp_ssd_torn_records_skipped", 11.0),
+            ("umbp_ssd_segments_refused", 13.0),
             ("umbp_ssd_rebuild_seconds", 0.0125),
         ] {
             assert_eq!(sample(&t, series), want, "{series}");
