@@ -215,8 +215,10 @@ struct Args {
     /// A directory for the SSD tier below DRAM, one per drive (repeatable; the environment
     /// variable takes a comma-separated list). Objects evicted from DRAM that the admission
     /// policy admits are written there and loaded back from there; a restart on the same
-    /// directories (same order) serves them again. Each must exist and be writable
-    /// [default: no SSD tier].
+    /// directories (same order) serves them again. Each must exist and be writable, and it
+    /// and every directory above it must be owned by the pool's uid or root and not be
+    /// writable by group or others unless sticky (in a sticky one, e.g. /var/tmp, the pool
+    /// uses a private umbp-ssd-<uid> subdirectory) [default: no SSD tier].
     #[arg(long = "ssd-dir", env = "UMBP_SSD_DIR", value_name = "PATH", value_delimiter = ',', help_heading = "SSD tier")]
     ssd_dir: Vec<PathBuf>,
     /// Bytes of segment files all SSD directories together may hold (split evenly), e.g.
