@@ -100,7 +100,7 @@ fn exec_swap(tag: &str, before: bool, fallback: bool) -> Option<serde_json::Valu
     println!("{v}");
     assert!(v.get("error").is_none(), "attacker could not attach: {v}");
     if !v["victim"].as_str().unwrap_or("").contains("euid=0") {
-        println!("skipped: the setuid victim did not run as root here ({v}); nosuid temp directory?");
+        umbp_integration_tests::root::skip_root_part(&format!("the setuid victim did not run as root here ({v}); nosuid temp directory?"));
         return None;
     }
     Some(v)

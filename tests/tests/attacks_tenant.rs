@@ -144,7 +144,7 @@ fn stats_report_hides_other_tenants() {
     let bin = workspace_binary("umbp-test-worker");
     let probe = Command::new(&bin).arg("--help").uid_gid(65534).stdout(Stdio::null()).stderr(Stdio::null()).status();
     if !probe.is_ok_and(|s| s.success()) {
-        eprintln!("skipped: uid 65534 cannot run {} (directory permissions)", bin.display());
+        umbp_integration_tests::root::skip_root_part(&format!("uid 65534 cannot run {} (directory permissions)", bin.display()));
         return;
     }
     let pool = PoolProcess::start(
