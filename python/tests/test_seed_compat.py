@@ -155,8 +155,8 @@ def test_embedded_lookup_instance_reaches_the_workers_pools(make):
     assert sock == embedded_socket_path(h.conn._native.default_socket_path(), h.engine_id, 0, 0,
                                         instance="seed-engine-a")
     assert sock != embedded_socket_path(h.conn._native.default_socket_path(), h.engine_id, 0, 0)
-    h.store_and_forget("a", tokens(31))
-    h.add("b", tokens(31))
+    h.store_and_forget("a", tokens(31, 300))
+    h.add("b", tokens(31, 300))
     h.run()
     assert h.external_tokens("b") == 256
 
@@ -173,8 +173,8 @@ def test_request_hits_again_after_a_failed_load_and_a_preemption(make, native):
     from sched_harness import tokens
 
     h = make(extra={"load_async": True})
-    h.store_and_forget("a", tokens(32))
-    b = h.add("b", tokens(32), max_tokens=64)
+    h.store_and_forget("a", tokens(32, 300))
+    b = h.add("b", tokens(32, 300), max_tokens=64)
 
     def drop_objects(so):
         w = native.Worker(h.worker._worker.endpoint, native.namespace_digest("seed-compat"))
@@ -209,7 +209,7 @@ def test_failed_loads_are_bounded(make, native):
     from umbp.vllm import scheduler_side as S
 
     h = make(extra={"load_async": True})
-    b_tokens = tokens(33)
+    b_tokens = tokens(33, 300)
     h.store_and_forget("a", b_tokens)
     b = h.add("b", b_tokens, max_tokens=400)
 
