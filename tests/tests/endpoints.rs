@@ -49,7 +49,7 @@ fn seed_unix_address_from_the_environment() {
     let socket = unique_socket("endpoint-env");
     let address = format!("unix://{}", socket.display());
     let cwd = tempfile::tempdir().unwrap();
-    let mut child = pool_command(&pool_binary())
+    let child = pool_command(&pool_binary())
         .args(["--capacity", "64MiB"])
         .env("UMBP_STANDALONE_ADDRESS", &address)
         .env("RUST_LOG", "warn")
@@ -57,12 +57,10 @@ fn seed_unix_address_from_the_environment() {
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn umbp-pool");
+    let mut pool = Killed(child, socket.clone());
     let listening = eventually(Duration::from_secs(20), || std::os::unix::net::UnixStream::connect(&socket).is_ok());
     let stray = listing(cwd.path());
-    let exited = child.try_wait().ok().flatten();
-    if !listening {
-        kill_and_clean(&mut child, &socket);
-    }
+    let exited = pool.0.try_wait().ok().flatten();
     assert!(listening, "umbp-pool with UMBP_STANDALONE_ADDRESS={address} does not listen at {} (exit: {exited:?}; its working directory holds {stray:?})", socket.display());
     assert!(stray.is_empty(), "umbp-pool created {stray:?} under its working directory");
 
@@ -91,7 +89,16 @@ fn seed_unix_address_from_the_environment() {
         let (out, err) = output(&mut cmd);
         assert!(out.status.success(), "ringtool dump ({}) failed: {err}", if by_env { "env" } else { "--socket" });
     }
-    kill_and_clean(&mut child, &socket);
+}
+
+/// A pool started by hand: killed and its socket directory removed when dropped (also
+/// when an assertion fails).
+struct Killed(std::process::Child, std::path::PathBuf);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        kill_and_clean(&mut self.0, &self.1);
+    }
 }
 
 /// `tcp://` is refused by every reader of an endpoint, each naming where the value came
