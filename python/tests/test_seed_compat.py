@@ -16,7 +16,6 @@ import importlib.metadata
 import subprocess
 import sys
 import tomllib
-from pathlib import Path
 
 import pytest
 
@@ -64,7 +63,7 @@ def test_seed_env_address_reaches_workers_and_indexes(native, short_tmp, monkeyp
     finally:
         pool.close()
     monkeypatch.setenv("UMBP_STANDALONE_ADDRESS", "tcp://10.0.0.1:9000")
-    with pytest.raises(ValueError, match=f"UMBP_STANDALONE_ADDRESS: 'tcp://10.0.0.1:9000' is a tcp address; .*"):
+    with pytest.raises(ValueError, match="UMBP_STANDALONE_ADDRESS: 'tcp://10.0.0.1:9000' is a tcp address; .*"):
         native.default_socket_path()
     for cls in (native.Worker, native.Index):
         with pytest.raises(ValueError, match="endpoint: 'tcp://x:1' is a tcp address"):

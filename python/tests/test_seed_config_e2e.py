@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -51,8 +52,6 @@ def test_standalone_seed_config(pool_bin, short_tmp, engine_factory, reference_t
         pool = subprocess.Popen([str(pool_bin)], env=env, stdout=f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, cwd=str(short_tmp))
     try:
-        import time
-
         deadline = time.monotonic() + 20
         while not (sock.exists() and _connectable(sock)):
             assert pool.poll() is None, f"umbp-pool exited:\n{log.read_text()[-3000:]}"
