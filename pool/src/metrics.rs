@@ -207,9 +207,12 @@ impl Listener {
     }
 }
 
-/// The path of a `unix:PATH` metrics address, if it is one.
+/// The path of a `unix:PATH` (or `unix://PATH`, as pool endpoints are written) metrics
+/// address, if it is one.
 pub fn unix_path(addr: &str) -> Option<&Path> {
-    addr.trim().strip_prefix("unix:").map(Path::new)
+    let a = addr.trim();
+    let rest = a.strip_prefix("unix:")?;
+    Some(Path::new(rest.strip_prefix("//").unwrap_or(rest)))
 }
 
 /// Binds the metrics listener at start, so a bad or busy address is a startup error that
@@ -707,6 +710,15 @@ mod tests {
 
     /// Each tier's objects and bytes and each SSD counter come out under its name with the
     /// report's value; without an SSD tier only the tier gauges are written (SSD zero).
+    #[test]
+    fn unix_addresses_name_their_path() {
+        assert_eq!(unix_path("unix:/run/umbp/m.sock"), Some(Path::new("/run/umbp/m.sock")));
+        assert_eq!(unix_path(" unix:///run/umbp/m.sock "), Some(Path::new("/run/umbp/m.sock")));
+        assert_eq!(unix_path("unix:rel/m.sock"), Some(Path::new("rel/m.sock")));
+        assert_eq!(unix_path("9464"), None);
+        assert_eq!(unix_path("127.0.0.1:9464"), None);
+    }
+
     #[test]
     fn tier_gauges_and_ssd_counters_carry_the_report() {
         let t = scrape(Fixed(TierCounts { dram: 7, ssd: 30, remote: 2 }, 1 << 20, Some(SsdReport::example())));
