@@ -11,6 +11,7 @@
 //! peer's socket), `node` (the running node tying them together).
 
 pub mod catalog;
+pub mod channel;
 pub mod control;
 pub mod mem_pool;
 pub mod membership;
@@ -20,4 +21,4 @@ pub mod placement;
 pub mod pool_tier;
 pub mod transport;
 
-pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, FetchRequest, LocalPool};
+pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, FetchRequest, LocalPool, Pin};

@@ -9,7 +9,7 @@ use std::sync::Mutex;
 use umbp_protocol::ObjectKey;
 
 use crate::catalog::{IndexChange, KeyChange};
-use crate::node::LocalPool;
+use crate::node::{LocalPool, Pin};
 
 pub struct MemPool {
     base: *mut u8,
@@ -91,7 +91,7 @@ impl LocalPool for MemPool {
         self.objects.lock().unwrap().iter().map(|(&key, o)| KeyChange::stored(key, o.1, 0)).collect()
     }
 
-    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<Pin, String> {
         if group != 0 || namespace != 0 {
             return Err(format!("group {group}, namespace {namespace:x}: this test pool holds namespace 0 in group 0 only"));
         }
@@ -101,7 +101,10 @@ impl LocalPool for MemPool {
             return Err(format!("key {:032x} is {} bytes, not {size}", key.0, e.1));
         }
         e.2 += 1;
-        Ok((e.0, 0))
+        // SAFETY: a published object inside the mapping (`put` asserted the bounds);
+        // pinned, so nobody rewrites it while it is hashed.
+        let bytes = unsafe { std::slice::from_raw_parts(self.base.add(e.0 as usize), size as usize) };
+        Ok(Pin { offset: e.0, namespace: 0, digest: xxhash_rust::xxh3::xxh3_128(bytes) })
     }
 
     fn unpin(&self, _group: u32, _namespace: u128, key: ObjectKey) {

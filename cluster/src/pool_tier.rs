@@ -18,7 +18,7 @@ use umbp_protocol::{ObjectKey, Tier};
 
 use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
-use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool};
+use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool, Pin};
 
 /// The default cap on remote entries: this share of the pool's index capacity (all tenant
 /// groups together), so peers' keys never take more than half of it (local objects keep
@@ -100,9 +100,18 @@ impl LocalPool for PoolSide {
             .collect()
     }
 
-    fn pin(&self, _group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+    fn pin(&self, _group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<Pin, String> {
         // By namespace: the group follows from it (and only an object stored under it).
-        self.access.pin(namespace, key, size)
+        let (offset, namespace) = self.access.pin(namespace, key, size)?;
+        let (base, len) = self.access.dram();
+        if offset.checked_add(size).is_none_or(|end| end > len as u64) {
+            self.access.unpin(namespace, key);
+            return Err(format!("key {:032x}: offset {offset} + {size} bytes lies past the DRAM ({len} bytes)", key.0));
+        }
+        // SAFETY: a published DRAM object inside the mapping (checked above), pinned by
+        // the reservation just taken: its bytes do not change until the peer unpins it.
+        let bytes = unsafe { std::slice::from_raw_parts(base.add(offset as usize), size as usize) };
+        Ok(Pin { offset, namespace, digest: xxhash_rust::xxh3::xxh3_128(bytes) })
     }
 
     fn unpin(&self, _group: u32, namespace: u128, key: ObjectKey) {

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::{FetchError, FetchRequest, Inner, PinReply, PinWaiter};
+use super::{FetchError, FetchRequest, Inner, Pin, PinReply, PinWaiter};
 use crate::control::{self, Msg};
 use crate::outbox::Outbox;
 use crate::placement::NodeId;
@@ -87,7 +87,7 @@ impl Inner {
         // only its own items, never the reads from the others (nor leaves them a read with
         // no time, which would fail them and quarantine their DRAM).
         let pin_deadline = deadline - self.cfg.read_timeout / 2;
-        let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
+        let mut pinned: HashMap<usize, Pin> = HashMap::new();
         let mut unanswered: HashMap<NodeId, usize> = HashMap::new();
         for &(node, i) in id_to.values() {
             if out[i].is_none() {
@@ -183,7 +183,7 @@ impl Inner {
         &self,
         items: &[FetchRequest],
         id_to: &HashMap<u64, (NodeId, usize)>,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         pin_deadline: Instant,
         out: &mut [Option<Result<u128, FetchError>>],
     ) {
@@ -212,7 +212,7 @@ impl Inner {
         items: &[FetchRequest],
         node: NodeId,
         batch: &HolderBatch,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) -> Option<HolderRead<'_>> {
         let (w, region, v) = batch;
@@ -221,7 +221,7 @@ impl Inner {
             return None;
         }
         let pieces: Vec<ReadPiece> =
-            mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
+            mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].offset, local: items[i].dest, len: items[i].size }).collect();
         self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
         // SAFETY: forwarded from this function's contract; the read is polled to its end
         // or given up as tainted (`settle_holder_read`).
@@ -241,7 +241,7 @@ impl Inner {
         group: u32,
         items: &[FetchRequest],
         r: &mut HolderRead<'_>,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) -> bool {
         let result = match r.read.poll() {
@@ -259,7 +259,7 @@ impl Inner {
         group: u32,
         items: &[FetchRequest],
         r: &ReadParts<'_>,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         result: Result<(), TransportError>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) {
@@ -271,7 +271,18 @@ impl Inner {
         match result {
             Ok(()) => {
                 for &i in r.mine {
-                    out[i] = Some(Ok(pinned[&i].1));
+                    let p = pinned[&i];
+                    // SAFETY: the read into `dest..dest+size` completed; the range is
+                    // reserved for this fetch (`Cluster::fetch_batch`'s contract) and
+                    // nothing else writes it until this fetch returns.
+                    let got = unsafe { std::slice::from_raw_parts(items[i].dest, items[i].size as usize) };
+                    let digest = xxhash_rust::xxh3::xxh3_128(got);
+                    out[i] = Some(if digest == p.digest {
+                        Ok(p.namespace)
+                    } else {
+                        self.digest_mismatches.fetch_add(1, Ordering::Relaxed);
+                        Err(FetchError::Digest { peer: r.node, key: items[i].key.0, expected: p.digest, got: digest })
+                    });
                 }
             }
             Err(e) => {
