@@ -14,7 +14,8 @@ use crate::node::{LocalPool, Pin};
 pub struct MemPool {
     base: *mut u8,
     len: usize,
-    objects: Mutex<HashMap<u128, (u64, u64, u32)>>,
+    /// key → (offset, size, pins, xxh3-128 digest taken at `put`).
+    objects: Mutex<HashMap<u128, (u64, u64, u32, u128)>>,
     remote: Mutex<HashSet<(u32, u128)>>,
 }
 
@@ -52,7 +53,8 @@ impl MemPool {
         assert!(offset as usize + bytes.len() <= self.len, "object past the mapping");
         // SAFETY: in bounds (asserted); nobody reads an unpublished range.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(offset as usize), bytes.len()) };
-        self.objects.lock().unwrap().insert(key, (offset, bytes.len() as u64, 0));
+        let digest = xxhash_rust::xxh3::xxh3_128(bytes);
+        self.objects.lock().unwrap().insert(key, (offset, bytes.len() as u64, 0, digest));
         KeyChange::stored(key, bytes.len() as u64, 0)
     }
 
@@ -101,10 +103,7 @@ impl LocalPool for MemPool {
             return Err(format!("key {:032x} is {} bytes, not {size}", key.0, e.1));
         }
         e.2 += 1;
-        // SAFETY: a published object inside the mapping (`put` asserted the bounds);
-        // pinned, so nobody rewrites it while it is hashed.
-        let bytes = unsafe { std::slice::from_raw_parts(self.base.add(e.0 as usize), size as usize) };
-        Ok(Pin { offset: e.0, namespace: 0, digest: xxhash_rust::xxh3::xxh3_128(bytes) })
+        Ok(Pin { offset: e.0, namespace: 0, digest: e.3 })
     }
 
     fn unpin(&self, _group: u32, _namespace: u128, key: ObjectKey) {
