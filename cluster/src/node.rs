@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::ObjectKey;
 
-use crate::catalog::{Catalog, IndexChange, KeyChange, RemoteObject};
+use crate::catalog::{Catalog, CatalogCaps, IndexChange, KeyChange, RemoteObject};
 use crate::channel::{client_handshake, server_handshake};
 use crate::control::{self, read_msg, Msg, Secret, MAX_FRAME};
 use crate::membership::{Discovery, Liveness};
@@ -72,6 +72,12 @@ pub struct ClusterConfig {
     /// answered `PinFailed`.
     pub max_pins_per_peer: usize,
     pub max_pinned_bytes_per_peer: u64,
+    /// Keys one peer may have in the catalog per tenant group (stream and snapshot);
+    /// further keys are dropped (counted, `catalog_over_cap`).
+    pub max_catalog_entries_per_group: usize,
+    /// Tenant groups of this pool (members run the same ACL); keys a peer advertises in
+    /// another group number are dropped.
+    pub groups: u32,
     /// [`control::acl_digest`] of this pool's namespace ACL; a peer with another one is
     /// refused. Default: that of a pool without `--namespace-acl`.
     pub acl: [u8; 32],
@@ -91,6 +97,8 @@ impl ClusterConfig {
             fd_reserve: 256,
             max_pins_per_peer: 4096,
             max_pinned_bytes_per_peer: 4 << 30,
+            max_catalog_entries_per_group: 1 << 20,
+            groups: 1,
             acl: control::acl_digest(&umbp_pool::groups::TenantGroups::single()),
         }
     }
@@ -239,6 +247,8 @@ pub struct ClusterStats {
     pub pins_over_cap: u64,
     /// Remote reads whose bytes did not match the holder's digest (published as misses).
     pub digest_mismatches: u64,
+    /// Peers' keys left out of the catalog at the per-group cap (or in no group here).
+    pub catalog_over_cap: u64,
 }
 
 struct Inner {
@@ -258,6 +268,7 @@ struct Inner {
     refused_connections: AtomicU64,
     pins_over_cap: AtomicU64,
     digest_mismatches: AtomicU64,
+    snapshot_over_cap: AtomicU64,
     admission: Mutex<Admission>,
     local_addr: std::net::SocketAddr,
     reads_in_flight: std::sync::atomic::AtomicUsize,
@@ -294,13 +305,17 @@ impl Cluster {
         let mut agent = Agent::new(&format!("umbp-{local_addr}-{node:016x}"))?;
         // SAFETY: forwarded from this function's contract.
         unsafe { agent.register_dram(dram, dram_len) }?;
+        let caps = CatalogCaps { per_group: cfg.max_catalog_entries_per_group, groups: cfg.groups };
         let inner = Arc::new(Inner {
             liveness: Mutex::new(Liveness::new(cfg.dead_after)),
             cfg,
             node,
             agent,
             pool,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                catalog: Catalog::with_caps(caps),
+                ..State::default()
+            }),
             discovery: Mutex::new(discovery),
             stop: AtomicBool::new(false),
             next_pin: AtomicU64::new(1),
@@ -311,6 +326,7 @@ impl Cluster {
             refused_connections: AtomicU64::new(0),
             pins_over_cap: AtomicU64::new(0),
             digest_mismatches: AtomicU64::new(0),
+            snapshot_over_cap: AtomicU64::new(0),
             admission: Mutex::new(Admission::default()),
             local_addr,
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
@@ -349,6 +365,7 @@ impl Cluster {
             refused_connections: self.inner.refused_connections.load(Ordering::Relaxed),
             pins_over_cap: self.inner.pins_over_cap.load(Ordering::Relaxed),
             digest_mismatches: self.inner.digest_mismatches.load(Ordering::Relaxed),
+            catalog_over_cap: st.catalog.over_cap() + self.inner.snapshot_over_cap.load(Ordering::Relaxed),
         }
     }
 
@@ -697,6 +714,7 @@ impl Inner {
         self.liveness.lock().expect("liveness").seen(server, Instant::now());
         tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
         let mut snapshot: Option<Vec<RemoteObject>> = None;
+        let mut snap_counts: HashMap<u32, usize> = HashMap::new();
         let r = loop {
             let m = match read_msg(&mut rx, MAX_FRAME) {
                 Ok(m) => m,
@@ -718,13 +736,20 @@ impl Inner {
                 Msg::Keys { changes, snapshot: first, more } => {
                     let mut out = Vec::new();
                     if first || snapshot.is_some() {
+                        if first {
+                            snap_counts.clear();
+                        }
                         let snap = snapshot.get_or_insert_with(Vec::new);
-                        snap.extend(changes.iter().filter(|c| c.stored && c.tier == 0).map(|c| RemoteObject {
-                            group: c.group,
-                            key: ObjectKey(c.key),
-                            size: c.size,
-                            namespace: c.namespace,
-                        }));
+                        // Bounded while it accumulates: per group, as the catalog is.
+                        for c in changes.iter().filter(|c| c.stored && c.tier == 0) {
+                            let n = snap_counts.entry(c.group).or_default();
+                            if c.group >= self.cfg.groups || *n >= self.cfg.max_catalog_entries_per_group {
+                                self.snapshot_over_cap.fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            }
+                            *n += 1;
+                            snap.push(RemoteObject { group: c.group, key: ObjectKey(c.key), size: c.size, namespace: c.namespace });
+                        }
                         if !more {
                             let keys = snapshot.take().unwrap_or_default();
                             self.state.lock().expect("state").catalog.replace_peer(server, keys, &mut out);

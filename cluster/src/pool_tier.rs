@@ -255,6 +255,7 @@ impl ClusterTier {
     /// `cfg.acl` is set to this pool's ACL digest: peers must run the same `--namespace-acl`.
     pub fn start(access: ClusterAccess, mut cfg: ClusterConfig, discovery: Box<dyn Discovery>, opts: TierOptions) -> Result<Self, TierError> {
         cfg.acl = crate::control::acl_digest(access.tenant_groups());
+        cfg.groups = access.tenant_groups().len() as u32;
         let (base, len) = access.dram();
         let events: Vec<_> = (0..access.tenant_groups().len() as u32).map(|g| access.events_memory(g)).collect();
         // Where the change stream starts, fixed before any peer can join: a subscriber's
