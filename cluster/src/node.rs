@@ -500,6 +500,7 @@ impl Inner {
                 }
             };
             let Some(permit) = self.admit(from.ip()) else {
+                // Relaxed: a counter for reports; it orders nothing.
                 self.refused_connections.fetch_add(1, Ordering::Relaxed);
                 drop(s);
                 continue;
@@ -621,6 +622,7 @@ impl Inner {
                     let reply = if pinned_n >= self.cfg.max_pins_per_peer
                         || pinned_bytes.saturating_add(size) > self.cfg.max_pinned_bytes_per_peer
                     {
+                        // Relaxed: a counter for reports; it orders nothing.
                         self.pins_over_cap.fetch_add(1, Ordering::Relaxed);
                         let reason = format!(
                             "pin cap: this peer holds {pinned_n} pins of {pinned_bytes} bytes (caps {} pins, {} bytes)",
@@ -744,6 +746,7 @@ impl Inner {
                         for c in changes.iter().filter(|c| c.stored && c.tier == 0) {
                             let n = snap_counts.entry(c.group).or_default();
                             if c.group >= self.cfg.groups || *n >= self.cfg.max_catalog_entries_per_group {
+                                // Relaxed: a counter for reports; it orders nothing.
                                 self.snapshot_over_cap.fetch_add(1, Ordering::Relaxed);
                                 continue;
                             }

@@ -280,6 +280,7 @@ impl Inner {
                     out[i] = Some(if digest == p.digest {
                         Ok(p.namespace)
                     } else {
+                        // Relaxed: a counter for reports; it orders nothing.
                         self.digest_mismatches.fetch_add(1, Ordering::Relaxed);
                         Err(FetchError::Digest { peer: r.node, key: items[i].key.0, expected: p.digest, got: digest })
                     });
