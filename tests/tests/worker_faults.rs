@@ -30,6 +30,29 @@ const TIMEOUT: Duration = Duration::from_millis(300);
 /// The copy-thread hold point is one process-wide slot: one test at a time.
 static TURN: Mutex<()> = Mutex::new(());
 
+/// Holds the copy thread at the stage holding `key`; the hold ends when the guard drops,
+/// also when an assertion fails (else the pool's drop would wait for the held thread).
+struct Hold(Arc<umbp_pool::fault::Pause>);
+
+impl Hold {
+    fn at(key: u128) -> Hold {
+        Hold(umbp_pool::fault::pause_on_copy_of(ObjectKey(key)))
+    }
+}
+
+impl std::ops::Deref for Hold {
+    type Target = umbp_pool::fault::Pause;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
 fn batch(first: u128, n: u64) -> Vec<(ObjectKey, u64)> {
     (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect()
 }
@@ -133,7 +156,7 @@ fn a_signal_storm_while_polling_never_drops_a_live_pool_nor_publishes_foreign_by
         h.fill(i, 500 + i as u128);
     }
     // Held after claiming stage 1 of 4: the store is in the pool, not finished.
-    let pause = umbp_pool::fault::pause_on_copy_of(ObjectKey(501));
+    let pause = Hold::at(501);
     let id = h.w().store(0, &batch(500, 4)).unwrap();
     assert!(pause.wait_reached(Duration::from_secs(10)), "the copy thread reached the stage");
     let (stop, storm) = signal_storm();
@@ -187,7 +210,7 @@ fn a_dropped_workers_held_store_publishes_nothing_read_after_the_drop() {
         h.fill(i, 600 + i as u128);
     }
     // Held after claiming stage 1 (key 601) of 4: stage 0 landed and may be published.
-    let pause = umbp_pool::fault::pause_on_copy_of(ObjectKey(601));
+    let pause = Hold::at(601);
     h.w().store(0, &batch(600, 4)).unwrap();
     assert!(pause.wait_reached(Duration::from_secs(10)));
     drop(h.w.take());
@@ -221,7 +244,7 @@ fn a_started_load_of_a_lost_attachment_keeps_its_blocks_until_the_pool_answers()
         h.fill(i, 1);
     }
     // Held after claiming stage 1 of 4.
-    let pause = umbp_pool::fault::pause_on_copy_of(ObjectKey(701));
+    let pause = Hold::at(701);
     let id = h.w().load(0, &batch(700, 4)).unwrap();
     assert!(pause.wait_reached(Duration::from_secs(10)));
     h.w().disconnect();
