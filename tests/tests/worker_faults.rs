@@ -166,7 +166,7 @@ fn a_signal_storm_while_polling_never_drops_a_live_pool_nor_publishes_foreign_by
     while start.elapsed() < Duration::from_secs(2) && early.is_none() {
         calls += 1;
         early = h.w().poll().into_iter().find(|c| c.id == id);
-        if early.is_none() && calls % 16 == 0 {
+        if early.is_none() && calls.is_multiple_of(16) {
             early = h.w().wait(id, Duration::from_millis(1));
         }
     }
