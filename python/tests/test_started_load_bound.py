@@ -156,3 +156,39 @@ def test_under_recompute_a_started_load_is_waited_for(native, setup):
         resumer.cancel()
     assert time.monotonic() - t0 >= 0.9, "returned before the started load completed"
     assert not ws._quarantined
+
+
+# -- the scheduler half: a request failed by a load error keeps its blocks until the -----
+# -- workers say its loads are over (a real vLLM Scheduler, sched_harness.py) -------------
+
+
+@pytest.fixture
+def make(cfg_dir, native):
+    from conftest import harness_factory
+
+    yield from harness_factory(cfg_dir, {"capacity_bytes": "16MiB", "key_namespace": "bound"})
+
+
+def test_a_request_failed_by_a_load_error_is_freed_only_after_the_workers_report_it(make, native):
+    """With kv_load_failure_policy "fail", vLLM fails a request whose load failed and frees
+    its blocks at once; a started load of a stopped pool may still write them. The
+    connector delays that free until every worker reports the request's loads over.
+    Before: request_finished returned (False, None) and the blocks went back at once."""
+    from sched_harness import tokens
+
+    h = make(failure_policy="fail", extra={"load_async": False})
+    h.store_and_forget("a", tokens(4, 300))
+    free0 = h.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    h.add("b", tokens(4, 300), max_tokens=2)
+
+    def drop_objects(so):
+        # Between the lookup and the load: the index said "hit", the objects are gone.
+        w = native.Worker(h.worker._worker.endpoint, native.namespace_digest("bound"))
+        assert w.reset_namespace() == 2
+        w.close()
+
+    h.step(before_worker=drop_objects)
+    assert h.finished_returns["b"] == (True, None), "the failed request's blocks were freed at once"
+    assert "b" in h.sched.requests
+    h.step_until(lambda: "b" not in h.sched.requests)
+    assert h.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
