@@ -20,17 +20,14 @@ use crate::connection::Connection;
 use umbp_ipc::dial::{Attached, Dial, DialError};
 use crate::WorkerError;
 
-/// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS`, else
+/// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS` (a path or
+/// `unix://` address, parsed by [`umbp_ipc::endpoint::parse_endpoint`]), else
 /// `$XDG_RUNTIME_DIR/umbp/pool.sock`, else `/tmp/umbp/pool.sock` (docs/connection.md).
-pub fn default_endpoint() -> PathBuf {
-    if let Some(p) = std::env::var_os("UMBP_STANDALONE_ADDRESS").filter(|p| !p.is_empty()) {
-        return p.into();
-    }
-    umbp_ipc::default_socket_path()
-}
+pub use umbp_ipc::endpoint::default_endpoint;
 
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
+    /// The pool's socket: a path or a `unix://` address ([`Worker::connect`] refuses others).
     pub endpoint: PathBuf,
     pub namespace: u128,
     pub tp_rank: u32,
@@ -251,8 +248,11 @@ impl Worker {
     /// Attaches to the pool at `cfg.endpoint`, retrying an absent pool until
     /// `startup_timeout`; then fails with an error naming the socket path. A refusal (wrong
     /// version, uid not allowed) fails at once.
-    pub fn connect(cfg: WorkerConfig) -> Result<Worker, WorkerError> {
+    pub fn connect(mut cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         cfg.validate()?;
+        // `unix:///path` as the seed writes it; another scheme is refused here, by name.
+        cfg.endpoint = umbp_ipc::endpoint::parse_endpoint("endpoint", cfg.endpoint.as_os_str())
+            .map_err(|e| WorkerError::Invalid(e.to_string()))?;
         let start = Instant::now();
         let deadline = start + cfg.startup_timeout;
         let hello = cfg.hello();

@@ -18,8 +18,9 @@ use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 #[derive(Parser, Debug)]
 #[command(name = "umbp-pool", version, about, long_about)]
 struct Args {
-    /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/umbp/pool.sock or /tmp/umbp/pool.sock].
-    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", value_name = "PATH")]
+    /// Unix socket to listen on: a path or unix:///path (tcp:// and other schemes are refused)
+    /// [default: $XDG_RUNTIME_DIR/umbp/pool.sock or /tmp/umbp/pool.sock].
+    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", value_name = "PATH", value_parser = parse_socket)]
     socket: Option<PathBuf>,
     /// DRAM to hold KV blocks in, e.g. 64GiB, 512MiB [default: half of available memory].
     #[arg(long, env = "UMBP_DRAM_CAPACITY", value_name = "SIZE")]
@@ -322,6 +323,13 @@ fn free_bytes(d: &std::path::Path) -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
+}
+
+/// `--socket` / `UMBP_STANDALONE_ADDRESS`: a path or `unix://` address (the one parser all
+/// endpoint readers share; its message names the flag and the variable).
+fn parse_socket(value: &str) -> Result<PathBuf, String> {
+    umbp_ipc::endpoint::parse_endpoint("socket (UMBP_STANDALONE_ADDRESS)", std::ffi::OsStr::new(value))
+        .map_err(|e| e.to_string())
 }
 
 fn config_from(args: Args) -> anyhow::Result<PoolConfig> {

@@ -65,7 +65,7 @@ class WorkerSide:
         if self.cfg.embedded:
             path = embedded_socket_path(
                 self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank,
-                lookup_dir=self.cfg.lookup_dir,
+                lookup_dir=self.cfg.lookup_dir, instance=self.cfg.instance,
             )
             cap = self.cfg.capacity_per_worker(c._tp_size)
             # The pool's default (64 KiB) unless this engine's objects are smaller.

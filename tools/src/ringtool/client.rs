@@ -16,12 +16,9 @@ use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
 const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The socket ringtool uses when `--socket` is not given: like `umbp-pool`,
-/// `UMBP_STANDALONE_ADDRESS`, else the default path.
-pub fn default_socket() -> PathBuf {
-    std::env::var_os("UMBP_STANDALONE_ADDRESS")
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(umbp_ipc::default_socket_path)
+/// `UMBP_STANDALONE_ADDRESS` (a path or `unix://` address), else the default path.
+pub fn default_socket() -> Result<PathBuf, String> {
+    umbp_ipc::endpoint::default_endpoint().map_err(|e| e.to_string())
 }
 
 pub struct Observer {
