@@ -17,10 +17,13 @@
 //!   bytes landed (also when the load failed or was refused: the completion says which),
 //!   so kernels enqueued after the call read loaded KV.
 //!
-//! A stream waiting for a load must never hang on a dead pool: when the attachment is lost
-//! (seen by any worker call) or a watchdog thread sees the pool's socket close, every
-//! outstanding load word is released (the transfers complete as failed). A stalled but
-//! live pool keeps the stream waiting, as it keeps a CPU waiter waiting (docs/gpu.md).
+//! A stream waiting for a load must never hang on a dead pool: when the pool's process is
+//! known dead (its pidfd; without one, its socket closed), seen by any worker call or by a
+//! watchdog thread, every outstanding load word is released (the transfers complete as
+//! failed). A lost attachment of a live pool releases only the loads the pool never
+//! started; a started one's stream waits for its completion or the pool's death, as its
+//! blocks do (docs/connection.md "A lost pool"). A stalled but live pool keeps the stream
+//! waiting, as it keeps a CPU waiter waiting (docs/gpu.md).
 //!
 //! Slots are reused only after their previous transfer's completion was reaped (the pool
 //! wrote or waited for the word before completing it), so a word only ever grows.
