@@ -60,6 +60,14 @@ class ReqState:
         return self.store_ops > 0
 
 
+def _finished_with_error(request: Any) -> bool:
+    try:
+        from vllm.v1.request import RequestStatus
+    except ImportError:  # pragma: no cover - vLLM without v1 request states
+        return False
+    return getattr(request, "status", None) == RequestStatus.FINISHED_ERROR
+
+
 # Failed loads after which a request gets no pool hit again (no retry loops against a
 # pool that keeps failing or an index that keeps claiming what it cannot deliver).
 _MAX_FAILED_LOADS = 3
@@ -620,6 +628,16 @@ class SchedulerSide:
             # An async load may still write the blocks; the worker's "finished receiving"
             # report (which vLLM handles for finished requests too) releases them.
             # (Requests that ever stored never load asynchronously, so no store is pending.)
+            return True, None
+        if (
+            st.load_block_ids
+            and not self.c._recompute_failures
+            and _finished_with_error(request)
+        ):
+            # A request failed by a load error: its synchronous load may have been started
+            # by a pool that did not finish it in time (quarantined on the workers). Its
+            # blocks stay until every worker reports the load over ("finished sending").
+            self._finish_after_stores.append(request.request_id)
             return True, None
         if st.store_ops_done < st.store_ops * self.c._tp_size:
             # Stores may still read the blocks: keep them until every worker reports the
