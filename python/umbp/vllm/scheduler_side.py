@@ -143,7 +143,8 @@ class SchedulerSide:
             if self._indexes[i] is not None:
                 continue
             try:
-                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout, pool_uid=self.cfg.pool_uid)
+                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout,
+                                                pool_uid=self.cfg.pool_uid, stall_timeout_ms=self.cfg.lookup_timeout_ms)
             except Exception as e:  # noqa: BLE001 - UmbpError / OSError
                 if strict:
                     raise RuntimeError(
@@ -156,7 +157,8 @@ class SchedulerSide:
             if self._indexes[i] is not None:
                 continue
             try:  # never blocks, never fails: attaches when the pool is reachable
-                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0, pool_uid=self.cfg.pool_uid)
+                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0,
+                                                pool_uid=self.cfg.pool_uid, stall_timeout_ms=self.cfg.lookup_timeout_ms)
             except Exception as e:  # noqa: BLE001
                 logger.debug("UMBP: lazy index for %s: %s", path, e)
                 return False
