@@ -27,7 +27,7 @@ Keys (all optional):
 | `save_decode_cache` | bool | false | also store blocks filled by generated tokens |
 | `key_namespace` | str | derived | override the key namespace (share KV across configs you know are compatible) |
 | `timeout_ms` | int > 0 | 5000 | a transfer pending longer is treated as failed by synchronous waits |
-| `lookup_timeout_ms` | int > 0 | 1000 | scheduler, embedded mode: how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
+| `lookup_timeout_ms` | int > 0 | 1000 | scheduler: a pool whose heartbeat is older than this (stopped, swapped out) reads as a miss (at least 200 ms); embedded mode: also how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
 | `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
 | `pool_uid` | int >= 0 | `$UMBP_POOL_UID` | standalone: the pool's service uid; a socket served by another uid than this process's, root or this one is refused |
 | `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
