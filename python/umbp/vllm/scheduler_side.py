@@ -89,6 +89,8 @@ class SchedulerSide:
         self._next_op = 1
         self._pins: dict[int, tuple[list[Any], int]] = {}  # op id -> (blocks, ranks done)
         self._lazy_seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        # lazy_offload: stores picked after a step's frees, sent with the next metadata.
+        self._lazy_ops: list[BlockOp] = []
         self.lazy_stored_blocks = 0  # blocks lazy offload submitted (tests, measurements)
         self._events: list[Any] = []
         # BlockStored events wait until every TP rank confirmed the store:
@@ -581,13 +583,27 @@ class SchedulerSide:
             self._lazy_seen.popitem(last=False)
 
     def _plan_lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
-        """lazy_offload: store the cached blocks at the head of vLLM's free queue (the next
+        """lazy_offload: the stores picked after the last step's frees, and those of a scan
+        now (blocks that reached the free queue's head otherwise)."""
+        meta.stores.extend(self._lazy_ops)
+        self._lazy_ops = []
+        meta.stores.extend(self._lazy_pick())
+
+    def _lazy_pick(self) -> list[BlockOp]:
+        """lazy_offload: pins the cached blocks at the head of vLLM's free queue (the next
         to be evicted) that the pool does not hold yet, at most `lazy_offload_max_blocks`
-        examined per step. They are pinned while the pool copies them, then go back to
-        the free queue's tail (still cached in vLLM)."""
+        examined, and returns their stores. They stay pinned while the pool copies them,
+        then go back to the free queue's tail (still cached in vLLM).
+
+        Runs twice per step: from `build_connector_meta`, and from
+        `update_connector_output`, which vLLM calls after it freed the step's finished
+        requests and before the next `schedule()` allocates. Without the second scan a
+        block freed in one step and evicted by the next step's allocation was never seen
+        (vLLM frees a request's blocks last block first, so a prompt lost its tail: issue
+        #33 item 9)."""
         bp = self.c._gpu_block_pool
         if bp is None:
-            return
+            return []
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         ours = {g.gid: g for g in self.c._groups if g.kind != MAMBA}
@@ -606,11 +622,13 @@ class SchedulerSide:
                 continue
             self._lazy_remember(gid, h)
             picked.setdefault(gid, []).append((h, blk))
+        ops = []
         for gid, items in picked.items():
             op = self._pinned_op(gid, [h for h, _ in items], [b for _, b in items], "")
             if op is not None:
-                meta.stores.append(op)
+                ops.append(op)
                 self.lazy_stored_blocks += len(items)
+        return ops
 
     def request_finished(
         self, request: "Request", block_ids: Any
@@ -665,6 +683,10 @@ class SchedulerSide:
                     self._publish(h, ev)
                 else:
                     self._event_pending[h] = (ev, seen)
+        if self.c._do_store and self.c._offload.lazy_offload:
+            # vLLM freed this step's finished requests before calling us, and the next
+            # schedule() may evict their blocks: pick them now (see _lazy_pick).
+            self._lazy_ops.extend(self._lazy_pick())
 
     # -- KV events ----------------------------------------------------------------------
     def _remember_for_events(self, req: Any, hashes: list[bytes], lo: int, hi: int) -> None:
