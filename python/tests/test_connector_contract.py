@@ -289,3 +289,26 @@ def test_lazy_offload_max_blocks_follows_max_num_batched_tokens(cfg_dir):
     # Set in the config: kept.
     kept = OffloadOptions.from_extra_config({"lazy_offload_max_blocks": 8}).derive_max_blocks(8192, 16)
     assert kept.lazy_offload_max_blocks == 8
+
+
+def test_lazy_offload_announces_what_it_stores(make):
+    """Issue #33 item 5: with lazy_offload=true, blocks stored from the free queue are
+    announced (BlockStored, with their parent and tokens) like eager stores."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    # A small cache (as in the test above): b's allocation evicts a's blocks, which lazy
+    # offload therefore stores (a's last, partial block is never cached).
+    h = make(num_blocks=9, events=True, extra={"lazy_offload": True})
+    toks = T(31, 3 * BLOCK + 6)
+    a = h.add("a", toks)
+    h.add("b", T(32, 7 * BLOCK - 10))
+    h.run()
+    hashes = [bytes(x) for x in a.block_hashes][:3]
+    assert h.conn._sched.lazy_stored_blocks >= 3
+    stored = [e for e in h.recorder.take() if type(e).__name__ == "BlockStored"]
+    by_hash = {e.block_hashes[0]: e for e in stored}
+    assert all(maybe_convert_block_hash(x) in by_hash for x in hashes), stored
+    for b, x in enumerate(hashes):
+        e = by_hash[maybe_convert_block_hash(x)]
+        assert e.token_ids == toks[b * BLOCK : (b + 1) * BLOCK] and e.block_size == BLOCK
+        assert e.parent_block_hash == (maybe_convert_block_hash(hashes[b - 1]) if b else None)

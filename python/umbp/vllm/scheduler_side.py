@@ -68,6 +68,8 @@ _MAX_FAILED_LOADS = 3
 _MAX_HIT_PROBES = 64
 # Hashes lazy offload stored or loaded recently (not offered again while remembered).
 _MAX_LAZY_SEEN = 1 << 18
+# Freed blocks whose tokens are kept for lazy-offload events (~0.5 KiB each at block 128).
+_MAX_LAZY_INFO = 1 << 14
 
 
 class SchedulerSide:
@@ -91,6 +93,8 @@ class SchedulerSide:
         self._lazy_seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         # lazy_offload: stores picked after a step's frees, sent with the next metadata.
         self._lazy_ops: list[BlockOp] = []
+        # lazy_offload with events: hash -> (parent hash, tokens) of freed blocks.
+        self._lazy_block_info: OrderedDict[bytes, tuple[bytes | None, list[int]]] = OrderedDict()
         self.lazy_stored_blocks = 0  # blocks lazy offload submitted (tests, measurements)
         self._events: list[Any] = []
         # BlockStored events wait until every TP rank confirmed the store:
@@ -436,6 +440,8 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; the next lookup re-plans
                 st.stored_upto = 0
+                if self.c._events_enabled and self.c._offload.lazy_offload and self.c._do_store:
+                    self._note_lazy_blocks(st.request)  # its blocks went to the free queue
         if self.c._do_store:
             if self.c._offload.lazy_offload:
                 self._plan_lazy_stores(meta)
@@ -628,12 +634,16 @@ class SchedulerSide:
             if op is not None:
                 ops.append(op)
                 self.lazy_stored_blocks += len(items)
+                if self.c._events_enabled and gid == self.c._group:
+                    self._remember_lazy_for_events(op.hashes)
         return ops
 
     def request_finished(
         self, request: "Request", block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        if self.c._events_enabled and self.c._offload.lazy_offload and self.c._do_store:
+            self._note_lazy_blocks(request)  # its blocks go to the free queue next
         if st is None:
             return False, None
         if st.async_load_pending:
@@ -690,7 +700,50 @@ class SchedulerSide:
 
     # -- KV events ----------------------------------------------------------------------
     def _remember_for_events(self, req: Any, hashes: list[bytes], lo: int, hi: int) -> None:
-        """Prepare BlockStored events, published once all TP ranks stored the block."""
+        """Prepare BlockStored events for blocks lo..hi of `req`, published once all TP
+        ranks stored the block."""
+        bs = self._g0.block_size
+        tokens = req.all_token_ids
+        self._remember_blocks(
+            [(hashes[b], hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs])) for b in range(lo, hi)]
+        )
+
+    def _note_lazy_blocks(self, req: Any) -> None:
+        """lazy_offload with events: remember the parent hash and tokens of `req`'s full
+        blocks (its blocks are being freed), so a later lazy store of one can be announced
+        (a free-queue block carries only its hash). Bounded: the oldest are dropped, and a
+        block stored without them is stored unannounced (counted as suppressed)."""
+        try:
+            hashes = self._hashes(req)
+            bs = self._g0.block_size
+            tokens = req.all_token_ids
+            n = min(len(hashes), len(tokens) // bs)
+            for b in range(n):
+                h = hashes[b]
+                if h in self._lazy_block_info or h in self._published:
+                    continue
+                self._lazy_block_info[h] = (hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs]))
+            while len(self._lazy_block_info) > _MAX_LAZY_INFO:
+                self._lazy_block_info.popitem(last=False)
+        except Exception as e:  # noqa: BLE001 - events are best effort
+            logger.debug("UMBP: cannot note blocks for lazy-offload events: %s", e)
+
+    def _remember_lazy_for_events(self, hashes: list[bytes]) -> None:
+        """BlockStored events for blocks lazy offload picked (of the event group)."""
+        items = []
+        for h in hashes:
+            info = self._lazy_block_info.pop(h, None)
+            if info is None:
+                if h not in self._published:
+                    self.c._stats.add("events_suppressed", 1)
+                continue
+            items.append((h, info[0], info[1]))
+        self._remember_blocks(items)
+
+    def _remember_blocks(self, items: list[tuple[bytes, bytes | None, list[int]]]) -> None:
+        """Prepare BlockStored events for blocks given as (hash, parent hash, tokens)."""
+        if not items:
+            return
         if len(self._event_pending) > _MAX_EVENT_PENDING:
             for h in list(self._event_pending):
                 self._forget(h)
@@ -699,8 +752,7 @@ class SchedulerSide:
             from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
             bs = self._g0.block_size
-            tokens = req.all_token_ids
-            todo = [b for b in range(lo, hi) if hashes[b] not in self._published]
+            todo = [it for it in items if it[0] not in self._published]
             # kv_event_max_objects: when the tracked blocks (announced or about to be)
             # fill it, new BlockStored events are suppressed until tracked blocks leave
             # the pool; storing and lookups go on.
@@ -718,16 +770,15 @@ class SchedulerSide:
             # Keys as the workers will derive them (this step's namespace, every rank), so
             # that the pool's "removed" events can be named by block hash.
             rank_keys = [
-                make_keys(self.n, self.namespace, self.c._group, r, [hashes[b] for b in todo])
+                make_keys(self.n, self.namespace, self.c._group, r, [it[0] for it in todo])
                 for r in range(self.c._tp_size)
             ]
-            for i, b in enumerate(todo):
-                h = hashes[b]
+            for i, (h, parent, toks) in enumerate(todo):
                 self._event_pending[h] = (
                     BlockStored(
                         block_hashes=[maybe_convert_block_hash(h)],
-                        parent_block_hash=maybe_convert_block_hash(hashes[b - 1]) if b else None,
-                        token_ids=list(tokens[b * bs : (b + 1) * bs]),
+                        parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                        token_ids=toks,
                         block_size=bs,
                         lora_id=None,
                         medium="CPU",
