@@ -189,3 +189,17 @@ fn scheduler_hits_are_leased_against_eviction() {
     let l = run_worker(s, 1, "per-layer", &["load", "--first-key", "0", "--count", "64"]);
     assert_eq!((n(&l, "loaded"), n(&l, "corrupt")), (64, 0), "{l}");
 }
+
+/// Issue #33 item 4 (progress visible): the pool report carries the background DRAM
+/// registration's progress. Host backends here: nothing to register, so it is done at once
+/// with 0 bytes; with a GPU driver it ends with the whole tier registered.
+#[test]
+fn dram_registration_progress_is_reported() {
+    let pool = PoolProcess::start(&unique_socket("dramreg"), &["--capacity", "64MiB"]);
+    let done = eventually(Duration::from_secs(20), || report_json(&pool.socket)["pool"]["dram_registration_done"] == true);
+    assert!(done, "registration not reported done: {}", report_json(&pool.socket)["pool"]);
+    let r = report_json(&pool.socket);
+    let registered = r["pool"]["dram_registered_bytes"].as_u64().expect("dram_registered_bytes in the report");
+    let capacity = r["pool"]["capacity_bytes"].as_u64().unwrap();
+    assert!(registered == 0 || registered >= capacity, "registration done at {registered} of {capacity} bytes");
+}
