@@ -28,6 +28,7 @@ mod fault;
 #[doc(hidden)]
 pub use fault::{pass as pass_hold_point, HoldPoint};
 pub mod groups;
+mod heartbeat;
 mod idle_poll;
 mod liveness;
 mod metrics;

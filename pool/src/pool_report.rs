@@ -235,6 +235,13 @@ pub struct PoolSection {
     /// How long idle threads poll now (µs): `--idle-poll-us` when fixed, adapted for `auto`.
     #[serde(default)]
     pub idle_poll_window_us: f64,
+    /// DRAM registered with the GPU drivers so far (from the start of the tier; the
+    /// allocator hands out only this part until registration is done).
+    #[serde(default)]
+    pub dram_registered_bytes: u64,
+    /// Background DRAM registration finished (or there was none: host backends only).
+    #[serde(default)]
+    pub dram_registration_done: bool,
 }
 
 /// What the tenant defences did (docs/security.md).

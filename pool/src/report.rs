@@ -120,6 +120,7 @@ fn attachment(a: &Attachment) -> AttachmentReport {
 
 /// The pool section: size, use, policy. Also read by the metrics endpoint.
 pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
+    let (dram_registered_bytes, dram_registration_done) = inner.dram.registration();
     PoolSection {
         capacity_bytes: store.capacity_bytes(),
         allocated_bytes: store.allocated_bytes(),
@@ -139,6 +140,8 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
         low_watermark: inner.config.low_watermark,
         idle_poll: inner.idle_poll_mode.lock().expect("idle poll lock").to_string(),
         idle_poll_window_us: inner.idle_poll().as_nanos() as f64 / 1e3,
+        dram_registered_bytes,
+        dram_registration_done,
     }
 }
 

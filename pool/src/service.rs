@@ -13,7 +13,7 @@ use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
-use crate::idle_poll;
+use crate::{heartbeat, idle_poll};
 use crate::poller::Poller;
 use crate::stats::Counters;
 use crate::transfer::{Candidate, Job};
@@ -42,7 +42,11 @@ pub fn run(inner: &Arc<PoolInner>) {
     // Last time a worker peer had a transfer in flight (see INFLIGHT_POLL).
     let mut last_inflight = Instant::now().checked_sub(SPIN).unwrap_or_else(Instant::now);
     let mut last_hints = Instant::now();
+    let mut heartbeat = heartbeat::Heartbeat::new(inner);
     while !inner.is_shutting_down() {
+        // Every round, busy or idle (the sleep below is at most one heartbeat period while
+        // a scheduler is attached): schedulers read an old heartbeat as a stalled pool.
+        heartbeat.beat();
         let current = inner.attachments.lock().expect("attachments lock").clone();
         sync_watch_list(&mut poller, &mut watched, &current);
         let mut worked = false;
@@ -122,7 +126,7 @@ pub fn run(inner: &Arc<PoolInner>) {
             let timeout = if paused {
                 PAUSED_POLL
             } else if has_schedulers {
-                Duration::from_millis(10)
+                heartbeat::PERIOD
             } else {
                 Duration::from_millis(100)
             };

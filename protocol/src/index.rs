@@ -76,9 +76,25 @@ pub struct IndexInfo {
     /// (a pool that could not register it, or predates it): readers rely on their socket.
     pub robust_next: AtomicU64,
     pub owner: AtomicU32,
+    /// The pool's heartbeat: `CLOCK_MONOTONIC` in ns when the pool's service thread last
+    /// went round its loop (it stores at least every [`HEARTBEAT_PERIOD_MS`] while a
+    /// scheduler is attached, and when one attaches). A reader whose clock is more than its
+    /// stall timeout past it treats the pool as stalled (SIGSTOP, swapped out, wedged):
+    /// every lookup misses, since a load planned on a hit would be refused. 0 = never beat
+    /// (a pool that predates the word): readers do not judge it.
+    pub heartbeat_ns: AtomicU64,
 }
 #[cfg(not(loom))]
-crate::assert_layout!(IndexInfo, size = 72, align = 8);
+crate::assert_layout!(IndexInfo, size = 80, align = 8);
+
+/// Longest gap between two heartbeats of a pool that runs (and has a scheduler attached).
+/// Readers' stall timeouts must be well above it ([`MIN_STALL_TIMEOUT_MS`]).
+pub const HEARTBEAT_PERIOD_MS: u64 = 10;
+/// Shortest stall timeout a reader applies: twenty heartbeat periods, so a pool that is
+/// only slow to be scheduled (a loaded machine), or whose service thread slept its longest
+/// idle sleep (100 ms, no scheduler attached) right before a scheduler attached, is not
+/// taken for a stalled one.
+pub const MIN_STALL_TIMEOUT_MS: u64 = 20 * HEARTBEAT_PERIOD_MS;
 
 /// Bit the kernel sets in a robust futex word whose owner thread died (linux/futex.h).
 pub const OWNER_DIED: u32 = 0x4000_0000;
@@ -290,6 +306,7 @@ impl LoomIndexStorage {
                 reserved: AtomicU32::new(0),
                 robust_next: z(),
                 owner: AtomicU32::new(0),
+                heartbeat_ns: z(),
             }),
             epoch: CachePadded::new(z()),
             stats: CachePadded::new(IndexStats { live: z(), tombstones: z(), inserts: z(), removes: z(), rebuilds: z() }),
@@ -377,6 +394,26 @@ impl<'a> IndexView<'a> {
     /// would fault).
     pub unsafe fn mark_closed(&self) {
         self.header.info.closed.store(1, Ordering::Release);
+    }
+
+    /// Stores the writer's heartbeat: `now_ns` is `CLOCK_MONOTONIC` in ns (never 0 on
+    /// Linux after boot). Relaxed: the word orders nothing; a reader only compares it with
+    /// its own clock, and a late-visible store only makes a running pool look older by the
+    /// store's propagation delay (nanoseconds), far below any stall timeout.
+    ///
+    /// # Safety
+    /// As [`Self::mark_closed`]: the view's mapping is writable.
+    pub unsafe fn beat(&self, now_ns: u64) {
+        self.header.info.heartbeat_ns.store(now_ns, Ordering::Relaxed);
+    }
+
+    /// Whether the writer's heartbeat is more than `stall_timeout_ns` older than `now_ns`
+    /// (the reader's `CLOCK_MONOTONIC`). False for a writer that never beat (0: it predates
+    /// the word) and for a heartbeat ahead of `now_ns` (a clock read before the store).
+    /// One Relaxed load of the header line the lookup reads anyway (see [`Self::beat`]).
+    pub fn stalled(&self, now_ns: u64, stall_timeout_ns: u64) -> bool {
+        let beat = self.header.info.heartbeat_ns.load(Ordering::Relaxed);
+        beat != 0 && now_ns.saturating_sub(beat) > stall_timeout_ns
     }
 
     /// Seqlock read of one slot; None when the writer kept it busy for every retry.

@@ -448,21 +448,31 @@ struct Index {
 #[pymethods]
 impl Index {
     /// With `timeout_ms` > 0 the pool must answer in time (error names the socket);
-    /// with 0 the index attaches lazily whenever the pool is reachable.
+    /// with 0 the index attaches lazily whenever the pool is reachable. Lookups miss while
+    /// the pool's heartbeat is older than `stall_timeout_ms` (a stopped pool; at least
+    /// 200 ms).
     #[new]
-    #[pyo3(signature = (endpoint, namespace=None, timeout_ms=5000, pool_uid=None))]
-    fn new(py: Python<'_>, endpoint: String, namespace: Option<&[u8]>, timeout_ms: u64, pool_uid: Option<u32>) -> PyResult<Self> {
+    #[pyo3(signature = (endpoint, namespace=None, timeout_ms=5000, pool_uid=None, stall_timeout_ms=1000))]
+    fn new(
+        py: Python<'_>,
+        endpoint: String,
+        namespace: Option<&[u8]>,
+        timeout_ms: u64,
+        pool_uid: Option<u32>,
+        stall_timeout_ms: u64,
+    ) -> PyResult<Self> {
         let ns = match namespace {
             Some(n) => u128::from_le_bytes(key16(n, "namespace")?),
             None => 0,
         };
         let path = PathBuf::from(parse_endpoint("endpoint", &endpoint)?);
-        let client = if timeout_ms == 0 {
+        let mut client = if timeout_ms == 0 {
             umbp_scheduler::IndexClient::lazy_with_pool_uid(&path, ns, pool_uid)
         } else {
             py.detach(|| umbp_scheduler::IndexClient::connect_with_pool_uid(&path, ns, Duration::from_millis(timeout_ms), pool_uid))
                 .map_err(err)?
         };
+        client.set_stall_timeout(Duration::from_millis(stall_timeout_ms));
         Ok(Self { inner: Mutex::new(client) })
     }
 
@@ -488,6 +498,13 @@ impl Index {
     #[getter]
     fn connected(&self) -> bool {
         self.inner.lock().expect("index lock").is_attached()
+    }
+
+    /// Whether the attached pool is stalled (heartbeat older than `stall_timeout_ms`):
+    /// lookups miss meanwhile.
+    #[getter]
+    fn stalled(&self) -> bool {
+        self.inner.lock().expect("index lock").is_stalled()
     }
 
     /// KV events since the last call, oldest first: `("stored" | "removed", key bytes)`

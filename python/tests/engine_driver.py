@@ -120,6 +120,8 @@ def main() -> int:
     ap.add_argument("--key-namespace", default=None)
     ap.add_argument("--engine-id", default=None)
     ap.add_argument("--kv-role", default="kv_both")
+    ap.add_argument("--failure-policy", default="recompute", choices=["recompute", "fail"],
+                    help="kv_load_failure_policy")
     ap.add_argument("--extra", default=None, help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--no-connector", action="store_true", help="plain vLLM (reference output)")
     ap.add_argument("--no-module-path", action="store_true",
@@ -173,7 +175,7 @@ def main() -> int:
                 "kv_connector": "UMBPStoreConnector",
                 "kv_connector_module_path": "umbp.vllm",
                 "kv_role": args.kv_role,
-                "kv_load_failure_policy": "recompute",
+                "kv_load_failure_policy": args.failure_policy,
                 "kv_connector_extra_config": extra,
             }
             if args.no_module_path:

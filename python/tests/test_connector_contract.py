@@ -251,3 +251,64 @@ def test_pipeline_parallel_is_refused(make):
             UMBPStoreConnector(h.vllm_config, KVConnectorRole.WORKER, h.kv_cache_config)
     finally:
         pc.pipeline_parallel_size = 1
+
+
+# -- lazy offload ------------------------------------------------------------------------
+
+
+def test_lazy_offload_keeps_a_block_evicted_right_after_its_free(make):
+    """Issue #33 item 9: vLLM frees a finished request's blocks (last block first) after the
+    step's metadata was built, and the next schedule() may evict them before the next
+    metadata's free-queue scan: the prompt's tail block was never stored. The connector
+    scans again right after the frees (update_connector_output)."""
+    # 9 blocks, one the null block (the least for max_model_len 1024): a 3-block prompt
+    # (+1 partial), and a 7-block one whose first schedule() takes the 4 unused blocks and
+    # then the first prompt's freed ones, tail first.
+    h = make(num_blocks=9, extra={"lazy_offload": True})
+    # Derived from max_num_batched_tokens: covers the whole free queue here.
+    assert h.conn._offload.lazy_offload_max_blocks >= h.num_blocks
+    a_toks = T(21, 3 * BLOCK + 6)
+    h.add("a", a_toks)
+    # Waits (7 blocks do not fit next to a's 4) and is allocated in the schedule() right
+    # after a's blocks were freed, before that step's metadata is built.
+    h.add("b", T(22, 7 * BLOCK - 10))
+    h.run()
+    assert h.external_tokens("b") == 0
+    h.reset_local_cache()
+    h.add("a2", a_toks)
+    h.run()
+    assert h.external_tokens("a2") == 3 * BLOCK, "a block of the evicted prompt was never stored"
+
+
+def test_lazy_offload_max_blocks_follows_max_num_batched_tokens(cfg_dir):
+    from umbp.vllm.config import OffloadOptions
+
+    derived = OffloadOptions.from_extra_config({"lazy_offload": True}).derive_max_blocks(8192, 16)
+    assert derived.lazy_offload_max_blocks == 512
+    assert OffloadOptions().derive_max_blocks(2049, 128).lazy_offload_max_blocks == 17
+    # Set in the config: kept.
+    kept = OffloadOptions.from_extra_config({"lazy_offload_max_blocks": 8}).derive_max_blocks(8192, 16)
+    assert kept.lazy_offload_max_blocks == 8
+
+
+def test_lazy_offload_announces_what_it_stores(make):
+    """Issue #33 item 5: with lazy_offload=true, blocks stored from the free queue are
+    announced (BlockStored, with their parent and tokens) like eager stores."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    # A small cache (as in the test above): b's allocation evicts a's blocks, which lazy
+    # offload therefore stores (a's last, partial block is never cached).
+    h = make(num_blocks=9, events=True, extra={"lazy_offload": True})
+    toks = T(31, 3 * BLOCK + 6)
+    a = h.add("a", toks)
+    h.add("b", T(32, 7 * BLOCK - 10))
+    h.run()
+    hashes = [bytes(x) for x in a.block_hashes][:3]
+    assert h.conn._sched.lazy_stored_blocks >= 3
+    stored = [e for e in h.recorder.take() if type(e).__name__ == "BlockStored"]
+    by_hash = {e.block_hashes[0]: e for e in stored}
+    assert all(maybe_convert_block_hash(x) in by_hash for x in hashes), stored
+    for b, x in enumerate(hashes):
+        e = by_hash[maybe_convert_block_hash(x)]
+        assert e.token_ids == toks[b * BLOCK : (b + 1) * BLOCK] and e.block_size == BLOCK
+        assert e.parent_block_hash == (maybe_convert_block_hash(hashes[b - 1]) if b else None)

@@ -107,3 +107,53 @@ def test_draft_model_changes_the_namespace(cfg_dir, base, tmp_path):
     assert other_draft not in (base, with_draft)
     fewer = ns(cfg_dir, speculative_config={**spec, "num_speculative_tokens": 3})
     assert fewer not in (base, with_draft)
+
+
+# Issue #33 item 10: the seed's namespace rules. Tensor parallelism, the block size and the
+# KV layout change the bytes (or which bytes) a key names, so they change the namespace;
+# the data-parallel rank does not (DP replicas of one engine share their pool objects).
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("tensor parallel size", dict(tensor_parallel_size=2)),
+        ("block size", dict(block_size=32)),
+    ],
+)
+def test_tp_and_block_size_change_the_namespace(cfg_dir, base, name, kw):
+    try:
+        text = ns(cfg_dir, **kw)
+    except Exception as e:  # noqa: BLE001 - a config this vLLM build refuses
+        pytest.skip(f"vLLM refuses {name} here: {e}")
+    assert text != base, f"{name} did not change the namespace"
+    key = {"tensor parallel size": "tp", "block size": "block_size"}[name]
+    assert json.loads(text)[key] != json.loads(base)[key]
+
+
+def test_kv_layout_changes_the_namespace(cfg_dir):
+    class KVConfig:  # what canonical_namespace_text reads of vLLM's KVCacheConfig
+        kv_cache_groups: list = []
+
+        def __init__(self, layout: str):
+            self.kv_cache_layout = layout
+
+    cfg = engine_config(cfg_dir)
+    nhd = canonical_namespace_text(cfg, KVConfig("NHD"))
+    hnd = canonical_namespace_text(cfg, KVConfig("HND"))
+    assert nhd != hnd
+    assert canonical_namespace_text(cfg, KVConfig("NHD")) == nhd
+
+
+def test_dp_rank_does_not_change_the_namespace(cfg_dir, base):
+    # Each DP rank's engine has its own config, equal but for the rank fields (vLLM refuses
+    # an explicit data_parallel_rank for a dense model outside its launcher, so the ranks
+    # are set on the config as vLLM's DP launcher does).
+    try:
+        cfg = engine_config(cfg_dir, data_parallel_size=2)
+    except Exception as e:  # noqa: BLE001 - a config this vLLM build refuses
+        pytest.skip(f"vLLM refuses data_parallel_size=2 here: {e}")
+    texts = set()
+    for r in (0, 1):
+        cfg.parallel_config.data_parallel_rank = r
+        cfg.parallel_config.data_parallel_rank_local = r
+        texts.add(canonical_namespace_text(cfg, None))
+    assert len(texts) == 1, "the DP rank changed the namespace"

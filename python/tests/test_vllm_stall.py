@@ -73,3 +73,38 @@ def test_stalled_pool_never_changes_output_nor_stops_the_engine(native, pool_fac
     report = pool.report()
     assert report["pool"]["published_objects"] > 0, "nothing was stored at all: the test saw nothing"
     assert eng.close() == 0
+
+
+LOOKUP_TIMEOUT_MS = 300
+
+
+def test_stopped_pool_is_a_miss_under_the_fail_policy(native, pool_factory, engine_factory):
+    """Issue #33 item 6: with vLLM's default kv_load_failure_policy=fail, a prompt the pool
+    holds is served (as a miss, recomputed) while the pool is SIGSTOPped: lookups miss once
+    the pool's heartbeat is lookup_timeout_ms old, so no load is planned that the stopped
+    pool would refuse. (Before the heartbeat the lookup hit, the load timed out after
+    timeout_ms and the request failed.)"""
+    pool = pool_factory()
+    extra = '{"timeout_ms": %d, "lookup_timeout_ms": %d, "load_async": false}' % (TIMEOUT_MS, LOOKUP_TIMEOUT_MS)
+    eng = engine_factory("--mode", "standalone", "--endpoint", str(pool.socket_path), "--failure-policy", "fail",
+                         "--extra", extra, "--max-tokens", "4", name="stall-fail")
+    first = eng.cmd("run store", timeout=300)
+    eng.reset()
+    hit = eng.cmd("run from-pool", timeout=300)
+    assert hit["tokens"] == first["tokens"] and hit["num_cached_tokens"] > 0, "the pool did not serve the prompt"
+    eng.reset()
+    pool.pause()
+    try:
+        time.sleep(3 * LOOKUP_TIMEOUT_MS / 1000)
+        stalled = eng.cmd("run during-stall", timeout=300)
+    finally:
+        pool.resume()
+    assert stalled["tokens"] == first["tokens"], f"request not served while the pool was stopped: {stalled}"
+    assert stalled["num_cached_tokens"] == 0, stalled
+    assert stalled["seconds"] < TIMEOUT_MS / 1000, f"the request waited on the stopped pool: {stalled}"
+    # Running again, the pool serves hits again.
+    eng.reset()
+    time.sleep(0.2)
+    again = eng.cmd("run after-resume", timeout=300)
+    assert again["tokens"] == first["tokens"] and again["num_cached_tokens"] > 0, again
+    assert eng.close() == 0

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 use umbp_ipc::message::peer_gone;
 use umbp_ipc::SharedMemory;
 use umbp_protocol::attachment::{AttachmentLayout, Hint};
-use umbp_protocol::index::{IndexView, TABLES_OFFSET};
+use umbp_protocol::index::{IndexView, MIN_STALL_TIMEOUT_MS, TABLES_OFFSET};
 use umbp_protocol::ring::{Producer, Ring};
 use umbp_protocol::wire::{Hello, Role};
 use umbp_protocol::ProtocolError;
@@ -73,6 +73,16 @@ const REATTACH_REPLY_TIMEOUT: Duration = Duration::from_secs(2);
 /// stale mapping can still answer hits (the poll costs ~0.6 µs; a clock read ~20 ns).
 pub const LIVENESS_INTERVAL: Duration = Duration::from_millis(1);
 
+/// How old the pool's heartbeat may be before lookups miss (the vLLM connector passes its
+/// `lookup_timeout_ms`).
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// `CLOCK_MONOTONIC` in ns, the clock the pool stamps its heartbeat with (vDSO, ~20 ns).
+fn monotonic_ns() -> u64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    (t.tv_sec as u64).saturating_mul(1_000_000_000).saturating_add(t.tv_nsec as u64)
+}
+
 /// One attachment: the index mapping, the hint ring and the liveness socket.
 struct Attachment {
     index: IndexView<'static>,
@@ -86,6 +96,8 @@ struct Attachment {
     attachment_id: u32,
     /// The pool's KV event log (None from a pool that sent none).
     events: Option<events::EventFollower>,
+    /// The last lookup found the pool's heartbeat stale (logged on each change).
+    stalled: bool,
     // Dropped after the views above, which point into these mappings.
     _ring: SharedMemory,
     _index: SharedMemory,
@@ -124,7 +136,7 @@ impl Attachment {
         // view); IndexView::attach checks every header field against `len`.
         let index_view = unsafe { IndexView::attach(index.as_ptr(), index.len()) }?;
         let checked = Instant::now();
-        Ok(Self { index: index_view, hints, sock: a.sock, checked, seen_dead: std::cell::Cell::new(false), attachment_id: r.attachment_id, events, _ring: ring, _index: index })
+        Ok(Self { index: index_view, hints, sock: a.sock, checked, seen_dead: std::cell::Cell::new(false), attachment_id: r.attachment_id, events, stalled: false, _ring: ring, _index: index })
     }
 
     /// Full check: the pool did not close its index, its death word is clear and its
@@ -152,6 +164,21 @@ impl Attachment {
         }
         self.checked = now;
         true
+    }
+
+    /// Whether the pool's heartbeat is older than `timeout` (it is stopped or wedged):
+    /// lookups miss meanwhile. Logs each change.
+    fn stalled(&mut self, timeout: Duration) -> bool {
+        let stalled = self.index.stalled(monotonic_ns(), timeout.as_nanos() as u64);
+        if stalled != self.stalled {
+            self.stalled = stalled;
+            if stalled {
+                tracing::warn!(attachment = self.attachment_id, timeout_ms = timeout.as_millis() as u64, "UMBP pool stalled (its heartbeat is older than the stall timeout); lookups miss until it runs again");
+            } else {
+                tracing::info!(attachment = self.attachment_id, "UMBP pool runs again; lookups hit");
+            }
+        }
+        stalled
     }
 
     /// Posts hints for `keys`, dropping what does not fit: they are advice, and a
@@ -183,6 +210,8 @@ pub struct IndexClient {
     backoff: Backoff,
     /// Trusted pool uid besides ours and root (None: `UMBP_POOL_UID`).
     pool_uid: Option<u32>,
+    /// A pool whose heartbeat is older than this reads as empty.
+    stall_timeout: Duration,
 }
 
 impl IndexClient {
@@ -237,6 +266,7 @@ impl IndexClient {
             dial: None,
             backoff: Backoff::default(),
             pool_uid,
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
         })
     }
 
@@ -263,15 +293,41 @@ impl IndexClient {
             events_lost: 0,
             dial: None,
             backoff: Backoff::default(),
+            stall_timeout: DEFAULT_STALL_TIMEOUT,
         };
         c.try_attach();
         c
     }
 
+    /// Sets how old the pool's heartbeat may be before lookups miss (raised to
+    /// [`MIN_STALL_TIMEOUT_MS`] at least: the pool beats every few ms, and a loaded machine
+    /// must not read as a stalled pool).
+    pub fn set_stall_timeout(&mut self, timeout: Duration) {
+        self.stall_timeout = timeout.max(Duration::from_millis(MIN_STALL_TIMEOUT_MS));
+    }
+
+    /// The stall timeout in effect.
+    pub fn stall_timeout(&self) -> Duration {
+        self.stall_timeout
+    }
+
+    /// Whether the attached pool is stalled right now (its heartbeat is older than the
+    /// stall timeout): lookups miss meanwhile.
+    pub fn is_stalled(&mut self) -> bool {
+        let timeout = self.stall_timeout;
+        self.att.as_mut().is_some_and(|a| a.stalled(timeout))
+    }
+
     /// Number of leading `keys` the pool holds (stops at the first miss); 0 while no live
-    /// pool is attached. Posts touch hints for the hits. Never blocks, never errors.
+    /// pool is attached, and while the attached pool is stalled (its heartbeat is older
+    /// than the stall timeout: a load planned now would be refused). Posts touch hints for
+    /// the hits. Never blocks, never errors.
     pub fn match_prefix(&mut self, keys: &[ObjectKey]) -> usize {
+        let timeout = self.stall_timeout;
         let Some(att) = self.live() else { return 0 };
+        if att.stalled(timeout) {
+            return 0;
+        }
         let n = att.index.match_prefix(keys);
         // A pool that shut down or died during the probe may be releasing what it found.
         if att.index.writer_gone() {

@@ -31,7 +31,8 @@ fn pool_absent_at_startup_names_the_socket() {
 fn pool_engine_index(tag: &str, timeout: Duration) -> (PoolProcess, Engine, IndexClient) {
     let pool = PoolProcess::start(&unique_socket(tag), &["--capacity", "256MiB"]);
     let e = Engine::connect(&pool.socket, timeout);
-    let idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    let mut idx = IndexClient::connect(&pool.socket, 7, Duration::from_secs(5)).unwrap();
+    idx.set_stall_timeout(Duration::from_millis(300));
     (pool, e, idx)
 }
 
@@ -69,15 +70,43 @@ fn pool_stalled_past_timeout() {
         other => panic!("expected Stalled, got {other:?}"),
     }
     assert_eq!(e.w.pending(), 1);
-    // Lookups are memory reads: they answer at once even while the pool is stopped.
+    // The pool has been stopped for 600 ms, past the index's stall timeout (300 ms, set
+    // in pool_engine_index): lookups miss (a load planned on a hit would be refused, as
+    // the store above was), never block, and the client stays attached.
     let t = Instant::now();
-    assert_eq!(idx.match_prefix(&keys(0, 8)), 8);
+    assert_eq!(idx.match_prefix(&keys(0, 8)), 0, "a stalled pool must read as a miss");
     assert!(t.elapsed() < Duration::from_millis(50), "lookup blocked {:?}", t.elapsed());
+    assert!(idx.is_stalled() && idx.is_attached());
     pool.signal(libc::SIGCONT);
     let c = e.w.wait(id, Duration::from_secs(5)).expect("completes once the pool runs again");
     assert!(all(&c.statuses, BlockStatus::Stored), "{c:?}");
+    // The pool beats again: its objects hit again, without a reattach.
+    assert!(eventually(Duration::from_secs(2), || idx.match_prefix(&keys(0, 8)) == 8), "lookups hit again after SIGCONT");
     assert!(all(&e.load_wait(100, 8), BlockStatus::Loaded));
     assert!(all(&e.store_wait(300, 4), BlockStatus::Stored), "accepting work again");
+}
+
+/// Issue #33 item 6: a SIGSTOPped pool reads as a miss within the stall timeout (the
+/// heartbeat in the index header stops), and hits until then; an idle running pool never
+/// reads as stalled (it beats while asleep).
+#[test]
+fn stopped_pool_misses_within_the_stall_timeout() {
+    let (pool, mut e, mut idx) = pool_engine_index("stallmiss", Duration::from_secs(5));
+    assert_eq!(idx.stall_timeout(), Duration::from_millis(300));
+    assert!(all(&e.store_wait(0, 8), BlockStatus::Stored));
+    // Idle pool, scheduler attached: 3 stall timeouts without any work still hit.
+    std::thread::sleep(Duration::from_millis(900));
+    assert_eq!(idx.match_prefix(&keys(0, 8)), 8, "an idle pool is not stalled");
+    pool.signal(libc::SIGSTOP);
+    let stopped = Instant::now();
+    let missed = eventually(Duration::from_secs(3), || idx.match_prefix(&keys(0, 8)) == 0);
+    let after = stopped.elapsed();
+    pool.signal(libc::SIGCONT);
+    assert!(missed, "lookups still hit 3 s after SIGSTOP");
+    // Heartbeat period 10 ms + timeout 300 ms, and slack for a loaded 2-core machine.
+    assert!(after < Duration::from_millis(300 + 200), "missed only after {after:?}");
+    assert!(after >= Duration::from_millis(300 - 20), "missed after {after:?}, before the timeout");
+    assert!(eventually(Duration::from_secs(2), || idx.match_prefix(&keys(0, 8)) == 8), "hits again after SIGCONT");
 }
 
 #[test]
@@ -159,4 +188,18 @@ fn scheduler_hits_are_leased_against_eviction() {
     assert_eq!(idx.match_prefix(&hot), 64, "leased (recently hit) blocks survive eviction");
     let l = run_worker(s, 1, "per-layer", &["load", "--first-key", "0", "--count", "64"]);
     assert_eq!((n(&l, "loaded"), n(&l, "corrupt")), (64, 0), "{l}");
+}
+
+/// Issue #33 item 4 (progress visible): the pool report carries the background DRAM
+/// registration's progress. Host backends here: nothing to register, so it is done at once
+/// with 0 bytes; with a GPU driver it ends with the whole tier registered.
+#[test]
+fn dram_registration_progress_is_reported() {
+    let pool = PoolProcess::start(&unique_socket("dramreg"), &["--capacity", "64MiB"]);
+    let done = eventually(Duration::from_secs(20), || report_json(&pool.socket)["pool"]["dram_registration_done"] == true);
+    assert!(done, "registration not reported done: {}", report_json(&pool.socket)["pool"]);
+    let r = report_json(&pool.socket);
+    let registered = r["pool"]["dram_registered_bytes"].as_u64().expect("dram_registered_bytes in the report");
+    let capacity = r["pool"]["capacity_bytes"].as_u64().unwrap();
+    assert!(registered == 0 || registered >= capacity, "registration done at {registered} of {capacity} bytes");
 }

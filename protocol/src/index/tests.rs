@@ -274,3 +274,21 @@ fn sizing() {
     assert_eq!(slots_for(64 << 30, 64 << 10), 1 << 21);
     assert_eq!(slots_for(1 << 20, 64 << 10), MIN_SLOTS);
 }
+
+#[test]
+fn heartbeat_staleness() {
+    let mut r = Region::new(MIN_SLOTS);
+    // SAFETY: region outlives the view; the test owns it (writable).
+    let view = unsafe { IndexView::init(r.ptr(), region_bytes(MIN_SLOTS), MIN_SLOTS) }.unwrap();
+    // A writer that never beat (predates the word) is never judged stalled.
+    assert!(!view.stalled(u64::MAX, 1));
+    // SAFETY: writable test region.
+    unsafe { view.beat(1_000_000_000) };
+    assert!(!view.stalled(1_000_000_000 + 5_000_000, 10_000_000));
+    assert!(!view.stalled(1_000_000_000 + 10_000_000, 10_000_000));
+    assert!(view.stalled(1_000_000_000 + 10_000_001, 10_000_000));
+    // A clock read before the beat (reader's clock behind) is not a stall.
+    assert!(!view.stalled(999_000_000, 10_000_000));
+    // The word sits in IndexInfo's cache line, right after the death word.
+    assert_eq!(core::mem::offset_of!(IndexInfo, heartbeat_ns), 72);
+}

@@ -27,11 +27,11 @@ Keys (all optional):
 | `save_decode_cache` | bool | false | also store blocks filled by generated tokens |
 | `key_namespace` | str | derived | override the key namespace (share KV across configs you know are compatible) |
 | `timeout_ms` | int > 0 | 5000 | a transfer pending longer is treated as failed by synchronous waits |
-| `lookup_timeout_ms` | int > 0 | 1000 | scheduler, embedded mode: how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
+| `lookup_timeout_ms` | int > 0 | 1000 | scheduler: a pool whose heartbeat is older than this (stopped, swapped out) reads as a miss (at least 200 ms); embedded mode: also how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
 | `startup_timeout_ms` | int > 0 | 10000 | worker: how long connecting to the pool may take at startup |
 | `pool_uid` | int >= 0 | `$UMBP_POOL_UID` | standalone: the pool's service uid; a socket served by another uid than this process's, root or this one is refused |
 | `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
-| `lazy_offload_max_blocks` | int > 0 | 256 | lazy offload: free-queue blocks examined per step |
+| `lazy_offload_max_blocks` | int > 0 | ceil(`max_num_batched_tokens` / block size) | lazy offload: free-queue blocks examined per scan (one after each step's frees, one per step's metadata) |
 | `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
 | `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (created); the directory must exist |
 | `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / TP ranks | embedded: SSD bytes per worker |
@@ -54,7 +54,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from .._extra_config import checked_extra
@@ -542,6 +542,7 @@ def load_failure_policy_warning(policy: Any, loads: bool = True) -> str | None:
 # enable_partial_hash_hits (parsed apart from UMBPConnectorConfig; connector.py reads them).
 OFFLOAD_KEYS = frozenset({"lazy_offload", "lazy_offload_max_blocks", "enable_partial_hash_hits"})
 KNOWN_KEYS = KNOWN_KEYS | OFFLOAD_KEYS
+# Used only where vLLM's scheduler config is unknown (see OffloadOptions.derive_max_blocks).
 DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS = 256
 
 
@@ -549,13 +550,26 @@ DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS = 256
 class OffloadOptions:
     """`lazy_offload` (false): store reusable blocks picked from vLLM's GPU free queue (the
     next eviction candidates) instead of every newly computed block after each step;
-    `lazy_offload_max_blocks` (256): free-queue blocks examined per step in lazy mode;
-    `enable_partial_hash_hits` (false): hits may end inside a KV block, at vLLM's
-    `cache_config.prefix_match_unit` (needs a model and vLLM version that have such hits)."""
+    `lazy_offload_max_blocks` (derived, as the seed does, from `max_num_batched_tokens`:
+    the blocks one step's tokens can fill, `ceil(max_num_batched_tokens / block_size)`, so
+    a scan covers every block the next step's allocation can evict): free-queue blocks
+    examined per scan in lazy mode; `enable_partial_hash_hits` (false): hits may end inside
+    a KV block, at vLLM's `cache_config.prefix_match_unit` (needs a model and vLLM version
+    that have such hits)."""
 
     lazy_offload: bool = False
     lazy_offload_max_blocks: int = DEFAULT_LAZY_OFFLOAD_MAX_BLOCKS
     enable_partial_hash_hits: bool = False
+    # Whether lazy_offload_max_blocks was set in the config (else derive_max_blocks sets it).
+    max_blocks_set: bool = False
+
+    def derive_max_blocks(self, max_num_batched_tokens: Any, block_size: int) -> "OffloadOptions":
+        """These options with `lazy_offload_max_blocks` derived from vLLM's
+        `max_num_batched_tokens` (unless the config set it)."""
+        if self.max_blocks_set or not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens <= 0:
+            return self
+        n = max(1, -(-max_num_batched_tokens // max(1, int(block_size))))
+        return replace(self, lazy_offload_max_blocks=n)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadOptions":
@@ -568,6 +582,7 @@ class OffloadOptions:
             kw["lazy_offload_max_blocks"] = parse_positive_int(
                 extra["lazy_offload_max_blocks"], "lazy_offload_max_blocks"
             )
+            kw["max_blocks_set"] = True
         return cls(**kw)
 
 

@@ -133,7 +133,9 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._hash_block_size = int(
             getattr(kv_cache_config, "hash_block_size", None) or vllm_config.cache_config.block_size
         )
-        self._offload = OffloadOptions.from_extra_config(ktc.kv_connector_extra_config)
+        self._offload = OffloadOptions.from_extra_config(ktc.kv_connector_extra_config).derive_max_blocks(
+            getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None), self._block_size
+        )
         self._partial_hits = self._offload.enable_partial_hash_hits and check_partial_hash_hits(
             vllm_config, kv_cache_config, self._groups, self._hash_block_size
         )

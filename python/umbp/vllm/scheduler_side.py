@@ -76,6 +76,8 @@ _MAX_FAILED_LOADS = 3
 _MAX_HIT_PROBES = 64
 # Hashes lazy offload stored or loaded recently (not offered again while remembered).
 _MAX_LAZY_SEEN = 1 << 18
+# Freed blocks whose tokens are kept for lazy-offload events (~0.5 KiB each at block 128).
+_MAX_LAZY_INFO = 1 << 14
 
 
 class SchedulerSide:
@@ -97,6 +99,10 @@ class SchedulerSide:
         self._next_op = 1
         self._pins: dict[int, tuple[list[Any], int]] = {}  # op id -> (blocks, ranks done)
         self._lazy_seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
+        # lazy_offload: stores picked after a step's frees, sent with the next metadata.
+        self._lazy_ops: list[BlockOp] = []
+        # lazy_offload with events: hash -> (parent hash, tokens) of freed blocks.
+        self._lazy_block_info: OrderedDict[bytes, tuple[bytes | None, list[int]]] = OrderedDict()
         self.lazy_stored_blocks = 0  # blocks lazy offload submitted (tests, measurements)
         self._events: list[Any] = []
         # BlockStored events wait until every TP rank confirmed the store:
@@ -151,7 +157,8 @@ class SchedulerSide:
             if self._indexes[i] is not None:
                 continue
             try:
-                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout, pool_uid=self.cfg.pool_uid)
+                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=timeout,
+                                                pool_uid=self.cfg.pool_uid, stall_timeout_ms=self.cfg.lookup_timeout_ms)
             except Exception as e:  # noqa: BLE001 - UmbpError / OSError
                 if strict:
                     raise RuntimeError(
@@ -164,7 +171,8 @@ class SchedulerSide:
             if self._indexes[i] is not None:
                 continue
             try:  # never blocks, never fails: attaches when the pool is reachable
-                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0, pool_uid=self.cfg.pool_uid)
+                self._indexes[i] = self.n.Index(path, namespace=self.c._base_namespace, timeout_ms=0,
+                                                pool_uid=self.cfg.pool_uid, stall_timeout_ms=self.cfg.lookup_timeout_ms)
             except Exception as e:  # noqa: BLE001
                 logger.debug("UMBP: lazy index for %s: %s", path, e)
                 return False
@@ -440,6 +448,8 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is not None:  # its blocks are gone; the next lookup re-plans
                 st.stored_upto = 0
+                if self.c._events_enabled and self.c._offload.lazy_offload and self.c._do_store:
+                    self._note_lazy_blocks(st.request)  # its blocks went to the free queue
         if self.c._do_store:
             if self.c._offload.lazy_offload:
                 self._plan_lazy_stores(meta)
@@ -587,13 +597,27 @@ class SchedulerSide:
             self._lazy_seen.popitem(last=False)
 
     def _plan_lazy_stores(self, meta: UMBPConnectorMetadata) -> None:
-        """lazy_offload: store the cached blocks at the head of vLLM's free queue (the next
+        """lazy_offload: the stores picked after the last step's frees, and those of a scan
+        now (blocks that reached the free queue's head otherwise)."""
+        meta.stores.extend(self._lazy_ops)
+        self._lazy_ops = []
+        meta.stores.extend(self._lazy_pick())
+
+    def _lazy_pick(self) -> list[BlockOp]:
+        """lazy_offload: pins the cached blocks at the head of vLLM's free queue (the next
         to be evicted) that the pool does not hold yet, at most `lazy_offload_max_blocks`
-        examined per step. They are pinned while the pool copies them, then go back to
-        the free queue's tail (still cached in vLLM)."""
+        examined, and returns their stores. They stay pinned while the pool copies them,
+        then go back to the free queue's tail (still cached in vLLM).
+
+        Runs twice per step: from `build_connector_meta`, and from
+        `update_connector_output`, which vLLM calls after it freed the step's finished
+        requests and before the next `schedule()` allocates. Without the second scan a
+        block freed in one step and evicted by the next step's allocation was never seen
+        (vLLM frees a request's blocks last block first, so a prompt lost its tail: issue
+        #33 item 9)."""
         bp = self.c._gpu_block_pool
         if bp is None:
-            return
+            return []
         from vllm.v1.core.kv_cache_utils import get_block_hash, get_group_id
 
         ours = {g.gid: g for g in self.c._groups if g.kind != MAMBA}
@@ -612,16 +636,22 @@ class SchedulerSide:
                 continue
             self._lazy_remember(gid, h)
             picked.setdefault(gid, []).append((h, blk))
+        ops = []
         for gid, items in picked.items():
             op = self._pinned_op(gid, [h for h, _ in items], [b for _, b in items], "")
             if op is not None:
-                meta.stores.append(op)
+                ops.append(op)
                 self.lazy_stored_blocks += len(items)
+                if self.c._events_enabled and gid == self.c._group:
+                    self._remember_lazy_for_events(op.hashes)
+        return ops
 
     def request_finished(
         self, request: "Request", block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        if self.c._events_enabled and self.c._offload.lazy_offload and self.c._do_store:
+            self._note_lazy_blocks(request)  # its blocks go to the free queue next
         if st is None:
             return False, None
         if st.async_load_pending:
@@ -681,10 +711,57 @@ class SchedulerSide:
                     self._publish(h, ev)
                 else:
                     self._event_pending[h] = (ev, seen)
+        if self.c._do_store and self.c._offload.lazy_offload:
+            # vLLM freed this step's finished requests before calling us, and the next
+            # schedule() may evict their blocks: pick them now (see _lazy_pick).
+            self._lazy_ops.extend(self._lazy_pick())
 
     # -- KV events ----------------------------------------------------------------------
     def _remember_for_events(self, req: Any, hashes: list[bytes], lo: int, hi: int) -> None:
-        """Prepare BlockStored events, published once all TP ranks stored the block."""
+        """Prepare BlockStored events for blocks lo..hi of `req`, published once all TP
+        ranks stored the block."""
+        bs = self._g0.block_size
+        tokens = req.all_token_ids
+        self._remember_blocks(
+            [(hashes[b], hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs])) for b in range(lo, hi)]
+        )
+
+    def _note_lazy_blocks(self, req: Any) -> None:
+        """lazy_offload with events: remember the parent hash and tokens of `req`'s full
+        blocks (its blocks are being freed), so a later lazy store of one can be announced
+        (a free-queue block carries only its hash). Bounded: the oldest are dropped, and a
+        block stored without them is stored unannounced (counted as suppressed)."""
+        try:
+            hashes = self._hashes(req)
+            bs = self._g0.block_size
+            tokens = req.all_token_ids
+            n = min(len(hashes), len(tokens) // bs)
+            for b in range(n):
+                h = hashes[b]
+                if h in self._lazy_block_info or h in self._published:
+                    continue
+                self._lazy_block_info[h] = (hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs]))
+            while len(self._lazy_block_info) > _MAX_LAZY_INFO:
+                self._lazy_block_info.popitem(last=False)
+        except Exception as e:  # noqa: BLE001 - events are best effort
+            logger.debug("UMBP: cannot note blocks for lazy-offload events: %s", e)
+
+    def _remember_lazy_for_events(self, hashes: list[bytes]) -> None:
+        """BlockStored events for blocks lazy offload picked (of the event group)."""
+        items = []
+        for h in hashes:
+            info = self._lazy_block_info.pop(h, None)
+            if info is None:
+                if h not in self._published:
+                    self.c._stats.add("events_suppressed", 1)
+                continue
+            items.append((h, info[0], info[1]))
+        self._remember_blocks(items)
+
+    def _remember_blocks(self, items: list[tuple[bytes, bytes | None, list[int]]]) -> None:
+        """Prepare BlockStored events for blocks given as (hash, parent hash, tokens)."""
+        if not items:
+            return
         if len(self._event_pending) > _MAX_EVENT_PENDING:
             for h in list(self._event_pending):
                 self._forget(h)
@@ -693,8 +770,7 @@ class SchedulerSide:
             from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
             bs = self._g0.block_size
-            tokens = req.all_token_ids
-            todo = [b for b in range(lo, hi) if hashes[b] not in self._published]
+            todo = [it for it in items if it[0] not in self._published]
             # kv_event_max_objects: when the tracked blocks (announced or about to be)
             # fill it, new BlockStored events are suppressed until tracked blocks leave
             # the pool; storing and lookups go on.
@@ -712,16 +788,15 @@ class SchedulerSide:
             # Keys as the workers will derive them (this step's namespace, every rank), so
             # that the pool's "removed" events can be named by block hash.
             rank_keys = [
-                make_keys(self.n, self.namespace, self.c._group, r, [hashes[b] for b in todo])
+                make_keys(self.n, self.namespace, self.c._group, r, [it[0] for it in todo])
                 for r in range(self.c._tp_size)
             ]
-            for i, b in enumerate(todo):
-                h = hashes[b]
+            for i, (h, parent, toks) in enumerate(todo):
                 self._event_pending[h] = (
                     BlockStored(
                         block_hashes=[maybe_convert_block_hash(h)],
-                        parent_block_hash=maybe_convert_block_hash(hashes[b - 1]) if b else None,
-                        token_ids=list(tokens[b * bs : (b + 1) * bs]),
+                        parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                        token_ids=toks,
                         block_size=bs,
                         lora_id=None,
                         medium="CPU",
