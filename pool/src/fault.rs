@@ -240,17 +240,41 @@ pub(crate) fn demotion_batch(objects: usize) {
 #[doc(hidden)]
 pub fn panic_on_promotion_of(key: Option<ObjectKey>) {
     *PANIC_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()) = key;
-    PROMOTION_ARMED.store(key.is_some(), Ordering::Release);
+    let paused = PAUSE_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+    PROMOTION_ARMED.store(key.is_some() || paused, Ordering::Release);
+}
+
+static PAUSE_ON_PROMOTION_OF: Mutex<Option<(ObjectKey, Arc<Pause>)>> = Mutex::new(None);
+
+/// TEST ONLY: holds the SSD tier's fetch of the batch holding `key` once (a slow SSD read,
+/// deterministically), before it reads, until the returned pause is released.
+#[doc(hidden)]
+pub fn pause_on_promotion_of(key: ObjectKey) -> Arc<Pause> {
+    let pause = Arc::new(Pause::default());
+    *PAUSE_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, pause.clone()));
+    PROMOTION_ARMED.store(true, Ordering::Release);
+    pause
 }
 
 /// Called by the SSD tier's fetch with the keys of one promotion batch.
-pub(crate) fn promotion(mut keys: impl Iterator<Item = ObjectKey>) {
+pub(crate) fn promotion(keys: impl Iterator<Item = ObjectKey>) {
     if !PROMOTION_ARMED.load(Ordering::Acquire) {
         return;
     }
+    let keys: Vec<ObjectKey> = keys.collect();
     let armed = *PANIC_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(key) = armed.filter(|k| keys.any(|x| x == *k)) {
+    if let Some(key) = armed.filter(|k| keys.contains(k)) {
         panic!("injected promotion fault for key {:032x}", key.0);
+    }
+    let pause = {
+        let mut p = PAUSE_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner());
+        match p.as_ref() {
+            Some((key, _)) if keys.contains(key) => p.take().map(|(_, pause)| pause),
+            _ => None,
+        }
+    };
+    if let Some(pause) = pause {
+        pause.hold();
     }
 }
 
