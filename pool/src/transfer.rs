@@ -416,7 +416,10 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         p.publish_ns += t.elapsed().as_nanos() as u64;
         Counters::add(&phases.stages, 1);
     };
-    let keep_waiting = || att.is_alive() && !inner.is_shutting_down();
+    // A fenced store's wait for its fence word ends as soon as the worker abandoned it (or
+    // left): its blocks are no longer the transfer's, and the wait would hold this copy
+    // slot for up to the fence timeout (30 s) for nothing.
+    let keep_waiting = || att.is_alive() && !inner.is_shutting_down() && !(op == Opcode::Store && store_given_up());
     let copy_started = Instant::now();
     let args = umbp_gpu::TransferArgs {
         dir,
