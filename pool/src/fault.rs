@@ -115,6 +115,28 @@ pub(crate) fn check_copy(blocks: &[JobBlock]) {
     }
 }
 
+static PANIC_ON_LANDING_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
+static LANDING_ARMED: AtomicBool = AtomicBool::new(false);
+
+/// TEST ONLY: makes the copy thread panic while it settles the landed stage holding
+/// `key` (inside the device layer's stage-done callback). None disarms.
+#[doc(hidden)]
+pub fn panic_on_landing_of(key: Option<ObjectKey>) {
+    *PANIC_ON_LANDING_OF.lock().unwrap_or_else(|e| e.into_inner()) = key;
+    LANDING_ARMED.store(key.is_some(), Ordering::Release);
+}
+
+/// Called by the copy thread with a landed stage's blocks, before they are settled.
+pub(crate) fn check_landed(blocks: &[JobBlock]) {
+    if !LANDING_ARMED.load(Ordering::Acquire) {
+        return;
+    }
+    let armed = *PANIC_ON_LANDING_OF.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(key) = armed.filter(|k| blocks.iter().any(|b| b.key == *k)) {
+        panic!("injected landing fault for key {:032x}", key.0);
+    }
+}
+
 /// Points where a test can hold a pool thread, to force an interleaving that is otherwise
 /// a matter of microseconds (e.g. a lock-order race).
 #[doc(hidden)]

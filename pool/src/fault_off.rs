@@ -16,6 +16,9 @@ pub enum HoldPoint {
 #[inline(always)]
 pub(crate) fn check_copy(_blocks: &[JobBlock]) {}
 
+#[inline(always)]
+pub(crate) fn check_landed(_blocks: &[JobBlock]) {}
+
 #[doc(hidden)]
 #[inline(always)]
 pub fn pass(_point: HoldPoint) {}

@@ -239,6 +239,9 @@ struct Progress<'j> {
     /// A stage could not be claimed (the worker abandoned the transfer): none is issued
     /// from then on.
     abandoned: bool,
+    /// Settling a landed stage panicked: that stage's and later stages' unsettled blocks
+    /// fail as they land.
+    stage_panicked: bool,
     reserve_ns: u64,
     plan_ns: u64,
     first_stage_ns: u64,
@@ -299,6 +302,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         stage_blocks: Vec::with_capacity(stages),
         settled: 0,
         abandoned: false,
+        stage_panicked: false,
         reserve_ns: 0,
         plan_ns: 0,
         first_stage_ns: 0,
@@ -400,18 +404,39 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let range = p.stage_blocks[s].clone();
-        // A store the worker abandoned (or whose peer left) may have read blocks that are
-        // another request's by now: its landed stage is dropped, never published.
-        let dropped: Vec<usize> = match op {
-            Opcode::Store if store_given_up() => p.blocks[range.clone()].iter().map(|b| b.index).collect(),
-            _ => Vec::new(),
-        };
-        if op == Opcode::Store {
-            // SAFETY: these objects are reserved for this job, their copies landed, and only
-            // the settle below publishes them.
-            unsafe { crate::fault::stored(inner.dram.base(), &p.blocks[range.clone()], size) };
+        // A panic while settling a landed stage (a bug) is contained here instead of
+        // unwinding through the device layer, which would leave the stages still in flight
+        // unwaited for (their copies running while their objects are failed, their fence
+        // words written early): the transfer drains, every stage lands and is reported,
+        // and the blocks not settled yet fail (their copies landed: nothing to quarantine).
+        if !p.stage_panicked {
+            let blocks = &p.blocks[range.clone()];
+            let statuses = &mut *p.statuses;
+            let settled = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                // A store the worker abandoned (or whose peer left) may have read blocks
+                // that are another request's by now: its landed stage is dropped, never
+                // published.
+                let dropped: Vec<usize> = match op {
+                    Opcode::Store if store_given_up() => blocks.iter().map(|b| b.index).collect(),
+                    _ => Vec::new(),
+                };
+                crate::fault::check_landed(blocks);
+                if op == Opcode::Store {
+                    // SAFETY: these objects are reserved for this job, their copies
+                    // landed, and only the settle below publishes them.
+                    unsafe { crate::fault::stored(inner.dram.base(), blocks, size) };
+                }
+                settle(inner, op, blocks, statuses, &dropped);
+            }));
+            if let Err(panic) = settled {
+                let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
+                tracing::error!(attachment = att.id, op = ?op, stage = s, "panic while settling a landed stage: {what}; the transfer drains and its unsettled blocks fail");
+                p.stage_panicked = true;
+            }
         }
-        settle(inner, op, &p.blocks[range.clone()], p.statuses, &dropped);
+        if p.stage_panicked {
+            fail_landed(inner, op, &p.blocks[range.clone()], p.statuses);
+        }
         p.settled = range.end;
         p.publish_ns += t.elapsed().as_nanos() as u64;
         Counters::add(&phases.stages, 1);
@@ -665,6 +690,29 @@ fn promote(
     for c in waiting {
         tracing::debug!(attachment = att.id, key = %format_args!("{:032x}", c.key.0), "promotion not done in time (another load's, or no DRAM free): a miss");
         statuses[c.index] = BlockStatus::Missing;
+    }
+}
+
+/// Fails the blocks of a landed stage not settled yet (after a panic while settling):
+/// stores' objects are freed (their copies landed: no DMA writes them any more), loads'
+/// are unpinned. A store lock poisoned by that panic cannot be trusted: the pool stops
+/// (as `contain_panic` does).
+fn fail_landed(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [BlockStatus]) {
+    let Ok(mut store) = inner.store.lock_urgent() else {
+        tracing::error!("the object store's lock is poisoned by a panic while settling a stage: stopping the pool");
+        std::process::abort();
+    };
+    for b in blocks {
+        if statuses[b.index] != BlockStatus::Pending {
+            continue;
+        }
+        match op {
+            Opcode::Store => {
+                store.finish_store(b.object(), false);
+            }
+            _ => store.finish_load(b.object()),
+        }
+        statuses[b.index] = BlockStatus::Failed;
     }
 }
 
