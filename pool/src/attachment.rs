@@ -224,6 +224,9 @@ impl Attachment {
     }
 
     pub fn ring_snapshots(&self) -> (RingSnapshot, RingSnapshot, RingSnapshot) {
+        // pool/tests/lock_order.rs holds a report here to see that it holds no
+        // `attachments` while it takes these per-attachment locks.
+        crate::fault::pass(crate::fault::HoldPoint::ReportRings);
         let sq = self.sq.lock().expect("sq lock").ring().snapshot();
         let cq = self.cq.lock().expect("cq lock").producer.ring().snapshot();
         let hints = self.hints.lock().expect("hints lock").ring().snapshot();

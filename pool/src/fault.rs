@@ -149,9 +149,12 @@ pub enum HoldPoint {
     /// The cluster tier's change follower, started, before its first read of the KV event
     /// logs (a thread the scheduler runs late).
     ClusterFollowerStart = 2,
+    /// A report about to take one attachment's ring locks (`Attachment::ring_snapshots`):
+    /// whatever the reporting thread holds here, it holds while it waits for them.
+    ReportRings = 3,
 }
 
-const HOLD_POINTS: usize = 3;
+const HOLD_POINTS: usize = 4;
 
 struct Holds {
     armed: [bool; HOLD_POINTS],

@@ -11,6 +11,7 @@ pub enum HoldPoint {
     ServiceBeforeArm,
     ServiceCorrupt,
     ClusterFollowerStart,
+    ReportRings,
 }
 
 #[inline(always)]
