@@ -81,11 +81,61 @@ pub struct Catalog {
     holders: HashMap<CatalogKey, Vec<NodeId>>,
     /// Size and namespace, as the first holder said.
     info: HashMap<CatalogKey, (u64, u128)>,
+    /// Entries per (peer, tenant group), against [`Self::caps`].
+    per_group: HashMap<(NodeId, u32), usize>,
+    caps: CatalogCaps,
+    /// Keys dropped at a cap (a count, for reports).
+    over_cap: u64,
+}
+
+/// What one peer may put in the catalog: keys per tenant group, and which groups exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CatalogCaps {
+    /// Keys of one peer in one tenant group.
+    pub per_group: usize,
+    /// Tenant groups here (members run the same ACL): a key of a group past them is dropped.
+    pub groups: u32,
+}
+
+impl Default for CatalogCaps {
+    fn default() -> Self {
+        Self { per_group: usize::MAX, groups: u32::MAX }
+    }
 }
 
 impl Catalog {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    pub fn with_caps(caps: CatalogCaps) -> Self {
+        Self { caps, ..Self::default() }
+    }
+
+    /// Keys dropped so far because a peer was at its cap (or named no group here).
+    pub fn over_cap(&self) -> u64 {
+        self.over_cap
+    }
+
+    /// Whether `peer` may add one more key of `group`; counts the refusal when not.
+    fn room(&mut self, peer: NodeId, group: u32) -> bool {
+        let ok = group < self.caps.groups && self.per_group.get(&(peer, group)).copied().unwrap_or(0) < self.caps.per_group;
+        if !ok {
+            self.over_cap += 1;
+        }
+        ok
+    }
+
+    fn count(&mut self, peer: NodeId, group: u32, up: bool) {
+        let n = self.per_group.entry((peer, group)).or_default();
+        if up {
+            *n += 1;
+        } else {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.per_group.remove(&(peer, group));
+            }
+        }
     }
 
     /// Remote keys known (each once, however many holders).
@@ -125,10 +175,14 @@ impl Catalog {
             return;
         }
         if c.stored {
-            if self.by_peer.entry(peer).or_default().insert(k) {
-                self.hold(peer, k, (c.size, c.namespace), out);
+            if self.by_peer.get(&peer).is_some_and(|s| s.contains(&k)) || !self.room(peer, k.0) {
+                return;
             }
+            self.by_peer.entry(peer).or_default().insert(k);
+            self.count(peer, k.0, true);
+            self.hold(peer, k, (c.size, c.namespace), out);
         } else if self.by_peer.get_mut(&peer).is_some_and(|s| s.remove(&k)) {
+            self.count(peer, k.0, false);
             self.unhold(peer, k, out);
         }
     }
@@ -158,12 +212,32 @@ impl Catalog {
         for k in self.by_peer.remove(&peer).unwrap_or_default() {
             self.unhold(peer, k, out);
         }
+        self.per_group.retain(|(p, _), _| *p != peer);
     }
 
     /// A peer's full holdings (on join or after it overran its stream): replaces what was
     /// known of it.
     pub fn replace_peer(&mut self, peer: NodeId, objects: impl IntoIterator<Item = RemoteObject>, out: &mut Vec<IndexChange>) {
-        let objects: HashMap<CatalogKey, (u64, u128)> = objects.into_iter().map(|o| ((o.group, o.key), (o.size, o.namespace))).collect();
+        // Within the caps: at most `per_group` keys of each existing group (the first ones).
+        let mut taken: HashMap<u32, usize> = HashMap::new();
+        let mut objects_in: HashMap<CatalogKey, (u64, u128)> = HashMap::new();
+        for o in objects {
+            let n = taken.entry(o.group).or_default();
+            if o.group >= self.caps.groups || *n >= self.caps.per_group {
+                self.over_cap += 1;
+                continue;
+            }
+            if objects_in.insert((o.group, o.key), (o.size, o.namespace)).is_none() {
+                *n += 1;
+            }
+        }
+        let objects = objects_in;
+        self.per_group.retain(|(p, _), _| *p != peer);
+        for (g, n) in taken {
+            if n > 0 {
+                self.per_group.insert((peer, g), n);
+            }
+        }
         let new: HashSet<CatalogKey> = objects.keys().copied().collect();
         let old = self.by_peer.remove(&peer).unwrap_or_default();
         for k in old.difference(&new) {
@@ -191,6 +265,33 @@ mod tests {
     }
     fn k(key: u128) -> CatalogKey {
         (0, ObjectKey(key))
+    }
+
+    /// A peer's keys past its per-group cap, or of a group that does not exist here, stay
+    /// out of the catalog (stream and snapshot alike); a removal makes room again.
+    #[test]
+    fn a_peer_is_capped_per_tenant_group() {
+        let mut c = Catalog::with_caps(CatalogCaps { per_group: 3, groups: 2 });
+        let mut out = Vec::new();
+        for key in 0..10 {
+            c.apply(1, st(key), &mut out);
+            c.apply(1, KeyChange { group: 1, ..st(100 + key) }, &mut out);
+            c.apply(1, KeyChange { group: 7, ..st(200 + key) }, &mut out);
+        }
+        assert_eq!((c.peer_len(1), c.over_cap()), (6, 7 + 7 + 10));
+        c.apply(2, st(50), &mut out);
+        assert_eq!(c.holders(k(50)), &[2], "another peer has its own cap");
+        c.apply(1, rm(0), &mut out);
+        c.apply(1, st(9), &mut out);
+        assert_eq!(c.holders(k(9)), &[1], "room after a removal");
+        out.clear();
+        c.replace_peer(1, (0..10).map(ro).chain((0..10).map(|key| RemoteObject { group: 9, ..ro(300 + key) })), &mut out);
+        assert_eq!(c.peer_len(1), 3, "a snapshot is capped too");
+        c.apply(1, st(77), &mut out);
+        assert!(c.holders(k(77)).is_empty(), "at the cap after the snapshot");
+        c.drop_peer(1, &mut out);
+        c.apply(1, st(77), &mut out);
+        assert_eq!(c.holders(k(77)), &[1], "a dropped peer's counts are gone");
     }
 
     #[test]

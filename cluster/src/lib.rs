@@ -5,12 +5,14 @@
 //! object at its holder and pulls it over NIXL (READ) into local DRAM.
 //!
 //! One concern per file: `transport` (NIXL, dlopened only when a node starts),
-//! `membership` (discovery seam + heartbeat liveness), `control` (framing, HMAC auth,
-//! messages), `catalog` (who holds what → index changes), `placement` (which holder a load
-//! pulls from), `outbox` (a connection's queued writes, so no shared thread ever waits on a
+//! `membership` (discovery seam + heartbeat liveness), `channel` (the Noise channel:
+//! handshake keyed by the secret, sealed records), `control` (framing, messages),
+//! `catalog` (who holds what → index changes), `placement` (which holder a load pulls
+//! from), `outbox` (a connection's queued writes, so no shared thread ever waits on a
 //! peer's socket), `node` (the running node tying them together).
 
 pub mod catalog;
+pub mod channel;
 pub mod control;
 pub mod mem_pool;
 pub mod membership;
@@ -20,4 +22,4 @@ pub mod placement;
 pub mod pool_tier;
 pub mod transport;
 
-pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, FetchRequest, LocalPool};
+pub use node::{Cluster, ClusterConfig, ClusterError, ClusterStats, FetchError, FetchRequest, LocalPool, Pin};

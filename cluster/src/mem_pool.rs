@@ -9,12 +9,13 @@ use std::sync::Mutex;
 use umbp_protocol::ObjectKey;
 
 use crate::catalog::{IndexChange, KeyChange};
-use crate::node::LocalPool;
+use crate::node::{LocalPool, Pin};
 
 pub struct MemPool {
     base: *mut u8,
     len: usize,
-    objects: Mutex<HashMap<u128, (u64, u64, u32)>>,
+    /// key → (offset, size, pins, xxh3-128 digest taken at `put`).
+    objects: Mutex<HashMap<u128, (u64, u64, u32, u128)>>,
     remote: Mutex<HashSet<(u32, u128)>>,
 }
 
@@ -52,7 +53,8 @@ impl MemPool {
         assert!(offset as usize + bytes.len() <= self.len, "object past the mapping");
         // SAFETY: in bounds (asserted); nobody reads an unpublished range.
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), self.base.add(offset as usize), bytes.len()) };
-        self.objects.lock().unwrap().insert(key, (offset, bytes.len() as u64, 0));
+        let digest = xxhash_rust::xxh3::xxh3_128(bytes);
+        self.objects.lock().unwrap().insert(key, (offset, bytes.len() as u64, 0, digest));
         KeyChange::stored(key, bytes.len() as u64, 0)
     }
 
@@ -91,7 +93,7 @@ impl LocalPool for MemPool {
         self.objects.lock().unwrap().iter().map(|(&key, o)| KeyChange::stored(key, o.1, 0)).collect()
     }
 
-    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<Pin, String> {
         if group != 0 || namespace != 0 {
             return Err(format!("group {group}, namespace {namespace:x}: this test pool holds namespace 0 in group 0 only"));
         }
@@ -101,7 +103,7 @@ impl LocalPool for MemPool {
             return Err(format!("key {:032x} is {} bytes, not {size}", key.0, e.1));
         }
         e.2 += 1;
-        Ok((e.0, 0))
+        Ok(Pin { offset: e.0, namespace: 0, digest: e.3 })
     }
 
     fn unpin(&self, _group: u32, _namespace: u128, key: ObjectKey) {

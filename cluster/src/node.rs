@@ -23,8 +23,9 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::ObjectKey;
 
-use crate::catalog::{Catalog, IndexChange, KeyChange, RemoteObject};
-use crate::control::{self, client_handshake, read_msg, server_handshake, Msg, Secret, MAX_FRAME};
+use crate::catalog::{Catalog, CatalogCaps, IndexChange, KeyChange, RemoteObject};
+use crate::channel::{client_handshake, server_handshake};
+use crate::control::{self, read_msg, Msg, Secret, MAX_FRAME};
 use crate::membership::{Discovery, Liveness};
 use crate::outbox::Outbox;
 use crate::placement::NodeId;
@@ -40,7 +41,8 @@ pub trait LocalPool: Send + Sync + 'static {
     /// peer's read (a key held under another namespace is a miss); returns its offset in
     /// the registered DRAM and its namespace. `group`: the tenant group the peer found it
     /// in (the same as here: members run the same ACL).
-    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String>;
+    /// The pin carries the xxh3-128 digest of the object's bytes.
+    fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<Pin, String>;
     fn unpin(&self, group: u32, namespace: u128, key: ObjectKey);
     /// Remote keys appeared (first holder) or vanished (last holder gone): mirror them in
     /// the local index. Called without any cluster lock held.
@@ -57,8 +59,25 @@ pub struct ClusterConfig {
     pub dead_after: Duration,
     /// Bound on one fetch (pin round trip and read).
     pub read_timeout: Duration,
-    /// Bound on connect and handshake.
+    /// Bound on connect, and the total deadline of a handshake (not per read).
     pub connect_timeout: Duration,
+    /// Unauthenticated connections (accepted, handshake not done) held at once: overall and
+    /// per source address; past either a new connection is closed at once.
+    pub max_unauthenticated: usize,
+    pub max_unauthenticated_per_source: usize,
+    /// File descriptors kept free for the pool's local side (attachments, memfds, its
+    /// socket): the cluster port accepts nothing while fewer are left under RLIMIT_NOFILE.
+    pub fd_reserve: usize,
+    /// Caps per subscriber: objects pinned at once and their bytes; a pin past either is
+    /// answered `PinFailed`.
+    pub max_pins_per_peer: usize,
+    pub max_pinned_bytes_per_peer: u64,
+    /// Keys one peer may have in the catalog per tenant group (stream and snapshot);
+    /// further keys are dropped (counted, `catalog_over_cap`).
+    pub max_catalog_entries_per_group: usize,
+    /// Tenant groups of this pool (members run the same ACL); keys a peer advertises in
+    /// another group number are dropped.
+    pub groups: u32,
     /// [`control::acl_digest`] of this pool's namespace ACL; a peer with another one is
     /// refused. Default: that of a pool without `--namespace-acl`.
     pub acl: [u8; 32],
@@ -73,6 +92,13 @@ impl ClusterConfig {
             dead_after: Duration::from_millis(2000),
             read_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(2),
+            max_unauthenticated: 64,
+            max_unauthenticated_per_source: 16,
+            fd_reserve: 256,
+            max_pins_per_peer: 4096,
+            max_pinned_bytes_per_peer: 4 << 30,
+            max_catalog_entries_per_group: 1 << 20,
+            groups: 1,
             acl: control::acl_digest(&umbp_pool::groups::TenantGroups::single()),
         }
     }
@@ -103,6 +129,10 @@ pub enum FetchError {
     PinTimeout { peer: NodeId, key: u128, timeout: Duration },
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// The bytes read are not those the holder pinned (altered at the holder or on the
+    /// way): a miss, never published.
+    #[error("peer {peer:x}: {key:032x} read with digest {got:032x}, the pin said {expected:032x}: not published")]
+    Digest { peer: NodeId, key: u128, expected: u128, got: u128 },
     /// The read of a batch failed (the transport's error, shared by its items).
     #[error("remote read failed: {0}")]
     Read(String),
@@ -115,7 +145,54 @@ impl FetchError {
     }
 }
 
-type PinReply = Result<(u64, u128), String>;
+/// A holder's pin: where the object is in its registered region, its namespace, and the
+/// xxh3-128 digest of its bytes (checked after the read, before publishing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    pub offset: u64,
+    pub namespace: u128,
+    pub digest: u128,
+}
+
+type PinReply = Result<Pin, String>;
+
+/// Unauthenticated connections held now (the cluster port's caps).
+#[derive(Default)]
+struct Admission {
+    total: usize,
+    per_source: HashMap<std::net::IpAddr, usize>,
+    warned_at: Option<Instant>,
+}
+
+/// One unauthenticated connection's slot; given back on drop (handshake done or failed).
+struct UnauthPermit {
+    inner: Arc<Inner>,
+    ip: std::net::IpAddr,
+}
+
+impl Drop for UnauthPermit {
+    fn drop(&mut self) {
+        let mut a = self.inner.admission.lock().expect("admission");
+        a.total -= 1;
+        if let Some(n) = a.per_source.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                a.per_source.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// File descriptors left under this process's RLIMIT_NOFILE (None when unknown).
+fn fds_left() -> Option<usize> {
+    let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given, a valid local.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 || lim.rlim_cur == libc::RLIM_INFINITY {
+        return None;
+    }
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count();
+    Some((lim.rlim_cur as usize).saturating_sub(open))
+}
 
 /// Where a pin reply goes: the batch that asked, tagged with its pin id.
 struct PinWaiter {
@@ -164,6 +241,14 @@ pub struct ClusterStats {
     pub fetch_failures: u64,
     pub fetched_bytes: u64,
     pub auth_failures: u64,
+    /// Connections closed at accept: over the unauthenticated caps or the fd reserve.
+    pub refused_connections: u64,
+    /// Pins answered `PinFailed` because the subscriber was at its pin caps.
+    pub pins_over_cap: u64,
+    /// Remote reads whose bytes did not match the holder's digest (published as misses).
+    pub digest_mismatches: u64,
+    /// Peers' keys left out of the catalog at the per-group cap (or in no group here).
+    pub catalog_over_cap: u64,
 }
 
 struct Inner {
@@ -180,6 +265,11 @@ struct Inner {
     fetch_failures: AtomicU64,
     fetched_bytes: AtomicU64,
     auth_failures: AtomicU64,
+    refused_connections: AtomicU64,
+    pins_over_cap: AtomicU64,
+    digest_mismatches: AtomicU64,
+    snapshot_over_cap: AtomicU64,
+    admission: Mutex<Admission>,
     local_addr: std::net::SocketAddr,
     reads_in_flight: std::sync::atomic::AtomicUsize,
     forget: Mutex<Vec<String>>,
@@ -215,13 +305,17 @@ impl Cluster {
         let mut agent = Agent::new(&format!("umbp-{local_addr}-{node:016x}"))?;
         // SAFETY: forwarded from this function's contract.
         unsafe { agent.register_dram(dram, dram_len) }?;
+        let caps = CatalogCaps { per_group: cfg.max_catalog_entries_per_group, groups: cfg.groups };
         let inner = Arc::new(Inner {
             liveness: Mutex::new(Liveness::new(cfg.dead_after)),
             cfg,
             node,
             agent,
             pool,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                catalog: Catalog::with_caps(caps),
+                ..State::default()
+            }),
             discovery: Mutex::new(discovery),
             stop: AtomicBool::new(false),
             next_pin: AtomicU64::new(1),
@@ -229,6 +323,11 @@ impl Cluster {
             fetch_failures: AtomicU64::new(0),
             fetched_bytes: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
+            refused_connections: AtomicU64::new(0),
+            pins_over_cap: AtomicU64::new(0),
+            digest_mismatches: AtomicU64::new(0),
+            snapshot_over_cap: AtomicU64::new(0),
+            admission: Mutex::new(Admission::default()),
             local_addr,
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
             forget: Mutex::new(Vec::new()),
@@ -263,6 +362,10 @@ impl Cluster {
             fetch_failures: self.inner.fetch_failures.load(Ordering::Relaxed),
             fetched_bytes: self.inner.fetched_bytes.load(Ordering::Relaxed),
             auth_failures: self.inner.auth_failures.load(Ordering::Relaxed),
+            refused_connections: self.inner.refused_connections.load(Ordering::Relaxed),
+            pins_over_cap: self.inner.pins_over_cap.load(Ordering::Relaxed),
+            digest_mismatches: self.inner.digest_mismatches.load(Ordering::Relaxed),
+            catalog_over_cap: st.catalog.over_cap() + self.inner.snapshot_over_cap.load(Ordering::Relaxed),
         }
     }
 
@@ -382,19 +485,63 @@ impl Inner {
     // ---- server side: subscribers ----
 
     fn accept_loop(self: Arc<Self>, listener: TcpListener) {
-        for conn in listener.incoming() {
+        loop {
+            let conn = listener.accept();
             if self.stopped() {
                 return;
             }
-            let Ok(s) = conn else { continue };
+            let (s, from) = match conn {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of fds (EMFILE) or the like: do not spin on it.
+                    tracing::warn!("cluster accept: {e}");
+                    std::thread::sleep(Duration::from_millis(20));
+                    continue;
+                }
+            };
+            let Some(permit) = self.admit(from.ip()) else {
+                // Relaxed: a counter for reports; it orders nothing.
+                self.refused_connections.fetch_add(1, Ordering::Relaxed);
+                drop(s);
+                continue;
+            };
             let me = self.clone();
-            let _ = std::thread::Builder::new().name("cluster-sub".into()).spawn(move || me.serve(s));
+            let _ = std::thread::Builder::new().name("cluster-sub".into()).spawn(move || me.serve(s, permit));
         }
     }
 
-    fn serve(self: Arc<Self>, mut s: TcpStream) {
+    /// A slot for one unauthenticated connection from `ip`, or None (close it): over the
+    /// caps, or fewer than `fd_reserve` descriptors left for the local side.
+    fn admit(self: &Arc<Self>, ip: std::net::IpAddr) -> Option<UnauthPermit> {
+        let mut a = self.admission.lock().expect("admission");
+        let from_ip = a.per_source.get(&ip).copied().unwrap_or(0);
+        if a.total >= self.cfg.max_unauthenticated || from_ip >= self.cfg.max_unauthenticated_per_source {
+            if a.warned_at.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                a.warned_at = Some(Instant::now());
+                tracing::warn!(
+                    source = %ip, from_source = from_ip, total = a.total,
+                    "cluster port: unauthenticated connections at their cap; new ones are closed at once"
+                );
+            }
+            return None;
+        }
+        if fds_left().is_some_and(|left| left < self.cfg.fd_reserve) {
+            if a.warned_at.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
+                a.warned_at = Some(Instant::now());
+                tracing::warn!(reserve = self.cfg.fd_reserve, "cluster port: file descriptors near RLIMIT_NOFILE; refusing cluster connections to keep the local side's reserve");
+            }
+            return None;
+        }
+        a.total += 1;
+        *a.per_source.entry(ip).or_default() += 1;
+        Some(UnauthPermit { inner: self.clone(), ip })
+    }
+
+    fn serve(self: Arc<Self>, s: TcpStream, permit: UnauthPermit) {
         let peer_addr = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        let client = match server_handshake(&mut s, &self.cfg.secret, self.node, &self.cfg.acl, self.cfg.connect_timeout) {
+        let est = server_handshake(&s, &self.cfg.secret, self.node, &self.cfg.acl, self.cfg.connect_timeout);
+        drop(permit);
+        let est = match est {
             Ok(c) => c,
             Err(e) => {
                 if matches!(e, control::ControlError::Auth(_)) {
@@ -408,11 +555,13 @@ impl Inner {
                 return;
             }
         };
+        let client = est.peer;
+        let mut rx = est.opener;
         if client == self.node {
             return; // our own address in --cluster-peer
         }
         self.set_timeouts(&s);
-        let writer = match Outbox::new(&s, "cluster-sub-tx") {
+        let writer = match Outbox::new(&s, est.sealer, "cluster-sub-tx") {
             Ok(w) => w,
             Err(e) => {
                 tracing::error!(peer = %peer_addr, "cluster connection writer: {e}");
@@ -453,17 +602,44 @@ impl Inner {
         }
         tracing::info!(peer = %peer_addr, node = format!("{client:016x}"), "cluster subscriber joined");
         let mut pins: HashMap<(u32, u128, u128), u32> = HashMap::new();
-        while let Ok(m) = read_msg(&mut s, MAX_FRAME) {
+        // Pinned objects and bytes of this subscriber (its caps).
+        let (mut pinned_n, mut pinned_bytes) = (0usize, 0u64);
+        let mut sizes: HashMap<(u32, u128, u128), u64> = HashMap::new();
+        loop {
+            let m = match read_msg(&mut rx, MAX_FRAME) {
+                Ok(m) => m,
+                Err(e) => {
+                    if !matches!(&e, control::ControlError::Io(io) if io.kind() == std::io::ErrorKind::UnexpectedEof) {
+                        tracing::warn!(peer = %peer_addr, "cluster subscriber connection closed: {e}");
+                    }
+                    break;
+                }
+            };
             self.liveness.lock().expect("liveness").seen(client, Instant::now());
             match m {
                 Msg::Heartbeat => {}
                 Msg::Pin { id, group, namespace, key, size } => {
-                    let reply = match self.pool.pin(group, namespace, ObjectKey(key), size) {
-                        Ok((offset, namespace)) => {
-                            *pins.entry((group, namespace, key)).or_default() += 1;
-                            Msg::Pinned { id, group, key, offset, namespace }
+                    let reply = if pinned_n >= self.cfg.max_pins_per_peer
+                        || pinned_bytes.saturating_add(size) > self.cfg.max_pinned_bytes_per_peer
+                    {
+                        // Relaxed: a counter for reports; it orders nothing.
+                        self.pins_over_cap.fetch_add(1, Ordering::Relaxed);
+                        let reason = format!(
+                            "pin cap: this peer holds {pinned_n} pins of {pinned_bytes} bytes (caps {} pins, {} bytes)",
+                            self.cfg.max_pins_per_peer, self.cfg.max_pinned_bytes_per_peer
+                        );
+                        Msg::PinFailed { id, reason }
+                    } else {
+                        match self.pool.pin(group, namespace, ObjectKey(key), size) {
+                            Ok(p) => {
+                                *pins.entry((group, p.namespace, key)).or_default() += 1;
+                                sizes.insert((group, p.namespace, key), size);
+                                pinned_n += 1;
+                                pinned_bytes += size;
+                                Msg::Pinned { id, group, key, offset: p.offset, namespace: p.namespace, digest: p.digest }
+                            }
+                            Err(reason) => Msg::PinFailed { id, reason },
                         }
-                        Err(reason) => Msg::PinFailed { id, reason },
                     };
                     if !writer.send(&reply) {
                         break;
@@ -472,8 +648,11 @@ impl Inner {
                 Msg::Unpin { group, namespace, key } => {
                     if let Some(n) = pins.get_mut(&(group, namespace, key)) {
                         *n -= 1;
+                        pinned_n -= 1;
+                        pinned_bytes -= sizes.get(&(group, namespace, key)).copied().unwrap_or(0);
                         if *n == 0 {
                             pins.remove(&(group, namespace, key));
+                            sizes.remove(&(group, namespace, key));
                         }
                         self.pool.unpin(group, namespace, ObjectKey(key));
                     }
@@ -509,8 +688,8 @@ impl Inner {
 
     fn run_peer(self: Arc<Self>, addr: &str) -> Result<(), String> {
         let sa = addr.to_socket_addrs().map_err(|e| e.to_string())?.next().ok_or("no address")?;
-        let mut s = TcpStream::connect_timeout(&sa, self.cfg.connect_timeout).map_err(|e| e.to_string())?;
-        let server = match client_handshake(&mut s, &self.cfg.secret, self.node, &self.cfg.acl, self.cfg.connect_timeout) {
+        let s = TcpStream::connect_timeout(&sa, self.cfg.connect_timeout).map_err(|e| e.to_string())?;
+        let est = match client_handshake(&s, &self.cfg.secret, self.node, &self.cfg.acl, self.cfg.connect_timeout) {
             Ok(n) => n,
             Err(e) => {
                 if matches!(e, control::ControlError::Auth(_)) {
@@ -523,11 +702,13 @@ impl Inner {
                 return Err(e.to_string());
             }
         };
+        let server = est.peer;
         if server == self.node {
             return Ok(());
         }
         self.set_timeouts(&s);
-        let writer = Outbox::new(&s, "cluster-peer-tx").map_err(|e| e.to_string())?;
+        let mut rx = est.opener;
+        let writer = Outbox::new(&s, est.sealer, "cluster-peer-tx").map_err(|e| e.to_string())?;
         self.state.lock().expect("state").peers.insert(
             server,
             Peer { addr: addr.to_string(), writer: writer.clone(), region: None, pending: HashMap::new() },
@@ -535,8 +716,9 @@ impl Inner {
         self.liveness.lock().expect("liveness").seen(server, Instant::now());
         tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
         let mut snapshot: Option<Vec<RemoteObject>> = None;
+        let mut snap_counts: HashMap<u32, usize> = HashMap::new();
         let r = loop {
-            let m = match read_msg(&mut s, MAX_FRAME) {
+            let m = match read_msg(&mut rx, MAX_FRAME) {
                 Ok(m) => m,
                 Err(e) => break Err(e.to_string()),
             };
@@ -556,13 +738,21 @@ impl Inner {
                 Msg::Keys { changes, snapshot: first, more } => {
                     let mut out = Vec::new();
                     if first || snapshot.is_some() {
+                        if first {
+                            snap_counts.clear();
+                        }
                         let snap = snapshot.get_or_insert_with(Vec::new);
-                        snap.extend(changes.iter().filter(|c| c.stored && c.tier == 0).map(|c| RemoteObject {
-                            group: c.group,
-                            key: ObjectKey(c.key),
-                            size: c.size,
-                            namespace: c.namespace,
-                        }));
+                        // Bounded while it accumulates: per group, as the catalog is.
+                        for c in changes.iter().filter(|c| c.stored && c.tier == 0) {
+                            let n = snap_counts.entry(c.group).or_default();
+                            if c.group >= self.cfg.groups || *n >= self.cfg.max_catalog_entries_per_group {
+                                // Relaxed: a counter for reports; it orders nothing.
+                                self.snapshot_over_cap.fetch_add(1, Ordering::Relaxed);
+                                continue;
+                            }
+                            *n += 1;
+                            snap.push(RemoteObject { group: c.group, key: ObjectKey(c.key), size: c.size, namespace: c.namespace });
+                        }
                         if !more {
                             let keys = snapshot.take().unwrap_or_default();
                             self.state.lock().expect("state").catalog.replace_peer(server, keys, &mut out);
@@ -577,7 +767,9 @@ impl Inner {
                         self.pool.apply_index(&out);
                     }
                 }
-                Msg::Pinned { id, group, key, offset, namespace } => self.answer_pin(server, id, group, key, Ok((offset, namespace))),
+                Msg::Pinned { id, group, key, offset, namespace, digest } => {
+                    self.answer_pin(server, id, group, key, Ok(Pin { offset, namespace, digest }))
+                }
                 Msg::PinFailed { id, reason } => self.answer_pin(server, id, 0, 0, Err(reason)),
                 other => tracing::debug!("ignored from peer: {other:?}"),
             }
@@ -600,8 +792,8 @@ impl Inner {
             }
             // Nobody waits any more (timed out): give the pin back at once.
             None => {
-                if let (Ok((_, namespace)), Some(writer)) = (r, writer) {
-                    writer.send(&Msg::Unpin { group, namespace, key });
+                if let (Ok(p), Some(writer)) = (r, writer) {
+                    writer.send(&Msg::Unpin { group, namespace: p.namespace, key });
                 }
             }
         }

@@ -10,11 +10,11 @@
 //! socket; a queue that outgrows its byte bound closes that connection alone (its reader
 //! then cleans up, and the peer re-joins with a fresh snapshot).
 
-use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 
+use crate::channel::Sealer;
 use crate::control::{write_msg, Msg};
 
 /// Queued bytes above which a connection is closed instead of queued to (a healthy peer
@@ -41,8 +41,10 @@ pub struct Batch<'a> {
 }
 
 impl Outbox {
-    /// Starts the writer thread for `sock` (named `thread_name`).
-    pub fn new(sock: &TcpStream, thread_name: &str) -> std::io::Result<Arc<Self>> {
+    /// Starts the writer thread for `sock` (named `thread_name`); it seals every frame
+    /// with `sealer` (the connection's sending key: only this thread uses it, so the
+    /// records' implicit nonces follow the queue's order).
+    pub fn new(sock: &TcpStream, mut sealer: Sealer, thread_name: &str) -> std::io::Result<Arc<Self>> {
         let (tx, rx) = mpsc::channel::<Vec<u8>>();
         let shared = Arc::new(Shared { queued: AtomicUsize::new(0), closed: AtomicBool::new(false) });
         let mut out = sock.try_clone()?;
@@ -51,7 +53,7 @@ impl Outbox {
             // Ends when every sender is gone (the outbox dropped) or a write fails (the
             // socket's write timeout, or `close`).
             while let Ok(frame) = rx.recv() {
-                if out.write_all(&frame).is_err() {
+                if sealer.write_frames(&mut out, &frame).is_err() {
                     sh.closed.store(true, Ordering::Release);
                     let _ = out.shutdown(Shutdown::Both);
                     return;
@@ -129,40 +131,33 @@ impl Batch<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::io::Read;
-    use std::net::TcpListener;
     use std::time::{Duration, Instant};
 
-    fn pair() -> (TcpStream, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (b, _) = l.accept().unwrap();
-        (a, b)
+    fn pair() -> (TcpStream, Sealer, crate::channel::Opener<TcpStream>) {
+        let (mut a, b) = crate::channel::test_pair();
+        (a.opener.get_mut().try_clone().unwrap(), a.sealer, b.opener)
     }
 
     #[test]
     fn frames_arrive_in_order() {
-        let (a, mut b) = pair();
-        let o = Outbox::new(&a, "test-writer").unwrap();
-        for _ in 0..3 {
-            assert!(o.send(&Msg::Heartbeat));
+        let (a, sealer, mut b) = pair();
+        let o = Outbox::new(&a, sealer, "test-writer").unwrap();
+        let msgs = [Msg::Heartbeat, Msg::Unpin { group: 1, namespace: 2, key: 3 }, Msg::Heartbeat];
+        for m in &msgs {
+            assert!(o.send(m));
         }
-        let mut expect = Vec::new();
-        for _ in 0..3 {
-            write_msg(&mut expect, &Msg::Heartbeat).unwrap();
+        b.get_mut().set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        for m in &msgs {
+            assert_eq!(&crate::control::read_msg(&mut b, crate::control::MAX_FRAME).unwrap(), m);
         }
-        let mut got = vec![0u8; expect.len()];
-        b.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        b.read_exact(&mut got).unwrap();
-        assert_eq!(got, expect);
     }
 
     /// A peer that never reads: sending never blocks the caller, and once the queue passes
     /// its bound the connection is closed and later sends fail at once.
     #[test]
     fn an_undrained_peer_never_blocks_the_sender_and_is_closed_past_the_bound() {
-        let (a, _b_never_read) = pair();
-        let o = Outbox::new(&a, "test-writer").unwrap();
+        let (a, sealer, _b_never_read) = pair();
+        let o = Outbox::new(&a, sealer, "test-writer").unwrap();
         let big = Msg::Keys { changes: vec![crate::catalog::KeyChange { group: 0, key: 7, stored: true, tier: 0, size: 1 << 20, namespace: 0 }; 4096], snapshot: false, more: false };
         let t = Instant::now();
         let mut sent = 0usize;

@@ -18,7 +18,7 @@ use umbp_protocol::{ObjectKey, Tier};
 
 use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
-use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool};
+use crate::node::{Cluster, ClusterConfig, ClusterError, FetchRequest, LocalPool, Pin};
 
 /// The default cap on remote entries: this share of the pool's index capacity (all tenant
 /// groups together), so peers' keys never take more than half of it (local objects keep
@@ -48,6 +48,33 @@ struct PoolSide {
     /// Keys whose pull failed: their promotion's `Removed(remote)` re-lists them while a
     /// live peer advertises them (other removals, a reset or index pressure, do not).
     failed: Mutex<HashSet<(u32, ObjectKey)>>,
+    /// xxh3-128 of each DRAM object's bytes, taken by the event follower when the object
+    /// was published (before it is advertised): a pin sends this digest, so bytes changed
+    /// in DRAM after the store (a remote NIXL write into the registered DRAM, a range
+    /// reused while a read was still going) fail the reader's check. Keyed by (group,
+    /// key); the namespace and size guard against a re-store the follower has not seen yet.
+    digests: Mutex<std::collections::HashMap<(u32, ObjectKey), StoredDigest>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct StoredDigest {
+    namespace: u128,
+    size: u64,
+    digest: u128,
+}
+
+/// xxh3-128 of `size` bytes at `offset` of the DRAM (a pinned object).
+///
+/// # Safety
+/// `offset..offset+size` must lie in the mapping at `base` (len `len`, checked) and be
+/// pinned (not rewritten) for the duration of the call.
+unsafe fn dram_digest(base: *mut u8, len: usize, offset: u64, size: u64) -> Result<u128, String> {
+    if offset.checked_add(size).is_none_or(|end| end > len as u64) {
+        return Err(format!("offset {offset} + {size} bytes lies past the DRAM ({len} bytes)"));
+    }
+    // SAFETY: in the mapping (checked above); pinned per this function's contract.
+    let bytes = unsafe { std::slice::from_raw_parts(base.add(offset as usize), size as usize) };
+    Ok(xxhash_rust::xxh3::xxh3_128(bytes))
 }
 
 impl PoolSide {
@@ -72,6 +99,19 @@ impl PoolSide {
             }
         }
         listed
+    }
+
+    /// Takes the digest of a just-published DRAM object (pinned meanwhile); nothing when
+    /// it is gone already (its `Removed` follows).
+    fn record_digest(&self, group: u32, o: umbp_pool::remote::HeldObject) {
+        let Ok((offset, ns)) = self.access.pin(o.namespace, o.key, o.size) else { return };
+        let (base, len) = self.access.dram();
+        // SAFETY: pinned just above, released just below.
+        let d = unsafe { dram_digest(base, len, offset, o.size) };
+        self.access.unpin(ns, o.key);
+        if let Ok(digest) = d {
+            self.digests.lock().expect("digests").insert((group, o.key), StoredDigest { namespace: ns, size: o.size, digest });
+        }
     }
 
     /// Lists keys the cap held back while there is room and a peer still advertises them.
@@ -100,9 +140,26 @@ impl LocalPool for PoolSide {
             .collect()
     }
 
-    fn pin(&self, _group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
+    fn pin(&self, _group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<Pin, String> {
         // By namespace: the group follows from it (and only an object stored under it).
-        self.access.pin(namespace, key, size)
+        let (offset, namespace) = self.access.pin(namespace, key, size)?;
+        let group = self.access.tenant_groups().group_of(namespace);
+        let stored = self.digests.lock().expect("digests").get(&(group, key)).copied();
+        if let Some(d) = stored.filter(|d| d.namespace == namespace && d.size == size) {
+            return Ok(Pin { offset, namespace, digest: d.digest });
+        }
+        // Not seen by the follower yet (stored before the tier started, or just now):
+        // the digest of the bytes as they are.
+        let (base, len) = self.access.dram();
+        // SAFETY: pinned by the reservation just taken (released by the peer's unpin or
+        // below on an error).
+        match unsafe { dram_digest(base, len, offset, size) } {
+            Ok(digest) => Ok(Pin { offset, namespace, digest }),
+            Err(e) => {
+                self.access.unpin(namespace, key);
+                Err(format!("key {:032x}: {e}", key.0))
+            }
+        }
     }
 
     fn unpin(&self, _group: u32, namespace: u128, key: ObjectKey) {
@@ -198,6 +255,7 @@ impl ClusterTier {
     /// `cfg.acl` is set to this pool's ACL digest: peers must run the same `--namespace-acl`.
     pub fn start(access: ClusterAccess, mut cfg: ClusterConfig, discovery: Box<dyn Discovery>, opts: TierOptions) -> Result<Self, TierError> {
         cfg.acl = crate::control::acl_digest(access.tenant_groups());
+        cfg.groups = access.tenant_groups().len() as u32;
         let (base, len) = access.dram();
         let events: Vec<_> = (0..access.tenant_groups().len() as u32).map(|g| access.events_memory(g)).collect();
         // Where the change stream starts, fixed before any peer can join: a subscriber's
@@ -215,6 +273,7 @@ impl ClusterTier {
             refused: AtomicU64::new(0),
             waiting: Mutex::new(HashSet::new()),
             failed: Mutex::new(HashSet::new()),
+            digests: Mutex::new(Default::default()),
         });
         // SAFETY: the pool's DRAM mapping lives as long as the pool, and the pool outlives
         // this tier (the daemon drops the tier first); peers read only objects they pinned.
@@ -296,6 +355,8 @@ fn follow(cluster: &Cluster, side: &PoolSide, events: &[Arc<umbp_ipc::SharedMemo
             read += r.read;
             if r.lost > 0 {
                 tracing::warn!(lost = r.lost, group, "cluster: KV event log overrun; subscribers re-join for a snapshot");
+                // Removals were lost too: drop the digests (pins take them afresh).
+                side.digests.lock().expect("digests").clear();
                 cluster.resync_subscribers();
             }
             for e in &buf {
@@ -314,7 +375,11 @@ fn follow(cluster: &Cluster, side: &PoolSide, events: &[Arc<umbp_ipc::SharedMemo
                         // Size and namespace from the store; gone already: its Removed follows.
                         let Some(o) = access.dram_object(group, e.key) else { continue };
                         (c.size, c.namespace) = (o.size, o.namespace);
+                        // Before it is advertised: every pin of it carries this digest.
+                        side.record_digest(group, o);
                     }
+                } else if e.tier == Tier::Dram {
+                    side.digests.lock().expect("digests").remove(&(group, e.key));
                 }
                 changes.push(c);
             }

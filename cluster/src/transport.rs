@@ -17,6 +17,8 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
+/// The NIXL binding, for tests that act as a peer at the NIXL level.
+pub use nixl_sys;
 use nixl_sys::{Agent as NixlAgent, AgentConfig, MemType, NixlError, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus};
 
 /// Environment variable naming `libnixl_capi.so` or the directory that holds it.

@@ -100,10 +100,18 @@ fn timespec(d: Duration) -> rustix::time::Timespec {
     rustix::time::Timespec { tv_sec: d.as_secs().min(i64::MAX as u64) as i64, tv_nsec: d.subsec_nanos() as _ }
 }
 
-/// Waits up to `wait` for `sock` to be readable (data, EOF or error all count).
+/// Waits up to `wait` for `sock` to be readable (data, EOF or error all count). A signal
+/// interrupting the wait (EINTR) does not end it: it goes on for what is left of `wait`.
 pub fn readable(sock: &UnixStream, wait: Duration) -> bool {
-    let mut fds = [PollFd::new(sock, PollFlags::IN)];
-    matches!(poll(&mut fds, Some(&timespec(wait))), Ok(n) if n > 0)
+    let until = Instant::now() + wait;
+    loop {
+        let mut fds = [PollFd::new(sock, PollFlags::IN)];
+        let left = until.saturating_duration_since(Instant::now());
+        match poll(&mut fds, Some(&timespec(left))) {
+            Err(rustix::io::Errno::INTR) => continue,
+            r => return matches!(r, Ok(n) if n > 0),
+        }
+    }
 }
 
 impl Dial {

@@ -5,6 +5,7 @@
 pub mod backoff;
 pub mod dial;
 pub mod doorbell;
+pub mod endpoint;
 pub mod message;
 pub mod peer;
 pub mod shm;

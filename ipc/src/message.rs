@@ -206,10 +206,16 @@ pub fn send_chunk(sock: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) -> Result<us
 }
 
 /// True when the peer has hung up (EOF or error pending), without consuming data.
+///
+/// Only HUP/ERR/NVAL or an end of stream mean gone. A signal that interrupts the poll
+/// (EINTR: CPython installs its handlers without SA_RESTART) says nothing about the peer
+/// and the poll is made again; any other error of the poll itself (ENOMEM) is not a
+/// verdict on the peer either, so it reads as "not gone" (the next check decides).
 pub fn peer_gone(sock: &UnixStream) -> bool {
     use rustix::event::{poll, PollFd, PollFlags};
     let mut fds = [PollFd::new(sock, PollFlags::IN)];
-    match poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+    let polled = restarting(|| poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })));
+    match polled {
         Ok(0) => false,
         Ok(_) => {
             let rev = fds[0].revents();
@@ -218,9 +224,12 @@ pub fn peer_gone(sock: &UnixStream) -> bool {
             }
             // Readable: EOF reads as zero bytes; real data (a control message) means alive.
             let mut b = [0u8; 1];
-            matches!(rustix::net::recv(sock, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT), Ok((0, _)))
+            let peeked = restarting(|| {
+                rustix::net::recv(sock, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT)
+            });
+            matches!(peeked, Ok((0, _)))
         }
-        Err(_) => true,
+        Err(_) => false,
     }
 }
 
@@ -263,6 +272,75 @@ mod tests {
         send_message(&a, MessageKind::StatsRequest, &[], &[], None).unwrap();
         let m = receiver.join().unwrap().expect("the receive survives the signals");
         assert_eq!(m.kind, MessageKind::StatsRequest);
+    }
+
+    /// Installs a do-nothing SIGUSR2 handler without SA_RESTART (as CPython installs its
+    /// own) and returns a storm: a thread that sends SIGUSR2 to the calling thread as fast
+    /// as it can until the returned flag is set. Issue #31 item 1.
+    pub(crate) fn signal_storm() -> (std::sync::Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<u64>) {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        // SAFETY: installs a handler that does nothing for SIGUSR2 (used by nothing else in
+        // this test binary), without SA_RESTART.
+        unsafe {
+            let mut act: libc::sigaction = std::mem::zeroed();
+            act.sa_sigaction = note_signal as *const () as usize;
+            libc::sigemptyset(&mut act.sa_mask);
+            act.sa_flags = 0;
+            assert_eq!(libc::sigaction(libc::SIGUSR2, &act, std::ptr::null_mut()), 0);
+        }
+        // SAFETY: pthread_self has no preconditions.
+        let target = unsafe { libc::pthread_self() };
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let t = std::thread::spawn(move || {
+            let mut sent = 0;
+            while !s.load(Ordering::Relaxed) {
+                // SAFETY: the target thread outlives the storm (it joins this thread).
+                if unsafe { libc::pthread_kill(target, libc::SIGUSR2) } == 0 {
+                    sent += 1;
+                }
+            }
+            sent
+        });
+        (stop, t)
+    }
+
+    /// Issue #31 item 1: a zero-timeout poll interrupted by a signal returned EINTR, which
+    /// `peer_gone` took for a dead peer (the worker then dropped a live pool). Before the
+    /// fix this failed within a few thousand calls under the storm.
+    #[test]
+    fn a_signal_storm_never_makes_a_live_peer_gone() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (stop, storm) = signal_storm();
+        let t = Instant::now();
+        let mut calls = 0u64;
+        let mut gone = 0u64;
+        while t.elapsed() < Duration::from_millis(1500) {
+            calls += 1;
+            gone += peer_gone(&b) as u64;
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent = storm.join().unwrap();
+        assert!(sent > 1000, "the storm sent only {sent} signals: nothing was tested");
+        assert_eq!(gone, 0, "{gone} of {calls} checks took a live peer for gone under {sent} signals");
+        drop(a);
+        assert!(peer_gone(&b), "a closed peer is still seen");
+    }
+
+    /// As above for a pidfd: a signal is no process exit.
+    #[test]
+    fn a_signal_storm_never_makes_a_live_process_exited() {
+        let me = rustix::process::pidfd_open(rustix::process::getpid(), rustix::process::PidfdFlags::empty()).unwrap();
+        let (stop, storm) = signal_storm();
+        let t = Instant::now();
+        let mut exited = 0u64;
+        while t.elapsed() < Duration::from_millis(1500) {
+            exited += crate::peer::pidfd_exited(me.as_fd()) as u64;
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent = storm.join().unwrap();
+        assert!(sent > 1000, "the storm sent only {sent} signals: nothing was tested");
+        assert_eq!(exited, 0, "a live process read as exited {exited} times under {sent} signals");
     }
 
     #[test]

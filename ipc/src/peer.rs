@@ -167,11 +167,20 @@ impl PeerProcess {
     }
 }
 
-/// Whether the process of `pidfd` has exited (the pidfd polls readable).
+/// Whether the process of `pidfd` has exited (the pidfd polls readable, or the pidfd is
+/// not one: HUP/ERR/NVAL). A signal interrupting the poll (EINTR) is no verdict: the poll
+/// is made again. Any other failure of the poll itself (ENOMEM) is not taken as an exit
+/// either: calling a live process dead would release memory it may still write.
 pub fn pidfd_exited(pidfd: BorrowedFd<'_>) -> bool {
     let mut fds = [rustix::event::PollFd::new(&pidfd, rustix::event::PollFlags::IN)];
     let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
-    !matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(0))
+    loop {
+        match rustix::event::poll(&mut fds, Some(&zero)) {
+            Err(rustix::io::Errno::INTR) => continue,
+            Ok(n) => return n > 0,
+            Err(_) => return false,
+        }
+    }
 }
 
 /// The pid of `pidfd`'s process in this pid namespace (its fdinfo `Pid:`), None if exited.

@@ -137,8 +137,13 @@ pub struct PoolConfig {
     /// Take peers' pidfds with `pidfd_open` + start time even where `SO_PEERPIDFD`
     /// exists (tests of the older kernels' path; docs/security.md item 1).
     pub peer_pidfd_fallback: bool,
-    /// Serve Prometheus metrics on GET /metrics at this address (host:port).
+    /// Serve Prometheus metrics on GET /metrics at this address: `unix:PATH` (a unix
+    /// socket, mode 0600, or 0660 with `metrics_group`), or TCP `[HOST:]PORT` (loopback
+    /// when HOST is left out; every local user can read it).
     pub metrics_addr: Option<String>,
+    /// Group whose members may read the metrics unix socket (mode 0660). None: only the
+    /// pool's uid and root (mode 0600, and the peer's uid is checked at accept).
+    pub metrics_group: Option<u32>,
     /// Entries of the shared KV event log (power of two).
     pub event_log_entries: u32,
     // --- Tenant defences (docs/security.md "Index flooding", "Touch hints") ---
@@ -296,6 +301,7 @@ impl Default for PoolConfig {
             namespace_acl: Default::default(),
             peer_pidfd_fallback: false,
             metrics_addr: None,
+            metrics_group: None,
             event_log_entries: umbp_protocol::events::DEFAULT_EVENT_CAPACITY,
             control: ControlLimits::default(),
             uid_limits: UidLimits::default(),

@@ -30,6 +30,7 @@ impl Dram {
             registered: std::sync::atomic::AtomicU64::new(0),
             registration_done: std::sync::atomic::AtomicBool::new(false),
         };
+        dram.exclude_from_core_dumps();
         if let Some(node) = config.numa_node {
             dram.bind_numa(node)?;
         }
@@ -37,6 +38,16 @@ impl Dram {
             dram.prefault(config.progress.as_ref());
         }
         Ok(dram)
+    }
+
+    /// Every tenant's KV lives here: a core dump of the pool (or of a crash handler's) must
+    /// not carry it (`MADV_DONTDUMP`; docs/security.md, "Memory of the pool").
+    fn exclude_from_core_dumps(&self) {
+        // SAFETY: madvise on exactly our own mapping; DONTDUMP changes only core dumps.
+        let rc = unsafe { libc::madvise(self.mem.as_ptr().cast(), self.mem.len(), libc::MADV_DONTDUMP) };
+        if rc != 0 {
+            tracing::warn!(error = %std::io::Error::last_os_error(), "madvise(MADV_DONTDUMP) on pool DRAM failed: a core dump of the pool would hold its objects");
+        }
     }
 
     fn bind_numa(&self, node: u32) -> Result<(), PoolError> {
@@ -215,4 +226,40 @@ fn register_chunk(
         gib_per_s = end as f64 / (1u64 << 30) as f64 / secs.max(1e-9),
         "DRAM registration progress"
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The `VmFlags` line of the mapping that starts at `addr`, from /proc/self/smaps.
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((start, _)) = range.split_once('-') {
+                    if let Ok(start) = usize::from_str_radix(start, 16) {
+                        inside = start == addr;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return flags.trim().to_string();
+                }
+            }
+        }
+        panic!("no mapping at {addr:#x} in /proc/self/smaps")
+    }
+
+    #[test]
+    fn pool_dram_is_left_out_of_core_dumps() {
+        let config = PoolConfig { capacity_bytes: 4 << 20, prefault: false, hugepages: false, numa_node: None, ..PoolConfig::default() };
+        let dram = Dram::create(&config).unwrap();
+        let flags = vm_flags(dram.base() as usize);
+        // "dd": do not include in a core dump (MADV_DONTDUMP).
+        assert!(flags.split_whitespace().any(|f| f == "dd"), "DRAM mapping flags without dd: {flags}");
+    }
 }

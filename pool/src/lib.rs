@@ -266,7 +266,7 @@ impl Pool {
             store.set_ssd_admission(ssd.config.admission);
             tier::restore(&mut store, &tenant_groups, ssd);
         }
-        let metrics_listener = config.metrics_addr.as_deref().map(metrics::bind).transpose()?;
+        let metrics_listener = config.metrics_addr.as_deref().map(|a| metrics::bind(a, config.metrics_group)).transpose()?;
         let (jobs_tx, jobs_rx) = crossbeam_channel::unbounded();
         let socket_path = config.socket_path.clone();
         let remote_source = remote::RemoteSlot::default();

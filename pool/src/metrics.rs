@@ -12,11 +12,17 @@
 //! in all to send its request and take the answer, and at most [`MAX_CONNECTIONS`] are
 //! open (a new one closes the oldest), so a slow or silent client never stalls another
 //! scrape. `--metrics-addr PORT` binds loopback; another host is bound only when named.
+//! `--metrics-addr unix:PATH` serves on a unix socket instead, readable only by the pool's
+//! uid and root (mode 0600, peer uid checked at accept), or by `--metrics-group` (0660):
+//! the metrics show pool-wide traffic that the tenant report hides (docs/security.md).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -103,10 +109,120 @@ pub fn resolve_addr(addr: &str) -> String {
     }
 }
 
+/// Where scrapes come in: TCP, or a unix socket whose peers are checked.
+pub enum Listener {
+    Tcp(TcpListener),
+    /// `only_uid`: without a metrics group, only this uid (the pool's) and root are served.
+    Unix { listener: UnixListener, path: PathBuf, only_uid: Option<u32> },
+}
+
+/// One accepted scrape connection.
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.flush(),
+            Stream::Unix(s) => s.flush(),
+        }
+    }
+}
+
+impl Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+}
+
+impl Listener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Listener::Tcp(l) => l.as_fd(),
+            Listener::Unix { listener, .. } => listener.as_fd(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        match self {
+            Listener::Tcp(l) => l.local_addr().map(|a| format!("http://{a}/metrics")).unwrap_or_default(),
+            Listener::Unix { path, .. } => format!("unix:{} (GET /metrics)", path.display()),
+        }
+    }
+
+    /// The next connection: None when there is none now (or accept failed: logged), an
+    /// error naming why for a unix peer of another uid (without a metrics group), closed at
+    /// once, unanswered.
+    fn accept(&self) -> Option<Result<Stream, String>> {
+        let done = |e: std::io::Error| {
+            if e.kind() != std::io::ErrorKind::WouldBlock {
+                tracing::debug!("metrics accept: {e}");
+            }
+            None
+        };
+        match self {
+            Listener::Tcp(l) => match l.accept() {
+                Ok((s, _)) => Some(Ok(Stream::Tcp(s))),
+                Err(e) => done(e),
+            },
+            Listener::Unix { listener, only_uid, .. } => match listener.accept() {
+                Ok((s, _)) => {
+                    if let Some(me) = *only_uid {
+                        match umbp_ipc::peer::peer_cred(s.as_fd()) {
+                            Ok(c) if c.uid == me || c.uid == 0 => {}
+                            Ok(c) => {
+                                return Some(Err(format!(
+                                    "refused a scrape from uid {} (only uid {me} and root; --metrics-group widens it)",
+                                    c.uid
+                                )))
+                            }
+                            Err(e) => return Some(Err(format!("SO_PEERCRED of a scrape: {e}"))),
+                        }
+                    }
+                    Some(Ok(Stream::Unix(s)))
+                }
+                Err(e) => done(e),
+            },
+        }
+    }
+}
+
+/// The path of a `unix:PATH` (or `unix://PATH`, as pool endpoints are written) metrics
+/// address, if it is one.
+pub fn unix_path(addr: &str) -> Option<&Path> {
+    let a = addr.trim();
+    let rest = a.strip_prefix("unix:")?;
+    Some(Path::new(rest.strip_prefix("//").unwrap_or(rest)))
+}
+
 /// Binds the metrics listener at start, so a bad or busy address is a startup error that
-/// names it. `PORT` alone binds loopback only.
-pub fn bind(addr: &str) -> Result<TcpListener, PoolError> {
+/// names it. `PORT` alone binds loopback only; `unix:PATH` a unix socket (its directory
+/// checked as the pool socket's is), mode 0600, or 0660 with group `group`.
+pub fn bind(addr: &str, group: Option<u32>) -> Result<Listener, PoolError> {
     let err = |message: String| PoolError::Metrics { addr: addr.to_string(), message };
+    if let Some(path) = unix_path(addr) {
+        return bind_unix(path, group).map_err(err);
+    }
     let resolved = resolve_addr(addr);
     let addrs: Vec<_> = resolved
         .to_socket_addrs()
@@ -114,11 +230,51 @@ pub fn bind(addr: &str) -> Result<TcpListener, PoolError> {
         .collect();
     let listener = TcpListener::bind(&addrs[..]).map_err(|e| err(format!("cannot listen: {e}")))?;
     listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
-    Ok(listener)
+    tracing::warn!(address = %resolved, "metrics on TCP: every local user (and the network, for a non-loopback HOST) can read pool-wide traffic; use --metrics-addr unix:PATH to restrict them");
+    Ok(Listener::Tcp(listener))
+}
+
+fn bind_unix(path: &Path, group: Option<u32>) -> Result<Listener, String> {
+    if path.as_os_str().is_empty() || path.file_name().is_none() {
+        return Err("unix: needs a socket path (unix:/run/umbp/metrics.sock)".into());
+    }
+    if let Some(dir) = path.parent() {
+        umbp_ipc::sockdir::prepare_socket_dir(dir, group).map_err(|e| e.to_string())?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) => {
+            use std::os::unix::fs::FileTypeExt;
+            if !meta.file_type().is_socket() {
+                return Err("exists and is not a socket; refusing to replace it".into());
+            }
+            if UnixStream::connect(path).is_ok() {
+                return Err("another process serves this socket".into());
+            }
+            std::fs::remove_file(path).map_err(|e| format!("cannot remove the stale socket: {e}"))?;
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e.to_string()),
+    }
+    let listener = UnixListener::bind(path).map_err(|e| format!("bind failed: {e}"))?;
+    let mode = match group {
+        Some(gid) => {
+            std::os::unix::fs::lchown(path, None, Some(gid))
+                .map_err(|e| format!("cannot give the socket to group {gid} (--metrics-group): {e}"))?;
+            0o660
+        }
+        None => 0o600,
+    };
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("cannot set the socket's mode to {mode:04o}: {e}"))?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Without a group the mode alone would do, but the accept check also covers the moment
+    // between bind and chmod, and a directory another tool loosens later.
+    let only_uid = group.is_none().then(|| rustix::process::geteuid().as_raw());
+    Ok(Listener::Unix { listener, path: path.to_path_buf(), only_uid })
 }
 
 /// The metrics thread: serves scrapes until the pool shuts down.
-pub fn serve(inner: &Arc<PoolInner>, listener: TcpListener) {
+pub fn serve(inner: &Arc<PoolInner>, listener: Listener) {
     let mut registry = Registry::default();
     registry.register(
         "umbp_transfer_seconds",
@@ -131,9 +287,7 @@ pub fn serve(inner: &Arc<PoolInner>, listener: TcpListener) {
         inner.counters.latency.copy.clone(),
     );
     registry.register_collector(Box::new(PoolCollector { inner: inner.clone() }));
-    if let Ok(a) = listener.local_addr() {
-        tracing::info!(address = %a, "metrics on http://{a}/metrics");
-    }
+    tracing::info!("metrics on {}", listener.describe());
     let Ok(mut poller) = crate::poller::Poller::new() else {
         tracing::warn!("metrics: cannot create an epoll set; metrics are off");
         return;
@@ -150,8 +304,19 @@ pub fn serve(inner: &Arc<PoolInner>, listener: TcpListener) {
         let wait = conns.values().map(|c| c.deadline.saturating_duration_since(now)).min().unwrap_or(Duration::from_millis(200));
         for ready in poller.wait_ready(Some(wait.clamp(Duration::from_millis(1), Duration::from_millis(200)))) {
             if ready.token == LISTENER {
-                while let Ok((stream, _)) = listener.accept() {
-                    if stream.set_nonblocking(true).is_err() {
+                while let Some(accepted) = listener.accept() {
+                    let stream = match accepted {
+                        Ok(s) => s,
+                        Err(why) => {
+                            tracing::debug!("metrics: {why}");
+                            continue;
+                        }
+                    };
+                    let nonblocking = match &stream {
+                        Stream::Tcp(s) => s.set_nonblocking(true),
+                        Stream::Unix(s) => s.set_nonblocking(true),
+                    };
+                    if nonblocking.is_err() {
                         continue;
                     }
                     if conns.len() >= MAX_CONNECTIONS {
@@ -198,7 +363,7 @@ pub fn serve(inner: &Arc<PoolInner>, listener: TcpListener) {
 
 /// One HTTP connection: its request head so far, then the answer going out.
 struct HttpConn {
-    stream: TcpStream,
+    stream: Stream,
     request: Vec<u8>,
     out: Vec<u8>,
     sent: usize,
@@ -504,6 +669,12 @@ pub fn encode_tiers(
     counter(enc, "umbp_ssd_compactions", "SSD segments compacted", s.compactions)?;
     gauge(enc, "umbp_ssd_restored_objects", "Objects listed from the SSD segments at start (warm restart)", s.restored_objects as f64)?;
     gauge(enc, "umbp_ssd_torn_records_skipped", "Torn SSD records (crash mid-write) skipped at start", s.torn_records_skipped as f64)?;
+    gauge(
+        enc,
+        "umbp_ssd_segments_refused",
+        "SSD segment files refused at start (symlink, not a regular file, another uid's, hard-linked) and left untouched",
+        s.segments_refused as f64,
+    )?;
     gauge(enc, "umbp_ssd_rebuild_seconds", "Time the SSD index rebuild took at start", s.rebuild_ms / 1e3)?;
     Ok(())
 }
@@ -540,6 +711,15 @@ mod tests {
     /// Each tier's objects and bytes and each SSD counter come out under its name with the
     /// report's value; without an SSD tier only the tier gauges are written (SSD zero).
     #[test]
+    fn unix_addresses_name_their_path() {
+        assert_eq!(unix_path("unix:/run/umbp/m.sock"), Some(Path::new("/run/umbp/m.sock")));
+        assert_eq!(unix_path(" unix:///run/umbp/m.sock "), Some(Path::new("/run/umbp/m.sock")));
+        assert_eq!(unix_path("unix:rel/m.sock"), Some(Path::new("rel/m.sock")));
+        assert_eq!(unix_path("9464"), None);
+        assert_eq!(unix_path("127.0.0.1:9464"), None);
+    }
+
+    #[test]
     fn tier_gauges_and_ssd_counters_carry_the_report() {
         let t = scrape(Fixed(TierCounts { dram: 7, ssd: 30, remote: 2 }, 1 << 20, Some(SsdReport::example())));
         for (series, want) in [
@@ -569,6 +749,7 @@ mod tests {
             ("umbp_ssd_compactions_total", 10.0),
             ("umbp_ssd_restored_objects", 1000.0),
             ("umbp_ssd_torn_records_skipped", 11.0),
+            ("umbp_ssd_segments_refused", 13.0),
             ("umbp_ssd_rebuild_seconds", 0.0125),
         ] {
             assert_eq!(sample(&t, series), want, "{series}");

@@ -107,6 +107,10 @@ pub struct SsdReport {
     /// Objects listed in the indexes at start from the segments (warm restart).
     pub restored_objects: u64,
     pub torn_records_skipped: u64,
+    /// Segment files refused at start and left untouched: a symlink, not a regular file,
+    /// another uid's, or hard-linked (docs/security.md, "The SSD directory").
+    #[serde(default)]
+    pub segments_refused: u64,
     pub rebuild_ms: f64,
 }
 
@@ -161,6 +165,7 @@ impl SsdReport {
             compactions: 10,
             restored_objects: 1000,
             torn_records_skipped: 11,
+            segments_refused: 13,
             rebuild_ms: 12.5,
         }
     }
@@ -545,7 +550,7 @@ mod tests {
             "low_watermark", "admission", "direct_io", "io_uring", "demotions", "demoted_bytes",
             "not_admitted", "demotion_failures", "promotions", "promoted_bytes", "promotion_failures",
             "crc_misses", "read_errors", "write_errors", "evicted_objects", "compactions",
-            "restored_objects", "torn_records_skipped", "rebuild_ms",
+            "restored_objects", "torn_records_skipped", "segments_refused", "rebuild_ms",
         ];
         want.sort_unstable();
         assert_eq!(keys(&v), want);

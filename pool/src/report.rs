@@ -202,6 +202,7 @@ pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::objects::TierStats) -> S
         compactions: st.compactions,
         restored_objects: ts.restored,
         torn_records_skipped: st.torn_records_skipped,
+        segments_refused: st.segments_refused,
         rebuild_ms: st.rebuild_ms,
     }
 }

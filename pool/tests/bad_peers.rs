@@ -89,8 +89,7 @@ fn bad_handshakes_are_refused_and_the_pool_keeps_serving() {
 
 #[test]
 fn foreign_uid_is_refused_unless_allowed() {
-    if rustix::process::getuid().as_raw() != 0 {
-        eprintln!("skipped: needs root to act as another uid");
+    if !umbp_integration_tests::root_or_skip("to act as another uid") {
         return;
     }
     let pool = start_pool(&unique_socket("uid"), &[]);

@@ -20,10 +20,6 @@ use umbp_protocol::ObjectKey;
 const PAGE: u64 = 4096;
 const BLOCKS: u64 = 16;
 
-fn is_root() -> bool {
-    rustix::process::getuid().as_raw() == 0
-}
-
 /// Runs `f` in a forked child with the given credentials and returns what it wrote.
 fn as_user(uid: u32, gid: u32, f: impl FnOnce() -> String) -> String {
     let (mut r, w) = UnixStream::pair().unwrap();
@@ -76,8 +72,7 @@ fn socket_is_0660_and_belongs_to_the_socket_group() {
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("socket-group") && err.contains("no-such-group-umbp"), "{err}");
 
-    if !is_root() {
-        eprintln!("skipped the other-user half: needs root to chgrp the socket and act as another user");
+    if !umbp_integration_tests::root_or_skip("the other-user half: to chgrp the socket and act as another user") {
         return;
     }
     let pool = start_pool(&unique_socket("group"), &["--socket-group", "65534"]);
@@ -100,8 +95,7 @@ fn socket_is_0660_and_belongs_to_the_socket_group() {
 
 #[test]
 fn namespace_acl_refuses_other_namespaces_and_unlisted_uids() {
-    if !is_root() {
-        eprintln!("skipped: needs root to act as other uids");
+    if !umbp_integration_tests::root_or_skip("to act as other uids") {
         return;
     }
     let pool = start_pool(

@@ -48,9 +48,24 @@ fn namespace_digest<'py>(py: Python<'py>, text: &str) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &umbp_protocol::key::namespace_digest(text).to_le_bytes())
 }
 
+/// The pool's socket when none is configured: `$UMBP_STANDALONE_ADDRESS` (a path or
+/// `unix://` address), else the default path. ValueError names the variable if it is
+/// not a unix socket address.
 #[pyfunction]
-fn default_socket_path() -> String {
-    umbp_worker::default_endpoint().display().to_string()
+fn default_socket_path() -> PyResult<String> {
+    umbp_worker::default_endpoint()
+        .map(|p| p.display().to_string())
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
+/// A pool address -> its socket path: a path, or `unix://<path>`; `tcp://`, any other
+/// scheme and a bare `host:port` raise ValueError naming `key`. The same parser as
+/// umbp-pool's `--socket`, the Rust worker and scheduler, and ringtool.
+#[pyfunction]
+fn parse_endpoint(key: &str, value: &str) -> PyResult<String> {
+    umbp_ipc::endpoint::parse_endpoint(key, std::ffi::OsStr::new(value))
+        .map(|p| p.display().to_string())
+        .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// Parses `64GiB`-style sizes exactly like umbp-pool does; errors name `key`.
@@ -242,7 +257,7 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
 }
 
 fn umbp_ipc_default_dir() -> PathBuf {
-    let p = PathBuf::from(default_socket_path());
+    let p = umbp_worker::default_endpoint().unwrap_or_else(|_| umbp_ipc::default_socket_path());
     p.parent().map(|d| d.to_path_buf()).unwrap_or_else(std::env::temp_dir)
 }
 
@@ -296,6 +311,7 @@ impl Worker {
         pool_uid: Option<u32>,
     ) -> PyResult<Self> {
         let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
+        let endpoint = parse_endpoint("endpoint", &endpoint)?;
         let mut cfg = umbp_worker::WorkerConfig::new(endpoint, ns);
         cfg.tp_rank = tp_rank;
         cfg.tp_size = tp_size;
@@ -440,7 +456,7 @@ impl Index {
             Some(n) => u128::from_le_bytes(key16(n, "namespace")?),
             None => 0,
         };
-        let path = PathBuf::from(endpoint);
+        let path = PathBuf::from(parse_endpoint("endpoint", &endpoint)?);
         let client = if timeout_ms == 0 {
             umbp_scheduler::IndexClient::lazy_with_pool_uid(&path, ns, pool_uid)
         } else {
@@ -516,6 +532,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(object_keys, m)?)?;
     m.add_function(wrap_pyfunction!(namespace_digest, m)?)?;
     m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
+    m.add_function(wrap_pyfunction!(parse_endpoint, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<EmbeddedPool>()?;

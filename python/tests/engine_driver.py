@@ -4,7 +4,7 @@ Run as a separate process (one engine per process, so several engines can share 
 
     python python/tests/engine_driver.py --model DIR [--mode embedded|standalone]
         [--endpoint SOCK] [--load-async 0|1] [--key-namespace NS] [--engine-id ID]
-        [--extra JSON] [--no-connector] [--mp] [--commands run,reset,run]
+        [--extra JSON] [--no-connector] [--no-module-path] [--mp] [--commands run,reset,run]
 
 It starts the engine, prints a `ready` record, then executes commands (from --commands, else
 one per stdin line) and prints one JSON record per command:
@@ -122,6 +122,9 @@ def main() -> int:
     ap.add_argument("--kv-role", default="kv_both")
     ap.add_argument("--extra", default=None, help="JSON merged into kv_connector_extra_config")
     ap.add_argument("--no-connector", action="store_true", help="plain vLLM (reference output)")
+    ap.add_argument("--no-module-path", action="store_true",
+                    help="no kv_connector_module_path (the seed's config: vLLM finds the "
+                         "connector through the umbp package's vllm.general_plugins entry point)")
     ap.add_argument("--mp", action="store_true", help="multi-process engine")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--prompt-seed", type=int, default=PROMPT_SEED)
@@ -173,6 +176,8 @@ def main() -> int:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": extra,
             }
+            if args.no_module_path:
+                del ktc["kv_connector_module_path"]
             if args.engine_id:
                 ktc["engine_id"] = args.engine_id
             kw["kv_transfer_config"] = ktc

@@ -53,6 +53,9 @@ pub enum SchedulerError {
     Io(#[from] io::Error),
     #[error("UMBP protocol error: {0}")]
     Protocol(#[from] ProtocolError),
+    /// The endpoint is not a socket path or `unix://` address.
+    #[error("{0}")]
+    Endpoint(#[from] umbp_ipc::endpoint::EndpointError),
 }
 
 impl From<umbp_ipc::ShmError> for SchedulerError {
@@ -199,6 +202,7 @@ impl IndexClient {
         timeout: Duration,
         pool_uid: Option<u32>,
     ) -> Result<IndexClient, SchedulerError> {
+        let endpoint = &umbp_ipc::endpoint::parse_endpoint("endpoint", endpoint.as_os_str())?;
         let start = Instant::now();
         let deadline = start + timeout;
         let hello = Hello::new(Role::Scheduler, namespace, std::process::id());
@@ -244,9 +248,15 @@ impl IndexClient {
 
     /// [`Self::lazy`] with a trusted pool uid (see [`Self::connect_with_pool_uid`]).
     pub fn lazy_with_pool_uid(endpoint: &Path, namespace: u128, pool_uid: Option<u32>) -> IndexClient {
+        // Never fails: a refused endpoint is logged and kept as given (it never attaches,
+        // so every lookup misses); callers that can report it parse first.
+        let endpoint = umbp_ipc::endpoint::parse_endpoint("endpoint", endpoint.as_os_str()).unwrap_or_else(|e| {
+            tracing::error!(error = %e, "UMBP index endpoint refused; lookups will miss");
+            endpoint.to_path_buf()
+        });
         let mut c = IndexClient {
             pool_uid,
-            endpoint: endpoint.to_path_buf(),
+            endpoint,
             namespace,
             reply_timeout: REATTACH_REPLY_TIMEOUT,
             att: None,

@@ -25,11 +25,6 @@ const NOBODY: u32 = 65534;
 /// the victim's address; a real one would aim at something predictable).
 const FIXED_ADDR: u64 = 0x5a5a_0000_0000;
 
-fn is_root() -> bool {
-    // SAFETY: no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// A fresh directory (root, 0755) for copies of binaries and sockets.
 fn scratch(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("umbp-attack-{}-{tag}", std::process::id()));
@@ -77,8 +72,7 @@ fn next_line(rx: &std::sync::mpsc::Receiver<String>, what: &str) -> String {
 /// `pidfd_open` + start time (`--peer-pidfd-fallback`, the path of kernels without
 /// SO_PEERPIDFD); the pool's report must then show that it did.
 fn exec_swap(tag: &str, before: bool, fallback: bool) -> Option<serde_json::Value> {
-    if !is_root() {
-        println!("skipped: needs root (a second uid and a setuid-root victim)");
+    if !root_or_skip("a second uid and a setuid-root victim") {
         return None;
     }
     let dir = scratch(tag);
@@ -106,7 +100,7 @@ fn exec_swap(tag: &str, before: bool, fallback: bool) -> Option<serde_json::Valu
     println!("{v}");
     assert!(v.get("error").is_none(), "attacker could not attach: {v}");
     if !v["victim"].as_str().unwrap_or("").contains("euid=0") {
-        println!("skipped: the setuid victim did not run as root here ({v}); nosuid temp directory?");
+        umbp_integration_tests::root::skip_root_part(&format!("the setuid victim did not run as root here ({v}); nosuid temp directory?"));
         return None;
     }
     Some(v)
@@ -162,8 +156,7 @@ fn exec_of_a_setuid_program_is_caught_on_the_pidfd_open_fallback_too() {
 fn pid_reuse(tag: &str, fallback: bool) -> Option<(u32, String)> {
     use umbp_ipc::message::{recv_message, send_message};
     use umbp_protocol::wire::{Hello, MemoryKind, MemoryRegistration, MessageHeader, MessageKind, Reply, Role};
-    if !is_root() {
-        println!("skipped: needs root (a second uid and ns_last_pid)");
+    if !root_or_skip("a second uid and ns_last_pid") {
         return None;
     }
     let dir = scratch(tag);
@@ -372,8 +365,7 @@ fn wait_status(w: &mut Worker, id: umbp_worker::TransferId) -> Vec<BlockStatus> 
 #[test]
 fn hugetlb_hole_punch_cannot_kill_the_pool() {
     const HUGE: u64 = 2 << 20;
-    if !is_root() {
-        println!("skipped: needs root to set {NR_HUGEPAGES}");
+    if !root_or_skip(&format!("to set {NR_HUGEPAGES}")) {
         return;
     }
     let _pages = match HugePages::exactly_one_free() {
@@ -493,8 +485,7 @@ fn pool_exit(socket: &Path) -> Option<(std::process::ExitStatus, String)> {
 
 #[test]
 fn pool_refuses_a_socket_directory_another_user_controls() {
-    if !is_root() {
-        println!("skipped: needs root to create a directory of another uid");
+    if !root_or_skip("to create a directory of another uid") {
         return;
     }
     let base = scratch("sockdir");
@@ -546,8 +537,7 @@ fn against_fake_pool(tag: &str, client: impl FnOnce(&Path)) -> usize {
 
 #[test]
 fn workers_and_schedulers_refuse_a_pool_of_another_uid() {
-    if !is_root() {
-        println!("skipped: needs root to run a fake pool as another uid");
+    if !root_or_skip("to run a fake pool as another uid") {
         return;
     }
     let worker_got = against_fake_pool("fake-worker", |socket| {
@@ -576,13 +566,25 @@ fn workers_and_schedulers_refuse_a_pool_of_another_uid() {
     assert!(trusted > 0, "with UMBP_POOL_UID=65534 the worker should have said Hello");
 }
 
+#[test]
+fn ringtool_refuses_a_pool_of_another_uid() {
+    if !root_or_skip("to run a fake pool as another uid") {
+        return;
+    }
+    let got = against_fake_pool("fake-ringtool", |socket| {
+        let out = Command::new(workspace_binary("ringtool")).arg("dump").arg("--socket").arg(socket).env_remove("UMBP_POOL_UID").output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("uid 65534"), "ringtool talked to a fake pool: {err}");
+    });
+    assert_eq!(got, 0, "ringtool sent {got} bytes (its Hello) to a socket of uid 65534");
+}
+
 // ---------------------------------------------------------------------------------------
 // Item 13: a peer the pool sees with pid 0 (SO_PEERCRED across pid namespaces).
 
 #[test]
 fn peer_in_another_pid_namespace_is_served_without_process_memory() {
-    if !is_root() {
-        println!("skipped: needs root for unshare --pid");
+    if !root_or_skip("for unshare --pid") {
         return;
     }
     // The pool in a new pid namespace: peers outside it (this test) have no pid there.

@@ -24,11 +24,6 @@ use umbp_protocol::wire::{self, Hello, HelloReply, MemoryKind, MemoryRegistratio
 /// The uid attackers run as (nobody).
 const OTHER_UID: u32 = 65534;
 
-fn is_root() -> bool {
-    // SAFETY: no arguments, no memory.
-    unsafe { libc::geteuid() == 0 }
-}
-
 /// Switches the calling thread (only) to `uid` as its real and effective uid.
 fn become_uid(uid: u32) {
     // SAFETY: a raw syscall on this thread's credentials; no memory is passed.
@@ -117,10 +112,7 @@ fn slow_loris_handshakes_are_capped_per_uid_and_cut_by_a_total_deadline() {
     let socket = unique_socket("loris");
     let pool = PoolProcess::start(&socket, &["--capacity", "64MiB", "--allow-uid", &OTHER_UID.to_string()]);
     open_socket_to_all(&socket);
-    let cross_uid = is_root();
-    if !cross_uid {
-        println!("skipped: the cross-uid part needs root (attackers run as uid {OTHER_UID}); checking deadlines only");
-    }
+    let cross_uid = root_or_skip(&format!("the cross-uid part: attackers run as uid {OTHER_UID}; checking deadlines only"));
     let (opened_tx, opened_rx) = std::sync::mpsc::channel();
     let path = socket.clone();
     let attacker = std::thread::spawn(move || {

@@ -138,15 +138,13 @@ fn hints_for_another_namespace_are_ignored() {
 /// pool's uid: ringtool) still gets the full report. Before, everyone got everything.
 #[test]
 fn stats_report_hides_other_tenants() {
-    // SAFETY: getuid has no preconditions.
-    if unsafe { libc::getuid() } != 0 {
-        eprintln!("skipped: needs root to run a peer as uid 65534");
+    if !umbp_integration_tests::root_or_skip("to run a peer as uid 65534") {
         return;
     }
     let bin = workspace_binary("umbp-test-worker");
     let probe = Command::new(&bin).arg("--help").uid_gid(65534).stdout(Stdio::null()).stderr(Stdio::null()).status();
     if !probe.is_ok_and(|s| s.success()) {
-        eprintln!("skipped: uid 65534 cannot run {} (directory permissions)", bin.display());
+        umbp_integration_tests::root::skip_root_part(&format!("uid 65534 cannot run {} (directory permissions)", bin.display()));
         return;
     }
     let pool = PoolProcess::start(
@@ -287,9 +285,7 @@ fn eventually_count(mut f: impl FnMut() -> usize, want: usize) -> usize {
 /// object), and A still finds and loads its own blocks, unpoisoned.
 #[test]
 fn another_tenants_keys_are_invisible_in_index_and_event_log() {
-    // SAFETY: getuid has no preconditions.
-    if unsafe { libc::getuid() } != 0 {
-        eprintln!("skipped: needs root to run tenant B as uid 65534");
+    if !umbp_integration_tests::root_or_skip("to run tenant B as uid 65534") {
         return;
     }
     const NS_A: u128 = 0xa11ce;

@@ -27,9 +27,7 @@ const OBJ: u64 = 16 << 10;
 
 /// None (after printing why) when the test cannot run here.
 fn setup() -> Option<()> {
-    // SAFETY: getuid has no preconditions.
-    if unsafe { libc::getuid() } != 0 {
-        println!("skipped: needs root (workers attach as root to the group of their namespace)");
+    if !umbp_integration_tests::root_or_skip("workers attach as root to the group of their namespace") {
         return None;
     }
     cluster::nixl_on_loopback().then_some(())

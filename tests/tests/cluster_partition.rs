@@ -94,9 +94,7 @@ impl Net {
     }
 
     fn create_with(tag: &str, split: bool) -> Option<Self> {
-        // SAFETY: getuid has no preconditions.
-        if unsafe { libc::getuid() } != 0 {
-            println!("skipped: needs root (ip netns add, veth pairs)");
+        if !umbp_integration_tests::root_or_skip("ip netns add, veth pairs") {
             return None;
         }
         if let Err(e) = ip(&["-V"]) {

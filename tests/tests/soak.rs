@@ -43,6 +43,8 @@ fn chaos_soak_short() {
     assert_eq!(case("corrupted_bytes")["value"], 0.0);
     assert!(case("corrupted_bytes")["verified_blocks"].as_u64().unwrap() > 100, "loads were verified");
     assert_eq!(case("corrupted_bytes")["injected_flips"], 0);
+    assert!(case("corrupted_bytes")["cancelled_transfers"].as_u64().unwrap() > 0, "no transfer was cancelled: the cancel path went untested");
+    assert!(case("corrupted_bytes")["worker_disconnects"].as_u64().unwrap() > 0, "no worker dropped a live pool: that path went untested");
     assert_eq!(case("leaked_bytes")["value"], 0.0);
     assert_eq!(case("leaked_bytes")["leaked_fds"], 0);
     assert!(case("leaked_bytes")["leak_checks"].as_u64().unwrap() >= 1);

@@ -37,6 +37,10 @@ pub(crate) struct Connection {
     pub cq_capacity: u32,
     /// The pool's pid from SO_PEERCRED of this socket (0: another pid namespace).
     pub pool_pid: u32,
+    /// The pool's process, held by a pidfd taken at attach (`SO_PEERPIDFD` of this socket,
+    /// else `pidfd_open` of the verified pid): tells "the pool process is dead" (its copies
+    /// into our memory are over) from "the socket broke" (they may still run).
+    pool_process: Option<umbp_ipc::peer::PeerProcess>,
     // Last field, so dropped last: `sq`, `cq` and `arena` point into this mapping.
     _shm: SharedMemory,
 }
@@ -61,6 +65,9 @@ impl Connection {
             let arena = Arena::new(base.add(layout.arena_offset), layout.arena_bytes);
             (sq, cq, arena)
         };
+        let pool_process = umbp_ipc::peer::PeerProcess::capture(std::os::fd::AsFd::as_fd(&a.sock))
+            .ok()
+            .filter(|p| p.pidfd().is_some() && p.pid() == Some(a.pool.pid));
         Ok(Self {
             sq,
             cq,
@@ -73,8 +80,21 @@ impl Connection {
             attachment_id: r.attachment_id,
             cq_capacity: layout.cq_entries,
             pool_pid: a.pool.pid,
+            pool_process,
             _shm: shm,
         })
+    }
+
+    /// Whether the pool's process is known to have exited: Some(true) dead, Some(false)
+    /// alive, None unknown (its pid is not visible here: another pid namespace).
+    pub fn pool_dead(&self) -> Option<bool> {
+        let pidfd = self.pool_process.as_ref()?.pidfd()?;
+        Some(umbp_ipc::peer::pidfd_exited(pidfd))
+    }
+
+    /// A duplicate of the pool's pidfd (the fence watchdog's), if there is one.
+    pub fn pool_pidfd(&self) -> Option<std::os::fd::OwnedFd> {
+        self.pool_process.as_ref()?.pidfd()?.try_clone_to_owned().ok()
     }
 
     /// One control request and its `Reply`; returns the reply's value.

@@ -17,10 +17,13 @@
 //!   bytes landed (also when the load failed or was refused: the completion says which),
 //!   so kernels enqueued after the call read loaded KV.
 //!
-//! A stream waiting for a load must never hang on a dead pool: when the attachment is lost
-//! (seen by any worker call) or a watchdog thread sees the pool's socket close, every
-//! outstanding load word is released (the transfers complete as failed). A stalled but
-//! live pool keeps the stream waiting, as it keeps a CPU waiter waiting (docs/gpu.md).
+//! A stream waiting for a load must never hang on a dead pool: when the pool's process is
+//! known dead (its pidfd; without one, its socket closed), seen by any worker call or by a
+//! watchdog thread, every outstanding load word is released (the transfers complete as
+//! failed). A lost attachment of a live pool releases only the loads the pool never
+//! started; a started one's stream waits for its completion or the pool's death, as its
+//! blocks do (docs/connection.md "A lost pool"). A stalled but live pool keeps the stream
+//! waiting, as it keeps a CPU waiter waiting (docs/gpu.md).
 //!
 //! Slots are reused only after their previous transfer's completion was reaped (the pool
 //! wrote or waited for the word before completing it), so a word only ever grows.
@@ -32,7 +35,10 @@ use std::time::Duration;
 
 use umbp_gpu::cuda::HostWords;
 use umbp_gpu::fence::{self as gf, FenceWord, SLOT_BYTES};
+use std::os::fd::{AsFd, OwnedFd};
+
 use umbp_ipc::message::peer_gone;
+use umbp_ipc::peer::pidfd_exited;
 use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::Opcode;
 use umbp_protocol::ObjectKey;
@@ -49,8 +55,9 @@ const WATCH_PERIOD: Duration = Duration::from_millis(2);
 struct Watch {
     /// Outstanding fenced loads: (slot, value).
     loads: Vec<(u32, u64)>,
-    /// The attachment whose socket is watched, and a dup of it.
-    sock: Option<(u32, UnixStream)>,
+    /// The attachment whose socket is watched, a dup of it, and a dup of the pool's pidfd
+    /// (None: its pid is not visible here).
+    sock: Option<(u32, UnixStream, Option<OwnedFd>)>,
     stop: bool,
 }
 
@@ -110,12 +117,6 @@ pub(crate) struct Fences {
 }
 
 impl Fences {
-    /// Releases the GPU waits of every outstanding fenced load (the pool is gone).
-    pub(crate) fn release_loads(&self) {
-        let mut w = self.page.watch();
-        self.page.release_loads(&mut w);
-    }
-
     /// Releases the GPU wait of load `id`, cancelled before the pool started it (the pool
     /// never writes its word then). The completion says the blocks did not load.
     pub(crate) fn release_load(&self, id: u64) {
@@ -157,7 +158,13 @@ fn watchdog(page: Arc<Page>) {
             w = page.wake.wait(w).unwrap_or_else(|e| e.into_inner());
             continue;
         }
-        if w.sock.as_ref().is_some_and(|(_, s)| peer_gone(s)) {
+        // Only the pool's death ends its copies: a closed socket of a live pool process (it
+        // hung up on this attachment) may still have copies landing in the blocks. Without
+        // a pidfd (the pool in another pid namespace) the closed socket is all there is.
+        let dead = |s: &UnixStream, pidfd: &Option<OwnedFd>| {
+            peer_gone(s) && pidfd.as_ref().is_none_or(|p| pidfd_exited(p.as_fd()))
+        };
+        if w.sock.as_ref().is_some_and(|(_, s, p)| dead(s, p)) {
             tracing::warn!(loads = w.loads.len(), "UMBP pool gone: releasing GPU streams waiting for loads");
             page.release_loads(&mut w);
             continue;
@@ -220,13 +227,13 @@ impl Worker {
     ) -> Result<TransferId, WorkerError> {
         let (id, slot) = self.submit_with_fence(Opcode::Load, group, blocks, stream)?;
         let Some(slot) = slot else { return Ok(id) };
-        let sock = self.attachment_socket().and_then(|(att, s)| s.try_clone().ok().map(|s| (att, s)));
+        let sock = self.attachment_socket().and_then(|(att, s, p)| s.try_clone().ok().map(|s| (att, s, p)));
         let f = self.fences.as_mut().expect("set up by fence_slot");
         {
             let mut w = f.page.watch();
-            if let Some((att, s)) = sock {
-                if w.sock.as_ref().is_none_or(|(a, _)| *a != att) {
-                    w.sock = Some((att, s));
+            if let Some((att, s, p)) = sock {
+                if w.sock.as_ref().is_none_or(|(a, _, _)| *a != att) {
+                    w.sock = Some((att, s, p));
                 }
             }
             w.loads.push((slot, id.0));

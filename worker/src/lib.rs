@@ -6,7 +6,8 @@
 //! # use umbp_worker::*;
 //! # fn main() -> Result<(), WorkerError> {
 //! let mut kv = vec![0u8; 64 << 10]; // declared first: dropped after the worker
-//! let mut w = Worker::connect(WorkerConfig::new(default_endpoint(), 0x1234))?;
+//! let endpoint = default_endpoint().map_err(|e| WorkerError::Invalid(e.to_string()))?;
+//! let mut w = Worker::connect(WorkerConfig::new(endpoint, 0x1234))?;
 //! // SAFETY: `kv` outlives `w` and is only read or written through references between
 //! // transfers (after their completion was reaped).
 //! let alloc = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() }) }?;

@@ -20,17 +20,14 @@ use crate::connection::Connection;
 use umbp_ipc::dial::{Attached, Dial, DialError};
 use crate::WorkerError;
 
-/// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS`, else
+/// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS` (a path or
+/// `unix://` address, parsed by [`umbp_ipc::endpoint::parse_endpoint`]), else
 /// `$XDG_RUNTIME_DIR/umbp/pool.sock`, else `/tmp/umbp/pool.sock` (docs/connection.md).
-pub fn default_endpoint() -> PathBuf {
-    if let Some(p) = std::env::var_os("UMBP_STANDALONE_ADDRESS").filter(|p| !p.is_empty()) {
-        return p.into();
-    }
-    umbp_ipc::default_socket_path()
-}
+pub use umbp_ipc::endpoint::default_endpoint;
 
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
+    /// The pool's socket: a path or a `unix://` address ([`Worker::connect`] refuses others).
     pub endpoint: PathBuf,
     pub namespace: u128,
     pub tp_rank: u32,
@@ -171,6 +168,31 @@ impl InFlight {
     }
 }
 
+/// A lost attachment kept for its started loads (docs/connection.md "A lost pool"): the
+/// pool may still be copying into their blocks, so they complete only when the pool
+/// answers on this attachment's completion ring or its process is known dead.
+struct Quarantine {
+    conn: Connection,
+    loads: HashMap<u64, InFlight>,
+    /// Transfers of the attachment already failed at the loss: a live pool still completes
+    /// them here; their completions are dropped unseen.
+    gone: HashMap<u64, InFlight>,
+    /// The completion ring failed to read (corrupt): only the pool's death ends these.
+    ring_broken: bool,
+}
+
+impl Quarantine {
+    /// Whether the pool's copies into these loads' blocks are over: its process exited,
+    /// or (its pid not visible here, another pid namespace) the socket closed, which is
+    /// then the only sign of death there is.
+    fn pool_dead(&self) -> bool {
+        match self.conn.pool_dead() {
+            Some(dead) => dead,
+            None => peer_gone(&self.conn.sock),
+        }
+    }
+}
+
 /// What [`Worker::cancel`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CancelOutcome {
@@ -213,6 +235,8 @@ pub struct Worker {
     /// stays allocated until the pool's completion for them arrives, which is dropped.
     abandoned: HashMap<u64, InFlight>,
     ready: VecDeque<Completion>,
+    /// Lost attachments whose started loads still hold their blocks (see [`Quarantine`]).
+    quarantine: Vec<Quarantine>,
     stall_warned: bool,
     /// GPU fence page, made at the first stream-ordered transfer (crate::fence).
     pub(crate) fences: Option<crate::fence::Fences>,
@@ -224,8 +248,11 @@ impl Worker {
     /// Attaches to the pool at `cfg.endpoint`, retrying an absent pool until
     /// `startup_timeout`; then fails with an error naming the socket path. A refusal (wrong
     /// version, uid not allowed) fails at once.
-    pub fn connect(cfg: WorkerConfig) -> Result<Worker, WorkerError> {
+    pub fn connect(mut cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         cfg.validate()?;
+        // `unix:///path` as the seed writes it; another scheme is refused here, by name.
+        cfg.endpoint = umbp_ipc::endpoint::parse_endpoint("endpoint", cfg.endpoint.as_os_str())
+            .map_err(|e| WorkerError::Invalid(e.to_string()))?;
         let start = Instant::now();
         let deadline = start + cfg.startup_timeout;
         let hello = cfg.hello();
@@ -269,6 +296,7 @@ impl Worker {
             inflight: HashMap::new(),
             abandoned: HashMap::new(),
             ready: VecDeque::new(),
+            quarantine: Vec::new(),
             stall_warned: false,
             fences: None,
             _not_sync: PhantomData,
@@ -380,7 +408,21 @@ impl Worker {
                 return self.ready.remove(pos);
             }
             if !self.inflight.contains_key(&id.0) {
-                return None;
+                if !self.quarantined(id.0) {
+                    return None;
+                }
+                // A started load of a lost attachment: it ends with the pool's answer
+                // on that attachment or the pool's death, checked every slice.
+                self.check_quarantine();
+                if self.ready.iter().any(|c| c.id == id) {
+                    continue;
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return None;
+                }
+                std::thread::sleep((deadline - now).min(LIVENESS_SLICE));
+                continue;
             }
             if self.conn.as_ref().is_some_and(|c| peer_gone(&c.sock)) {
                 self.lose("socket closed");
@@ -417,6 +459,11 @@ impl Worker {
     /// blocks.
     pub fn cancel(&mut self, id: TransferId) -> CancelOutcome {
         self.reap();
+        self.check_quarantine();
+        if self.quarantined(id.0) {
+            // Abandoned when its attachment was lost; started, so its blocks stay in use.
+            return CancelOutcome::Started;
+        }
         let Some(conn) = self.conn.as_ref() else { return CancelOutcome::NotInFlight };
         let Some(f) = self.inflight.get(&id.0) else { return CancelOutcome::NotInFlight };
         let state = match conn.arena.atomic_u64(f.state_offset()) {
@@ -459,7 +506,17 @@ impl Worker {
 
     /// Transfers submitted whose completion has not been returned yet.
     pub fn pending(&self) -> usize {
-        self.inflight.len() + self.ready.len()
+        self.inflight.len() + self.ready.len() + self.quarantined_count()
+    }
+
+    /// Started loads of a lost attachment still holding their blocks: the pool's process
+    /// lives, so its copies into them may still land (docs/connection.md "A lost pool").
+    pub fn quarantined_count(&self) -> usize {
+        self.quarantine.iter().map(|q| q.loads.len()).sum()
+    }
+
+    fn quarantined(&self, id: u64) -> bool {
+        self.quarantine.iter().any(|q| q.loads.contains_key(&id))
     }
 
     /// Drops every unpinned object of this namespace in the pool; returns how many.
@@ -473,7 +530,17 @@ impl Worker {
         self.after_control(result)
     }
 
-    /// Reconnects now, ignoring the backoff, and waits for the handshake (up to `timeout`)
+    /// Drops the attachment as if the pool were lost, with the pool alive (an engine-side
+    /// reset; the soak's "worker lose on a live pool"): every transfer in flight is
+    /// abandoned, stores and unstarted loads complete as failed at once, started loads keep
+    /// their blocks until the pool answers them or dies (docs/connection.md "A lost
+    /// pool"). The next call reconnects.
+    pub fn disconnect(&mut self) {
+        self.reap();
+        self.lose("disconnected by the caller");
+    }
+
+    /// Reconnects now, ignoring the backoff    /// Reconnects now, ignoring the backoff, and waits for the handshake (up to `timeout`)
     /// and re-registration. A no-op while attached to a live pool.
     pub fn reconnect_now(&mut self) -> Result<(), WorkerError> {
         self.reap();
@@ -599,12 +666,13 @@ impl Worker {
     /// Whether transfer `id` was submitted and the pool has not completed it yet (also
     /// when it was cancelled: the pool may still look at its fence slot until then).
     pub(crate) fn in_flight(&self, id: u64) -> bool {
-        self.inflight.contains_key(&id) || self.abandoned.contains_key(&id)
+        self.inflight.contains_key(&id) || self.abandoned.contains_key(&id) || self.quarantined(id)
     }
 
-    /// The current attachment's id and socket (the fence watchdog watches it).
-    pub(crate) fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream)> {
-        self.conn.as_ref().map(|c| (c.attachment_id, &c.sock))
+    /// The current attachment's id, socket and a dup of the pool's pidfd (the fence
+    /// watchdog watches them).
+    pub(crate) fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream, Option<OwnedFd>)> {
+        self.conn.as_ref().map(|c| (c.attachment_id, &c.sock, c.pool_pidfd()))
     }
 
     fn take_id(&mut self) -> TransferId {
@@ -617,6 +685,7 @@ impl Worker {
     /// advance a reconnect. Never blocks on the pool.
     fn service(&mut self) {
         self.reap();
+        self.check_quarantine();
         self.check_alive();
         if self.conn.is_none() {
             self.try_reconnect();
@@ -664,32 +733,82 @@ impl Worker {
         }
     }
 
-    /// Drops the attachment. Transfers without a completion have failed: the pool is gone
-    /// (or broke the protocol and was hung up on, which makes it cancel them).
+    /// Drops the attachment (docs/connection.md "A lost pool"). Every transfer without a
+    /// completion is abandoned first (its state word gets `ABANDONED`), so a pool that is
+    /// still alive publishes nothing of it and starts no further stage. Stores and loads
+    /// the pool never started have then failed and their blocks are the caller's again. A
+    /// load the pool has started may still be copying into its blocks: it fails only once
+    /// the pool's process is known dead; while it lives, the load keeps its blocks (it is
+    /// quarantined with the old attachment) until the pool answers it there or dies.
     fn lose(&mut self, why: &str) {
         let Some(mut conn) = self.conn.take() else { return };
-        // GPU streams waiting for fenced loads must not hang on a dead pool.
-        if let Some(f) = &self.fences {
-            f.release_loads();
-        }
         // Completions published before the pool went are real; keep them.
-        let _ = reap_into(&mut conn, &mut self.inflight, &mut self.abandoned, &mut self.ready);
-        // Their completions went with the pool; the arena goes with the attachment.
+        let ring_broken = reap_into(&mut conn, &mut self.inflight, &mut self.abandoned, &mut self.ready).is_err();
+        // Cancelled transfers' completions are dropped unseen; the arena goes with the attachment.
         self.abandoned.clear();
-        let mut failed: Vec<(u64, InFlight)> = self.inflight.drain().collect();
-        failed.sort_unstable_by_key(|(id, _)| *id);
+        let pool_dead = conn.pool_dead().unwrap_or_else(|| peer_gone(&conn.sock));
+        let mut pending: Vec<(u64, InFlight)> = self.inflight.drain().collect();
+        pending.sort_unstable_by_key(|(id, _)| *id);
+        let mut held = HashMap::new();
+        let mut gone = HashMap::new();
+        for (id, f) in pending {
+            let started = abandon(&conn, &f);
+            if f.op == Opcode::Load && started && !pool_dead {
+                held.insert(id, f);
+                continue;
+            }
+            if f.op == Opcode::Load {
+                // The pool will never write this load's fence word (or is dead).
+                if let Some(fences) = &self.fences {
+                    fences.release_load(id);
+                }
+            }
+            self.ready.push_back(Completion::failed(id, f.count as usize, None));
+            gone.insert(id, f);
+        }
         tracing::warn!(
             endpoint = %self.cfg.endpoint.display(),
             attachment = conn.attachment_id,
-            failed = failed.len(),
-            "lost the UMBP pool ({why}); pending transfers failed, reconnecting"
+            failed = gone.len(),
+            quarantined = held.len(),
+            pool_dead,
+            "lost the UMBP pool ({why}); pending transfers abandoned and failed (started loads keep their blocks while the pool process lives), reconnecting"
         );
-        for (id, f) in failed {
-            self.ready.push_back(Completion::failed(id, f.count as usize, None));
+        if !held.is_empty() {
+            // Kept open: a live pool completes the started stages on this attachment.
+            self.quarantine.push(Quarantine { conn, loads: held, gone, ring_broken });
         }
         self.stall_warned = false;
         self.dial = None;
         self.backoff.reset();
+    }
+
+    /// Ends quarantined loads whose pool answered on the lost attachment or died.
+    fn check_quarantine(&mut self) {
+        if self.quarantine.is_empty() {
+            return;
+        }
+        for q in &mut self.quarantine {
+            if !q.ring_broken {
+                q.ring_broken = reap_into(&mut q.conn, &mut q.loads, &mut q.gone, &mut self.ready).is_err();
+            }
+            if !q.loads.is_empty() && q.pool_dead() {
+                tracing::warn!(
+                    attachment = q.conn.attachment_id,
+                    loads = q.loads.len(),
+                    "the lost UMBP pool's process is gone: its started loads failed, their blocks are free"
+                );
+                let mut ids: Vec<(u64, InFlight)> = q.loads.drain().collect();
+                ids.sort_unstable_by_key(|(id, _)| *id);
+                for (id, f) in ids {
+                    if let Some(fences) = &self.fences {
+                        fences.release_load(id);
+                    }
+                    self.ready.push_back(Completion::failed(id, f.count as usize, None));
+                }
+            }
+        }
+        self.quarantine.retain(|q| !q.loads.is_empty());
     }
 
     /// Advances a reconnect without waiting: starts a dial when the backoff allows, or
@@ -774,6 +893,49 @@ impl Worker {
                 Err(e)
             }
             other => other,
+        }
+    }
+}
+
+/// Sets `ABANDONED` in `f`'s state word; returns whether the pool may have started it (a
+/// started stage, garbage in the word, or abandoned before by a cancel that found it
+/// started).
+fn abandon(conn: &Connection, f: &InFlight) -> bool {
+    match conn.arena.atomic_u64(f.state_offset()) {
+        Ok(w) => !matches!(TransferState::new(w).abandon(), Abandoned::BeforeStart),
+        // Our own offset inside our own arena: cannot fail; if it did, assume started.
+        Err(_) => true,
+    }
+}
+
+impl Drop for Worker {
+    /// Abandons every transfer in flight (docs/connection.md "Dropping a worker"): a live
+    /// pool publishes none of its stores and starts no further stage. Loads the pool has
+    /// started may still be copying into registered memory, which must stay allocated
+    /// until the `Worker` is dropped: the drop waits for them (their completion or the
+    /// pool's death), at most `timeout`, and warns if one is still running then.
+    fn drop(&mut self) {
+        if !self.inflight.is_empty() {
+            self.lose("worker dropped");
+        }
+        if self.quarantine.is_empty() {
+            return;
+        }
+        let deadline = Instant::now() + self.cfg.timeout;
+        loop {
+            self.check_quarantine();
+            if self.quarantine.is_empty() {
+                return;
+            }
+            if Instant::now() >= deadline {
+                tracing::error!(
+                    loads = self.quarantined_count(),
+                    timeout_ms = self.cfg.timeout.as_millis() as u64,
+                    "UMBP worker dropped while the pool (alive, not answering) has started loads into its memory"
+                );
+                return;
+            }
+            std::thread::sleep(LIVENESS_SLICE.min(deadline - Instant::now()));
         }
     }
 }

@@ -434,6 +434,7 @@ impl SoakCli {
                 .extra("verified_blocks", total.loaded as u64)
                 .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES)
                 .extra("cancelled_transfers", total.cancelled as u64)
+                .extra("worker_disconnects", total.disconnects as u64)
                 .extra("inject_corruption", self.inject_corruption.unwrap_or(0))
                 .extra("injected_flips", injected_flips),
             ctx(Case::new("soak", "pool_crashes", s.pool_crashes as f64, "crashes", 0.0, "allowed", Better::Lower))

@@ -93,6 +93,7 @@ pub(super) struct Totals {
     pub(super) loaded: f64,
     pub(super) corrupt_bytes: f64,
     pub(super) cancelled: f64,
+    pub(super) disconnects: f64,
     pub(super) max_blocked_ms: f64,
     pub(super) max_blocked_call: Option<&'static str>,
 }
@@ -104,6 +105,7 @@ impl Totals {
         self.loaded += num(v, "loaded");
         self.corrupt_bytes += num(v, "corrupt_bytes");
         self.cancelled += num(v, "cancelled");
+        self.disconnects += num(v, "disconnects");
         if num(v, "max_blocked_ms") > self.max_blocked_ms {
             self.max_blocked_ms = num(v, "max_blocked_ms");
             self.max_blocked_call = match v["max_blocked_call"].as_str() {

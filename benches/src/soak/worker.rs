@@ -75,6 +75,9 @@ struct Tally {
     disconnected: u64,
     /// Transfers past the timeout cancelled (their blocks reused at once, as an engine does).
     cancelled: u64,
+    /// `Worker::disconnect` on a live pool (issue #31): stores and unstarted loads fail and
+    /// their blocks are reused at once; started loads complete when the pool answers.
+    disconnects: u64,
 }
 
 /// A worker's KV memory: a heap buffer (registered as `HostProcess`) or a mapped memfd
@@ -162,6 +165,8 @@ struct SoakWorker {
     rng: u64,
     /// The engine timeout: a transfer older than this is cancelled.
     timeout: Duration,
+    /// When the next `disconnect` on a live pool comes.
+    next_disconnect: Instant,
 }
 
 /// How long a call that was allowed to wait `wait` blocked beyond it, in ms. The run fails
@@ -282,6 +287,14 @@ impl SoakWorker {
 
     /// One round: reap, then submit or wait for the oldest transfer.
     fn step(&mut self, submit: bool) {
+        // Every few seconds: drop the attachment of a live pool, as an engine reset or a
+        // false loss would (a pool that published a store after that, or wrote a load's
+        // blocks after they failed, shows up as corrupted bytes).
+        if !self.pending.is_empty() && Instant::now() >= self.next_disconnect {
+            self.timed("disconnect", Duration::ZERO, |w| w.disconnect());
+            self.t.disconnects += 1;
+            self.next_disconnect = Instant::now() + Duration::from_millis(2_000 + self.next() % 2_000);
+        }
         for c in self.timed("poll", Duration::ZERO, |w| w.poll()) {
             self.complete(c);
         }
@@ -323,7 +336,7 @@ impl SoakWorker {
             "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
             "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
             "max_blocked_call": t.max_blocked_call,
-            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled,
+            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled, "disconnects": t.disconnects,
             "connected": self.w.is_connected(), "pending": self.pending.len(),
         });
         let mut out = std::io::stdout().lock();
@@ -380,7 +393,9 @@ impl SoakWorkerCli {
             t: Tally::default(),
             rng: splitmix(self.seed ^ self.id.wrapping_mul(0x1234_5678_9abc)),
             timeout: Duration::from_millis(self.timeout_ms),
+            next_disconnect: Instant::now() + Duration::from_secs(2),
         };
+        start_signal_storms();
         sw.report("ready");
         let mut paused = false;
         let mut paused_reported = false;
@@ -416,6 +431,32 @@ impl SoakWorkerCli {
     }
 }
 
+extern "C" fn on_sigusr2(_: libc::c_int) {}
+
+/// SIGUSR2 storms at this (the polling) thread: a handler installed without SA_RESTART, as
+/// CPython installs its own, and bursts of a few thousand signals every half second, so
+/// every `poll`/`recv`/`read` of the worker sees EINTR (issue #31: a signal made the
+/// worker drop a live pool).
+fn start_signal_storms() {
+    // SAFETY: a handler that does nothing, for SIGUSR2, which nothing else here uses.
+    unsafe {
+        let mut act: libc::sigaction = std::mem::zeroed();
+        act.sa_sigaction = on_sigusr2 as *const () as usize;
+        libc::sigemptyset(&mut act.sa_mask);
+        act.sa_flags = 0;
+        libc::sigaction(libc::SIGUSR2, &act, std::ptr::null_mut());
+    }
+    // SAFETY: no preconditions.
+    let target = unsafe { libc::pthread_self() };
+    std::thread::spawn(move || loop {
+        std::thread::sleep(Duration::from_millis(500));
+        for _ in 0..2000 {
+            // SAFETY: the target is the process's main thread, which lives as long as the
+            // process (its return ends the process and this thread with it).
+            unsafe { libc::pthread_kill(target, libc::SIGUSR2) };
+        }
+    });
+}
 
 #[cfg(test)]
 mod tests {

@@ -7,11 +7,36 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use super::{FetchError, FetchRequest, Inner, PinReply, PinWaiter};
+use super::{FetchError, FetchRequest, Inner, Pin, PinReply, PinWaiter};
 use crate::control::{self, Msg};
 use crate::outbox::Outbox;
 use crate::placement::NodeId;
 use crate::transport::{self, PeerRegion, ReadPiece, TransportError};
+
+/// Below this many bytes a stage's digests are taken on the fetching thread alone.
+const PARALLEL_DIGEST_BYTES: usize = 8 << 20;
+/// Most threads one stage's digests are taken on.
+const MAX_DIGEST_THREADS: usize = 4;
+
+/// xxh3-128 of each `(address, len)` range, in order. A large stage is split over a few
+/// scoped threads (the check sits between the READ's completion and publishing, so its
+/// time is the fetch's; the cores are otherwise idle then).
+///
+/// # Safety
+/// Every range must be readable and not written while this runs.
+unsafe fn digests_of(ranges: &[(usize, usize)]) -> Vec<u128> {
+    // SAFETY: per this function's contract.
+    let one = |&(at, len): &(usize, usize)| xxhash_rust::xxh3::xxh3_128(unsafe { std::slice::from_raw_parts(at as *const u8, len) });
+    let total: usize = ranges.iter().map(|r| r.1).sum();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_DIGEST_THREADS).min(ranges.len());
+    if total < PARALLEL_DIGEST_BYTES || threads <= 1 {
+        return ranges.iter().map(one).collect();
+    }
+    std::thread::scope(|s| {
+        let parts: Vec<_> = ranges.chunks(ranges.len().div_ceil(threads)).map(|c| s.spawn(move || c.iter().map(one).collect::<Vec<_>>())).collect();
+        parts.into_iter().flat_map(|h| h.join().expect("a digest thread does not panic")).collect()
+    })
+}
 
 /// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
 type HolderBatch = (Arc<Outbox>, PeerRegion, Vec<(usize, u64)>);
@@ -87,7 +112,7 @@ impl Inner {
         // only its own items, never the reads from the others (nor leaves them a read with
         // no time, which would fail them and quarantine their DRAM).
         let pin_deadline = deadline - self.cfg.read_timeout / 2;
-        let mut pinned: HashMap<usize, (u64, u128)> = HashMap::new();
+        let mut pinned: HashMap<usize, Pin> = HashMap::new();
         let mut unanswered: HashMap<NodeId, usize> = HashMap::new();
         for &(node, i) in id_to.values() {
             if out[i].is_none() {
@@ -183,7 +208,7 @@ impl Inner {
         &self,
         items: &[FetchRequest],
         id_to: &HashMap<u64, (NodeId, usize)>,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         pin_deadline: Instant,
         out: &mut [Option<Result<u128, FetchError>>],
     ) {
@@ -212,7 +237,7 @@ impl Inner {
         items: &[FetchRequest],
         node: NodeId,
         batch: &HolderBatch,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) -> Option<HolderRead<'_>> {
         let (w, region, v) = batch;
@@ -221,7 +246,7 @@ impl Inner {
             return None;
         }
         let pieces: Vec<ReadPiece> =
-            mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].0, local: items[i].dest, len: items[i].size }).collect();
+            mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].offset, local: items[i].dest, len: items[i].size }).collect();
         self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
         // SAFETY: forwarded from this function's contract; the read is polled to its end
         // or given up as tainted (`settle_holder_read`).
@@ -241,7 +266,7 @@ impl Inner {
         group: u32,
         items: &[FetchRequest],
         r: &mut HolderRead<'_>,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) -> bool {
         let result = match r.read.poll() {
@@ -259,7 +284,7 @@ impl Inner {
         group: u32,
         items: &[FetchRequest],
         r: &ReadParts<'_>,
-        pinned: &HashMap<usize, (u64, u128)>,
+        pinned: &HashMap<usize, Pin>,
         result: Result<(), TransportError>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) {
@@ -270,8 +295,20 @@ impl Inner {
         }
         match result {
             Ok(()) => {
-                for &i in r.mine {
-                    out[i] = Some(Ok(pinned[&i].1));
+                let ranges: Vec<(usize, usize)> = r.mine.iter().map(|&i| (items[i].dest as usize, items[i].size as usize)).collect();
+                // SAFETY: the read into every `dest..dest+size` completed; each range is
+                // reserved for this fetch (`Cluster::fetch_batch`'s contract) and nothing
+                // else writes it until this fetch returns.
+                let digests = unsafe { digests_of(&ranges) };
+                for (&i, digest) in r.mine.iter().zip(digests) {
+                    let p = pinned[&i];
+                    out[i] = Some(if digest == p.digest {
+                        Ok(p.namespace)
+                    } else {
+                        // Relaxed: a counter for reports; it orders nothing.
+                        self.digest_mismatches.fetch_add(1, Ordering::Relaxed);
+                        Err(FetchError::Digest { peer: r.node, key: items[i].key.0, expected: p.digest, got: digest })
+                    });
                 }
             }
             Err(e) => {

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::ipc_cache::{open_ipc_mappings, IpcKey, IpcMapping};
+use super::ipc_cache::{open_ipc_mappings, Holder, IpcKey, IpcMapping};
 use super::region::GpuRegion;
 use super::{lock, Bound, DeviceApi, Engine, EngineStats};
 use crate::error::format_uuid;
@@ -110,7 +110,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
     /// has its device pointer used directly, because a process cannot open its own IPC
     /// handle (CUDA refuses it).
     fn open_region_for(&self, reg: &MemoryRegistration, _fd: Option<OwnedFd>, peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
-        self.open_gpu_region(reg, peer.pid, &peer.engine)
+        self.open_gpu_region(reg, peer.pid, Holder::of(peer), &peer.engine)
     }
 
     fn open_mappings(&self) -> usize {
@@ -126,7 +126,13 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
 }
 
 impl<A: DeviceApi> GpuBackend<A> {
-    fn open_gpu_region(&self, reg: &MemoryRegistration, peer_pid: u32, config: &super::EngineConfig) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_gpu_region(
+        &self,
+        reg: &MemoryRegistration,
+        peer_pid: u32,
+        holder: Holder,
+        config: &super::EngineConfig,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(A::KIND, reg)?;
         if reg.size == 0 {
             return Err(GpuError::invalid(A::KIND, "size is 0"));
@@ -138,7 +144,7 @@ impl<A: DeviceApi> GpuBackend<A> {
         let (mapping, key) = if peer_pid == std::process::id() {
             (self.local_mapping(reg)?, None)
         } else {
-            let key = (peer_pid, reg.device_uuid, reg.ipc_handle);
+            let key = (holder, reg.device_uuid, reg.ipc_handle);
             (self.ipc_mapping(reg, key)?, Some(key))
         };
         let region = GpuRegion {

@@ -13,13 +13,32 @@ pub(super) struct IpcMapping {
     refs: usize,
 }
 
-/// (peer pid, device UUID, handle bytes). IPC handles are bearer tokens: the driver maps
+/// Who registered a mapping: the peer's process when the pool can name it, else (pid 0: a
+/// peer in another pid namespace, where every such peer reads as pid 0) its attachment.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub(super) enum Holder {
+    Process(u32),
+    Attachment(u32),
+}
+
+impl Holder {
+    pub(super) fn of(peer: &crate::Peer<'_>) -> Self {
+        if peer.pid == 0 {
+            Holder::Attachment(peer.attachment)
+        } else {
+            Holder::Process(peer.pid)
+        }
+    }
+}
+
+/// (holder, device UUID, handle bytes). IPC handles are bearer tokens: the driver maps
 /// whatever handle it is given, and a process-wide cache keyed by the bytes alone let any
 /// peer that presented another's handle reuse the other's mapping without even a driver
 /// call. Keyed by the registering process too, a handle is shared only among the
 /// attachments of the one process that sent it (a reconnecting worker re-registers while
-/// its old regions may still be held); another process gets its own driver call.
-pub(super) type IpcKey = (u32, [u8; 16], [u8; 64]);
+/// its old regions may still be held); another process gets its own driver call. Peers
+/// whose pid the pool cannot see share nothing: one attachment each.
+pub(super) type IpcKey = (Holder, [u8; 16], [u8; 64]);
 
 impl<A: DeviceApi> GpuBackend<A> {
     /// Opens (or shares) the IPC mapping of `reg`'s allocation. A device is bound.
@@ -122,6 +141,26 @@ mod tests {
         assert_eq!(opens(&backend), 2, "another peer's handle bytes were served from the cache without a driver call");
         assert_eq!(backend.open_mappings(), 2);
         drop((victim, again));
+        assert_eq!(backend.open_mappings(), 1, "the thief's mapping is its own");
+        drop(thief);
+        assert_eq!(backend.open_mappings(), 0);
+    }
+
+    /// Issue #32 item 5: every peer in another pid namespace reads as pid 0, so a cache by
+    /// pid let one such peer reuse another's mapping by presenting its handle bytes.
+    #[test]
+    fn peers_in_another_pid_namespace_do_not_share_ipc_mappings() {
+        let (api, _) = simulated(usize::MAX, true, false);
+        let backend = GpuBackend::new(api);
+        let mut reg = crate::new_registration(MemoryKind::Cuda, 1, 0x1000, 0, 4096);
+        reg.device_uuid = [7; 16];
+        reg.ipc_handle = [43; 64];
+        let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
+        let peer = |attachment: u32| crate::Peer { attachment, pid: 0, pidfd: None, verify: &|| Ok(()), engine: crate::EngineConfig::default() };
+        let victim = backend.open_region_for(&reg, None, &peer(1)).unwrap();
+        let thief = backend.open_region_for(&reg, None, &peer(2)).unwrap();
+        assert_eq!(opens(&backend), 2, "a pid-0 peer's handle bytes were served from another pid-0 peer's mapping");
+        drop(victim);
         assert_eq!(backend.open_mappings(), 1, "the thief's mapping is its own");
         drop(thief);
         assert_eq!(backend.open_mappings(), 0);

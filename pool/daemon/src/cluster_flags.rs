@@ -24,7 +24,8 @@ pub struct ClusterArgs {
     #[arg(long = "cluster-peer", value_name = "HOST:PORT")]
     pub peers: Vec<String>,
     /// File holding the shared cluster secret (at least 16 bytes, mode 0600); pools
-    /// authenticate each other with it (HMAC challenge-response, never sent).
+    /// authenticate each other and encrypt their control connections with a key derived
+    /// from it (Noise NNpsk0; the secret is never sent)
     #[arg(long = "cluster-secret-file", env = "UMBP_CLUSTER_SECRET_FILE", value_name = "PATH")]
     pub secret_file: Option<PathBuf>,
     /// Heartbeat period to peers.

@@ -18,8 +18,9 @@ use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 #[derive(Parser, Debug)]
 #[command(name = "umbp-pool", version, about, long_about)]
 struct Args {
-    /// Unix socket to listen on [default: $XDG_RUNTIME_DIR/umbp/pool.sock or /tmp/umbp/pool.sock].
-    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", value_name = "PATH")]
+    /// Unix socket to listen on: a path or unix:///path (tcp:// and other schemes are refused)
+    /// [default: $XDG_RUNTIME_DIR/umbp/pool.sock or /tmp/umbp/pool.sock].
+    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", value_name = "PATH", value_parser = parse_socket)]
     socket: Option<PathBuf>,
     /// DRAM to hold KV blocks in, e.g. 64GiB, 512MiB [default: half of available memory].
     #[arg(long, env = "UMBP_DRAM_CAPACITY", value_name = "SIZE")]
@@ -200,17 +201,25 @@ struct Args {
     /// connection that would eat into them is refused at once.
     #[arg(long = "fd-reserve", env = "UMBP_FD_RESERVE", value_name = "N", default_value_t = 128, help_heading = "Control plane")]
     fd_reserve: u64,
-    /// Serve Prometheus metrics on GET /metrics at PORT on loopback (127.0.0.1), or at
-    /// HOST:PORT; e.g. 9464 or 127.0.0.1:9464 [default: off]. The endpoint is
-    /// unauthenticated: name a non-loopback HOST (0.0.0.0, a management address) only on a
-    /// trusted network. A bad or busy address stops the pool at start.
-    #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "[HOST:]PORT")]
+    /// Serve Prometheus metrics on GET /metrics on a unix socket, unix:PATH (mode 0600:
+    /// the pool's uid and root only; 0660 with --metrics-group), or over TCP at PORT on
+    /// loopback (127.0.0.1) or HOST:PORT; e.g. unix:/run/umbp/metrics.sock, 9464
+    /// [default: off]. The metrics show pool-wide traffic that tenants' own reports hide:
+    /// over TCP every local user can read them (and the network, for a non-loopback HOST).
+    /// A bad or busy address stops the pool at start.
+    #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "unix:PATH|[HOST:]PORT")]
     metrics_addr: Option<String>,
+    /// Group whose members may read the unix:PATH metrics socket (mode 0660), as a name or
+    /// a GID [default: none, mode 0600].
+    #[arg(long = "metrics-group", env = "UMBP_METRICS_GROUP", value_name = "NAME|GID")]
+    metrics_group: Option<String>,
     /// A directory for the SSD tier below DRAM, one per drive (repeatable; the environment
     /// variable takes a comma-separated list). Objects evicted from DRAM that the admission
     /// policy admits are written there and loaded back from there; a restart on the same
-    /// directories (same order) serves them again. Each must exist and be writable
-    /// [default: no SSD tier].
+    /// directories (same order) serves them again. Each must exist and be writable, and it
+    /// and every directory above it must be owned by the pool's uid or root and not be
+    /// writable by group or others unless sticky (in a sticky one, e.g. /var/tmp, the pool
+    /// uses a private umbp-ssd-<uid> subdirectory) [default: no SSD tier].
     #[arg(long = "ssd-dir", env = "UMBP_SSD_DIR", value_name = "PATH", value_delimiter = ',', help_heading = "SSD tier")]
     ssd_dir: Vec<PathBuf>,
     /// Bytes of segment files all SSD directories together may hold (split evenly), e.g.
@@ -324,6 +333,13 @@ fn free_bytes(d: &std::path::Path) -> std::io::Result<u64> {
     Ok(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
+/// `--socket` / `UMBP_STANDALONE_ADDRESS`: a path or `unix://` address (the one parser all
+/// endpoint readers share; its message names the flag and the variable).
+fn parse_socket(value: &str) -> Result<PathBuf, String> {
+    umbp_ipc::endpoint::parse_endpoint("socket (UMBP_STANDALONE_ADDRESS)", std::ffi::OsStr::new(value))
+        .map_err(|e| e.to_string())
+}
+
 fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     let mut c = PoolConfig { ssd: ssd_config(&args)?, ..Default::default() };
     if let Some(s) = args.socket {
@@ -402,6 +418,12 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
         fd_reserve: args.fd_reserve,
     };
     c.metrics_addr = args.metrics_addr.filter(|a| !a.is_empty());
+    if let Some(g) = args.metrics_group.as_deref().filter(|g| !g.is_empty()) {
+        if !c.metrics_addr.as_deref().is_some_and(|a| a.trim().starts_with("unix:")) {
+            anyhow::bail!("metrics-group (UMBP_METRICS_GROUP): only applies to --metrics-addr unix:PATH");
+        }
+        c.metrics_group = Some(umbp_pool::config::parse_group("metrics-group (UMBP_METRICS_GROUP)", g)?);
+    }
     c.namespace_share = parse_fraction("namespace-share (UMBP_NAMESPACE_SHARE)", &args.namespace_share)?;
     c.lease_share = parse_fraction("lease-share (UMBP_LEASE_SHARE)", &args.lease_share)?;
     c.validate()?;

@@ -24,9 +24,16 @@ pub fn align_up(n: u64) -> u64 {
     n.div_ceil(BLOCK) * BLOCK
 }
 
-/// Bytes a record with this payload occupies on disk (header + payload, block aligned).
+/// Bytes a record with this payload occupies on disk (header + payload, block aligned), or
+/// None where that does not fit in a u64 (a size read from disk may be anything).
+pub fn checked_record_len(payload: u64) -> Option<u64> {
+    payload.checked_add(HEADER_BYTES as u64)?.div_ceil(BLOCK).checked_mul(BLOCK)
+}
+
+/// [`checked_record_len`] for a size the pool produced or already checked; saturates at
+/// `u64::MAX` (which no file holds) rather than wrapping to a small length.
 pub fn record_len(payload: u64) -> u64 {
-    align_up(HEADER_BYTES as u64 + payload)
+    checked_record_len(payload).unwrap_or(u64::MAX)
 }
 
 /// Bytes the footer of a segment with `entries` records occupies.
@@ -299,6 +306,16 @@ mod tests {
         let mut g = f.clone();
         g[5] ^= 1;
         assert_eq!(decode_entries(&t, &g), Err(FormatError::BadCrc));
+    }
+
+    #[test]
+    fn a_huge_size_has_no_record_length() {
+        // A planted header may say anything: 2^64 - 1 used to wrap to a one-block record.
+        for size in [u64::MAX, u64::MAX - HEADER_BYTES as u64 + 1, u64::MAX - 4000, u64::MAX - 1] {
+            assert_eq!(checked_record_len(size), None, "{size}");
+            assert_eq!(record_len(size), u64::MAX, "{size}");
+        }
+        assert_eq!(checked_record_len(u64::MAX / 2), Some(align_up(u64::MAX / 2 + HEADER_BYTES as u64)));
     }
 
     #[test]

@@ -195,4 +195,11 @@ pub enum SsdError {
     Uring { path: PathBuf, source: std::io::Error },
     #[error("SSD configuration: {0}")]
     Config(String),
+    /// The directory (or one above it) is another user's or writable by others.
+    #[error(transparent)]
+    UnsafeDir(#[from] umbp_ipc::sockdir::UnsafeDir),
+    /// A file in an SSD directory the pool must not use (a symlink, another uid's file, a
+    /// hard link, not a regular file).
+    #[error("{}: {message}", path.display())]
+    Unsafe { path: PathBuf, message: String },
 }

@@ -59,7 +59,9 @@ fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdE
     let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
     let sane = entries.iter().all(|e| {
         e.offset.is_multiple_of(BLOCK)
-            && e.offset.checked_add(format::record_len(e.header.size)).is_some_and(|end| end <= t.entries_offset)
+            && format::checked_record_len(e.header.size)
+                .and_then(|rl| e.offset.checked_add(rl))
+                .is_some_and(|end| end <= t.entries_offset)
     });
     Ok(sane.then_some(entries))
 }
@@ -79,8 +81,10 @@ fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
             pos += BLOCK;
             continue;
         }
+        // Checked: a header's size is whatever is on disk (a huge one used to wrap).
+        let fits = |h: &RecordHeader| format::checked_record_len(h.size).and_then(|rl| pos.checked_add(rl)).is_some_and(|end| end <= len);
         let header = match RecordHeader::decode(block) {
-            Ok(h) if pos + format::record_len(h.size) <= len => h,
+            Ok(h) if fits(&h) => h,
             _ => {
                 if !in_bad_run {
                     torn += 1;
@@ -90,6 +94,7 @@ fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
                 continue;
             }
         };
+        // Fits in the file (checked above), so in usize too on 64-bit targets.
         let rl = format::record_len(header.size) as usize;
         let Some(rec) = w.get(pos, rl)? else {
             torn += 1;
@@ -117,10 +122,16 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
     let mut to_seal = Vec::new();
     for id in ids {
         shard.next_id = shard.next_id.max(id + 1);
-        // An unreadable segment (EIO, not a file) loses its objects, not the whole tier.
+        // An unreadable segment (EIO, not a file) loses its objects, not the whole tier; one
+        // the pool must not trust (a symlink, another uid's file) is left as it is.
         let skip = |e: SsdError| {
-            tracing::warn!(error = %e, "SSD segment unreadable at start: skipped, its objects are misses");
-            c.segments_unreadable.fetch_add(1, Ordering::Relaxed);
+            if matches!(e, SsdError::Unsafe { .. }) {
+                tracing::warn!(error = %e, "SSD segment refused at start: not the pool's own file, left untouched");
+                c.segments_refused.fetch_add(1, Ordering::Relaxed);
+            } else {
+                tracing::warn!(error = %e, "SSD segment unreadable at start: skipped, its objects are misses");
+                c.segments_unreadable.fetch_add(1, Ordering::Relaxed);
+            }
         };
         let seg = match shard.dir.open_segment(id) {
             Ok(s) => s,
@@ -137,7 +148,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
             }
         };
         if len == 0 {
-            let _ = std::fs::remove_file(&seg.path);
+            let _ = shard.dir.remove_segment(id);
             continue;
         }
         let footer = match read_footer(&seg, len) {

@@ -1,11 +1,14 @@
 //! Segment files and the directories that hold them: naming, opening with O_DIRECT (or
-//! buffered, with one warning, where the file system refuses it), the directory checks and
-//! lock, and block-aligned buffers.
+//! buffered, with one warning, where the file system refuses it), the directory checks
+//! (owner, mode, no symlinks, only the pool's own files) and lock, and block-aligned buffers.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
+use rustix::fs::{Mode, OFlags};
 
 use super::format::BLOCK;
 use super::SsdError;
@@ -92,11 +95,19 @@ pub fn parse_segment_name(name: &str) -> Option<u64> {
     u64::from_str_radix(hex, 16).ok()
 }
 
-/// One SSD directory (one drive), checked and locked against a second pool.
+/// One SSD directory (one drive), checked and locked against a second pool. Every file in
+/// it is opened relative to the directory's fd with `O_NOFOLLOW` (docs/security.md, "The SSD
+/// directory").
 pub struct Directory {
+    /// Where the segments are: the directory given, or the pool's private subdirectory of
+    /// it when others may create files in the one given (a sticky shared directory).
     pub path: PathBuf,
     /// Whether files here are opened with O_DIRECT.
     pub direct: bool,
+    /// The directory itself, opened `O_NOFOLLOW` and checked.
+    fd: OwnedFd,
+    /// The pool's effective uid: every file it opens here must be its own.
+    uid: u32,
     /// Holds the flock on `.umbp-ssd.lock` for the directory's lifetime.
     _lock: File,
 }
@@ -105,68 +116,125 @@ fn io_err(path: &Path, what: &str, e: io::Error) -> SsdError {
     SsdError::Io { path: path.to_path_buf(), what: what.to_string(), source: e }
 }
 
+fn errno(e: rustix::io::Errno) -> io::Error {
+    io::Error::from_raw_os_error(e.raw_os_error())
+}
+
+/// Name of the lock file in an SSD directory.
+pub const LOCK_NAME: &str = ".umbp-ssd.lock";
+
+/// The private subdirectory a pool of uid `uid` uses inside a shared (sticky) directory.
+pub fn private_subdir_name(uid: u32) -> String {
+    format!("umbp-ssd-{uid}")
+}
+
+/// Why a file in an SSD directory is not one the pool may use, or None when it may: a
+/// regular file, owned by `uid`, with one link (a hard link another user planted could name
+/// a file elsewhere that the pool would then write).
+pub fn foreign_file(st: &rustix::fs::Stat, uid: u32) -> Option<String> {
+    let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
+    if kind != rustix::fs::FileType::RegularFile {
+        return Some(format!("is not a regular file ({kind:?})"));
+    }
+    if st.st_uid != uid {
+        return Some(format!("is owned by uid {}, not the pool's uid {uid}", st.st_uid));
+    }
+    if st.st_nlink != 1 {
+        return Some(format!("has {} hard links (a segment has one)", st.st_nlink));
+    }
+    None
+}
+
 impl Directory {
-    /// Checks that `path` is an existing, writable directory, locks it, and (with
-    /// `try_direct`) probes O_DIRECT.
+    /// Checks `path` as the socket directory is checked (owner, mode, every directory above:
+    /// `umbp_ipc::sockdir`), moves into a private 0700 subdirectory when others may create
+    /// files in it (sticky), locks it, and (with `try_direct`) probes O_DIRECT.
     pub fn open(path: &Path, try_direct: bool) -> Result<Self, SsdError> {
-        let meta = std::fs::metadata(path).map_err(|e| io_err(path, "SSD directory is not accessible", e))?;
-        if !meta.is_dir() {
-            return Err(SsdError::NotADirectory(path.to_path_buf()));
+        use umbp_ipc::sockdir::{others_may_create, prepare_dir, DirPolicy};
+        let uid = rustix::process::geteuid().as_raw();
+        let (mut fd, _, mode) = prepare_dir(path, &DirPolicy::SSD, None)?;
+        let mut path = path.to_path_buf();
+        if others_may_create(mode) {
+            // Sticky and writable by others (as /var/tmp): they may not rename our files,
+            // but they may add any name, so the segments live one level down, 0700.
+            let sub = path.join(private_subdir_name(uid));
+            let (sub_fd, created, _) = prepare_dir(&sub, &DirPolicy::SSD_PRIVATE, None)?;
+            if created {
+                tracing::info!(dir = %path.display(), private = %sub.display(), "SSD directory is shared (sticky, writable by others): using a private 0700 subdirectory");
+            }
+            fd = sub_fd;
+            path = sub;
         }
-        let lock_path = path.join(".umbp-ssd.lock");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .mode(0o600)
-            .open(&lock_path)
-            .map_err(|e| io_err(path, "SSD directory is not writable (creating .umbp-ssd.lock)", e))?;
+        let lock_path = path.join(LOCK_NAME);
+        let lock = rustix::fs::openat(
+            &fd,
+            LOCK_NAME,
+            OFlags::CREATE | OFlags::RDWR | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| match e {
+            rustix::io::Errno::LOOP => SsdError::Unsafe {
+                path: lock_path.clone(),
+                message: "is a symbolic link: refusing to follow it (remove it)".into(),
+            },
+            e => io_err(&path, &format!("SSD directory is not writable (creating {LOCK_NAME})"), errno(e)),
+        })?;
+        let st = rustix::fs::fstat(&lock).map_err(|e| io_err(&lock_path, "fstat", errno(e)))?;
+        if let Some(why) = foreign_file(&st, uid) {
+            return Err(SsdError::Unsafe { path: lock_path, message: format!("{why}: refusing to use it (remove it)") });
+        }
+        let lock = File::from(lock);
         // A read-only bind mount or a directory without write permission for us fails
         // above; a root-owned process passes permission checks, so probe a real write too.
-        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(|e| {
-            SsdError::Locked { path: path.to_path_buf(), source: io::Error::from_raw_os_error(e.raw_os_error()) }
-        })?;
-        let probe_path = path.join(".umbp-ssd.probe");
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+            .map_err(|e| SsdError::Locked { path: path.clone(), source: errno(e) })?;
         if !try_direct {
-            return Ok(Self { path: path.to_path_buf(), direct: false, _lock: lock });
+            return Ok(Self { path, direct: false, fd, uid, _lock: lock });
         }
-        let direct = match OpenOptions::new()
-            .create(true)
-            .truncate(true)
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&probe_path)
-        {
+        // A name nobody can have planted: O_EXCL never opens an existing file or link.
+        static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        // Relaxed: the counter only makes names unique, it orders nothing.
+        let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let probe = format!(".umbp-ssd.probe.{}.{n}.{nanos}", std::process::id());
+        let opened = rustix::fs::openat(
+            &fd,
+            probe.as_str(),
+            OFlags::CREATE | OFlags::EXCL | OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC | OFlags::DIRECT,
+            Mode::from_raw_mode(0o600),
+        );
+        let direct = match opened {
             Ok(f) => {
+                let f = File::from(f);
                 let buf = AlignedBuf::new(BLOCK as usize);
                 match f.write_at(&buf, 0) {
-                    Ok(_) => true,
-                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => false,
-                    Err(e) => return Err(io_err(path, "SSD directory refused a test write", e)),
+                    Ok(_) => Ok(true),
+                    Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok(false),
+                    Err(e) => Err(io_err(&path, "SSD directory refused a test write", e)),
                 }
             }
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => false,
-            Err(e) => return Err(io_err(path, "SSD directory is not writable", e)),
+            Err(rustix::io::Errno::INVAL) => Ok(false),
+            Err(e) => Err(io_err(&path, "SSD directory is not writable", errno(e))),
         };
-        let _ = std::fs::remove_file(&probe_path);
+        // The probe may exist even where the open failed (O_DIRECT is refused after create).
+        let _ = rustix::fs::unlinkat(&fd, probe.as_str(), rustix::fs::AtFlags::empty());
+        let direct = direct?;
         if !direct {
             tracing::warn!(
                 dir = %path.display(),
                 "SSD directory does not support O_DIRECT (tmpfs?): using buffered I/O; reads may be served from the page cache and throughput figures are not the drive's"
             );
         }
-        Ok(Self { path: path.to_path_buf(), direct, _lock: lock })
+        Ok(Self { path, direct, fd, uid, _lock: lock })
     }
 
     /// Segment ids present, ascending.
     pub fn list_segments(&self) -> Result<Vec<u64>, SsdError> {
-        let rd = std::fs::read_dir(&self.path).map_err(|e| io_err(&self.path, "listing SSD directory", e))?;
+        let mut rd = rustix::fs::Dir::read_from(&self.fd).map_err(|e| io_err(&self.path, "listing SSD directory", errno(e)))?;
         let mut ids = Vec::new();
-        for ent in rd {
-            let ent = ent.map_err(|e| io_err(&self.path, "listing SSD directory", e))?;
-            if let Some(id) = ent.file_name().to_str().and_then(parse_segment_name) {
+        while let Some(ent) = rd.read() {
+            let ent = ent.map_err(|e| io_err(&self.path, "listing SSD directory", errno(e)))?;
+            if let Some(id) = ent.file_name().to_str().ok().and_then(parse_segment_name) {
                 ids.push(id);
             }
         }
@@ -178,30 +246,46 @@ impl Directory {
         self.path.join(segment_name(id))
     }
 
-    fn options(&self) -> OpenOptions {
-        let mut o = OpenOptions::new();
-        o.read(true).write(true);
+    fn flags(&self) -> OFlags {
+        let mut f = OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         if self.direct {
-            o.custom_flags(libc::O_DIRECT);
+            f |= OFlags::DIRECT;
         }
-        o
+        f
     }
 
     pub fn create_segment(&self, id: u64) -> Result<Segment, SsdError> {
         let path = self.segment_path(id);
-        let file = self
-            .options()
-            .create_new(true)
-            .mode(0o600)
-            .open(&path)
-            .map_err(|e| io_err(&path, "creating segment", e))?;
-        Ok(Segment { id, path, file })
+        let fd = rustix::fs::openat(&self.fd, segment_name(id).as_str(), self.flags() | OFlags::CREATE | OFlags::EXCL, Mode::from_raw_mode(0o600))
+            .map_err(|e| io_err(&path, "creating segment", errno(e)))?;
+        Ok(Segment { id, path, file: File::from(fd) })
     }
 
+    /// Opens an existing segment: never through a symlink, and only a regular file of the
+    /// pool's own uid with one link ([`SsdError::Unsafe`] otherwise: the caller skips it).
     pub fn open_segment(&self, id: u64) -> Result<Segment, SsdError> {
         let path = self.segment_path(id);
-        let file = self.options().open(&path).map_err(|e| io_err(&path, "opening segment", e))?;
-        Ok(Segment { id, path, file })
+        // NONBLOCK: a FIFO planted under a segment's name must not hang the open.
+        let fd = rustix::fs::openat(&self.fd, segment_name(id).as_str(), self.flags() | OFlags::NONBLOCK, Mode::empty())
+            .map_err(|e| match e {
+                rustix::io::Errno::LOOP => {
+                    SsdError::Unsafe { path: path.clone(), message: "is a symbolic link: not followed, segment skipped".into() }
+                }
+                e => io_err(&path, "opening segment", errno(e)),
+            })?;
+        let st = rustix::fs::fstat(&fd).map_err(|e| io_err(&path, "fstat segment", errno(e)))?;
+        if let Some(why) = foreign_file(&st, self.uid) {
+            return Err(SsdError::Unsafe { path, message: format!("{why}: segment skipped") });
+        }
+        let fl = rustix::fs::fcntl_getfl(&fd).map_err(|e| io_err(&path, "fcntl segment", errno(e)))?;
+        rustix::fs::fcntl_setfl(&fd, fl - OFlags::NONBLOCK).map_err(|e| io_err(&path, "fcntl segment", errno(e)))?;
+        Ok(Segment { id, path, file: File::from(fd) })
+    }
+
+    /// Removes a segment file (by name in this directory, never through a symlink above).
+    pub fn remove_segment(&self, id: u64) -> Result<(), SsdError> {
+        rustix::fs::unlinkat(&self.fd, segment_name(id).as_str(), rustix::fs::AtFlags::empty())
+            .map_err(|e| io_err(&self.segment_path(id), "removing segment", errno(e)))
     }
 }
 

@@ -55,6 +55,7 @@ pub(super) struct Counters {
     pub misplaced_records: AtomicU64,
     pub segments_scanned: AtomicU64,
     pub segments_unreadable: AtomicU64,
+    pub segments_refused: AtomicU64,
     pub segments_from_footer: AtomicU64,
     pub compactions: AtomicU64,
     pub compacted_bytes: AtomicU64,
@@ -93,6 +94,9 @@ pub struct SsdStats {
     pub segments_scanned: u64,
     /// Segments that could not be opened or read at start (skipped; their objects are misses).
     pub segments_unreadable: u64,
+    /// Segment files refused at start and left untouched: a symlink, not a regular file,
+    /// another uid's, or hard-linked (docs/security.md, "The SSD directory").
+    pub segments_refused: u64,
     pub segments_from_footer: u64,
     pub compactions: u64,
     pub compacted_bytes: u64,
@@ -284,8 +288,8 @@ impl Shard {
         }
         self.used -= m.len;
         bump(&counters.evicted_objects, gone.len() as u64);
-        if let Err(e) = std::fs::remove_file(&m.seg.path) {
-            tracing::warn!(path = %m.seg.path.display(), error = %e, "removing SSD segment");
+        if let Err(e) = self.dir.remove_segment(id) {
+            tracing::warn!(error = %e, "removing SSD segment");
         }
         gone
     }
@@ -840,6 +844,7 @@ impl SsdStore {
             misplaced_records: g(&c.misplaced_records),
             segments_scanned: g(&c.segments_scanned),
             segments_unreadable: g(&c.segments_unreadable),
+            segments_refused: g(&c.segments_refused),
             segments_from_footer: g(&c.segments_from_footer),
             compactions: g(&c.compactions),
             compacted_bytes: g(&c.compacted_bytes),

@@ -10,7 +10,7 @@ Keys (all optional):
 |---|---|---|---|
 | `mode` | `embedded` \\| `standalone` | `embedded` | pool inside each worker, or the node's `umbp-pool` |
 | `endpoint` | socket path or `unix://` address | `$UMBP_STANDALONE_ADDRESS`, else the default socket | standalone pool to attach to; a TCP address is refused (unix sockets only) |
-| `lookup_instance` | socket path or `unix://` address | `endpoint` | standalone pool whose index the scheduler reads |
+| `lookup_instance` | standalone: socket path or `unix://` address; embedded: a name | standalone: `endpoint`; embedded: none | standalone: pool whose index the scheduler reads; embedded (the seed's meaning): tells independent engines of one model on a host apart: mixed into each worker pool's socket name |
 | `lookup_dir` | directory | the default socket's directory | embedded: where each worker's pool socket (which the scheduler's lookups attach to) is created |
 | `capacity_bytes` | size | see below | embedded: DRAM per worker (per TP rank) |
 | `total_capacity_bytes` | size | | embedded: DRAM for the whole engine, split evenly over TP ranks |
@@ -204,36 +204,29 @@ def parse_nonnegative_int(value: Any, key: str) -> int:
     return int(str(value).strip())
 
 
-_TCP_HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.\-]+):[0-9]{1,5}$")
-
-
 def parse_endpoint(value: Any, key: str) -> str:
     """A pool address -> its socket path: a path, or `unix://<path>`.
 
     The pool only listens on unix sockets (memory is passed as file descriptors, which TCP
     cannot carry), so `tcp://...`, any other scheme, and a bare `host:port` are refused
-    with a message saying so.
+    with a message saying so. The parsing is the binding's `parse_endpoint`, the one
+    parser umbp-pool's `--socket`, the Rust worker and scheduler and ringtool use too
+    (`umbp_ipc::endpoint`), so all of them accept and refuse the same values alike.
     """
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{key}: expected a socket path or unix:// address, got {value!r}")
-    v = value.strip()
-    m = re.match(r"^([A-Za-z][A-Za-z0-9+.\-]*)://(.*)$", v)
-    if m:
-        scheme, rest = m.group(1).lower(), m.group(2)
-        if scheme != "unix":
-            raise ValueError(
-                f"{key}: {value!r} is a {scheme} address; only unix sockets are supported "
-                "(give a socket path or unix:///path/to/umbp.sock)"
-            )
-        if not rest:
-            raise ValueError(f"{key}: {value!r} names no socket path")
-        return rest
-    if "/" not in v and _TCP_HOST_PORT.match(v):
-        raise ValueError(
-            f"{key}: {value!r} looks like a TCP host:port; only unix sockets are supported "
-            "(give a socket path or unix:///path/to/umbp.sock)"
-        )
-    return v
+    from .endpoints import load_native
+
+    return load_native().parse_endpoint(key, value)
+
+
+def parse_instance(value: Any, key: str) -> str:
+    """Embedded `lookup_instance`: a non-empty name (no NUL) that tells engines apart."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip() or "\0" in value:
+        raise ValueError(f"{key}: expected a non-empty instance name, got {value!r}")
+    return value.strip()
 
 
 def _physical_memory_bytes() -> int:
@@ -248,6 +241,7 @@ class UMBPConnectorConfig:
     mode: str = MODE_EMBEDDED
     endpoint: str | None = None  # standalone: resolved socket path
     lookup_instance: str | None = None  # standalone: socket the scheduler's index attaches to
+    instance: str | None = None  # embedded: `lookup_instance`, mixed into the pools' socket names
     capacity_bytes: int | None = None  # embedded: per worker (resolved by capacity_per_worker)
     total_capacity_bytes: int | None = None
     dram_high_watermark: float = 0.9
@@ -315,8 +309,8 @@ class UMBPConnectorConfig:
 
         `default_socket_path` is a zero-argument callable (the binding's
         `default_socket_path`), called only for a standalone config without `endpoint` and
-        without `$UMBP_STANDALONE_ADDRESS`; it is a parameter so this module needs no
-        native code.
+        without `$UMBP_STANDALONE_ADDRESS`. Endpoints are parsed by the binding
+        (`parse_endpoint`), imported only for a standalone config.
         """
         extra = checked_extra(extra, KNOWN_KEYS, "kv_connector_extra_config of UMBPStoreConnector")
 
@@ -336,12 +330,15 @@ class UMBPConnectorConfig:
 
         if mode == MODE_EMBEDDED:
             # Keys that only make sense for a pool of its own / somebody else's pool.
-            for k in ("endpoint", "lookup_instance"):
-                if has(k):
-                    raise ValueError(
-                        f"{k}: only valid with mode='standalone' (mode is 'embedded': each "
-                        f"worker runs a private pool on a derived socket)"
-                    )
+            if has("endpoint"):
+                raise ValueError(
+                    "endpoint: only valid with mode='standalone' (mode is 'embedded': each "
+                    "worker runs a private pool on a derived socket)"
+                )
+            # The seed's embedded meaning: a name that tells independent engines of one
+            # model on a host apart (their workers' sockets differ; DP ranks already do).
+            if has("lookup_instance"):
+                kw["instance"] = parse_instance(extra["lookup_instance"], "lookup_instance")
             if has("capacity_bytes") and has("total_capacity_bytes"):
                 raise ValueError(
                     "capacity_bytes: conflicts with total_capacity_bytes (give one of them)"

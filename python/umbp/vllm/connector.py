@@ -111,6 +111,9 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._cfg = UMBPConnectorConfig.from_extra_config(
             ktc.kv_connector_extra_config, self._native.default_socket_path
         )
+        # vLLM's kv_load_failure_policy: with "recompute" a failed load's request recomputes
+        # into the same blocks, so a started load can never hand them back early.
+        self._recompute_failures = getattr(ktc, "kv_load_failure_policy", "fail") == "recompute"
         pc = vllm_config.parallel_config
         check_parallelism(
             pc.pipeline_parallel_size, int(getattr(pc, "prefill_context_parallel_size", 1) or 1)

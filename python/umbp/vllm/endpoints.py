@@ -28,17 +28,21 @@ def embedded_socket_path(
     dp_rank: int,
     tp_rank: int,
     lookup_dir: str | None = None,
+    instance: str | None = None,
 ) -> str:
     """Private socket of one worker's embedded pool.
 
     In `lookup_dir` (kv_connector_extra_config) if given, else the default socket
-    directory; named after a digest of the engine id (unix socket paths are limited to 107
-    bytes) plus the DP and TP rank, so two engines or DP ranks on one host never collide.
+    directory; named after a digest of the engine id and the `lookup_instance` name if one
+    is given (unix socket paths are limited to 107 bytes) plus the DP and TP rank, so two
+    engines or DP ranks on one host never collide, also two engines given the same
+    `engine_id` but different `lookup_instance` names (the seed's meaning of that key).
     The pool itself refuses to take over a live listener. A `lookup_dir` that cannot be
     created or written is an error naming it (never a silent fallback: the scheduler and
     the workers must agree on the path).
     """
-    tag = hashlib.sha256(str(engine_id).encode()).hexdigest()[:16]
+    ident = str(engine_id) if instance is None else f"{engine_id}\0lookup_instance={instance}"
+    tag = hashlib.sha256(ident.encode()).hexdigest()[:16]
     name = f"umbp-emb-{tag}-dp{dp_rank}-tp{tp_rank}.sock"
     if lookup_dir is not None:
         try:

@@ -48,13 +48,29 @@ class ReqState:
     async_load_pending: bool = False  # async load planned, completion not yet seen
     load_block_ids: tuple[int, ...] = ()  # blocks of the last planned load (all groups)
     load_first: int = 0  # first token of that load
-    load_failed: bool = False  # a load failed: never offer hits again (no retry loops)
+    # Failed loads: until the request is preempted after its last failure it gets no pool
+    # hit (vLLM re-runs the lookup at once after a failed async load; the same hit would
+    # replay the same failing load); after _MAX_FAILED_LOADS it recomputes for good.
+    load_failures: int = 0
+    failed_at_preemptions: int = 0  # request.num_preemptions when the last load failed
     tail_stored: bool = False  # enable_partial_hash_hits: the prompt's partial block planned
 
     @property
     def has_store(self) -> bool:
         return self.store_ops > 0
 
+
+def _finished_with_error(request: Any) -> bool:
+    try:
+        from vllm.v1.request import RequestStatus
+    except ImportError:  # pragma: no cover - vLLM without v1 request states
+        return False
+    return getattr(request, "status", None) == RequestStatus.FINISHED_ERROR
+
+
+# Failed loads after which a request gets no pool hit again (no retry loops against a
+# pool that keeps failing or an index that keeps claiming what it cannot deliver).
+_MAX_FAILED_LOADS = 3
 
 # Hybrid lookups walk down from the longest full-attention hit; bound the walk.
 _MAX_HIT_PROBES = 64
@@ -100,7 +116,8 @@ class SchedulerSide:
         if self.cfg.embedded:
             default = self.n.default_socket_path()
             self._index_paths = [
-                embedded_socket_path(default, c._engine_id, c._dp_rank, r, lookup_dir=self.cfg.lookup_dir)
+                embedded_socket_path(default, c._engine_id, c._dp_rank, r, lookup_dir=self.cfg.lookup_dir,
+                                     instance=self.cfg.instance)
                 for r in range(c._tp_size)
             ]
         else:
@@ -288,10 +305,7 @@ class SchedulerSide:
             st = self._reqs[request.request_id] = ReqState(request)
         st.local_hit_tokens = num_computed_tokens
         st.pool_hit_tokens = 0
-        if not (self.c._do_load and self.cfg.enable_lookup) or st.load_failed:
-            # After a failed load the request recomputes: a pool that keeps failing (or an
-            # index that keeps claiming an object it cannot deliver) must not make vLLM
-            # retry the same load forever.
+        if not (self.c._do_load and self.cfg.enable_lookup) or self._load_blocked(st, request):
             return 0, False
         # Async loads only for requests that never stored: a request that stored before a
         # preemption would otherwise have to report both "sent" and "received" at finish.
@@ -320,6 +334,19 @@ class SchedulerSide:
             return 0, False
         stats.add("lookup_hit_tokens", ext)
         return ext, is_async
+
+    @staticmethod
+    def _load_blocked(st: ReqState, request: "Request") -> bool:
+        """No pool hit for a request whose last load failed, until it was preempted since
+        (its blocks are gone and it starts over: a new load is a new attempt, e.g. after a
+        stalled pool recovered); none at all after _MAX_FAILED_LOADS failures. vLLM asks
+        again right after a failed async load (the request is back in the waiting queue):
+        that lookup misses, so the request recomputes instead of replaying the load."""
+        if st.load_failures == 0:
+            return False
+        if st.load_failures >= _MAX_FAILED_LOADS:
+            return True
+        return int(getattr(request, "num_preemptions", 0)) <= st.failed_at_preemptions
 
     def update_state_after_alloc(
         self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
@@ -602,6 +629,16 @@ class SchedulerSide:
             # report (which vLLM handles for finished requests too) releases them.
             # (Requests that ever stored never load asynchronously, so no store is pending.)
             return True, None
+        if (
+            st.load_block_ids
+            and not self.c._recompute_failures
+            and _finished_with_error(request)
+        ):
+            # A request failed by a load error: its synchronous load may have been started
+            # by a pool that did not finish it in time (quarantined on the workers). Its
+            # blocks stay until every worker reports the load over ("finished sending").
+            self._finish_after_stores.append(request.request_id)
+            return True, None
         if st.store_ops_done < st.store_ops * self.c._tp_size:
             # Stores may still read the blocks: keep them until every worker reports the
             # request as "finished sending" (it learns which ones through the metadata).
@@ -614,7 +651,9 @@ class SchedulerSide:
         if bad:
             for st in self._reqs.values():
                 if st.load_block_ids and not bad.isdisjoint(st.load_block_ids):
-                    st.load_failed = True
+                    st.load_failures += 1
+                    st.failed_at_preemptions = int(getattr(st.request, "num_preemptions", 0))
+                    st.load_block_ids = ()  # counted once; a new load sets them again
                     # vLLM recomputes from the first bad block; the recomputed blocks are
                     # not in the pool (that is why they failed), so they must be stored.
                     st.stored_upto = min(st.stored_upto, st.load_first)

@@ -46,6 +46,7 @@ COUNTERS = (
     # worker: the cancel contract (docs/protocol.md)
     "cancelled_transfers",  # past timeout_ms, cancelled: blocks given back at once
     "cancel_refused",  # a load the pool had started: its blocks were held until it finished
+    "quarantined_loads",  # started sync loads past timeout_ms: failed, blocks held until the pool is done
     # scheduler: KV events
     "events_suppressed",  # BlockStored events not sent: kv_event_max_objects blocks tracked
 )
@@ -70,6 +71,7 @@ PROM_COUNTERS = {
     "store_ns": ("store_seconds", "Summed latency of stores (submit to completion)"),
     "cancelled_transfers": ("cancelled_transfers", "Transfers cancelled past timeout_ms"),
     "cancel_refused": ("cancel_refused", "Cancels refused: a started load kept its blocks until done"),
+    "quarantined_loads": ("quarantined_loads", "Started synchronous loads past timeout_ms, reported failed, blocks held until the pool finished or died"),
     "events_suppressed": ("events_suppressed", "BlockStored events suppressed (kv_event_max_objects reached)"),
 }
 PROM_PREFIX = "vllm:umbp_"

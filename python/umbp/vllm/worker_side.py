@@ -10,6 +10,12 @@ pool's cancel contract (docs/protocol.md), never just dropped. A cancelled store
 the pool had not started gives its blocks back at once (the pool will never touch them
 again, even if it was only stopped and resumes later); only a load the pool has already
 started keeps its blocks until the pool finishes it or dies.
+
+A started synchronous load past `timeout_ms` does not hold the step (docs/connection.md,
+"A started load that does not finish"): with vLLM's kv_load_failure_policy "fail" its
+blocks are reported failed at once (the request fails) and quarantined: the scheduler
+delays their free until the pool completes the load or dies. With "recompute" the request
+would recompute into the very blocks the pool may still write, so the step waits instead.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class WorkerSide:
         if self.cfg.embedded:
             path = embedded_socket_path(
                 self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank,
-                lookup_dir=self.cfg.lookup_dir,
+                lookup_dir=self.cfg.lookup_dir, instance=self.cfg.instance,
             )
             cap = self.cfg.capacity_per_worker(c._tp_size)
             # The pool's default (64 KiB) unless this engine's objects are smaller.
@@ -118,6 +124,9 @@ class WorkerSide:
         self._store_done: dict[str, int] = {}  # store ops with a known outcome, per request
         self._finished_recving: set[str] = set()
         self._load_errors: set[int] = set()
+        # Started synchronous loads past timeout_ms, reported failed: their blocks stay out
+        # of reuse (the request's free is delayed) until the pool completes them or dies.
+        self._quarantined: dict[int, Job] = {}
         self._stored_hashes: dict[bytes, int] = {}
         self._ops_done: dict[int, int] = {}
         self._on_cuda = False
@@ -243,10 +252,12 @@ class WorkerSide:
         """
         while self._sync_loads:
             tid = self._sync_loads.pop()
-            job = self._jobs.pop(tid, None)
+            job = self._jobs.get(tid)
             if job is None:
                 continue
-            self._finish_load(job, self._wait(tid))
+            statuses = self._wait(tid)
+            self._jobs.pop(tid, None)
+            self._finish_load(job, statuses)
 
     def wait_for_save(self, meta: UMBPConnectorMetadata) -> None:
         # Synchronous loads not waited for by an attention layer still finish this step, so
@@ -285,7 +296,8 @@ class WorkerSide:
         for rid in finished_req_ids:
             if rid not in self._finishing and not self._req_stores.get(rid):
                 self._req_stores.pop(rid, None)
-        sending = {rid for rid in self._finishing if not self._req_stores.get(rid)}
+        held = {j.req_id for j in self._quarantined.values()}
+        sending = {rid for rid in self._finishing if not self._req_stores.get(rid) and rid not in held}
         for rid in sending:
             self._finishing.discard(rid)
             self._req_stores.pop(rid, None)
@@ -336,9 +348,25 @@ class WorkerSide:
 
     def _cancel(self, tid: int) -> list[int]:
         """Cancel a transfer past its time; returns its statuses (all failed when
-        cancelled). A load the pool has started is waited for instead, without bound."""
+        cancelled). A synchronous load the pool has started is quarantined (reported
+        failed now, its blocks kept out of reuse until the pool completes it or dies);
+        under kv_load_failure_policy "recompute" it is waited for instead, without bound."""
         outcome = self.w.cancel(tid)
         self.c._stats.add("cancelled_transfers" if outcome == "cancelled" else "cancel_refused", 1)
+        job = self._jobs.get(tid)
+        if outcome == "started" and job is not None and job.kind == "load" and not self.c._recompute_failures:
+            self._quarantined[tid] = job
+            self.c._stats.add("quarantined_loads", 1)
+            logger.warning(
+                "UMBP: load %d for %s was started by a pool that did not finish it in %d ms; "
+                "its %d blocks are reported failed and kept out of reuse until the pool "
+                "finishes it or dies",
+                tid,
+                job.req_id,
+                self.cfg.timeout_ms,
+                len(job.block_ids),
+            )
+            return []
         waited = 0
         while True:
             res = self.w.wait(tid, 0 if outcome != "started" else self.cfg.timeout_ms)
@@ -388,6 +416,12 @@ class WorkerSide:
             logger.debug("UMBP: poll failed: %s", e)
             done = []
         for tid, statuses in done:
+            held = self._quarantined.pop(int(tid), None)
+            if held is not None:
+                # The pool finished (or died with) a quarantined load: its request's
+                # delayed free may go ahead (get_finished).
+                logger.info("UMBP: quarantined load %d for %s is over; its blocks are free", int(tid), held.req_id)
+                continue
             job = self._jobs.pop(int(tid), None)
             if job is None:
                 continue  # abandoned (timed-out synchronous load) or already handled

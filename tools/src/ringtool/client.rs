@@ -16,12 +16,9 @@ use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
 const TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The socket ringtool uses when `--socket` is not given: like `umbp-pool`,
-/// `UMBP_STANDALONE_ADDRESS`, else the default path.
-pub fn default_socket() -> PathBuf {
-    std::env::var_os("UMBP_STANDALONE_ADDRESS")
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(umbp_ipc::default_socket_path)
+/// `UMBP_STANDALONE_ADDRESS` (a path or `unix://` address), else the default path.
+pub fn default_socket() -> Result<PathBuf, String> {
+    umbp_ipc::endpoint::default_endpoint().map_err(|e| e.to_string())
 }
 
 pub struct Observer {
@@ -42,6 +39,10 @@ impl Observer {
                 socket.display()
             )
         })?;
+        // As workers do: only a pool of our uid, root or UMBP_POOL_UID hears our Hello (a socket
+        // another user put in place of the pool's learns nothing, docs/security.md item 4).
+        umbp_ipc::peer::check_pool_peer(std::os::fd::AsFd::as_fd(&sock), None)
+            .map_err(|e| format!("pool at {}: {e}", socket.display()))?;
         let mut hello = Hello::new(Role::Observer, 0, std::process::id());
         // An observer submits nothing: ask for the smallest rings and arena the pool allows.
         hello.sq_entries = 1;

@@ -25,8 +25,10 @@ use decode::RecordType;
 
 /// See inside a live UMBP pool: its state, rings, index and events.
 ///
-/// dump and watch attach to the pool's socket as a read-only observer; decode and encode
-/// work offline on protocol records; inspect maps a memfd of a live process read-only.
+/// dump and watch attach to the pool's socket as a read-only observer (only to a pool
+/// running as this user, root, or $UMBP_POOL_UID: checked before anything is sent); decode
+/// and encode work offline on protocol records; inspect maps a memfd of a live process
+/// read-only.
 #[derive(Parser, Debug)]
 #[command(name = "ringtool", version, about, long_about)]
 pub struct Cli {
@@ -36,15 +38,25 @@ pub struct Cli {
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct SocketArg {
-    /// Pool socket [default: $UMBP_STANDALONE_ADDRESS, else $XDG_RUNTIME_DIR/umbp/pool.sock
-    /// or /tmp/umbp/pool.sock, like umbp-pool].
-    #[arg(long, value_name = "PATH")]
+    /// Pool socket: a path or unix:///path [default: $UMBP_STANDALONE_ADDRESS, else
+    /// $XDG_RUNTIME_DIR/umbp/pool.sock or /tmp/umbp/pool.sock, like umbp-pool].
+    #[arg(long, value_name = "PATH", value_parser = parse_socket)]
     pub socket: Option<PathBuf>,
 }
 
+/// `--socket`: the parser every endpoint reader shares (`umbp_ipc::endpoint`).
+fn parse_socket(value: &str) -> Result<PathBuf, String> {
+    umbp_ipc::endpoint::parse_endpoint("--socket", std::ffi::OsStr::new(value)).map_err(|e| e.to_string())
+}
+
 impl SocketArg {
-    pub fn path(&self) -> PathBuf {
-        self.socket.clone().unwrap_or_else(client::default_socket)
+    /// `--socket`, else `$UMBP_STANDALONE_ADDRESS`, else the default path; an
+    /// unparseable variable is an error naming it.
+    pub fn path(&self) -> Result<PathBuf, String> {
+        match &self.socket {
+            Some(s) => Ok(s.clone()),
+            None => client::default_socket(),
+        }
     }
 }
 
@@ -138,7 +150,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
     let mut w = |s: &str| stdout.write_all(s.as_bytes()).map_err(stdout_error);
     match cli.cmd {
         Cmd::Dump { socket, json } => {
-            let obs = client::Observer::attach(&socket.path())?;
+            let obs = client::Observer::attach(&socket.path()?)?;
             let report = obs.stats()?;
             if json {
                 w(&(serde_json::to_string_pretty(&report).expect("json") + "\n"))
@@ -146,7 +158,7 @@ pub fn run(cli: Cli) -> Result<(), String> {
                 w(&view::dump_any(&report))
             }
         }
-        Cmd::Watch { socket, interval, count, json } => watch(&socket.path(), interval, count, json),
+        Cmd::Watch { socket, interval, count, json } => watch(&socket.path()?, interval, count, json),
         Cmd::Decode { ty, file, offset, json, hex } => {
             let bytes = read_input(file.as_ref(), &hex)?;
             let bytes = bytes.get(offset..).ok_or_else(|| format!("--offset {offset} is past the {} input bytes", bytes.len()))?;

@@ -293,7 +293,7 @@ pub fn ssd_section(out: &mut String, s: &SsdReport) {
         s.promotion_failures
     ));
     out.push_str(&format!(
-        "  CRC misses {}  read errors {}  write errors {}  evicted {}  compactions {}\n  warm restart: restored {} objects in {:.1} ms, torn records skipped {}\n\n",
+        "  CRC misses {}  read errors {}  write errors {}  evicted {}  compactions {}\n  warm restart: restored {} objects in {:.1} ms, torn records skipped {}, segments refused {}\n\n",
         s.crc_misses,
         s.read_errors,
         s.write_errors,
@@ -301,7 +301,8 @@ pub fn ssd_section(out: &mut String, s: &SsdReport) {
         s.compactions,
         s.restored_objects,
         s.rebuild_ms,
-        s.torn_records_skipped
+        s.torn_records_skipped,
+        s.segments_refused
     ));
 }
 
