@@ -170,6 +170,35 @@ impl Attachment {
         self.alive.load(Ordering::Acquire)
     }
 
+    /// Whether the peer is gone, judged now, without waiting for the service thread to
+    /// notice: detached, or its socket hung up (the peer closed it, shut it down or died:
+    /// the kernel closes a dead process's sockets). The copy thread asks before it claims a
+    /// stage and before it publishes a store's stage (docs/protocol.md §4a): a peer that
+    /// dropped its connection gave its blocks back, as if it abandoned every transfer.
+    ///
+    /// Only a hang-up, an error or an invalid fd reported by `poll` means gone: EINTR is
+    /// retried, and any other `poll` failure judges nothing (the peer counts as alive).
+    pub fn peer_gone(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags};
+        if !self.is_alive() {
+            return true;
+        }
+        let gone = PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR | PollFlags::NVAL;
+        let mut fds = [PollFd::new(&self.socket, PollFlags::RDHUP)];
+        loop {
+            // A zero timeout: never waits.
+            match poll(&mut fds, Some(&rustix::event::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+                Ok(0) => return false,
+                Ok(_) => return fds[0].revents().intersects(gone),
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::debug!(attachment = self.id, "liveness poll failed ({e}): judging nothing");
+                    return false;
+                }
+            }
+        }
+    }
+
     /// Posts a completion, queueing it privately when the CQ is full. A corrupted CQ
     /// (the peer scribbled on our head word) detaches the peer.
     pub fn complete(&self, cqe: Cqe) {
@@ -195,6 +224,9 @@ impl Attachment {
     }
 
     pub fn ring_snapshots(&self) -> (RingSnapshot, RingSnapshot, RingSnapshot) {
+        // pool/tests/lock_order.rs holds a report here to see that it holds no
+        // `attachments` while it takes these per-attachment locks.
+        crate::fault::pass(crate::fault::HoldPoint::ReportRings);
         let sq = self.sq.lock().expect("sq lock").ring().snapshot();
         let cq = self.cq.lock().expect("cq lock").producer.ring().snapshot();
         let hints = self.hints.lock().expect("hints lock").ring().snapshot();

@@ -115,6 +115,28 @@ pub(crate) fn check_copy(blocks: &[JobBlock]) {
     }
 }
 
+static PANIC_ON_LANDING_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
+static LANDING_ARMED: AtomicBool = AtomicBool::new(false);
+
+/// TEST ONLY: makes the copy thread panic while it settles the landed stage holding
+/// `key` (inside the device layer's stage-done callback). None disarms.
+#[doc(hidden)]
+pub fn panic_on_landing_of(key: Option<ObjectKey>) {
+    *PANIC_ON_LANDING_OF.lock().unwrap_or_else(|e| e.into_inner()) = key;
+    LANDING_ARMED.store(key.is_some(), Ordering::Release);
+}
+
+/// Called by the copy thread with a landed stage's blocks, before they are settled.
+pub(crate) fn check_landed(blocks: &[JobBlock]) {
+    if !LANDING_ARMED.load(Ordering::Acquire) {
+        return;
+    }
+    let armed = *PANIC_ON_LANDING_OF.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(key) = armed.filter(|k| blocks.iter().any(|b| b.key == *k)) {
+        panic!("injected landing fault for key {:032x}", key.0);
+    }
+}
+
 /// Points where a test can hold a pool thread, to force an interleaving that is otherwise
 /// a matter of microseconds (e.g. a lock-order race).
 #[doc(hidden)]
@@ -127,9 +149,12 @@ pub enum HoldPoint {
     /// The cluster tier's change follower, started, before its first read of the KV event
     /// logs (a thread the scheduler runs late).
     ClusterFollowerStart = 2,
+    /// A report about to take one attachment's ring locks (`Attachment::ring_snapshots`):
+    /// whatever the reporting thread holds here, it holds while it waits for them.
+    ReportRings = 3,
 }
 
-const HOLD_POINTS: usize = 3;
+const HOLD_POINTS: usize = 4;
 
 struct Holds {
     armed: [bool; HOLD_POINTS],
@@ -240,17 +265,41 @@ pub(crate) fn demotion_batch(objects: usize) {
 #[doc(hidden)]
 pub fn panic_on_promotion_of(key: Option<ObjectKey>) {
     *PANIC_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()) = key;
-    PROMOTION_ARMED.store(key.is_some(), Ordering::Release);
+    let paused = PAUSE_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()).is_some();
+    PROMOTION_ARMED.store(key.is_some() || paused, Ordering::Release);
+}
+
+static PAUSE_ON_PROMOTION_OF: Mutex<Option<(ObjectKey, Arc<Pause>)>> = Mutex::new(None);
+
+/// TEST ONLY: holds the SSD tier's fetch of the batch holding `key` once (a slow SSD read,
+/// deterministically), before it reads, until the returned pause is released.
+#[doc(hidden)]
+pub fn pause_on_promotion_of(key: ObjectKey) -> Arc<Pause> {
+    let pause = Arc::new(Pause::default());
+    *PAUSE_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner()) = Some((key, pause.clone()));
+    PROMOTION_ARMED.store(true, Ordering::Release);
+    pause
 }
 
 /// Called by the SSD tier's fetch with the keys of one promotion batch.
-pub(crate) fn promotion(mut keys: impl Iterator<Item = ObjectKey>) {
+pub(crate) fn promotion(keys: impl Iterator<Item = ObjectKey>) {
     if !PROMOTION_ARMED.load(Ordering::Acquire) {
         return;
     }
+    let keys: Vec<ObjectKey> = keys.collect();
     let armed = *PANIC_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(key) = armed.filter(|k| keys.any(|x| x == *k)) {
+    if let Some(key) = armed.filter(|k| keys.contains(k)) {
         panic!("injected promotion fault for key {:032x}", key.0);
+    }
+    let pause = {
+        let mut p = PAUSE_ON_PROMOTION_OF.lock().unwrap_or_else(|e| e.into_inner());
+        match p.as_ref() {
+            Some((key, _)) if keys.contains(key) => p.take().map(|(_, pause)| pause),
+            _ => None,
+        }
+    };
+    if let Some(pause) = pause {
+        pause.hold();
     }
 }
 

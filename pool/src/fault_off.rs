@@ -11,10 +11,14 @@ pub enum HoldPoint {
     ServiceBeforeArm,
     ServiceCorrupt,
     ClusterFollowerStart,
+    ReportRings,
 }
 
 #[inline(always)]
 pub(crate) fn check_copy(_blocks: &[JobBlock]) {}
+
+#[inline(always)]
+pub(crate) fn check_landed(_blocks: &[JobBlock]) {}
 
 #[doc(hidden)]
 #[inline(always)]

@@ -325,16 +325,25 @@ fn fail_all(inner: &PoolInner, t: &Ticket) {
     {
         let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
         for i in &t.items {
-            store.finish_promotion(t.key(i), false);
+            store.finish_promotion(t.key(i), i.offset, false);
         }
     }
     t.complete(inner, vec![false; t.items.len()]);
 }
 
 /// Takes the load's tickets holding any candidate before position `to`: waits for each
-/// (while the peer lives and the pool runs), appends the promoted objects to `blocks` and
-/// writes `Missing` for those whose fetch failed. Candidates taken are marked handled.
-pub fn take(inner: &PoolInner, att: &Attachment, ahead: &Ahead, to: usize, blocks: &mut Vec<JobBlock>, statuses: &mut [BlockStatus], n: usize) {
+/// (while `keep_waiting`: the peer lives and wants the load, the pool runs), appends the
+/// promoted objects to `blocks` and writes `Missing` for those whose fetch failed.
+/// Candidates taken are marked handled.
+pub fn take(
+    inner: &PoolInner,
+    keep_waiting: &dyn Fn() -> bool,
+    ahead: &Ahead,
+    to: usize,
+    blocks: &mut Vec<JobBlock>,
+    statuses: &mut [BlockStatus],
+    n: usize,
+) {
     let tickets: Vec<Arc<Ticket>> = {
         let mut s = ahead.state.lock().expect("look-ahead lock");
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut s.tickets).into_iter().partition(|t| t.first_pos() < to);
@@ -347,11 +356,11 @@ pub fn take(inner: &PoolInner, att: &Attachment, ahead: &Ahead, to: usize, block
             loop {
                 match std::mem::replace(&mut *st, TicketState::Taken) {
                     TicketState::Done(r) => break Some(r),
-                    TicketState::InFlight if att.is_alive() && !inner.is_shutting_down() => {
+                    TicketState::InFlight if keep_waiting() => {
                         *st = TicketState::InFlight;
                         st = t.done.wait_timeout(st, Duration::from_millis(50)).expect("ticket lock").0;
                     }
-                    // The peer is gone (or the pool stops): the ticket is abandoned.
+                    // The peer is gone or gave up (or the pool stops): the ticket is abandoned.
                     _ => {
                         *st = TicketState::Abandoned;
                         break None;
@@ -431,7 +440,7 @@ pub fn run_promotion_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<A
 /// (still pinned for the load).
 fn fetch(inner: &PoolInner, t: &Ticket) -> Vec<bool> {
     // Finishes these promotions as failed if the fetch panics.
-    let guard = crate::tier::PromotionGuard::new(inner, t.items.iter().map(|i| (t.key(i), i.tier)).collect());
+    let guard = crate::tier::PromotionGuard::new(inner, t.items.iter().map(|i| (t.key(i), i.offset, i.tier)).collect());
     let mut fetched = vec![false; t.items.len()];
     let base = inner.dram.base();
     for tier in Tier::ALL {
@@ -461,5 +470,5 @@ fn fetch(inner: &PoolInner, t: &Ticket) -> Vec<bool> {
     }
     let mut store = inner.store.lock().expect("store lock");
     guard.disarm();
-    t.items.iter().zip(fetched).map(|(i, ok)| store.finish_promotion(t.key(i), ok)).collect()
+    t.items.iter().zip(fetched).map(|(i, ok)| store.finish_promotion(t.key(i), i.offset, ok)).collect()
 }

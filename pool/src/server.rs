@@ -703,17 +703,33 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
     if att.role != Role::Worker {
         return Reply::error(ReplyStatus::PermissionDenied, "only workers register memory");
     }
-    if att.regions.read().expect("regions lock").contains_key(&reg.alloc_id) {
-        return Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {} is already registered", reg.alloc_id));
+    // A registration of an alloc_id this peer registered already, with the same size, is a
+    // retry (the worker gave up waiting for the reply of a pool that stalled, and sends it
+    // again): the new region replaces the old one, so a timed-out registration never
+    // refuses every retry (issue #31). Layouts stay valid (same size); copies running now
+    // keep the region they started with (they hold its Arc). Another size is refused.
+    let replaced = att.regions.read().expect("regions lock").get(&reg.alloc_id).map(|r| r.len());
+    if let Some(len) = replaced {
+        if len != reg.size {
+            return Reply::error(
+                ReplyStatus::InvalidRequest,
+                &format!("alloc_id {} is already registered with {len} bytes, not {} (a retry must repeat the registration)", reg.alloc_id, reg.size),
+            );
+        }
     }
-    // --max-regions / --max-registered-bytes, on the claimed size before opening anything.
-    let (count, bytes) = (att.regions.read().expect("regions lock").len(), att.registered_bytes());
+    // --max-regions / --max-registered-bytes, on the claimed size before opening anything
+    // (a retry's old region does not count: it is replaced).
+    let (count, bytes) = (
+        att.regions.read().expect("regions lock").len() - replaced.is_some() as usize,
+        att.registered_bytes() - replaced.unwrap_or(0),
+    );
     if let Err(r) = validate::check_registration(count, bytes, reg.size, &inner.config.limits) {
         tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
         return Reply::error(r.status, &r.message);
     }
-    // --max-regions-per-uid / --max-registered-bytes-per-uid: all attachments of the uid.
-    if let Err(r) = check_uid_registration(inner, att.uid, reg.size) {
+    // --max-regions-per-uid / --max-registered-bytes-per-uid: all attachments of the uid
+    // (a retry adds nothing to them).
+    if let Err(r) = if replaced.is_some() { Ok(()) } else { check_uid_registration(inner, att.uid, reg.size) } {
         tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
         return Reply::error(r.status, &r.message);
     }
@@ -737,10 +753,16 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
     match backend.open_region_for(&reg, fds.into_iter().next(), &peer) {
         Ok(region) => {
             // The opened size is what copies may touch; check it too.
+            if region.len() != replaced.unwrap_or(region.len()) {
+                return Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {}: a retry opened another size", reg.alloc_id));
+            }
             if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits)
-                .and_then(|()| check_uid_registration(inner, att.uid, region.len()))
+                .and_then(|()| if replaced.is_some() { Ok(()) } else { check_uid_registration(inner, att.uid, region.len()) })
             {
                 return Reply::error(r.status, &r.message);
+            }
+            if replaced.is_some() {
+                tracing::info!(attachment = att.id, alloc = reg.alloc_id, "memory registration repeated (a retry): the region is replaced");
             }
             tracing::info!(attachment = att.id, alloc = reg.alloc_id, ?kind, bytes = region.len(), "memory registered");
             att.regions.write().expect("regions lock").insert(reg.alloc_id, Arc::from(region));

@@ -127,12 +127,12 @@ impl TierSource for SsdTier {
 /// write their DRAM, so it is never reused).
 pub struct PromotionGuard<'a> {
     inner: &'a PoolInner,
-    /// (object, tier) of each promotion still open.
-    open: Vec<(crate::objects::GroupKey, Tier)>,
+    /// (object, DRAM offset, tier) of each promotion still open.
+    open: Vec<(crate::objects::GroupKey, u64, Tier)>,
 }
 
 impl<'a> PromotionGuard<'a> {
-    pub fn new(inner: &'a PoolInner, open: Vec<(crate::objects::GroupKey, Tier)>) -> Self {
+    pub fn new(inner: &'a PoolInner, open: Vec<(crate::objects::GroupKey, u64, Tier)>) -> Self {
         Self { inner, open }
     }
 
@@ -151,11 +151,11 @@ impl Drop for PromotionGuard<'_> {
         // Not poisoned by this panic (the fetch runs without the lock); if another thread
         // poisoned it, contain_panic stops the pool anyway.
         let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
-        for (key, tier) in self.open.drain(..) {
+        for (key, offset, tier) in self.open.drain(..) {
             if tier == Tier::Remote {
                 store.abandon_promotion(key);
             }
-            store.finish_promotion(key, false);
+            store.finish_promotion(key, offset, false);
         }
     }
 }
@@ -257,7 +257,7 @@ pub fn prefetch(inner: &PoolInner, ssd: &SsdTier, keys: Vec<crate::objects::Grou
         if mine.is_empty() {
             continue;
         }
-        let guard = PromotionGuard::new(inner, mine.iter().map(|m| (m.0, Tier::Ssd)).collect());
+        let guard = PromotionGuard::new(inner, mine.iter().map(|m| (m.0, m.1, Tier::Ssd)).collect());
         let base = inner.dram.base();
         let mut items: Vec<FetchItem<'_>> = mine
             .iter()
@@ -277,7 +277,7 @@ pub fn prefetch(inner: &PoolInner, ssd: &SsdTier, keys: Vec<crate::objects::Grou
         let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
         guard.disarm();
         for (m, ok) in mine.iter().zip(ok) {
-            if store.finish_promotion(m.0, ok) {
+            if store.finish_promotion(m.0, m.1, ok) {
                 store.finish_load(m.0);
                 promoted += 1;
             }

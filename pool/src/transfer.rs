@@ -239,6 +239,9 @@ struct Progress<'j> {
     /// A stage could not be claimed (the worker abandoned the transfer): none is issued
     /// from then on.
     abandoned: bool,
+    /// Settling a landed stage panicked: that stage's and later stages' unsettled blocks
+    /// fail as they land.
+    stage_panicked: bool,
     reserve_ns: u64,
     plan_ns: u64,
     first_stage_ns: u64,
@@ -299,6 +302,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         stage_blocks: Vec::with_capacity(stages),
         settled: 0,
         abandoned: false,
+        stage_panicked: false,
         reserve_ns: 0,
         plan_ns: 0,
         first_stage_ns: 0,
@@ -306,13 +310,27 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     });
     let (att, op, ahead) = (&job.att, job.op, &*job.ahead);
     let state = job.state_offset.and_then(|o| att.arena.atomic_u64(o).ok()).map(TransferState::new);
+    // The cancel contract (docs/protocol.md §4a): a stage is claimed before anything of it
+    // reaches the worker's blocks. A peer whose connection is gone (detached, or its socket
+    // hung up: it dropped its worker or died) gave its blocks back as if it abandoned the
+    // transfer: nothing of it is claimed either, whatever the worker wrote in the word.
+    let claim = |s: usize| !att.peer_gone() && state.is_none_or(|st| st.begin_stage(s as u64));
+    // Waits for promotions (another load's, a ticket's, DRAM to promote into) end early
+    // once the worker gave up or left: the stage would not be claimed anyway.
+    // Checked after a store stage landed, before it is published: the worker abandoned the
+    // transfer or its peer is gone (the copies landed before this check, so before the
+    // worker took its blocks back, if the check finds neither).
+    let store_given_up = || state.is_some_and(|st| st.abandoned()) || att.peer_gone();
+    let keep_waiting_for_promotions = || !state.is_some_and(|st| st.abandoned()) && att.is_alive() && !inner.is_shutting_down();
     let mut plan = |s: usize| -> umbp_gpu::StagePlan<'_> {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let from = p.blocks.len();
-        // The cancel contract: claim the stage before anything of it is issued; a worker
-        // that gave up keeps its blocks, so nothing more is reserved, copied or published.
-        p.abandoned = p.abandoned || state.is_some_and(|st| !st.begin_stage(s as u64));
+        // A store's reservation waits for nothing: its stage is claimed first, so a worker
+        // that gave up keeps its blocks and nothing more is reserved, copied or published.
+        if !p.abandoned && op == Opcode::Store {
+            p.abandoned = !claim(s);
+        }
         if p.abandoned {
             p.stage_blocks.push(from..from);
             return group_regions.iter().map(|r| (*r, Vec::new())).collect();
@@ -326,13 +344,34 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
             if launch_stages(inner, att, size, p.candidates, ahead, &split, s + 1) {
                 launch_next_loads(inner, att);
             }
-            crate::promote::take(inner, att, ahead, b, p.blocks, p.statuses, n);
+            crate::promote::take(inner, &keep_waiting_for_promotions, ahead, b, p.blocks, p.statuses, n);
             let rest = ahead.unhandled(a..b);
             let cands: Vec<Candidate> = rest.iter().map(|&i| p.candidates[i]).collect();
-            reserve(inner, att, op, size, &cands, p.blocks, p.statuses);
+            reserve(inner, att, op, size, &cands, p.blocks, p.statuses, &keep_waiting_for_promotions);
             ahead.mark_handled(n, rest.into_iter());
+            // A load's stage is claimed only now that its objects are pinned in DRAM, its
+            // promotions (SSD reads, remote fetches) done: `Started`, what a cancel then
+            // tells the worker, means bytes are moving to its blocks, not that the pool is
+            // still fetching into its own DRAM (a cancel during a slow fetch is `Cancelled`
+            // and the blocks are the worker's at once). A lost claim unpins what this
+            // stage pinned (promoted objects stay in DRAM, published and evictable).
+            if !claim(s) {
+                p.abandoned = true;
+                let undone: Vec<JobBlock> = p.blocks.drain(from..).collect();
+                if !undone.is_empty() {
+                    let mut store = inner.store.lock_urgent().expect("store lock");
+                    for b in &undone {
+                        store.finish_load(b.object());
+                    }
+                }
+                for b in &undone {
+                    p.statuses[b.index] = BlockStatus::Failed;
+                }
+                p.stage_blocks.push(from..from);
+                return group_regions.iter().map(|r| (*r, Vec::new())).collect();
+            }
         } else {
-            reserve(inner, att, op, size, &p.candidates[a..b], p.blocks, p.statuses);
+            reserve(inner, att, op, size, &p.candidates[a..b], p.blocks, p.statuses, &keep_waiting_for_promotions);
         }
         crate::fault::check_copy(&p.blocks[from..]);
         let t_plan = Instant::now();
@@ -365,23 +404,47 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let range = p.stage_blocks[s].clone();
-        // A store the worker abandoned may have read blocks that are another request's
-        // by now: its landed stage is dropped, never published.
-        let dropped: Vec<usize> = match (op, state) {
-            (Opcode::Store, Some(st)) if st.abandoned() => p.blocks[range.clone()].iter().map(|b| b.index).collect(),
-            _ => Vec::new(),
-        };
-        if op == Opcode::Store {
-            // SAFETY: these objects are reserved for this job, their copies landed, and only
-            // the settle below publishes them.
-            unsafe { crate::fault::stored(inner.dram.base(), &p.blocks[range.clone()], size) };
+        // A panic while settling a landed stage (a bug) is contained here instead of
+        // unwinding through the device layer, which would leave the stages still in flight
+        // unwaited for (their copies running while their objects are failed, their fence
+        // words written early): the transfer drains, every stage lands and is reported,
+        // and the blocks not settled yet fail (their copies landed: nothing to quarantine).
+        if !p.stage_panicked {
+            let blocks = &p.blocks[range.clone()];
+            let statuses = &mut *p.statuses;
+            let settled = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                // A store the worker abandoned (or whose peer left) may have read blocks
+                // that are another request's by now: its landed stage is dropped, never
+                // published.
+                let dropped: Vec<usize> = match op {
+                    Opcode::Store if store_given_up() => blocks.iter().map(|b| b.index).collect(),
+                    _ => Vec::new(),
+                };
+                crate::fault::check_landed(blocks);
+                if op == Opcode::Store {
+                    // SAFETY: these objects are reserved for this job, their copies
+                    // landed, and only the settle below publishes them.
+                    unsafe { crate::fault::stored(inner.dram.base(), blocks, size) };
+                }
+                settle(inner, op, blocks, statuses, &dropped);
+            }));
+            if let Err(panic) = settled {
+                let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
+                tracing::error!(attachment = att.id, op = ?op, stage = s, "panic while settling a landed stage: {what}; the transfer drains and its unsettled blocks fail");
+                p.stage_panicked = true;
+            }
         }
-        settle(inner, op, &p.blocks[range.clone()], p.statuses, &dropped);
+        if p.stage_panicked {
+            fail_landed(inner, op, &p.blocks[range.clone()], p.statuses);
+        }
         p.settled = range.end;
         p.publish_ns += t.elapsed().as_nanos() as u64;
         Counters::add(&phases.stages, 1);
     };
-    let keep_waiting = || att.is_alive() && !inner.is_shutting_down();
+    // A fenced store's wait for its fence word ends as soon as the worker abandoned it (or
+    // left): its blocks are no longer the transfer's, and the wait would hold this copy
+    // slot for up to the fence timeout (30 s) for nothing.
+    let keep_waiting = || att.is_alive() && !inner.is_shutting_down() && !(op == Opcode::Store && store_given_up());
     let copy_started = Instant::now();
     let args = umbp_gpu::TransferArgs {
         dir,
@@ -401,7 +464,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     }
     // On failure every reserved block not settled yet failed; so did those of a store the
     // worker abandoned (see stage_landed).
-    let store_abandoned = op == Opcode::Store && state.is_some_and(|st| st.abandoned());
+    let store_abandoned = op == Opcode::Store && store_given_up();
     let mut failed: Vec<usize> =
         if result.is_err() || store_abandoned { p.blocks[p.settled..].iter().map(|b| b.index).collect() } else { Vec::new() };
     // `settle` searches it; promoted blocks follow pinned ones within a stage.
@@ -432,7 +495,17 @@ fn stage_split(inner: &PoolInner, blocks: usize, size: u64, pages: usize) -> Sta
 /// appended to `blocks`, the others get their final status (first writer wins: a key
 /// present or being written is `AlreadyPresent`; no room is `NotStored`; a load of an
 /// absent key is `Missing`).
-fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidates: &[Candidate], blocks: &mut Vec<JobBlock>, statuses: &mut [BlockStatus]) {
+#[allow(clippy::too_many_arguments)]
+fn reserve(
+    inner: &PoolInner,
+    att: &Attachment,
+    op: Opcode,
+    size: u64,
+    candidates: &[Candidate],
+    blocks: &mut Vec<JobBlock>,
+    statuses: &mut [BlockStatus],
+    keep_waiting: &dyn Fn() -> bool,
+) {
     let strict = !inner.config.namespace_acl.is_empty();
     let mut store = inner.store.lock_urgent().expect("store lock");
     let mut no_room = false;
@@ -474,7 +547,7 @@ fn reserve(inner: &PoolInner, att: &Attachment, op: Opcode, size: u64, candidate
     }
     drop(store);
     if !lower.is_empty() {
-        promote(inner, att, size, lower, blocks, statuses);
+        promote(inner, att, size, lower, blocks, statuses, keep_waiting);
     }
 }
 
@@ -522,13 +595,22 @@ const PROMOTION_WAIT: Duration = Duration::from_secs(2);
 /// load); outside it, the tier's source fetches the bytes; under the lock again each is
 /// published in DRAM (or dropped: a miss). A block another load is promoting is waited
 /// for (never fetched twice, never freed under a reader). Runs on this load's copy
-/// thread before its copies; the peer's share of copy threads bounds what it holds.
-fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Candidate>, blocks: &mut Vec<JobBlock>, statuses: &mut [BlockStatus]) {
+/// thread before its copies; the peer's share of copy threads bounds what it holds. The
+/// waits end early when `keep_waiting` says no (the peer gave up or left, the pool stops).
+fn promote(
+    inner: &PoolInner,
+    att: &Attachment,
+    size: u64,
+    mut waiting: Vec<Candidate>,
+    blocks: &mut Vec<JobBlock>,
+    statuses: &mut [BlockStatus],
+    keep_waiting: &dyn Fn() -> bool,
+) {
     let deadline = Instant::now() + PROMOTION_WAIT;
     let mut first = true;
     while !waiting.is_empty() {
         if !first {
-            if Instant::now() >= deadline || !att.is_alive() || inner.is_shutting_down() {
+            if Instant::now() >= deadline || !keep_waiting() {
                 break;
             }
             std::thread::sleep(Duration::from_micros(500));
@@ -568,7 +650,7 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
             continue;
         }
         // Finishes these promotions as failed if this thread panics before they end.
-        let guard = crate::tier::PromotionGuard::new(inner, mine.iter().map(|m| (GroupKey::new(att.group, m.0.key), m.2)).collect());
+        let guard = crate::tier::PromotionGuard::new(inner, mine.iter().map(|m| (GroupKey::new(att.group, m.0.key), m.1, m.2)).collect());
         let mut fetched = vec![false; mine.len()];
         for tier in umbp_protocol::location::Tier::ALL {
             let idx: Vec<usize> = (0..mine.len()).filter(|&i| mine[i].2 == tier).collect();
@@ -598,7 +680,7 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
         let mut store = inner.store.lock_urgent().expect("store lock");
         guard.disarm();
         for ((c, offset, _, _), ok) in mine.into_iter().zip(fetched) {
-            if store.finish_promotion(GroupKey::new(att.group, c.key), ok) {
+            if store.finish_promotion(GroupKey::new(att.group, c.key), offset, ok) {
                 blocks.push(JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset });
             } else {
                 statuses[c.index] = BlockStatus::Missing;
@@ -608,6 +690,29 @@ fn promote(inner: &PoolInner, att: &Attachment, size: u64, mut waiting: Vec<Cand
     for c in waiting {
         tracing::debug!(attachment = att.id, key = %format_args!("{:032x}", c.key.0), "promotion not done in time (another load's, or no DRAM free): a miss");
         statuses[c.index] = BlockStatus::Missing;
+    }
+}
+
+/// Fails the blocks of a landed stage not settled yet (after a panic while settling):
+/// stores' objects are freed (their copies landed: no DMA writes them any more), loads'
+/// are unpinned. A store lock poisoned by that panic cannot be trusted: the pool stops
+/// (as `contain_panic` does).
+fn fail_landed(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [BlockStatus]) {
+    let Ok(mut store) = inner.store.lock_urgent() else {
+        tracing::error!("the object store's lock is poisoned by a panic while settling a stage: stopping the pool");
+        std::process::abort();
+    };
+    for b in blocks {
+        if statuses[b.index] != BlockStatus::Pending {
+            continue;
+        }
+        match op {
+            Opcode::Store => {
+                store.finish_store(b.object(), false);
+            }
+            _ => store.finish_load(b.object()),
+        }
+        statuses[b.index] = BlockStatus::Failed;
     }
 }
 

@@ -154,3 +154,45 @@ fn a_peer_waiting_on_its_fences_never_holds_every_copy_thread() {
     assert_eq!(done.len(), 2, "the hog's stores completed once fenced");
     assert!(done.iter().all(|c| c.ok_count == 1), "{done:?}");
 }
+
+/// Issue #31 item 6c: a fenced store the worker abandoned (its engine timed out: the
+/// fence word will never be written) stops waiting for its fence at once, completes and
+/// gives its copy slot back; before, it waited the whole fence timeout (30 s).
+#[test]
+fn an_abandoned_fenced_store_stops_waiting_for_its_fence() {
+    let (_pool, socket) = start("fence-abandoned", 2);
+    let (peer, _kv, _fences) = fenced_worker(&socket, 6);
+    let arena = peer.arena();
+    let state = arena.atomic_u64(0).unwrap();
+    state.store(0, std::sync::atomic::Ordering::SeqCst);
+    let s = Sqe { flags: SQE_CANCELLABLE, state_offset: 0, ..fenced(&peer, Opcode::Store, &[BlockRef::new(ObjectKey(700), 0)], 0, 9, 70) };
+    {
+        let mut sq = peer.sq();
+        assert!(sq.try_push(s).unwrap());
+        sq.publish();
+        peer.ring_doorbell();
+    }
+    // The pool claimed the stage and waits for the fence word.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while state.load(std::sync::atomic::Ordering::SeqCst) != 1 {
+        assert!(Instant::now() < deadline, "the pool never claimed the stage");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    // The worker's cancel.
+    let t = Instant::now();
+    state.fetch_or(ABANDONED, std::sync::atomic::Ordering::SeqCst);
+    let mut cq = peer.cq();
+    let mut done = Vec::new();
+    while done.is_empty() && t.elapsed() < Duration::from_secs(5) {
+        cq.wait(100, Some(Duration::from_millis(100))).unwrap();
+        cq.pop_batch(&mut done, 8).unwrap();
+    }
+    assert_eq!(done.len(), 1, "the abandoned store still waits for its fence after {:?}", t.elapsed());
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert_eq!(done[0].ok_count, 0, "{done:?}");
+    // Nothing was published.
+    peer.arena().write(64, &[BlockRef::new(ObjectKey(700), 1)]).unwrap();
+    let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Load as u8, count: 1, refs_offset: 64, status_offset: 2048, user_data: 71, ..Sqe::default() }]);
+    assert_eq!(statuses(&peer, 1), vec![BlockStatus::Missing], "{c:?}");
+}

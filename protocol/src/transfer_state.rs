@@ -25,14 +25,27 @@
 //!     worker keeps them until the pool's completion arrives or the pool is known dead
 //!     (its process gone: the GPU copies die with its contexts). Later stages never start.
 //!
-//! Every access is SeqCst: the argument above needs one total order over the pool's checks
-//! and the worker's abandon, and the word is touched a few times per transfer.
+//! Every access to the word is SeqCst: the argument above needs one total order over the
+//! pool's checks and the worker's abandon, and the word is touched a few times per
+//! transfer. The word's operations alone do not order the *blocks'* bytes, which the
+//! copies read and the new owner writes with plain accesses: a SeqCst load is only an
+//! acquire, so the copies' earlier reads may still be performed after it (aarch64 does
+//! that; x86 does not reorder loads with loads). So the pool's check ([`TransferState::abandoned`])
+//! has a SeqCst fence before its load, and the worker's abandon ([`TransferState::abandon`])
+//! one after its `fetch_or`: with fence F1 (pool) and F2 (worker) both in the single SeqCst
+//! order, a check that reads the word without `ABANDONED` puts F1 before the `fetch_or`,
+//! hence before F2, and a read sequenced before F1 can never see a write sequenced after
+//! F2 (C++20 [atomics.fences]; `dmb ish` on aarch64, `mfence` or a locked op on x86).
+//!
+//! A load's claim needs no fence: the CAS is an acquire, so the copies the pool issues
+//! after it cannot move before it, and a worker that found the stage unstarted (its
+//! `fetch_or` read 0) knows the CAS can only fail.
 //!
 //! The worker allocates the word with the submission's arena record and frees it only
 //! after the pool's completion for that transfer arrived, so a word is never reused while
 //! the pool may still CAS on it (an abandoned transfer's completion is dropped unseen).
 
-use crate::sync::{AtomicU64, Ordering};
+use crate::sync::{fence, AtomicU64, Ordering};
 
 /// Or'ed into the word by the worker that abandons the transfer.
 pub const ABANDONED: u64 = 1 << 63;
@@ -78,12 +91,20 @@ impl<'a> TransferState<'a> {
     /// Pool: whether the worker gave up on the transfer (checked after a stage landed,
     /// before its objects are published).
     pub fn abandoned(&self) -> bool {
+        // SeqCst fence: the copies' reads of the blocks (landed, observed by this thread)
+        // are ordered before the load below; paired with the fence in `abandon` (module
+        // docs): if this finds no ABANDONED, none of them saw the new owner's bytes.
+        fence(Ordering::SeqCst);
         self.word.load(Ordering::SeqCst) & ABANDONED != 0
     }
 
     /// Worker: gives up on the transfer.
     pub fn abandon(&self) -> Abandoned {
         let prev = self.word.fetch_or(ABANDONED, Ordering::SeqCst);
+        // SeqCst fence: whatever the caller (and whoever it hands the blocks to) writes
+        // afterwards comes after this in the SeqCst order; paired with the fence in
+        // `abandoned` (module docs).
+        fence(Ordering::SeqCst);
         match prev {
             0 => Abandoned::BeforeStart,
             p if p & ABANDONED != 0 => Abandoned::Already,

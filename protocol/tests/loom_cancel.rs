@@ -40,15 +40,31 @@ fn transfer<T: Send + 'static>(
 /// another request write the blocks. Published bytes are always the old owner's.
 #[test]
 fn an_abandoned_store_never_publishes_the_new_owners_bytes() {
-    let runs = common::loom_model::check(3, || {
-        let (state, blocks, pool) = transfer(|st, b2| {
+    let runs = store_model(true);
+    assert!(runs >= 10, "the model explored only {runs} executions");
+}
+
+/// The mutant docs/protocol.md §4a cites: the same store without the pool's check between
+/// a stage's landing and its publication. The model must catch it (an execution where the
+/// new owner's bytes are published), or it would catch nothing.
+#[test]
+#[should_panic(expected = "published")]
+fn mutant_without_the_pre_publish_check_is_caught() {
+    store_model(false);
+}
+
+/// The store race; `check_before_publish: false` is the mutant. Returns the executions
+/// explored (panics on a violation).
+fn store_model(check_before_publish: bool) -> usize {
+    common::loom_model::check(3, move || {
+        let (state, blocks, pool) = transfer(move |st, b2| {
             let mut published = [NONE; 2];
             for (stage, slot) in published.iter_mut().enumerate() {
                 if !st.begin_stage(stage as u64) {
                     break;
                 }
                 let copied = b2[stage].load(Ordering::Acquire);
-                if !st.abandoned() {
+                if !check_before_publish || !st.abandoned() {
                     *slot = copied;
                 }
             }
@@ -66,8 +82,7 @@ fn an_abandoned_store_never_publishes_the_new_owners_bytes() {
         if outcome == Abandoned::BeforeStart {
             assert_eq!(published, [NONE; 2], "nothing of a transfer abandoned before its start");
         }
-    });
-    assert!(runs >= 10, "the model explored only {runs} executions");
+    })
 }
 
 /// A two-stage load: the pool claims each stage and writes its block. The worker abandons;

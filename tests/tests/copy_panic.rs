@@ -39,3 +39,36 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
     assert!(w.wait(id, Duration::from_secs(10)).expect("load completes").all_ok());
     assert_eq!(pool.report().pool.published_objects, 24);
 }
+
+/// Issue #31 item 6d: a panic while the copy thread settles a landed stage (inside the
+/// device layer's stage-done callback) is contained there: the transfer drains (every
+/// stage in flight lands and is reported), the submission completes with its unsettled
+/// blocks failed, and, the copies having landed, no DRAM is quarantined. Before, the
+/// panic unwound through the device layer with later stages unreported, so their objects
+/// were treated as possibly still written: quarantined for good.
+#[test]
+fn a_panic_settling_a_landed_stage_drains_the_transfer() {
+    let socket = unique_socket("landing-panic");
+    // Stages of one block; one copy thread (a killed thread would hang what follows).
+    let pool = Pool::start(PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, copy_threads: 1, copy_stage_bytes: PAGE, ..PoolConfig::default() })
+        .expect("pool starts");
+    let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&socket, 5), PAGE, BLOCKS);
+    let job = |first: u128, n: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect() };
+
+    umbp_pool::fault::panic_on_landing_of(Some(ObjectKey(2001)));
+    let id = w.store(0, &job(2000, 4)).unwrap();
+    let c = w.wait(id, Duration::from_secs(10)).expect("the submission completes instead of hanging");
+    umbp_pool::fault::panic_on_landing_of(None);
+    assert_eq!(c.statuses[0], BlockStatus::Stored, "the stage before the panic was published: {c:?}");
+    assert_eq!(&c.statuses[1..], &[BlockStatus::Failed; 3], "{c:?}");
+    let report = pool.report();
+    assert_eq!(report.pool.quarantined_bytes, 0, "the copies landed: nothing is quarantined: {report}");
+    assert_eq!(report.pool.objects, 1, "{report}");
+    // The thread serves on; the failed keys can be stored again and load.
+    let id = w.store(0, &job(2000, 4)).unwrap();
+    let c = w.wait(id, Duration::from_secs(10)).expect("a later submission completes");
+    assert_eq!(c.statuses[0], BlockStatus::AlreadyPresent, "{c:?}");
+    assert_eq!(&c.statuses[1..], &[BlockStatus::Stored; 3], "{c:?}");
+    let id = w.load(0, &job(2000, 4)).unwrap();
+    assert!(w.wait(id, Duration::from_secs(10)).expect("load completes").all_ok());
+}

@@ -130,7 +130,7 @@ mod tests {
         assert!(s.insert_remote(0, held(9), u64::MAX));
         let (offset, tier, ns) = s.begin_promotion(k).unwrap();
         assert_eq!((tier, ns), (Tier::Remote, 5));
-        assert!(s.finish_promotion(k, true));
+        assert!(s.finish_promotion(k, offset, true));
         assert_eq!(s.groups[0].index.get(k), Some(location::encode(Tier::Dram, offset)));
         assert!(!s.remove_remote(0, k), "the local copy stays");
         assert_eq!(s.dram_objects(0), vec![held(9)]);
@@ -143,15 +143,37 @@ mod tests {
         let k = ObjectKey(11);
         assert!(s.insert_remote(0, held(11), u64::MAX));
         let before = s.allocated_bytes();
-        s.begin_promotion(k).unwrap();
+        let (offset, _, _) = s.begin_promotion(k).unwrap();
         let allocated = s.allocated_bytes();
         assert!(allocated > before);
         assert_eq!(s.abandon_promotion(k), 4096);
-        assert!(!s.finish_promotion(k, false), "nothing left to free");
+        assert!(!s.finish_promotion(k, offset, false), "nothing left to free");
         assert_eq!(s.allocated_bytes(), allocated, "the DRAM is never reused");
         assert_eq!(s.quarantined_bytes(), 4096);
         assert_eq!(s.groups[0].index.get(k), None);
         assert_eq!(s.pinned_count(), 0);
+    }
+
+    /// Issue #31 item 5: load A's remote read times out (its promotion is abandoned, its
+    /// DRAM quarantined), the peer's key is listed again and load B begins its own
+    /// promotion of it; A's late `finish_promotion` must not end B's (free B's DRAM while
+    /// B's fetch still writes it, and drop B's object).
+    #[test]
+    fn a_late_finish_never_ends_another_loads_promotion_of_the_key() {
+        let mut s = store();
+        let k = ObjectKey(13);
+        assert!(s.insert_remote(0, held(13), u64::MAX));
+        let a = s.begin_promotion(k).unwrap();
+        assert_eq!(s.abandon_promotion(k), 4096);
+        assert!(s.insert_remote(0, held(13), u64::MAX), "the follower lists the peer's key again");
+        let b = s.begin_promotion(k).unwrap();
+        assert_ne!(a.0, b.0, "A's DRAM is quarantined, B got its own");
+        let allocated = s.allocated_bytes();
+        assert!(!s.finish_promotion(k, a.0, false), "A's finish ends nothing");
+        assert_eq!(s.allocated_bytes(), allocated, "B's DRAM is still allocated (its fetch writes it)");
+        assert_eq!(s.reserve_load(k, 4096), LoadReservation::Promoting, "B's promotion still runs");
+        assert!(s.finish_promotion(k, b.0, true), "B's own finish publishes");
+        assert_eq!(s.groups[0].index.get(k), Some(location::encode(Tier::Dram, b.0)));
     }
 
     #[test]
@@ -166,8 +188,8 @@ mod tests {
             assert!(matches!(s.reserve_store(5, ObjectKey(k), 4096, 1), StoreReservation::Reserved { .. }), "local store {k}");
         }
         // A promoted remote object is local: it no longer counts, so one more may be listed.
-        s.begin_promotion(ObjectKey(100)).unwrap();
-        assert!(s.finish_promotion(ObjectKey(100), true));
+        let (offset, _, _) = s.begin_promotion(ObjectKey(100)).unwrap();
+        assert!(s.finish_promotion(ObjectKey(100), offset, true));
         assert_eq!(s.remote_entries(), 3);
         assert!(s.insert_remote(0, held(200), 4) && !s.insert_remote(0, held(201), 4));
         // A removed one frees its place too.

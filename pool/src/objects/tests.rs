@@ -274,7 +274,7 @@ fn demotion_and_promotion_move_tiers_safely() {
     assert_eq!(lower_now(&s), (7, 7), "a promoting object is still below DRAM");
     assert_eq!(s.evict_to(0, now), 0, "a promoting object is pinned");
     let head = s.group_events_written(0);
-    assert!(s.finish_promotion(ObjectKey(2), true));
+    assert!(s.finish_promotion(ObjectKey(2), offset, true));
     assert_eq!(lower_now(&s), (6, 6));
     assert_eq!(reader(&s).lookup(ObjectKey(2)), Some(offset));
     assert_eq!(
@@ -293,8 +293,8 @@ fn demotion_and_promotion_move_tiers_safely() {
     assert_eq!(s.tier_stats().clean_demotions, 2);
     // A failed promotion is a miss: the object and its record go.
     s.take_ssd_drops();
-    s.begin_promotion(ObjectKey(3)).unwrap();
-    assert!(!s.finish_promotion(ObjectKey(3), false));
+    let (offset3, _, _) = s.begin_promotion(ObjectKey(3)).unwrap();
+    assert!(!s.finish_promotion(ObjectKey(3), offset3, false));
     assert_eq!(lower.load(std::sync::atomic::Ordering::Acquire), s.lower_objects(), "a failed promotion drops the object");
     assert_eq!(reader(&s).lookup(ObjectKey(3)), None);
     assert_eq!(s.reserve_load(ObjectKey(3), size), LoadReservation::Missing);

@@ -283,13 +283,26 @@ impl ObjectStore {
         Some((offset, tier, namespace))
     }
 
-    /// Ends a promotion: with the bytes in, the object is in DRAM (index and events say
-    /// so) and stays pinned for the load that promoted it; without (I/O error, bad CRC,
-    /// record gone) it leaves the pool: a miss, never wrong bytes. Returns `fetched`.
-    pub fn finish_promotion(&mut self, key: impl Into<GroupKey>, fetched: bool) -> bool {
+    /// Ends the promotion of `key` that [`Self::begin_promotion`] began at DRAM `offset`:
+    /// with the bytes in, the object is in DRAM (index and events say so) and stays pinned
+    /// for the load that promoted it; without (I/O error, bad CRC, record gone) it leaves
+    /// the pool: a miss, never wrong bytes. Returns `fetched`, or false when that promotion
+    /// is not running any more.
+    ///
+    /// The offset is the promotion's identity: only its owner finishes it. A promotion
+    /// ended by someone else ([`Self::abandon_promotion`] after a remote read timed out)
+    /// keeps its DRAM allocated for ever (quarantined), so no later promotion of the same
+    /// key, which a load may begin meanwhile, can have that offset; a late finish by the
+    /// first owner then matches nothing and never frees or drops the second one's object
+    /// while its fetch still writes it (issue #31).
+    pub fn finish_promotion(&mut self, key: impl Into<GroupKey>, offset: u64, fetched: bool) -> bool {
         let key = key.into();
         let Some(o) = self.objects.get_mut(&key) else { return false };
         let ObjectState::Promoting { from } = o.state else { return false };
+        if o.offset != offset {
+            tracing::debug!(key = %format_args!("{:032x}", key.key.0), "promotion finished by a load that no longer owns it (abandoned earlier): ignored");
+            return false;
+        }
         let (offset, size, namespace) = (o.offset, o.size, o.namespace);
         if fetched {
             o.state = ObjectState::Published;
