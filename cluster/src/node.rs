@@ -263,6 +263,8 @@ pub struct ClusterStats {
     pub late_reads: u64,
     /// Pins kept now for closed subscriber connections until their lease ends.
     pub leased_pins: u64,
+    /// Pins of closed connections released at once: all leases held a subscriber's caps.
+    pub leases_over_cap: u64,
     /// DRAM key changes sent to subscribers (once per subscriber).
     pub published_changes: u64,
 }
@@ -271,6 +273,9 @@ pub struct ClusterStats {
 struct Lease {
     until: Instant,
     pins: Vec<((u32, u128, u128), u32)>,
+    /// Objects and bytes it keeps pinned (bounded over all leases, as one subscriber's).
+    count: usize,
+    bytes: u64,
 }
 
 struct Inner {
@@ -291,6 +296,7 @@ struct Inner {
     pins_over_cap: AtomicU64,
     digest_mismatches: AtomicU64,
     late_reads: AtomicU64,
+    leases_over_cap: AtomicU64,
     published_changes: AtomicU64,
     snapshot_over_cap: AtomicU64,
     /// Closed subscribers' pins until their lease ends (released by the ticker).
@@ -353,6 +359,7 @@ impl Cluster {
             pins_over_cap: AtomicU64::new(0),
             digest_mismatches: AtomicU64::new(0),
             late_reads: AtomicU64::new(0),
+            leases_over_cap: AtomicU64::new(0),
             published_changes: AtomicU64::new(0),
             snapshot_over_cap: AtomicU64::new(0),
             leases: Mutex::new(Vec::new()),
@@ -396,6 +403,7 @@ impl Cluster {
             digest_mismatches: self.inner.digest_mismatches.load(Ordering::Relaxed),
             catalog_over_cap: st.catalog.over_cap() + self.inner.snapshot_over_cap.load(Ordering::Relaxed),
             late_reads: self.inner.late_reads.load(Ordering::Relaxed),
+            leases_over_cap: self.inner.leases_over_cap.load(Ordering::Relaxed),
             leased_pins: self.inner.leases.lock().expect("leases").iter().flat_map(|l| &l.pins).map(|p| u64::from(p.1)).sum(),
             published_changes: self.inner.published_changes.load(Ordering::Relaxed),
         }
@@ -707,10 +715,34 @@ impl Inner {
         // flight on the data path (a control connection can close while RDMA is fine): its
         // pins are kept for the reader's whole budget and a margin (a lease), so no range
         // it may still read is reused meanwhile; the ticker releases them (issue #35 C1).
+        // All leases together are bounded by one subscriber's pin caps, so a member that
+        // reconnects in a loop cannot pin DRAM through them; past the bound a closed
+        // connection's pins are released at once (as before leases; the reader's digest
+        // check still catches a reused range) and counted.
         if !pins.is_empty() {
             let until = Instant::now() + self.cfg.read_timeout + self.cfg.pin_lease_margin;
-            tracing::debug!(peer = %peer_addr, pins = pinned_n, "subscriber closed with pins held: kept until their lease ends");
-            self.leases.lock().expect("leases").push(Lease { until, pins: pins.into_iter().collect() });
+            let lease = Lease { until, pins: pins.into_iter().collect(), count: pinned_n, bytes: pinned_bytes };
+            let refused = {
+                let mut l = self.leases.lock().expect("leases");
+                let (n, b) = l.iter().fold((0usize, 0u64), |(n, b), x| (n + x.count, b + x.bytes));
+                if n + lease.count > self.cfg.max_pins_per_peer || b + lease.bytes > self.cfg.max_pinned_bytes_per_peer {
+                    Some(lease)
+                } else {
+                    tracing::debug!(peer = %peer_addr, pins = pinned_n, "subscriber closed with pins held: kept until their lease ends");
+                    l.push(lease);
+                    None
+                }
+            };
+            if let Some(lease) = refused {
+                // Relaxed: a counter for reports; it orders nothing.
+                self.leases_over_cap.fetch_add(lease.count as u64, Ordering::Relaxed);
+                tracing::warn!(peer = %peer_addr, pins = lease.count, "closed subscriber's pins released at once: the leases hold a subscriber's pin caps already");
+                for ((group, namespace, key), n) in lease.pins {
+                    for _ in 0..n {
+                        self.pool.unpin(group, namespace, ObjectKey(key));
+                    }
+                }
+            }
         }
         self.drop_subscriber(client, &writer);
         tracing::info!(peer = %peer_addr, "cluster subscriber left");

@@ -226,6 +226,7 @@ impl TierSource for FetchSide {
             digest_mismatches: s.digest_mismatches,
             late_reads: s.late_reads,
             leased_pins: s.leased_pins,
+            leases_over_cap: s.leases_over_cap,
             catalog_over_cap: s.catalog_over_cap,
             remote_refused: self.2.refused.load(Ordering::Relaxed),
             published_changes: s.published_changes,

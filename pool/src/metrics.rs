@@ -628,6 +628,7 @@ pub fn encode_cluster(enc: &mut DescriptorEncoder, c: &crate::pool_report::Clust
         ("umbp_cluster_refused_connections", "Connections closed at accept (unauthenticated caps, fd reserve)", c.refused_connections),
         ("umbp_cluster_auth_failures", "Cluster handshakes that failed authentication", c.auth_failures),
         ("umbp_cluster_pins_over_cap", "Peers' pins refused at the per-subscriber caps", c.pins_over_cap),
+        ("umbp_cluster_leases_over_cap", "Closed subscribers' pins released at once: the leases held a subscriber's pin caps", c.leases_over_cap),
         ("umbp_cluster_catalog_over_cap", "Peers' keys left out of the catalog at the per-group cap", c.catalog_over_cap),
         ("umbp_cluster_published_changes", "DRAM key changes sent to subscribers", c.published_changes),
     ] {

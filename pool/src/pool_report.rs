@@ -87,6 +87,9 @@ pub struct ClusterReport {
     pub late_reads: u64,
     /// Pins this pool keeps for a subscriber whose connection closed, until their lease ends.
     pub leased_pins: u64,
+    /// Pins of closed connections released at once: all leases held a subscriber's caps.
+    #[serde(default)]
+    pub leases_over_cap: u64,
     /// Peers' keys left out of the catalog at the per-group cap.
     pub catalog_over_cap: u64,
     /// Peers' keys not listed in the index at `--cluster-max-remote-entries`.

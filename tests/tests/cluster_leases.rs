@@ -51,7 +51,8 @@ fn a_closed_subscribers_pinned_range_is_not_reused_before_its_lease_ends() {
     let dir = tempfile::tempdir().unwrap();
     let path = cluster::secret_file(dir.path(), SECRET);
     let a = cluster::loopback_addr();
-    let pool = pool("lease", &a, &path, &[]);
+    // One pin per subscriber: all leases together hold at most that many too.
+    let pool = pool("lease", &a, &path, &["--cluster-max-pins-per-peer", "1"]);
     let r = store(&pool, 0, 8);
     assert_eq!(n(&r, "stored"), 8, "{r}");
 
@@ -89,6 +90,14 @@ fn a_closed_subscribers_pinned_range_is_not_reused_before_its_lease_ends() {
     assert!(before == after, "the pinned range was reused within its lease ({churn:?} after the close): a late READ gets another object's bytes");
     let c = pool.report().cluster.unwrap();
     assert_eq!(c.leased_pins, 1, "{c:?}");
+    // Leases are bounded as one subscriber's pins: another closed subscriber's pin is
+    // released at once (a member reconnecting in a loop cannot pin DRAM through leases).
+    let mut m2 = Member::join(&a, SECRET);
+    let &(other, size2, ns2) = m2.keys.iter().find(|k| k.0 != victim).expect("another object in the snapshot");
+    m2.pin(1, ns2, other, size2).expect("pinned");
+    drop(m2);
+    wait_until("the second lease to be refused", Duration::from_secs(5), || pool.report().cluster.is_some_and(|c| c.leases_over_cap == 1));
+    assert_eq!(pool.report().cluster.unwrap().leased_pins, 1);
 
     // The lease ends: the pin is released and the object can go like any other.
     wait_until("the lease to end", lease + Duration::from_secs(3), || pool.report().cluster.is_some_and(|c| c.leased_pins == 0));
