@@ -138,7 +138,7 @@ impl Inner {
             for node in ready {
                 posted.insert(node);
                 // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-                if let Some(r) = unsafe { self.post_holder_read(group, items, started, node, &by_node[&node], &pinned, &mut out) } {
+                if let Some(r) = unsafe { self.post_holder_read(group, items, (node, started), &by_node[&node], &pinned, &mut out) } {
                     reads.push(r);
                 }
             }
@@ -229,7 +229,8 @@ impl Inner {
         }
     }
 
-    /// Posts one NIXL read of everything `batch`'s holder pinned; None when there is
+    /// Posts one NIXL read of everything `batch`'s holder (`node`; the batch began at
+    /// `started`) pinned; None when there is
     /// nothing to read or the post failed (those items' results are then filled).
     ///
     /// # Safety
@@ -238,8 +239,7 @@ impl Inner {
         &self,
         group: u32,
         items: &[FetchRequest],
-        started: Instant,
-        node: NodeId,
+        (node, started): (NodeId, Instant),
         batch: &HolderBatch,
         pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
