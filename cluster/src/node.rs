@@ -59,6 +59,11 @@ pub struct ClusterConfig {
     pub dead_after: Duration,
     /// Bound on one fetch (pin round trip and read).
     pub read_timeout: Duration,
+    /// A closed subscriber's pins are kept `read_timeout + pin_lease_margin` after its
+    /// control connection closes (its one-sided READs may still be in flight); a reader
+    /// takes a READ that completes past its own `read_timeout` as late (not published).
+    /// Members run the same `read_timeout` (docs/cluster.md, "Pin leases").
+    pub pin_lease_margin: Duration,
     /// Bound on connect, and the total deadline of a handshake (not per read).
     pub connect_timeout: Duration,
     /// Unauthenticated connections (accepted, handshake not done) held at once: overall and
@@ -91,6 +96,7 @@ impl ClusterConfig {
             heartbeat: Duration::from_millis(500),
             dead_after: Duration::from_millis(2000),
             read_timeout: Duration::from_secs(5),
+            pin_lease_margin: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(2),
             max_unauthenticated: 64,
             max_unauthenticated_per_source: 16,
@@ -129,6 +135,10 @@ pub enum FetchError {
     PinTimeout { peer: NodeId, key: u128, timeout: Duration },
     #[error(transparent)]
     Transport(#[from] TransportError),
+    /// The read completed past the holder's pin lease: the holder may have reused the
+    /// range, so the bytes are not trusted (a miss, never published).
+    #[error("peer {peer:x}: the read of {key:032x} completed after {took:?}, past the pin lease ({lease:?}): not published")]
+    Late { peer: NodeId, key: u128, took: Duration, lease: Duration },
     /// The bytes read are not those the holder pinned (altered at the holder or on the
     /// way): a miss, never published.
     #[error("peer {peer:x}: {key:032x} read with digest {got:032x}, the pin said {expected:032x}: not published")]
@@ -249,6 +259,23 @@ pub struct ClusterStats {
     pub digest_mismatches: u64,
     /// Peers' keys left out of the catalog at the per-group cap (or in no group here).
     pub catalog_over_cap: u64,
+    /// Remote reads that completed past the pin lease (published as misses).
+    pub late_reads: u64,
+    /// Pins kept now for closed subscriber connections until their lease ends.
+    pub leased_pins: u64,
+    /// Pins of closed connections released at once: all leases held a subscriber's caps.
+    pub leases_over_cap: u64,
+    /// DRAM key changes sent to subscribers (once per subscriber).
+    pub published_changes: u64,
+}
+
+/// A closed subscriber's pins, released at `until` (a lease: its READs may be in flight).
+struct Lease {
+    until: Instant,
+    pins: Vec<((u32, u128, u128), u32)>,
+    /// Objects and bytes it keeps pinned (bounded over all leases, as one subscriber's).
+    count: usize,
+    bytes: u64,
 }
 
 struct Inner {
@@ -268,7 +295,12 @@ struct Inner {
     refused_connections: AtomicU64,
     pins_over_cap: AtomicU64,
     digest_mismatches: AtomicU64,
+    late_reads: AtomicU64,
+    leases_over_cap: AtomicU64,
+    published_changes: AtomicU64,
     snapshot_over_cap: AtomicU64,
+    /// Closed subscribers' pins until their lease ends (released by the ticker).
+    leases: Mutex<Vec<Lease>>,
     admission: Mutex<Admission>,
     local_addr: std::net::SocketAddr,
     reads_in_flight: std::sync::atomic::AtomicUsize,
@@ -326,7 +358,11 @@ impl Cluster {
             refused_connections: AtomicU64::new(0),
             pins_over_cap: AtomicU64::new(0),
             digest_mismatches: AtomicU64::new(0),
+            late_reads: AtomicU64::new(0),
+            leases_over_cap: AtomicU64::new(0),
+            published_changes: AtomicU64::new(0),
             snapshot_over_cap: AtomicU64::new(0),
+            leases: Mutex::new(Vec::new()),
             admission: Mutex::new(Admission::default()),
             local_addr,
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
@@ -366,6 +402,10 @@ impl Cluster {
             pins_over_cap: self.inner.pins_over_cap.load(Ordering::Relaxed),
             digest_mismatches: self.inner.digest_mismatches.load(Ordering::Relaxed),
             catalog_over_cap: st.catalog.over_cap() + self.inner.snapshot_over_cap.load(Ordering::Relaxed),
+            late_reads: self.inner.late_reads.load(Ordering::Relaxed),
+            leases_over_cap: self.inner.leases_over_cap.load(Ordering::Relaxed),
+            leased_pins: self.inner.leases.lock().expect("leases").iter().flat_map(|l| &l.pins).map(|p| u64::from(p.1)).sum(),
+            published_changes: self.inner.published_changes.load(Ordering::Relaxed),
         }
     }
 
@@ -399,13 +439,24 @@ impl Cluster {
         }
     }
 
-    /// Sends local key changes to every subscriber (the pool's change stream).
+    /// Sends local key changes to every subscriber (the pool's change stream). Only
+    /// DRAM-tier changes are sent: peers read DRAM objects only and drop the rest (issue
+    /// #35 C2), so the others would be (N-1)x wasted control traffic.
     pub fn publish(&self, changes: &[KeyChange]) {
+        let dram: Vec<KeyChange>;
+        let changes = if changes.iter().all(|c| c.tier == umbp_protocol::Tier::Dram as u8) {
+            changes
+        } else {
+            dram = changes.iter().filter(|c| c.tier == umbp_protocol::Tier::Dram as u8).copied().collect();
+            &dram
+        };
         if changes.is_empty() {
             return;
         }
         let subs: Vec<Arc<Outbox>> =
             self.inner.state.lock().expect("state").subscribers.iter().map(|s| s.writer.clone()).collect();
+        // Relaxed: a counter for reports; it orders nothing.
+        self.inner.published_changes.fetch_add((changes.len() * subs.len()) as u64, Ordering::Relaxed);
         for chunk in changes.chunks(4096) {
             let m = Msg::Keys { changes: chunk.to_vec(), snapshot: false, more: false };
             for w in &subs {
@@ -660,14 +711,58 @@ impl Inner {
                 other => tracing::debug!("ignored from subscriber: {other:?}"),
             }
         }
-        // The subscriber is gone: release what it still had pinned.
-        for ((group, namespace, key), n) in pins {
-            for _ in 0..n {
-                self.pool.unpin(group, namespace, ObjectKey(key));
+        // The subscriber is gone, but a one-sided READ of what it pinned may still be in
+        // flight on the data path (a control connection can close while RDMA is fine): its
+        // pins are kept for the reader's whole budget and a margin (a lease), so no range
+        // it may still read is reused meanwhile; the ticker releases them (issue #35 C1).
+        // All leases together are bounded by one subscriber's pin caps, so a member that
+        // reconnects in a loop cannot pin DRAM through them; past the bound a closed
+        // connection's pins are released at once (as before leases; the reader's digest
+        // check still catches a reused range) and counted.
+        if !pins.is_empty() {
+            let until = Instant::now() + self.cfg.read_timeout + self.cfg.pin_lease_margin;
+            let lease = Lease { until, pins: pins.into_iter().collect(), count: pinned_n, bytes: pinned_bytes };
+            let refused = {
+                let mut l = self.leases.lock().expect("leases");
+                let (n, b) = l.iter().fold((0usize, 0u64), |(n, b), x| (n + x.count, b + x.bytes));
+                if n + lease.count > self.cfg.max_pins_per_peer || b + lease.bytes > self.cfg.max_pinned_bytes_per_peer {
+                    Some(lease)
+                } else {
+                    tracing::debug!(peer = %peer_addr, pins = pinned_n, "subscriber closed with pins held: kept until their lease ends");
+                    l.push(lease);
+                    None
+                }
+            };
+            if let Some(lease) = refused {
+                // Relaxed: a counter for reports; it orders nothing.
+                self.leases_over_cap.fetch_add(lease.count as u64, Ordering::Relaxed);
+                tracing::warn!(peer = %peer_addr, pins = lease.count, "closed subscriber's pins released at once: the leases hold a subscriber's pin caps already");
+                for ((group, namespace, key), n) in lease.pins {
+                    for _ in 0..n {
+                        self.pool.unpin(group, namespace, ObjectKey(key));
+                    }
+                }
             }
         }
         self.drop_subscriber(client, &writer);
         tracing::info!(peer = %peer_addr, "cluster subscriber left");
+    }
+
+    /// Releases the pins of leases ended by `now` (all of them when `now` is None).
+    fn release_leases(&self, now: Option<Instant>) {
+        let ended: Vec<Lease> = {
+            let mut l = self.leases.lock().expect("leases");
+            let (ended, kept) = std::mem::take(&mut *l).into_iter().partition(|x| now.is_none_or(|n| x.until <= n));
+            *l = kept;
+            ended
+        };
+        for lease in ended {
+            for ((group, namespace, key), n) in lease.pins {
+                for _ in 0..n {
+                    self.pool.unpin(group, namespace, ObjectKey(key));
+                }
+            }
+        }
     }
 
     fn drop_subscriber(&self, node: NodeId, writer: &Arc<Outbox>) {
@@ -877,7 +972,10 @@ impl Inner {
                 }
             }
             self.forget_idle_peers();
+            self.release_leases(Some(now));
             std::thread::sleep(self.cfg.heartbeat.min(Duration::from_millis(100)).max(Duration::from_millis(10)));
         }
+        // Stopping: the pool goes too; give the leased pins back.
+        self.release_leases(None);
     }
 }

@@ -210,6 +210,28 @@ impl TierSource for FetchSide {
         }
         ok
     }
+
+    fn cluster_report(&self) -> Option<umbp_pool::pool_report::ClusterReport> {
+        let s = self.0.stats();
+        Some(umbp_pool::pool_report::ClusterReport {
+            peers: s.peers as u64,
+            subscribers: s.subscribers as u64,
+            remote_keys: s.remote_keys as u64,
+            fetches: s.fetches,
+            fetch_failures: s.fetch_failures,
+            fetched_bytes: s.fetched_bytes,
+            auth_failures: s.auth_failures,
+            refused_connections: s.refused_connections,
+            pins_over_cap: s.pins_over_cap,
+            digest_mismatches: s.digest_mismatches,
+            late_reads: s.late_reads,
+            leased_pins: s.leased_pins,
+            leases_over_cap: s.leases_over_cap,
+            catalog_over_cap: s.catalog_over_cap,
+            remote_refused: self.2.refused.load(Ordering::Relaxed),
+            published_changes: s.published_changes,
+        })
+    }
 }
 
 impl FetchSide {

@@ -39,6 +39,7 @@ use umbp_protocol::entries::Opcode;
 use umbp_protocol::wire::Role;
 
 use crate::pool_report::{SsdReport, TierCounts};
+use crate::tier::TierSource;
 use crate::{PoolError, PoolInner};
 
 
@@ -607,8 +608,33 @@ impl Collector for PoolCollector {
         }
         gauge(&mut enc, "umbp_uptime_seconds", "Seconds since the pool started", inner.started.elapsed().as_secs_f64())?;
         encode_tiers(&mut enc, &tiers, allocated, ssd.as_ref())?;
+        if let Some(cl) = inner.remote_source.cluster_report() {
+            encode_cluster(&mut enc, &cl)?;
+        }
         Ok(())
     }
+}
+
+/// The cluster tier's counters (docs/cluster.md, "Counters"); written only in a cluster.
+pub fn encode_cluster(enc: &mut DescriptorEncoder, c: &crate::pool_report::ClusterReport) -> Result<(), std::fmt::Error> {
+    gauge(enc, "umbp_cluster_peers", "Cluster peers connected and joined (this pool reads from them)", c.peers as f64)?;
+    gauge(enc, "umbp_cluster_subscribers", "Pools subscribed to this one", c.subscribers as f64)?;
+    gauge(enc, "umbp_cluster_leased_pins", "Pins kept for closed subscriber connections until their lease ends", c.leased_pins as f64)?;
+    for (name, help, v) in [
+        ("umbp_cluster_fetches", "Remote objects fetched or tried", c.fetches),
+        ("umbp_cluster_fetch_failures", "Remote fetches that failed (misses)", c.fetch_failures),
+        ("umbp_cluster_digest_mismatches", "Remote reads whose bytes did not match the holder's digest (not published)", c.digest_mismatches),
+        ("umbp_cluster_late_reads", "Remote reads completed past the holder's pin lease (not published)", c.late_reads),
+        ("umbp_cluster_refused_connections", "Connections closed at accept (unauthenticated caps, fd reserve)", c.refused_connections),
+        ("umbp_cluster_auth_failures", "Cluster handshakes that failed authentication", c.auth_failures),
+        ("umbp_cluster_pins_over_cap", "Peers' pins refused at the per-subscriber caps", c.pins_over_cap),
+        ("umbp_cluster_leases_over_cap", "Closed subscribers' pins released at once: the leases held a subscriber's pin caps", c.leases_over_cap),
+        ("umbp_cluster_catalog_over_cap", "Peers' keys left out of the catalog at the per-group cap", c.catalog_over_cap),
+        ("umbp_cluster_published_changes", "DRAM key changes sent to subscribers", c.published_changes),
+    ] {
+        counter(enc, name, help, v)?;
+    }
+    Ok(())
 }
 
 /// Per-tier gauges and the SSD tier's counters (docs/operations.md, "Metrics"): objects by

@@ -58,6 +58,44 @@ pub struct PoolReport {
     /// Published objects by tier, all groups (what the indexes list).
     #[serde(default)]
     pub tiers: TierCounts,
+    /// The cluster tier's counters (docs/cluster.md); None: the pool is in no cluster.
+    #[serde(default)]
+    pub cluster: Option<ClusterReport>,
+}
+
+/// The cluster tier's counters since start (docs/cluster.md, "Counters").
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterReport {
+    /// Peers connected and joined (this pool reads from them).
+    pub peers: u64,
+    /// Pools subscribed to this one (they read from it).
+    pub subscribers: u64,
+    /// Peers' keys in the catalog.
+    pub remote_keys: u64,
+    pub fetches: u64,
+    pub fetch_failures: u64,
+    pub fetched_bytes: u64,
+    /// Handshakes that failed authentication (another secret).
+    pub auth_failures: u64,
+    /// Connections closed at accept: over the unauthenticated caps or the fd reserve.
+    pub refused_connections: u64,
+    /// Peers' pins refused at the per-subscriber caps.
+    pub pins_over_cap: u64,
+    /// Remote reads whose bytes did not match the holder's digest (misses, not published).
+    pub digest_mismatches: u64,
+    /// Remote reads that completed past the holder's pin lease (misses, not published).
+    pub late_reads: u64,
+    /// Pins this pool keeps for a subscriber whose connection closed, until their lease ends.
+    pub leased_pins: u64,
+    /// Pins of closed connections released at once: all leases held a subscriber's caps.
+    #[serde(default)]
+    pub leases_over_cap: u64,
+    /// Peers' keys left out of the catalog at the per-group cap.
+    pub catalog_over_cap: u64,
+    /// Peers' keys not listed in the index at `--cluster-max-remote-entries`.
+    pub remote_refused: u64,
+    /// DRAM key changes sent to subscribers (each counted once per subscriber).
+    pub published_changes: u64,
 }
 
 /// Objects the indexes list, by tier.

@@ -28,6 +28,10 @@ impl TierSource for RemoteSlot {
             None => vec![false; items.len()],
         }
     }
+
+    fn cluster_report(&self) -> Option<crate::pool_report::ClusterReport> {
+        self.0.get().and_then(|s| s.cluster_report())
+    }
 }
 
 /// One published object of this pool, as the cluster advertises it.

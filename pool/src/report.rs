@@ -13,6 +13,7 @@ use crate::pool_report::{
     AttachmentReport, EventsReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report,
     TenantPool, TenantReport, TenantScope,
 };
+use crate::tier::TierSource;
 use crate::PoolInner;
 
 fn uuid_hex(u: &[u8; 16]) -> String {
@@ -179,6 +180,7 @@ pub fn build(inner: &PoolInner) -> PoolReport {
         gpu_engines: gpu_engines(),
         ssd,
         tiers: TierCounts { dram: tier_stats.objects[0], ssd: tier_stats.objects[1], remote: tier_stats.objects[2] },
+        cluster: inner.remote_source.cluster_report(),
     }
 }
 

@@ -32,6 +32,10 @@ pub struct FetchItem<'a> {
 /// false for that item (a miss: the object leaves the pool). Never wrong bytes.
 pub trait TierSource: Send + Sync {
     fn fetch(&self, items: &mut [FetchItem<'_>]) -> Vec<bool>;
+    /// The cluster tier's counters, for the pool report and /metrics (None: not a cluster).
+    fn cluster_report(&self) -> Option<crate::pool_report::ClusterReport> {
+        None
+    }
 }
 
 /// The lower tiers this pool has, by tier.

@@ -1,8 +1,15 @@
 //! What the cluster tests (`tests/cluster_*.rs`) share: UCX over TCP on loopback, the NIXL
 //! library or a printed "skipped", free listen addresses and the cluster secret file.
 
+use std::net::TcpStream;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use umbp_cluster::channel::{client_handshake, Established};
+use umbp_cluster::control::{acl_digest, read_msg, write_msg, Msg, Secret, MAX_FRAME};
+use umbp_cluster::transport::nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
+use umbp_cluster::transport::Agent;
 
 /// Set (to anything) where the cluster tests must run: a missing NIXL then fails them.
 pub const REQUIRE_NIXL_ENV: &str = "UMBP_REQUIRE_NIXL";
@@ -73,3 +80,89 @@ pub fn pool_args(me: &str, peers: &[&str], secret: &Path, timing: Timing, extra:
     v.extend(extra.iter().map(|s| s.to_string()));
     v
 }
+
+/// The test as a member: subscribed to the pool at `addr`, its `Join` and snapshot read.
+pub struct Member {
+    pub est: Established,
+    pub sock: TcpStream,
+    pub join: (String, Vec<u8>, u64, u64),
+    /// (key, size, namespace) of the snapshot.
+    pub keys: Vec<(u128, u64, u128)>,
+}
+
+impl Member {
+    pub fn join(addr: &str, secret: &[u8]) -> Self {
+        let sock = TcpStream::connect(addr).unwrap();
+        let acl = acl_digest(&umbp_pool::groups::TenantGroups::single());
+        let mut est = client_handshake(&sock, &Secret::new(secret.to_vec()).unwrap(), 0x7e57, &acl, Duration::from_secs(5)).unwrap();
+        sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut join = None;
+        let mut keys = Vec::new();
+        loop {
+            match read_msg(&mut est.opener, MAX_FRAME).unwrap() {
+                Msg::Join { agent, metadata, base, len } => join = Some((agent, metadata, base, len)),
+                Msg::Keys { changes, more, .. } => {
+                    keys.extend(changes.iter().filter(|c| c.stored).map(|c| (c.key, c.size, c.namespace)));
+                    if !more {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Self { est, sock, join: join.expect("a Join before the snapshot"), keys }
+    }
+
+    pub fn send(&mut self, m: &Msg) {
+        let mut plain = Vec::new();
+        write_msg(&mut plain, m).unwrap();
+        self.est.sealer.write_frames(&mut self.sock, &plain).unwrap();
+    }
+
+    /// The next pin answer: Ok(offset) or Err(reason).
+    pub fn pin_answer(&mut self) -> (u64, Result<u64, String>) {
+        loop {
+            match read_msg(&mut self.est.opener, MAX_FRAME).unwrap() {
+                Msg::Pinned { id, offset, .. } => return (id, Ok(offset)),
+                Msg::PinFailed { id, reason } => return (id, Err(reason)),
+                _ => {}
+            }
+        }
+    }
+}
+
+impl Member {
+    /// Pins `key` and waits for the answer: Ok((offset, digest)) or the refusal.
+    pub fn pin(&mut self, id: u64, namespace: u128, key: u128, size: u64) -> Result<(u64, u128), String> {
+        self.send(&Msg::Pin { id, group: 0, namespace, key, size });
+        loop {
+            match read_msg(&mut self.est.opener, MAX_FRAME).unwrap() {
+                Msg::Pinned { id: got, offset, digest, .. } if got == id => return Ok((offset, digest)),
+                Msg::PinFailed { id: got, reason } if got == id => return Err(reason),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// A one-sided NIXL READ (the test's own `agent`, the peer's metadata loaded) of
+/// `local.len()` bytes at `remote_addr` of `peer_agent`'s registered DRAM into `local`
+/// (registered with `agent`). True once it completed within 5 s.
+pub fn nixl_read(agent: &Agent, peer_agent: &str, remote_addr: u64, local: &mut [u8]) -> bool {
+    let mut l = XferDescList::new(MemType::Dram).unwrap();
+    let mut r = XferDescList::new(MemType::Dram).unwrap();
+    l.add_desc(local.as_mut_ptr() as usize, local.len(), 0);
+    r.add_desc(remote_addr as usize, local.len(), 0);
+    let raw = agent.raw();
+    let req = raw.create_xfer_req(XferOp::Read, &l, &r, peer_agent, Some(agent.opt_args())).expect("a NIXL READ request");
+    raw.post_xfer_req(&req, Some(agent.opt_args())).expect("the READ posted");
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        if matches!(raw.get_xfer_status(&req), Ok(XferStatus::Success)) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    false
+}
+

@@ -14,65 +14,15 @@ use common::*;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use umbp_cluster::channel::{client_handshake, Established};
-use umbp_cluster::control::{acl_digest, read_msg, write_msg, Msg, Secret, MAX_FRAME};
+use cluster::Member;
+use umbp_cluster::control::Msg;
 use umbp_cluster::transport::nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
 use umbp_cluster::transport::Agent;
 use umbp_protocol::ObjectKey;
 
-/// The test as a member: subscribed to the pool at `addr`, its `Join` and snapshot read.
-struct Member {
-    est: Established,
-    sock: TcpStream,
-    join: (String, Vec<u8>, u64, u64),
-    /// (key, size, namespace) of the snapshot.
-    keys: Vec<(u128, u64, u128)>,
-}
-
-impl Member {
-    fn join(addr: &str, secret: &[u8]) -> Self {
-        let sock = TcpStream::connect(addr).unwrap();
-        let acl = acl_digest(&umbp_pool::groups::TenantGroups::single());
-        let mut est = client_handshake(&sock, &Secret::new(secret.to_vec()).unwrap(), 0x7e57, &acl, Duration::from_secs(5)).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut join = None;
-        let mut keys = Vec::new();
-        loop {
-            match read_msg(&mut est.opener, MAX_FRAME).unwrap() {
-                Msg::Join { agent, metadata, base, len } => join = Some((agent, metadata, base, len)),
-                Msg::Keys { changes, more, .. } => {
-                    keys.extend(changes.iter().filter(|c| c.stored).map(|c| (c.key, c.size, c.namespace)));
-                    if !more {
-                        break;
-                    }
-                }
-                _ => {}
-            }
-        }
-        Self { est, sock, join: join.expect("a Join before the snapshot"), keys }
-    }
-
-    fn send(&mut self, m: &Msg) {
-        let mut plain = Vec::new();
-        write_msg(&mut plain, m).unwrap();
-        self.est.sealer.write_frames(&mut self.sock, &plain).unwrap();
-    }
-
-    /// The next pin answer: Ok(offset) or Err(reason).
-    fn pin_answer(&mut self) -> (u64, Result<u64, String>) {
-        loop {
-            match read_msg(&mut self.est.opener, MAX_FRAME).unwrap() {
-                Msg::Pinned { id, offset, .. } => return (id, Ok(offset)),
-                Msg::PinFailed { id, reason } => return (id, Err(reason)),
-                _ => {}
-            }
-        }
-    }
-}
-
-fn cluster_pool(tag: &str, me: &str, peers: &[&str], secret: &std::path::Path) -> PoolProcess {
+fn cluster_pool(tag: &str, me: &str, peers: &[&str], secret: &std::path::Path, extra: &[&str]) -> PoolProcess {
     let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: 3000, read_timeout_ms: 3000 };
-    let args = cluster::pool_args(me, peers, secret, timing, &[]);
+    let args = cluster::pool_args(me, peers, secret, timing, extra);
     let p = PoolProcess::start(&unique_socket(tag), &args.iter().map(String::as_str).collect::<Vec<_>>());
     wait_until("the cluster port to listen", Duration::from_secs(20), || TcpStream::connect(me).is_ok());
     p
@@ -87,7 +37,8 @@ fn a_pin_flood_gets_pin_failed_past_the_cap() {
     let secret = b"cluster-member-attacks-secret-0123456789";
     let path = cluster::secret_file(dir.path(), secret);
     let a = cluster::loopback_addr();
-    let pool = cluster_pool("pinflood", &a, &[], &path);
+    let port = metrics::free_port();
+    let pool = cluster_pool("pinflood", &a, &[], &path, &["--metrics-addr", &format!("127.0.0.1:{port}")]);
     let r = run_worker(&pool.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", "4"]);
     assert_eq!(n(&r, "stored"), 4, "{r}");
     let mut m = Member::join(&a, secret);
@@ -113,6 +64,11 @@ fn a_pin_flood_gets_pin_failed_past_the_cap() {
     m.send(&Msg::Unpin { group: 0, namespace: ns, key });
     m.send(&Msg::Pin { id: 9999, group: 0, namespace: ns, key, size });
     assert!(m.pin_answer().1.is_ok(), "a pin after an unpin");
+    // The refusals are counted in the pool report (ringtool dump) and on /metrics.
+    let c = pool.report().cluster.expect("a cluster pool reports its cluster counters");
+    assert_eq!((c.pins_over_cap, c.subscribers), (total - 4096, 1), "{c:?}");
+    let (_, text) = metrics::http_get(port, "/metrics");
+    assert_eq!(metrics::sample(&text, "umbp_cluster_pins_over_cap_total"), (total - 4096) as f64);
 }
 
 #[test]
@@ -124,8 +80,8 @@ fn a_nixl_write_into_a_members_dram_is_caught_by_the_digest_at_the_next_remote_l
     let secret = b"cluster-member-attacks-secret-0123456789";
     let path = cluster::secret_file(dir.path(), secret);
     let (a, b) = (cluster::loopback_addr(), cluster::loopback_addr());
-    let pool_a = cluster_pool("wra", &a, &[], &path);
-    let pool_b = cluster_pool("wrb", &b, &[&a], &path);
+    let pool_a = cluster_pool("wra", &a, &[], &path, &[]);
+    let pool_b = cluster_pool("wrb", &b, &[&a], &path, &[]);
     let r = run_worker(&pool_a.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", "8"]);
     assert_eq!(n(&r, "stored"), 8, "{r}");
     wait_until("pool B to list pool A's blocks", Duration::from_secs(20), || pool_b.report().tiers.remote == 8);
@@ -172,8 +128,11 @@ fn a_nixl_write_into_a_members_dram_is_caught_by_the_digest_at_the_next_remote_l
     println!("B's load of the overwritten block: {victim_load}; of another: {other_load}");
     assert_eq!(n(&victim_load, "corrupt"), 0, "B published the attacker's bytes: {victim_load}");
     assert_eq!(n(&other_load, "loaded"), 1, "an untouched block still loads: {other_load}");
+    let c = pool_b.report().cluster.expect("B reports its cluster counters");
     if matches!(wrote, Ok(true)) {
         assert_eq!(n(&victim_load, "loaded"), 0, "the overwritten block is a miss: {victim_load}");
+        // Counted where the check ran: the reader's report (ringtool dump).
+        assert_eq!(c.digest_mismatches, 1, "{c:?}");
     } else {
         println!("the WRITE did not land (refused by NIXL/UCX): nothing to detect");
     }

@@ -44,6 +44,8 @@ type HolderBatch = (Arc<Outbox>, PeerRegion, Vec<(usize, u64)>);
 /// One holder's read in flight: the items it carries (indexes into the batch).
 struct HolderRead<'a> {
     node: NodeId,
+    /// When the batch started (its pins were sent after): the lease is counted from here.
+    started: Instant,
     writer: Arc<Outbox>,
     agent: String,
     mine: Vec<usize>,
@@ -53,6 +55,7 @@ struct HolderRead<'a> {
 /// What settling a holder's read needs (whether or not its post succeeded).
 struct ReadParts<'a> {
     node: NodeId,
+    started: Instant,
     writer: &'a Arc<Outbox>,
     agent: &'a str,
     mine: &'a [usize],
@@ -60,7 +63,7 @@ struct ReadParts<'a> {
 
 impl HolderRead<'_> {
     fn parts(&self) -> ReadParts<'_> {
-        ReadParts { node: self.node, writer: &self.writer, agent: &self.agent, mine: &self.mine }
+        ReadParts { node: self.node, started: self.started, writer: &self.writer, agent: &self.agent, mine: &self.mine }
     }
 }
 
@@ -135,7 +138,7 @@ impl Inner {
             for node in ready {
                 posted.insert(node);
                 // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-                if let Some(r) = unsafe { self.post_holder_read(group, items, node, &by_node[&node], &pinned, &mut out) } {
+                if let Some(r) = unsafe { self.post_holder_read(group, items, (node, started), &by_node[&node], &pinned, &mut out) } {
                     reads.push(r);
                 }
             }
@@ -226,7 +229,8 @@ impl Inner {
         }
     }
 
-    /// Posts one NIXL read of everything `batch`'s holder pinned; None when there is
+    /// Posts one NIXL read of everything `batch`'s holder (`node`; the batch began at
+    /// `started`) pinned; None when there is
     /// nothing to read or the post failed (those items' results are then filled).
     ///
     /// # Safety
@@ -235,7 +239,7 @@ impl Inner {
         &self,
         group: u32,
         items: &[FetchRequest],
-        node: NodeId,
+        (node, started): (NodeId, Instant),
         batch: &HolderBatch,
         pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
@@ -251,9 +255,9 @@ impl Inner {
         // SAFETY: forwarded from this function's contract; the read is polled to its end
         // or given up as tainted (`settle_holder_read`).
         match unsafe { self.agent.post_read(region, &pieces) } {
-            Ok(read) => Some(HolderRead { node, writer: w.clone(), agent: region.agent.clone(), mine, read }),
+            Ok(read) => Some(HolderRead { node, started, writer: w.clone(), agent: region.agent.clone(), mine, read }),
             Err(e) => {
-                let parts = ReadParts { node, writer: w, agent: &region.agent, mine: &mine };
+                let parts = ReadParts { node, started, writer: w, agent: &region.agent, mine: &mine };
                 self.settle_holder_read(group, items, &parts, pinned, Err(e), out);
                 None
             }
@@ -292,6 +296,20 @@ impl Inner {
         for &i in r.mine {
             // Best effort: a dead peer released its pins with its connection.
             r.writer.send(&Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
+        }
+        // A read is safe only within the holder's pin lease: the holder keeps a closed
+        // subscriber's pins `read_timeout` + a margin after the close, and the close comes
+        // after the pin, which comes after `started`. A read seen complete past
+        // `started + read_timeout` (the poll raced the deadline, or a slow settle) may have
+        // read a range already reused: not published (issue #35 C1).
+        let took = r.started.elapsed();
+        if result.is_ok() && took > self.cfg.read_timeout {
+            for &i in r.mine {
+                // Relaxed: a counter for reports; it orders nothing.
+                self.late_reads.fetch_add(1, Ordering::Relaxed);
+                out[i] = Some(Err(FetchError::Late { peer: r.node, key: items[i].key.0, took, lease: self.cfg.read_timeout }));
+            }
+            return;
         }
         match result {
             Ok(()) => {

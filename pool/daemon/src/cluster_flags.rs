@@ -42,6 +42,28 @@ pub struct ClusterArgs {
     /// [default: half of the index capacity]
     #[arg(long = "cluster-max-remote-entries", value_name = "N")]
     pub max_remote_entries: Option<u64>,
+    /// A closed subscriber's pins are kept this long past --cluster-read-timeout-ms after
+    /// its connection closes (a lease: its one-sided READs may still be in flight). Members
+    /// run the same --cluster-read-timeout-ms.
+    #[arg(long = "cluster-pin-lease-margin-ms", env = "UMBP_CLUSTER_PIN_LEASE_MARGIN_MS", value_name = "MS", default_value_t = 1000)]
+    pub pin_lease_margin_ms: u64,
+    /// Objects one subscribing peer may hold pinned here at once; a pin past it is refused.
+    #[arg(long = "cluster-max-pins-per-peer", env = "UMBP_CLUSTER_MAX_PINS_PER_PEER", value_name = "N", default_value_t = 4096)]
+    pub max_pins_per_peer: usize,
+    /// Bytes one subscribing peer may hold pinned here at once (sizes as --capacity).
+    #[arg(long = "cluster-max-pinned-bytes-per-peer", env = "UMBP_CLUSTER_MAX_PINNED_BYTES_PER_PEER", value_name = "SIZE", default_value = "4GiB")]
+    pub max_pinned_bytes_per_peer: String,
+    /// Keys one peer may have in this pool's catalog per tenant group; further keys are
+    /// dropped (counted, `catalog_over_cap`).
+    #[arg(long = "cluster-max-catalog-entries-per-group", env = "UMBP_CLUSTER_MAX_CATALOG_ENTRIES_PER_GROUP", value_name = "N", default_value_t = 1 << 20)]
+    pub max_catalog_entries_per_group: usize,
+    /// Unauthenticated connections (handshake not done) held at once on the cluster port;
+    /// past it a new one is closed at once (counted, `refused_connections`).
+    #[arg(long = "cluster-max-unauthenticated", env = "UMBP_CLUSTER_MAX_UNAUTHENTICATED", value_name = "N", default_value_t = 64)]
+    pub max_unauthenticated: usize,
+    /// As --cluster-max-unauthenticated, per source address.
+    #[arg(long = "cluster-max-unauthenticated-per-source", env = "UMBP_CLUSTER_MAX_UNAUTHENTICATED_PER_SOURCE", value_name = "N", default_value_t = 16)]
+    pub max_unauthenticated_per_source: usize,
 }
 
 impl ClusterArgs {
@@ -60,7 +82,34 @@ impl ClusterArgs {
         if self.heartbeat_ms == 0 || self.dead_after_ms <= self.heartbeat_ms {
             anyhow::bail!("--cluster-dead-after-ms ({}) must exceed --cluster-heartbeat-ms ({}), which must be > 0", self.dead_after_ms, self.heartbeat_ms);
         }
+        for (flag, v) in [
+            ("--cluster-max-pins-per-peer", self.max_pins_per_peer),
+            ("--cluster-max-catalog-entries-per-group", self.max_catalog_entries_per_group),
+            ("--cluster-max-unauthenticated", self.max_unauthenticated),
+            ("--cluster-max-unauthenticated-per-source", self.max_unauthenticated_per_source),
+        ] {
+            if v == 0 {
+                anyhow::bail!("{flag} must be at least 1 (0 would refuse every peer)");
+            }
+        }
+        if self.max_unauthenticated_per_source > self.max_unauthenticated {
+            anyhow::bail!(
+                "--cluster-max-unauthenticated-per-source ({}) exceeds --cluster-max-unauthenticated ({})",
+                self.max_unauthenticated_per_source,
+                self.max_unauthenticated
+            );
+        }
+        let pinned = umbp_pool::parse_size("cluster-max-pinned-bytes-per-peer (UMBP_CLUSTER_MAX_PINNED_BYTES_PER_PEER)", &self.max_pinned_bytes_per_peer)?;
+        if pinned == 0 {
+            anyhow::bail!("--cluster-max-pinned-bytes-per-peer must be more than 0 bytes");
+        }
         let mut c = ClusterConfig::new(listen, secret);
+        c.pin_lease_margin = Duration::from_millis(self.pin_lease_margin_ms);
+        c.max_pins_per_peer = self.max_pins_per_peer;
+        c.max_pinned_bytes_per_peer = pinned;
+        c.max_catalog_entries_per_group = self.max_catalog_entries_per_group;
+        c.max_unauthenticated = self.max_unauthenticated;
+        c.max_unauthenticated_per_source = self.max_unauthenticated_per_source;
         c.heartbeat = Duration::from_millis(self.heartbeat_ms);
         c.dead_after = Duration::from_millis(self.dead_after_ms);
         c.read_timeout = Duration::from_millis(self.read_timeout_ms.max(1));
@@ -81,4 +130,69 @@ pub fn start(pool: &umbp_pool::Pool, cfg: ClusterConfig, peers: Vec<String>, opt
         "cluster tier started"
     );
     Ok(tier)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        cluster: ClusterArgs,
+    }
+
+    /// `--cluster-listen` with a real secret file, then `extra`: the parsed config.
+    fn config(extra: &[&str]) -> anyhow::Result<ClusterConfig> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("secret");
+        std::fs::write(&p, b"cluster-flags-secret-0123456789").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let argv = ["umbp-pool", "--cluster-listen", "127.0.0.1:0", "--cluster-secret-file", p.to_str().unwrap()];
+        let cli = Cli::try_parse_from(argv.iter().chain(extra)).map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(cli.cluster.config()?.expect("--cluster-listen given").0)
+    }
+
+    /// The caps that are `ClusterConfig` fields reach it; defaults are the config's own;
+    /// bad values are refused naming the flag.
+    #[test]
+    fn cluster_cap_flags_reach_the_config_and_bad_values_name_the_flag() {
+        let d = config(&[]).unwrap();
+        let def = ClusterConfig::new(String::new(), Secret::new(b"0123456789abcdef".to_vec()).unwrap());
+        assert_eq!(
+            (d.max_pins_per_peer, d.max_pinned_bytes_per_peer, d.max_catalog_entries_per_group, d.max_unauthenticated, d.max_unauthenticated_per_source, d.pin_lease_margin),
+            (def.max_pins_per_peer, def.max_pinned_bytes_per_peer, def.max_catalog_entries_per_group, def.max_unauthenticated, def.max_unauthenticated_per_source, def.pin_lease_margin),
+            "the flags' defaults are ClusterConfig's"
+        );
+        let c = config(&[
+            "--cluster-max-pins-per-peer", "7",
+            "--cluster-max-pinned-bytes-per-peer", "3MiB",
+            "--cluster-max-catalog-entries-per-group", "1000",
+            "--cluster-max-unauthenticated", "9",
+            "--cluster-max-unauthenticated-per-source", "2",
+            "--cluster-pin-lease-margin-ms", "250",
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.max_pins_per_peer, c.max_pinned_bytes_per_peer, c.max_catalog_entries_per_group, c.max_unauthenticated, c.max_unauthenticated_per_source, c.pin_lease_margin),
+            (7, 3 << 20, 1000, 9, 2, Duration::from_millis(250))
+        );
+        for (args, says) in [
+            (&["--cluster-max-pins-per-peer", "0"][..], "--cluster-max-pins-per-peer must be at least 1"),
+            (&["--cluster-max-pins-per-peer", "many"], "--cluster-max-pins-per-peer"),
+            (&["--cluster-max-pinned-bytes-per-peer", "3 parsecs"], "cluster-max-pinned-bytes-per-peer"),
+            (&["--cluster-max-pinned-bytes-per-peer", "0"], "--cluster-max-pinned-bytes-per-peer must be more than 0"),
+            (&["--cluster-max-catalog-entries-per-group", "0"], "--cluster-max-catalog-entries-per-group must be at least 1"),
+            (&["--cluster-max-unauthenticated", "0"], "--cluster-max-unauthenticated must be at least 1"),
+            (&["--cluster-max-unauthenticated", "4", "--cluster-max-unauthenticated-per-source", "5"], "--cluster-max-unauthenticated-per-source (5) exceeds --cluster-max-unauthenticated (4)"),
+            (&["--cluster-pin-lease-margin-ms", "soon"], "--cluster-pin-lease-margin-ms"),
+        ] {
+            let e = format!("{:#}", config(args).expect_err(&format!("{args:?} refused")));
+            assert!(e.contains(says), "{args:?}: {e}");
+        }
+    }
 }
