@@ -443,13 +443,14 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     };
     // A fenced store's wait for its fence word ends as soon as the worker abandoned it (or
     // left): its blocks are no longer the transfer's, and the wait would hold this copy
-    // slot for up to the fence timeout (30 s) for nothing.
+    // slot for up to the fence timeout (`store_fence_timeout`) for nothing.
     let keep_waiting = || att.is_alive() && !inner.is_shutting_down() && !(op == Opcode::Store && store_given_up());
     let copy_started = Instant::now();
     let args = umbp_gpu::TransferArgs {
         dir,
         host_base: inner.dram.base(),
         fence,
+        fence_timeout: inner.config.store_fence_timeout,
         keep_waiting: &keep_waiting,
         engine: *inner.engine.lock().expect("engine config lock"),
     };

@@ -196,3 +196,34 @@ fn an_abandoned_fenced_store_stops_waiting_for_its_fence() {
     let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Load as u8, count: 1, refs_offset: 64, status_offset: 2048, user_data: 71, ..Sqe::default() }]);
     assert_eq!(statuses(&peer, 1), vec![BlockStatus::Missing], "{c:?}");
 }
+
+/// Issue #32 item 5: the store-fence wait is a pool setting (`store_fence_timeout`,
+/// `--store-fence-timeout-ms`). A store whose fence is never written fails after about
+/// that time; before, every pool waited the fixed 30 s.
+#[test]
+fn a_never_written_store_fence_fails_after_the_configured_timeout() {
+    let socket = unique_socket("fence-timeout");
+    let cfg = PoolConfig {
+        socket_path: socket.clone(),
+        capacity_bytes: 64 << 20,
+        min_object_bytes: PAGE,
+        copy_threads: 2,
+        store_fence_timeout: Duration::from_millis(300),
+        ..PoolConfig::default()
+    };
+    let _pool = Pool::start(cfg).unwrap();
+    let (peer, _kv, _fences) = fenced_worker(&socket, 6);
+    let t = Instant::now();
+    let c = run(&peer, fenced(&peer, Opcode::Store, &[BlockRef::new(ObjectKey(900), 0)], 0, 7, 1));
+    let took = t.elapsed();
+    assert_eq!(statuses(&peer, 1), vec![BlockStatus::Failed], "{c:?}");
+    assert!(took >= Duration::from_millis(300), "failed before the fence timeout: {took:?}");
+    assert!(took < Duration::from_secs(3), "a 300 ms fence timeout answered after {took:?}");
+}
+
+#[test]
+fn a_zero_store_fence_timeout_is_refused_naming_the_flag() {
+    let cfg = PoolConfig { store_fence_timeout: Duration::ZERO, ..PoolConfig::default() };
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("store-fence-timeout-ms"), "{e}");
+}
