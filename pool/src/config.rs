@@ -433,6 +433,20 @@ impl PoolConfig {
         }
     }
 
+    /// Copy threads all attachments of one uid may occupy at once while `attached_uids`
+    /// distinct uids are attached. No cap on a pool only its own uid (and root) may use (no
+    /// `allow_uids`) while one uid is attached: a TP8 node of one tenant keeps every thread.
+    /// Otherwise `(copy_threads - 1) / (attached_uids - 1)` (at least 1; `copy_threads - 1`
+    /// for a lone uid): whatever the other uids' copies wait on, every uid keeps at least one
+    /// thread while no more uids than copy threads are attached, and a newcomer finds one
+    /// free when one uid was attached.
+    pub fn copy_threads_per_uid(&self, attached_uids: usize) -> Option<usize> {
+        if attached_uids <= 1 && self.allow_uids.is_empty() {
+            return None;
+        }
+        Some((self.copy_threads.saturating_sub(1) / attached_uids.saturating_sub(1).max(1)).max(1))
+    }
+
     /// Checks relations between values; messages name the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let inv = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
