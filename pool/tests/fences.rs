@@ -9,6 +9,8 @@
 //! And one peer whose stores wait for a fence its stream never writes occupies at most its
 //! share of the copy threads (`--copy-threads-per-peer`): other peers' transfers keep their
 //! normal latency (before, two such stores held both copy threads for 30 s each).
+//! Several peers of one uid are capped together while the pool serves more than one uid,
+//! and the fence wait itself is a pool setting (`store_fence_timeout`).
 
 mod common;
 use common::*;
