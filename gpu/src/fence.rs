@@ -38,7 +38,8 @@ pub const SLOT_BYTES: u64 = 8;
 /// Largest HostMemfd region the pool accepts as a fence page (it pins it).
 pub const MAX_FENCE_REGION_BYTES: u64 = 1 << 20;
 
-/// How long the pool waits for a worker's store fence before failing the store.
+/// How long the pool waits for a worker's store fence before failing the store, unless
+/// configured otherwise (`TransferArgs::fence_timeout`, the pool's `--store-fence-timeout-ms`).
 pub const FENCE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Whether `word` has reached `value` (the driver's cyclic `GEQ`).
@@ -110,11 +111,11 @@ impl<'a> FenceWord<'a> {
     }
 
     /// Blocks the calling thread until the word reaches `value`. Gives up with
-    /// [`GpuError::FenceTimeout`] after [`FENCE_TIMEOUT`] or as soon as `keep_waiting`
+    /// [`GpuError::FenceTimeout`] after `timeout` or as soon as `keep_waiting`
     /// says no (peer gone, pool stopping), and returns [`GpuError::FenceAborted`] when it
     /// was released with the abort mark. Spins briefly, then sleeps in growing steps up
     /// to 200 µs.
-    pub fn wait_cpu(&self, value: u64, keep_waiting: &dyn Fn() -> bool) -> Result<(), GpuError> {
+    pub fn wait_cpu(&self, value: u64, timeout: Duration, keep_waiting: &dyn Fn() -> bool) -> Result<(), GpuError> {
         let start = Instant::now();
         let mut round = 0u32;
         loop {
@@ -134,7 +135,7 @@ impl<'a> FenceWord<'a> {
             let waited = start.elapsed();
             let why = if !keep_waiting() {
                 ": the peer is gone or the pool is stopping"
-            } else if waited >= FENCE_TIMEOUT {
+            } else if waited >= timeout {
                 ""
             } else {
                 std::thread::sleep(Duration::from_micros((round as u64 / 100).min(200)));
@@ -183,14 +184,18 @@ mod tests {
         // SAFETY: a local aligned word, only used atomically below.
         let f = unsafe { FenceWord::new(&mut word, None) };
         f.store(9);
-        assert!(f.wait_cpu(9, &|| true).is_ok());
+        assert!(f.wait_cpu(9, FENCE_TIMEOUT, &|| true).is_ok());
         f.store(10 + ABORT);
-        assert!(matches!(f.wait_cpu(10, &|| true), Err(GpuError::FenceAborted { .. })));
+        assert!(matches!(f.wait_cpu(10, FENCE_TIMEOUT, &|| true), Err(GpuError::FenceAborted { .. })));
         let t = Instant::now();
-        let e = f.wait_cpu(u64::MAX / 2, &|| false).unwrap_err();
+        let e = f.wait_cpu(u64::MAX / 2, FENCE_TIMEOUT, &|| false).unwrap_err();
         assert!(matches!(e, GpuError::FenceTimeout { .. }), "{e}");
         assert!(e.to_string().contains("peer is gone"), "{e}");
         assert!(t.elapsed() < Duration::from_secs(1));
+        let t = Instant::now();
+        let e = f.wait_cpu(u64::MAX / 2, Duration::from_millis(50), &|| true).unwrap_err();
+        assert!(matches!(e, GpuError::FenceTimeout { .. }), "{e}");
+        assert!(t.elapsed() >= Duration::from_millis(50) && t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
         f.store(0);
         f.signal(5);
         assert_eq!(f.load(), 5);
@@ -202,7 +207,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(20));
                 f.store(11);
             });
-            assert!(f.wait_cpu(11, &|| true).is_ok());
+            assert!(f.wait_cpu(11, FENCE_TIMEOUT, &|| true).is_ok());
         });
     }
 }

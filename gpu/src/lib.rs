@@ -77,8 +77,11 @@ pub struct TransferArgs<'a> {
     /// Pool memory the ops' `host_offset`s count from.
     pub host_base: *mut u8,
     pub fence: Fence<'a>,
+    /// How long a store waits for its fence word before it fails (the pool's
+    /// `--store-fence-timeout-ms`; [`fence::FENCE_TIMEOUT`] by default).
+    pub fence_timeout: std::time::Duration,
     /// Asked while a store waits for its fence: returning false (peer gone, pool stopping)
-    /// gives up at once; otherwise the wait ends after [`fence::FENCE_TIMEOUT`].
+    /// gives up at once; otherwise the wait ends after `fence_timeout`.
     pub keep_waiting: &'a dyn Fn() -> bool,
     /// Tuning of the GPU copy engine for this transfer (host regions ignore it).
     pub engine: EngineConfig,
@@ -107,7 +110,7 @@ pub unsafe fn transfer(args: &TransferArgs<'_>, parts: &[Part<'_>]) -> Vec<Resul
         }
         if let (Dir::DeviceToHost, Fence::WaitBefore(word, value)) = (args.dir, args.fence) {
             let ok = fence_checked
-                .get_or_insert_with(|| word.wait_cpu(value, args.keep_waiting).map_err(|e| e.to_string()));
+                .get_or_insert_with(|| word.wait_cpu(value, args.fence_timeout, args.keep_waiting).map_err(|e| e.to_string()));
             if let Err(e) = ok {
                 group.results[i] = Some(Err(GpuError::Unsupported(e.clone())));
                 continue;

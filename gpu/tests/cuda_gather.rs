@@ -85,7 +85,7 @@ impl Setup {
         let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
         let mut engine = EngineConfig::default();
         engine.gather.mode = self.mode.get();
-        let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, keep_waiting: &|| true, engine };
+        let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, fence_timeout: umbp_gpu::fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine };
         // SAFETY: every op's host range lies inside `pool` (callers build them so).
         let r = unsafe { umbp_gpu::transfer(&args, &parts) };
         r.into_iter().for_each(|r| r.unwrap());

@@ -101,6 +101,10 @@ pub struct PoolConfig {
     /// Copy threads one attachment may occupy at once (0 = all but one): a peer whose
     /// copies wait (an unwritten store fence, slow memory) never holds every thread.
     pub copy_threads_per_peer: usize,
+    /// How long a copy thread waits for a worker's store fence word before the store
+    /// fails (`--store-fence-timeout-ms`): a worker whose stream never writes it holds that
+    /// copy thread this long.
+    pub store_fence_timeout: Duration,
     /// A submission moving more than this is copied in stages of up to this size, each
     /// published as it lands while the next ones copy (the first stages smaller:
     /// `umbp_protocol::stage_split`); 0 = one stage.
@@ -288,6 +292,7 @@ impl Default for PoolConfig {
             lease: Duration::from_millis(2000),
             copy_threads: std::thread::available_parallelism().map(|n| n.get().clamp(2, 8)).unwrap_or(2),
             copy_threads_per_peer: 0,
+            store_fence_timeout: umbp_gpu::fence::FENCE_TIMEOUT,
             copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
             copy_stage_growth_percent: DEFAULT_COPY_STAGE_GROWTH_PERCENT,
             promotion_ahead_bytes: DEFAULT_PROMOTION_AHEAD_BYTES,
@@ -428,6 +433,20 @@ impl PoolConfig {
         }
     }
 
+    /// Copy threads all attachments of one uid may occupy at once while `attached_uids`
+    /// distinct uids are attached. No cap on a pool only its own uid (and root) may use (no
+    /// `allow_uids`) while one uid is attached: a TP8 node of one tenant keeps every thread.
+    /// Otherwise `(copy_threads - 1) / (attached_uids - 1)` (at least 1; `copy_threads - 1`
+    /// for a lone uid): whatever the other uids' copies wait on, every uid keeps at least one
+    /// thread while no more uids than copy threads are attached, and a newcomer finds one
+    /// free when one uid was attached.
+    pub fn copy_threads_per_uid(&self, attached_uids: usize) -> Option<usize> {
+        if attached_uids <= 1 && self.allow_uids.is_empty() {
+            return None;
+        }
+        Some((self.copy_threads.saturating_sub(1) / attached_uids.saturating_sub(1).max(1)).max(1))
+    }
+
     /// Checks relations between values; messages name the key.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let inv = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
@@ -468,6 +487,7 @@ impl PoolConfig {
             ("max-layouts-per-uid", self.uid_limits.layouts as u64),
             ("handshake-timeout-ms", self.control.handshake_timeout.as_millis() as u64),
             ("control-timeout-ms", self.control.message_timeout.as_millis() as u64),
+            ("store-fence-timeout-ms", self.store_fence_timeout.as_millis() as u64),
         ] {
             if v == 0 {
                 return inv(key, "must be at least 1".into());

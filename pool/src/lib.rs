@@ -132,6 +132,11 @@ pub(crate) struct PoolInner {
     /// Tiers below DRAM (tier.rs): where loads fetch objects not in DRAM from.
     pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
+    /// Distinct uids among `attachments`, set under its lock when one comes or goes: the
+    /// per-uid copy-thread cap applies while it is above one (transfer.rs).
+    pub attached_uids: std::sync::atomic::AtomicUsize,
+    /// Copy threads held per uid and jobs held back by the per-uid cap (transfer.rs).
+    pub copy_uids: Mutex<transfer::UidCopySlots>,
     /// Wakes the service thread when attachments come or go, and at shutdown.
     pub service_wake: Doorbell,
     /// Wakes the control thread when a handshake finished, and at shutdown.
@@ -281,6 +286,8 @@ impl Pool {
             tenant_groups,
             group_mem,
             attachments: Mutex::new(Vec::new()),
+            attached_uids: std::sync::atomic::AtomicUsize::new(0),
+            copy_uids: Mutex::new(transfer::UidCopySlots::default()),
             service_wake: Doorbell::new()?,
             control_wake: Doorbell::new()?,
             evict_wake: (Mutex::new(false), Condvar::new()),

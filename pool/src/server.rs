@@ -471,6 +471,7 @@ impl<'a> Control<'a> {
                 return self.refuse(token, r.status, r.message);
             }
             list.push(att.clone());
+            crate::transfer::count_attached_uids(inner, &list);
         }
         let mut reply = HelloReply::refusal(ReplyStatus::Ok, "");
         reply.magic = MAGIC;
@@ -819,6 +820,7 @@ pub fn detach(inner: &PoolInner, att: &Arc<Attachment>, why: &str) {
     let mut list = inner.attachments.lock().expect("attachments lock");
     let before = list.len();
     list.retain(|a| a.id != att.id);
+    crate::transfer::count_attached_uids(inner, &list);
     if list.len() != before {
         tracing::info!(attachment = att.id, pid = att.pid, "{why}");
     }

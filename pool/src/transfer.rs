@@ -72,9 +72,29 @@ pub struct Job {
     pub ahead: Arc<crate::promote::Ahead>,
 }
 
-/// Hands a job to the copy threads, or queues it behind the peer's own jobs when the peer
-/// already occupies its share of them (`copy_threads_per_peer`): one peer whose copies
-/// wait never stalls the others.
+/// Copy threads held per uid, and the jobs held back by the per-uid cap
+/// (`PoolConfig::copy_threads_per_uid`), in submission order. A leaf lock, never held with
+/// an attachment's `copy_slots`.
+#[derive(Default)]
+pub struct UidCopySlots {
+    running: HashMap<u32, usize>,
+    waiting: std::collections::VecDeque<Job>,
+}
+
+/// Sets `inner.attached_uids` from the attachment list (called under its lock).
+pub fn count_attached_uids(inner: &PoolInner, list: &[Arc<Attachment>]) {
+    let mut uids: Vec<u32> = list.iter().map(|a| a.uid).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    // Relaxed: a count read as a hint by `dispatch`; a stale value only moves the cap for
+    // the jobs dispatched meanwhile, and the list's lock orders the writes among themselves.
+    inner.attached_uids.store(uids.len(), Ordering::Relaxed);
+}
+
+/// Hands a job to the copy threads, or queues it when its peer already occupies its share
+/// of them (`copy_threads_per_peer`, queued behind the peer's own jobs) or, while more than
+/// one uid is attached, when its uid does (`copy_threads_per_uid`): one peer, or one uid's
+/// many peers, whose copies wait never stall another uid.
 pub fn dispatch(inner: &PoolInner, job: Job) {
     let att = job.att.clone();
     {
@@ -85,7 +105,56 @@ pub fn dispatch(inner: &PoolInner, job: Job) {
         }
         slots.running += 1;
     }
+    admit_uid(inner, job);
+}
+
+/// The per-uid cap on a job that holds a slot of its peer's: sent now, or held back until
+/// one of its uid's jobs finishes (so a held-back job's uid always has one running, whose
+/// end sends it).
+fn admit_uid(inner: &PoolInner, job: Job) {
+    {
+        let mut uids = inner.copy_uids.lock().expect("copy uids lock");
+        let cap = inner.config.copy_threads_per_uid(inner.attached_uids.load(Ordering::Relaxed));
+        let running = uids.running.entry(job.att.uid).or_default();
+        if cap.is_some_and(|cap| *running >= cap) {
+            uids.waiting.push_back(job);
+            return;
+        }
+        *running += 1;
+    }
     send(inner, job);
+}
+
+/// One of `uid`'s jobs finished: the held-back jobs now under the cap (of this uid, or of
+/// others when uids left meanwhile) are sent, in order.
+fn release_uid_slot(inner: &PoolInner, uid: u32) {
+    let ready: Vec<Job> = {
+        let mut guard = inner.copy_uids.lock().expect("copy uids lock");
+        let uids = &mut *guard;
+        if let Some(n) = uids.running.get_mut(&uid) {
+            *n -= 1;
+            if *n == 0 {
+                uids.running.remove(&uid);
+            }
+        }
+        let cap = inner.config.copy_threads_per_uid(inner.attached_uids.load(Ordering::Relaxed));
+        let mut ready = Vec::new();
+        let mut i = 0;
+        while i < uids.waiting.len() {
+            let u = uids.waiting[i].att.uid;
+            let running = uids.running.entry(u).or_default();
+            if cap.is_none_or(|cap| *running < cap) {
+                *running += 1;
+                ready.extend(uids.waiting.remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        ready
+    };
+    for job in ready {
+        send(inner, job);
+    }
 }
 
 fn send(inner: &PoolInner, job: Job) {
@@ -95,9 +164,10 @@ fn send(inner: &PoolInner, job: Job) {
     }
 }
 
-/// A copy thread is done with one of `att`'s jobs: its slot goes to the peer's next
-/// waiting job, if any.
+/// A copy thread is done with one of `att`'s jobs: its uid's slot goes to the next
+/// held-back job, its peer's slot to the peer's next waiting job, if any.
 fn release_slot(inner: &PoolInner, att: &Attachment) {
+    release_uid_slot(inner, att.uid);
     let next = {
         let mut slots = att.copy_slots.lock().expect("copy slots lock");
         match slots.waiting.pop_front() {
@@ -109,7 +179,7 @@ fn release_slot(inner: &PoolInner, att: &Attachment) {
         }
     };
     if let Some(job) = next {
-        send(inner, job);
+        admit_uid(inner, job);
     }
 }
 
@@ -443,13 +513,14 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     };
     // A fenced store's wait for its fence word ends as soon as the worker abandoned it (or
     // left): its blocks are no longer the transfer's, and the wait would hold this copy
-    // slot for up to the fence timeout (30 s) for nothing.
+    // slot for up to the fence timeout (`store_fence_timeout`) for nothing.
     let keep_waiting = || att.is_alive() && !inner.is_shutting_down() && !(op == Opcode::Store && store_given_up());
     let copy_started = Instant::now();
     let args = umbp_gpu::TransferArgs {
         dir,
         host_base: inner.dram.base(),
         fence,
+        fence_timeout: inner.config.store_fence_timeout,
         keep_waiting: &keep_waiting,
         engine: *inner.engine.lock().expect("engine config lock"),
     };

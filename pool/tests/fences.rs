@@ -9,6 +9,8 @@
 //! And one peer whose stores wait for a fence its stream never writes occupies at most its
 //! share of the copy threads (`--copy-threads-per-peer`): other peers' transfers keep their
 //! normal latency (before, two such stores held both copy threads for 30 s each).
+//! Several peers of one uid are capped together while the pool serves more than one uid,
+//! and the fence wait itself is a pool setting (`store_fence_timeout`).
 
 mod common;
 use common::*;
@@ -195,4 +197,113 @@ fn an_abandoned_fenced_store_stops_waiting_for_its_fence() {
     peer.arena().write(64, &[BlockRef::new(ObjectKey(700), 1)]).unwrap();
     let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Load as u8, count: 1, refs_offset: 64, status_offset: 2048, user_data: 71, ..Sqe::default() }]);
     assert_eq!(statuses(&peer, 1), vec![BlockStatus::Missing], "{c:?}");
+}
+
+/// Issue #32 item 5: the store-fence wait is a pool setting (`store_fence_timeout`,
+/// `--store-fence-timeout-ms`). A store whose fence is never written fails after about
+/// that time; before, every pool waited the fixed 30 s.
+#[test]
+fn a_never_written_store_fence_fails_after_the_configured_timeout() {
+    let socket = unique_socket("fence-timeout");
+    let cfg = PoolConfig {
+        socket_path: socket.clone(),
+        capacity_bytes: 64 << 20,
+        min_object_bytes: PAGE,
+        copy_threads: 2,
+        store_fence_timeout: Duration::from_millis(300),
+        ..PoolConfig::default()
+    };
+    let _pool = Pool::start(cfg).unwrap();
+    let (peer, _kv, _fences) = fenced_worker(&socket, 6);
+    let t = Instant::now();
+    let c = run(&peer, fenced(&peer, Opcode::Store, &[BlockRef::new(ObjectKey(900), 0)], 0, 7, 1));
+    let took = t.elapsed();
+    assert_eq!(statuses(&peer, 1), vec![BlockStatus::Failed], "{c:?}");
+    assert!(took >= Duration::from_millis(300), "failed before the fence timeout: {took:?}");
+    assert!(took < Duration::from_secs(3), "a 300 ms fence timeout answered after {took:?}");
+}
+
+#[test]
+fn a_zero_store_fence_timeout_is_refused_naming_the_flag() {
+    let cfg = PoolConfig { store_fence_timeout: Duration::ZERO, ..PoolConfig::default() };
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("store-fence-timeout-ms"), "{e}");
+}
+
+/// Issue #32 item 5: copy threads are capped per uid while more than one uid is attached.
+/// An attacker uid with two attachments, each with a store whose fence it never writes,
+/// used to hold both copy threads (each attachment's own share is one) for the whole fence
+/// wait: the victim uid's store waited 30 s. Now the attacker's uid holds at most its
+/// share (2 threads / 2 uids = 1) and the victim's store runs at once.
+#[test]
+fn one_uids_many_attachments_waiting_on_fences_never_delay_another_uid() {
+    use std::os::unix::fs::PermissionsExt;
+    if !umbp_integration_tests::root_or_skip("the attacker runs as uid 65534") {
+        return;
+    }
+    const ATTACKER: u32 = 65534;
+    let socket = unique_socket("fence-uid");
+    let cfg = PoolConfig {
+        socket_path: socket.clone(),
+        capacity_bytes: 64 << 20,
+        min_object_bytes: PAGE,
+        copy_threads: 2,
+        allow_uids: vec![ATTACKER],
+        ..PoolConfig::default()
+    };
+    let _pool = Pool::start(cfg).unwrap();
+    std::fs::set_permissions(socket.parent().unwrap(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    std::fs::set_permissions(&socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    // The attacker's two attachments connect from a thread running as another uid
+    // (credentials are per thread; SO_PEERCRED records the connecting thread's).
+    let s = socket.clone();
+    let hogs = std::thread::spawn(move || {
+        // SAFETY: a raw syscall on this thread's credentials; no memory is passed.
+        let rc = unsafe { libc::syscall(libc::SYS_setresuid, ATTACKER as libc::c_long, ATTACKER as libc::c_long, -1 as libc::c_long) };
+        assert_eq!(rc, 0, "setresuid: {}", std::io::Error::last_os_error());
+        (fenced_worker(&s, 8), fenced_worker(&s, 9))
+    })
+    .join()
+    .unwrap();
+    for (i, (hog, _, _)) in [&hogs.0, &hogs.1].into_iter().enumerate() {
+        let mut sq = hog.sq();
+        hog.arena().write(64, &[BlockRef::new(ObjectKey(700 + i as u128), 0)]).unwrap();
+        let s = Sqe {
+            opcode: Opcode::Store as u8,
+            count: 1,
+            user_data: i as u64,
+            refs_offset: 64,
+            status_offset: 2048,
+            fence_value: 7,
+            fence_ref: umbp_gpu::fence::encode_ref(FENCE_ALLOC, 0),
+            ..Sqe::default()
+        };
+        assert!(sq.try_push(s).unwrap());
+        sq.publish();
+        hog.ring_doorbell();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    // The victim (this process's uid) stores and loads at normal latency.
+    let (victim, _kv) = memfd_worker_at(&socket, 10, PAGE, BLOCKS, 0x22);
+    let t = Instant::now();
+    victim.arena().write(0, &[BlockRef::new(ObjectKey(800), 0)]).unwrap();
+    let c = victim.submit_and_reap(&[Sqe { opcode: Opcode::Store as u8, count: 1, refs_offset: 0, status_offset: 1024, user_data: 1, ..Sqe::default() }]);
+    assert_eq!(c[0].ok_count, 1, "{c:?}");
+    // Old code: ~30 s (both copy threads held by the attacker's fence waits).
+    assert!(t.elapsed() < Duration::from_secs(1), "the victim's store took {:?} behind another uid's fence waits", t.elapsed());
+    // The attacker's stores run once their fences are written.
+    for (_, _, fences) in [&hogs.0, &hogs.1] {
+        word(fences, 0).store(7, std::sync::atomic::Ordering::SeqCst);
+    }
+    for (hog, _, _) in [&hogs.0, &hogs.1] {
+        let mut cq = hog.cq();
+        let mut done = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while done.is_empty() && Instant::now() < deadline {
+            cq.wait(1, Some(Duration::from_millis(100))).unwrap();
+            cq.pop_batch(&mut done, 8).unwrap();
+        }
+        assert_eq!(done.len(), 1, "the attacker's store completed once fenced");
+        assert_eq!(done[0].ok_count, 1, "{done:?}");
+    }
 }

@@ -86,7 +86,7 @@ fn run(setup: &Setup, gather: GatherMode, reps: usize) -> (f64, usize) {
         for dir in [Dir::DeviceToHost, Dir::HostToDevice] {
             let mut plans: Vec<Option<StagePlan<'_>>> = (0..STAGES).map(|s| Some(plan(&setup.regions, s))).collect();
             let engine = EngineConfig { gather: GatherConfig { mode: gather, ..GatherConfig::default() }, ..EngineConfig::default() };
-            let args = TransferArgs { dir, host_base: HOST_BASE as *mut u8, fence: Fence::None, keep_waiting: &|| true, engine };
+            let args = TransferArgs { dir, host_base: HOST_BASE as *mut u8, fence: Fence::None, fence_timeout: crate::fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine };
             let mut done = 0;
             let t = Instant::now();
             // SAFETY: dry simulated driver: no byte is read or written.

@@ -85,7 +85,7 @@ impl<A: DeviceApi> Engine<A> {
         build: &mut StageBuilder<'_>,
         stage_done: &mut dyn FnMut(usize),
     ) -> Result<(), GpuError> {
-        let TransferArgs { dir, fence, keep_waiting, engine: config, .. } = *call.args;
+        let TransferArgs { dir, fence, fence_timeout, keep_waiting, engine: config, .. } = *call.args;
         let config = config.clamped();
         let signal = call.signal;
         let ranges = call.ranges;
@@ -182,7 +182,7 @@ impl<A: DeviceApi> Engine<A> {
                 }
             }
             if cpu_wait {
-                if let Err(e) = word.wait_cpu(value, keep_waiting) {
+                if let Err(e) = word.wait_cpu(value, fence_timeout, keep_waiting) {
                     // Streams that got a GPU wait must not hang: release them (the
                     // copies then read unready bytes; the error fails the store).
                     if used.iter().any(|u| *u) {
@@ -360,7 +360,7 @@ impl<A: DeviceApi> Engine<A> {
         // Watchdog for GPU-side waits: a worker that died or never writes its fence would
         // leave our streams blocked; release them (the error fails the store).
         if let Some((word, value)) = gpu_wait {
-            let released = if first_err.is_some() { Err(None) } else { word.wait_cpu(value, keep_waiting).map_err(Some) };
+            let released = if first_err.is_some() { Err(None) } else { word.wait_cpu(value, fence_timeout, keep_waiting).map_err(Some) };
             if let Err(e) = released {
                 word.signal(value);
                 if let Some(e) = e {
@@ -414,7 +414,7 @@ mod tests {
 
     /// A device-to-host transfer, no fence, default tuning.
     fn args() -> TransferArgs<'static> {
-        TransferArgs { dir: Dir::DeviceToHost, host_base: std::ptr::null_mut(), fence: Fence::None, keep_waiting: &|| true, engine: EngineConfig::default() }
+        TransferArgs { dir: Dir::DeviceToHost, host_base: std::ptr::null_mut(), fence: Fence::None, fence_timeout: fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine: EngineConfig::default() }
     }
 
     /// 64 pages of 1 KiB "device" memory copied to host in 4 stages of 16 pages, each

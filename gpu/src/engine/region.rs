@@ -43,7 +43,7 @@ impl<A: DeviceApi> GpuRegion<A> {
     /// Host ranges of all ops are valid (writable for DeviceToHost) for the call.
     unsafe fn run_one(&self, ops: &[CopyOp], host_base: *mut u8, dir: Dir) -> Result<(), GpuError> {
         let part = [Part { region: self, ops }];
-        let args = TransferArgs { dir, host_base, fence: Fence::None, keep_waiting: &|| true, engine: EngineConfig::default() };
+        let args = TransferArgs { dir, host_base, fence: Fence::None, fence_timeout: crate::fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine: EngineConfig::default() };
         let mut group = Group::new(1);
         // SAFETY: forwarded caller contract.
         unsafe { self.transfer_group(&args, &part, 0, &mut group) };

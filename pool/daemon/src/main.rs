@@ -57,6 +57,11 @@ struct Args {
     /// submissions queue per peer [default: 0 = all copy threads but one].
     #[arg(long = "copy-threads-per-peer", env = "UMBP_COPY_THREADS_PER_PEER", value_name = "N", default_value_t = 0)]
     copy_threads_per_peer: usize,
+    /// How long a copy thread waits for a worker's store fence (the word its stream writes
+    /// once the KV is final) before the store fails; a worker that never writes it holds
+    /// the copy thread this long.
+    #[arg(long = "store-fence-timeout-ms", env = "UMBP_STORE_FENCE_TIMEOUT_MS", value_name = "MS", default_value_t = 30_000)]
+    store_fence_timeout_ms: u64,
     /// A submission moving more than this is copied in stages of up to this size (the first
     /// 1/16 of it, each next one --copy-stage-growth of the one before, so that the first
     /// bytes move after little planning); each stage's blocks are published (stores) or
@@ -360,6 +365,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
         c.copy_threads = n;
     }
     c.copy_threads_per_peer = args.copy_threads_per_peer;
+    c.store_fence_timeout = std::time::Duration::from_millis(args.store_fence_timeout_ms);
     c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size)?;
     c.copy_stage_growth_percent = args.copy_stage_growth;
     c.promotion_ahead_bytes = parse_size("promotion-ahead (UMBP_PROMOTION_AHEAD)", &args.promotion_ahead)?;
