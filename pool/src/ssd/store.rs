@@ -105,13 +105,11 @@ pub struct SsdStats {
     pub rebuild_ms: f64,
 }
 
-/// What a successful put did besides storing.
+/// What a successful put did besides storing. Objects the store dropped meanwhile (for
+/// room, or unreadable in a compaction) are not here: they are reported by
+/// [`SsdStore::take_evicted`], whatever the call's result, so none is lost on an error path.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct PutOutcome {
-    /// Objects dropped to make room (oldest segments first).
-    /// (key, namespace) of each.
-    pub evicted: Vec<(ObjectKey, u128)>,
-}
+pub struct PutOutcome {}
 
 /// What the store knows about an object without reading it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +136,9 @@ pub(super) struct Shard {
     pub tombstones: HashMap<RecKey, Loc>,
     /// Sum of `len` over segments.
     pub used: u64,
+    /// Keys that left `index` without the caller asking (reclaim, a failed compaction or
+    /// read), until `SsdStore::take_evicted` hands them to the pool.
+    pub evicted: Vec<RecKey>,
 }
 
 /// A record placed in the active segment but not yet written.
@@ -173,6 +174,7 @@ impl Shard {
             index: HashMap::new(),
             tombstones: HashMap::new(),
             used: 0,
+            evicted: Vec::new(),
         }
     }
 
@@ -245,8 +247,7 @@ impl Shard {
 
     /// Frees room until `needed` more bytes fit under the low watermark (or nothing is
     /// left to free): compaction of mostly dead segments first, then the oldest segments.
-    fn reclaim(&mut self, needed: u64, counters: &Counters) -> Vec<(ObjectKey, u128)> {
-        let mut evicted = Vec::new();
+    fn reclaim(&mut self, needed: u64, counters: &Counters) {
         let target = self.low.saturating_sub(needed);
         let mut guard = 0;
         while self.used_total() > target && !self.segments.is_empty() && guard < 100_000 {
@@ -262,32 +263,33 @@ impl Shard {
                 Some((id, _)) => self.compact(id, counters),
                 None => {
                     let oldest = *self.segments.keys().next().expect("non-empty");
-                    evicted.extend(self.drop_segment(oldest, counters));
+                    self.drop_segment(oldest, counters);
                 }
             }
         }
-        evicted
     }
 
-    /// Removes a segment and its file; returns the live objects it held (now gone).
-    fn drop_segment(&mut self, id: u64, counters: &Counters) -> Vec<(ObjectKey, u128)> {
+    /// Removes a segment and its file; the live objects it held (now gone) go to
+    /// `evicted`. Returns how many.
+    fn drop_segment(&mut self, id: u64, counters: &Counters) -> usize {
         if self.active == Some(id) {
             self.active = None;
         }
-        let Some(m) = self.segments.remove(&id) else { return Vec::new() };
-        let mut gone = Vec::new();
+        let Some(m) = self.segments.remove(&id) else { return 0 };
+        let mut gone = 0;
         for e in &m.records {
             let key = rec_key(&e.header);
             if self.index.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
                 self.index.remove(&key);
-                gone.push((ObjectKey(key.0), key.1));
+                self.evicted.push(key);
+                gone += 1;
             }
             if self.tombstones.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
                 self.tombstones.remove(&key);
             }
         }
         self.used -= m.len;
-        bump(&counters.evicted_objects, gone.len() as u64);
+        bump(&counters.evicted_objects, gone as u64);
         if let Err(e) = self.dir.remove_segment(id) {
             tracing::warn!(error = %e, "removing SSD segment");
         }
@@ -315,14 +317,18 @@ impl Shard {
                         continue;
                     }
                 }
-                // Unreadable or not rewritten: the object is gone (a miss, never wrong).
-                self.index.remove(&key);
+                // Unreadable or not rewritten: the object is gone (a miss, never wrong),
+                // and the pool is told (`evicted`).
+                if self.index.remove(&key).is_some() {
+                    self.evicted.push(key);
+                    bump(&counters.evicted_objects, 1);
+                }
             } else if e.header.is_tombstone() && older_exists && self.tombstones.get(&key).is_some_and(at) {
                 let _ = self.put_records(&[(e.header, &[][..])], counters, false);
             }
         }
         let gone = self.drop_segment(id, counters);
-        debug_assert!(gone.is_empty());
+        debug_assert_eq!(gone, 0);
         bump(&counters.compactions, 1);
         bump(&counters.compacted_bytes, len.saturating_sub(moved));
     }
@@ -345,10 +351,8 @@ impl Shard {
             }
             if reclaim && self.used_total() + rec > self.high {
                 self.flush(&mut pending, &mut results, counters);
-                let ev = self.reclaim(rec, counters);
-                if let Ok(o) = &mut results[i] {
-                    o.evicted = ev;
-                }
+                // What it drops goes to `evicted`, whatever becomes of this item.
+                self.reclaim(rec, counters);
             }
             if self.used_total() + rec + format::BLOCK > self.capacity {
                 results[i] =
@@ -494,6 +498,7 @@ impl Shard {
             if !ok[i] && self.index.get(&rec_key(&loc.header)).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
                 self.index.remove(&rec_key(&loc.header));
                 self.mark_dead(&loc);
+                self.evicted.push(rec_key(&loc.header));
             }
         }
         ok
@@ -773,6 +778,23 @@ impl SsdStore {
             shard.mark_dead(&loc);
         }
         true
+    }
+
+    /// Takes the (key, namespace) of every object that left the store since the last call
+    /// without the caller removing it: dropped for room (by any put or a tombstone's
+    /// reclaim, whether that call then succeeded or failed), lost in a compaction, or
+    /// unreadable. The pool removes them from its index (issue #34, S1). A key stored
+    /// again since is not listed (its new record is there).
+    pub fn take_evicted(&self) -> Vec<(ObjectKey, u128)> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let gone = std::mem::take(&mut s.evicted);
+            out.extend(gone.into_iter().filter(|k| !s.index.contains_key(k)).map(|k| (ObjectKey(k.0), k.1)));
+        }
+        out.sort_unstable_by_key(|k| (k.0 .0, k.1));
+        out.dedup();
+        out
     }
 
     /// Keys currently stored (for rebuilding an index above this store).
