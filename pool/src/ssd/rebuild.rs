@@ -186,7 +186,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
             all.push(Loc { seg: id, offset: e.offset, header: e.header });
         }
         shard.used += file_len;
-        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed });
+        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed, synced: false });
     }
     all.sort_by_key(|l| (l.header.seq, l.seg, l.offset));
     let mut max_seq = 0;

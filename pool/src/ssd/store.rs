@@ -24,6 +24,8 @@ pub(super) struct SegMeta {
     pub live_bytes: u64,
     pub records: Vec<FooterEntry>,
     pub sealed: bool,
+    /// Nothing written since its last fdatasync (`SsdStore::flush`).
+    pub synced: bool,
 }
 
 /// A record's identity: (key, namespace).
@@ -232,6 +234,7 @@ impl Shard {
     pub(super) fn seal(&mut self, id: u64) {
         let Some(m) = self.segments.get_mut(&id) else { return };
         m.sealed = true;
+        m.synced = false;
         let footer = format::encode_footer(&m.records, m.len);
         let mut buf = AlignedBuf::new(footer.len());
         buf[..footer.len()].copy_from_slice(&footer);
@@ -369,7 +372,7 @@ impl Shard {
                 match self.dir.create_segment(id) {
                     Ok(seg) => {
                         self.next_id += 1;
-                        self.segments.insert(id, SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false });
+                        self.segments.insert(id, SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false, synced: false });
                         self.active = Some(id);
                     }
                     Err(e) => {
@@ -408,6 +411,11 @@ impl Shard {
             .collect();
         let done = self.ring.write_batch(&jobs);
         drop(jobs);
+        for p in pending.iter() {
+            if let Some(m) = self.segments.get_mut(&p.seg) {
+                m.synced = false;
+            }
+        }
         for (p, r) in pending.drain(..).zip(done) {
             match r {
                 Ok(()) => {
@@ -551,6 +559,18 @@ impl<'a> Out<'a> {
     }
 }
 
+/// The first sequence number of a store whose readable records end at `max_seq`: past
+/// them, and at least the wall clock in nanoseconds since the epoch. A segment skipped as
+/// unreadable at start may hold higher numbers than any read; were numbering to go on from
+/// `max_seq`, its old records would beat newer ones once it is readable again (issue #34,
+/// S6). Numbers are taken far slower than one per nanosecond, so every record written
+/// before this start has a lower one, as long as the clock does not go back across the
+/// restart (docs/ssd.md).
+fn first_seq(max_seq: u64) -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    max_seq.saturating_add(1).max(now)
+}
+
 /// The SSD tier's store over one or more directories.
 pub struct SsdStore {
     shards: Vec<Mutex<Shard>>,
@@ -605,7 +625,7 @@ impl SsdStore {
             shards.push(Mutex::new(shard));
         }
         counters.rebuild_us.store(rebuild.as_micros() as u64, Ordering::Relaxed);
-        Ok(Self { shards, seq: AtomicU64::new(max_seq + 1), counters, capacity: per_shard * n as u64 })
+        Ok(Self { shards, seq: AtomicU64::new(first_seq(max_seq)), counters, capacity: per_shard * n as u64 })
     }
 
     pub(super) fn shard_index(key: u128, n: usize) -> usize {
@@ -645,9 +665,15 @@ impl SsdStore {
             if idx.is_empty() {
                 continue;
             }
+            let payload_crcs: Vec<u32> = idx.iter().map(|&i| crc32c::crc32c(items[i].3)).collect();
+            // Numbered under the shard's lock: records of one shard reach the disk in the
+            // order of their sequence numbers, so of two racing puts of a key the one the
+            // index keeps is the one written last (issue #34, S6).
+            let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
             let recs: Vec<(RecordHeader, &[u8])> = idx
                 .iter()
-                .map(|&i| {
+                .zip(&payload_crcs)
+                .map(|(&i, &payload_crc)| {
                     let (key, namespace, layout, data) = items[i];
                     let header = RecordHeader {
                         flags: 0,
@@ -655,13 +681,14 @@ impl SsdStore {
                         namespace,
                         size: data.len() as u64,
                         layout_object_size: layout,
+                        // Relaxed: uniqueness is all the counter gives; the order of one
+                        // shard's records is the shard lock's, held here.
                         seq: self.seq.fetch_add(1, Ordering::Relaxed),
-                        payload_crc: crc32c::crc32c(data),
+                        payload_crc,
                     };
                     (header, data)
                 })
                 .collect();
-            let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
             for (&i, r) in idx.iter().zip(shard.put_records(&recs, &self.counters, true)) {
                 results[i] = Some(r);
             }
@@ -836,18 +863,26 @@ impl SsdStore {
         done
     }
 
-    /// Seals the active segments (writes their footers) and fdatasyncs them: after this,
-    /// everything stored survives power loss too, and a restart needs no record scan.
+    /// Seals the active segments (writes their footers), fdatasyncs every segment written
+    /// since its last sync (those sealed earlier too) and fsyncs each directory (segment
+    /// files created and removed): after this, everything stored survives power loss too,
+    /// and a restart needs no record scan. Every shard is tried; the first error is returned.
     pub fn flush(&self) -> Result<(), SsdError> {
+        let mut first = Ok(());
         for s in &self.shards {
             let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
-            let active = s.active;
             s.seal_active();
-            if let Some(id) = active {
-                s.segments[&id].seg.sync()?;
+            let mut r = Ok(());
+            for m in s.segments.values_mut().filter(|m| !m.synced) {
+                match m.seg.sync() {
+                    Ok(()) => m.synced = true,
+                    Err(e) => r = r.and(Err(e)),
+                }
             }
+            let r = r.and(s.dir.sync());
+            first = first.and(r);
         }
-        Ok(())
+        first
     }
 
     pub fn stats(&self) -> SsdStats {
@@ -900,11 +935,11 @@ impl SsdStore {
 }
 
 impl Drop for SsdStore {
-    /// A clean close seals the active segments so the next start reads only footers.
+    /// A clean close is a `flush`: the active segments sealed (the next start reads only
+    /// footers), every segment and directory synced (power-loss durable).
     fn drop(&mut self) {
-        for s in &self.shards {
-            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
-            s.seal_active();
+        if let Err(e) = self.flush() {
+            tracing::warn!(error = %e, "SSD store closed without syncing: a power loss may lose recent records");
         }
     }
 }

@@ -820,14 +820,47 @@ fn a_forged_header_inside_a_torn_payload_is_not_listed_after_restart() {
     f.write_all_at(&[!evil[size - 1]], 5 * rl + HEADER_BYTES as u64 + size as u64 - 1).unwrap();
     drop(f);
     let store = open_store(&c);
+    let got = store.get(victim.0, victim.1).expect("the victim's own record");
+    assert!(got.1 == payload(1, size), "the forged header's bytes were served for another namespace's key");
     let st = store.stats();
     assert_eq!(st.segments_scanned, 1, "{st:?}");
     assert_eq!(st.torn_records_skipped, 1, "{st:?}");
     assert!(store.get(key(100), 9).is_none(), "the torn record is a miss");
-    let got = store.get(victim.0, victim.1).expect("the victim's own record");
-    assert!(got.1 == payload(1, size), "the forged header's bytes were served for another namespace's key");
     for i in (0..10).filter(|&i| i != 1) {
         assert!(store.get(key(i), 7).unwrap().1 == payload(i, size), "record {i} after the torn one");
     }
     assert_eq!(store.stats().objects, 10);
+}
+
+/// Issue #34, S6: a segment skipped as unreadable at start may hold the highest sequence
+/// numbers; the records written meanwhile must still beat its old ones once it is readable
+/// again (old code numbered on from the highest number read, so the old copy won).
+#[test]
+fn sequence_numbers_do_not_go_back_when_a_segment_is_skipped() {
+    let d = tempdir();
+    let c = cfg(&[d.path()], 64 << 20, 256 << 10);
+    let size = 30_000usize;
+    {
+        let store = open_store(&c);
+        put_all(&store, 0..20);
+        // The last records, key(1)'s old copy among them, in the newest segment.
+        store.put(key(1), 7, 65536, &payload(1000, size)).unwrap();
+    }
+    let segs = segment::segment_files(d.path()).unwrap();
+    assert!(segs.len() >= 2, "{segs:?}");
+    let newest = segs.iter().max().unwrap().clone();
+    let aside = d.path().join("aside");
+    std::fs::rename(&newest, &aside).unwrap();
+    // Unreadable in its place (EISDIR), as a drive error would make it.
+    std::fs::create_dir(&newest).unwrap();
+    {
+        let store = open_store(&c);
+        assert_eq!(store.stats().segments_unreadable, 1);
+        store.put(key(1), 7, 65536, &payload(2000, size)).unwrap();
+    }
+    std::fs::remove_dir(&newest).unwrap();
+    std::fs::rename(&aside, &newest).unwrap();
+    let store = open_store(&c);
+    assert_eq!(store.stats().segments_unreadable, 0);
+    assert!(store.get(key(1), 7).unwrap().1 == payload(2000, size), "the older copy won over the one written later");
 }
