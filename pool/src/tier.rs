@@ -193,12 +193,13 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
             .collect();
         crate::fault::demotion_batch(items.len());
         let results = ssd.store.put_batch(&items);
-        let mut gone = std::collections::HashSet::new();
+        // Every record the store dropped meanwhile (for room, on any path: also where this
+        // batch's writes then failed), not just those of successful puts (issue #34, S1).
+        let mut gone: std::collections::HashSet<_> = ssd.store.take_evicted().into_iter().collect();
         let mut written = Vec::with_capacity(batch.len());
         for (d, r) in batch.iter().zip(results) {
             match r {
-                Ok(outcome) => {
-                    gone.extend(outcome.evicted);
+                Ok(_) => {
                     written.push(Ok(ssd.store.shard_of(d.key.key) as u64));
                 }
                 Err(e) => {
@@ -366,6 +367,11 @@ pub fn drop_records(inner: &PoolInner, ssd: &SsdTier) {
         // A miss later is the worst a race here can do (the key stored and demoted again
         // before this remove): never wrong bytes.
         ssd.store.remove(key, ns);
+    }
+    // A tombstone's reclaim drops other records for room: their objects leave the index.
+    let gone = ssd.store.take_evicted();
+    if !gone.is_empty() {
+        inner.store.lock().expect("store lock").ssd_records_gone(&gone, &inner.tenant_groups);
     }
 }
 

@@ -1,8 +1,9 @@
 //! Warm restart: rebuilds a shard's index from its segment files. A sealed segment is read
 //! through its footer (one read of the entries); a segment without a valid footer (the one
 //! being written when the pool stopped) is scanned record by record, every payload checked
-//! against its CRC32C; torn or corrupt records are skipped and counted, then the segment is
-//! sealed so the next start reads its footer.
+//! against its CRC32C; torn or corrupt records are skipped (by their header's length, never
+//! searched for inside) and counted, then the segment is sealed so the next start reads its
+//! footer.
 
 use std::sync::atomic::Ordering;
 
@@ -66,14 +67,20 @@ fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdE
     Ok(sane.then_some(entries))
 }
 
-/// Scans records from the start; returns the valid ones and the count of skipped blocks
-/// that held a torn or corrupt record.
+/// Scans records from the start; returns the valid ones and the count of torn or corrupt
+/// records skipped.
+///
+/// Never looks for a header inside a record's payload (which a tenant wrote, and which may
+/// carry a header that passes its CRC32C: issue #34, S4): a header whose payload fails its
+/// CRC is skipped by the length it claims (checked to fit in the file); a header that does
+/// not fit (a torn tail) or a block that is neither a header nor zeros ends the scan of
+/// the segment (what follows is lost: misses, never wrong bytes). Zero blocks are space
+/// reserved for a record whose write did not land at all, skipped block by block.
 fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
     let mut w = Window::new(seg, 8 << 20);
     let mut out = Vec::new();
     let mut torn = 0u64;
     let mut pos = 0u64;
-    let mut in_bad_run = false;
     while pos + BLOCK <= len {
         let Some(block) = w.get(pos, BLOCK as usize)? else { break };
         if block.iter().all(|&b| b == 0) {
@@ -86,12 +93,10 @@ fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
         let header = match RecordHeader::decode(block) {
             Ok(h) if fits(&h) => h,
             _ => {
-                if !in_bad_run {
-                    torn += 1;
-                }
-                in_bad_run = true;
-                pos += BLOCK;
-                continue;
+                // Not a header where one must be, or one past the end of the file: the
+                // record's length is unknown, so nothing after it can be trusted.
+                torn += 1;
+                break;
             }
         };
         // Fits in the file (checked above), so in usize too on 64-bit targets.
@@ -103,14 +108,11 @@ fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
         let payload = &rec[HEADER_BYTES..HEADER_BYTES + header.size as usize];
         if crc32c::crc32c(payload) == header.payload_crc {
             out.push(FooterEntry { header, offset: pos });
-            pos += rl as u64;
-            in_bad_run = false;
         } else {
-            // A header whose payload did not (fully) land: skip it, resync block by block.
+            // A header whose payload did not (fully) land: skip the whole record.
             torn += 1;
-            in_bad_run = true;
-            pos += BLOCK;
         }
+        pos += rl as u64;
     }
     Ok((out, torn))
 }
@@ -184,7 +186,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
             all.push(Loc { seg: id, offset: e.offset, header: e.header });
         }
         shard.used += file_len;
-        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed });
+        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed, synced: false });
     }
     all.sort_by_key(|l| (l.header.seq, l.seg, l.offset));
     let mut max_seq = 0;

@@ -263,6 +263,12 @@ impl Directory {
 
     /// Opens an existing segment: never through a symlink, and only a regular file of the
     /// pool's own uid with one link ([`SsdError::Unsafe`] otherwise: the caller skips it).
+    /// fsyncs the directory itself: segment files created or removed since are then
+    /// durable (their names), as their data is after `Segment::sync`.
+    pub fn sync(&self) -> Result<(), SsdError> {
+        rustix::fs::fsync(&self.fd).map_err(|e| io_err(&self.path, "fsync SSD directory", errno(e)))
+    }
+
     pub fn open_segment(&self, id: u64) -> Result<Segment, SsdError> {
         let path = self.segment_path(id);
         // NONBLOCK: a FIFO planted under a segment's name must not hang the open.

@@ -24,6 +24,8 @@ pub(super) struct SegMeta {
     pub live_bytes: u64,
     pub records: Vec<FooterEntry>,
     pub sealed: bool,
+    /// Nothing written since its last fdatasync (`SsdStore::flush`).
+    pub synced: bool,
 }
 
 /// A record's identity: (key, namespace).
@@ -105,13 +107,11 @@ pub struct SsdStats {
     pub rebuild_ms: f64,
 }
 
-/// What a successful put did besides storing.
+/// What a successful put did besides storing. Objects the store dropped meanwhile (for
+/// room, or unreadable in a compaction) are not here: they are reported by
+/// [`SsdStore::take_evicted`], whatever the call's result, so none is lost on an error path.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
-pub struct PutOutcome {
-    /// Objects dropped to make room (oldest segments first).
-    /// (key, namespace) of each.
-    pub evicted: Vec<(ObjectKey, u128)>,
-}
+pub struct PutOutcome {}
 
 /// What the store knows about an object without reading it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +138,9 @@ pub(super) struct Shard {
     pub tombstones: HashMap<RecKey, Loc>,
     /// Sum of `len` over segments.
     pub used: u64,
+    /// Keys that left `index` without the caller asking (reclaim, a failed compaction or
+    /// read), until `SsdStore::take_evicted` hands them to the pool.
+    pub evicted: Vec<RecKey>,
 }
 
 /// A record placed in the active segment but not yet written.
@@ -173,6 +176,7 @@ impl Shard {
             index: HashMap::new(),
             tombstones: HashMap::new(),
             used: 0,
+            evicted: Vec::new(),
         }
     }
 
@@ -230,6 +234,7 @@ impl Shard {
     pub(super) fn seal(&mut self, id: u64) {
         let Some(m) = self.segments.get_mut(&id) else { return };
         m.sealed = true;
+        m.synced = false;
         let footer = format::encode_footer(&m.records, m.len);
         let mut buf = AlignedBuf::new(footer.len());
         buf[..footer.len()].copy_from_slice(&footer);
@@ -245,8 +250,7 @@ impl Shard {
 
     /// Frees room until `needed` more bytes fit under the low watermark (or nothing is
     /// left to free): compaction of mostly dead segments first, then the oldest segments.
-    fn reclaim(&mut self, needed: u64, counters: &Counters) -> Vec<(ObjectKey, u128)> {
-        let mut evicted = Vec::new();
+    fn reclaim(&mut self, needed: u64, counters: &Counters) {
         let target = self.low.saturating_sub(needed);
         let mut guard = 0;
         while self.used_total() > target && !self.segments.is_empty() && guard < 100_000 {
@@ -262,32 +266,33 @@ impl Shard {
                 Some((id, _)) => self.compact(id, counters),
                 None => {
                     let oldest = *self.segments.keys().next().expect("non-empty");
-                    evicted.extend(self.drop_segment(oldest, counters));
+                    self.drop_segment(oldest, counters);
                 }
             }
         }
-        evicted
     }
 
-    /// Removes a segment and its file; returns the live objects it held (now gone).
-    fn drop_segment(&mut self, id: u64, counters: &Counters) -> Vec<(ObjectKey, u128)> {
+    /// Removes a segment and its file; the live objects it held (now gone) go to
+    /// `evicted`. Returns how many.
+    fn drop_segment(&mut self, id: u64, counters: &Counters) -> usize {
         if self.active == Some(id) {
             self.active = None;
         }
-        let Some(m) = self.segments.remove(&id) else { return Vec::new() };
-        let mut gone = Vec::new();
+        let Some(m) = self.segments.remove(&id) else { return 0 };
+        let mut gone = 0;
         for e in &m.records {
             let key = rec_key(&e.header);
             if self.index.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
                 self.index.remove(&key);
-                gone.push((ObjectKey(key.0), key.1));
+                self.evicted.push(key);
+                gone += 1;
             }
             if self.tombstones.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
                 self.tombstones.remove(&key);
             }
         }
         self.used -= m.len;
-        bump(&counters.evicted_objects, gone.len() as u64);
+        bump(&counters.evicted_objects, gone as u64);
         if let Err(e) = self.dir.remove_segment(id) {
             tracing::warn!(error = %e, "removing SSD segment");
         }
@@ -315,14 +320,18 @@ impl Shard {
                         continue;
                     }
                 }
-                // Unreadable or not rewritten: the object is gone (a miss, never wrong).
-                self.index.remove(&key);
+                // Unreadable or not rewritten: the object is gone (a miss, never wrong),
+                // and the pool is told (`evicted`).
+                if self.index.remove(&key).is_some() {
+                    self.evicted.push(key);
+                    bump(&counters.evicted_objects, 1);
+                }
             } else if e.header.is_tombstone() && older_exists && self.tombstones.get(&key).is_some_and(at) {
                 let _ = self.put_records(&[(e.header, &[][..])], counters, false);
             }
         }
         let gone = self.drop_segment(id, counters);
-        debug_assert!(gone.is_empty());
+        debug_assert_eq!(gone, 0);
         bump(&counters.compactions, 1);
         bump(&counters.compacted_bytes, len.saturating_sub(moved));
     }
@@ -345,10 +354,8 @@ impl Shard {
             }
             if reclaim && self.used_total() + rec > self.high {
                 self.flush(&mut pending, &mut results, counters);
-                let ev = self.reclaim(rec, counters);
-                if let Ok(o) = &mut results[i] {
-                    o.evicted = ev;
-                }
+                // What it drops goes to `evicted`, whatever becomes of this item.
+                self.reclaim(rec, counters);
             }
             if self.used_total() + rec + format::BLOCK > self.capacity {
                 results[i] =
@@ -365,7 +372,7 @@ impl Shard {
                 match self.dir.create_segment(id) {
                     Ok(seg) => {
                         self.next_id += 1;
-                        self.segments.insert(id, SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false });
+                        self.segments.insert(id, SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false, synced: false });
                         self.active = Some(id);
                     }
                     Err(e) => {
@@ -404,6 +411,11 @@ impl Shard {
             .collect();
         let done = self.ring.write_batch(&jobs);
         drop(jobs);
+        for p in pending.iter() {
+            if let Some(m) = self.segments.get_mut(&p.seg) {
+                m.synced = false;
+            }
+        }
         for (p, r) in pending.drain(..).zip(done) {
             match r {
                 Ok(()) => {
@@ -494,6 +506,7 @@ impl Shard {
             if !ok[i] && self.index.get(&rec_key(&loc.header)).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
                 self.index.remove(&rec_key(&loc.header));
                 self.mark_dead(&loc);
+                self.evicted.push(rec_key(&loc.header));
             }
         }
         ok
@@ -544,6 +557,18 @@ impl<'a> Out<'a> {
             Out::Exact(s) => (s.len() as u64 == size).then_some(s),
         }
     }
+}
+
+/// The first sequence number of a store whose readable records end at `max_seq`: past
+/// them, and at least the wall clock in nanoseconds since the epoch. A segment skipped as
+/// unreadable at start may hold higher numbers than any read; were numbering to go on from
+/// `max_seq`, its old records would beat newer ones once it is readable again (issue #34,
+/// S6). Numbers are taken far slower than one per nanosecond, so every record written
+/// before this start has a lower one, as long as the clock does not go back across the
+/// restart (docs/ssd.md).
+fn first_seq(max_seq: u64) -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    max_seq.saturating_add(1).max(now)
 }
 
 /// The SSD tier's store over one or more directories.
@@ -600,7 +625,7 @@ impl SsdStore {
             shards.push(Mutex::new(shard));
         }
         counters.rebuild_us.store(rebuild.as_micros() as u64, Ordering::Relaxed);
-        Ok(Self { shards, seq: AtomicU64::new(max_seq + 1), counters, capacity: per_shard * n as u64 })
+        Ok(Self { shards, seq: AtomicU64::new(first_seq(max_seq)), counters, capacity: per_shard * n as u64 })
     }
 
     pub(super) fn shard_index(key: u128, n: usize) -> usize {
@@ -640,9 +665,15 @@ impl SsdStore {
             if idx.is_empty() {
                 continue;
             }
+            let payload_crcs: Vec<u32> = idx.iter().map(|&i| crc32c::crc32c(items[i].3)).collect();
+            // Numbered under the shard's lock: records of one shard reach the disk in the
+            // order of their sequence numbers, so of two racing puts of a key the one the
+            // index keeps is the one written last (issue #34, S6).
+            let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
             let recs: Vec<(RecordHeader, &[u8])> = idx
                 .iter()
-                .map(|&i| {
+                .zip(&payload_crcs)
+                .map(|(&i, &payload_crc)| {
                     let (key, namespace, layout, data) = items[i];
                     let header = RecordHeader {
                         flags: 0,
@@ -650,13 +681,14 @@ impl SsdStore {
                         namespace,
                         size: data.len() as u64,
                         layout_object_size: layout,
+                        // Relaxed: uniqueness is all the counter gives; the order of one
+                        // shard's records is the shard lock's, held here.
                         seq: self.seq.fetch_add(1, Ordering::Relaxed),
-                        payload_crc: crc32c::crc32c(data),
+                        payload_crc,
                     };
                     (header, data)
                 })
                 .collect();
-            let mut shard = self.shards[s].lock().unwrap_or_else(|p| p.into_inner());
             for (&i, r) in idx.iter().zip(shard.put_records(&recs, &self.counters, true)) {
                 results[i] = Some(r);
             }
@@ -775,6 +807,23 @@ impl SsdStore {
         true
     }
 
+    /// Takes the (key, namespace) of every object that left the store since the last call
+    /// without the caller removing it: dropped for room (by any put or a tombstone's
+    /// reclaim, whether that call then succeeded or failed), lost in a compaction, or
+    /// unreadable. The pool removes them from its index (issue #34, S1). A key stored
+    /// again since is not listed (its new record is there).
+    pub fn take_evicted(&self) -> Vec<(ObjectKey, u128)> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
+            let gone = std::mem::take(&mut s.evicted);
+            out.extend(gone.into_iter().filter(|k| !s.index.contains_key(k)).map(|k| (ObjectKey(k.0), k.1)));
+        }
+        out.sort_unstable_by_key(|k| (k.0 .0, k.1));
+        out.dedup();
+        out
+    }
+
     /// Keys currently stored (for rebuilding an index above this store).
     pub fn keys(&self) -> Vec<(ObjectKey, SsdObjectInfo)> {
         let mut out = Vec::new();
@@ -814,18 +863,26 @@ impl SsdStore {
         done
     }
 
-    /// Seals the active segments (writes their footers) and fdatasyncs them: after this,
-    /// everything stored survives power loss too, and a restart needs no record scan.
+    /// Seals the active segments (writes their footers), fdatasyncs every segment written
+    /// since its last sync (those sealed earlier too) and fsyncs each directory (segment
+    /// files created and removed): after this, everything stored survives power loss too,
+    /// and a restart needs no record scan. Every shard is tried; the first error is returned.
     pub fn flush(&self) -> Result<(), SsdError> {
+        let mut first = Ok(());
         for s in &self.shards {
             let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
-            let active = s.active;
             s.seal_active();
-            if let Some(id) = active {
-                s.segments[&id].seg.sync()?;
+            let mut r = Ok(());
+            for m in s.segments.values_mut().filter(|m| !m.synced) {
+                match m.seg.sync() {
+                    Ok(()) => m.synced = true,
+                    Err(e) => r = r.and(Err(e)),
+                }
             }
+            let r = r.and(s.dir.sync());
+            first = first.and(r);
         }
-        Ok(())
+        first
     }
 
     pub fn stats(&self) -> SsdStats {
@@ -878,11 +935,11 @@ impl SsdStore {
 }
 
 impl Drop for SsdStore {
-    /// A clean close seals the active segments so the next start reads only footers.
+    /// A clean close is a `flush`: the active segments sealed (the next start reads only
+    /// footers), every segment and directory synced (power-loss durable).
     fn drop(&mut self) {
-        for s in &self.shards {
-            let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
-            s.seal_active();
+        if let Err(e) = self.flush() {
+            tracing::warn!(error = %e, "SSD store closed without syncing: a power loss may lose recent records");
         }
     }
 }
