@@ -13,7 +13,7 @@
 //!  transport: enc{Ready}                      ─────▶  the client is admitted only now
 //! ```
 //! `rec(x)` is a u16 BE length then `x` (the Noise framing convention). The PSK is
-//! HKDF-SHA256 of the secret ([`derive_psk`]), never the secret itself; it is mixed in
+//! HKDF-SHA256 of the secret ([`crate::control::derive_psk`]), never the secret itself; it is mixed in
 //! before the first message, so only a holder of the secret can produce a first message
 //! the server accepts or a reply the client accepts. Both ephemeral keys enter the
 //! session keys: the keys of every connection are fresh, and a relay that forwards the
@@ -45,14 +45,6 @@ const PROLOGUE: &[u8] = b"umbp-cluster-control-v3";
 /// Largest Noise message (the spec's bound) and the plaintext one record carries.
 pub const MAX_RECORD: usize = 65535;
 pub const MAX_RECORD_PLAINTEXT: usize = MAX_RECORD - 16;
-
-/// The PSK of the Noise handshake: HKDF-SHA256 (salt and info fixed labels) of the secret.
-pub fn derive_psk(secret: &[u8]) -> [u8; 32] {
-    let hk = hkdf::Hkdf::<sha2::Sha256>::new(Some(b"umbp-cluster-psk-salt-v1"), secret);
-    let mut psk = [0u8; 32];
-    hk.expand(b"umbp cluster control channel: Noise_NNpsk0 psk", &mut psk).expect("32 bytes is a valid HKDF-SHA256 length");
-    psk
-}
 
 /// The handshake payloads (inside the Noise messages, so encrypted and authenticated).
 #[derive(Debug, serde::Serialize, serde::Deserialize)]

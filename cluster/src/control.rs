@@ -121,8 +121,16 @@ pub fn read_msg(r: &mut impl Read, max: usize) -> Result<Msg, ControlError> {
     Ok(serde_json::from_slice(&body)?)
 }
 
+/// The PSK of the Noise handshake: HKDF-SHA256 (salt and info fixed labels) of the secret.
+pub fn derive_psk(secret: &[u8]) -> [u8; 32] {
+    let hk = hkdf::Hkdf::<sha2::Sha256>::new(Some(b"umbp-cluster-psk-salt-v1"), secret);
+    let mut psk = [0u8; 32];
+    hk.expand(b"umbp cluster control channel: Noise_NNpsk0 psk", &mut psk).expect("32 bytes is a valid HKDF-SHA256 length");
+    psk
+}
+
 /// The shared cluster secret (from `--cluster-secret-file`), kept only as the Noise PSK
-/// derived from it (`channel::derive_psk`).
+/// derived from it ([`derive_psk`]).
 #[derive(Clone)]
 pub struct Secret {
     psk: [u8; 32],
@@ -142,7 +150,7 @@ impl Secret {
                 reason: format!("{} bytes; at least {MIN_SECRET_BYTES} needed", bytes.len()),
             });
         }
-        Ok(Self { psk: crate::channel::derive_psk(&bytes) })
+        Ok(Self { psk: derive_psk(&bytes) })
     }
 
     /// The Noise PSK derived from the secret.
@@ -259,7 +267,7 @@ pub(crate) mod tests {
         assert!(e.contains("chmod 600") && e.contains(p.to_str().unwrap()), "{e}");
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         let s = Secret::from_file(&p).unwrap();
-        assert_eq!(s.psk(), &crate::channel::derive_psk(b"0123456789abcdef"), "the newline dropped; only the derived PSK kept");
+        assert_eq!(s.psk(), &derive_psk(b"0123456789abcdef"), "the newline dropped; only the derived PSK kept");
         assert_ne!(&s.psk()[..16], b"0123456789abcdef");
         std::fs::write(&p, b"short").unwrap();
         assert!(Secret::from_file(&p).unwrap_err().to_string().contains("at least 16"));
