@@ -134,7 +134,7 @@ fn idle_poll_keeps_one_copy_thread_polling() {
     for round in 0..3u128 {
         let ids: Vec<_> = (0..4u128)
             .map(|j| {
-                let batch: Vec<(ObjectKey, u64)> = (0..8).map(|i| (ObjectKey(0x0c0f_0000 + round * 64 + j * 8 + i as u128), (j * 8 + i) as u64)).collect();
+                let batch: Vec<(ObjectKey, u64)> = (0..8u128).map(|i| (ObjectKey(0x0c0f_0000 + round * 64 + j * 8 + i), (j * 8 + i) as u64)).collect();
                 w.store(0, &batch).unwrap()
             })
             .collect();
