@@ -167,7 +167,7 @@ pub struct PoolConfig {
     /// The SSD tier below DRAM (docs/ssd.md): evicted objects admitted by
     /// `ssd.admission` are demoted there and promoted back on a load; a restart on the same
     /// directories serves them again. None: DRAM only.
-    pub ssd: Option<crate::ssd::SsdConfig>,
+    pub ssd: Option<umbp_ssd::SsdConfig>,
     /// Told the progress of long start-up steps (prefaulting DRAM); the daemon draws a
     /// progress bar with it. None: progress is only logged (debug).
     pub progress: Option<ProgressFn>,

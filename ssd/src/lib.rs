@@ -1,8 +1,9 @@
 //! The SSD tier (issue #16, docs/ssd.md): an append-only segment log per drive, written and
 //! read through io_uring with O_DIRECT, every record framed by CRC32C, rebuilt on start.
 //!
-//! The pool uses it through `crate::tier` (demotion by the evictor, promotion by loads,
-//! warm restart), configured by `PoolConfig::ssd`.
+//! The pool (`umbp-pool`) uses it through its `tier` module (demotion by the evictor,
+//! promotion by loads, warm restart), configured by `PoolConfig::ssd`. The store needs nothing
+//! of the pool: it is a crate of its own so the pool's tier seam is the only way in.
 //!
 //! Files: `format` (record header, footer; no I/O), `segment` (directories, files,
 //! O_DIRECT), `uring` (one ring per drive), `store` (put/get/remove, capacity, compaction),
@@ -114,8 +115,8 @@ impl Default for SsdAdmission {
 
 impl SsdAdmission {
     /// `all`, `hit`, `never`, `hit-or-young` (60 s) or `hit-or-young:SECONDS`.
-    pub fn parse(key: &str, value: &str) -> Result<Self, crate::ConfigError> {
-        let bad = || crate::ConfigError::Invalid {
+    pub fn parse(key: &str, value: &str) -> Result<Self, InvalidSetting> {
+        let bad = || InvalidSetting {
             key: key.into(),
             message: format!("{value:?}: expected all, hit, never, hit-or-young or hit-or-young:SECONDS"),
         };
@@ -175,6 +176,15 @@ impl Default for SsdConfig {
             flush_on_stop: DEFAULT_FLUSH_ON_STOP,
         }
     }
+}
+
+/// A setting of this tier that cannot be used, naming its key (the pool turns it into its
+/// `ConfigError::Invalid`, so operators see one error form for every setting).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{key}: {message}")]
+pub struct InvalidSetting {
+    pub key: String,
+    pub message: String,
 }
 
 #[derive(Debug, thiserror::Error)]
