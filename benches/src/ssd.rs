@@ -1,4 +1,4 @@
-//! `umbp-bench ssd`: the SSD tier's store (`umbp_pool::ssd`) against raw io_uring O_DIRECT of
+//! `umbp-bench ssd`: the SSD tier's store (`umbp_ssd`) against raw io_uring O_DIRECT of
 //! the same bytes in the same directory, and its warm restart (index rebuild after reopen).
 
 use std::path::PathBuf;
