@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use super::format::{self, FooterEntry, RecordHeader, Trailer, BLOCK, HEADER_BYTES};
 use super::segment::{AlignedBuf, Segment};
 use super::store::{Counters, Loc, SegMeta, Shard, SsdStore};
-use super::SsdError;
+use super::error::SsdError;
 
 /// Reads a segment through a sliding aligned window.
 struct Window<'a> {

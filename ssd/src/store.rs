@@ -14,7 +14,8 @@ use umbp_protocol::ObjectKey;
 use super::format::{self, FooterEntry, RecordHeader, FLAG_TOMBSTONE, HEADER_BYTES};
 use super::segment::{AlignedBuf, Directory, Segment};
 use super::uring::{ReadJob, Ring, WriteJob};
-use super::{SsdConfig, SsdError};
+use super::config::SsdConfig;
+use super::error::SsdError;
 
 pub(super) struct SegMeta {
     pub seg: Segment,
