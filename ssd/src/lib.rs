@@ -7,8 +7,9 @@
 //!
 //! Files: `config` (`SsdConfig` and its checks), `admission` (the demotion policy), `error`,
 //! `format` (record header, footer; no I/O), `segment` (directories, files, O_DIRECT), `uring`
-//! (one ring per drive), `store` (put/get/remove, capacity, compaction), `rebuild` (warm
-//! restart), `bench` (the measurements `umbp-bench ssd` reports).
+//! (one ring per drive), `shard` (one drive: segments, index, record I/O, capacity,
+//! compaction), `rebuild` (warm restart of a shard), `store` (keys spread over shards;
+//! put/get/remove in batches), `bench` (the measurements `umbp-bench ssd` reports).
 
 mod admission;
 pub mod bench;
@@ -17,6 +18,7 @@ mod error;
 pub mod format;
 mod rebuild;
 pub mod segment;
+mod shard;
 mod store;
 pub mod uring;
 
@@ -26,4 +28,5 @@ mod tests;
 pub use admission::{SsdAdmission, DEFAULT_YOUNG};
 pub use config::{SsdConfig, DEFAULT_FLUSH_ON_STOP};
 pub use error::{InvalidSetting, SsdError};
-pub use store::{PutOutcome, SsdObjectInfo, SsdStats, SsdStore};
+pub use shard::PutOutcome;
+pub use store::{SsdObjectInfo, SsdStats, SsdStore};
