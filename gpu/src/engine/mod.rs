@@ -22,6 +22,7 @@
 //! | `batch.rs` | cutting ops into items, balancing runs over streams, batch growth |
 //! | `config.rs` | copy tuning (streams, batching, batch size, parallel submission) |
 //! | `stats.rs` | counters of copy calls |
+//! | `gather.rs` | the page copy kernel: calibration, descriptor lists, launches; `gather/staged.rs` device staging |
 
 mod api;
 mod backend;
@@ -29,6 +30,7 @@ pub(crate) mod batch;
 mod config;
 #[cfg(test)]
 mod cost;
+pub mod gather;
 mod ipc_cache;
 mod pipeline;
 mod region;
