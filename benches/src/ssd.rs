@@ -1,9 +1,9 @@
-//! `umbp-bench ssd`: the SSD tier's store (`umbp_pool::ssd`) against raw io_uring O_DIRECT of
+//! `umbp-bench ssd`: the SSD tier's store (`umbp_ssd`) against raw io_uring O_DIRECT of
 //! the same bytes in the same directory, and its warm restart (index rebuild after reopen).
 
 use std::path::PathBuf;
 
-use umbp_pool::ssd::{bench::run as measure, SsdConfig};
+use umbp_ssd::{bench::run as measure, SsdConfig};
 
 use crate::report::{Better, Case};
 
@@ -36,7 +36,7 @@ pub fn run(args: &SsdArgs) -> Result<Vec<Case>, String> {
     ];
     if args.rebuild_objects > 0 {
         // One 4 KiB block per object (header included), the worst case for the rebuild.
-        let small = 4096 - umbp_pool::ssd::format::HEADER_BYTES as u64;
+        let small = 4096 - umbp_ssd::format::HEADER_BYTES as u64;
         let r = measure(scratch.path(), args.rebuild_objects * small, small, 256, &cfg).map_err(|e| e.to_string())?;
         let ctx = serde_json::to_value(&r).map_err(|e| e.to_string())?;
         let ctx = ctx.as_object().cloned().unwrap_or_default();

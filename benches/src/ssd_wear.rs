@@ -12,7 +12,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use umbp_pool::{Pool, PoolConfig, SsdAdmission, SsdConfig};
+use umbp_pool::{Pool, PoolConfig};
+use umbp_ssd::{SsdAdmission, SsdConfig};
 use umbp_worker::{BlockStatus, ObjectKey, Segment, Worker, WorkerConfig};
 
 use crate::report::{Better, Case};

@@ -14,6 +14,7 @@
 pub mod catalog;
 pub mod channel;
 pub mod control;
+#[cfg(feature = "test-util")]
 pub mod mem_pool;
 pub mod membership;
 pub mod node;

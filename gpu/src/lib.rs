@@ -29,7 +29,6 @@ pub mod cuda;
 mod engine;
 mod error;
 pub mod fence;
-pub mod gather;
 pub mod hip;
 pub mod host;
 #[doc(hidden)]
@@ -38,6 +37,8 @@ pub mod testkit;
 pub use engine::{EngineConfig, EngineStats};
 pub use error::GpuError;
 pub use fence::FenceWord;
+/// The page copy kernel's settings and counters (`umbp-bench transfer` prints them).
+pub use engine::gather;
 pub use gather::{GatherConfig, GatherMode};
 
 /// Direction of a copy between a registered region ("device") and pool memory ("host").

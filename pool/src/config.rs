@@ -167,7 +167,7 @@ pub struct PoolConfig {
     /// The SSD tier below DRAM (docs/ssd.md): evicted objects admitted by
     /// `ssd.admission` are demoted there and promoted back on a load; a restart on the same
     /// directories serves them again. None: DRAM only.
-    pub ssd: Option<crate::ssd::SsdConfig>,
+    pub ssd: Option<umbp_ssd::SsdConfig>,
     /// Told the progress of long start-up steps (prefaulting DRAM); the daemon draws a
     /// progress bar with it. None: progress is only logged (debug).
     pub progress: Option<ProgressFn>,
@@ -327,6 +327,12 @@ pub enum ConfigError {
     BadFraction { key: String, value: String },
     #[error("{key}: {message}")]
     Invalid { key: String, message: String },
+}
+
+impl From<umbp_ssd::InvalidSetting> for ConfigError {
+    fn from(e: umbp_ssd::InvalidSetting) -> Self {
+        ConfigError::Invalid { key: e.key, message: e.message }
+    }
 }
 
 /// Parses `64GiB`, `64G`, `1.5 GiB`, `512MB`, `4096` (bytes). Binary units for both
@@ -508,32 +514,7 @@ impl PoolConfig {
             );
         }
         if let Some(ssd) = &self.ssd {
-            if ssd.dirs.is_empty() {
-                return inv("ssd-dir", "no SSD directory given".into());
-            }
-            if ssd.low_watermark.partial_cmp(&ssd.high_watermark) == Some(std::cmp::Ordering::Greater)
-                || !(ssd.low_watermark > 0.0 && ssd.high_watermark <= 1.0)
-            {
-                return inv(
-                    "ssd-low-watermark",
-                    format!("SSD watermarks must satisfy 0 < low ({}) <= high ({}) <= 1", ssd.low_watermark, ssd.high_watermark),
-                );
-            }
-            let per_dir = ssd.capacity_bytes / ssd.dirs.len() as u64;
-            if per_dir < ssd.segment_bytes {
-                return inv(
-                    "ssd-capacity",
-                    format!(
-                        "{} bytes over {} directories is less than one segment ({} bytes, --ssd-segment-size) per directory",
-                        ssd.capacity_bytes,
-                        ssd.dirs.len(),
-                        ssd.segment_bytes
-                    ),
-                );
-            }
-            if ssd.queue_depth == 0 {
-                return inv("ssd-queue-depth", "must be at least 1".into());
-            }
+            ssd.validate()?;
         }
         if self.socket_path.as_os_str().len() >= 108 {
             return inv("socket", format!("{} is longer than a unix socket path may be (107 bytes)", self.socket_path.display()));

@@ -41,7 +41,6 @@ pub mod remote;
 mod report;
 mod server;
 mod service;
-pub mod ssd;
 mod stats;
 mod stop_signals;
 mod tier;
@@ -60,7 +59,6 @@ pub use event_log::EventLogError;
 pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
-pub use ssd::{SsdAdmission, SsdConfig};
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.
@@ -103,7 +101,7 @@ pub enum PoolError {
     #[error("DRAM tier: event log of tenant group {group}: {source}")]
     EventLog { group: u32, source: event_log::EventLogError },
     #[error("SSD tier: {0}")]
-    Ssd(#[from] ssd::SsdError),
+    Ssd(#[from] umbp_ssd::SsdError),
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }

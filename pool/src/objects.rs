@@ -203,7 +203,7 @@ pub struct ObjectStore {
     quarantined_bytes: u64,
     events: Vec<ObjectEvent>,
     /// The SSD tier's admission policy; None: no SSD tier (evicted objects just go).
-    ssd_admission: Option<crate::ssd::SsdAdmission>,
+    ssd_admission: Option<umbp_ssd::SsdAdmission>,
     /// Chosen for demotion, not yet taken by the demoter.
     demotions: Vec<Demotion>,
     /// Slab footprint of objects being demoted (counted as gone by the evictor).

@@ -14,7 +14,7 @@ use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
 use crate::objects::Demotion;
-use crate::ssd::{SsdConfig, SsdError, SsdStore};
+use umbp_ssd::{SsdConfig, SsdError, SsdStore};
 use crate::PoolInner;
 
 /// One object to fetch from a lower tier into its new DRAM allocation.

@@ -205,7 +205,7 @@ struct SsdArgs {
 /// The SSD tier's config from the `ssd_*` arguments; None without a directory. Each
 /// directory is checked here (exists, is a directory, writable) so a bad one is a
 /// `ValueError` naming `ssd_dir` and the path.
-fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
+fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_ssd::SsdConfig>> {
     let bad = |msg: String| PyValueError::new_err(msg);
     let dirs: Vec<PathBuf> = a.dirs.iter().filter(|d| !d.trim().is_empty()).map(PathBuf::from).collect();
     if dirs.is_empty() {
@@ -230,7 +230,7 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
             .map_err(|e| bad(format!("ssd_dir {}: not writable: {e}", d.display())))?;
         let _ = std::fs::remove_file(&probe);
     }
-    let mut c = umbp_pool::SsdConfig { dirs, direct_io: a.direct_io, ..Default::default() };
+    let mut c = umbp_ssd::SsdConfig { dirs, direct_io: a.direct_io, ..Default::default() };
     if let Some(h) = a.high_wm {
         c.high_watermark = h;
     }
@@ -238,7 +238,7 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_pool::SsdConfig>> {
         c.low_watermark = l;
     }
     if let Some(p) = &a.admission {
-        c.admission = umbp_pool::SsdAdmission::parse("ssd_admission", p).map_err(|e| bad(e.to_string()))?;
+        c.admission = umbp_ssd::SsdAdmission::parse("ssd_admission", p).map_err(|e| bad(e.to_string()))?;
     }
     if let Some(secs) = a.flush_on_stop {
         if !(secs.is_finite() && (0.0..=86_400.0).contains(&secs)) {

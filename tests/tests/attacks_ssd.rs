@@ -11,10 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::*;
-use umbp_pool::ssd::format::{self, FooterEntry, RecordHeader, BLOCK, HEADER_BYTES};
-use umbp_pool::ssd::{segment, SsdStore};
-use umbp_pool::SsdConfig;
 use umbp_protocol::ObjectKey;
+use umbp_ssd::format::{self, FooterEntry, RecordHeader, BLOCK, HEADER_BYTES};
+use umbp_ssd::{segment, SsdConfig, SsdStore};
 
 const NOBODY: u32 = 65534;
 

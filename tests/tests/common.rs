@@ -15,12 +15,12 @@ pub const EVICTING_POOL_BYTES: u64 = 64 << 20;
 
 /// An SSD tier in `dir` for in-process test pools: 256 MiB in 4 MiB segments, every
 /// evicted object admitted (so a test's evictions reach the drive).
-pub fn small_ssd(dir: &Path) -> umbp_pool::SsdConfig {
-    umbp_pool::SsdConfig {
+pub fn small_ssd(dir: &Path) -> umbp_ssd::SsdConfig {
+    umbp_ssd::SsdConfig {
         dirs: vec![dir.to_path_buf()],
         capacity_bytes: 256 << 20,
         segment_bytes: 4 << 20,
-        admission: umbp_pool::SsdAdmission::All,
+        admission: umbp_ssd::SsdAdmission::All,
         ..Default::default()
     }
 }

@@ -28,7 +28,7 @@ fn ssd_dir(tag: &str) -> tempfile::TempDir {
 fn child_pool_aborting_during_demotion() {
     let Some(spec) = std::env::var(CHILD_ENV).ok() else { return };
     let (socket, dir) = spec.split_once('|').unwrap();
-    let ssd = umbp_pool::SsdConfig {
+    let ssd = umbp_ssd::SsdConfig {
         // 8 KiB I/Os: a 20 KiB record is three writes in flight at once, so the kill can
         // land between them (a record with a header and part of its payload: torn).
         chunk_bytes: 8 << 10,

@@ -93,7 +93,7 @@ fn corrupted_record_is_a_miss() {
     // a 128-byte header and 16 KiB of payload, 4 KiB aligned).
     let rec = 20 << 10;
     let mut flipped = 0;
-    for seg in umbp_pool::ssd::segment::segment_files(dir.path()).unwrap() {
+    for seg in umbp_ssd::segment::segment_files(dir.path()).unwrap() {
         let mut bytes = std::fs::read(&seg).unwrap();
         let mut at = 0usize;
         while at + rec <= bytes.len() {

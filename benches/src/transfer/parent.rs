@@ -169,10 +169,10 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         copy_stage_growth_percent: args.first_stage_growth(),
         idle_poll: args.idle_poll,
         engine: args.engine,
-        ssd: args.ssd_dir.as_ref().map(|d| umbp_pool::ssd::SsdConfig {
+        ssd: args.ssd_dir.as_ref().map(|d| umbp_ssd::SsdConfig {
             dirs: vec![d.clone()],
             capacity_bytes: args.capacity.saturating_mul(4),
-            admission: umbp_pool::ssd::SsdAdmission::All,
+            admission: umbp_ssd::SsdAdmission::All,
             ..Default::default()
         }),
         ..PoolConfig::default()

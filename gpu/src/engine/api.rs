@@ -1,6 +1,7 @@
 //! The driver calls the engine needs, one implementation per GPU API.
 
-use super::{Dir, Item};
+use super::item::Item;
+use crate::Dir;
 use crate::{GpuError, MemoryKind};
 
 /// The driver calls the engine needs. Implementations map driver errors to

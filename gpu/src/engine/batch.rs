@@ -1,6 +1,6 @@
 //! Cutting ops into copy items and spreading them over streams in growing batches.
 
-use super::Item;
+use super::item::Item;
 use crate::CopyOp;
 
 /// Ops larger than this are cut so that one huge op also spreads over the streams.

@@ -19,9 +19,11 @@
 //! | `region.rs` | [`region::GpuRegion`]: one opened allocation and its transfer hooks |
 //! | `pipeline.rs` | one copy call: fence wait, staged batched submission, fence signal, sync |
 //! | `streams.rs` | stream sets one copy call takes whole, their events |
+//! | `item.rs` | [`Item`]: one contiguous copy, the unit every other file works in |
 //! | `batch.rs` | cutting ops into items, balancing runs over streams, batch growth |
 //! | `config.rs` | copy tuning (streams, batching, batch size, parallel submission) |
 //! | `stats.rs` | counters of copy calls |
+//! | `gather.rs` | the page copy kernel: calibration, descriptor lists, launches; `gather/staged.rs` device staging |
 
 mod api;
 mod backend;
@@ -29,7 +31,9 @@ pub(crate) mod batch;
 mod config;
 #[cfg(test)]
 mod cost;
+pub mod gather;
 mod ipc_cache;
+mod item;
 mod pipeline;
 mod region;
 #[cfg(test)]
@@ -44,25 +48,12 @@ use crate::GpuError;
 
 pub(crate) use api::DeviceApi;
 pub(crate) use backend::GpuBackend;
+pub(crate) use item::Item;
 pub use config::EngineConfig;
 pub(crate) use crate::Dir;
 pub use stats::EngineStats;
 use stats::EngineCounters;
 use streams::StreamSet;
-
-/// One contiguous copy between host memory and device memory, in absolute addresses.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Item {
-    pub host: *mut u8,
-    pub device: u64,
-    pub len: usize,
-}
-
-// SAFETY: plain addresses; what may be done with them is the copy call's contract, and a
-// call's items are only handed to the driver (from one or several enqueueing threads).
-unsafe impl Send for Item {}
-// SAFETY: as above; items are never written after they are built.
-unsafe impl Sync for Item {}
 
 /// One GPU as seen by the pool: its bound handle and idle stream sets. Stream sets are
 /// taken whole by one copy call, so concurrent calls from several pool threads never wait

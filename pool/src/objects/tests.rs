@@ -216,7 +216,7 @@ fn demotion_and_promotion_move_tiers_safely() {
     use umbp_protocol::location::{encode, Tier};
     let size = 64u64 << 10;
     let mut s = store(4 << 20);
-    s.set_ssd_admission(crate::ssd::SsdAdmission::All);
+    s.set_ssd_admission(umbp_ssd::SsdAdmission::All);
     let log = crate::event_log::SharedEventLog::create("ev-tiers", 256).unwrap();
     let log_mem = log.memory().clone();
     s.set_event_log(0, log);

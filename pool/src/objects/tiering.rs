@@ -42,7 +42,7 @@ pub struct TierStats {
 
 impl ObjectStore {
     /// Turns on demotion to SSD with this admission policy.
-    pub fn set_ssd_admission(&mut self, admission: crate::ssd::SsdAdmission) {
+    pub fn set_ssd_admission(&mut self, admission: umbp_ssd::SsdAdmission) {
         self.ssd_admission = Some(admission);
     }
 

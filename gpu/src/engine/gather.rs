@@ -38,7 +38,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
-use crate::engine::{DeviceApi, Dir, Item};
+use super::api::DeviceApi;
+use super::item::Item;
+use crate::Dir;
 use crate::GpuError;
 
 /// One page copy as the kernel reads it: 3 little-endian u64s.

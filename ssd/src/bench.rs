@@ -10,7 +10,9 @@ use umbp_protocol::ObjectKey;
 
 use super::format::align_up;
 use super::uring::{ReadJob, Ring, WriteJob};
-use super::{SsdConfig, SsdError, SsdStore};
+use super::config::SsdConfig;
+use super::error::SsdError;
+use super::store::SsdStore;
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SsdBench {

@@ -275,7 +275,7 @@ fn parse_growth(s: &str) -> Result<u32, String> {
 /// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
 /// directory is checked now (exists, is a directory, writable) so a bad one stops the
 /// pool at start with the flag and path named.
-fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> {
+fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_ssd::SsdConfig>> {
     let dirs: Vec<PathBuf> = args.ssd_dir.iter().filter(|d| !d.as_os_str().is_empty()).cloned().collect();
     if dirs.is_empty() {
         return Ok(None);
@@ -283,11 +283,11 @@ fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_pool::ssd::SsdConfig>> 
     for d in &dirs {
         check_ssd_dir(d)?;
     }
-    let mut c = umbp_pool::ssd::SsdConfig { dirs, ..Default::default() };
+    let mut c = umbp_ssd::SsdConfig { dirs, ..Default::default() };
     c.high_watermark = parse_fraction("ssd-high-watermark (UMBP_SSD_HIGH_WM)", &args.ssd_high_wm)?;
     c.low_watermark = parse_fraction("ssd-low-watermark (UMBP_SSD_LOW_WM)", &args.ssd_low_wm)?;
     c.direct_io = args.ssd_direct_io;
-    c.admission = umbp_pool::ssd::SsdAdmission::parse("ssd-admission (UMBP_SSD_ADMISSION)", &args.ssd_admission)?;
+    c.admission = umbp_ssd::SsdAdmission::parse("ssd-admission (UMBP_SSD_ADMISSION)", &args.ssd_admission)?;
     c.segment_bytes = parse_size("ssd-segment-size (UMBP_SSD_SEGMENT_SIZE)", &args.ssd_segment_size)?;
     c.queue_depth = args.ssd_queue_depth;
     c.flush_on_stop = parse_seconds("ssd-flush-on-stop (UMBP_SSD_FLUSH_ON_STOP)", &args.ssd_flush_on_stop)?;
@@ -592,12 +592,12 @@ mod tests {
         assert_eq!(c.dirs, vec![a.path().to_path_buf(), b.path().to_path_buf()]);
         assert_eq!((c.capacity_bytes, c.high_watermark, c.low_watermark, c.direct_io), (2 << 30, 0.9, 0.5, false));
         assert_eq!((c.segment_bytes, c.queue_depth, c.flush_on_stop), (64 << 20, 32, std::time::Duration::from_millis(2500)));
-        assert_eq!(c.admission, umbp_pool::ssd::SsdAdmission::HitOrYoung { young: std::time::Duration::from_secs(5) });
+        assert_eq!(c.admission, umbp_ssd::SsdAdmission::HitOrYoung { young: std::time::Duration::from_secs(5) });
         // Defaults: capacity from the free space, admission hit-or-young.
         let c = config_from(parse(&["--ssd-dir", pa]).unwrap()).unwrap().ssd.unwrap();
         assert!(c.capacity_bytes >= 256 << 20 && c.direct_io);
-        assert_eq!(c.admission, umbp_pool::ssd::SsdAdmission::default());
-        assert_eq!(c.flush_on_stop, umbp_pool::ssd::DEFAULT_FLUSH_ON_STOP);
+        assert_eq!(c.admission, umbp_ssd::SsdAdmission::default());
+        assert_eq!(c.flush_on_stop, umbp_ssd::DEFAULT_FLUSH_ON_STOP);
         let err = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap_err().to_string();
         for bad in ["-1", "soon", "1e9"] {
             let e = err(&["--ssd-dir", pa, &format!("--ssd-flush-on-stop={bad}")]);

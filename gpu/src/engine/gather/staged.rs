@@ -10,7 +10,9 @@ use super::{blocks_for, desc_pieces, Desc, DescBuf, GatherConfig, GatherState, A
 use super::{build_descs, desc_count};
 #[cfg(doc)]
 use super::GatherMode;
-use crate::engine::{DeviceApi, Dir, Item};
+use crate::engine::api::DeviceApi;
+use crate::engine::item::Item;
+use crate::Dir;
 use crate::GpuError;
 
 /// Staging buffers per stream set (chunk `i` uses buffer `i % STAGE_SLOTS`).

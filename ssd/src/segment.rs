@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{Mode, OFlags};
 
 use super::format::BLOCK;
-use super::SsdError;
+use super::error::SsdError;
 
 /// A zeroed heap buffer aligned to [`BLOCK`], as O_DIRECT needs.
 pub struct AlignedBuf {

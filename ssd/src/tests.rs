@@ -404,7 +404,7 @@ fn sigkill_mid_write_keeps_everything_acknowledged() {
 /// One kill and restart; whether the restart scanned a segment left without a footer.
 fn kill_writer_and_check_restart() -> bool {
     let d = tempdir();
-    let mut child = run_child("ssd::tests::child_writer", d.path());
+    let mut child = run_child("tests::child_writer", d.path());
     let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut acked = 0u64;
     while acked < 600 {
@@ -477,7 +477,7 @@ fn child_disk_full() {
 #[test]
 fn disk_full_gives_a_clear_error() {
     let d = tempdir();
-    let child = run_child("ssd::tests::child_disk_full", d.path());
+    let child = run_child("tests::child_disk_full", d.path());
     let out = child.wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "child failed:\n{text}");
@@ -558,7 +558,7 @@ fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
 }
 
-/// `cargo test -p umbp-pool --lib ssd::tests::bench_ssd -- --ignored --nocapture`; sizes
+/// `cargo test -p umbp-ssd --lib tests::bench_ssd -- --ignored --nocapture`; sizes
 /// from UMBP_SSD_BENCH_BYTES, UMBP_SSD_BENCH_OBJECT, UMBP_SSD_BENCH_REBUILD_OBJECTS and
 /// the directory from UMBP_SSD_BENCH_DIR (default /var/tmp). Prints JSON lines.
 #[test]
@@ -653,7 +653,7 @@ fn child_short_write() {
 #[test]
 fn a_write_cut_short_by_the_file_size_limit_is_disk_full() {
     let d = tempdir();
-    let out = run_child("ssd::tests::child_short_write", d.path()).wait_with_output().unwrap();
+    let out = run_child("tests::child_short_write", d.path()).wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "child failed:\n{text}");
     if text.contains("URING false") {
@@ -764,7 +764,7 @@ fn child_disk_full_batches() {
 #[test]
 fn disk_full_mid_batch_reports_every_evicted_key() {
     let d = tempdir();
-    let out = run_child("ssd::tests::child_disk_full_batches", d.path()).wait_with_output().unwrap();
+    let out = run_child("tests::child_disk_full_batches", d.path()).wait_with_output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "child failed:\n{text}");
     let line = text.lines().find_map(|l| l.split_once("FAILED ")).unwrap_or_else(|| panic!("no summary:\n{text}")).1;

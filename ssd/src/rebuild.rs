@@ -9,8 +9,8 @@ use std::sync::atomic::Ordering;
 
 use super::format::{self, FooterEntry, RecordHeader, Trailer, BLOCK, HEADER_BYTES};
 use super::segment::{AlignedBuf, Segment};
-use super::store::{Counters, Loc, SegMeta, Shard, SsdStore};
-use super::SsdError;
+use super::shard::{shard_index, Counters, Loc, SegMeta, Shard};
+use super::error::SsdError;
 
 /// Reads a segment through a sliding aligned window.
 struct Window<'a> {
@@ -192,7 +192,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
     let mut max_seq = 0;
     for loc in all {
         max_seq = max_seq.max(loc.header.seq);
-        if SsdStore::shard_index(loc.header.key, nshards) != shard_idx {
+        if shard_index(loc.header.key, nshards) != shard_idx {
             c.misplaced_records.fetch_add(1, Ordering::Relaxed);
             continue;
         }
