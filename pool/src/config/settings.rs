@@ -108,7 +108,7 @@ settings! {
         help: "Group that owns the socket (mode 0660); its members may connect. Name or gid [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid)" }
     NAMESPACE_ACL { name: "namespace_acl", kind: "UID:NSHEX[,NSHEX]", default: None, env: None, flag: "namespace-acl", heading: ISOLATION,
         help: "Namespaces a uid may attach with, e.g. 1001:9f3c...,0a1b... (hex, repeatable). Once any is given, every other uid except the pool's and root is refused, loads only find blocks stored under the loader's own namespace, and each group of namespaces listed for the same uids gets its own index and event log (a peer maps only its group's)" }
-    PEER_PIDFD_FALLBACK { name: "peer_pidfd_fallback", kind: "BOOL", default: None, env: None, flag: "peer-pidfd-fallback", heading: None,
+    PEER_PIDFD_FALLBACK { name: "peer_pidfd_fallback", kind: "BOOL", default: Some("false"), env: None, flag: "peer-pidfd-fallback", heading: None,
         help: "Tests only: take each peer's pidfd with pidfd_open at accept (plus its start time) even where the kernel offers SO_PEERPIDFD, to exercise the older kernels' path" }
     MAX_ATTACHMENTS { name: "max_attachments", kind: "N", default: Some("1024"), env: Some("UMBP_MAX_ATTACHMENTS"), flag: "max-attachments", heading: PER_PEER,
         help: "Attachments the pool serves at once, all peers together" }
