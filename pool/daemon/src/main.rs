@@ -370,10 +370,10 @@ mod tests {
         assert_eq!(flags, rows, "the daemon's flags are the table's rows");
     }
 
-    /// A default the table gives reaches the config when the flag is left out, and the
-    /// table's variable sets it (the flag still wins).
+    /// With every flag left out the daemon's config is `PoolConfig::default()`: both read
+    /// the same table.
     #[test]
-    fn table_defaults_and_variables_reach_the_config() {
+    fn table_defaults_reach_the_config() {
         let d = config_from(settings_args::try_parse_from::<Args, _, _>(["umbp-pool"]).unwrap()).unwrap();
         let p = PoolConfig::default();
         assert_eq!((d.high_watermark, d.low_watermark, d.min_object_bytes, d.lease), (p.high_watermark, p.low_watermark, p.min_object_bytes, p.lease));
