@@ -8,61 +8,36 @@ use umbp_cluster::control::Secret;
 use umbp_cluster::membership::StaticPeers;
 use umbp_cluster::pool_tier::{ClusterTier, TierOptions, DEFAULT_REMOTE_SHARE};
 use umbp_cluster::ClusterConfig;
+use umbp_pool::config::settings::CLUSTER_MAX_PINNED_BYTES_PER_PEER;
 
+/// Defaults, variables, help and section come from the settings table (settings_args.rs).
 #[derive(clap::Args, Debug, Clone)]
-#[command(next_help_heading = "Cluster (docs/cluster.md)")]
 pub struct ClusterArgs {
-    /// Join a cluster of pools: this pool's control address. Needs the NIXL library at run
-    /// time (`pip install nixl-cu12`; set UMBP_NIXL_LIB to libnixl_capi.so or its
-    /// directory) and --cluster-secret-file. With --namespace-acl every member must run the
-    /// same ACL (a peer with another is refused); peers' objects are then listed only for
-    /// the uids allowed their namespace [default: no cluster]
-    #[arg(long = "cluster-listen", env = "UMBP_CLUSTER_LISTEN", value_name = "HOST:PORT")]
+    #[arg(long = "cluster-listen")]
     pub listen: Option<String>,
-    /// Another pool's --cluster-listen address (repeatable): its DRAM objects appear in this
-    /// pool's index (that of their namespace's tenant group) marked remote and load over NIXL.
-    #[arg(long = "cluster-peer", value_name = "HOST:PORT")]
+    #[arg(long = "cluster-peer")]
     pub peers: Vec<String>,
-    /// File holding the shared cluster secret (at least 16 bytes, mode 0600); pools
-    /// authenticate each other and encrypt their control connections with a key derived
-    /// from it (Noise NNpsk0; the secret is never sent)
-    #[arg(long = "cluster-secret-file", env = "UMBP_CLUSTER_SECRET_FILE", value_name = "PATH")]
+    #[arg(long = "cluster-secret-file")]
     pub secret_file: Option<PathBuf>,
-    /// Heartbeat period to peers.
-    #[arg(long = "cluster-heartbeat-ms", value_name = "MS", default_value_t = 500)]
+    #[arg(long = "cluster-heartbeat-ms")]
     pub heartbeat_ms: u64,
-    /// A peer silent this long is dropped: its keys leave the index.
-    #[arg(long = "cluster-dead-after-ms", value_name = "MS", default_value_t = 2000)]
+    #[arg(long = "cluster-dead-after-ms")]
     pub dead_after_ms: u64,
-    /// Bound on one remote load (pin at the holder and NIXL READ); past it the block fails.
-    #[arg(long = "cluster-read-timeout-ms", value_name = "MS", default_value_t = 5000)]
+    #[arg(long = "cluster-read-timeout-ms")]
     pub read_timeout_ms: u64,
-    /// Most peers' keys listed in this pool's index at once (remote entries never crowd
-    /// local objects out past it; further remote keys wait and are listed as room frees)
-    /// [default: half of the index capacity]
-    #[arg(long = "cluster-max-remote-entries", value_name = "N")]
+    #[arg(long = "cluster-max-remote-entries")]
     pub max_remote_entries: Option<u64>,
-    /// A closed subscriber's pins are kept this long past --cluster-read-timeout-ms after
-    /// its connection closes (a lease: its one-sided READs may still be in flight). Members
-    /// run the same --cluster-read-timeout-ms.
-    #[arg(long = "cluster-pin-lease-margin-ms", env = "UMBP_CLUSTER_PIN_LEASE_MARGIN_MS", value_name = "MS", default_value_t = 1000)]
+    #[arg(long = "cluster-pin-lease-margin-ms")]
     pub pin_lease_margin_ms: u64,
-    /// Objects one subscribing peer may hold pinned here at once; a pin past it is refused.
-    #[arg(long = "cluster-max-pins-per-peer", env = "UMBP_CLUSTER_MAX_PINS_PER_PEER", value_name = "N", default_value_t = 4096)]
+    #[arg(long = "cluster-max-pins-per-peer")]
     pub max_pins_per_peer: usize,
-    /// Bytes one subscribing peer may hold pinned here at once (sizes as --capacity).
-    #[arg(long = "cluster-max-pinned-bytes-per-peer", env = "UMBP_CLUSTER_MAX_PINNED_BYTES_PER_PEER", value_name = "SIZE", default_value = "4GiB")]
+    #[arg(long = "cluster-max-pinned-bytes-per-peer")]
     pub max_pinned_bytes_per_peer: String,
-    /// Keys one peer may have in this pool's catalog per tenant group; further keys are
-    /// dropped (counted, `catalog_over_cap`).
-    #[arg(long = "cluster-max-catalog-entries-per-group", env = "UMBP_CLUSTER_MAX_CATALOG_ENTRIES_PER_GROUP", value_name = "N", default_value_t = 1 << 20)]
+    #[arg(long = "cluster-max-catalog-entries-per-group")]
     pub max_catalog_entries_per_group: usize,
-    /// Unauthenticated connections (handshake not done) held at once on the cluster port;
-    /// past it a new one is closed at once (counted, `refused_connections`).
-    #[arg(long = "cluster-max-unauthenticated", env = "UMBP_CLUSTER_MAX_UNAUTHENTICATED", value_name = "N", default_value_t = 64)]
+    #[arg(long = "cluster-max-unauthenticated")]
     pub max_unauthenticated: usize,
-    /// As --cluster-max-unauthenticated, per source address.
-    #[arg(long = "cluster-max-unauthenticated-per-source", env = "UMBP_CLUSTER_MAX_UNAUTHENTICATED_PER_SOURCE", value_name = "N", default_value_t = 16)]
+    #[arg(long = "cluster-max-unauthenticated-per-source")]
     pub max_unauthenticated_per_source: usize,
 }
 
@@ -99,7 +74,7 @@ impl ClusterArgs {
                 self.max_unauthenticated
             );
         }
-        let pinned = umbp_pool::parse_size("cluster-max-pinned-bytes-per-peer (UMBP_CLUSTER_MAX_PINNED_BYTES_PER_PEER)", &self.max_pinned_bytes_per_peer)?;
+        let pinned = umbp_pool::parse_size(&CLUSTER_MAX_PINNED_BYTES_PER_PEER.label(), &self.max_pinned_bytes_per_peer)?;
         if pinned == 0 {
             anyhow::bail!("--cluster-max-pinned-bytes-per-peer must be more than 0 bytes");
         }
@@ -136,8 +111,6 @@ pub fn start(pool: &umbp_pool::Pool, cfg: ClusterConfig, peers: Vec<String>, opt
 mod tests {
     use std::os::unix::fs::PermissionsExt;
 
-    use clap::Parser;
-
     use super::*;
 
     #[derive(clap::Parser)]
@@ -153,7 +126,7 @@ mod tests {
         std::fs::write(&p, b"cluster-flags-secret-0123456789").unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         let argv = ["umbp-pool", "--cluster-listen", "127.0.0.1:0", "--cluster-secret-file", p.to_str().unwrap()];
-        let cli = Cli::try_parse_from(argv.iter().chain(extra)).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let cli: Cli = crate::settings_args::try_parse_from(argv.iter().chain(extra)).map_err(|e| anyhow::anyhow!("{e}"))?;
         Ok(cli.cluster.config()?.expect("--cluster-listen given").0)
     }
 

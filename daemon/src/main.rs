@@ -8,6 +8,8 @@ use std::process::ExitCode;
 use clap::Parser;
 
 mod cluster_flags;
+mod settings_args;
+use umbp_pool::config::{self, settings, SsdSettings};
 use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 
 /// The node-local KV-cache pool that LLM serving engines share.
@@ -15,406 +17,231 @@ use umbp_pool::{parse_fraction, parse_size, Pool, PoolConfig, ProgressFn};
 /// Every flag can also be set through the environment variable named in brackets; a flag
 /// on the command line wins over the environment. Logs go to stderr; set RUST_LOG
 /// (e.g. RUST_LOG=umbp_pool=debug) for more.
+// Defaults, variables, value names, help and sections come from the settings table
+// (settings_args.rs); the attributes here say only how each value is parsed.
 #[derive(Parser, Debug)]
 #[command(name = "umbp-pool", version, about, long_about)]
 struct Args {
-    /// Unix socket to listen on: a path or unix:///path (tcp:// and other schemes are refused)
-    /// [default: $XDG_RUNTIME_DIR/umbp/pool.sock or /tmp/umbp/pool.sock].
-    #[arg(long, env = "UMBP_STANDALONE_ADDRESS", value_name = "PATH", value_parser = parse_socket)]
+    #[arg(long, value_parser = parse_socket)]
     socket: Option<PathBuf>,
-    /// DRAM to hold KV blocks in, e.g. 64GiB, 512MiB [default: half of available memory].
-    #[arg(long, env = "UMBP_DRAM_CAPACITY", value_name = "SIZE")]
+    #[arg(long)]
     capacity: Option<String>,
-    /// Occupancy (fraction of capacity) above which the evictor starts.
-    #[arg(long = "high-wm", env = "UMBP_DRAM_HIGH_WM", value_name = "FRACTION", default_value = "0.9")]
+    #[arg(long = "high-wm")]
     high_wm: String,
-    /// Occupancy the evictor brings the pool back down to.
-    #[arg(long = "low-wm", env = "UMBP_DRAM_LOW_WM", value_name = "FRACTION", default_value = "0.7")]
+    #[arg(long = "low-wm")]
     low_wm: String,
-    /// Back DRAM with 2 MiB huge pages (reserve them first: /proc/sys/vm/nr_hugepages).
-    #[arg(long, env = "UMBP_DRAM_USE_HUGEPAGES", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1, default_missing_value = "true")]
-    hugepages: Option<bool>,
-    /// Bind DRAM to this NUMA node (use the GPUs' node: nvidia-smi topo -m).
-    #[arg(long = "numa-node", env = "UMBP_DRAM_NUMA_NODE", value_name = "N")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    hugepages: bool,
+    #[arg(long = "numa-node")]
     numa_node: Option<u32>,
-    /// Fault in all DRAM at start (shows progress) so first stores are not slowed.
-    #[arg(long, env = "UMBP_DRAM_PREFAULT", value_parser = clap::builder::BoolishValueParser::new(), num_args = 0..=1, default_missing_value = "true")]
-    prefault: Option<bool>,
-    /// Also allow peers running as this uid (repeatable). The pool's own uid and root are always allowed.
-    #[arg(long = "allow-uid", value_name = "UID")]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
+    prefault: bool,
+    #[arg(long = "allow-uid")]
     allow_uid: Vec<u32>,
-    /// Smallest KV object expected; sizes the shared index (capacity / this x 2 slots).
-    #[arg(long = "min-object-size", env = "UMBP_MIN_OBJECT_SIZE", value_name = "SIZE", default_value = "64KiB")]
+    #[arg(long = "min-object-size")]
     min_object_size: String,
-    /// How long a scheduler's prefix hit protects the blocks from eviction, in ms.
-    #[arg(long = "lease-ms", env = "UMBP_LEASE_MS", value_name = "MS", default_value_t = 2000)]
+    #[arg(long = "lease-ms")]
     lease_ms: u64,
-    /// Threads that run copies [default: CPU count clamped to 2..8].
-    #[arg(long = "copy-threads", env = "UMBP_COPY_THREADS", value_name = "N")]
+    #[arg(long = "copy-threads")]
     copy_threads: Option<usize>,
-    /// Copy threads one attachment may occupy at once, so that one peer whose copies wait
-    /// (e.g. on a store fence its stream never writes) cannot stall the others; its further
-    /// submissions queue per peer [default: 0 = all copy threads but one].
-    #[arg(long = "copy-threads-per-peer", env = "UMBP_COPY_THREADS_PER_PEER", value_name = "N", default_value_t = 0)]
+    #[arg(long = "copy-threads-per-peer")]
     copy_threads_per_peer: usize,
-    /// How long a copy thread waits for a worker's store fence (the word its stream writes
-    /// once the KV is final) before the store fails; a worker that never writes it holds
-    /// the copy thread this long.
-    #[arg(long = "store-fence-timeout-ms", env = "UMBP_STORE_FENCE_TIMEOUT_MS", value_name = "MS", default_value_t = 30_000)]
+    #[arg(long = "store-fence-timeout-ms")]
     store_fence_timeout_ms: u64,
-    /// A submission moving more than this is copied in stages of up to this size (the first
-    /// 1/16 of it, each next one --copy-stage-growth of the one before, so that the first
-    /// bytes move after little planning); each stage's blocks are published (stores) or
-    /// released (loads) as soon as it lands, while the next stages still copy. 0 copies
-    /// every submission in one piece.
-    #[arg(long = "copy-stage-size", env = "UMBP_COPY_STAGE_SIZE", value_name = "SIZE", default_value = "64MiB")]
+    #[arg(long = "copy-stage-size")]
     copy_stage_size: String,
-    /// Each copy stage after the first is this percentage (100-1000) of the one before, up
-    /// to --copy-stage-size. A stage is planned while the ones before it copy, so the copy
-    /// never waits for planning as long as planning a byte takes less than 100/PERCENT of
-    /// copying it: 100 (equal stages) suits small pages, whose planning is slow, 200
-    /// (doubling) needs the fewest stages. `auto` picks by each submission's page size:
-    /// 104 for 4 KiB pages, 200 from 8 KiB.
-    #[arg(long = "copy-stage-growth", env = "UMBP_COPY_STAGE_GROWTH", value_name = "PERCENT|auto", default_value = "auto", value_parser = parse_growth)]
+    #[arg(long = "copy-stage-growth", value_parser = table_parser(config::parse_growth))]
     copy_stage_growth: u32,
-    /// Loads from the SSD or remote tier: DRAM the pool fills ahead of the stage a load
-    /// copies (its later stages, the peer's next queued loads), so that lower-tier fetches
-    /// overlap the copies; at most a quarter of --capacity. 0 fetches each stage only when
-    /// the copy reaches it.
-    #[arg(long = "promotion-ahead", env = "UMBP_PROMOTION_AHEAD", value_name = "SIZE", default_value = "128MiB")]
+    #[arg(long = "promotion-ahead")]
     promotion_ahead: String,
-    /// How long (µs, 0-1000000) the service thread and a copy thread keep polling for work
-    /// after the pool's last activity before they sleep, or `auto`. Waking a sleeping thread
-    /// costs tens to hundreds of µs on a VM, on every transfer that finds the pool asleep.
-    /// `auto` polls 50 µs, longer (up to 2000) while work keeps arriving soon after the
-    /// threads slept, as when a worker submits back to back, and shrinks back when they
-    /// sleep longer than that. A fixed value longer than the engine's step (e.g. 20000)
-    /// keeps the pool awake between steps, at the price of a busy core per polling thread
-    /// while traffic flows (none once idle this long).
-    #[arg(long = "idle-poll-us", env = "UMBP_IDLE_POLL_US", value_name = "US|auto", default_value = "auto")]
-    idle_poll_us: umbp_pool::config::IdlePoll,
-    /// GPU copies: streams one copy call spreads its copies over (1-16).
-    #[arg(long = "copy-streams", env = "UMBP_COPY_STREAMS", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=16), help_heading = "GPU copy engine")]
+    #[arg(long = "idle-poll-us")]
+    idle_poll_us: config::IdlePoll,
+    #[arg(long = "copy-streams", value_parser = clap::value_parser!(u16).range(1..=16))]
     copy_streams: u16,
-    /// GPU copies: hand copies to the driver in batches (cuMemcpyBatchAsync) where it has
-    /// it; false: one driver call per copy.
-    #[arg(long = "copy-batch", env = "UMBP_COPY_BATCH", value_name = "BOOL", default_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-batch", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     copy_batch: bool,
-    /// GPU copies: most copies per batched driver call (1-65536).
-    #[arg(long = "copy-batch-max", env = "UMBP_COPY_BATCH_MAX", value_name = "N", default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..=65536), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-batch-max", value_parser = clap::value_parser!(u32).range(1..=65536))]
     copy_batch_max: u32,
-    /// GPU copies: large copy calls enqueue each stream's share from its own thread
-    /// (measured no gain on the H200).
-    #[arg(long = "copy-parallel-submit", env = "UMBP_COPY_PARALLEL", value_name = "BOOL", default_value = "false", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-parallel-submit", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     copy_parallel_submit: bool,
-    /// GPU copies of small pages: auto (per stage the path the GPU's calibration, done at
-    /// its first registration, found fastest for its page size: device staging, the
-    /// kernel over PCIe or copy engines), staged (pages gathered in GPU memory by a kernel,
-    /// moved by copy engines, wherever it can run), kernel (the direct kernel wherever it
-    /// can run), copy-engine (never a kernel: the engine's own kernels are not slowed,
-    /// small pages move slower; no calibration). docs/gpu.md "Device staging".
-    #[arg(long = "copy-kernel", env = "UMBP_COPY_KERNEL", value_name = "MODE", default_value = "auto", value_parser = ["auto", "kernel", "copy-engine", "staged"], help_heading = "GPU copy engine")]
-    copy_kernel: String,
-    /// GPU copies: blocks (SMs) the page copy kernel runs on (0: chosen by the calibration).
-    #[arg(long = "copy-kernel-blocks", env = "UMBP_COPY_KERNEL_BLOCKS", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4096), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-kernel", value_parser = table_parser(config::parse_copy_kernel))]
+    copy_kernel: umbp_gpu::GatherMode,
+    #[arg(long = "copy-kernel-blocks", value_parser = clap::value_parser!(u32).range(0..=4096))]
     copy_kernel_blocks: u32,
-    /// GPU copies: most bytes one page copy kernel launch moves (a stage is cut into
-    /// several launches); 0: one launch per stage.
-    #[arg(long = "copy-kernel-launch-size", env = "UMBP_COPY_KERNEL_LAUNCH_SIZE", value_name = "SIZE", default_value = "0", help_heading = "GPU copy engine")]
+    #[arg(long = "copy-kernel-launch-size")]
     copy_kernel_launch_size: String,
-    /// GPU copies: streams one large object (4 MiB+ per copy, few copies) is split over
-    /// (0 or 1: no split).
-    #[arg(long = "copy-split-streams", env = "UMBP_COPY_SPLIT_STREAMS", value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=16), help_heading = "GPU copy engine")]
+    #[arg(long = "copy-split-streams", value_parser = clap::value_parser!(u16).range(0..=16))]
     copy_split_streams: u16,
-    /// Group that owns the socket (mode 0660); its members may connect. Name or gid
-    /// [default: the pool's group]. Peers must also pass the uid allow-list (--allow-uid).
-    #[arg(long = "socket-group", env = "UMBP_SOCKET_GROUP", value_name = "NAME|GID", help_heading = "Isolation")]
+    #[arg(long = "socket-group")]
     socket_group: Option<String>,
-    /// Namespaces a uid may attach with, e.g. 1001:9f3c...,0a1b... (hex, repeatable). Once
-    /// any is given, every other uid except the pool's and root is refused, loads only
-    /// find blocks stored under the loader's own namespace, and each group of namespaces
-    /// listed for the same uids gets its own index and event log (a peer maps only its
-    /// group's).
-    #[arg(long = "namespace-acl", value_name = "UID:NSHEX[,NSHEX]", help_heading = "Isolation")]
+    #[arg(long = "namespace-acl")]
     namespace_acl: Vec<String>,
-    /// Tests only: take each peer's pidfd with pidfd_open at accept (plus its start time)
-    /// even where the kernel offers SO_PEERPIDFD, to exercise the older kernels' path.
     #[arg(long = "peer-pidfd-fallback", hide = true)]
     peer_pidfd_fallback: bool,
-    /// Attachments the pool serves at once, all peers together.
-    #[arg(long = "max-attachments", env = "UMBP_MAX_ATTACHMENTS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    #[arg(long = "max-attachments")]
     max_attachments: usize,
-    /// Attachments one uid may hold at once.
-    #[arg(long = "max-attachments-per-uid", env = "UMBP_MAX_ATTACHMENTS_PER_UID", value_name = "N", default_value_t = 256, help_heading = "Limits per peer")]
+    #[arg(long = "max-attachments-per-uid")]
     max_attachments_per_uid: usize,
-    /// Memory one attachment may register, all regions together.
-    #[arg(long = "max-registered-bytes", env = "UMBP_MAX_REGISTERED_BYTES", value_name = "SIZE", default_value = "1TiB", help_heading = "Limits per peer")]
+    #[arg(long = "max-registered-bytes")]
     max_registered_bytes: String,
-    /// Memory regions one attachment may register.
-    #[arg(long = "max-regions", env = "UMBP_MAX_REGIONS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    #[arg(long = "max-regions")]
     max_regions: usize,
-    /// KV layouts (cache groups) one attachment may register.
-    #[arg(long = "max-layouts", env = "UMBP_MAX_LAYOUTS", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    #[arg(long = "max-layouts")]
     max_layouts: usize,
-    /// Submissions one attachment may have in flight (also capped by its completion ring);
-    /// more complete at once with Busy.
-    #[arg(long = "max-inflight", env = "UMBP_MAX_INFLIGHT", value_name = "N", default_value_t = 1024, help_heading = "Limits per peer")]
+    #[arg(long = "max-inflight")]
     max_inflight: u32,
-    /// Bytes one attachment's in-flight submissions may move (blocks x object size); more
-    /// complete at once with Busy. A lone submission is always admitted.
-    #[arg(long = "max-inflight-bytes", env = "UMBP_MAX_INFLIGHT_BYTES", value_name = "SIZE", default_value = "16GiB", help_heading = "Limits per peer")]
+    #[arg(long = "max-inflight-bytes")]
     max_inflight_bytes: String,
-    /// Largest arena a peer may ask for in its Hello (at most 256MiB).
-    #[arg(long = "max-arena-bytes", env = "UMBP_MAX_ARENA_BYTES", value_name = "SIZE", default_value = "64MiB", help_heading = "Limits per peer")]
+    #[arg(long = "max-arena-bytes")]
     max_arena_bytes: String,
-    /// Largest submission ring a peer may ask for in its Hello (power of two).
-    #[arg(long = "max-sq-entries", env = "UMBP_MAX_SQ_ENTRIES", value_name = "N", default_value_t = 16384, help_heading = "Limits per peer")]
+    #[arg(long = "max-sq-entries")]
     max_sq_entries: u32,
-    /// Share (0..1] of the index and of DRAM that one namespace may hold; above it times
-    /// --high-wm the evictor evicts that namespace's own oldest objects first. 1 = no quota;
-    /// on a node shared by tenants, e.g. 0.5.
-    #[arg(long = "namespace-share", env = "UMBP_NAMESPACE_SHARE", value_name = "FRACTION", default_value = "1", help_heading = "Isolation")]
+    #[arg(long = "namespace-share")]
     namespace_share: String,
-    /// Share (0..1] of DRAM that one uid's scheduler touch hints may keep leased (protected
-    /// from eviction) at once; past it, that uid's oldest leases end early.
-    #[arg(long = "lease-share", env = "UMBP_LEASE_SHARE", value_name = "FRACTION", default_value = "0.5", help_heading = "Isolation")]
+    #[arg(long = "lease-share")]
     lease_share: String,
-    /// Regions all attachments of one uid may register together [default: 4 x --max-regions].
-    #[arg(long = "max-regions-per-uid", env = "UMBP_MAX_REGIONS_PER_UID", value_name = "N", help_heading = "Limits per uid")]
+    #[arg(long = "max-regions-per-uid")]
     max_regions_per_uid: Option<usize>,
-    /// Bytes all attachments of one uid may register together [default: 4 x --max-registered-bytes].
-    #[arg(long = "max-registered-bytes-per-uid", env = "UMBP_MAX_REGISTERED_BYTES_PER_UID", value_name = "SIZE", help_heading = "Limits per uid")]
+    #[arg(long = "max-registered-bytes-per-uid")]
     max_registered_bytes_per_uid: Option<String>,
-    /// KV layouts all attachments of one uid may register together [default: 4 x --max-layouts].
-    #[arg(long = "max-layouts-per-uid", env = "UMBP_MAX_LAYOUTS_PER_UID", value_name = "N", help_heading = "Limits per uid")]
+    #[arg(long = "max-layouts-per-uid")]
     max_layouts_per_uid: Option<usize>,
-    /// Handshakes in progress at once for one uid; more connections of that uid are
-    /// refused at once (ResourceExhausted) until one finishes.
-    #[arg(long = "max-handshakes-per-uid", env = "UMBP_MAX_HANDSHAKES_PER_UID", value_name = "N", default_value_t = 16, help_heading = "Limits per uid")]
+    #[arg(long = "max-handshakes-per-uid")]
     max_handshakes_per_uid: usize,
-    /// Handshakes in progress at once, all uids together.
-    #[arg(long = "max-handshakes", env = "UMBP_MAX_HANDSHAKES", value_name = "N", default_value_t = 256, help_heading = "Control plane")]
+    #[arg(long = "max-handshakes")]
     max_handshakes: usize,
-    /// A connection's whole Hello must arrive within this many ms of being accepted.
-    #[arg(long = "handshake-timeout-ms", env = "UMBP_HANDSHAKE_TIMEOUT_MS", value_name = "MS", default_value_t = 2000, help_heading = "Control plane")]
+    #[arg(long = "handshake-timeout-ms")]
     handshake_timeout_ms: u64,
-    /// Each control message must be complete within this many ms of its first byte, and
-    /// each reply taken by the peer within as long; otherwise the peer is detached.
-    #[arg(long = "control-timeout-ms", env = "UMBP_CONTROL_TIMEOUT_MS", value_name = "MS", default_value_t = 2000, help_heading = "Control plane")]
+    #[arg(long = "control-timeout-ms")]
     control_timeout_ms: u64,
-    /// File descriptors kept free below RLIMIT_NOFILE for attached peers' memfds: a new
-    /// connection that would eat into them is refused at once.
-    #[arg(long = "fd-reserve", env = "UMBP_FD_RESERVE", value_name = "N", default_value_t = 128, help_heading = "Control plane")]
+    #[arg(long = "fd-reserve")]
     fd_reserve: u64,
-    /// Serve Prometheus metrics on GET /metrics on a unix socket, unix:PATH (mode 0600:
-    /// the pool's uid and root only; 0660 with --metrics-group), or over TCP at PORT on
-    /// loopback (127.0.0.1) or HOST:PORT; e.g. unix:/run/umbp/metrics.sock, 9464
-    /// [default: off]. The metrics show pool-wide traffic that tenants' own reports hide:
-    /// over TCP every local user can read them (and the network, for a non-loopback HOST).
-    /// A bad or busy address stops the pool at start.
-    #[arg(long = "metrics-addr", env = "UMBP_METRICS_ADDR", value_name = "unix:PATH|[HOST:]PORT")]
+    #[arg(long = "metrics-addr")]
     metrics_addr: Option<String>,
-    /// Group whose members may read the unix:PATH metrics socket (mode 0660), as a name or
-    /// a GID [default: none, mode 0600].
-    #[arg(long = "metrics-group", env = "UMBP_METRICS_GROUP", value_name = "NAME|GID")]
+    #[arg(long = "metrics-group")]
     metrics_group: Option<String>,
-    /// A directory for the SSD tier below DRAM, one per drive (repeatable; the environment
-    /// variable takes a comma-separated list). Objects evicted from DRAM that the admission
-    /// policy admits are written there and loaded back from there; a restart on the same
-    /// directories (same order) serves them again. Each must exist and be writable, and it
-    /// and every directory above it must be owned by the pool's uid or root and not be
-    /// writable by group or others unless sticky (in a sticky one, e.g. /var/tmp, the pool
-    /// uses a private umbp-ssd-<uid> subdirectory) [default: no SSD tier].
-    #[arg(long = "ssd-dir", env = "UMBP_SSD_DIR", value_name = "PATH", value_delimiter = ',', help_heading = "SSD tier")]
+    #[arg(long = "ssd-dir", value_delimiter = ',')]
     ssd_dir: Vec<PathBuf>,
-    /// Bytes of segment files all SSD directories together may hold (split evenly), e.g.
-    /// 1TiB [default: half of the free space of the first directory's file system].
-    #[arg(long = "ssd-capacity", env = "UMBP_SSD_CAPACITY", value_name = "SIZE", help_heading = "SSD tier")]
+    #[arg(long = "ssd-capacity")]
     ssd_capacity: Option<String>,
-    /// SSD occupancy above which a write first reclaims space (compaction, then the oldest segments).
-    #[arg(long = "ssd-high-watermark", env = "UMBP_SSD_HIGH_WM", value_name = "FRACTION", default_value = "0.95", help_heading = "SSD tier")]
+    #[arg(long = "ssd-high-watermark")]
     ssd_high_wm: String,
-    /// SSD occupancy that reclaiming brings a drive back down to.
-    #[arg(long = "ssd-low-watermark", env = "UMBP_SSD_LOW_WM", value_name = "FRACTION", default_value = "0.85", help_heading = "SSD tier")]
+    #[arg(long = "ssd-low-watermark")]
     ssd_low_wm: String,
-    /// Open segment files with O_DIRECT (where the file system refuses it, e.g. tmpfs, the
-    /// pool warns and uses buffered I/O); false: always buffered.
-    #[arg(long = "ssd-direct-io", env = "UMBP_SSD_DIRECT_IO", value_name = "BOOL", default_value = "true", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new(), help_heading = "SSD tier")]
+    #[arg(long = "ssd-direct-io", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, value_parser = clap::builder::BoolishValueParser::new())]
     ssd_direct_io: bool,
-    /// Which evicted objects are written to SSD: all, hit (loaded at least once), never,
-    /// hit-or-young (loaded, or stored less than 60 s before eviction) or
-    /// hit-or-young:SECONDS. Every write wears the drive.
-    #[arg(long = "ssd-admission", env = "UMBP_SSD_ADMISSION", value_name = "POLICY", default_value = "hit-or-young", help_heading = "SSD tier")]
+    #[arg(long = "ssd-admission")]
     ssd_admission: String,
-    /// Largest SSD segment file; an object must fit in one (multiple of 4KiB).
-    #[arg(long = "ssd-segment-size", env = "UMBP_SSD_SEGMENT_SIZE", value_name = "SIZE", default_value = "256MiB", help_heading = "SSD tier")]
-    ssd_segment_size: String,
-    /// io_uring entries (and registered buffers) per SSD directory: the I/O queue depth.
-    #[arg(long = "ssd-queue-depth", env = "UMBP_SSD_QUEUE_DEPTH", value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096), help_heading = "SSD tier")]
+    #[arg(long = "ssd-segment-size")]
+    ssd_segment_size: Option<String>,
+    #[arg(long = "ssd-queue-depth", value_parser = clap::value_parser!(u32).range(1..=4096))]
     ssd_queue_depth: u32,
-    /// On SIGTERM/SIGINT, write the DRAM objects the admission policy admits to SSD before
-    /// exiting, for at most this many seconds, so a restart on the same directories finds
-    /// them (0: off, exit at once).
-    #[arg(long = "ssd-flush-on-stop", env = "UMBP_SSD_FLUSH_ON_STOP", value_name = "SECONDS", default_value = "20", help_heading = "SSD tier")]
+    #[arg(long = "ssd-flush-on-stop")]
     ssd_flush_on_stop: String,
     #[command(flatten)]
     cluster: cluster_flags::ClusterArgs,
 }
 
-/// `--copy-stage-growth`: `auto` (0) or a percentage from 100 to 1000.
-fn parse_growth(s: &str) -> Result<u32, String> {
-    if s == "auto" {
-        return Ok(umbp_pool::config::AUTO_COPY_STAGE_GROWTH);
-    }
-    match s.parse::<u32>() {
-        Ok(p) if (100..=1000).contains(&p) => Ok(p),
-        _ => Err(format!("{s:?}: expected auto or a percentage from 100 to 1000")),
-    }
+/// A pool config parser (`fn(key, value)`) as a clap value parser: clap's error names the
+/// flag, so the key is left empty.
+fn table_parser<T: Clone + Send + Sync + 'static>(
+    parse: fn(&str, &str) -> Result<T, umbp_pool::ConfigError>,
+) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
+    move |v| parse("", v).map_err(|e| match e {
+        umbp_pool::ConfigError::Invalid { message, .. } => message,
+        other => other.to_string(),
+    })
 }
 
-/// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. Each
-/// directory is checked now (exists, is a directory, writable) so a bad one stops the
-/// pool at start with the flag and path named.
+/// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. The
+/// directories are checked by `PoolConfig::validate`.
 fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_ssd::SsdConfig>> {
-    let dirs: Vec<PathBuf> = args.ssd_dir.iter().filter(|d| !d.as_os_str().is_empty()).cloned().collect();
-    if dirs.is_empty() {
-        return Ok(None);
-    }
-    for d in &dirs {
-        check_ssd_dir(d)?;
-    }
-    let mut c = umbp_ssd::SsdConfig { dirs, ..Default::default() };
-    c.high_watermark = parse_fraction("ssd-high-watermark (UMBP_SSD_HIGH_WM)", &args.ssd_high_wm)?;
-    c.low_watermark = parse_fraction("ssd-low-watermark (UMBP_SSD_LOW_WM)", &args.ssd_low_wm)?;
-    c.direct_io = args.ssd_direct_io;
-    c.admission = umbp_ssd::SsdAdmission::parse("ssd-admission (UMBP_SSD_ADMISSION)", &args.ssd_admission)?;
-    c.segment_bytes = parse_size("ssd-segment-size (UMBP_SSD_SEGMENT_SIZE)", &args.ssd_segment_size)?;
-    c.queue_depth = args.ssd_queue_depth;
-    c.flush_on_stop = parse_seconds("ssd-flush-on-stop (UMBP_SSD_FLUSH_ON_STOP)", &args.ssd_flush_on_stop)?;
-    c.capacity_bytes = match &args.ssd_capacity {
-        Some(v) => parse_size("ssd-capacity (UMBP_SSD_CAPACITY)", v)?,
-        None => {
-            let free = free_bytes(&c.dirs[0])
-                .map_err(|e| anyhow::anyhow!("ssd-dir {}: statvfs: {e} (give --ssd-capacity)", c.dirs[0].display()))?;
-            (free / 2).max(c.segment_bytes * c.dirs.len() as u64)
-        }
+    use settings::*;
+    let label = |s: &Setting| s.label();
+    let settings = SsdSettings {
+        dirs: args.ssd_dir.clone(),
+        capacity_bytes: args.ssd_capacity.as_deref().map(|v| parse_size(&label(&SSD_CAPACITY), v)).transpose()?,
+        high_watermark: Some(parse_fraction(&label(&SSD_HIGH_WM), &args.ssd_high_wm)?),
+        low_watermark: Some(parse_fraction(&label(&SSD_LOW_WM), &args.ssd_low_wm)?),
+        direct_io: Some(args.ssd_direct_io),
+        admission: Some(umbp_ssd::SsdAdmission::parse(&label(&SSD_ADMISSION), &args.ssd_admission)?),
+        segment_bytes: args.ssd_segment_size.as_deref().map(|v| parse_size(&label(&SSD_SEGMENT_SIZE), v)).transpose()?,
+        queue_depth: Some(args.ssd_queue_depth),
+        flush_on_stop: Some(config::parse_seconds(&label(&SSD_FLUSH_ON_STOP), &args.ssd_flush_on_stop)?),
     };
-    Ok(Some(c))
-}
-
-/// Seconds (`20`, `2.5`, `0`) as a duration; an error names `key`.
-fn parse_seconds(key: &str, value: &str) -> anyhow::Result<std::time::Duration> {
-    match value.trim().parse::<f64>() {
-        Ok(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => Ok(std::time::Duration::from_secs_f64(s)),
-        _ => anyhow::bail!("{key}: {value:?} is not a number of seconds from 0 to 86400"),
-    }
-}
-
-/// An `--ssd-dir` must exist, be a directory and be writable by the pool.
-fn check_ssd_dir(d: &std::path::Path) -> anyhow::Result<()> {
-    let meta = std::fs::metadata(d).map_err(|e| anyhow::anyhow!("ssd-dir {}: {e} (create the directory first)", d.display()))?;
-    if !meta.is_dir() {
-        anyhow::bail!("ssd-dir {}: not a directory", d.display());
-    }
-    let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes())
-        .map_err(|_| anyhow::anyhow!("ssd-dir {}: path contains a NUL byte", d.display()))?;
-    // SAFETY: a valid NUL-terminated path.
-    if unsafe { libc::access(c.as_ptr(), libc::W_OK | libc::X_OK) } != 0 {
-        let e = std::io::Error::last_os_error();
-        anyhow::bail!("ssd-dir {}: not writable by the pool: {e}", d.display());
-    }
-    Ok(())
-}
-
-/// Free bytes (for unprivileged users) of the file system holding `d`.
-fn free_bytes(d: &std::path::Path) -> std::io::Result<u64> {
-    let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes()).map_err(std::io::Error::other)?;
-    // SAFETY: all-zero is a valid statvfs (plain integers).
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: a valid NUL-terminated path and a valid out pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(st.f_bavail as u64 * st.f_frsize as u64)
+    Ok(settings.resolve()?)
 }
 
 /// `--socket` / `UMBP_STANDALONE_ADDRESS`: a path or `unix://` address (the one parser all
 /// endpoint readers share; its message names the flag and the variable).
 fn parse_socket(value: &str) -> Result<PathBuf, String> {
-    umbp_ipc::endpoint::parse_endpoint("socket (UMBP_STANDALONE_ADDRESS)", std::ffi::OsStr::new(value))
-        .map_err(|e| e.to_string())
+    umbp_ipc::endpoint::parse_endpoint(&settings::SOCKET.label(), std::ffi::OsStr::new(value)).map_err(|e| e.to_string())
 }
 
 fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
+    use settings::*;
+    let label = |s: &Setting| s.label();
+    let size = |s: &Setting, v: &str| parse_size(&s.label(), v);
     let mut c = PoolConfig { ssd: ssd_config(&args)?, ..Default::default() };
     if let Some(s) = args.socket {
         c.socket_path = s;
     }
     if let Some(cap) = args.capacity {
-        c.capacity_bytes = parse_size("capacity (UMBP_DRAM_CAPACITY)", &cap)?;
+        c.capacity_bytes = size(&CAPACITY, &cap)?;
     }
-    c.high_watermark = parse_fraction("high-wm (UMBP_DRAM_HIGH_WM)", &args.high_wm)?;
-    c.low_watermark = parse_fraction("low-wm (UMBP_DRAM_LOW_WM)", &args.low_wm)?;
-    c.hugepages = args.hugepages.unwrap_or(false);
+    c.high_watermark = parse_fraction(&label(&HIGH_WM), &args.high_wm)?;
+    c.low_watermark = parse_fraction(&label(&LOW_WM), &args.low_wm)?;
+    c.hugepages = args.hugepages;
     c.numa_node = args.numa_node;
-    c.prefault = args.prefault.unwrap_or(false);
+    c.prefault = args.prefault;
     c.allow_uids = args.allow_uid;
-    c.min_object_bytes = parse_size("min-object-size", &args.min_object_size)?;
+    c.min_object_bytes = size(&MIN_OBJECT_SIZE, &args.min_object_size)?;
     c.lease = std::time::Duration::from_millis(args.lease_ms);
     if let Some(n) = args.copy_threads {
         c.copy_threads = n;
     }
     c.copy_threads_per_peer = args.copy_threads_per_peer;
     c.store_fence_timeout = std::time::Duration::from_millis(args.store_fence_timeout_ms);
-    c.copy_stage_bytes = parse_size("copy-stage-size (UMBP_COPY_STAGE_SIZE)", &args.copy_stage_size)?;
+    c.copy_stage_bytes = size(&COPY_STAGE_SIZE, &args.copy_stage_size)?;
     c.copy_stage_growth_percent = args.copy_stage_growth;
-    c.promotion_ahead_bytes = parse_size("promotion-ahead (UMBP_PROMOTION_AHEAD)", &args.promotion_ahead)?;
+    c.promotion_ahead_bytes = size(&PROMOTION_AHEAD, &args.promotion_ahead)?;
     c.idle_poll = args.idle_poll_us;
     c.engine.streams = args.copy_streams.into();
     c.engine.batch = args.copy_batch;
     c.engine.batch_max = args.copy_batch_max as usize;
     c.engine.parallel_submit = args.copy_parallel_submit;
-    c.engine.gather = umbp_gpu::GatherConfig {
-        mode: match args.copy_kernel.as_str() {
-            "kernel" => umbp_gpu::GatherMode::Kernel,
-            "copy-engine" => umbp_gpu::GatherMode::CopyEngine,
-            "staged" => umbp_gpu::GatherMode::Staged,
-            _ => umbp_gpu::GatherMode::Auto,
-        },
-        blocks: args.copy_kernel_blocks,
-        launch_bytes: usize::try_from(
-            parse_size("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE)", &args.copy_kernel_launch_size)?,
-        )
-        .map_err(|_| anyhow::anyhow!("copy-kernel-launch-size (UMBP_COPY_KERNEL_LAUNCH_SIZE): too large"))?,
-        split_streams: args.copy_split_streams.into(),
-    };
+    c.engine.gather.mode = args.copy_kernel;
+    c.engine.gather.blocks = args.copy_kernel_blocks;
+    c.engine.gather.launch_bytes = usize::try_from(size(&COPY_KERNEL_LAUNCH_SIZE, &args.copy_kernel_launch_size)?)
+        .map_err(|_| anyhow::anyhow!("{}: too large", label(&COPY_KERNEL_LAUNCH_SIZE)))?;
+    c.engine.gather.split_streams = args.copy_split_streams.into();
     if let Some(g) = &args.socket_group {
-        c.socket_group = Some(umbp_pool::config::parse_group("socket-group (UMBP_SOCKET_GROUP)", g)?);
+        c.socket_group = Some(config::parse_group(&label(&SOCKET_GROUP), g)?);
     }
     c.peer_pidfd_fallback = args.peer_pidfd_fallback;
     for acl in &args.namespace_acl {
-        let (uid, namespaces) = umbp_pool::config::parse_namespace_acl("namespace-acl", acl)?;
+        let (uid, namespaces) = config::parse_namespace_acl(&label(&NAMESPACE_ACL), acl)?;
         c.namespace_acl.entry(uid).or_default().extend(namespaces);
     }
     c.max_attachments = args.max_attachments;
-    let size = |key: &str, v: &str| parse_size(key, v);
     c.limits = umbp_pool::PeerLimits {
         attachments_per_uid: args.max_attachments_per_uid,
-        registered_bytes: size("max-registered-bytes (UMBP_MAX_REGISTERED_BYTES)", &args.max_registered_bytes)?,
+        registered_bytes: size(&MAX_REGISTERED_BYTES, &args.max_registered_bytes)?,
         regions: args.max_regions,
         layouts: args.max_layouts,
         inflight: args.max_inflight,
-        inflight_bytes: size("max-inflight-bytes (UMBP_MAX_INFLIGHT_BYTES)", &args.max_inflight_bytes)?,
-        arena_bytes: size("max-arena-bytes (UMBP_MAX_ARENA_BYTES)", &args.max_arena_bytes)?,
+        inflight_bytes: size(&MAX_INFLIGHT_BYTES, &args.max_inflight_bytes)?,
+        arena_bytes: size(&MAX_ARENA_BYTES, &args.max_arena_bytes)?,
         sq_entries: args.max_sq_entries,
     };
+    let four = umbp_pool::UidLimits::four_times(&c.limits);
     c.uid_limits = umbp_pool::UidLimits {
-        regions: args.max_regions_per_uid.unwrap_or(c.limits.regions.saturating_mul(4)),
+        regions: args.max_regions_per_uid.unwrap_or(four.regions),
         registered_bytes: match &args.max_registered_bytes_per_uid {
-            Some(v) => size("max-registered-bytes-per-uid (UMBP_MAX_REGISTERED_BYTES_PER_UID)", v)?,
-            None => c.limits.registered_bytes.saturating_mul(4),
+            Some(v) => size(&MAX_REGISTERED_BYTES_PER_UID, v)?,
+            None => four.registered_bytes,
         },
-        layouts: args.max_layouts_per_uid.unwrap_or(c.limits.layouts.saturating_mul(4)),
+        layouts: args.max_layouts_per_uid.unwrap_or(four.layouts),
     };
     c.control = umbp_pool::ControlLimits {
         handshake_timeout: std::time::Duration::from_millis(args.handshake_timeout_ms),
@@ -425,13 +252,10 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     };
     c.metrics_addr = args.metrics_addr.filter(|a| !a.is_empty());
     if let Some(g) = args.metrics_group.as_deref().filter(|g| !g.is_empty()) {
-        if !c.metrics_addr.as_deref().is_some_and(|a| a.trim().starts_with("unix:")) {
-            anyhow::bail!("metrics-group (UMBP_METRICS_GROUP): only applies to --metrics-addr unix:PATH");
-        }
-        c.metrics_group = Some(umbp_pool::config::parse_group("metrics-group (UMBP_METRICS_GROUP)", g)?);
+        c.metrics_group = Some(config::parse_group(&label(&METRICS_GROUP), g)?);
     }
-    c.namespace_share = parse_fraction("namespace-share (UMBP_NAMESPACE_SHARE)", &args.namespace_share)?;
-    c.lease_share = parse_fraction("lease-share (UMBP_LEASE_SHARE)", &args.lease_share)?;
+    c.namespace_share = parse_fraction(&label(&NAMESPACE_SHARE), &args.namespace_share)?;
+    c.lease_share = parse_fraction(&label(&LEASE_SHARE), &args.lease_share)?;
     c.validate()?;
     c.progress = Some(progress_bar());
     Ok(c)
@@ -461,7 +285,7 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let args = Args::parse();
+    let args: Args = settings_args::parse();
     let cluster = match args.cluster.config() {
         Ok(c) => c,
         Err(e) => {
@@ -514,11 +338,55 @@ fn main() -> ExitCode {
 mod tests {
     use super::*;
 
+    /// Every flag of `umbp-pool --help` has its row in the settings table and takes its
+    /// default, variable, value name, help and section from it; every row is a flag.
+    #[test]
+    fn every_flag_comes_from_the_settings_table() {
+        let mut cmd = settings_args::command::<Args>();
+        cmd.build();
+        let help = cmd.render_long_help().to_string();
+        let mut flags = std::collections::BTreeSet::new();
+        for a in cmd.get_arguments() {
+            let Some(flag) = a.get_long().filter(|f| !["help", "version"].contains(f)) else { continue };
+            let row = settings::by_flag(flag).unwrap_or_else(|| panic!("--{flag} has no row"));
+            flags.insert(flag);
+            assert_eq!(a.get_help().map(|h| h.to_string()).as_deref(), Some(row.help), "--{flag}: help");
+            assert_eq!(a.get_env().and_then(|e| e.to_str()), row.env, "--{flag}: variable");
+            let defaults: Vec<_> = a.get_default_values().iter().map(|d| d.to_str().unwrap()).collect();
+            assert_eq!(defaults, row.default.into_iter().collect::<Vec<_>>(), "--{flag}: default");
+            assert_eq!(a.get_help_heading(), row.heading, "--{flag}: section");
+            if a.get_action().takes_values() {
+                let names: Vec<_> = a.get_value_names().unwrap_or_default().iter().map(|n| n.as_str()).collect();
+                assert_eq!(names, [row.kind], "--{flag}: value name");
+            }
+            if !a.is_hide_set() {
+                assert!(help.contains(&format!("--{flag}")), "--{flag} missing from --help");
+                if let Some(env) = row.env {
+                    assert!(help.contains(&format!("[env: {env}=")), "--{flag}: {env} missing from --help");
+                }
+            }
+        }
+        let rows: std::collections::BTreeSet<_> = settings::ALL.iter().map(|s| s.flag).collect();
+        assert_eq!(flags, rows, "the daemon's flags are the table's rows");
+    }
+
+    /// With every flag left out the daemon's config is `PoolConfig::default()`: both read
+    /// the same table.
+    #[test]
+    fn table_defaults_reach_the_config() {
+        let d = config_from(settings_args::try_parse_from::<Args, _, _>(["umbp-pool"]).unwrap()).unwrap();
+        let p = PoolConfig::default();
+        assert_eq!((d.high_watermark, d.low_watermark, d.min_object_bytes, d.lease), (p.high_watermark, p.low_watermark, p.min_object_bytes, p.lease));
+        assert_eq!((d.limits.clone(), d.uid_limits.clone(), d.control.clone()), (p.limits, p.uid_limits, p.control));
+        assert_eq!((d.copy_stage_bytes, d.promotion_ahead_bytes, d.idle_poll, d.engine), (p.copy_stage_bytes, p.promotion_ahead_bytes, p.idle_poll, p.engine));
+        assert_eq!((d.namespace_share, d.lease_share, d.hugepages, d.prefault), (p.namespace_share, p.lease_share, p.hugepages, p.prefault));
+    }
+
     /// The GPU copy engine's flags (and, through clap, their env vars) reach the config
     /// passed to the pool; out-of-range values are refused naming the flag.
     #[test]
     fn copy_engine_flags_reach_the_config() {
-        let parse = |extra: &[&str]| Args::try_parse_from(["umbp-pool"].iter().chain(extra));
+        let parse = |extra: &[&str]| settings_args::try_parse_from::<Args, _, _>(["umbp-pool"].iter().chain(extra));
         let c = config_from(
             parse(&["--copy-streams", "4", "--copy-batch", "0", "--copy-batch-max", "64", "--copy-parallel-submit", "1"]).unwrap(),
         )
@@ -573,7 +441,7 @@ mod tests {
     /// and bad values are refused naming the flag and the path.
     #[test]
     fn ssd_flags_reach_the_config_and_bad_dirs_are_named() {
-        let parse = |extra: &[&str]| Args::try_parse_from(["umbp-pool"].iter().chain(extra));
+        let parse = |extra: &[&str]| settings_args::try_parse_from::<Args, _, _>(["umbp-pool"].iter().chain(extra));
         assert!(config_from(parse(&[]).unwrap()).unwrap().ssd.is_none());
         let a = tempfile::tempdir().unwrap();
         let b = tempfile::tempdir().unwrap();
@@ -612,7 +480,8 @@ mod tests {
         assert!(e.contains("ssd-dir") && e.contains("not a directory"), "{e}");
         let e = err(&["--ssd-dir", pa, "--ssd-admission", "sometimes"]);
         assert!(e.contains("ssd-admission"), "{e}");
-        let e = err(&["--ssd-dir", pa, "--ssd-capacity", "1MiB"]);
+        // Below one segment (at least 1 MiB) per directory.
+        let e = err(&["--ssd-dir", pa, "--ssd-capacity", "512KiB"]);
         assert!(e.contains("ssd-capacity"), "{e}");
         let e = err(&["--ssd-dir", pa, "--ssd-capacity", "1GiB", "--ssd-high-watermark", "0.5", "--ssd-low-watermark", "0.8"]);
         assert!(e.contains("ssd-low-watermark"), "{e}");
@@ -629,7 +498,7 @@ mod tests {
             eprintln!("skipped: read-only directory check (running as root)");
         }
         // The environment's comma-separated list.
-        let c = Args::try_parse_from(["umbp-pool", "--ssd-dir", &format!("{pa},{pb}"), "--ssd-capacity", "1GiB"]).unwrap();
+        let c = settings_args::try_parse_from::<Args, _, _>(["umbp-pool", "--ssd-dir", &format!("{pa},{pb}"), "--ssd-capacity", "1GiB"]).unwrap();
         assert_eq!(config_from(c).unwrap().ssd.unwrap().dirs.len(), 2);
     }
 }

@@ -95,37 +95,42 @@ struct EmbeddedPool {
 #[pymethods]
 impl EmbeddedPool {
     #[new]
-    /// `hugepages`, `numa_node`, `prefault` and `copy_threads` are umbp-pool's
-    /// `--hugepages`, `--numa-node`, `--prefault` and `--copy-threads`; with
-    /// `copy_threads` one attachment (this worker) may use all of them. `ssd_dir` (one
-    /// directory per drive, each existing and writable, held by this pool alone) turns on
-    /// the SSD tier below DRAM; the other `ssd_*` are umbp-pool's `--ssd-*` flags
-    /// (`ssd_capacity` is required with `ssd_dir`; `ssd_segment_bytes` None: 256 MiB, or
-    /// less where the capacity per directory is small; `ssd_flush_on_stop` is seconds, None:
-    /// the pool's default, 0: off).
-    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=0.9, low_wm=0.7, min_object_bytes=None, hugepages=false, numa_node=None, prefault=false, copy_threads=None, ssd_dir=None, ssd_capacity=None, ssd_high_wm=None, ssd_low_wm=None, ssd_direct_io=true, ssd_admission=None, ssd_segment_bytes=None, ssd_flush_on_stop=None))]
+    /// The keyword arguments are rows of the pool's settings table (`pool_settings()`):
+    /// None takes the table's default, as umbp-pool does for a flag left out. `hugepages`,
+    /// `numa_node`, `prefault` and `copy_threads` are umbp-pool's `--hugepages`,
+    /// `--numa-node`, `--prefault` and `--copy-threads`; with `copy_threads` one attachment
+    /// (this worker) may use all of them. `ssd_dir` (one directory per drive, each existing
+    /// and writable, held by this pool alone) turns on the SSD tier below DRAM; the other
+    /// `ssd_*` are umbp-pool's `--ssd-*` flags (sizes in bytes, `ssd_flush_on_stop` in
+    /// seconds). A bad value raises ValueError naming the keyword.
+    #[pyo3(signature = (capacity_bytes, socket_path=None, high_wm=None, low_wm=None, min_object_bytes=None, hugepages=None, numa_node=None, prefault=None, copy_threads=None, ssd_dir=None, ssd_capacity=None, ssd_high_wm=None, ssd_low_wm=None, ssd_direct_io=None, ssd_admission=None, ssd_segment_bytes=None, ssd_flush_on_stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         capacity_bytes: u64,
         socket_path: Option<String>,
-        high_wm: f64,
-        low_wm: f64,
+        high_wm: Option<f64>,
+        low_wm: Option<f64>,
         min_object_bytes: Option<u64>,
-        hugepages: bool,
+        hugepages: Option<bool>,
         numa_node: Option<u32>,
-        prefault: bool,
+        prefault: Option<bool>,
         copy_threads: Option<usize>,
         ssd_dir: Option<Vec<String>>,
         ssd_capacity: Option<u64>,
         ssd_high_wm: Option<f64>,
         ssd_low_wm: Option<f64>,
-        ssd_direct_io: bool,
+        ssd_direct_io: Option<bool>,
         ssd_admission: Option<String>,
         ssd_segment_bytes: Option<u64>,
         ssd_flush_on_stop: Option<f64>,
     ) -> PyResult<Self> {
-        let mut cfg = umbp_pool::PoolConfig { capacity_bytes, high_watermark: high_wm, low_watermark: low_wm, hugepages, numa_node, prefault, ..Default::default() };
+        let mut cfg = umbp_pool::PoolConfig { capacity_bytes, numa_node, ..Default::default() };
+        cfg.high_watermark = high_wm.unwrap_or(cfg.high_watermark);
+        cfg.low_watermark = low_wm.unwrap_or(cfg.low_watermark);
+        cfg.hugepages = hugepages.unwrap_or(cfg.hugepages);
+        cfg.prefault = prefault.unwrap_or(cfg.prefault);
+        cfg.min_object_bytes = min_object_bytes.unwrap_or(cfg.min_object_bytes);
         let opts = SsdArgs {
             dirs: ssd_dir.unwrap_or_default(),
             capacity: ssd_capacity,
@@ -137,9 +142,6 @@ impl EmbeddedPool {
             flush_on_stop: ssd_flush_on_stop,
         };
         cfg.ssd = ssd_config(opts)?;
-        if let Some(m) = min_object_bytes {
-            cfg.min_object_bytes = m;
-        }
         if let Some(n) = copy_threads {
             cfg.copy_threads = n;
             cfg.copy_threads_per_peer = n;
@@ -151,6 +153,7 @@ impl EmbeddedPool {
                 dir.join(format!("embedded-{}-{}.sock", std::process::id(), next_embedded_id()))
             }
         };
+        cfg.validate().map_err(|e| PyValueError::new_err(e.naming_keyword()))?;
         let path = cfg.socket_path.display().to_string();
         let pool = py.detach(|| umbp_pool::Pool::start(cfg)).map_err(err)?;
         Ok(Self { pool: Mutex::new(Some(pool)), socket_path: path })
@@ -195,16 +198,15 @@ struct SsdArgs {
     capacity: Option<u64>,
     high_wm: Option<f64>,
     low_wm: Option<f64>,
-    direct_io: bool,
+    direct_io: Option<bool>,
     admission: Option<String>,
     segment_bytes: Option<u64>,
     /// Seconds the pool may spend writing DRAM objects to SSD when it stops (0: off).
     flush_on_stop: Option<f64>,
 }
 
-/// The SSD tier's config from the `ssd_*` arguments; None without a directory. Each
-/// directory is checked here (exists, is a directory, writable) so a bad one is a
-/// `ValueError` naming `ssd_dir` and the path.
+/// The SSD tier's config from the `ssd_*` arguments; None without a directory. Unset values
+/// follow the pool's rules (`SsdSettings::resolve`); `PoolConfig::validate` checks the rest.
 fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_ssd::SsdConfig>> {
     let bad = |msg: String| PyValueError::new_err(msg);
     let dirs: Vec<PathBuf> = a.dirs.iter().filter(|d| !d.trim().is_empty()).map(PathBuf::from).collect();
@@ -214,46 +216,52 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_ssd::SsdConfig>> {
         }
         return Ok(None);
     }
-    for d in &dirs {
-        let meta = std::fs::metadata(d).map_err(|e| bad(format!("ssd_dir {}: {e} (create the directory first)", d.display())))?;
-        if !meta.is_dir() {
-            return Err(bad(format!("ssd_dir {}: not a directory", d.display())));
-        }
-        // Writable: create and remove a probe file (what the store will do with its lock
-        // file and segments).
-        let probe = d.join(format!(".umbp-write-probe-{}", std::process::id()));
-        std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&probe)
-            .map_err(|e| bad(format!("ssd_dir {}: not writable: {e}", d.display())))?;
-        let _ = std::fs::remove_file(&probe);
-    }
-    let mut c = umbp_ssd::SsdConfig { dirs, direct_io: a.direct_io, ..Default::default() };
-    if let Some(h) = a.high_wm {
-        c.high_watermark = h;
-    }
-    if let Some(l) = a.low_wm {
-        c.low_watermark = l;
-    }
-    if let Some(p) = &a.admission {
-        c.admission = umbp_ssd::SsdAdmission::parse("ssd_admission", p).map_err(|e| bad(e.to_string()))?;
-    }
-    if let Some(secs) = a.flush_on_stop {
-        if !(secs.is_finite() && (0.0..=86_400.0).contains(&secs)) {
-            return Err(bad(format!("ssd_flush_on_stop: expected seconds in [0, 86400], got {secs}")));
-        }
-        c.flush_on_stop = std::time::Duration::from_secs_f64(secs);
-    }
-    c.capacity_bytes = a.capacity.ok_or_else(|| bad("ssd_capacity: required with ssd_dir (bytes of SSD for this pool)".into()))?;
-    c.segment_bytes = match a.segment_bytes {
-        Some(n) => n,
-        // At least four segments per directory (a segment is what eviction drops at once),
-        // in whole MiB, at least 1 MiB.
-        None => c.segment_bytes.min((c.capacity_bytes / c.dirs.len() as u64 / 4) & !((1 << 20) - 1)).max(1 << 20),
+    let admission = a
+        .admission
+        .as_deref()
+        .map(|p| umbp_ssd::SsdAdmission::parse("ssd_admission", p))
+        .transpose()
+        .map_err(|e| bad(e.to_string()))?;
+    let flush_on_stop = a
+        .flush_on_stop
+        .map(|secs| match Duration::try_from_secs_f64(secs) {
+            Ok(d) if d <= Duration::from_secs(86_400) => Ok(d),
+            _ => Err(bad(format!("ssd_flush_on_stop: expected seconds in [0, 86400], got {secs}"))),
+        })
+        .transpose()?;
+    let settings = umbp_pool::config::SsdSettings {
+        dirs,
+        capacity_bytes: a.capacity,
+        high_watermark: a.high_wm,
+        low_watermark: a.low_wm,
+        direct_io: a.direct_io,
+        admission,
+        segment_bytes: a.segment_bytes,
+        queue_depth: None,
+        flush_on_stop,
     };
-    Ok(Some(c))
+    settings.resolve().map_err(|e| bad(e.naming_keyword()))
+}
+
+/// The pool's settings table, one dict per setting: `name` (the `EmbeddedPool` keyword),
+/// `kind`, `default` (a string as umbp-pool's flag takes it; None: unset, `help` says what
+/// that means), `env`, `flag` (umbp-pool's, without dashes), `help`. `umbp.vllm.config`
+/// reads its defaults from here.
+#[pyfunction]
+fn pool_settings<'py>(py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+    umbp_pool::config::settings::ALL
+        .iter()
+        .map(|s| {
+            let d = pyo3::types::PyDict::new(py);
+            d.set_item("name", s.name)?;
+            d.set_item("kind", s.kind)?;
+            d.set_item("default", s.default)?;
+            d.set_item("env", s.env)?;
+            d.set_item("flag", s.flag)?;
+            d.set_item("help", s.help)?;
+            Ok(d)
+        })
+        .collect()
 }
 
 fn umbp_ipc_default_dir() -> PathBuf {
@@ -551,6 +559,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_socket_path, m)?)?;
     m.add_function(wrap_pyfunction!(parse_endpoint, m)?)?;
     m.add_function(wrap_pyfunction!(parse_size, m)?)?;
+    m.add_function(wrap_pyfunction!(pool_settings, m)?)?;
     m.add_function(wrap_pyfunction!(init_logging, m)?)?;
     m.add_class::<EmbeddedPool>()?;
     m.add_class::<Worker>()?;

@@ -14,7 +14,7 @@ Keys (all optional):
 | `lookup_dir` | directory | the default socket's directory | embedded: where each worker's pool socket (which the scheduler's lookups attach to) is created |
 | `capacity_bytes` | size | see below | embedded: DRAM per worker (per TP rank) |
 | `total_capacity_bytes` | size | | embedded: DRAM for the whole engine, split evenly over TP ranks |
-| `dram_high_watermark` / `dram_low_watermark` | float in (0, 1] | 0.9 / 0.7 | embedded: evictor watermarks |
+| `dram_high_watermark` / `dram_low_watermark` | float in (0, 1] | the pool's (`--high-wm` / `--low-wm`) | embedded: evictor watermarks |
 | `dram_use_hugepages` | bool | false | embedded: back the pool's DRAM with 2 MiB huge pages (reserved beforehand: `vm.nr_hugepages`) |
 | `dram_hugepage_size` | size | 2MiB | embedded: huge page size; only 2 MiB exists in the pool (anything else is refused) |
 | `dram_numa_node` | int >= 0 | none | embedded: bind the pool's DRAM to this NUMA node (mbind) |
@@ -35,8 +35,8 @@ Keys (all optional):
 | `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
 | `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (created); the directory must exist |
 | `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / TP ranks | embedded: SSD bytes per worker |
-| `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else 0.95 / 0.85 | embedded: SSD reclaim watermarks |
-| `ssd_direct_io` | bool | `$UMBP_SSD_DIRECT_IO`, else true | embedded: O_DIRECT segment files (buffered with a warning where refused) |
+| `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else the pool's (`--ssd-high-watermark` / `--ssd-low-watermark`) | embedded: SSD reclaim watermarks |
+| `ssd_direct_io` | bool | `$UMBP_SSD_DIRECT_IO`, else the pool's (`--ssd-direct-io`) | embedded: O_DIRECT segment files (buffered with a warning where refused) |
 | `ssd_admission` | `all` \\| `hit` \\| `never` \\| `hit-or-young[:SECONDS]` | `$UMBP_SSD_ADMISSION`, else hit-or-young | embedded: which evicted objects are written to SSD |
 | `ssd_flush_on_stop` | seconds >= 0 | `$UMBP_SSD_FLUSH_ON_STOP`, else 20 | embedded: at shutdown, how long the pool may write its admitted DRAM objects to SSD so a restarted engine finds them (0: off) |
 
@@ -47,14 +47,18 @@ Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a qua
 machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
 such as `64GiB`, `512MiB`, `1.5G`, `4096`; like umbp-pool, `K`, `KB` and `KiB` (and M/G/T)
 are all powers of 1024.
+
+Defaults that belong to the pool are not repeated here: they are read from the pool's
+settings table (`umbp._native.pool_settings()`, the table umbp-pool's flags come from too).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from .._extra_config import checked_extra
@@ -229,6 +233,28 @@ def parse_instance(value: Any, key: str) -> str:
     return value.strip()
 
 
+@functools.lru_cache(maxsize=1)
+def _pool_settings() -> dict[str, dict[str, Any]]:
+    # Loaded on first use, so importing this module needs no binding (vLLM's front end).
+    from .endpoints import load_native
+
+    return {s["name"]: s for s in load_native().pool_settings()}
+
+
+def pool_default(name: str) -> str | None:
+    """The pool's default of setting `name` (an `EmbeddedPool` keyword), as umbp-pool's
+    flag takes it; None where the setting has none."""
+    return _pool_settings()[name]["default"]
+
+
+def _default_fraction(name: str) -> float:
+    return parse_fraction(pool_default(name), name)
+
+
+def _default_bool(name: str) -> bool:
+    return parse_bool(pool_default(name), name)
+
+
 def _physical_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -244,8 +270,8 @@ class UMBPConnectorConfig:
     instance: str | None = None  # embedded: `lookup_instance`, mixed into the pools' socket names
     capacity_bytes: int | None = None  # embedded: per worker (resolved by capacity_per_worker)
     total_capacity_bytes: int | None = None
-    dram_high_watermark: float = 0.9
-    dram_low_watermark: float = 0.7
+    dram_high_watermark: float = field(default_factory=lambda: _default_fraction("high_wm"))
+    dram_low_watermark: float = field(default_factory=lambda: _default_fraction("low_wm"))
     load_async: bool = True
     lookup_async: bool = False
     enable_lookup: bool = True
@@ -352,12 +378,12 @@ class UMBPConnectorConfig:
             hi = (
                 parse_fraction(extra["dram_high_watermark"], "dram_high_watermark")
                 if has("dram_high_watermark")
-                else 0.9
+                else _default_fraction("high_wm")
             )
             lo = (
                 parse_fraction(extra["dram_low_watermark"], "dram_low_watermark")
                 if has("dram_low_watermark")
-                else 0.7
+                else _default_fraction("low_wm")
             )
             if lo >= hi:
                 key = "dram_low_watermark" if has("dram_low_watermark") else "dram_high_watermark"
@@ -622,8 +648,6 @@ SSD_ENV = {
     "ssd_admission": ENV_SSD_ADMISSION,
     "ssd_flush_on_stop": ENV_SSD_FLUSH_ON_STOP,
 }
-DEFAULT_SSD_HIGH_WM = 0.95
-DEFAULT_SSD_LOW_WM = 0.85
 _ADMISSION_RE = re.compile(r"^(all|hit|never|none|hit-or-young(:[0-9]+(\.[0-9]+)?)?)$")
 
 
@@ -650,9 +674,9 @@ class SsdOptions:
 
     dirs: tuple[str, ...]
     capacity_bytes: int | None = None
-    high_watermark: float = DEFAULT_SSD_HIGH_WM
-    low_watermark: float = DEFAULT_SSD_LOW_WM
-    direct_io: bool = True
+    high_watermark: float = field(default_factory=lambda: _default_fraction("ssd_high_wm"))
+    low_watermark: float = field(default_factory=lambda: _default_fraction("ssd_low_wm"))
+    direct_io: bool = field(default_factory=lambda: _default_bool("ssd_direct_io"))
     admission: str | None = None
     flush_on_stop_s: float | None = None
 
@@ -696,8 +720,8 @@ class SsdOptions:
             kw["capacity_bytes"] = parse_size(*c)
         hi = get("ssd_high_watermark")
         lo = get("ssd_low_watermark")
-        kw["high_watermark"] = parse_fraction(*hi) if hi else DEFAULT_SSD_HIGH_WM
-        kw["low_watermark"] = parse_fraction(*lo) if lo else DEFAULT_SSD_LOW_WM
+        kw["high_watermark"] = parse_fraction(*hi) if hi else _default_fraction("ssd_high_wm")
+        kw["low_watermark"] = parse_fraction(*lo) if lo else _default_fraction("ssd_low_wm")
         if kw["low_watermark"] > kw["high_watermark"]:
             key = (lo or hi or (None, "ssd_low_watermark"))[1]
             raise ValueError(

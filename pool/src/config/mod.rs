@@ -1,16 +1,24 @@
-//! Pool configuration: the values, their defaults, and the parsers for the seed-compatible
-//! spellings (`64GiB` sizes, `0.9` watermarks).
+//! Pool configuration: the values, their defaults (from the settings table, `settings.rs`),
+//! their checks (`PoolConfig::validate`) and the parsers for the seed-compatible spellings
+//! (`64GiB` sizes, `0.9` watermarks).
+
+pub mod settings;
+mod ssd;
 
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// Default `--copy-stage-size`. H200, 469 MiB submissions of 64 KiB pages (2026-11-29):
-/// store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages, 50.8/50.9 in 32,
-/// 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions pipelined too.
+use settings::Setting;
+pub use ssd::SsdSettings;
+
+/// Default `--copy-stage-size` (the table's, checked by its tests). H200, 469 MiB submissions
+/// of 64 KiB pages: store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages,
+/// 50.8/50.9 in 32, 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions
+/// pipelined too.
 pub const DEFAULT_COPY_STAGE_BYTES: u64 = 64 << 20;
 /// `--copy-stage-growth auto`: by the page size (`umbp_protocol::stage_split::auto_growth_percent`).
 pub use umbp_protocol::stage_split::AUTO_GROWTH as AUTO_COPY_STAGE_GROWTH;
-/// Default `--copy-stage-growth`.
+/// Default `--copy-stage-growth` (the table's `auto`).
 pub const DEFAULT_COPY_STAGE_GROWTH_PERCENT: u32 = AUTO_COPY_STAGE_GROWTH;
 /// Longest `idle_poll` accepted (`--idle-poll-us`).
 pub const MAX_IDLE_POLL: Duration = Duration::from_secs(1);
@@ -19,7 +27,7 @@ pub const MAX_IDLE_POLL: Duration = Duration::from_secs(1);
 /// bench's transfers on the 2-core VM), far shorter than an engine step, so a pool serving
 /// engines that submit once a step sleeps between them.
 pub const AUTO_IDLE_POLL_MAX: Duration = Duration::from_millis(2);
-/// Default `idle_poll`: adaptive (pool/src/idle_poll.rs).
+/// Default `idle_poll` (the table's `auto`): adaptive (pool/src/idle_poll.rs).
 pub const DEFAULT_IDLE_POLL: IdlePoll = IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX };
 
 /// How long the service thread and a copy thread poll for work after the pool's last
@@ -68,7 +76,7 @@ impl std::str::FromStr for IdlePoll {
         }
     }
 }
-/// Default `promotion_ahead_bytes`: two default stages. (It was 0 for a while, on a
+/// Default `promotion_ahead_bytes` (the table's): two default stages. (It was 0 for a while, on a
 /// network-partition test failure wrongly laid at its door: the failing load is one stage
 /// and launches nothing ahead, `promotions_ahead` 0 with either setting.)
 pub const DEFAULT_PROMOTION_AHEAD_BYTES: u64 = 128 << 20;
@@ -213,12 +221,13 @@ pub struct ControlLimits {
 
 impl Default for ControlLimits {
     fn default() -> Self {
+        use settings::*;
         Self {
-            handshake_timeout: Duration::from_secs(2),
-            message_timeout: Duration::from_secs(2),
-            max_handshakes: 256,
-            handshakes_per_uid: 16,
-            fd_reserve: 128,
+            handshake_timeout: table_default(&HANDSHAKE_TIMEOUT_MS, parse_millis),
+            message_timeout: table_default(&CONTROL_TIMEOUT_MS, parse_millis),
+            max_handshakes: table_default(&MAX_HANDSHAKES, parse_number),
+            handshakes_per_uid: table_default(&MAX_HANDSHAKES_PER_UID, parse_number),
+            fd_reserve: table_default(&FD_RESERVE, parse_number),
         }
     }
 }
@@ -235,8 +244,21 @@ pub struct UidLimits {
 }
 
 impl Default for UidLimits {
+    /// Four times the per-attachment limits (the table's `--max-*-per-uid` defaults).
     fn default() -> Self {
-        Self { regions: 4096, registered_bytes: 4 << 40, layouts: 4096 }
+        UidLimits::four_times(&PeerLimits::default())
+    }
+}
+
+impl UidLimits {
+    /// Four times `per_peer`'s regions, bytes and layouts: a uid may hold four fully used
+    /// attachments.
+    pub fn four_times(per_peer: &PeerLimits) -> Self {
+        Self {
+            regions: per_peer.regions.saturating_mul(4),
+            registered_bytes: per_peer.registered_bytes.saturating_mul(4),
+            layouts: per_peer.layouts.saturating_mul(4),
+        }
     }
 }
 
@@ -264,41 +286,43 @@ pub struct PeerLimits {
 
 impl Default for PeerLimits {
     fn default() -> Self {
+        use settings::*;
         Self {
-            attachments_per_uid: 256,
-            registered_bytes: 1 << 40,
-            regions: 1024,
-            layouts: 1024,
-            inflight: 1024,
-            inflight_bytes: 16 << 30,
-            arena_bytes: 64 << 20,
-            sq_entries: 16384,
+            attachments_per_uid: table_default(&MAX_ATTACHMENTS_PER_UID, parse_number),
+            registered_bytes: table_default(&MAX_REGISTERED_BYTES, parse_size),
+            regions: table_default(&MAX_REGIONS, parse_number),
+            layouts: table_default(&MAX_LAYOUTS, parse_number),
+            inflight: table_default(&MAX_INFLIGHT, parse_number),
+            inflight_bytes: table_default(&MAX_INFLIGHT_BYTES, parse_size),
+            arena_bytes: table_default(&MAX_ARENA_BYTES, parse_size),
+            sq_entries: table_default(&MAX_SQ_ENTRIES, parse_number),
         }
     }
 }
 
 impl Default for PoolConfig {
     fn default() -> Self {
+        use settings::*;
         Self {
             socket_path: umbp_ipc::default_socket_path(),
             capacity_bytes: default_capacity(),
-            high_watermark: 0.9,
-            low_watermark: 0.7,
-            hugepages: false,
+            high_watermark: table_default(&HIGH_WM, parse_fraction),
+            low_watermark: table_default(&LOW_WM, parse_fraction),
+            hugepages: table_default(&HUGEPAGES, parse_bool),
             numa_node: None,
-            prefault: false,
+            prefault: table_default(&PREFAULT, parse_bool),
             allow_uids: Vec::new(),
-            min_object_bytes: 64 << 10,
-            lease: Duration::from_millis(2000),
+            min_object_bytes: table_default(&MIN_OBJECT_SIZE, parse_size),
+            lease: table_default(&LEASE_MS, parse_millis),
             copy_threads: std::thread::available_parallelism().map(|n| n.get().clamp(2, 8)).unwrap_or(2),
-            copy_threads_per_peer: 0,
-            store_fence_timeout: umbp_gpu::fence::FENCE_TIMEOUT,
-            copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
-            copy_stage_growth_percent: DEFAULT_COPY_STAGE_GROWTH_PERCENT,
-            promotion_ahead_bytes: DEFAULT_PROMOTION_AHEAD_BYTES,
-            idle_poll: DEFAULT_IDLE_POLL,
-            engine: umbp_gpu::EngineConfig::default(),
-            max_attachments: 1024,
+            copy_threads_per_peer: table_default(&COPY_THREADS_PER_PEER, parse_number),
+            store_fence_timeout: table_default(&STORE_FENCE_TIMEOUT_MS, parse_millis),
+            copy_stage_bytes: table_default(&COPY_STAGE_SIZE, parse_size),
+            copy_stage_growth_percent: table_default(&COPY_STAGE_GROWTH, parse_growth),
+            promotion_ahead_bytes: table_default(&PROMOTION_AHEAD, parse_size),
+            idle_poll: table_default(&IDLE_POLL_US, parse_idle_poll),
+            engine: default_engine(),
+            max_attachments: table_default(&MAX_ATTACHMENTS, parse_number),
             default_sq_entries: 1024,
             default_arena_bytes: 4 << 20,
             limits: PeerLimits::default(),
@@ -310,8 +334,8 @@ impl Default for PoolConfig {
             event_log_entries: umbp_protocol::events::DEFAULT_EVENT_CAPACITY,
             control: ControlLimits::default(),
             uid_limits: UidLimits::default(),
-            namespace_share: 1.0,
-            lease_share: 0.5,
+            namespace_share: table_default(&NAMESPACE_SHARE, parse_fraction),
+            lease_share: table_default(&LEASE_SHARE, parse_fraction),
             ssd: None,
             progress: None,
         }
@@ -327,11 +351,111 @@ pub enum ConfigError {
     BadFraction { key: String, value: String },
     #[error("{key}: {message}")]
     Invalid { key: String, message: String },
+    /// A setting of the table: shown as the daemon names it (`flag (ENV)`);
+    /// [`ConfigError::naming_keyword`] names it as the embedded pool's keyword argument.
+    #[error("{}: {message}", setting.label())]
+    Setting { setting: &'static Setting, message: String },
+}
+
+impl ConfigError {
+    fn setting(setting: &'static Setting, message: impl Into<String>) -> Self {
+        ConfigError::Setting { setting, message: message.into() }
+    }
+
+    /// The message with a table setting named by its keyword argument (`ssd_dir: ...`), as
+    /// the Python binding reports it.
+    pub fn naming_keyword(&self) -> String {
+        match self {
+            ConfigError::Setting { setting, message } => format!("{}: {message}", setting.name),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// `setting`'s default through `parse`, the parser its faces use; every default parses
+/// (the table's tests).
+fn table_default<T>(setting: &'static Setting, parse: fn(&str, &str) -> Result<T, ConfigError>) -> T {
+    parse(setting.flag, setting.default_str()).unwrap_or_else(|e| panic!("settings table: {e}"))
+}
+
+/// The GPU copy engine's settings at the table's defaults (`umbp_gpu::EngineConfig::default()`
+/// agrees: a test checks).
+fn default_engine() -> umbp_gpu::EngineConfig {
+    use settings::*;
+    let mut e = umbp_gpu::EngineConfig::default();
+    e.streams = table_default(&COPY_STREAMS, parse_number);
+    e.batch = table_default(&COPY_BATCH, parse_bool);
+    e.batch_max = table_default(&COPY_BATCH_MAX, parse_number);
+    e.parallel_submit = table_default(&COPY_PARALLEL_SUBMIT, parse_bool);
+    e.gather.mode = table_default(&COPY_KERNEL, parse_copy_kernel);
+    e.gather.blocks = table_default(&COPY_KERNEL_BLOCKS, parse_number);
+    e.gather.launch_bytes = table_default(&COPY_KERNEL_LAUNCH_SIZE, parse_size) as usize;
+    e.gather.split_streams = table_default(&COPY_SPLIT_STREAMS, parse_number);
+    e
+}
+
+/// A whole number (`1024`); an error names `key`.
+pub fn parse_number<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, ConfigError> {
+    value.trim().parse().map_err(|_| ConfigError::Invalid { key: key.into(), message: format!("{value:?} is not a whole number in range") })
+}
+
+/// Milliseconds (`2000`) as a duration; an error names `key`.
+pub fn parse_millis(key: &str, value: &str) -> Result<Duration, ConfigError> {
+    parse_number(key, value).map(Duration::from_millis)
+}
+
+/// Seconds (`20`, `2.5`, `0`, at most a day) as a duration; an error names `key`.
+pub fn parse_seconds(key: &str, value: &str) -> Result<Duration, ConfigError> {
+    match value.trim().parse::<f64>() {
+        Ok(s) if s.is_finite() && (0.0..=86_400.0).contains(&s) => Ok(Duration::from_secs_f64(s)),
+        _ => Err(ConfigError::Invalid { key: key.into(), message: format!("{value:?} is not a number of seconds from 0 to 86400") }),
+    }
+}
+
+/// `true`/`false` and their usual spellings (`1`/`0`, `yes`/`no`, `on`/`off`), as clap's
+/// boolish parser takes them; an error names `key`.
+pub fn parse_bool(key: &str, value: &str) -> Result<bool, ConfigError> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "y" | "on" => Ok(true),
+        "0" | "false" | "no" | "n" | "off" => Ok(false),
+        _ => Err(ConfigError::Invalid { key: key.into(), message: format!("{value:?} is not true or false") }),
+    }
+}
+
+/// `--copy-stage-growth`: `auto` (0) or a percentage from 100 to 1000.
+pub fn parse_growth(key: &str, value: &str) -> Result<u32, ConfigError> {
+    if value == "auto" {
+        return Ok(AUTO_COPY_STAGE_GROWTH);
+    }
+    match value.parse::<u32>() {
+        Ok(p) if (100..=1000).contains(&p) => Ok(p),
+        _ => Err(ConfigError::Invalid { key: key.into(), message: format!("{value:?}: expected auto or a percentage from 100 to 1000") }),
+    }
+}
+
+/// `--idle-poll-us`: `auto` or µs from 0 to 1,000,000.
+pub fn parse_idle_poll(key: &str, value: &str) -> Result<IdlePoll, ConfigError> {
+    value.parse().map_err(|message| ConfigError::Invalid { key: key.into(), message })
+}
+
+/// `--copy-kernel`: how GPU copies of small pages run.
+pub fn parse_copy_kernel(key: &str, value: &str) -> Result<umbp_gpu::GatherMode, ConfigError> {
+    use umbp_gpu::GatherMode;
+    Ok(match value {
+        "auto" => GatherMode::Auto,
+        "kernel" => GatherMode::Kernel,
+        "copy-engine" => GatherMode::CopyEngine,
+        "staged" => GatherMode::Staged,
+        _ => return Err(ConfigError::Invalid { key: key.into(), message: format!("{value:?}: expected auto, kernel, copy-engine or staged") }),
+    })
 }
 
 impl From<umbp_ssd::InvalidSetting> for ConfigError {
     fn from(e: umbp_ssd::InvalidSetting) -> Self {
-        ConfigError::Invalid { key: e.key, message: e.message }
+        match settings::by_flag(&e.key) {
+            Some(setting) => ConfigError::Setting { setting, message: e.message },
+            None => ConfigError::Invalid { key: e.key, message: e.message },
+        }
     }
 }
 
@@ -453,71 +577,80 @@ impl PoolConfig {
         Some((self.copy_threads.saturating_sub(1) / attached_uids.saturating_sub(1).max(1)).max(1))
     }
 
-    /// Checks relations between values; messages name the key.
+    /// Every check of a configuration, whichever face built it (the daemon's flags, the
+    /// embedded pool's arguments, a `PoolConfig` literal): values in range, relations
+    /// between them, and the SSD directories on disk. Messages name the setting and the
+    /// bad value.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let inv = |key: &str, message: String| Err(ConfigError::Invalid { key: key.into(), message });
+        use settings::*;
+        let inv = |setting: &'static Setting, message: String| Err(ConfigError::setting(setting, message));
         if self.capacity_bytes < crate::alloc::PAGE_BYTES {
-            return inv("capacity", format!("{} bytes is less than one 2 MiB page", self.capacity_bytes));
+            return inv(&CAPACITY, format!("{} bytes is less than one 2 MiB page", self.capacity_bytes));
         }
         // Written so that NaN also fails.
         if self.low_watermark.partial_cmp(&self.high_watermark) != Some(std::cmp::Ordering::Less) {
-            return inv(
-                "low-wm",
-                format!("low watermark {} must be below high watermark {}", self.low_watermark, self.high_watermark),
-            );
+            return inv(&LOW_WM, format!("low watermark {} must be below high watermark {}", self.low_watermark, self.high_watermark));
+        }
+        for (setting, v) in [(&HIGH_WM, self.high_watermark), (&LOW_WM, self.low_watermark)] {
+            if !(0.0..=1.0).contains(&v) {
+                return inv(setting, format!("{v} is not a fraction between 0 and 1"));
+            }
         }
         if self.min_object_bytes == 0 {
-            return inv("min-object-size", "must be positive".into());
+            return inv(&MIN_OBJECT_SIZE, "must be positive".into());
         }
-        for (key, v) in [("namespace-share", self.namespace_share), ("lease-share", self.lease_share)] {
+        for (setting, v) in [(&NAMESPACE_SHARE, self.namespace_share), (&LEASE_SHARE, self.lease_share)] {
             if !(v > 0.0 && v <= 1.0) {
-                return inv(key, format!("{v} is not a fraction in (0, 1]"));
+                return inv(setting, format!("{v} is not a fraction in (0, 1]"));
             }
         }
         if self.copy_threads == 0 {
-            return inv("copy-threads", "must be at least 1".into());
+            return inv(&COPY_THREADS, "must be at least 1".into());
         }
         let l = &self.limits;
-        for (key, v) in [
-            ("max-attachments", self.max_attachments as u64),
-            ("max-attachments-per-uid", l.attachments_per_uid as u64),
-            ("max-registered-bytes", l.registered_bytes),
-            ("max-regions", l.regions as u64),
-            ("max-layouts", l.layouts as u64),
-            ("max-inflight", l.inflight as u64),
-            ("max-inflight-bytes", l.inflight_bytes),
-            ("max-handshakes", self.control.max_handshakes as u64),
-            ("max-handshakes-per-uid", self.control.handshakes_per_uid as u64),
-            ("max-regions-per-uid", self.uid_limits.regions as u64),
-            ("max-registered-bytes-per-uid", self.uid_limits.registered_bytes),
-            ("max-layouts-per-uid", self.uid_limits.layouts as u64),
-            ("handshake-timeout-ms", self.control.handshake_timeout.as_millis() as u64),
-            ("control-timeout-ms", self.control.message_timeout.as_millis() as u64),
-            ("store-fence-timeout-ms", self.store_fence_timeout.as_millis() as u64),
+        for (setting, v) in [
+            (&MAX_ATTACHMENTS, self.max_attachments as u64),
+            (&MAX_ATTACHMENTS_PER_UID, l.attachments_per_uid as u64),
+            (&MAX_REGISTERED_BYTES, l.registered_bytes),
+            (&MAX_REGIONS, l.regions as u64),
+            (&MAX_LAYOUTS, l.layouts as u64),
+            (&MAX_INFLIGHT, l.inflight as u64),
+            (&MAX_INFLIGHT_BYTES, l.inflight_bytes),
+            (&MAX_HANDSHAKES, self.control.max_handshakes as u64),
+            (&MAX_HANDSHAKES_PER_UID, self.control.handshakes_per_uid as u64),
+            (&MAX_REGIONS_PER_UID, self.uid_limits.regions as u64),
+            (&MAX_REGISTERED_BYTES_PER_UID, self.uid_limits.registered_bytes),
+            (&MAX_LAYOUTS_PER_UID, self.uid_limits.layouts as u64),
+            (&HANDSHAKE_TIMEOUT_MS, self.control.handshake_timeout.as_millis() as u64),
+            (&CONTROL_TIMEOUT_MS, self.control.message_timeout.as_millis() as u64),
+            (&STORE_FENCE_TIMEOUT_MS, self.store_fence_timeout.as_millis() as u64),
         ] {
             if v == 0 {
-                return inv(key, "must be at least 1".into());
+                return inv(setting, "must be at least 1".into());
             }
         }
         let hard_arena = umbp_protocol::attachment::MAX_ARENA_BYTES;
         if l.arena_bytes < self.default_arena_bytes || l.arena_bytes > hard_arena {
             return inv(
-                "max-arena-bytes",
+                &MAX_ARENA_BYTES,
                 format!("{} must be between the default arena ({}) and {hard_arena}", l.arena_bytes, self.default_arena_bytes),
             );
         }
         let hard_sq = umbp_protocol::ring::MAX_RING_CAPACITY;
         if !l.sq_entries.is_power_of_two() || l.sq_entries < self.default_sq_entries || l.sq_entries > hard_sq {
             return inv(
-                "max-sq-entries",
+                &MAX_SQ_ENTRIES,
                 format!("{} must be a power of two between the default ({}) and {hard_sq}", l.sq_entries, self.default_sq_entries),
             );
         }
+        if self.metrics_group.is_some() && !self.metrics_addr.as_deref().is_some_and(|a| a.trim().starts_with("unix:")) {
+            return inv(&METRICS_GROUP, "only applies to --metrics-addr unix:PATH".into());
+        }
         if let Some(ssd) = &self.ssd {
-            ssd.validate()?;
+            ssd::validate(ssd)?;
         }
         if self.socket_path.as_os_str().len() >= 108 {
-            return inv("socket", format!("{} is longer than a unix socket path may be (107 bytes)", self.socket_path.display()));
+            return inv(&SOCKET, format!("{} is longer than a unix socket path may be (107 bytes)", self.socket_path.display()));
         }
         Ok(())
     }
@@ -548,7 +681,9 @@ mod tests {
         let mut c = PoolConfig { capacity_bytes: 64 << 20, ..Default::default() };
         c.validate().unwrap();
         c.low_watermark = 0.95;
-        assert!(c.validate().unwrap_err().to_string().contains("low-wm"));
+        let e = c.validate().unwrap_err();
+        assert!(e.to_string().starts_with("low-wm (UMBP_DRAM_LOW_WM): "), "{e}");
+        assert!(e.naming_keyword().starts_with("low_wm: "), "{e}");
         c.low_watermark = 0.7;
         c.limits.inflight = 0;
         assert!(c.validate().unwrap_err().to_string().contains("max-inflight"));
@@ -573,5 +708,128 @@ mod tests {
         assert!(parse_namespace_acl("namespace-acl", "1:").is_err());
         assert!(parse_namespace_acl("namespace-acl", "1:zz").is_err());
         assert!(parse_namespace_acl("namespace-acl", &format!("1:{}", "f".repeat(33))).is_err());
+    }
+
+    /// Every default of `PoolConfig` (and of the engine and SSD configs it holds) is the
+    /// table's: a default written anywhere else that disagrees fails here.
+    #[test]
+    fn defaults_come_from_the_settings_table() {
+        use settings::*;
+        let d = PoolConfig::default();
+        let size = |s: &'static Setting| parse_size(s.flag, s.default_str()).unwrap();
+        let fraction = |s: &'static Setting| parse_fraction(s.flag, s.default_str()).unwrap();
+        let number = |s: &'static Setting| parse_number::<u64>(s.flag, s.default_str()).unwrap();
+        let boolean = |s: &'static Setting| parse_bool(s.flag, s.default_str()).unwrap();
+        assert_eq!((d.high_watermark, d.low_watermark), (fraction(&HIGH_WM), fraction(&LOW_WM)));
+        assert_eq!((d.hugepages, d.prefault), (boolean(&HUGEPAGES), boolean(&PREFAULT)));
+        assert_eq!(d.min_object_bytes, size(&MIN_OBJECT_SIZE));
+        assert_eq!(d.lease, Duration::from_millis(number(&LEASE_MS)));
+        assert_eq!(d.copy_threads_per_peer as u64, number(&COPY_THREADS_PER_PEER));
+        assert_eq!(d.store_fence_timeout, Duration::from_millis(number(&STORE_FENCE_TIMEOUT_MS)));
+        assert_eq!(d.store_fence_timeout, umbp_gpu::fence::FENCE_TIMEOUT, "the fence's own default agrees");
+        assert_eq!((d.copy_stage_bytes, DEFAULT_COPY_STAGE_BYTES), (size(&COPY_STAGE_SIZE), size(&COPY_STAGE_SIZE)));
+        assert_eq!(COPY_STAGE_GROWTH.default, Some("auto"));
+        assert_eq!((d.copy_stage_growth_percent, DEFAULT_COPY_STAGE_GROWTH_PERCENT), (AUTO_COPY_STAGE_GROWTH, AUTO_COPY_STAGE_GROWTH));
+        assert_eq!((d.promotion_ahead_bytes, DEFAULT_PROMOTION_AHEAD_BYTES), (size(&PROMOTION_AHEAD), size(&PROMOTION_AHEAD)));
+        assert_eq!(IDLE_POLL_US.default, Some("auto"));
+        assert_eq!((d.idle_poll, DEFAULT_IDLE_POLL), (IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX }, IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX }));
+        assert_eq!(d.engine, umbp_gpu::EngineConfig::default(), "the GPU engine's own defaults agree with the table");
+        assert_eq!(
+            (d.engine.streams as u64, d.engine.batch, d.engine.batch_max as u64, d.engine.parallel_submit),
+            (number(&COPY_STREAMS), boolean(&COPY_BATCH), number(&COPY_BATCH_MAX), boolean(&COPY_PARALLEL_SUBMIT))
+        );
+        let g = &d.engine.gather;
+        assert_eq!(COPY_KERNEL.default, Some("auto"));
+        assert_eq!(
+            (g.mode, g.blocks as u64, g.launch_bytes as u64, g.split_streams as u64),
+            (umbp_gpu::GatherMode::Auto, number(&COPY_KERNEL_BLOCKS), size(&COPY_KERNEL_LAUNCH_SIZE), number(&COPY_SPLIT_STREAMS))
+        );
+        assert_eq!(d.max_attachments as u64, number(&MAX_ATTACHMENTS));
+        let l = &d.limits;
+        assert_eq!(
+            (l.attachments_per_uid as u64, l.registered_bytes, l.regions as u64, l.layouts as u64),
+            (number(&MAX_ATTACHMENTS_PER_UID), size(&MAX_REGISTERED_BYTES), number(&MAX_REGIONS), number(&MAX_LAYOUTS))
+        );
+        assert_eq!(
+            (l.inflight as u64, l.inflight_bytes, l.arena_bytes, l.sq_entries as u64),
+            (number(&MAX_INFLIGHT), size(&MAX_INFLIGHT_BYTES), size(&MAX_ARENA_BYTES), number(&MAX_SQ_ENTRIES))
+        );
+        assert_eq!(
+            (d.uid_limits.regions, d.uid_limits.registered_bytes, d.uid_limits.layouts),
+            (4 * l.regions, 4 * l.registered_bytes, 4 * l.layouts),
+            "per-uid defaults are four attachments' (as their help says)"
+        );
+        let c = &d.control;
+        assert_eq!(
+            (c.handshake_timeout.as_millis() as u64, c.message_timeout.as_millis() as u64, c.max_handshakes as u64, c.handshakes_per_uid as u64, c.fd_reserve),
+            (number(&HANDSHAKE_TIMEOUT_MS), number(&CONTROL_TIMEOUT_MS), number(&MAX_HANDSHAKES), number(&MAX_HANDSHAKES_PER_UID), number(&FD_RESERVE))
+        );
+        assert_eq!((d.namespace_share, d.lease_share), (fraction(&NAMESPACE_SHARE), fraction(&LEASE_SHARE)));
+        // The SSD tier: unset settings take the table's defaults, which the store's own agree with.
+        let dir = tempfile::tempdir().unwrap();
+        let s = SsdSettings { dirs: vec![dir.path().into()], capacity_bytes: Some(4 << 30), ..Default::default() }.resolve().unwrap().unwrap();
+        let own = umbp_ssd::SsdConfig::default();
+        assert_eq!((s.high_watermark, s.low_watermark), (fraction(&SSD_HIGH_WM), fraction(&SSD_LOW_WM)));
+        assert_eq!((s.high_watermark, s.low_watermark), (own.high_watermark, own.low_watermark));
+        assert_eq!((s.direct_io, own.direct_io), (boolean(&SSD_DIRECT_IO), boolean(&SSD_DIRECT_IO)));
+        assert_eq!((s.admission, own.admission), (parse_admission_default(), parse_admission_default()));
+        assert_eq!((s.queue_depth as u64, own.queue_depth as u64), (number(&SSD_QUEUE_DEPTH), number(&SSD_QUEUE_DEPTH)));
+        let flush = parse_seconds(SSD_FLUSH_ON_STOP.flag, SSD_FLUSH_ON_STOP.default_str()).unwrap();
+        assert_eq!((s.flush_on_stop, own.flush_on_stop), (flush, flush));
+        assert_eq!((s.segment_bytes, own.segment_bytes), (ssd::MAX_DEFAULT_SEGMENT_BYTES, ssd::MAX_DEFAULT_SEGMENT_BYTES));
+    }
+
+    fn parse_admission_default() -> umbp_ssd::SsdAdmission {
+        ssd::parse_admission("ssd-admission", settings::SSD_ADMISSION.default_str()).unwrap()
+    }
+
+    /// Every default in the table parses with its kind's parser: a typo there would
+    /// otherwise only show when a face reads it.
+    #[test]
+    fn every_table_default_parses() {
+        for s in settings::ALL {
+            let Some(v) = s.default else { continue };
+            let ok = match s.kind {
+                "SIZE" => parse_size(s.flag, v).is_ok(),
+                "FRACTION" => parse_fraction(s.flag, v).is_ok(),
+                "BOOL" => parse_bool(s.flag, v).is_ok(),
+                "N" | "MS" => parse_number::<u64>(s.flag, v).is_ok(),
+                "SECONDS" => parse_seconds(s.flag, v).is_ok(),
+                "PERCENT|auto" => parse_growth(s.flag, v).is_ok(),
+                "US|auto" => parse_idle_poll(s.flag, v).is_ok(),
+                "MODE" => parse_copy_kernel(s.flag, v).is_ok(),
+                "POLICY" => ssd::parse_admission(s.flag, v).is_ok(),
+                other => panic!("{}: no parser for kind {other}", s.flag),
+            };
+            assert!(ok, "{}: default {v:?} does not parse as {}", s.flag, s.kind);
+        }
+    }
+
+    /// The SSD checks live in `validate`, so every face refuses a bad directory or size
+    /// alike, naming the setting and the path.
+    #[test]
+    fn validate_checks_the_ssd_directories_and_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let with = |dirs: Vec<PathBuf>, capacity: u64| {
+            let ssd = SsdSettings { dirs, capacity_bytes: Some(capacity), ..Default::default() }.resolve().unwrap();
+            PoolConfig { capacity_bytes: 64 << 20, ssd, ..Default::default() }.validate()
+        };
+        with(vec![dir.path().into()], 64 << 20).unwrap();
+        let missing = dir.path().join("missing");
+        let e = with(vec![missing.clone()], 64 << 20).unwrap_err();
+        assert!(e.to_string().starts_with("ssd-dir (UMBP_SSD_DIR): ") && e.to_string().contains(missing.to_str().unwrap()), "{e}");
+        assert!(e.naming_keyword().starts_with(&format!("ssd_dir: {}: ", missing.display())), "{e}");
+        let file = dir.path().join("file");
+        std::fs::write(&file, b"x").unwrap();
+        assert!(with(vec![file], 64 << 20).unwrap_err().to_string().contains("not a directory"));
+        // Below one 1 MiB segment per directory.
+        assert!(with(vec![dir.path().into()], 512 << 10).unwrap_err().to_string().starts_with("ssd-capacity"));
+        assert_eq!(ssd::default_segment_bytes(64 << 20, 1), 16 << 20);
+        assert_eq!(ssd::default_segment_bytes(8 << 30, 2), 256 << 20);
+        assert_eq!(ssd::default_segment_bytes(1 << 20, 1), 1 << 20);
+        // Capacity left unset: half the free space, at least one segment per directory.
+        let s = SsdSettings { dirs: vec![dir.path().into()], ..Default::default() }.resolve().unwrap().unwrap();
+        assert!(s.capacity_bytes >= s.segment_bytes && s.segment_bytes >= 1 << 20, "{s:?}");
+        assert!(SsdSettings::default().resolve().unwrap().is_none(), "no directory: no tier");
     }
 }
