@@ -230,6 +230,8 @@ impl TierSource for FetchSide {
             catalog_over_cap: s.catalog_over_cap,
             remote_refused: self.2.refused.load(Ordering::Relaxed),
             published_changes: s.published_changes,
+            export_bytes_used: s.export_bytes_used,
+            export_full: s.export_full,
         })
     }
 }
