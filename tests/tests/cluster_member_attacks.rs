@@ -19,7 +19,6 @@ use cluster::Member;
 use umbp_cluster::control::Msg;
 use umbp_cluster::transport::nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
 use umbp_cluster::transport::Agent;
-use umbp_protocol::ObjectKey;
 
 fn cluster_pool(tag: &str, me: &str, peers: &[&str], secret: &std::path::Path, extra: &[&str]) -> PoolProcess {
     let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: 3000, read_timeout_ms: 3000 };
