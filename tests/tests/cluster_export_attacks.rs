@@ -182,7 +182,9 @@ fn a_full_export_area_refuses_pins_the_reader_misses_and_a_vanished_peers_slots_
     let path = cluster::secret_file(dir.path(), SECRET);
     let (a, b) = (cluster::loopback_addr(), cluster::loopback_addr());
     // Room for a few objects' copies only.
-    let pool_a = cluster_pool("xfa", &a, &[], &path, &["--cluster-export-bytes", "256KiB", "--cluster-pin-lease-margin-ms", "500"]);
+    let port = metrics::free_port();
+    let m_addr = format!("127.0.0.1:{port}");
+    let pool_a = cluster_pool("xfa", &a, &[], &path, &["--cluster-export-bytes", "256KiB", "--cluster-pin-lease-margin-ms", "500", "--metrics-addr", &m_addr]);
     let pool_b = cluster_pool("xfb", &b, &[&a], &path, &[]);
     let r = store(&pool_a, 0, 32);
     assert_eq!(n(&r, "stored"), 32, "{r}");
@@ -205,6 +207,10 @@ fn a_full_export_area_refuses_pins_the_reader_misses_and_a_vanished_peers_slots_
     assert!(full > 0 && held > 0, "the area filled: {held} bytes held, {full} refused");
     assert_eq!(c.export_full, full, "{c:?}");
     assert!(c.export_bytes_used >= held && c.export_bytes_used <= 256 << 10, "{c:?}");
+    // The same on /metrics.
+    let (_, text) = metrics::http_get(port, "/metrics");
+    assert_eq!(metrics::sample(&text, "umbp_cluster_export_full_total"), full as f64);
+    assert_eq!(metrics::sample(&text, "umbp_cluster_export_bytes_used"), c.export_bytes_used as f64);
 
     // B's remote load finds no room at A: misses (recomputed), never a wrong byte.
     let l = load(&pool_b, 0, 4);
