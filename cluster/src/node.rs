@@ -463,7 +463,7 @@ impl Cluster {
         }
     }
 
-    /// The registered DRAM of each joined peer.
+    /// The export area of each joined peer (what this node's reads address).
     pub fn peer_regions(&self) -> Vec<(NodeId, PeerRegion)> {
         let st = self.inner.state.lock().expect("state");
         st.peers.iter().filter_map(|(n, p)| p.region.clone().map(|r| (*n, r))).collect()
@@ -525,7 +525,8 @@ impl Cluster {
     /// object's namespace. Bounded by `read_timeout`.
     ///
     /// # Safety
-    /// `dest..dest+size` must lie in the registered DRAM and be reserved for this fetch;
+    /// `dest..dest+size` must lie in the pool's DRAM (the reader agent's region) and be
+    /// reserved for this fetch;
     /// on an error for which [`FetchError::destination_tainted`] is true it must never be
     /// reused (quarantine it).
     pub unsafe fn fetch(&self, group: u32, namespace: u128, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {

@@ -180,12 +180,12 @@ impl nixl_sys::NixlDescriptor for RawRegion {
     }
 }
 
-/// A peer's registered DRAM as this agent knows it (from the control connection).
+/// A peer's registered region (its export area) as this agent knows it (from `Join`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerRegion {
     /// NIXL agent name (from its metadata).
     pub agent: String,
-    /// Address and length of the peer's registered DRAM in the peer's address space.
+    /// Address and length of the peer's registered region in the peer's address space.
     pub base: u64,
     pub len: u64,
 }
