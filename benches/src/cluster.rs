@@ -1,7 +1,8 @@
 //! `umbp-bench cluster`: a remote load through the cluster tier (pin at the holder over the
-//! control connection, NIXL READ into local DRAM, unpin: `umbp_cluster::Cluster::fetch`)
-//! against a raw NIXL READ of the same bytes between the same two agents in the same run
-//! (nixl-sys directly: descriptor lists, create, post, poll). The holder is a child
+//! encrypted control connection, which copies the object into its export area; NIXL READ of
+//! the copy into local DRAM; digest check; unpin: `umbp_cluster::Cluster::fetch`) against a
+//! raw NIXL READ of as many bytes from the holder's export area by the same two agents in
+//! the same run (nixl-sys directly: descriptor lists, create, post, poll). The holder is a child
 //! process (this binary, hidden `__cluster-peer`) with a real cluster node; UCX runs over
 //! TCP on loopback unless `UCX_TLS` is set. Needs libnixl_capi.so (scripts/setup-nixl.sh).
 
@@ -169,6 +170,11 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
         std::thread::sleep(Duration::from_millis(5));
     }
     let (_, region) = node.peer_regions().into_iter().next().ok_or("holder has not joined")?;
+    // The raw READs address the holder's export area (all a peer can reach), a batch at a
+    // time from its start, as the cluster path's slots are.
+    if batch * block > region.len {
+        return Err(format!("a batch of {batch} blocks of {block} bytes exceeds the holder's {}-byte export area", region.len));
+    }
 
     let mut raw_s = Vec::new();
     let mut umbp_s = Vec::new();
@@ -178,7 +184,8 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             let pieces: Vec<(usize, usize, usize)> = (first..(first + batch).min(blocks))
                 .map(|i| {
                     let off = (i * block) as usize;
-                    (pool.base() as usize + off, region.base as usize + off, block as usize)
+                    let remote = ((i - first) * block) as usize;
+                    (pool.base() as usize + off, region.base as usize + remote, block as usize)
                 })
                 .collect();
             raw_read(node.agent(), &region.agent, &pieces)?;
@@ -239,7 +246,7 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             .extra("verified_bytes", true)
     };
     let mut cases = vec![
-        ctx(Case::new("cluster", "remote_load_gbps", gbps(umbp), "GB/s", gbps(raw), "raw NIXL READ, same bytes, same two agents", Better::Higher)),
+        ctx(Case::new("cluster", "remote_load_gbps", gbps(umbp), "GB/s", gbps(raw), "raw NIXL READ, as many bytes, same two agents", Better::Higher)),
         ctx(Case::new("cluster", "remote_restore_ms", umbp * 1e3, "ms", raw * 1e3, "raw NIXL READ of the prefix's blocks", Better::Lower)),
     ];
     if !a.no_pools {

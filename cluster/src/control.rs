@@ -57,7 +57,8 @@ pub enum ControlError {
 pub enum Msg {
     /// The client's first sealed frame: it completed the handshake (`channel.rs`).
     Ready,
-    /// The server's NIXL agent: metadata to load and its registered DRAM.
+    /// The server's export agent: metadata to load and its export area (the only memory
+    /// it registers for peers; `export.rs`).
     Join { agent: String, metadata: Vec<u8>, base: u64, len: u64 },
     /// Key changes of the server's pool; `snapshot`: the first batch of a full listing
     /// (replaces what the client knew), `more`: further batches of it follow.

@@ -7,6 +7,7 @@
 //! One concern per file: `transport` (NIXL, dlopened only when a node starts),
 //! `membership` (discovery seam + heartbeat liveness), `channel` (the Noise channel:
 //! handshake keyed by the secret, sealed records), `control` (framing, messages),
+//! `export` (the export area: the only memory peers can reach; copy-on-pin slots),
 //! `catalog` (who holds what → index changes), `placement` (which holder a load pulls
 //! from), `outbox` (a connection's queued writes, so no shared thread ever waits on a
 //! peer's socket), `node` (the running node tying them together).
@@ -14,6 +15,7 @@
 pub mod catalog;
 pub mod channel;
 pub mod control;
+pub mod export;
 #[cfg(feature = "test-util")]
 pub mod mem_pool;
 pub mod membership;

@@ -26,6 +26,7 @@ use umbp_protocol::ObjectKey;
 use crate::catalog::{Catalog, CatalogCaps, IndexChange, KeyChange, RemoteObject};
 use crate::channel::{client_handshake, server_handshake};
 use crate::control::{self, read_msg, Msg, Secret, MAX_FRAME};
+use crate::export::{ExportArea, ExportError, Slot, DEFAULT_EXPORT_BYTES};
 use crate::membership::{Discovery, Liveness};
 use crate::outbox::Outbox;
 use crate::placement::NodeId;
@@ -39,7 +40,8 @@ pub trait LocalPool: Send + Sync + 'static {
     fn snapshot(&self) -> Vec<KeyChange>;
     /// Pins a published DRAM object of `size` bytes, stored under `namespace`, for a
     /// peer's read (a key held under another namespace is a miss); returns its offset in
-    /// the registered DRAM and its namespace. `group`: the tenant group the peer found it
+    /// the pool's DRAM (the mapping given to [`Cluster::start`]) and its namespace. The
+    /// node copies it into the export area and unpins it at once (copy-on-pin). `group`: the tenant group the peer found it
     /// in (the same as here: members run the same ACL).
     /// The pin carries the xxh3-128 digest of the object's bytes.
     fn pin(&self, group: u32, namespace: u128, key: ObjectKey, size: u64) -> Result<Pin, String>;
@@ -86,6 +88,9 @@ pub struct ClusterConfig {
     /// [`control::acl_digest`] of this pool's namespace ACL; a peer with another one is
     /// refused. Default: that of a pool without `--namespace-acl`.
     pub acl: [u8; 32],
+    /// Bytes of the export area (`--cluster-export-bytes`): the copies of pinned objects
+    /// peers read, the only memory registered for them (`export.rs`).
+    pub export_bytes: u64,
 }
 
 impl ClusterConfig {
@@ -106,6 +111,7 @@ impl ClusterConfig {
             max_catalog_entries_per_group: 1 << 20,
             groups: 1,
             acl: control::acl_digest(&umbp_pool::groups::TenantGroups::single()),
+            export_bytes: DEFAULT_EXPORT_BYTES,
         }
     }
 }
@@ -120,6 +126,8 @@ pub enum ClusterError {
     },
     #[error(transparent)]
     Transport(#[from] TransportError),
+    #[error(transparent)]
+    Export(#[from] ExportError),
 }
 
 /// Why a fetch failed; every case means "recompute".
@@ -155,8 +163,9 @@ impl FetchError {
     }
 }
 
-/// A holder's pin: where the object is in its registered region, its namespace, and the
-/// xxh3-128 digest of its bytes (checked after the read, before publishing).
+/// A pin: where the object is (from [`LocalPool::pin`]: in the pool's DRAM; in a
+/// `Pinned` answer: in the holder's export area), its namespace, and the xxh3-128 digest of
+/// its bytes (checked after the read, before publishing).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pin {
     pub offset: u64,
@@ -267,12 +276,26 @@ pub struct ClusterStats {
     pub leases_over_cap: u64,
     /// DRAM key changes sent to subscribers (once per subscriber).
     pub published_changes: u64,
+    /// Bytes of the export area held now (copies of pinned objects, leases included).
+    pub export_bytes_used: u64,
+    /// Pins answered `PinFailed` because the export area had no room for the copy.
+    pub export_full: u64,
 }
 
-/// A closed subscriber's pins, released at `until` (a lease: its READs may be in flight).
+/// A subscriber's copy of one pinned object: the export slot its READs address, the pins
+/// it holds on it, and the size and digest the copy was made for.
+struct Exported {
+    slot: Slot,
+    pins: u32,
+    size: u64,
+    digest: u128,
+}
+
+/// A closed subscriber's export slots, freed at `until` (a lease: its READs may be in
+/// flight), with the pins each carried.
 struct Lease {
     until: Instant,
-    pins: Vec<((u32, u128, u128), u32)>,
+    pins: Vec<(Slot, u32)>,
     /// Objects and bytes it keeps pinned (bounded over all leases, as one subscriber's).
     count: usize,
     bytes: u64,
@@ -281,7 +304,15 @@ struct Lease {
 struct Inner {
     cfg: ClusterConfig,
     node: NodeId,
+    /// The reader: registers the pool's DRAM as the destination of this node's READs. Its
+    /// metadata is never sent, so no peer can address that DRAM.
     agent: Agent,
+    /// Registers only the export area; its metadata is what `Join` carries. Declared
+    /// before `export`, so it deregisters the area before the area can be unmapped.
+    export_agent: Agent,
+    export: Arc<ExportArea>,
+    /// The pool's DRAM (address, length): where a pin's copy comes from.
+    dram: (usize, usize),
     pool: Arc<dyn LocalPool>,
     state: Mutex<State>,
     liveness: Mutex<Liveness>,
@@ -318,11 +349,12 @@ fn random_u64() -> u64 {
 
 impl Cluster {
     /// Starts a node: loads NIXL (a clear error naming `pip install nixl-cu12` when it is
-    /// missing), creates the agent, registers `dram` for peers' reads, listens.
+    /// missing), maps the export area, creates the export agent (the area registered, for
+    /// peers) and the reader agent (`dram` registered, for this node's fetches), listens.
     ///
     /// # Safety
-    /// `dram..dram+dram_len` must stay mapped while the node lives; peers may read any of
-    /// it (only objects they pin, in practice) and fetches write into it.
+    /// `dram..dram+dram_len` must stay mapped while the node lives; pins copy objects out
+    /// of it (the offsets the pool's pins give) and fetches write into it.
     pub unsafe fn start(
         cfg: ClusterConfig,
         discovery: Box<dyn Discovery>,
@@ -334,8 +366,14 @@ impl Cluster {
         let listener = TcpListener::bind(&cfg.listen).map_err(|source| ClusterError::Listen { addr: cfg.listen.clone(), source })?;
         let local_addr = listener.local_addr().map_err(|source| ClusterError::Listen { addr: cfg.listen.clone(), source })?;
         let node = random_u64();
-        let mut agent = Agent::new(&format!("umbp-{local_addr}-{node:016x}"))?;
-        // SAFETY: forwarded from this function's contract.
+        let export = ExportArea::new(cfg.export_bytes)?;
+        let mut export_agent = Agent::new(&format!("umbp-{local_addr}-{node:016x}"))?;
+        // SAFETY: the area stays mapped while `export` lives, which outlives the agent
+        // (`Inner`'s field order); it holds only copies made for peers' pins.
+        unsafe { export_agent.register_dram(export.base(), export.len() as usize) }?;
+        let mut agent = Agent::new(&format!("umbp-{local_addr}-{node:016x}-reader"))?;
+        // SAFETY: forwarded from this function's contract; this agent's metadata never
+        // leaves the process, so peers cannot address the region.
         unsafe { agent.register_dram(dram, dram_len) }?;
         let caps = CatalogCaps { per_group: cfg.max_catalog_entries_per_group, groups: cfg.groups };
         let inner = Arc::new(Inner {
@@ -343,6 +381,9 @@ impl Cluster {
             cfg,
             node,
             agent,
+            export_agent,
+            export,
+            dram: (dram as usize, dram_len),
             pool,
             state: Mutex::new(State {
                 catalog: Catalog::with_caps(caps),
@@ -384,8 +425,19 @@ impl Cluster {
         self.inner.local_addr
     }
 
+    /// The reader agent (the pool's DRAM registered; its metadata never sent).
     pub fn agent(&self) -> &Agent {
         &self.inner.agent
+    }
+
+    /// The export agent (only the export area registered; its metadata is in `Join`).
+    pub fn export_agent(&self) -> &Agent {
+        &self.inner.export_agent
+    }
+
+    /// The export area (its base, size and use).
+    pub fn export_area(&self) -> &ExportArea {
+        &self.inner.export
     }
 
     pub fn stats(&self) -> ClusterStats {
@@ -406,10 +458,12 @@ impl Cluster {
             leases_over_cap: self.inner.leases_over_cap.load(Ordering::Relaxed),
             leased_pins: self.inner.leases.lock().expect("leases").iter().flat_map(|l| &l.pins).map(|p| u64::from(p.1)).sum(),
             published_changes: self.inner.published_changes.load(Ordering::Relaxed),
+            export_bytes_used: self.inner.export.used(),
+            export_full: self.inner.export.full_count(),
         }
     }
 
-    /// The registered DRAM of each joined peer.
+    /// The export area of each joined peer (what this node's reads address).
     pub fn peer_regions(&self) -> Vec<(NodeId, PeerRegion)> {
         let st = self.inner.state.lock().expect("state");
         st.peers.iter().filter_map(|(n, p)| p.region.clone().map(|r| (*n, r))).collect()
@@ -471,7 +525,8 @@ impl Cluster {
     /// object's namespace. Bounded by `read_timeout`.
     ///
     /// # Safety
-    /// `dest..dest+size` must lie in the registered DRAM and be reserved for this fetch;
+    /// `dest..dest+size` must lie in the pool's DRAM (the reader agent's region) and be
+    /// reserved for this fetch;
     /// on an error for which [`FetchError::destination_tainted`] is true it must never be
     /// reused (quarantine it).
     pub unsafe fn fetch(&self, group: u32, namespace: u128, key: ObjectKey, size: u64, dest: *mut u8) -> Result<u128, FetchError> {
@@ -619,8 +674,8 @@ impl Inner {
                 return;
             }
         };
-        let region = self.agent.local_region().expect("registered at start");
-        let md = match self.agent.metadata() {
+        let region = self.export_agent.local_region().expect("registered at start");
+        let md = match self.export_agent.metadata() {
             Ok(m) => m,
             Err(e) => {
                 tracing::error!("NIXL metadata: {e}");
@@ -652,10 +707,10 @@ impl Inner {
             }
         }
         tracing::info!(peer = %peer_addr, node = format!("{client:016x}"), "cluster subscriber joined");
-        let mut pins: HashMap<(u32, u128, u128), u32> = HashMap::new();
+        // This subscriber's copies in the export area, by (group, namespace, key).
+        let mut pins: HashMap<(u32, u128, u128), Exported> = HashMap::new();
         // Pinned objects and bytes of this subscriber (its caps).
         let (mut pinned_n, mut pinned_bytes) = (0usize, 0u64);
-        let mut sizes: HashMap<(u32, u128, u128), u64> = HashMap::new();
         loop {
             let m = match read_msg(&mut rx, MAX_FRAME) {
                 Ok(m) => m,
@@ -681,10 +736,8 @@ impl Inner {
                         );
                         Msg::PinFailed { id, reason }
                     } else {
-                        match self.pool.pin(group, namespace, ObjectKey(key), size) {
+                        match self.export_pin(group, namespace, key, size, &mut pins) {
                             Ok(p) => {
-                                *pins.entry((group, p.namespace, key)).or_default() += 1;
-                                sizes.insert((group, p.namespace, key), size);
                                 pinned_n += 1;
                                 pinned_bytes += size;
                                 Msg::Pinned { id, group, key, offset: p.offset, namespace: p.namespace, digest: p.digest }
@@ -697,15 +750,14 @@ impl Inner {
                     }
                 }
                 Msg::Unpin { group, namespace, key } => {
-                    if let Some(n) = pins.get_mut(&(group, namespace, key)) {
-                        *n -= 1;
+                    if let Some(e) = pins.get_mut(&(group, namespace, key)) {
+                        e.pins -= 1;
                         pinned_n -= 1;
-                        pinned_bytes -= sizes.get(&(group, namespace, key)).copied().unwrap_or(0);
-                        if *n == 0 {
+                        pinned_bytes -= e.size;
+                        if e.pins == 0 {
+                            // Its slot goes back to the export area.
                             pins.remove(&(group, namespace, key));
-                            sizes.remove(&(group, namespace, key));
                         }
-                        self.pool.unpin(group, namespace, ObjectKey(key));
                     }
                 }
                 other => tracing::debug!("ignored from subscriber: {other:?}"),
@@ -713,42 +765,75 @@ impl Inner {
         }
         // The subscriber is gone, but a one-sided READ of what it pinned may still be in
         // flight on the data path (a control connection can close while RDMA is fine): its
-        // pins are kept for the reader's whole budget and a margin (a lease), so no range
-        // it may still read is reused meanwhile; the ticker releases them (issue #35 C1).
+        // export slots are kept for the reader's whole budget and a margin (a lease), so no
+        // slot it may still read is reused meanwhile; the ticker frees them (issue #35 C1).
         // All leases together are bounded by one subscriber's pin caps, so a member that
-        // reconnects in a loop cannot pin DRAM through them; past the bound a closed
-        // connection's pins are released at once (as before leases; the reader's digest
-        // check still catches a reused range) and counted.
+        // reconnects in a loop cannot hold the export area through them; past the bound a
+        // closed connection's slots are freed at once (the reader's digest check still
+        // catches a reused slot) and counted.
         if !pins.is_empty() {
             let until = Instant::now() + self.cfg.read_timeout + self.cfg.pin_lease_margin;
-            let lease = Lease { until, pins: pins.into_iter().collect(), count: pinned_n, bytes: pinned_bytes };
-            let refused = {
-                let mut l = self.leases.lock().expect("leases");
-                let (n, b) = l.iter().fold((0usize, 0u64), |(n, b), x| (n + x.count, b + x.bytes));
-                if n + lease.count > self.cfg.max_pins_per_peer || b + lease.bytes > self.cfg.max_pinned_bytes_per_peer {
-                    Some(lease)
-                } else {
-                    tracing::debug!(peer = %peer_addr, pins = pinned_n, "subscriber closed with pins held: kept until their lease ends");
-                    l.push(lease);
-                    None
-                }
-            };
-            if let Some(lease) = refused {
+            let lease = Lease { until, pins: pins.into_values().map(|e| (e.slot, e.pins)).collect(), count: pinned_n, bytes: pinned_bytes };
+            let mut l = self.leases.lock().expect("leases");
+            let (n, b) = l.iter().fold((0usize, 0u64), |(n, b), x| (n + x.count, b + x.bytes));
+            if n + lease.count > self.cfg.max_pins_per_peer || b + lease.bytes > self.cfg.max_pinned_bytes_per_peer {
+                drop(l);
                 // Relaxed: a counter for reports; it orders nothing.
                 self.leases_over_cap.fetch_add(lease.count as u64, Ordering::Relaxed);
                 tracing::warn!(peer = %peer_addr, pins = lease.count, "closed subscriber's pins released at once: the leases hold a subscriber's pin caps already");
-                for ((group, namespace, key), n) in lease.pins {
-                    for _ in 0..n {
-                        self.pool.unpin(group, namespace, ObjectKey(key));
-                    }
-                }
+            } else {
+                tracing::debug!(peer = %peer_addr, pins = pinned_n, "subscriber closed with pins held: kept until their lease ends");
+                l.push(lease);
             }
         }
         self.drop_subscriber(client, &writer);
         tracing::info!(peer = %peer_addr, "cluster subscriber left");
     }
 
-    /// Releases the pins of leases ended by `now` (all of them when `now` is None).
+    /// Copy-on-pin: pins the object in the pool just long enough to copy it into an export
+    /// slot of this subscriber's (`pins`), then unpins it; the peer reads the copy. A
+    /// second pin of an object the subscriber holds a copy of shares that copy.
+    fn export_pin(&self, group: u32, namespace: u128, key: u128, size: u64, pins: &mut HashMap<(u32, u128, u128), Exported>) -> Result<Pin, String> {
+        let p = self.pool.pin(group, namespace, ObjectKey(key), size)?;
+        let k = (group, p.namespace, key);
+        let copied = match pins.get_mut(&k) {
+            Some(e) if e.digest == p.digest && e.size == size => {
+                e.pins += 1;
+                Ok(e.slot.offset())
+            }
+            Some(_) => Err(format!("key {key:032x} changed while this peer holds a copy of it")),
+            None => self.copy_out(p.offset, size).map(|slot| {
+                let at = slot.offset();
+                pins.insert(k, Exported { slot, pins: 1, size, digest: p.digest });
+                at
+            }),
+        };
+        self.pool.unpin(group, p.namespace, ObjectKey(key));
+        copied.map(|offset| Pin { offset, ..p })
+    }
+
+    /// A fresh export slot holding `size` bytes of the pool's DRAM at `offset`. The caller
+    /// holds the object's pin, so the bytes do not change while they are copied.
+    fn copy_out(&self, offset: u64, size: u64) -> Result<Slot, String> {
+        let (dram, dram_len) = self.dram;
+        if offset.checked_add(size).is_none_or(|end| end > dram_len as u64) {
+            return Err(format!("the pool pinned {size} bytes at {offset}, outside its {dram_len}-byte DRAM"));
+        }
+        let Some(mut slot) = self.export.alloc(size) else {
+            return Err(format!(
+                "export area full: {} of {} bytes hold copies for peers' pins (--cluster-export-bytes)",
+                self.export.used(),
+                self.export.len()
+            ));
+        };
+        // SAFETY: the range lies in the pool's DRAM (checked above), which stays mapped
+        // while the node lives (`Cluster::start`); it is a published object the caller
+        // holds pinned, so nothing writes it during the copy.
+        unsafe { slot.copy_in(0, (dram as *const u8).add(offset as usize), size) };
+        Ok(slot)
+    }
+
+    /// Frees the export slots of leases ended by `now` (all of them when `now` is None).
     fn release_leases(&self, now: Option<Instant>) {
         let ended: Vec<Lease> = {
             let mut l = self.leases.lock().expect("leases");
@@ -756,13 +841,8 @@ impl Inner {
             *l = kept;
             ended
         };
-        for lease in ended {
-            for ((group, namespace, key), n) in lease.pins {
-                for _ in 0..n {
-                    self.pool.unpin(group, namespace, ObjectKey(key));
-                }
-            }
-        }
+        // Dropping a lease frees its slots.
+        drop(ended);
     }
 
     fn drop_subscriber(&self, node: NodeId, writer: &Arc<Outbox>) {

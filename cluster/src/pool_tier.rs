@@ -50,7 +50,7 @@ struct PoolSide {
     failed: Mutex<HashSet<(u32, ObjectKey)>>,
     /// xxh3-128 of each DRAM object's bytes, taken by the event follower when the object
     /// was published (before it is advertised): a pin sends this digest, so bytes changed
-    /// in DRAM after the store (a remote NIXL write into the registered DRAM, a range
+    /// after the store (a remote NIXL write into the export slot holding the copy, a slot
     /// reused while a read was still going) fail the reader's check. Keyed by (group,
     /// key); the namespace and size guard against a re-store the follower has not seen yet.
     digests: Mutex<std::collections::HashMap<(u32, ObjectKey), StoredDigest>>,
@@ -230,6 +230,8 @@ impl TierSource for FetchSide {
             catalog_over_cap: s.catalog_over_cap,
             remote_refused: self.2.refused.load(Ordering::Relaxed),
             published_changes: s.published_changes,
+            export_bytes_used: s.export_bytes_used,
+            export_full: s.export_full,
         })
     }
 }

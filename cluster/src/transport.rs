@@ -1,6 +1,8 @@
-//! A thin safe layer over `nixl-sys`: one NIXL agent with a UCX backend, the pool's DRAM
+//! A thin safe layer over `nixl-sys`: one NIXL agent with a UCX backend, one region
 //! registered once, metadata out and in, and READs of (remote offset, len) into local DRAM
-//! with a bounded wait. Nothing here knows about keys or peers' catalogs.
+//! with a bounded wait. A node runs two (`node.rs`): the export agent (the export area; its
+//! metadata goes to peers) and the reader (the pool's DRAM; its metadata never leaves the
+//! process). Nothing here knows about keys or peers' catalogs.
 //!
 //! ## Where the library comes from
 //! `nixl-sys` is built with its `stub-api` feature: the build needs no NIXL, and the first
@@ -178,12 +180,12 @@ impl nixl_sys::NixlDescriptor for RawRegion {
     }
 }
 
-/// A peer's registered DRAM as this agent knows it (from the control connection).
+/// A peer's registered region (its export area) as this agent knows it (from `Join`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PeerRegion {
     /// NIXL agent name (from its metadata).
     pub agent: String,
-    /// Address and length of the peer's registered DRAM in the peer's address space.
+    /// Address and length of the peer's registered region in the peer's address space.
     pub base: u64,
     pub len: u64,
 }
@@ -259,12 +261,13 @@ impl Agent {
         &self.opt
     }
 
-    /// Registers `len` bytes at `ptr` (the pool's DRAM mapping) for remote reads and as
-    /// the destination of this agent's reads. One region per agent.
+    /// Registers `len` bytes at `ptr` as this agent's one region: what peers holding this
+    /// agent's metadata can address (READ and, as NIXL's UCX backend registers with
+    /// UCX's default protection, WRITE), and the destination of this agent's own reads.
     ///
     /// # Safety
-    /// `ptr..ptr+len` must stay mapped for as long as this agent lives, and peers may read
-    /// any of it at any time (it must hold nothing a peer may not see).
+    /// `ptr..ptr+len` must stay mapped for as long as this agent lives; whoever gets this
+    /// agent's metadata may read and write any of it at any time.
     pub unsafe fn register_dram(&mut self, ptr: *mut u8, len: usize) -> Result<(), TransportError> {
         let raw = RawRegion { ptr, len };
         let handle = self.agent.register_memory(&raw, Some(&self.opt)).map_err(nixl("register DRAM"))?;

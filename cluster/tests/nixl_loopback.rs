@@ -336,7 +336,13 @@ fn a_holder_hung_mid_read_does_not_hold_up_the_other_holders_read() {
     for (r, &(key, size, off)) in results.iter().zip(&plan) {
         if size == big {
             if let Err(e) = r {
-                assert!(e.destination_tainted(), "key {key}: a read cut off by a hang is tainted: {e}");
+                // Stopped mid-read (tainted), or before it had copied the object into its
+                // export area and answered the pin (the pin timed out, or the holder was
+                // dropped as silent first).
+                assert!(
+                    e.destination_tainted() || matches!(e, umbp_cluster::FetchError::PinTimeout { .. } | umbp_cluster::FetchError::PeerGone(_)),
+                    "key {key}: a read cut off by a hang is tainted, an unanswered pin fails: {e}"
+                );
             }
         } else {
             assert!(r.is_ok(), "key {key} (on the live holder): {r:?}");

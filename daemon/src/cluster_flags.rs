@@ -8,7 +8,7 @@ use umbp_cluster::control::Secret;
 use umbp_cluster::membership::StaticPeers;
 use umbp_cluster::pool_tier::{ClusterTier, TierOptions, DEFAULT_REMOTE_SHARE};
 use umbp_cluster::ClusterConfig;
-use umbp_pool::config::settings::CLUSTER_MAX_PINNED_BYTES_PER_PEER;
+use umbp_pool::config::settings::{CLUSTER_EXPORT_BYTES, CLUSTER_MAX_PINNED_BYTES_PER_PEER};
 
 /// Defaults, variables, help and section come from the settings table (settings_args.rs).
 #[derive(clap::Args, Debug, Clone)]
@@ -39,6 +39,8 @@ pub struct ClusterArgs {
     pub max_unauthenticated: usize,
     #[arg(long = "cluster-max-unauthenticated-per-source")]
     pub max_unauthenticated_per_source: usize,
+    #[arg(long = "cluster-export-bytes")]
+    pub export_bytes: String,
 }
 
 impl ClusterArgs {
@@ -78,7 +80,12 @@ impl ClusterArgs {
         if pinned == 0 {
             anyhow::bail!("--cluster-max-pinned-bytes-per-peer must be more than 0 bytes");
         }
+        let export = umbp_pool::parse_size(&CLUSTER_EXPORT_BYTES.label(), &self.export_bytes)?;
+        let Some(export) = export.checked_next_multiple_of(umbp_cluster::export::SLOT_ALIGN).filter(|&e| e > 0) else {
+            anyhow::bail!("--cluster-export-bytes must be more than 0 bytes (and fit the address space)");
+        };
         let mut c = ClusterConfig::new(listen, secret);
+        c.export_bytes = export;
         c.pin_lease_margin = Duration::from_millis(self.pin_lease_margin_ms);
         c.max_pins_per_peer = self.max_pins_per_peer;
         c.max_pinned_bytes_per_peer = pinned;
@@ -137,8 +144,8 @@ mod tests {
         let d = config(&[]).unwrap();
         let def = ClusterConfig::new(String::new(), Secret::new(b"0123456789abcdef".to_vec()).unwrap());
         assert_eq!(
-            (d.max_pins_per_peer, d.max_pinned_bytes_per_peer, d.max_catalog_entries_per_group, d.max_unauthenticated, d.max_unauthenticated_per_source, d.pin_lease_margin),
-            (def.max_pins_per_peer, def.max_pinned_bytes_per_peer, def.max_catalog_entries_per_group, def.max_unauthenticated, def.max_unauthenticated_per_source, def.pin_lease_margin),
+            (d.max_pins_per_peer, d.max_pinned_bytes_per_peer, d.max_catalog_entries_per_group, d.max_unauthenticated, d.max_unauthenticated_per_source, d.pin_lease_margin, d.export_bytes),
+            (def.max_pins_per_peer, def.max_pinned_bytes_per_peer, def.max_catalog_entries_per_group, def.max_unauthenticated, def.max_unauthenticated_per_source, def.pin_lease_margin, def.export_bytes),
             "the flags' defaults are ClusterConfig's"
         );
         let c = config(&[
@@ -148,12 +155,15 @@ mod tests {
             "--cluster-max-unauthenticated", "9",
             "--cluster-max-unauthenticated-per-source", "2",
             "--cluster-pin-lease-margin-ms", "250",
+            "--cluster-export-bytes", "64MiB",
         ])
         .unwrap();
         assert_eq!(
-            (c.max_pins_per_peer, c.max_pinned_bytes_per_peer, c.max_catalog_entries_per_group, c.max_unauthenticated, c.max_unauthenticated_per_source, c.pin_lease_margin),
-            (7, 3 << 20, 1000, 9, 2, Duration::from_millis(250))
+            (c.max_pins_per_peer, c.max_pinned_bytes_per_peer, c.max_catalog_entries_per_group, c.max_unauthenticated, c.max_unauthenticated_per_source, c.pin_lease_margin, c.export_bytes),
+            (7, 3 << 20, 1000, 9, 2, Duration::from_millis(250), 64 << 20)
         );
+        // A size that is not whole pages is rounded up to them (the area's slot boundary).
+        assert_eq!(config(&["--cluster-export-bytes", "5000"]).unwrap().export_bytes, 8192);
         for (args, says) in [
             (&["--cluster-max-pins-per-peer", "0"][..], "--cluster-max-pins-per-peer must be at least 1"),
             (&["--cluster-max-pins-per-peer", "many"], "--cluster-max-pins-per-peer"),
@@ -163,6 +173,8 @@ mod tests {
             (&["--cluster-max-unauthenticated", "0"], "--cluster-max-unauthenticated must be at least 1"),
             (&["--cluster-max-unauthenticated", "4", "--cluster-max-unauthenticated-per-source", "5"], "--cluster-max-unauthenticated-per-source (5) exceeds --cluster-max-unauthenticated (4)"),
             (&["--cluster-pin-lease-margin-ms", "soon"], "--cluster-pin-lease-margin-ms"),
+            (&["--cluster-export-bytes", "0"], "--cluster-export-bytes must be more than 0"),
+            (&["--cluster-export-bytes", "lots"], "cluster-export-bytes"),
         ] {
             let e = format!("{:#}", config(args).expect_err(&format!("{args:?} refused")));
             assert!(e.contains(says), "{args:?}: {e}");

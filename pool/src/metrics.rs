@@ -620,6 +620,7 @@ pub fn encode_cluster(enc: &mut DescriptorEncoder, c: &crate::pool_report::Clust
     gauge(enc, "umbp_cluster_peers", "Cluster peers connected and joined (this pool reads from them)", c.peers as f64)?;
     gauge(enc, "umbp_cluster_subscribers", "Pools subscribed to this one", c.subscribers as f64)?;
     gauge(enc, "umbp_cluster_leased_pins", "Pins kept for closed subscriber connections until their lease ends", c.leased_pins as f64)?;
+    gauge(enc, "umbp_cluster_export_bytes_used", "Bytes of the export area holding copies for peers' pins", c.export_bytes_used as f64)?;
     for (name, help, v) in [
         ("umbp_cluster_fetches", "Remote objects fetched or tried", c.fetches),
         ("umbp_cluster_fetch_failures", "Remote fetches that failed (misses)", c.fetch_failures),
@@ -631,6 +632,7 @@ pub fn encode_cluster(enc: &mut DescriptorEncoder, c: &crate::pool_report::Clust
         ("umbp_cluster_leases_over_cap", "Closed subscribers' pins released at once: the leases held a subscriber's pin caps", c.leases_over_cap),
         ("umbp_cluster_catalog_over_cap", "Peers' keys left out of the catalog at the per-group cap", c.catalog_over_cap),
         ("umbp_cluster_published_changes", "DRAM key changes sent to subscribers", c.published_changes),
+        ("umbp_cluster_export_full", "Peers' pins refused: the export area had no room for the copy", c.export_full),
     ] {
         counter(enc, name, help, v)?;
     }

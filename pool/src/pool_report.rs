@@ -96,6 +96,12 @@ pub struct ClusterReport {
     pub remote_refused: u64,
     /// DRAM key changes sent to subscribers (each counted once per subscriber).
     pub published_changes: u64,
+    /// Bytes of the export area holding copies for peers' pins now (leases included).
+    #[serde(default)]
+    pub export_bytes_used: u64,
+    /// Peers' pins refused because the export area had no room for the copy.
+    #[serde(default)]
+    pub export_full: u64,
 }
 
 /// Objects the indexes list, by tier.

@@ -1,6 +1,7 @@
 //! The pool's side of the cluster tier seam (docs/cluster.md). The pool knows no NIXL and
 //! no peers: a cluster implementation (`umbp-cluster`) gets a [`ClusterAccess`] from
-//! [`crate::Pool::cluster_access`] to register the DRAM, pin objects for peers' reads,
+//! [`crate::Pool::cluster_access`] to register the DRAM (as the destination of this
+//! pool's remote reads), pin objects while it copies them out for peers' reads,
 //! list and follow this pool's keys, mirror peers' keys as `Lower { Remote }` objects, and
 //! install the [`TierSource`] that loads of those promote through (tier.rs: the same seam
 //! as the SSD tier; `Tiers::remote` is a [`RemoteSlot`] filled once the cluster starts).
@@ -49,7 +50,8 @@ pub struct ClusterAccess {
 }
 
 impl ClusterAccess {
-    /// The DRAM tier's mapping (registered with NIXL for peers' reads).
+    /// The DRAM tier's mapping (registered with NIXL as the destination of this pool's
+    /// remote reads; peers read copies from the cluster's export area, never this).
     pub fn dram(&self) -> (*mut u8, usize) {
         (self.inner.dram.base(), self.inner.dram.len())
     }

@@ -1,9 +1,11 @@
 //! Issue #35 C1 and C2 against a real pool process over real NIXL, the test speaking the
 //! control protocol as a member (`cluster::Member`):
 //! - a pin lease: a subscriber's control connection closes while its one-sided READ may
-//!   still be in flight; the holder keeps the pinned range for `read_timeout` + the lease
-//!   margin, so DRAM churn meanwhile does not reuse it (before, the pins were released at
-//!   the close and the next stores took the range: a READ then got their bytes);
+//!   still be in flight; the holder keeps its export slot (the copy the READ addresses) for
+//!   `read_timeout` + the lease margin, so other peers' pins meanwhile do not reuse it
+//!   (without the lease the slot is freed at the close and the next pin's copy takes it,
+//!   first fit: a late READ then gets another object's bytes); once the lease ends the
+//!   slot is freed (no export bytes leak after a peer vanished);
 //! - only DRAM-tier key changes reach subscribers (before, every SSD change was sent to
 //!   every peer, which dropped it).
 //!
@@ -76,18 +78,22 @@ fn a_closed_subscribers_pinned_range_is_not_reused_before_its_lease_ends() {
     wait_until("the pool to see the subscriber gone", Duration::from_secs(10), || {
         pool.report().cluster.is_some_and(|c| c.subscribers == 0)
     });
-    // Churn: twice the DRAM in new objects; every unpinned object is evicted and its
-    // range given to the next stores.
-    let r = store(&pool, 1000, 1024);
+    // Churn of the export area: another member pins (and unpins) every other object; first
+    // fit gives each copy the lowest free slot, the closed subscriber's were it free.
+    let mut m3 = Member::join(&a, SECRET);
+    for (id, &(key, size3, ns3)) in m3.keys.clone().iter().filter(|k| k.0 != victim).enumerate() {
+        let (at, _) = m3.pin(100 + id as u64, ns3, key, size3).expect("pinned");
+        assert_ne!(at, offset, "another peer's copy took the closed subscriber's slot within its lease");
+        m3.send(&Msg::Unpin { group: 0, namespace: ns3, key });
+    }
     let churn = cut.elapsed();
     let lease = Duration::from_millis(READ_TIMEOUT_MS + LEASE_MARGIN_MS);
     if churn >= lease {
         println!("skipped: the churn took {churn:?}, past the {lease:?} lease (nothing to observe)");
         return;
     }
-    assert!(pool.report().pool.evictions > 0, "the churn evicted: {r}");
     assert!(nixl_read(&agent, &agent_name, base + offset, after), "the late READ");
-    assert!(before == after, "the pinned range was reused within its lease ({churn:?} after the close): a late READ gets another object's bytes");
+    assert!(before == after, "the pinned slot was reused within its lease ({churn:?} after the close): a late READ gets another object's bytes");
     let c = pool.report().cluster.unwrap();
     assert_eq!(c.leased_pins, 1, "{c:?}");
     // Leases are bounded as one subscriber's pins: another closed subscriber's pin is
@@ -99,12 +105,13 @@ fn a_closed_subscribers_pinned_range_is_not_reused_before_its_lease_ends() {
     wait_until("the second lease to be refused", Duration::from_secs(5), || pool.report().cluster.is_some_and(|c| c.leases_over_cap == 1));
     assert_eq!(pool.report().cluster.unwrap().leased_pins, 1);
 
-    // The lease ends: the pin is released and the object can go like any other.
+    // The lease ends: the slot is freed (nothing of the vanished peer's is left in the
+    // export area) and the next copy takes it.
     wait_until("the lease to end", lease + Duration::from_secs(3), || pool.report().cluster.is_some_and(|c| c.leased_pins == 0));
     assert!(cut.elapsed() >= lease, "released only at the lease's end ({:?})", cut.elapsed());
-    store(&pool, 3000, 1024);
-    let m = Member::join(&a, SECRET);
-    assert!(!m.keys.iter().any(|k| k.0 == victim), "key 3 evicted once its lease ended");
+    let c = pool.report().cluster.unwrap();
+    assert_eq!(c.export_bytes_used, 0, "the export area holds nothing once the leases ended: {c:?}");
+    assert_eq!(m3.pin(999, ns, victim, size).expect("pinned").0, offset, "the freed slot is the first fit again");
 }
 
 #[test]

@@ -3,10 +3,11 @@
 //! docs/security.md, "Cluster"), against real pool processes over real NIXL:
 //! - a pin flood: pins past the per-subscriber cap are answered `PinFailed` (before, a
 //!   member could pin every object of another pool);
-//! - a NIXL WRITE into the pool's registered DRAM (a second NIXL agent loading the
-//!   metadata of the pool's `Join`): the next remote load of the overwritten object checks
-//!   the digest the holder took when the object was stored, and misses instead of
-//!   publishing the attacker's bytes (before, the other member's worker loaded them).
+//! - NIXL WRITEs into what the pool's `Join` exposes (a second NIXL agent with its
+//!   metadata): only the export area, where the copies for peers' pins lie; a remote load
+//!   whose copy was overwritten checks the digest the holder took when the object was
+//!   stored and misses instead of publishing the attacker's bytes, and the pool's own
+//!   objects are untouched (tests/cluster_export_attacks.rs: its DRAM is out of reach).
 
 mod common;
 use common::*;
@@ -18,7 +19,6 @@ use cluster::Member;
 use umbp_cluster::control::Msg;
 use umbp_cluster::transport::nixl_sys::{MemType, XferDescList, XferOp, XferStatus};
 use umbp_cluster::transport::Agent;
-use umbp_protocol::ObjectKey;
 
 fn cluster_pool(tag: &str, me: &str, peers: &[&str], secret: &std::path::Path, extra: &[&str]) -> PoolProcess {
     let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: 3000, read_timeout_ms: 3000 };
@@ -71,8 +71,11 @@ fn a_pin_flood_gets_pin_failed_past_the_cap() {
     assert_eq!(metrics::sample(&text, "umbp_cluster_pins_over_cap_total"), (total - 4096) as f64);
 }
 
+/// Remote loads by B while the attacker writes (one object each).
+const ROUNDS: u64 = 32;
+
 #[test]
-fn a_nixl_write_into_a_members_dram_is_caught_by_the_digest_at_the_next_remote_load() {
+fn a_nixl_write_into_the_export_area_is_caught_by_the_digest_and_never_published() {
     if !cluster::nixl_on_loopback() {
         return;
     }
@@ -80,60 +83,70 @@ fn a_nixl_write_into_a_members_dram_is_caught_by_the_digest_at_the_next_remote_l
     let secret = b"cluster-member-attacks-secret-0123456789";
     let path = cluster::secret_file(dir.path(), secret);
     let (a, b) = (cluster::loopback_addr(), cluster::loopback_addr());
-    let pool_a = cluster_pool("wra", &a, &[], &path, &[]);
+    // An export area of one 16 KiB slot: every copy A makes for B lies where the attacker
+    // writes.
+    let pool_a = cluster_pool("wra", &a, &[], &path, &["--cluster-export-bytes", "16KiB"]);
     let pool_b = cluster_pool("wrb", &b, &[&a], &path, &[]);
-    let r = run_worker(&pool_a.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", "8"]);
-    assert_eq!(n(&r, "stored"), 8, "{r}");
-    wait_until("pool B to list pool A's blocks", Duration::from_secs(20), || pool_b.report().tiers.remote == 8);
+    let r = run_worker(&pool_a.socket, 1, "per-layer", &["store", "--first-key", "0", "--count", &ROUNDS.to_string()]);
+    assert_eq!(n(&r, "stored"), ROUNDS, "{r}");
+    wait_until("pool B to list pool A's blocks", Duration::from_secs(20), || pool_b.report().tiers.remote == ROUNDS);
 
-    // The attacker: a member with its own NIXL agent and A's metadata from A's Join.
-    let mut m = Member::join(&a, secret);
-    let (agent_name, metadata, base, _len) = m.join.clone();
-    let victim = ObjectKey::derive(1, 0, 0, &3u128.to_le_bytes()).0;
-    let &(_, size, ns) = m.keys.iter().find(|k| k.0 == victim).expect("key 3 in A's snapshot");
-    m.send(&Msg::Pin { id: 1, group: 0, namespace: ns, key: victim, size });
-    let offset = m.pin_answer().1.expect("pinned");
-    m.send(&Msg::Unpin { group: 0, namespace: ns, key: victim });
-
-    let mut garbage = vec![0xa5u8; size as usize];
+    // The attacker: a member with its own NIXL agent and A's metadata from A's Join; the
+    // only memory it can address is A's export area, which it overwrites over and over.
+    let m = Member::join(&a, secret);
+    let (agent_name, metadata, base, len) = m.join.clone();
+    assert_eq!(len, 16 << 10, "the Join carries the export area");
+    let mut garbage = vec![0xa5u8; len as usize];
     let mut agent = Agent::new("umbp-test-attacker").unwrap();
     // SAFETY: `garbage` is declared first, so it outlives the agent (dropped in reverse).
     unsafe { agent.register_dram(garbage.as_mut_ptr(), garbage.len()) }.unwrap();
     assert_eq!(agent.load_peer(&metadata).unwrap(), agent_name);
-    let mut local = XferDescList::new(MemType::Dram).unwrap();
-    let mut remote = XferDescList::new(MemType::Dram).unwrap();
-    local.add_desc(garbage.as_ptr() as usize, size as usize, 0);
-    remote.add_desc((base + offset) as usize, size as usize, 0);
-    let raw = agent.raw();
-    let wrote = raw
-        .create_xfer_req(XferOp::Write, &local, &remote, &agent_name, Some(agent.opt_args()))
-        .and_then(|req| {
-            raw.post_xfer_req(&req, Some(agent.opt_args()))?;
-            let t = Instant::now();
-            loop {
-                if matches!(raw.get_xfer_status(&req)?, XferStatus::Success) {
-                    return Ok(true);
-                }
-                if t.elapsed() > Duration::from_secs(5) {
-                    return Ok(false);
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        });
-    println!("the attacker's NIXL WRITE into A's DRAM: {wrote:?}");
-
-    // B loads the overwritten block (remote, from A) and one that was left alone.
-    let victim_load = run_worker(&pool_b.socket, 1, "per-layer", &["load", "--first-key", "3", "--count", "1"]);
-    let other_load = run_worker(&pool_b.socket, 1, "per-layer", &["load", "--first-key", "4", "--count", "1"]);
-    println!("B's load of the overwritten block: {victim_load}; of another: {other_load}");
-    assert_eq!(n(&victim_load, "corrupt"), 0, "B published the attacker's bytes: {victim_load}");
-    assert_eq!(n(&other_load, "loaded"), 1, "an untouched block still loads: {other_load}");
-    let c = pool_b.report().cluster.expect("B reports its cluster counters");
-    if matches!(wrote, Ok(true)) {
-        assert_eq!(n(&victim_load, "loaded"), 0, "the overwritten block is a miss: {victim_load}");
-        // Counted where the check ran: the reader's report (ringtool dump).
-        assert_eq!(c.digest_mismatches, 1, "{c:?}");
-    } else {
-        println!("the WRITE did not land (refused by NIXL/UCX): nothing to detect");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    /// Stops the attacker's thread however the loads end (a failed assertion included).
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
     }
+    let (mut loaded, mut missed, mut writes) = (0u64, 0u64, 0u64);
+    std::thread::scope(|s| {
+        let writer = s.spawn(|| {
+            let mut local = XferDescList::new(MemType::Dram).unwrap();
+            let mut remote = XferDescList::new(MemType::Dram).unwrap();
+            local.add_desc(garbage.as_ptr() as usize, len as usize, 0);
+            remote.add_desc(base as usize, len as usize, 0);
+            let raw = agent.raw();
+            let mut done = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let req = raw.create_xfer_req(XferOp::Write, &local, &remote, &agent_name, Some(agent.opt_args())).expect("a WRITE into the export area is accepted");
+                raw.post_xfer_req(&req, Some(agent.opt_args())).unwrap();
+                let t = Instant::now();
+                while !matches!(raw.get_xfer_status(&req), Ok(XferStatus::Success)) && t.elapsed() < Duration::from_secs(5) {
+                    std::hint::spin_loop();
+                }
+                done += 1;
+            }
+            done
+        });
+        let guard = StopOnDrop(&stop);
+        // B loads A's blocks one by one while the attacker writes.
+        for round in 0..ROUNDS {
+            let r = run_worker(&pool_b.socket, 1, "per-layer", &["load", "--first-key", &round.to_string(), "--count", "1"]);
+            assert_eq!(n(&r, "corrupt"), 0, "B published the attacker's bytes: {r}");
+            loaded += n(&r, "loaded");
+            missed += 1 - n(&r, "loaded").min(1);
+        }
+        drop(guard);
+        writes = writer.join().unwrap();
+    });
+    let c = pool_b.report().cluster.expect("B reports its cluster counters");
+    println!("{writes} WRITEs into A's export area during {ROUNDS} remote loads: {loaded} loaded byte-exact, {missed} missed; {c:?}");
+    // Every miss is a copy the attacker overwrote, caught by the digest (counted where the
+    // check ran: the reader's report); never a wrong byte.
+    assert!(writes > 0, "the attacker wrote");
+    assert_eq!(c.digest_mismatches, missed, "{c:?}");
+    // A's own objects are untouched.
+    let own = run_worker(&pool_a.socket, 1, "per-layer", &["load", "--first-key", "0", "--count", &ROUNDS.to_string()]);
+    assert_eq!((n(&own, "loaded"), n(&own, "corrupt")), (ROUNDS, 0), "{own}");
 }

@@ -26,6 +26,10 @@ struct Args {
     /// Key of the first object (the others follow it).
     #[arg(long, default_value_t = 1)]
     first_key: u128,
+    /// Bytes of the export area [default: room for every object pinned at once, at least
+    /// the node's default]
+    #[arg(long)]
+    export_bytes: Option<u64>,
 }
 
 fn main() {
@@ -43,6 +47,8 @@ fn main() {
     let mut cfg = ClusterConfig::new(a.listen, secret);
     cfg.heartbeat = Duration::from_millis(200);
     cfg.dead_after = Duration::from_millis(1000);
+    let all = (a.objects * a.object_bytes.next_multiple_of(umbp_cluster::export::SLOT_ALIGN)).max(cfg.export_bytes);
+    cfg.export_bytes = a.export_bytes.unwrap_or(all).next_multiple_of(umbp_cluster::export::SLOT_ALIGN);
     // SAFETY: the mapping lives as long as `pool`, which outlives the node (never dropped).
     let node = unsafe { Cluster::start(cfg, Box::new(StaticPeers(a.peers)), pool.clone(), pool.base(), pool.len()) };
     let node = node.unwrap_or_else(|e| {

@@ -1,6 +1,11 @@
 //! A batched fetch: every pin in flight at once (over the holders' control connections),
-//! each holder's read posted as soon as its pins are answered, the reads of all holders in
-//! flight together, unpins after; all within `read_timeout` (pins within half of it).
+//! each holder's answered pins read as soon as they add up to [`READ_CHUNK_BYTES`] (or all
+//! its pins are answered), the reads of all holders in flight together, unpins after; all
+//! within `read_timeout` (pins within half of it).
+//!
+//! Reading in chunks pipelines copy-on-pin: a holder answers each pin once it has copied
+//! the object into its export area, so the read of one chunk overlaps the holder's copies
+//! of the next objects instead of waiting for the whole batch to be copied.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
@@ -17,6 +22,9 @@ use crate::transport::{self, PeerRegion, ReadPiece, TransportError};
 const PARALLEL_DIGEST_BYTES: usize = 8 << 20;
 /// Most threads one stage's digests are taken on.
 const MAX_DIGEST_THREADS: usize = 4;
+/// A holder's answered pins are read once they add up to this many bytes (the pipeline's
+/// step; large enough that a read's fixed cost is small against its transfer).
+pub const READ_CHUNK_BYTES: u64 = 8 << 20;
 
 /// xxh3-128 of each `(address, len)` range, in order. A large stage is split over a few
 /// scoped threads (the check sits between the READ's completion and publishing, so its
@@ -123,22 +131,24 @@ impl Inner {
             }
         }
         let mut open: usize = unanswered.values().sum();
-        let mut posted: HashSet<NodeId> = HashSet::new();
+        // Items whose read was posted (a holder's pins are read in chunks).
+        let mut posted: HashSet<usize> = HashSet::new();
         let mut reads: Vec<HolderRead<'_>> = Vec::new();
         let mut pins_over = false;
         // When the last pin was answered (or the pins gave up): for the slow-fetch log.
         let mut pins_at: Option<Duration> = None;
         let mut backoff = transport::Backoff::default();
         loop {
-            let ready: Vec<NodeId> = by_node
-                .keys()
-                .filter(|n| !posted.contains(*n) && (pins_over || unanswered.get(*n).is_none_or(|&c| c == 0)))
-                .copied()
-                .collect();
-            for node in ready {
-                posted.insert(node);
+            for (&node, batch) in &by_node {
+                let fresh: Vec<usize> =
+                    batch.2.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i) && out[*i].is_none() && !posted.contains(i)).collect();
+                let all_answered = pins_over || unanswered.get(&node).is_none_or(|&c| c == 0);
+                if fresh.is_empty() || (!all_answered && fresh.iter().map(|&i| items[i].size).sum::<u64>() < READ_CHUNK_BYTES) {
+                    continue;
+                }
+                posted.extend(&fresh);
                 // SAFETY: forwarded from `Cluster::fetch_batch`'s contract.
-                if let Some(r) = unsafe { self.post_holder_read(group, items, (node, started), &by_node[&node], &pinned, &mut out) } {
+                if let Some(r) = unsafe { self.post_holder_read(group, items, (node, started), (batch, fresh), &pinned, &mut out) } {
                     reads.push(r);
                 }
             }
@@ -229,9 +239,8 @@ impl Inner {
         }
     }
 
-    /// Posts one NIXL read of everything `batch`'s holder (`node`; the batch began at
-    /// `started`) pinned; None when there is
-    /// nothing to read or the post failed (those items' results are then filled).
+    /// Posts one NIXL read of the items `mine` (pinned at `batch`'s holder `node`; the batch
+    /// began at `started`); None when the post failed (those items' results are then filled).
     ///
     /// # Safety
     /// As for [`Cluster::fetch_batch`], for every item's destination.
@@ -240,15 +249,11 @@ impl Inner {
         group: u32,
         items: &[FetchRequest],
         (node, started): (NodeId, Instant),
-        batch: &HolderBatch,
+        (batch, mine): (&HolderBatch, Vec<usize>),
         pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) -> Option<HolderRead<'_>> {
-        let (w, region, v) = batch;
-        let mine: Vec<usize> = v.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i) && out[*i].is_none()).collect();
-        if mine.is_empty() {
-            return None;
-        }
+        let (w, region, _) = batch;
         let pieces: Vec<ReadPiece> =
             mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].offset, local: items[i].dest, len: items[i].size }).collect();
         self.reads_in_flight.fetch_add(1, Ordering::AcqRel);

@@ -190,6 +190,8 @@ settings! {
         help: "Objects one subscribing peer may hold pinned here at once; a pin past it is refused" }
     CLUSTER_MAX_PINNED_BYTES_PER_PEER { name: "cluster_max_pinned_bytes_per_peer", kind: "SIZE", default: Some("4GiB"), env: Some("UMBP_CLUSTER_MAX_PINNED_BYTES_PER_PEER"), flag: "cluster-max-pinned-bytes-per-peer", heading: CLUSTER,
         help: "Bytes one subscribing peer may hold pinned here at once (sizes as --capacity)" }
+    CLUSTER_EXPORT_BYTES { name: "cluster_export_bytes", kind: "SIZE", default: Some("256MiB"), env: Some("UMBP_CLUSTER_EXPORT_BYTES"), flag: "cluster-export-bytes", heading: CLUSTER,
+        help: "Size of the export area (sizes as --capacity; rounded up to whole pages): the only memory peers can reach over NIXL. A peer's pin copies the object here and the peer reads the copy; a pin that finds no room is refused (counted, `export_full`) and the peer recomputes. Size it for the pins in flight: docs/operations.md" }
     CLUSTER_MAX_CATALOG_ENTRIES_PER_GROUP { name: "cluster_max_catalog_entries_per_group", kind: "N", default: Some("1048576"), env: Some("UMBP_CLUSTER_MAX_CATALOG_ENTRIES_PER_GROUP"), flag: "cluster-max-catalog-entries-per-group", heading: CLUSTER,
         help: "Keys one peer may have in this pool's catalog per tenant group; further keys are dropped (counted, `catalog_over_cap`)" }
     CLUSTER_MAX_UNAUTHENTICATED { name: "cluster_max_unauthenticated", kind: "N", default: Some("64"), env: Some("UMBP_CLUSTER_MAX_UNAUTHENTICATED"), flag: "cluster-max-unauthenticated", heading: CLUSTER,
