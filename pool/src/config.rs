@@ -116,6 +116,10 @@ pub struct PoolConfig {
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches
     /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
     pub promotion_ahead_bytes: u64,
+    /// Bound on DRAM quarantined because a transfer may still write it (a remote read that
+    /// timed out; pool/src/objects/quarantine.rs): at it, promotions from the remote tier
+    /// are misses until quarantined ranges are reclaimed. None: 1/8 of `capacity_bytes`.
+    pub quarantine_max_bytes: Option<u64>,
     /// How long the service thread and a copy thread keep polling for work after the
     /// pool's last activity before they sleep. Waking a sleeping thread costs tens to
     /// hundreds of µs on a VM (the vCPU halted); polling through the gap between a worker's
@@ -296,6 +300,7 @@ impl Default for PoolConfig {
             copy_stage_bytes: DEFAULT_COPY_STAGE_BYTES,
             copy_stage_growth_percent: DEFAULT_COPY_STAGE_GROWTH_PERCENT,
             promotion_ahead_bytes: DEFAULT_PROMOTION_AHEAD_BYTES,
+            quarantine_max_bytes: None,
             idle_poll: DEFAULT_IDLE_POLL,
             engine: umbp_gpu::EngineConfig::default(),
             max_attachments: 1024,
