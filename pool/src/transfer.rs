@@ -546,10 +546,10 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
         keep_waiting: &keep_waiting,
         engine: *inner.engine.lock().expect("engine config lock"),
     };
+    in_device.set(true);
     // SAFETY: every op's host range is an object reserved (store) or pinned (load) for this
     // job in the object store, inside DRAM; nobody else writes it meanwhile (an object is
     // settled only once its stage's copies all landed).
-    in_device.set(true);
     let result = unsafe { umbp_gpu::transfer_pipelined(&args, stages, &mut plan, &mut stage_landed) };
     in_device.set(false);
     let copy_ns = copy_started.elapsed().as_nanos() as u64;

@@ -184,7 +184,7 @@ mod tests {
     #[test]
     fn quarantined_reads_are_reclaimed_once_finished_and_their_holder_forgotten() {
         let mut s = store();
-        let holder = |k: u128| Writer::RemoteRead(if k % 4 == 0 { "h2".into() } else { "h1".into() });
+        let holder = |k: u128| Writer::RemoteRead(if k.is_multiple_of(4) { "h2".into() } else { "h1".into() });
         let before = s.allocated_bytes();
         let mut begun = Vec::new();
         for k in 0..8u128 {
