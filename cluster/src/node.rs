@@ -49,6 +49,11 @@ pub trait LocalPool: Send + Sync + 'static {
     /// Remote keys appeared (first holder) or vanished (last holder gone): mirror them in
     /// the local index. Called without any cluster lock held.
     fn apply_index(&self, changes: &[IndexChange]);
+    /// The node closed its transport endpoint to the holder `agent` (it left or died, and
+    /// no read to it was in flight): no byte of an earlier read from it lands any more.
+    fn holder_forgotten(&self, agent: &str) {
+        let _ = agent;
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -160,6 +165,16 @@ impl FetchError {
     /// The destination may still be written by the transfer (quarantine it).
     pub fn destination_tainted(&self) -> bool {
         matches!(self, Self::Transport(e) if e.destination_tainted())
+    }
+
+    /// The holder (transport agent name) whose read may still write the destination, when
+    /// [`Self::destination_tainted`]: its DRAM is safe again once the node forgot that
+    /// holder ([`LocalPool::holder_forgotten`]).
+    pub fn tainting_holder(&self) -> Option<&str> {
+        match self {
+            Self::Transport(TransportError::Timeout { peer, .. }) => Some(peer),
+            _ => None,
+        }
     }
 }
 
@@ -1006,6 +1021,7 @@ impl Inner {
         let names = std::mem::take(&mut *self.forget.lock().expect("forget"));
         for n in names {
             self.agent.forget_peer(&n);
+            self.pool.holder_forgotten(&n);
         }
     }
 

@@ -179,6 +179,13 @@ impl LocalPool for PoolSide {
             }
         }
     }
+
+    fn holder_forgotten(&self, agent: &str) {
+        let reclaimed = self.access.holder_forgotten(agent);
+        if reclaimed > 0 {
+            tracing::info!(holder = agent, reclaimed, "holder forgotten: the DRAM its timed-out reads left is reclaimed");
+        }
+    }
 }
 
 struct FetchSide(Arc<Cluster>, ClusterAccess, Arc<PoolSide>);
@@ -248,9 +255,9 @@ impl FetchSide {
             Err(e) => {
                 // Before the pool drops the promotion (its event comes after this).
                 self.2.failed.lock().expect("failed").insert((g, r.key));
-                if e.destination_tainted() {
-                    let leaked = self.1.abandon_promotion(r.namespace, r.key);
-                    tracing::warn!(key = format!("{:032x}", r.key.0), leaked, "remote read timed out: its DRAM is quarantined");
+                if let Some(holder) = e.tainting_holder() {
+                    let leaked = self.1.abandon_promotion(r.namespace, r.key, holder);
+                    tracing::warn!(key = format!("{:032x}", r.key.0), leaked, holder, "remote read timed out: its DRAM is quarantined until that holder is forgotten");
                 }
                 false
             }

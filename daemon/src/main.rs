@@ -54,6 +54,8 @@ struct Args {
     copy_stage_growth: u32,
     #[arg(long = "promotion-ahead")]
     promotion_ahead: String,
+    #[arg(long = "quarantine-max-size")]
+    quarantine_max_size: Option<String>,
     #[arg(long = "idle-poll-us")]
     idle_poll_us: config::IdlePoll,
     #[arg(long = "copy-streams", value_parser = clap::value_parser!(u16).range(1..=16))]
@@ -205,6 +207,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
     c.copy_stage_bytes = size(&COPY_STAGE_SIZE, &args.copy_stage_size)?;
     c.copy_stage_growth_percent = args.copy_stage_growth;
     c.promotion_ahead_bytes = size(&PROMOTION_AHEAD, &args.promotion_ahead)?;
+    c.quarantine_max_bytes = args.quarantine_max_size.as_deref().map(|v| size(&QUARANTINE_MAX_SIZE, v)).transpose()?;
     c.idle_poll = args.idle_poll_us;
     c.engine.streams = args.copy_streams.into();
     c.engine.batch = args.copy_batch;

@@ -261,6 +261,7 @@ impl Pool {
         let mut store = ObjectStore::with_groups(dram.len() as u64, index_mems.clone());
         // Namespace quotas are shares of an index sized for the whole pool (3/4 of its slots).
         store.set_policy(objects::Policy::from_config(&config, dram.len() as u64, slots / 4 * 3));
+        store.set_quarantine_max_bytes(config.quarantine_max_bytes.unwrap_or(dram.len() as u64 / 8));
         let mut group_mem = Vec::with_capacity(logs.len());
         for (g, (index_mem, log)) in index_mems.into_iter().zip(logs).enumerate() {
             group_mem.push(GroupMemory { index_mem, events_mem: log.memory().clone() });

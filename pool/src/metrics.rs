@@ -522,6 +522,11 @@ impl Collector for PoolCollector {
         gauge(&mut enc, "umbp_pinned_objects", "Objects pinned by loads in flight", p.pinned_objects as f64)?;
         gauge(&mut enc, "umbp_namespaces", "Namespaces with at least one object", namespaces as f64)?;
         counter(&mut enc, "umbp_evictions", "Objects evicted by the evictor", p.evictions)?;
+        gauge(&mut enc, "umbp_quarantined_bytes", "DRAM kept out of use because a timed-out remote read may still write it", p.quarantined_bytes as f64)?;
+        gauge(&mut enc, "umbp_quarantined_ranges", "Quarantined DRAM ranges", p.quarantined_ranges as f64)?;
+        gauge(&mut enc, "umbp_quarantine_max_bytes", "Bound on quarantined DRAM (--quarantine-max-size)", p.quarantine_max_bytes as f64)?;
+        counter(&mut enc, "umbp_quarantine_reclaimed_bytes", "Quarantined DRAM handed back (its writer can no longer land)", p.quarantine_reclaimed_bytes)?;
+        counter(&mut enc, "umbp_quarantine_refusals", "Remote-tier promotions served as misses because the quarantine was at its bound", p.quarantine_refusals)?;
         counter(&mut enc, "umbp_events", "KV events written to the shared event log", p.events_written)?;
         gauge(&mut enc, "umbp_idle_poll_window_seconds", "How long idle pool threads poll for work before they sleep (--idle-poll-us)", p.idle_poll_window_us / 1e6)?;
 

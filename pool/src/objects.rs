@@ -27,6 +27,7 @@ mod events;
 mod eviction;
 mod leases;
 mod policy;
+mod quarantine;
 mod remote;
 mod tiering;
 #[cfg(test)]
@@ -35,6 +36,7 @@ mod tests;
 pub use events::ObjectEvent;
 use leases::{Lease, LeaseBook};
 pub use policy::Policy;
+pub use quarantine::{QuarantineStats, Writer};
 pub use tiering::{Demotion, TierStats};
 
 /// An object's identity in the store: the tenant group whose index holds it and its key.
@@ -200,7 +202,7 @@ pub struct ObjectStore {
     foreign_hints: u64,
     /// Leases ended early because their uid was over its lease cap.
     leases_dropped: u64,
-    quarantined_bytes: u64,
+    quarantine: quarantine::Quarantine,
     events: Vec<ObjectEvent>,
     /// The SSD tier's admission policy; None: no SSD tier (evicted objects just go).
     ssd_admission: Option<umbp_ssd::SsdAdmission>,
@@ -249,7 +251,7 @@ impl ObjectStore {
             quota_refusals: 0,
             foreign_hints: 0,
             leases_dropped: 0,
-            quarantined_bytes: 0,
+            quarantine: quarantine::Quarantine::default(),
             events: Vec::new(),
             ssd_admission: None,
             demotions: Vec::new(),
@@ -405,9 +407,9 @@ impl ObjectStore {
     }
 
     /// Gives up on an object being written whose copy may still be in flight (a copy
-    /// thread panicked mid-transfer): the key is forgotten, so it can be stored again, but
-    /// its DRAM is never handed out again — a DMA still writing there must not land in
-    /// someone else's object. Returns the bytes leaked.
+    /// thread panicked inside the device layer): the key is forgotten, so it can be stored
+    /// again, but its DRAM is quarantined (objects/quarantine.rs) — a DMA still writing
+    /// there must not land in someone else's object. Returns the bytes quarantined.
     pub fn quarantine(&mut self, key: impl Into<GroupKey>) -> u64 {
         let key = key.into();
         match self.objects.get(&key) {
@@ -415,16 +417,47 @@ impl ObjectStore {
                 let o = self.objects.remove(&key).expect("present");
                 self.lru.remove(&o.tick);
                 self.release_held(o.namespace, o.size);
-                self.quarantined_bytes += o.size;
+                self.quarantine.add(o.offset, o.size, Writer::Unknown, true);
                 o.size
             }
             _ => 0,
         }
     }
 
-    /// DRAM given up by [`Self::quarantine`] (still counted as allocated).
+    /// DRAM quarantined now (still counted as allocated), by [`Self::quarantine`] and
+    /// [`Self::abandon_promotion`].
+    #[cfg(test)]
     pub fn quarantined_bytes(&self) -> u64 {
-        self.quarantined_bytes
+        self.quarantine.stats().bytes
+    }
+
+    pub fn quarantine_stats(&self) -> QuarantineStats {
+        self.quarantine.stats()
+    }
+
+    /// Bounds the quarantine: at `max` bytes remote-tier promotions are refused (misses).
+    pub fn set_quarantine_max_bytes(&mut self, max: u64) {
+        self.quarantine.set_max_bytes(max);
+    }
+
+    /// The remote holder `agent` can no longer write this pool's DRAM (the cluster node
+    /// forgot it: its transport endpoint is closed): the ranges its timed-out reads left
+    /// whose promotions have ended are freed. Returns the bytes reclaimed.
+    pub fn reclaim_quarantine_of(&mut self, agent: &str) -> u64 {
+        let safe = self.quarantine.writer_gone(agent);
+        self.free_reclaimed(safe)
+    }
+
+    fn free_reclaimed(&mut self, ranges: Vec<(u64, u64)>) -> u64 {
+        let mut bytes = 0;
+        for (offset, size) in ranges {
+            self.alloc.free(offset, size);
+            bytes += size;
+        }
+        if bytes > 0 {
+            tracing::info!(bytes, "quarantined DRAM reclaimed: no transfer can write it any more");
+        }
+        bytes
     }
 
     fn release_held(&mut self, namespace: u128, size: u64) {

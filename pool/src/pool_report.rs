@@ -256,8 +256,22 @@ pub struct PoolSection {
     /// Objects pinned by loads in flight.
     pub pinned_objects: u64,
     pub evictions: u64,
-    /// DRAM of stores failed by a copy-thread panic, never reused until restart.
+    /// DRAM a transfer may still write (a remote read that timed out, a copy thread that
+    /// panicked inside the device layer), never handed out meanwhile
+    /// (pool/src/objects/quarantine.rs).
     pub quarantined_bytes: u64,
+    /// Quarantined ranges now.
+    #[serde(default)]
+    pub quarantined_ranges: u64,
+    /// Quarantined DRAM handed back since the start (its writer can no longer land).
+    #[serde(default)]
+    pub quarantine_reclaimed_bytes: u64,
+    /// The bound on quarantined DRAM (`quarantine_max_bytes`).
+    #[serde(default)]
+    pub quarantine_max_bytes: u64,
+    /// Remote-tier promotions refused (a miss) because the quarantine was at its bound.
+    #[serde(default)]
+    pub quarantine_refusals: u64,
     /// DRAM held now by promotions launched ahead of their load's current stage
     /// (pool/src/promote.rs; at most `promotion_ahead_bytes`).
     #[serde(default)]

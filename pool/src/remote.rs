@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::ObjectKey;
 
-use crate::objects::{GroupKey, LoadReservation};
+use crate::objects::{GroupKey, LoadReservation, Writer};
 pub use crate::tier::{FetchItem, TierSource};
 use crate::PoolInner;
 
@@ -127,11 +127,19 @@ impl ClusterAccess {
         self.inner.store.lock().expect("store lock").remove_remote(group, key)
     }
 
-    /// A promotion from the remote tier whose destination a transfer may still write
-    /// (timeout): the object leaves the pool and its DRAM is never handed out again.
-    pub fn abandon_promotion(&self, namespace: u128, key: ObjectKey) -> u64 {
+    /// A promotion from the remote tier whose destination a read from `holder` (its
+    /// transport agent name) may still write (timeout): the object leaves the pool and its
+    /// DRAM is quarantined until [`Self::holder_forgotten`] for that holder.
+    pub fn abandon_promotion(&self, namespace: u128, key: ObjectKey, holder: &str) -> u64 {
         let g = self.inner.tenant_groups.group_of(namespace);
-        self.inner.store.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key))
+        self.inner.store.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key), Writer::RemoteRead(holder.to_string()))
+    }
+
+    /// The cluster node closed its transport endpoint to `holder`: no read from it lands
+    /// any more, so the DRAM its timed-out reads left is reclaimed (once their loads
+    /// finished them). Returns the bytes reclaimed.
+    pub fn holder_forgotten(&self, holder: &str) -> u64 {
+        self.inner.store.lock().expect("store lock").reclaim_quarantine_of(holder)
     }
 
     /// Installs the source loads of remote objects promote through (once).

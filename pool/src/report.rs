@@ -122,6 +122,7 @@ fn attachment(a: &Attachment) -> AttachmentReport {
 /// The pool section: size, use, policy. Also read by the metrics endpoint.
 pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
     let (dram_registered_bytes, dram_registration_done) = inner.dram.registration();
+    let quarantine = store.quarantine_stats();
     PoolSection {
         capacity_bytes: store.capacity_bytes(),
         allocated_bytes: store.allocated_bytes(),
@@ -129,7 +130,11 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
         published_objects: store.published_count(),
         pinned_objects: store.pinned_count() as u64,
         evictions: store.evictions(),
-        quarantined_bytes: store.quarantined_bytes(),
+        quarantined_bytes: quarantine.bytes,
+        quarantined_ranges: quarantine.ranges,
+        quarantine_reclaimed_bytes: quarantine.reclaimed_bytes,
+        quarantine_max_bytes: quarantine.max_bytes,
+        quarantine_refusals: quarantine.refusals,
         promotion_ahead_bytes: inner.promoter.ahead_bytes(),
         promotions_ahead: inner.promoter.launched_ahead(),
         index_capacity: store.index_capacity(),

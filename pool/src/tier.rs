@@ -157,7 +157,7 @@ impl Drop for PromotionGuard<'_> {
         let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
         for (key, offset, tier) in self.open.drain(..) {
             if tier == Tier::Remote {
-                store.abandon_promotion(key);
+                store.abandon_promotion(key, crate::objects::Writer::Unknown);
             }
             store.finish_promotion(key, offset, false);
         }

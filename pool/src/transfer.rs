@@ -2,7 +2,7 @@
 //! copy through the device backends, publish (stores) or unpin (loads) — and post the
 //! completion.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::panic::AssertUnwindSafe;
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -234,9 +234,10 @@ pub fn run_copy_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<Job>) 
         Counters::add(&phases.admit_ns, ns_between(job.accepted, job.submitted));
         Counters::add(&phases.queue_ns, ns_between(job.submitted, picked));
         // A bug in one copy must not hang its peer or take this thread with it.
-        let copied = match std::panic::catch_unwind(AssertUnwindSafe(|| copy(inner, &mut job))) {
+        let in_device = Cell::new(false);
+        let copied = match std::panic::catch_unwind(AssertUnwindSafe(|| copy(inner, &mut job, &in_device))) {
             Ok(copied) => copied,
-            Err(panic) => contain_panic(inner, &mut job, panic.as_ref()),
+            Err(panic) => contain_panic(inner, &mut job, panic.as_ref(), in_device.get()),
         };
         let tail = Instant::now();
         job.cancelled = copied.cancelled;
@@ -255,11 +256,16 @@ fn release_poller(inner: &PoolInner, poller: &mut bool) {
 }
 
 /// After a copy thread panicked inside `copy`: the job's blocks not settled yet fail.
-/// Stores' objects are quarantined (their DMA may still be landing, so their DRAM is never
-/// reused); loads' objects are unpinned (a stray DMA only reads them). If the panic left
-/// the object store's lock poisoned, its state cannot be trusted: the pool stops at once
-/// (workers see it gone and recompute; a supervisor restarts it) rather than serve from it.
-fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + Send)) -> Copied {
+/// Loads' objects are unpinned (a stray DMA only reads them). Stores' reservations are
+/// freed when the panic came from this file's planning or settling (`in_device` false):
+/// the device layer synchronizes every stream before such a panic leaves it (umbp_gpu
+/// `build_or_drain`), and host copies are done when their call returns, so no DMA writes
+/// them any more. A panic inside the device layer itself leaves its copies' state unknown:
+/// those objects are quarantined (objects/quarantine.rs; until the pool restarts). If the
+/// panic left the object store's lock poisoned, its state cannot be trusted: the pool
+/// stops at once (workers see it gone and recompute; a supervisor restarts it) rather than
+/// serve from it.
+fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + Send), in_device: bool) -> Copied {
     let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
     tracing::error!(attachment = job.att.id, op = ?job.op, "copy thread panicked: {what}; the submission fails, the pool keeps serving");
     let Ok(mut store) = inner.store.lock() else {
@@ -272,13 +278,16 @@ fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + 
             continue;
         }
         match job.op {
-            Opcode::Store => leaked += store.quarantine(b.object()),
+            Opcode::Store if in_device => leaked += store.quarantine(b.object()),
+            Opcode::Store => {
+                store.finish_store(b.object(), false);
+            }
             _ => store.finish_load(b.object()),
         }
         job.statuses[b.index] = BlockStatus::Failed;
     }
     if leaked > 0 {
-        tracing::error!(bytes = leaked, "DRAM of the failed stores quarantined (not reused until the pool restarts)");
+        tracing::error!(bytes = leaked, "the panic came from inside the device layer: DRAM of the failed stores quarantined (not reused until the pool restarts)");
     }
     Copied { failed: Vec::new(), settled: job.blocks.len(), cancelled: false }
 }
@@ -330,7 +339,9 @@ struct Progress<'j> {
 /// store (`sqe.fence_value != 0`, docs/gpu.md "Stream-ordered transfers") reads device memory only after the worker's
 /// stream wrote its fence word; a fenced load has the word written once the bytes landed
 /// (on the GPU when possible, see `finish` for the CPU write).
-fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
+/// `in_device` is true while control is in the device layer rather than in this
+/// function's planning or settling closures (read by `contain_panic`).
+fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
     let started = Instant::now();
     let phases = inner.counters.phases(job.op);
     let regions = job.att.regions.read().expect("regions lock").clone();
@@ -392,7 +403,7 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
     // worker took its blocks back, if the check finds neither).
     let store_given_up = || state.is_some_and(|st| st.abandoned()) || att.peer_gone();
     let keep_waiting_for_promotions = || !state.is_some_and(|st| st.abandoned()) && att.is_alive() && !inner.is_shutting_down();
-    let mut plan = |s: usize| -> umbp_gpu::StagePlan<'_> {
+    let plan_stage = |s: usize| -> umbp_gpu::StagePlan<'_> {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let from = p.blocks.len();
@@ -470,7 +481,13 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         }
         plan
     };
-    let mut stage_landed = |s: usize| {
+    let mut plan = |s: usize| {
+        in_device.set(false);
+        let plan = plan_stage(s);
+        in_device.set(true);
+        plan
+    };
+    let settle_stage = |s: usize| {
         let p = &mut *progress.borrow_mut();
         let t = Instant::now();
         let range = p.stage_blocks[s].clone();
@@ -511,6 +528,11 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         p.publish_ns += t.elapsed().as_nanos() as u64;
         Counters::add(&phases.stages, 1);
     };
+    let mut stage_landed = |s: usize| {
+        in_device.set(false);
+        settle_stage(s);
+        in_device.set(true);
+    };
     // A fenced store's wait for its fence word ends as soon as the worker abandoned it (or
     // left): its blocks are no longer the transfer's, and the wait would hold this copy
     // slot for up to the fence timeout (`store_fence_timeout`) for nothing.
@@ -524,10 +546,12 @@ fn copy(inner: &PoolInner, job: &mut Job) -> Copied {
         keep_waiting: &keep_waiting,
         engine: *inner.engine.lock().expect("engine config lock"),
     };
+    in_device.set(true);
     // SAFETY: every op's host range is an object reserved (store) or pinned (load) for this
     // job in the object store, inside DRAM; nobody else writes it meanwhile (an object is
     // settled only once its stage's copies all landed).
     let result = unsafe { umbp_gpu::transfer_pipelined(&args, stages, &mut plan, &mut stage_landed) };
+    in_device.set(false);
     let copy_ns = copy_started.elapsed().as_nanos() as u64;
     let p = progress.into_inner();
     if let Err(e) = &result {

@@ -69,7 +69,8 @@ def test_hit_covering_the_whole_prompt_leaves_one_token(make):
 
 @pytest.mark.parametrize("load_async", [True, False], ids=["async", "sync"])
 def test_load_plan_and_restored_bytes(make, load_async):
-    h = make(extra={"load_async": load_async})
+    # Synchronous loads only under "fail" (under "recompute" loads are always async).
+    h = make(extra={"load_async": load_async}, failure_policy="recompute" if load_async else "fail")
     h.store_and_forget("a", T(3))
     b = h.add("b", T(3), max_tokens=2)
     so = h.step()
@@ -88,6 +89,19 @@ def test_load_plan_and_restored_bytes(make, load_async):
     h.run()
     assert h.external_tokens("b") == 256
     assert "b" in h.finished_returns
+
+
+def test_recompute_policy_forces_async_loads(make):
+    """Issue #31 item 4: under kv_load_failure_policy "recompute" vLLM recomputes a failed
+    synchronous load into the same blocks, which a started load of a stalled pool may
+    still write, so a synchronous load could only be waited for (holding the step). The
+    connector loads asynchronously there: load_async=false is ignored."""
+    h = make(extra={"load_async": False})
+    assert h.conn._load_async and h.conn._force_async
+    h.store_and_forget("a", T(3))
+    h.add("b", T(3), max_tokens=2)
+    (op,) = meta_ops(h.step(), "loads")
+    assert op.is_async, "a synchronous load was planned under recompute"
 
 
 def test_load_failure_recomputes(make, native):

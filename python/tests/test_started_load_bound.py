@@ -65,6 +65,8 @@ def setup(native, pool_factory, monkeypatch):
     monkeypatch.setenv("UMBP_COPY_THREADS", "1")
     pool = pool_factory(capacity="512MiB")
     buf = ctypes.create_string_buffer(BLOCK * BLOCKS)
+    for i in range(BLOCKS):  # block i holds byte i + 1: a wrong or missing byte shows
+        ctypes.memset(ctypes.addressof(buf) + i * BLOCK, i + 1, BLOCK)
     w = native.Worker(str(pool.socket_path), native.namespace_digest("bound"), timeout_ms=TIMEOUT_MS)
     alloc = w.register_host_memory(ctypes.addressof(buf), BLOCK * BLOCKS)
     w.register_layout(0, [(alloc, 0, BLOCK, BLOCK, BLOCKS)])
@@ -135,9 +137,10 @@ def test_a_started_sync_load_of_a_stopped_pool_returns_within_timeout_and_is_qua
     assert not ws._quarantined
 
 
-def test_under_recompute_a_started_load_is_waited_for(native, setup):
+def test_under_recompute_a_started_sync_load_is_waited_for(native, setup):
     """With kv_load_failure_policy "recompute" vLLM would recompute into the same blocks:
-    the step waits for the started load (the documented exception), until it completes."""
+    a synchronous load there (which the connector never plans: it loads asynchronously
+    under "recompute") is waited for until it completes, never handed back early."""
     pool, w, keys, _buf = setup
     ws = _worker_side(native, w, recompute=True)
     tid = _stopped_mid_load(pool, w, keys, [0.002, 0.005, 0.001, 0.01, 0.0005, 0.02])
@@ -156,6 +159,49 @@ def test_under_recompute_a_started_load_is_waited_for(native, setup):
         resumer.cancel()
     assert time.monotonic() - t0 >= 0.9, "returned before the started load completed"
     assert not ws._quarantined
+
+
+def test_under_recompute_a_started_async_load_holds_only_its_request(native, setup):
+    """Issue #31 item 4 under "recompute": the connector loads asynchronously there
+    (test_connector_contract: load_async=false is ignored), so a load the pool started and
+    then stalled on holds its own request, never the step: each step's get_finished
+    returns at once, the request is not reported received (its blocks stay the pool's) and
+    no error is reported (vLLM would recompute into those blocks). Once the pool resumes,
+    the request is received with exactly the stored bytes."""
+    pool, w, keys, buf = setup
+    ws = _worker_side(native, w, recompute=True)
+    ctypes.memset(ctypes.addressof(buf), 0xEE, BLOCK * BLOCKS)  # stale KV in the blocks
+    tid = _stopped_mid_load(pool, w, keys, [0.002, 0.005, 0.001, 0.01, 0.0005, 0.02])
+    if tid is None:
+        pytest.skip("the pool was never stopped in the middle of a load: nothing was tested")
+    from umbp.vllm.worker_side import Job
+
+    # Submitted more than timeout_ms ago: overdue at the first step.
+    old = time.perf_counter_ns() - 2 * TIMEOUT_MS * 1_000_000
+    ws._jobs[tid] = Job("load", "req-c", [b""] * BLOCKS, list(range(BLOCKS)), old, sync=False)
+    ws._async_loads["req-c"] = 1
+    try:
+        for _ in range(5):
+            t0 = time.monotonic()
+            ws.wait_for_sync_loads()
+            sending, recving = ws.get_finished(set())
+            took = time.monotonic() - t0
+            assert took < MARGIN_S, f"a step waited {took:.3f} s on a stopped pool"
+            assert not recving, "reported received while the stopped pool may still write its blocks"
+            assert not ws.take_load_errors(), "an error would make vLLM recompute into blocks the pool writes"
+            time.sleep(TIMEOUT_MS / 1000 / 2)
+    finally:
+        pool.resume()
+    deadline = time.monotonic() + 20
+    received = None
+    while time.monotonic() < deadline and not received:
+        _, received = ws.get_finished(set())
+        time.sleep(0.01)
+    assert received == {"req-c"}, "the request was never received after the pool resumed"
+    assert not ws.take_load_errors()
+    for i in range(BLOCKS):
+        got = ctypes.string_at(ctypes.addressof(buf) + i * BLOCK, BLOCK)
+        assert got == bytes([i + 1]) * BLOCK, f"block {i} does not hold its stored bytes"
 
 
 # -- the scheduler half: a request failed by a load error keeps its blocks until the -----

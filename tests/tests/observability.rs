@@ -59,7 +59,7 @@ fn ringtool_and_metrics_match_known_traffic() {
     let addr = format!("127.0.0.1:{port}");
     let pool = PoolProcess::start(
         &unique_socket("obs"),
-        &["--capacity", "64MiB", "--min-object-size", "16KiB", "--metrics-addr", &addr],
+        &["--capacity", "64MiB", "--min-object-size", "16KiB", "--quarantine-max-size", "3MiB", "--metrics-addr", &addr],
     );
     let sock = pool.socket.to_str().unwrap().to_string();
     let mut w = TestWorker::connect(&pool.socket, 7);
@@ -154,6 +154,10 @@ fn ringtool_and_metrics_match_known_traffic() {
         ("umbp_index_live", 40.0),
         ("umbp_events_total", 40.0),
         ("umbp_evictions_total", 0.0),
+        // Nothing quarantined without a remote tier; the bound is the flag's.
+        ("umbp_quarantined_bytes", 0.0),
+        ("umbp_quarantine_refusals_total", 0.0),
+        ("umbp_quarantine_max_bytes", (3u64 << 20) as f64),
         ("umbp_submissions_total", 3.0),
         ("umbp_attachments{role=\"worker\"}", 1.0),
         ("umbp_capacity_bytes", (64u64 << 20) as f64),

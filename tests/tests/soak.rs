@@ -34,10 +34,21 @@ fn soak(args: &[&str]) -> (Output, Cases) {
     (out, cases)
 }
 
+/// The pool runs with an SSD tier below a DRAM of 32 MiB (1/32 of the shared key space):
+/// loads promote from SSD while the faults fire, and a pool stopped mid-load makes workers
+/// wait on `Started` loads, within their bound (issue #31).
 #[test]
 fn chaos_soak_short() {
     let secs = std::env::var("UMBP_SOAK_SECS").unwrap_or_else(|_| "15".into());
-    let (out, cases) = soak(&["--seconds", &secs, "--workers", "3", "--timeout-ms", "1000"]);
+    let ssd = std::env::temp_dir().join(format!("umbp-soak-ssd-{}", std::process::id()));
+    std::fs::create_dir_all(&ssd).unwrap();
+    std::fs::set_permissions(&ssd, std::os::unix::fs::PermissionsExt::from_mode(0o700)).unwrap();
+    // Stages of one object: a load's stages (each after its SSD promotions) spread out, so
+    // that a pool stop lands between a load's first claimed stage and its last.
+    let pool_args = format!("--ssd-dir {} --ssd-capacity 512MiB --ssd-admission all --copy-stage-size 64KiB", ssd.display());
+    let (out, cases) =
+        soak(&["--seconds", &secs, "--workers", "3", "--timeout-ms", "1000", "--capacity", "32MiB", "--pool-args", &pool_args]);
+    let _ = std::fs::remove_dir_all(&ssd);
     assert!(out.status.success(), "soak failed (output above)");
     let case = |name: &str| case(&cases, name);
     assert_eq!(case("corrupted_bytes")["value"], 0.0);
@@ -45,6 +56,8 @@ fn chaos_soak_short() {
     assert_eq!(case("corrupted_bytes")["injected_flips"], 0);
     assert!(case("corrupted_bytes")["cancelled_transfers"].as_u64().unwrap() > 0, "no transfer was cancelled: the cancel path went untested");
     assert!(case("corrupted_bytes")["worker_disconnects"].as_u64().unwrap() > 0, "no worker dropped a live pool: that path went untested");
+    assert!(case("corrupted_bytes")["started_load_waits"].as_u64().unwrap() > 0, "no worker waited on a started load: that path went untested");
+    assert!(case("corrupted_bytes")["ssd_promotions"].as_u64().unwrap() > 0, "no load promoted from SSD: that path went untested");
     assert_eq!(case("leaked_bytes")["value"], 0.0);
     assert_eq!(case("leaked_bytes")["leaked_fds"], 0);
     assert!(case("leaked_bytes")["leak_checks"].as_u64().unwrap() >= 1);

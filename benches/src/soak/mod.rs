@@ -383,6 +383,10 @@ impl SoakCli {
             s.failures.push("not every worker re-attached within 30 s of the last fault".into());
         }
         s.leak_check("at the end")?;
+        // SSD tier (`--pool-args --ssd-dir ...`): promotions of the last pool process (a
+        // restart on the same directory serves the objects again).
+        let (ssd_promotions, ssd_promotion_failures) =
+            s.pool.report().ok().and_then(|r| r.ssd).map_or((0, 0), |ssd| (ssd.promotions, ssd.promotion_failures));
         s.pause_all()?;
         let mut total = s.banked;
         for w in &mut s.workers {
@@ -435,6 +439,9 @@ impl SoakCli {
                 .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES)
                 .extra("cancelled_transfers", total.cancelled as u64)
                 .extra("worker_disconnects", total.disconnects as u64)
+                .extra("started_load_waits", total.started_waits as u64)
+                .extra("ssd_promotions", ssd_promotions)
+                .extra("ssd_promotion_failures", ssd_promotion_failures)
                 .extra("inject_corruption", self.inject_corruption.unwrap_or(0))
                 .extra("injected_flips", injected_flips),
             ctx(Case::new("soak", "pool_crashes", s.pool_crashes as f64, "crashes", 0.0, "allowed", Better::Lower))

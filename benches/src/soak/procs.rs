@@ -94,6 +94,7 @@ pub(super) struct Totals {
     pub(super) corrupt_bytes: f64,
     pub(super) cancelled: f64,
     pub(super) disconnects: f64,
+    pub(super) started_waits: f64,
     pub(super) max_blocked_ms: f64,
     pub(super) max_blocked_call: Option<&'static str>,
 }
@@ -106,6 +107,7 @@ impl Totals {
         self.corrupt_bytes += num(v, "corrupt_bytes");
         self.cancelled += num(v, "cancelled");
         self.disconnects += num(v, "disconnects");
+        self.started_waits += num(v, "started_waits");
         if num(v, "max_blocked_ms") > self.max_blocked_ms {
             self.max_blocked_ms = num(v, "max_blocked_ms");
             self.max_blocked_call = match v["max_blocked_call"].as_str() {

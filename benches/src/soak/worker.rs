@@ -78,6 +78,9 @@ struct Tally {
     /// `Worker::disconnect` on a live pool (issue #31): stores and unstarted loads fail and
     /// their blocks are reused at once; started loads complete when the pool answers.
     disconnects: u64,
+    /// Cancels answered `Started` (a load the pool writes): the worker waits on it in
+    /// bounded slices until it completes or the pool dies (issue #31 item 4).
+    started_waits: u64,
 }
 
 /// A worker's KV memory: a heap buffer (registered as `HostProcess`) or a mapped memfd
@@ -306,7 +309,10 @@ impl SoakWorker {
         if let Some(pos) = overdue {
             let id = self.pending[pos].0;
             match self.timed("cancel", Duration::ZERO, |w| w.cancel(id)) {
-                umbp_worker::CancelOutcome::Started => self.pending[pos].1.cancel_refused = true,
+                umbp_worker::CancelOutcome::Started => {
+                    self.pending[pos].1.cancel_refused = true;
+                    self.t.started_waits += 1;
+                }
                 umbp_worker::CancelOutcome::Cancelled => self.t.cancelled += 1,
                 umbp_worker::CancelOutcome::NotInFlight => {}
             }
@@ -336,7 +342,7 @@ impl SoakWorker {
             "failed": t.failed, "corrupt_bytes": t.corrupt_bytes,
             "max_blocked_ms": (t.max_blocked_ms * 1000.0).round() / 1000.0,
             "max_blocked_call": t.max_blocked_call,
-            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled, "disconnects": t.disconnects,
+            "busy": t.busy, "stalled": t.stalled, "disconnected": t.disconnected, "cancelled": t.cancelled, "disconnects": t.disconnects, "started_waits": t.started_waits,
             "connected": self.w.is_connected(), "pending": self.pending.len(),
         });
         let mut out = std::io::stdout().lock();

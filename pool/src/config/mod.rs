@@ -124,6 +124,10 @@ pub struct PoolConfig {
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches
     /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
     pub promotion_ahead_bytes: u64,
+    /// Bound on DRAM quarantined because a transfer may still write it (a remote read that
+    /// timed out; pool/src/objects/quarantine.rs): at it, promotions from the remote tier
+    /// are misses until quarantined ranges are reclaimed. None: 1/8 of `capacity_bytes`.
+    pub quarantine_max_bytes: Option<u64>,
     /// How long the service thread and a copy thread keep polling for work after the
     /// pool's last activity before they sleep. Waking a sleeping thread costs tens to
     /// hundreds of µs on a VM (the vCPU halted); polling through the gap between a worker's
@@ -320,6 +324,7 @@ impl Default for PoolConfig {
             copy_stage_bytes: table_default(&COPY_STAGE_SIZE, parse_size),
             copy_stage_growth_percent: table_default(&COPY_STAGE_GROWTH, parse_growth),
             promotion_ahead_bytes: table_default(&PROMOTION_AHEAD, parse_size),
+            quarantine_max_bytes: None,
             idle_poll: table_default(&IDLE_POLL_US, parse_idle_poll),
             engine: default_engine(),
             max_attachments: table_default(&MAX_ATTACHMENTS, parse_number),

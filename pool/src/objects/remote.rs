@@ -7,7 +7,7 @@
 use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
-use super::{GroupKey, ObjectEvent, ObjectState, ObjectStore};
+use super::{GroupKey, ObjectEvent, ObjectState, ObjectStore, Writer};
 use crate::remote::HeldObject;
 
 impl ObjectStore {
@@ -57,10 +57,11 @@ impl ObjectStore {
     }
 
     /// Gives up on a promotion whose destination a transfer may still write (a remote read
-    /// that timed out): the object leaves the pool (index, event) and its DRAM stays
-    /// allocated forever (quarantined), so `finish_promotion` finds nothing to free.
-    /// Returns the bytes leaked.
-    pub fn abandon_promotion(&mut self, key: impl Into<GroupKey>) -> u64 {
+    /// that timed out, `writer`): the object leaves the pool (index, event) and its DRAM
+    /// stays allocated, quarantined until the promotion's owner has finished it (then
+    /// `finish_promotion` finds nothing to free) and `writer` can no longer land
+    /// (objects/quarantine.rs). Returns the bytes quarantined.
+    pub fn abandon_promotion(&mut self, key: impl Into<GroupKey>, writer: Writer) -> u64 {
         let gk = key.into();
         let (group, key) = (gk.group, gk.key);
         let Some(o) = self.objects.get(&gk) else { return 0 };
@@ -72,7 +73,7 @@ impl ObjectStore {
         }
         self.count_lower(from, -1);
         self.release_held(o.namespace, o.size);
-        self.quarantined_bytes += o.size;
+        self.quarantine.add(o.offset, o.size, writer, false);
         self.groups[group as usize].index.remove(key);
         if let Some(ns) = self.namespaces.get_mut(&o.namespace) {
             ns.objects -= 1;
@@ -146,7 +147,7 @@ mod tests {
         let (offset, _, _) = s.begin_promotion(k).unwrap();
         let allocated = s.allocated_bytes();
         assert!(allocated > before);
-        assert_eq!(s.abandon_promotion(k), 4096);
+        assert_eq!(s.abandon_promotion(k, Writer::RemoteRead("holder".into())), 4096);
         assert!(!s.finish_promotion(k, offset, false), "nothing left to free");
         assert_eq!(s.allocated_bytes(), allocated, "the DRAM is never reused");
         assert_eq!(s.quarantined_bytes(), 4096);
@@ -164,7 +165,7 @@ mod tests {
         let k = ObjectKey(13);
         assert!(s.insert_remote(0, held(13), u64::MAX));
         let a = s.begin_promotion(k).unwrap();
-        assert_eq!(s.abandon_promotion(k), 4096);
+        assert_eq!(s.abandon_promotion(k, Writer::RemoteRead("holder".into())), 4096);
         assert!(s.insert_remote(0, held(13), u64::MAX), "the follower lists the peer's key again");
         let b = s.begin_promotion(k).unwrap();
         assert_ne!(a.0, b.0, "A's DRAM is quarantined, B got its own");
@@ -174,6 +175,70 @@ mod tests {
         assert_eq!(s.reserve_load(k, 4096), LoadReservation::Promoting, "B's promotion still runs");
         assert!(s.finish_promotion(k, b.0, true), "B's own finish publishes");
         assert_eq!(s.groups[0].index.get(k), Some(location::encode(Tier::Dram, b.0)));
+    }
+
+    /// Issue #31 item 6g: the DRAM of timed-out reads is reclaimed once both the load
+    /// that began each promotion has finished it and the cluster node has forgotten the
+    /// holder (its endpoint closed: no byte of the read lands any more), in either order;
+    /// another holder's ranges stay. Before, it stayed allocated until the pool restarted.
+    #[test]
+    fn quarantined_reads_are_reclaimed_once_finished_and_their_holder_forgotten() {
+        let mut s = store();
+        let holder = |k: u128| Writer::RemoteRead(if k.is_multiple_of(4) { "h2".into() } else { "h1".into() });
+        let before = s.allocated_bytes();
+        let mut begun = Vec::new();
+        for k in 0..8u128 {
+            assert!(s.insert_remote(0, held(300 + k), u64::MAX));
+            let (offset, _, _) = s.begin_promotion(ObjectKey(300 + k)).unwrap();
+            assert_eq!(s.abandon_promotion(ObjectKey(300 + k), holder(k)), 4096);
+            begun.push((k, offset));
+        }
+        assert_eq!(s.quarantine_stats().ranges, 8);
+        // h1 forgotten before its loads finished: nothing may be reused yet (a late finish
+        // would match another promotion given the same offset).
+        assert_eq!(s.reclaim_quarantine_of("h1"), 0);
+        for &(k, offset) in &begun[..4] {
+            assert!(!s.finish_promotion(ObjectKey(300 + k), offset, false));
+        }
+        // Finished after the forget: k = 1, 2, 3 (h1) are free at their finish.
+        assert_eq!(s.quarantine_stats().reclaimed_bytes, 3 * 4096);
+        for &(k, offset) in &begun[4..] {
+            assert!(!s.finish_promotion(ObjectKey(300 + k), offset, false));
+        }
+        assert_eq!(s.quarantine_stats().reclaimed_bytes, 6 * 4096, "h1's six ranges");
+        assert_eq!(s.quarantined_bytes(), 2 * 4096, "h2 (k = 0, 4) was not forgotten");
+        assert_eq!(s.reclaim_quarantine_of("h2"), 2 * 4096);
+        let stats = s.quarantine_stats();
+        assert_eq!((stats.bytes, stats.ranges, stats.reclaimed_bytes), (0, 0, 8 * 4096), "{stats:?}");
+        assert_eq!(s.allocated_bytes(), before, "every range is back in the allocator");
+    }
+
+    /// Issue #31 item 6g: the quarantine is bounded. At the bound a promotion from the
+    /// remote tier is refused (the remote copy is forgotten here: the load misses, never
+    /// reads a wrong byte) and counted; once ranges are reclaimed, promotions resume.
+    /// Before, every timed-out read added DRAM for good.
+    #[test]
+    fn at_its_bound_the_quarantine_refuses_remote_promotions() {
+        let mut s = store();
+        s.set_quarantine_max_bytes(2 * 4096);
+        let mut begun = Vec::new();
+        for k in 0..2u128 {
+            assert!(s.insert_remote(0, held(400 + k), u64::MAX));
+            let (offset, _, _) = s.begin_promotion(ObjectKey(400 + k)).unwrap();
+            s.abandon_promotion(ObjectKey(400 + k), Writer::RemoteRead("slow".into()));
+            assert!(!s.finish_promotion(ObjectKey(400 + k), offset, false));
+            begun.push(offset);
+        }
+        assert!(s.insert_remote(0, held(410), u64::MAX));
+        let allocated = s.allocated_bytes();
+        assert_eq!(s.begin_promotion(ObjectKey(410)), None, "at the bound no remote read begins");
+        assert_eq!(s.reserve_load(ObjectKey(410), 4096), LoadReservation::Missing, "the load misses");
+        assert_eq!(s.groups[0].index.get(ObjectKey(410)), None, "lookups miss too");
+        assert_eq!(s.allocated_bytes(), allocated);
+        assert_eq!(s.quarantine_stats().refusals, 1);
+        assert_eq!(s.reclaim_quarantine_of("slow"), 2 * 4096);
+        assert!(s.insert_remote(0, held(410), u64::MAX));
+        assert!(s.begin_promotion(ObjectKey(410)).is_some(), "under the bound again: promotions resume");
     }
 
     #[test]

@@ -268,6 +268,12 @@ impl ObjectStore {
         let key = key.into();
         let o = self.objects.get(&key)?;
         let ObjectState::Lower { tier } = o.state else { return None };
+        if tier == Tier::Remote && !self.quarantine.admits_remote_read() {
+            // A timed-out read would quarantine more than the bound: the remote copy is
+            // forgotten here, so the load (and the schedulers' lookups) see a miss.
+            self.remove_remote(key.group, key.key);
+            return None;
+        }
         let (size, namespace) = (o.size, o.namespace);
         let offset = self.alloc.alloc(size)?;
         let h = self.held.entry(namespace).or_default();
@@ -291,18 +297,24 @@ impl ObjectStore {
     ///
     /// The offset is the promotion's identity: only its owner finishes it. A promotion
     /// ended by someone else ([`Self::abandon_promotion`] after a remote read timed out)
-    /// keeps its DRAM allocated for ever (quarantined), so no later promotion of the same
-    /// key, which a load may begin meanwhile, can have that offset; a late finish by the
-    /// first owner then matches nothing and never frees or drops the second one's object
-    /// while its fetch still writes it (issue #31).
+    /// keeps its DRAM allocated (quarantined) at least until that late finish, so no later
+    /// promotion of the same key, which a load may begin meanwhile, can have that offset; a
+    /// late finish by the first owner then matches nothing and never frees or drops the
+    /// second one's object while its fetch still writes it (issue #31). It marks the
+    /// quarantined range's owner done (objects/quarantine.rs).
     pub fn finish_promotion(&mut self, key: impl Into<GroupKey>, offset: u64, fetched: bool) -> bool {
         let key = key.into();
-        let Some(o) = self.objects.get_mut(&key) else { return false };
-        let ObjectState::Promoting { from } = o.state else { return false };
-        if o.offset != offset {
+        let owned = self.objects.get(&key).is_some_and(|o| matches!(o.state, ObjectState::Promoting { .. }) && o.offset == offset);
+        if !owned {
             tracing::debug!(key = %format_args!("{:032x}", key.key.0), "promotion finished by a load that no longer owns it (abandoned earlier): ignored");
+            // Its owner is done with the abandoned range: it may be reclaimed once its
+            // writer is gone too.
+            let safe = self.quarantine.owner_done(offset);
+            self.free_reclaimed(safe);
             return false;
         }
+        let o = self.objects.get_mut(&key).expect("owned");
+        let ObjectState::Promoting { from } = o.state else { unreachable!("owned") };
         let (offset, size, namespace) = (o.offset, o.size, o.namespace);
         if fetched {
             o.state = ObjectState::Published;

@@ -21,7 +21,7 @@ Keys (all optional):
 | `dram_prefault` | bool | false | embedded: fault every DRAM page in at start |
 | `num_workers` | int > 0 | the pool's default | embedded: copy threads of the worker's pool; standalone: no effect (logged), the pool's `--copy-threads` decides |
 | `kv_event_max_objects` | int > 0 | 65536 | KV events: blocks tracked for BlockStored/BlockRemoved; when full, new BlockStored events are suppressed until tracked blocks leave the pool (storing and lookups go on) |
-| `load_async` | bool | true | load between steps (request waits, reported via get_finished) or synchronously before the forward |
+| `load_async` | bool | true | load between steps (request waits, reported via get_finished) or synchronously before the forward (ignored under kv_load_failure_policy=recompute: always async) |
 | `lookup_async` | bool | false | accepted, no effect (logged once when true): lookups are shared-memory reads that never block the scheduler, so there is nothing to move off its thread |
 | `enable_lookup` | bool | true | false: never report hits (store only) |
 | `save_decode_cache` | bool | false | also store blocks filled by generated tokens |

@@ -32,7 +32,8 @@ Correctness rules this file keeps (vLLM contract, docs/connection.md "Failure ru
   returns True) until every worker reports it in `get_finished`; preempted requests wait for
   their in-flight stores in `handle_preemptions` (their blocks are reused right after);
 * failed or missing loads are reported by block id (`get_block_ids_with_load_errors`); with
-  `kv_load_failure_policy="recompute"` vLLM recomputes them, never a wrong token;
+  `kv_load_failure_policy="recompute"` vLLM recomputes them, never a wrong token (under
+  "recompute" loads are always asynchronous: `load_async=false` is ignored);
 * if the pool is gone: lookups miss, loads fail (recompute), stores are dropped — no error.
 
 This module is the facade vLLM talks to; the work is done elsewhere, one concern each:
@@ -144,12 +145,16 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         why_async = forces_async_load(
             self._groups, kv_cache_config, getattr(vllm_config.model_config, "hf_config", None)
         )
+        if why_async is None and self._recompute_failures:
+            # vLLM recomputes a failed synchronous load into the same blocks, which a load
+            # the pool started and did not finish in timeout_ms may still write: such a load
+            # would hold the engine step until the pool finishes or dies. An asynchronous
+            # load holds only its own request (docs/connection.md).
+            why_async = "kv_load_failure_policy is 'recompute'"
         self._force_async = why_async is not None
         self._load_async = self._cfg.load_async or self._force_async
         if why_async and not self._cfg.load_async and role == KVConnectorRole.SCHEDULER:
-            logger.warning(
-                "UMBP: load_async=false ignored: %s, whose loads are always asynchronous", why_async
-            )
+            logger.warning("UMBP: load_async=false ignored: loads are always asynchronous when %s", why_async)
         self._gpu_block_pool: Any = None
         self._tp_size = pc.tensor_parallel_size
         self._dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)

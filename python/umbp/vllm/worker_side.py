@@ -14,8 +14,12 @@ started keeps its blocks until the pool finishes it or dies.
 A started synchronous load past `timeout_ms` does not hold the step (docs/connection.md,
 "A started load that does not finish"): with vLLM's kv_load_failure_policy "fail" its
 blocks are reported failed at once (the request fails) and quarantined: the scheduler
-delays their free until the pool completes the load or dies. With "recompute" the request
-would recompute into the very blocks the pool may still write, so the step waits instead.
+delays their free until the pool completes the load or dies. With "recompute" vLLM would
+recompute into the very blocks the pool may still write, so the connector never plans a
+synchronous load under "recompute" (connector.py forces loads asynchronous): a started
+asynchronous load past `timeout_ms` keeps its request waiting (not reported received)
+until the pool finishes it or dies, and the step never waits for it. A synchronous load
+under "recompute" (only reachable by driving this class directly) is waited for.
 """
 
 from __future__ import annotations
@@ -350,7 +354,8 @@ class WorkerSide:
         """Cancel a transfer past its time; returns its statuses (all failed when
         cancelled). A synchronous load the pool has started is quarantined (reported
         failed now, its blocks kept out of reuse until the pool completes it or dies);
-        under kv_load_failure_policy "recompute" it is waited for instead, without bound."""
+        under kv_load_failure_policy "recompute", where the connector plans no synchronous
+        load, one would be waited for instead, without bound."""
         outcome = self.w.cancel(tid)
         self.c._stats.add("cancelled_transfers" if outcome == "cancelled" else "cancel_refused", 1)
         job = self._jobs.get(tid)
