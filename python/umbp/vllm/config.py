@@ -33,6 +33,7 @@ Keys (all optional):
 | `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
 | `lazy_offload_max_blocks` | int > 0 | ceil(`max_num_batched_tokens` / block size) | lazy offload: free-queue blocks examined per scan (one after each step's frees, one per step's metadata) |
 | `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
+| `kv_layout` | `auto` \\| `engine` \\| a layout name (`BLHNC`, `BLNHC`, `LBNHC`, ...) | `auto` | KV cache layout asked of vLLM: auto asks for a block-outermost cross-layer layout where every attention backend supports it and pages are under 64 KiB (kv_layout_choice.py), engine never asks |
 | `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (created); the directory must exist |
 | `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / TP ranks | embedded: SSD bytes per worker |
 | `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else 0.95 / 0.85 | embedded: SSD reclaim watermarks |
@@ -584,6 +585,10 @@ class OffloadOptions:
             )
             kw["max_blocks_set"] = True
         return cls(**kw)
+
+
+# ---- the KV cache layout asked of vLLM (kv_layout_choice.py parses and applies it).
+KNOWN_KEYS = KNOWN_KEYS | {"kv_layout"}
 
 
 # ---- SSD tier of the embedded pool (issue #16, docs/ssd.md): ssd_dir, ssd_capacity,
