@@ -224,13 +224,14 @@ def test_real_config_on_cpu(cfg_dir):
     page size is vLLM's (128-token blocks x 2 KV heads x 32 x K+V x bf16)."""
     from umbp.vllm import UMBPStoreConnector
 
+    asked = UMBPStoreConnector.get_required_kvcache_layout
     vc = _config(cfg_dir, block=128)
     assert model_page_bytes(vc) == 128 * 2 * 32 * 2 * 2
-    assert UMBPStoreConnector.get_required_kvcache_layout(vc) is None
-    assert required_kv_layout(_config(cfg_dir, {"kv_layout": "engine"}, 128)) is None
-    assert required_kv_layout(_config(cfg_dir, {"kv_layout": "LBHNC"}, 128)) == "LBHNC"
+    assert asked(vc) is None and required_kv_layout(vc) is None
+    assert asked(_config(cfg_dir, {"kv_layout": "engine"}, 128)) is None
+    assert asked(_config(cfg_dir, {"kv_layout": "LBHNC"}, 128)) == "LBHNC"
     with pytest.raises(ValueError) as e:
-        required_kv_layout(_config(cfg_dir, {"kv_layout": "BLHNC"}, 128))
+        asked(_config(cfg_dir, {"kv_layout": "BLHNC"}, 128))
     assert str(e.value).startswith("kv_layout: BLHNC") and "CPU_ATTN" in str(e.value)
 
 
