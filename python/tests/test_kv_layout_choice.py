@@ -155,10 +155,18 @@ def test_parse_refuses(value, fragment):
     assert str(e.value).startswith("kv_layout: ") and fragment in str(e.value)
 
 
-def test_key_is_known_to_the_config_parser():
+def test_config_parser_knows_and_checks_the_key(monkeypatch):
     from umbp.vllm.config import UMBPConnectorConfig
 
-    UMBPConnectorConfig.from_extra_config({"kv_layout": "BLHNC"})  # not an unknown key
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    assert UMBPConnectorConfig.from_extra_config({"kv_layout": "BLHNC"}).notes == ()
+    # vLLM does not ask the connector when VLLM_KV_CACHE_LAYOUT is set: the value is still
+    # checked, and the key is noted as without effect.
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
+    with pytest.raises(ValueError, match="^kv_layout: expected auto"):
+        UMBPConnectorConfig.from_extra_config({"kv_layout": "BLHCN"})
+    (note,) = UMBPConnectorConfig.from_extra_config({"kv_layout": "auto"}).notes
+    assert note.startswith("kv_layout='auto' has no effect: VLLM_KV_CACHE_LAYOUT=LBNHC")
 
 
 # ---- vLLM's real planning and allocation in the picked layout, as the pool registers it --

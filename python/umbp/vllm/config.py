@@ -448,6 +448,17 @@ class UMBPConnectorConfig:
                 "lookup_async=true has no effect: lookups read the pool's shared-memory index "
                 "and never block the scheduler, so there is nothing to move off its thread"
             )
+        if has("kv_layout"):
+            # Applied by the connector's get_required_kvcache_layout, which vLLM skips when
+            # VLLM_KV_CACHE_LAYOUT is set: check the value here too.
+            from .kv_layout_choice import parse_kv_layout
+
+            parse_kv_layout(extra["kv_layout"])
+            if os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+                notes.append(
+                    f"kv_layout={extra['kv_layout']!r} has no effect: VLLM_KV_CACHE_LAYOUT="
+                    f"{os.environ['VLLM_KV_CACHE_LAYOUT']} decides the KV cache layout"
+                )
         kw["ssd"] = SsdOptions.from_extra_config(extra, mode)
         kw["notes"] = tuple(notes)
         cfg = cls(**kw)
