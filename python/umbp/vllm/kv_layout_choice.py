@@ -50,10 +50,10 @@ AUTO = "auto"
 ENGINE = "engine"
 
 # Below this page size (one layer's block) copy engines miss line rate and per-layer pages
-# take the SM copy kernel: on the H200 copy engines moved 4/8/16/32 KiB pages at
-# 5.4/10.6/19.8/37.2 GB/s device-to-host and 64/128 KiB pages at 49.8/50.6 GB/s, the kernel
-# 48.9-50.5 GB/s throughout (docs/data/h-gpu8-2026-12-02/run4-gpu-tests.log, calibration).
-# From 64 KiB on the engine's own layout moves as fast and is left alone.
+# take the SM copy kernel. The pool's calibrations on the H200 (229 in docs/data,
+# 2026-12-01..04; the slower direction) moved 16/32 KiB pages through copy engines at
+# 14-33/29-50 GB/s and 64/128 KiB pages at 47-51/47-52 GB/s; the kernel 47-51 GB/s
+# throughout. From 64 KiB on the engine's own layout moves as fast and is left alone.
 BLOCK_OUTERMOST_BELOW_PAGE_BYTES = 64 << 10
 
 
