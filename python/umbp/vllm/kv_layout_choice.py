@@ -50,7 +50,7 @@ AUTO = "auto"
 ENGINE = "engine"
 
 # Below this page size (one layer's block) copy engines miss line rate and per-layer pages
-# take the SM copy kernel. The pool's calibrations on the H200 (229 in docs/data,
+# take the SM copy kernel. The pool's calibrations on the H200 (docs/data,
 # 2026-12-01..04; the slower direction) moved 16/32 KiB pages through copy engines at
 # 14-33/29-50 GB/s and 64/128 KiB pages at 47-51/47-52 GB/s; the kernel 47-51 GB/s
 # throughout. From 64 KiB on the engine's own layout moves as fast and is left alone.
