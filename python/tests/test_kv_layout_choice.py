@@ -247,8 +247,11 @@ def test_real_config_on_cpu(cfg_dir):
 
 
 @pytest.mark.e2e
-def test_engine_auto_keeps_cpu_layout_and_hits(native, engine_factory, reference_tokens):
-    eng = engine_factory("--extra", json.dumps({"kv_layout": "auto"}))
+@pytest.mark.parametrize("procs", [[], ["--mp"]], ids=["one-process", "multiprocess"])
+def test_engine_auto_keeps_cpu_layout_and_hits(native, engine_factory, reference_tokens, procs):
+    """Multiprocess: the engine core, where vLLM asks the connector, has no model layers;
+    the backends come from vLLM's selector there."""
+    eng = engine_factory("--extra", json.dumps({"kv_layout": "auto"}), *procs)
     first = eng.run("first")
     eng.reset()
     second = eng.run("second")
