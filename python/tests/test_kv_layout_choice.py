@@ -187,41 +187,93 @@ def _config(model_dir: str, extra: dict | None = None, block: int = 16):
     ).create_engine_config()
 
 
-@pytest.mark.parametrize("layout,segments", [("BLHNC", 1), ("BLNHC", 1), ("LBNHC", 2), ("LBHNC", 2)])
-def test_vllm_allocation_registers_as_one_segment_per_block(cfg_dir, layout, segments):
-    """vLLM plans (`get_kv_cache_configs`) and allocates (`allocate_kv_cache`) the tiny
-    model's cache in `layout`; the pool's layout code then sees a cross-layer layout as one
-    segment (one copy per object) and a layer-outermost one as a segment per layer, with
-    the same object size and every page at vLLM's own address for it."""
+NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def _vllm_caches(model_dir: str, layout: str):
+    """The tiny model's KV cache as vLLM plans (`get_kv_cache_configs`) and allocates
+    (`allocate_kv_cache`) it in `layout` -> (per-layer views, num_blocks, page bytes)."""
     from vllm.v1.core import kv_cache_utils as kcu
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    from umbp.vllm.layout import kv_layout
-
     block, heads, head = 16, 2, 32  # the tiny model's KV heads and head size
-    vc = _config(cfg_dir, block=block)
+    vc = _config(model_dir, block=block)
     vc.cache_config.kv_cache_layout = layout  # resolved, as the engine core records it
     spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
-    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
     nb = 1024 // block + 8  # vLLM wants room for one max_model_len request
-    (kcc,) = kcu.get_kv_cache_configs(vc, [{n: spec for n in names}], [2 * spec.page_size_bytes * nb])
+    (kcc,) = kcu.get_kv_cache_configs(vc, [{n: spec for n in NAMES}], [2 * spec.page_size_bytes * nb])
     caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout])
-    lay = kv_layout(caches, names, kcc.num_blocks)
-    page = spec.page_size_bytes
+    return caches, kcc.num_blocks, spec.page_size_bytes
+
+
+@pytest.mark.parametrize("layout,segments", [("BLHNC", 1), ("BLNHC", 1), ("LBNHC", 2), ("LBHNC", 2)])
+def test_vllm_allocation_registers_as_one_segment_per_block(cfg_dir, layout, segments):
+    """The pool's layout code sees vLLM's cross-layer allocation as one segment (one copy
+    per object) and a layer-outermost one as a segment per layer, with the same object size
+    and every page at vLLM's own address for it."""
+    from umbp.vllm.layout import kv_layout
+
+    caches, nb, page = _vllm_caches(cfg_dir, layout)
+    lay = kv_layout(caches, NAMES, nb)
     assert len(lay.segments) == segments
     assert lay.object_bytes == 2 * page
     if segments == 1:
         (s,) = lay.segments
         assert s.page_bytes == s.block_stride == 2 * page
-    # Layer l's page of block b is where vLLM put it.
     base = lay.storages[0].base
-    for i, n in enumerate(names):
-        t = caches[n]
-        for b in (0, kcc.num_blocks - 1):
-            addr = t[b].data_ptr() - base
+    for i, n in enumerate(NAMES):
+        for b in (0, nb - 1):
+            addr = caches[n][b].data_ptr() - base
             seg, off = (lay.segments[0], i * page) if segments == 1 else (lay.segments[i], 0)
             assert addr == seg.offset + b * seg.block_stride + off
+
+
+def _in_memory_order(page):
+    """A block's elements in the order they sit in memory (what the pool copies)."""
+    return page.permute(*sorted(range(page.dim()), key=lambda i: -page.stride(i))).flatten()
+
+
+def test_blhnc_round_trip_through_a_pool(native, cfg_dir):
+    """Store from vLLM's BLHNC allocation (one copy per object), load into its LBHNC one
+    (a copy per layer) and back into a second BLHNC one: every layer's page of every block
+    arrives byte for byte where that layout keeps it."""
+    from umbp.vllm.layout import kv_layout
+
+    pool = native.EmbeddedPool(64 << 20, min_object_bytes=4096)
+    ns = native.namespace_digest("test_kv_layout_choice")
+    workers = []
+
+    def attach(caches, nb):
+        lay = kv_layout(caches, NAMES, nb)
+        w = native.Worker(pool.socket_path, ns)
+        workers.append(w)
+        ids = [w.register_host_memory(s.base, s.nbytes) for s in lay.storages]
+        w.register_layout(0, [s.as_tuple(ids) for s in lay.segments])
+        return w
+
+    try:
+        src, nb, _ = _vllm_caches(cfg_dir, "BLHNC")
+        g = torch.Generator().manual_seed(7)
+        for n in NAMES:
+            src[n].copy_(torch.randn(src[n].shape, generator=g).to(src[n].dtype))
+        n_obj = 16
+        keys = native.object_keys(ns, 0, 0, [bytes([b]) for b in range(n_obj)])
+        w = attach(src, nb)
+        assert w.wait(w.store(0, keys, list(range(1, n_obj + 1))), 5000) == [native.STATUS_STORED] * n_obj
+        for layout in ("LBHNC", "BLHNC"):
+            dst, dnb, _ = _vllm_caches(cfg_dir, layout)
+            w = attach(dst, dnb)
+            perm = [dnb - 1 - b for b in range(n_obj)]  # object b into block dnb-1-b
+            assert w.wait(w.load(0, keys, perm), 5000) == [native.STATUS_LOADED] * n_obj
+            for n in NAMES:
+                for b in range(n_obj):
+                    got, want = _in_memory_order(dst[n][perm[b]]), _in_memory_order(src[n][b + 1])
+                    assert torch.equal(got, want), (layout, n, b)
+    finally:
+        for w in workers:
+            w.close()
+        pool.close()
 
 
 # ---- a real VllmConfig through the connector's classmethod ------------------------------
