@@ -202,7 +202,15 @@ def _vllm_caches(model_dir: str, layout: str):
     vc.cache_config.kv_cache_layout = layout  # resolved, as the engine core records it
     spec = FullAttentionSpec(block_size=block, num_kv_heads=heads, head_size=head, dtype=torch.bfloat16)
     nb = 1024 // block + 8  # vLLM wants room for one max_model_len request
-    (kcc,) = kcu.get_kv_cache_configs(vc, [{n: spec for n in NAMES}], [2 * spec.page_size_bytes * nb])
+    specs, mem = {n: spec for n in NAMES}, [2 * spec.page_size_bytes * nb]
+    if hasattr(kcu, "get_kv_cache_configs"):  # vLLM 0.32
+        (kcc,) = kcu.get_kv_cache_configs(vc, [specs], mem)
+    else:  # vLLM 0.33: planning moved; specs registered, global groups first
+        from vllm.v1.core import kv_cache_planning as kcp
+        from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+        register_all_kvcache_specs(vc)
+        (kcc,) = kcp.get_kv_cache_configs(vc, [specs], mem, kcp.get_global_kv_cache_groups(vc, [specs]))
     caches = allocate_kv_cache(kcc, torch.device("cpu"), KVCacheLayout[layout])
     return caches, kcc.num_blocks, spec.page_size_bytes
 
