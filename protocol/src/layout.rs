@@ -226,6 +226,18 @@ mod tests {
     }
 
     #[test]
+    fn block_outermost_layer_segments_plan_one_copy_per_block() {
+        // vLLM's BLHNC registered one segment per layer (a peer need not merge them): 3
+        // layers of 512-byte pages, layer l at l * 512, blocks 1536 bytes apart.
+        let segs = (0..3).map(|l| Segment::new(0, l * 512, 1536, 512, 100)).collect();
+        let l = KvLayout::new(segs, sizes).unwrap();
+        assert_eq!(l.object_bytes(), 1536);
+        let mut ops = vec![];
+        l.plan_block(7, 0, &mut ops).unwrap();
+        assert_eq!(ops, vec![CopyOp { alloc_id: 0, device_offset: 7 * 1536, host_offset: 0, len: 1536 }]);
+    }
+
+    #[test]
     fn rejects_bad_segments() {
         let bad = |s: Segment| KvLayout::new(vec![s], sizes).unwrap_err();
         assert!(matches!(bad(Segment::new(9, 0, 1, 1, 1)), ProtocolError::InvalidField { what: "segment alloc_id", .. }));

@@ -33,6 +33,7 @@ Keys (all optional):
 | `lazy_offload` | bool | false | store reusable blocks picked from vLLM's GPU free queue (next to be evicted) instead of every new block after each step (docs/vllm-hybrid.md) |
 | `lazy_offload_max_blocks` | int > 0 | ceil(`max_num_batched_tokens` / block size) | lazy offload: free-queue blocks examined per scan (one after each step's frees, one per step's metadata) |
 | `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
+| `kv_layout` | `auto` \\| `engine` \\| a layout name (`BLHNC`, `BLNHC`, `LBNHC`, ...) | `auto` | KV cache layout asked of vLLM: auto asks for a block-outermost cross-layer layout where every attention backend supports it and pages are under 64 KiB (kv_layout_choice.py), engine never asks |
 | `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (created); the directory must exist |
 | `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / TP ranks | embedded: SSD bytes per worker |
 | `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else the pool's (`--ssd-high-watermark` / `--ssd-low-watermark`) | embedded: SSD reclaim watermarks |
@@ -473,6 +474,17 @@ class UMBPConnectorConfig:
                 "lookup_async=true has no effect: lookups read the pool's shared-memory index "
                 "and never block the scheduler, so there is nothing to move off its thread"
             )
+        if has("kv_layout"):
+            # Applied by the connector's get_required_kvcache_layout, which vLLM skips when
+            # VLLM_KV_CACHE_LAYOUT is set: check the value here too.
+            from .kv_layout_choice import parse_kv_layout
+
+            parse_kv_layout(extra["kv_layout"])
+            if os.environ.get("VLLM_KV_CACHE_LAYOUT"):
+                notes.append(
+                    f"kv_layout={extra['kv_layout']!r} has no effect: VLLM_KV_CACHE_LAYOUT="
+                    f"{os.environ['VLLM_KV_CACHE_LAYOUT']} decides the KV cache layout"
+                )
         kw["ssd"] = SsdOptions.from_extra_config(extra, mode)
         kw["notes"] = tuple(notes)
         cfg = cls(**kw)
@@ -610,6 +622,10 @@ class OffloadOptions:
             )
             kw["max_blocks_set"] = True
         return cls(**kw)
+
+
+# ---- the KV cache layout asked of vLLM (kv_layout_choice.py parses and applies it).
+KNOWN_KEYS = KNOWN_KEYS | {"kv_layout"}
 
 
 # ---- SSD tier of the embedded pool (issue #16, docs/ssd.md): ssd_dir, ssd_capacity,

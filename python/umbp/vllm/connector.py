@@ -37,7 +37,8 @@ Correctness rules this file keeps (vLLM contract, docs/connection.md "Failure ru
 * if the pool is gone: lookups miss, loads fail (recompute), stores are dropped — no error.
 
 This module is the facade vLLM talks to; the work is done elsewhere, one concern each:
-`config.py` (extra config), `keys.py` (namespace and object keys), `metadata.py` (what
+`config.py` (extra config), `kv_layout_choice.py` (the KV layout asked of vLLM),
+`keys.py` (namespace and object keys), `metadata.py` (what
 goes between scheduler and workers), `scheduler_side.py`, `worker_side.py`, `layout.py`
 (KV tensors -> pool segments), `stats.py`. The native module is imported when the connector
 is constructed, so importing this file only needs vLLM.
@@ -69,6 +70,7 @@ from .config import (
 from .endpoints import embedded_socket_path, load_native
 from .groups import FULL, describe_groups, forces_async_load, scheduler_block_size
 from .keys import canonical_namespace_text, make_keys
+from .kv_layout_choice import required_kv_layout
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
 from .scheduler_side import SchedulerSide
 from .stats import UMBPConnectorStats, UMBPPromMetrics
@@ -224,7 +226,9 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        return None  # any layout whose blocks are dense pages (checked at registration)
+        # `kv_layout`: a cross-layer layout where it spares the page copy kernel, else
+        # None (any layout whose blocks are dense pages, checked at registration).
+        return required_kv_layout(vllm_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
