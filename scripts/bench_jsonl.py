@@ -8,15 +8,21 @@ import json
 from typing import Callable, Iterable, Iterator
 
 
-def json_objects(lines: Iterable[str], where: str, bad: Callable[[str], None]) -> Iterator[dict]:
-    """The JSON objects of `lines` (those that start with "{"). A line that is not JSON is
-    handed to `bad` as "<where>:<line number>: not JSON (<error>)": raise there to stop,
-    return to pass over it."""
+def numbered_json_objects(lines: Iterable[str], where: str, bad: Callable[[str], None]) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for the JSON objects of `lines` (those that start with "{"). A
+    line that is not JSON is handed to `bad` as "<where>:<line number>: not JSON (<error>)":
+    raise there to stop, return to pass over it."""
     for n, line in enumerate(lines, 1):
         line = line.strip()
         if not line.startswith("{"):
             continue
         try:
-            yield json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as e:
             bad(f"{where}:{n}: not JSON ({e})")
+
+
+def json_objects(lines: Iterable[str], where: str, bad: Callable[[str], None]) -> Iterator[dict]:
+    """The JSON objects of `lines`, as `numbered_json_objects` without the numbers."""
+    for _, obj in numbered_json_objects(lines, where, bad):
+        yield obj

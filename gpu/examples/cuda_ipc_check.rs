@@ -260,7 +260,7 @@ fn main() {
     // SAFETY: a local allocation of `len` bytes used only for the baseline copies.
     unsafe { ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut local, len)) };
     // One copy per registered chunk: a copy spanning two separate registrations is
-    // refused by the driver (CUDA_ERROR_INVALID_VALUE, seen on the H200 2026-11-29).
+    // refused by the driver (CUDA_ERROR_INVALID_VALUE on the H200).
     // SAFETY: copies between the local allocation and the registered pool, both `len`.
     let base_d2h = len as f64
         / best_of(3, || unsafe {

@@ -1,4 +1,4 @@
-//! The KV event log: a fixed-size circular log of `{seq, kind, key}` entries in a memfd,
+//! The KV event log: a fixed-size circular log of `{seq, kind, tier, key}` entries in a memfd,
 //! written only by the pool and followed by any number of read-only readers (schedulers,
 //! ringtool), each with its own cursor. Readers never block the writer and never slow it
 //! down; a reader that falls more than one lap behind *detects* that it lost events
@@ -16,7 +16,7 @@
 //! └───────────────────┴──────────────────┴─────┴──────────┴──────────┴─────┴────────────┘
 //!  entry (32 B):
 //! ┌─────────────────┬───────────┬──────────┬─────────────────┬─────────────────┐
-//! │ stamp u64       │ kind u32  │ rsvd u32 │ key lo u64      │ key hi u64      │
+//! │ stamp u64       │ kind u32  │ tier u32 │ key lo u64      │ key hi u64      │
 //! └─────────────────┴───────────┴──────────┴─────────────────┴─────────────────┘
 //!  stamp of event n: 2n+1 while being written, 2n+2 once complete (0 = never written)
 //! ```
@@ -30,8 +30,8 @@
 //!  writer (EventLogWriter::push)                   reader (EventLogReader::read_event(n))
 //!  stamp.store(2n+1, Relaxed)                      s1 = stamp.load(Acquire)
 //!  fence(Release)                                  s1 <  2n+2 → not written yet
-//!  kind, key: atomic stores, Relaxed               s1 >  2n+2 → overwritten (overrun)
-//!  stamp.store(2n+2, Release)                      kind, key: atomic loads, Relaxed
+//!  kind, tier, key: atomic stores, Relaxed         s1 >  2n+2 → overwritten (overrun)
+//!  stamp.store(2n+2, Release)                      kind, tier, key: atomic loads, Relaxed
 //!  head.store(n+1, Release)                        fence(Acquire)
 //!                                                  stamp.load(Relaxed) == s1 ? event : overrun
 //! ```

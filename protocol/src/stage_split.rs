@@ -7,7 +7,7 @@
 //! the DMA never waits for the planning when planning a byte takes less than 1/growth of
 //! copying it. Constant stages (growth 1) keep it fed whenever planning is faster than
 //! copying at all; doubling (growth 2) needs it twice as fast, which 4 KiB pages are not
-//! on every host (H200 machine, 2026-12-02: planning 0.6-0.8 of the copy time).
+//! on every host (docs/history/benchmarks-2026-11.md, seventh pass).
 
 /// Stages per submission at most (each costs an event per copy stream).
 pub const MAX_STAGES: usize = 64;
@@ -19,9 +19,8 @@ pub const FIRST_STAGE_DIVISOR: usize = 16;
 pub const AUTO_GROWTH: u32 = 0;
 
 /// Bytes the DMA moves while the pool plans one page of a stage (reserves its object,
-/// lists the copy, orders and describes it for the device). H200 machine, 2026-12-02:
-/// ~50 ns per page (4.6-7.6 ms for the 100,000 pages of a 10k-token kv4k transfer) at
-/// ~55 GB/s.
+/// lists the copy, orders and describes it for the device): ~50 ns per page at ~55 GB/s on
+/// the H200 machine (docs/history/benchmarks-2026-11.md, seventh pass).
 pub const PLANNED_BYTES_PER_PAGE: u64 = 2750;
 
 /// Share of the copy time of the stage before that planning the next may take: the host's
@@ -29,11 +28,10 @@ pub const PLANNED_BYTES_PER_PAGE: u64 = 2750;
 const PLANNING_SHARE_PERCENT: u64 = 70;
 
 /// Stage growth (percent) for pages of `avg_page_bytes` on average: as fast as planning
-/// stays within [`PLANNING_SHARE_PERCENT`] of the copy time, between 100 (equal stages)
-/// and 200 (doubling). H200, 2026-12-02, 10k-token prefixes: 4 KiB pages (100) moved at
-/// 0.89-0.92 of contiguous with equal stages against 0.85-0.91 doubling; 64 KiB pages
-/// (200) at 0.93 doubling against 0.88 with equal stages (64 stages cost more than the
-/// planning they hide).
+/// stays within [`PLANNING_SHARE_PERCENT`] of the copy time, between 100 (equal stages) and
+/// 200 (doubling): small pages need equal stages to keep the DMA fed, large ones lose more
+/// to 64 stages' events than the planning they hide (docs/history/benchmarks-2026-11.md,
+/// seventh pass).
 pub fn auto_growth_percent(avg_page_bytes: u64) -> u32 {
     let g = PLANNING_SHARE_PERCENT.saturating_mul(avg_page_bytes) / PLANNED_BYTES_PER_PAGE;
     g.clamp(100, 200) as u32

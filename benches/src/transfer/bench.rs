@@ -163,9 +163,9 @@ fn layout_cases(
     let base = Base::measure(a, args.backend, bytes, args.reps.max(3), args.copy_threads)?;
     let (mut st, mut ld) = (Vec::new(), Vec::new());
     let (mut est, mut eld) = (EngineTime::default(), EngineTime::default());
-    // Warm up as the gpt-oss cases do: the first transfers of a layout in a process ran
-    // up to 10 % slower (H200, 2026-12-02: kv4k 0.73-0.80 of contiguous first, 0.89-0.92
-    // right after in the same process), which is not what a running pool sees.
+    // Warm up as the gpt-oss cases do: the first transfers of a layout in a process ran up
+    // to 10 % slower, which is not what a running pool sees
+    // (docs/history/benchmarks-2026-11.md, seventh pass).
     a.call(&Command::Reset)?;
     xfer(a, Op::Store, group, key0 + 999_000_000, &l.blocks, per, inflight)?;
     xfer(a, Op::Load, group, key0 + 999_000_000, &l.blocks, per, inflight)?;

@@ -100,8 +100,8 @@ impl Gpu {
     /// a copy from pageable memory past its staging, may still run when their (so-called
     /// synchronous) calls return (CUDA's "API synchronization behavior"), and the pool
     /// copies this memory next from another process, ordered by nothing else. (A load
-    /// into poisoned memory once found a page still poisoned: the memset landed after the
-    /// pool's copy, H200, 2026-12-02, with the pool polling, so copying at once.)
+    /// into poisoned memory once found a page still poisoned on the H200: the memset landed
+    /// after the pool's copy, the pool polling and so copying at once.)
     fn settle() -> Result<(), String> {
         // SAFETY: no arguments; the context is current on this thread (`new`).
         ck("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })

@@ -9,9 +9,10 @@ pub(super) const SPLIT_BYTES: u64 = 16 << 20;
 /// Size of the first batch of each stream's run (then growing by BATCH_GROWTH up to the
 /// batch maximum).
 pub(crate) const FIRST_BATCH: usize = 16;
-/// Batch growth factor, 4/3: the driver takes ~0.85 µs per copy and the DMA drains a
-/// 64 KiB copy in ~1.2 µs (H200, 2026-11-29), so a batch may be at most ~1.4x the one
-/// before for the DMA not to idle while it is handed over (doubling left gaps).
+/// Batch growth factor, 4/3: the driver takes ~0.85 µs per copy and the DMA drains a 64 KiB
+/// copy in ~1.2 µs on the H200, so a batch may be at most ~1.4x the one before for the DMA
+/// not to idle while it is handed over (doubling left gaps;
+/// docs/history/benchmarks-2026-11.md, "GPU transfers").
 const BATCH_GROWTH_NUM: usize = 4;
 const BATCH_GROWTH_DEN: usize = 3;
 

@@ -3,11 +3,10 @@
 
 use crate::gather::GatherConfig;
 
-/// Streams per copy call by default. One stream measured best on the H200 (2026-11-29)
-/// with pipelined stages: 64 KiB pages 50.9/50.5 GB/s store/load vs 48.5/48.5 with 4
-/// streams (each stream's share of a stage starts with small batches again, and every
-/// stream needs its own stage events); more streams may still help where a batch can
-/// spread over several copy engines.
+/// Streams per copy call by default. One stream measured best on the H200 with pipelined
+/// stages: each stream's share of a stage starts with small batches again, and every stream
+/// needs its own stage events (docs/history/benchmarks-2026-11.md, "GPU transfers"); more
+/// streams may still help where a batch can spread over several copy engines.
 const DEFAULT_STREAMS: usize = 1;
 /// Device staging chunk of the staged path by default.
 const DEFAULT_STAGE_BYTES: usize = 16 << 20;
@@ -37,10 +36,10 @@ pub struct EngineConfig {
     pub batch: bool,
     /// Most copies per batched driver call (1..=65536, default 512).
     pub batch_max: usize,
-    /// Large copy calls enqueue each stream's share from its own thread (default off).
-    /// Measured on the H200 (2026-11-29): no gain, the driver's enqueue (~0.7 µs per
-    /// batched copy) stays ahead of the DMA from one thread, and 4 submitting threads made
-    /// 64 KiB-page calls ~5% slower.
+    /// Large copy calls enqueue each stream's share from its own thread (default off). No
+    /// gain on the H200: the driver's enqueue stays ahead of the DMA from one thread, and 4
+    /// submitting threads made 64 KiB-page calls slower (docs/history/benchmarks-2026-11.md,
+    /// "GPU transfers").
     pub parallel_submit: bool,
     /// The page copy kernel path ([`crate::gather`]): mode, blocks, launch size and the
     /// split of large objects (default: by the calibration, no split).

@@ -4,7 +4,7 @@
 //! choice, kernel descriptors, batches) is timed or counted. `cargo test --release -p
 //! umbp-gpu --lib engine::cost -- --ignored --nocapture`; under
 //! `valgrind --tool=callgrind` the inclusive instructions of `transfer_pipelined` divided
-//! by the pages moved give instructions per page (docs/benchmarks.md, fifth pass).
+//! by the pages moved give instructions per page (docs/history/benchmarks-2026-11.md, fifth pass).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;

@@ -67,8 +67,8 @@ pub(crate) const THREADS: u32 = 512;
 /// `l*16 + k*512` for k = 0..8, then stores them), the rest of a page below 4 KiB in
 /// 16-byte steps. A warp loads its next page's descriptor before it copies the current
 /// page: the list lives in device-mapped pinned memory, so a descriptor load is a PCIe
-/// round trip that would otherwise precede every page's first data access (H200,
-/// 2026-12-01: within 1 % of the kernel without it; kept, not slower). Streaming
+/// round trip that would otherwise precede every page's first data access (kept as it is
+/// not slower: docs/history/benchmarks-2026-11.md, third pass). Streaming
 /// cache hints (`.cs`) keep the pages from evicting the engine's working set from L2.
 /// Hand-written so that nothing needs nvcc; the driver compiles it for the GPU at load.
 pub(crate) const PTX: &str = r#"
@@ -209,15 +209,14 @@ pub struct GatherConfig {
     /// count the calibration found within 3% of the best rate for 4 KiB pages.
     pub blocks: u32,
     /// Most bytes one kernel launch moves (a stage is cut into several launches); 0: one
-    /// launch per stage (the default). Measured on the H200 (2026-12-01): 4 MiB launches
-    /// cut the matmul slowdown under continuous kernel-path stores from 24% to 17% but
-    /// lowered 4 KiB-page throughput from 0.75 to 0.71 of contiguous; neither is good
-    /// enough to be the default.
+    /// launch per stage (the default): shorter launches interfered less with the engine's
+    /// kernels but moved small pages slower, neither enough to be the default
+    /// (docs/history/benchmarks-2026-11.md, "Page copy kernel path and single objects").
     pub launch_bytes: usize,
     /// Streams one large object (at least 4 MiB per copy on average, few copies) is split
-    /// over; 0 or 1: no split (the default). Measured on the H200 (2026-12-01): a split over
-    /// 4 streams did not move 16 MiB x1 or 64 MiB x1 beyond run-to-run noise
-    /// (41.4/41.2 and 47.6/50.6 GB/s unsplit, 39.3/43.7 and 45.3/46.7 split, same run).
+    /// over; 0 or 1: no split (the default): a split over 4 streams did not move 16 or 64
+    /// MiB objects beyond run-to-run noise on the H200 (docs/history/benchmarks-2026-11.md,
+    /// "Page copy kernel path and single objects").
     pub split_streams: usize,
 }
 
@@ -244,9 +243,8 @@ pub struct Point {
 }
 
 /// A path that runs a kernel must beat copy engines by this factor: its kernel takes
-/// turns on the GPU from the engine's own (H200, 2026-12-01/02: an 8192³ matmul in another
-/// process slowed by 2-4 % under staged copies and by 11-24 % under the direct kernel,
-/// not measurably under copy engines).
+/// turns on the GPU from the engine's own, where copy engines do not measurably slow the
+/// engine (docs/history/benchmarks-2026-11.md, second and sixth passes).
 pub const KERNEL_MARGIN: f64 = 1.10;
 /// Device staging must beat the direct kernel by this factor to replace it.
 const STAGED_OVER_KERNEL: f64 = 1.02;
@@ -461,9 +459,10 @@ pub(crate) fn desc_pieces(len: usize, mut emit: impl FnMut(u64, u64)) {
 
 /// A stage of fewer copies than this times the split streams counts as "few large".
 const LARGE_FEW: usize = 16;
-/// Objects of at least this many bytes per item on average are split (H200, 2026-12-01:
-/// a 1 MiB object split over 4 streams went from 26.8 to 17.8 GB/s, the extra streams'
-/// synchronization costing more than the overlap gains).
+/// Objects of at least this many bytes per item on average are split: a 1 MiB object split
+/// over 4 streams got slower, the extra streams' synchronization costing more than the
+/// overlap gains (docs/history/benchmarks-2026-11.md, "Page copy kernel path and single
+/// objects").
 pub(crate) const LARGE_MIN_AVG: usize = 4 << 20;
 /// Smallest piece of a split object.
 pub(crate) const LARGE_MIN_PIECE: usize = 256 << 10;

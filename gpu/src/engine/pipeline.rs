@@ -130,8 +130,8 @@ impl<A: DeviceApi> Engine<A> {
             _ => false,
         };
         // The set may have more (staging's DMA stream); copies that are not staged still
-        // use `copy_streams` only: 64 KiB pages over two streams ran ~2 % slower (H200,
-        // 2026-12-02, gpt-oss layout 0.91 vs 0.93 of contiguous in one run).
+        // use `copy_streams` only: 64 KiB pages over two streams ran ~2 % slower
+        // (docs/history/benchmarks-2026-11.md, sixth pass).
         let n_streams = if stage_mode { copy_streams.max(2) } else { copy_streams };
         let _bound = Bound::new(api, &self.dev)?;
         let mut set = self.take_set(api, n_streams)?;
@@ -680,7 +680,7 @@ mod tests {
     /// Copies that are not staged keep the configured stream count on a GPU whose
     /// calibration stages small pages, although the stream set then holds staging's
     /// second stream: 64 KiB pages spread over both ran ~2 % slower on the H200
-    /// (2026-12-02, gpt-oss layout 0.91 vs 0.93 of contiguous).
+    /// (docs/history/benchmarks-2026-11.md, sixth pass).
     #[test]
     fn unstaged_copies_keep_the_configured_streams_where_staging_is_calibrated() {
         use crate::gather::{Calibration, GatherState, Point};

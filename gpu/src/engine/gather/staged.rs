@@ -232,9 +232,9 @@ pub(crate) unsafe fn launch_staged<A: DeviceApi>(
         match dir {
             // A slot is refilled only after its own last drain (recorded right after it),
             // not after everything the other stream queued since: waiting for the newest
-            // work put the gather of each chunk behind the DMA of the one before, so
-            // gather and DMA took turns instead of overlapping (H200, 2026-12-02: 4 KiB
-            // pages at 44 GB/s instead of the copy engines' 55).
+            // work put the gather of each chunk behind the DMA of the one before, so gather
+            // and DMA took turns instead of overlapping
+            // (docs/history/benchmarks-2026-11.md, sixth pass).
             Dir::DeviceToHost => {
                 if staging.armed[slot] {
                     api.wait_event(ks, drained)?;
