@@ -47,6 +47,13 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
     || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; }
 fi
 
+step "format and lints (cargo fmt --check, clippy -D warnings on every target)"
+command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null \
+  || rustup component add rustfmt clippy >/dev/null 2>&1 \
+  || { echo "rustfmt/clippy missing: rustup component add rustfmt clippy" >&2; exit 1; }
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
 step "build (workspace binaries: umbp-pool, ringtool, umbp-bench, test workers)"
 cargo build --workspace --bins --locked
 

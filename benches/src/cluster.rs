@@ -199,8 +199,13 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
         let t = Instant::now();
         for first in (0..blocks).step_by(batch as usize) {
             let reqs: Vec<FetchRequest> = (first..(first + batch).min(blocks))
-                // SAFETY: block i's range is in the registered mapping and used by nothing else.
-                .map(|i| FetchRequest { key: ObjectKey(i as u128 + 1), namespace: 0, size: block, dest: unsafe { pool.base().add((i * block) as usize) } })
+                .map(|i| FetchRequest {
+                    key: ObjectKey(i as u128 + 1),
+                    namespace: 0,
+                    size: block,
+                    // SAFETY: block i's range is in the registered mapping and used by nothing else.
+                    dest: unsafe { pool.base().add((i * block) as usize) },
+                })
                 .collect();
             // SAFETY: as above, for every request.
             for r in unsafe { node.fetch_batch(0, &reqs) } {
@@ -246,7 +251,15 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             .extra("verified_bytes", true)
     };
     let mut cases = vec![
-        ctx(Case::new("cluster", "remote_load_gbps", gbps(umbp), "GB/s", gbps(raw), "raw NIXL READ, as many bytes, same two agents", Better::Higher)),
+        ctx(Case::new(
+            "cluster",
+            "remote_load_gbps",
+            gbps(umbp),
+            "GB/s",
+            gbps(raw),
+            "raw NIXL READ, as many bytes, same two agents",
+            Better::Higher,
+        )),
         ctx(Case::new("cluster", "remote_restore_ms", umbp * 1e3, "ms", raw * 1e3, "raw NIXL READ of the prefix's blocks", Better::Lower)),
     ];
     if !a.no_pools {

@@ -246,7 +246,23 @@ pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Res
             .extra("p99_ns_without", none_p99)
     };
     Ok(vec![
-        ctx(Case::new("cluster", "pool_remote_restore_ms", remote_ms, "ms", local_ms, "the same prefix loaded again through the same worker (local DRAM)", Better::Lower)),
-        lctx(Case::new("cluster", "lookup_with_remote_entries_p50_ns", with_p50, "ns", none_p50, "the same lookup with no remote entries (same pool, same run)", Better::Lower)),
+        ctx(Case::new(
+            "cluster",
+            "pool_remote_restore_ms",
+            remote_ms,
+            "ms",
+            local_ms,
+            "the same prefix loaded again through the same worker (local DRAM)",
+            Better::Lower,
+        )),
+        lctx(Case::new(
+            "cluster",
+            "lookup_with_remote_entries_p50_ns",
+            with_p50,
+            "ns",
+            none_p50,
+            "the same lookup with no remote entries (same pool, same run)",
+            Better::Lower,
+        )),
     ])
 }

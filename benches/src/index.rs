@@ -86,10 +86,7 @@ fn time_rounds(iterations: usize, mut f: impl FnMut()) -> Vec<u64> {
 }
 
 pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
-    let slots = slots_for(
-        args.entries.saturating_mul(args.min_object_bytes),
-        args.min_object_bytes,
-    );
+    let slots = slots_for(args.entries.saturating_mul(args.min_object_bytes), args.min_object_bytes);
     let len = region_bytes(slots);
     let map = SharedMemory::create("umbp-bench-index", len, false).map_err(io::Error::other)?;
     // SAFETY: the mapping is fresh (zeroed) and outlives the view and writer below.
@@ -110,9 +107,7 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
     for i in 0..args.entries {
         let k = gen.next_key();
         let loc = i.wrapping_mul(64 << 10);
-        writer.insert(k, loc).map_err(|e| {
-            io::Error::other(format!("{e} (raise --min-object-bytes or lower --entries)"))
-        })?;
+        writer.insert(k, loc).map_err(|e| io::Error::other(format!("{e} (raise --min-object-bytes or lower --entries)")))?;
         hash.insert(k.0, loc);
         fx.insert(k.0, loc);
         if cold_sets[i as usize % sets].len() < args.keys {
@@ -147,12 +142,7 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
         black_box(reader.match_prefix(black_box(&present)));
     });
     let map_prefix = time_rounds(args.iterations, || {
-        black_box(
-            black_box(&present)
-                .iter()
-                .take_while(|k| hash.contains_key(&k.0))
-                .count(),
-        );
+        black_box(black_box(&present).iter().take_while(|k| hash.contains_key(&k.0)).count());
     });
     let fx_prefix = time_rounds(args.iterations, || {
         black_box(black_box(&present).iter().take_while(|k| fx.contains_key(&k.0)).count());
@@ -192,29 +182,15 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
     }
 
     let hist = reader.probe_histogram(64);
-    let mean_probe = hist
-        .iter()
-        .enumerate()
-        .map(|(d, c)| (d as u64 + 1) * c)
-        .sum::<u64>() as f64
-        / hist.iter().sum::<u64>().max(1) as f64;
+    let mean_probe = hist.iter().enumerate().map(|(d, c)| (d as u64 + 1) * c).sum::<u64>() as f64 / hist.iter().sum::<u64>().max(1) as f64;
     let mut extra = Map::new();
     extra.insert("entries".into(), Value::from(args.entries));
     extra.insert("slots".into(), Value::from(slots));
-    extra.insert(
-        "load".into(),
-        Value::from((args.entries as f64 / slots as f64 * 1000.0).round() / 1000.0),
-    );
+    extra.insert("load".into(), Value::from((args.entries as f64 / slots as f64 * 1000.0).round() / 1000.0));
     extra.insert("keys".into(), Value::from(n));
     extra.insert("rounds".into(), Value::from(args.iterations));
-    extra.insert(
-        "mean_probe_slots".into(),
-        Value::from((mean_probe * 1000.0).round() / 1000.0),
-    );
-    extra.insert(
-        "fill_ns_per_insert".into(),
-        Value::from(fill_ns_per_insert.round()),
-    );
+    extra.insert("mean_probe_slots".into(), Value::from((mean_probe * 1000.0).round() / 1000.0));
+    extra.insert("fill_ns_per_insert".into(), Value::from(fill_ns_per_insert.round()));
     extra.insert("cpus".into(), Value::from(cpus()));
     let (idx_prefix, idx_miss) = (median_per_key(idx_prefix, n), median_per_key(idx_miss, n));
     const FX: &str = "rustc-hash FxHashMap lookup (non-cryptographic hash, private memory)";
@@ -250,7 +226,8 @@ pub fn run(args: &IndexArgs) -> io::Result<Vec<Case>> {
         )
         .extras(&extra)
         .extra("key_sets", sets),
-        Case::new("index", "match_prefix_per_key_vs_fxhash", idx_prefix, "ns", median_per_key(fx_prefix, n), FX, Better::Lower).extras(&extra),
+        Case::new("index", "match_prefix_per_key_vs_fxhash", idx_prefix, "ns", median_per_key(fx_prefix, n), FX, Better::Lower)
+            .extras(&extra),
         Case::new("index", "miss_vs_fxhash", idx_miss, "ns", median_per_key(fx_miss, n), FX, Better::Lower).extras(&extra),
     ])
 }

@@ -55,12 +55,7 @@ pub fn run(args: &LookupArgs) -> std::io::Result<Vec<Case>> {
 fn measure(args: &LookupArgs) -> Result<Vec<Case>, String> {
     let dir = tempfile::Builder::new().prefix("umbp-bench-lookup-").tempdir().map_err(|e| e.to_string())?;
     let socket = dir.path().join("pool.sock");
-    let cfg = umbp_pool::PoolConfig {
-        socket_path: socket.clone(),
-        capacity_bytes: 1 << 30,
-        min_object_bytes: PAGE,
-        ..Default::default()
-    };
+    let cfg = umbp_pool::PoolConfig { socket_path: socket.clone(), capacity_bytes: 1 << 30, min_object_bytes: PAGE, ..Default::default() };
     let pool = umbp_pool::Pool::start(cfg).map_err(|e| e.to_string())?;
     let ns = 0xbe7c_u128;
     let max_blocks = *args.blocks.iter().max().unwrap_or(&64);

@@ -82,7 +82,8 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let mut workers = Vec::with_capacity(gpus);
     let mut names = Vec::with_capacity(gpus);
     for g in 0..gpus {
-        let mut w = WorkerProc::spawn_with_env(&format!("gpu{g}"), &pool.socket, BackendArg::Cuda, NS, &[("CUDA_VISIBLE_DEVICES", g.to_string())])?;
+        let mut w =
+            WorkerProc::spawn_with_env(&format!("gpu{g}"), &pool.socket, BackendArg::Cuda, NS, &[("CUDA_VISIBLE_DEVICES", g.to_string())])?;
         names.push(w.call(&Command::Info)?["gpu"].clone());
         workers.push(w);
     }
@@ -170,15 +171,23 @@ pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     for (op, aggregate, single) in [("store", median(st), alone[0].0), ("load", median(ld), alone[0].1)] {
         let each: Vec<f64> = alone.iter().map(|a| if op == "store" { a.0 } else { a.1 }).collect();
         c.cases.push(
-            Case::new("transfer", &format!("multigpu_{op}_gbps"), aggregate, "GB/s", single, "GPU 0 alone, same layout and bytes", Better::Higher)
-                .extra("gpus", gpus)
-                .extra("gpu_names", names.clone())
-                .extra("alone_gbps", each)
-                .extra("host_memcpy_gbps_all_cpus", memcpy)
-                .extra("host_memcpy_gbps_one_thread", memcpy_one)
-                .extra("cpus", cpus)
-                .extra("layout", "24 layers x 64 KiB pages (gpt-oss-20b-like), one allocation per layer, 313 blocks per GPU")
-                .extra("bytes_per_gpu", bytes),
+            Case::new(
+                "transfer",
+                &format!("multigpu_{op}_gbps"),
+                aggregate,
+                "GB/s",
+                single,
+                "GPU 0 alone, same layout and bytes",
+                Better::Higher,
+            )
+            .extra("gpus", gpus)
+            .extra("gpu_names", names.clone())
+            .extra("alone_gbps", each)
+            .extra("host_memcpy_gbps_all_cpus", memcpy)
+            .extra("host_memcpy_gbps_one_thread", memcpy_one)
+            .extra("cpus", cpus)
+            .extra("layout", "24 layers x 64 KiB pages (gpt-oss-20b-like), one allocation per layer, 313 blocks per GPU")
+            .extra("bytes_per_gpu", bytes),
         );
     }
     if c.failed > 0 {

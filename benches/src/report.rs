@@ -29,15 +29,7 @@ pub struct Case {
 }
 
 impl Case {
-    pub fn new(
-        bench: &str,
-        case: &str,
-        value: f64,
-        unit: &str,
-        baseline: f64,
-        baseline_name: &str,
-        better: Better,
-    ) -> Self {
+    pub fn new(bench: &str, case: &str, value: f64, unit: &str, baseline: f64, baseline_name: &str, better: Better) -> Self {
         let speedup = match better {
             Better::Lower if value > 0.0 => baseline / value,
             Better::Higher if baseline > 0.0 => value / baseline,
@@ -93,22 +85,11 @@ pub fn print(cases: &[Case], json: bool) {
                 format!("{} {}", c.baseline, c.unit),
                 format!("{:.2}x", c.speedup),
                 c.baseline_name.clone(),
-                c.extra
-                    .iter()
-                    .map(|(k, v)| format!("{k}={v}"))
-                    .collect::<Vec<_>>()
-                    .join(" "),
+                c.extra.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(" "),
             ]
         })
         .collect();
-    let head = [
-        "case",
-        "value",
-        "baseline",
-        "speedup",
-        "baseline is",
-        "context",
-    ];
+    let head = ["case", "value", "baseline", "speedup", "baseline is", "context"];
     let mut width = head.map(str::len);
     for r in &rows {
         for (w, cell) in width.iter_mut().zip(r) {
@@ -129,10 +110,7 @@ pub fn print(cases: &[Case], json: bool) {
         s.trim_end().to_string()
     };
     println!("{}", line(head));
-    println!(
-        "{}",
-        line(width.map(|w| "-".repeat(w)).each_ref().map(|s| s.as_str()))
-    );
+    println!("{}", line(width.map(|w| "-".repeat(w)).each_ref().map(|s| s.as_str())));
     for r in &rows {
         println!("{}", line(r.each_ref().map(|s| s.as_str())));
     }
@@ -158,16 +136,7 @@ mod tests {
 
     #[test]
     fn speedup_direction_and_json_shape() {
-        let c = Case::new(
-            "ring",
-            "poll_rtt_p50",
-            850.0,
-            "ns",
-            12000.0,
-            "unix socket round trip",
-            Better::Lower,
-        )
-        .extra("cpus", 2);
+        let c = Case::new("ring", "poll_rtt_p50", 850.0, "ns", 12000.0, "unix socket round trip", Better::Lower).extra("cpus", 2);
         assert_eq!(c.speedup, 14.12);
         let j = serde_json::to_string(&c).unwrap();
         assert!(j.starts_with(r#"{"bench":"ring","case":"poll_rtt_p50","value":850.0,"unit":"ns","baseline":12000.0"#), "{j}");

@@ -79,11 +79,7 @@ fn rings<'a>(map: &'a SharedMemory, l: &AttachmentLayout, init: bool) -> io::Res
 }
 
 fn nop(user_data: u64) -> Sqe {
-    Sqe {
-        opcode: Opcode::Nop as u8,
-        user_data,
-        ..Zeroable::zeroed()
-    }
+    Sqe { opcode: Opcode::Nop as u8, user_data, ..Zeroable::zeroed() }
 }
 
 /// Spins until the consumer has an entry; errors out after [`STALL`].
@@ -111,10 +107,7 @@ fn sleep_pop<T: bytemuck::Pod>(c: &mut Consumer<'_, T>) -> io::Result<T> {
     if !c.wait(0, Some(STALL)).map_err(bad)? {
         return Err(bad("ring peer stalled (sleep)"));
     }
-    let v = c
-        .try_pop()
-        .map_err(bad)?
-        .ok_or_else(|| bad("woken with an empty ring"))?;
+    let v = c.try_pop().map_err(bad)?.ok_or_else(|| bad("woken with an empty ring"))?;
     c.release();
     Ok(v)
 }
@@ -133,9 +126,7 @@ struct Progress(ProgressBar);
 impl Progress {
     fn new(total: u64) -> Self {
         let bar = ProgressBar::new(total);
-        bar.set_style(
-            ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} round trips").unwrap(),
-        );
+        bar.set_style(ProgressStyle::with_template("{msg:>8} [{bar:40}] {pos}/{len} round trips").unwrap());
         Self(bar)
     }
 
@@ -174,9 +165,7 @@ pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
     )?;
     drop(theirs);
     let progress = Progress::new(3 * total as u64);
-    let samples = |name: &'static str,
-                   round_trip: &mut dyn FnMut(u64) -> io::Result<()>|
-     -> io::Result<Vec<u64>> {
+    let samples = |name: &'static str, round_trip: &mut dyn FnMut(u64) -> io::Result<()>| -> io::Result<Vec<u64>> {
         progress.phase(name);
         let mut out = Vec::with_capacity(args.iterations);
         for i in 0..total {
@@ -204,16 +193,9 @@ pub fn run(args: &RingArgs) -> io::Result<Vec<Case>> {
     })?;
     let mut round_trip = |i: u64, sleep: bool| -> io::Result<()> {
         push(&mut sq, nop(i))?;
-        let c = if sleep {
-            sleep_pop(&mut cq)?
-        } else {
-            spin_pop(&mut cq)?
-        };
+        let c = if sleep { sleep_pop(&mut cq)? } else { spin_pop(&mut cq)? };
         if c.user_data != i {
-            return Err(bad(format!(
-                "completion {} for submission {i}",
-                c.user_data
-            )));
+            return Err(bad(format!("completion {} for submission {i}", c.user_data)));
         }
         Ok(())
     };
@@ -262,16 +244,8 @@ pub fn peer(fd: i32, sock_fd: i32, rounds: usize) -> io::Result<()> {
     }
     for sleep in [false, true] {
         for _ in 0..rounds {
-            let s = if sleep {
-                sleep_pop(&mut sq)?
-            } else {
-                spin_pop(&mut sq)?
-            };
-            let c = Cqe {
-                user_data: s.user_data,
-                ok_count: s.count,
-                ..Zeroable::zeroed()
-            };
+            let s = if sleep { sleep_pop(&mut sq)? } else { spin_pop(&mut sq)? };
+            let c = Cqe { user_data: s.user_data, ok_count: s.count, ..Zeroable::zeroed() };
             push(&mut cq, c)?;
         }
     }

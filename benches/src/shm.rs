@@ -11,10 +11,7 @@ use std::process::{Child, Command, Stdio};
 pub fn spawn_self(args: &[String], fds: &[RawFd]) -> io::Result<ChildGuard> {
     let keep = fds.to_vec();
     let mut cmd = Command::new(std::env::current_exe()?);
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::inherit());
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::inherit());
     // SAFETY: only async-signal-safe syscalls (prctl, fcntl) run between fork and exec.
     unsafe {
         cmd.pre_exec(move || {

@@ -31,8 +31,26 @@ pub fn run(args: &SsdArgs) -> Result<Vec<Case>, String> {
     let ctx = serde_json::to_value(&r).map_err(|e| e.to_string())?;
     let ctx = ctx.as_object().cloned().unwrap_or_default();
     let mut cases = vec![
-        Case::new("ssd", "ssd_write_gbps", r.ssd_write_gbps, "GB/s", r.raw_write_gbps, "raw io_uring O_DIRECT write, same bytes, same directory", Better::Higher).extras(&ctx),
-        Case::new("ssd", "ssd_read_gbps", r.ssd_read_gbps, "GB/s", r.raw_read_gbps, "raw io_uring O_DIRECT read, same bytes, same directory", Better::Higher).extras(&ctx),
+        Case::new(
+            "ssd",
+            "ssd_write_gbps",
+            r.ssd_write_gbps,
+            "GB/s",
+            r.raw_write_gbps,
+            "raw io_uring O_DIRECT write, same bytes, same directory",
+            Better::Higher,
+        )
+        .extras(&ctx),
+        Case::new(
+            "ssd",
+            "ssd_read_gbps",
+            r.ssd_read_gbps,
+            "GB/s",
+            r.raw_read_gbps,
+            "raw io_uring O_DIRECT read, same bytes, same directory",
+            Better::Higher,
+        )
+        .extras(&ctx),
     ];
     if args.rebuild_objects > 0 {
         // One 4 KiB block per object (header included), the worst case for the rebuild.
@@ -43,13 +61,29 @@ pub fn run(args: &SsdArgs) -> Result<Vec<Case>, String> {
         // Baseline: reading every byte back at the raw rate (what a rebuild without footers costs).
         let scan_ms = r.bytes as f64 / (r.raw_read_gbps * 1e9) * 1e3;
         cases.push(
-            Case::new("ssd", "warm_restart_ms", r.warm_restart_ms, "ms", scan_ms, "raw O_DIRECT read of every byte (a full scan)", Better::Lower)
-                .extra("per_million_objects_ms", r.warm_restart_ms_per_million)
-                .extras(&ctx),
+            Case::new(
+                "ssd",
+                "warm_restart_ms",
+                r.warm_restart_ms,
+                "ms",
+                scan_ms,
+                "raw O_DIRECT read of every byte (a full scan)",
+                Better::Lower,
+            )
+            .extra("per_million_objects_ms", r.warm_restart_ms_per_million)
+            .extras(&ctx),
         );
         cases.push(
-            Case::new("ssd", "warm_restart_hits", r.warm_restart_hits, "fraction", 1.0, "every object written before the reopen", Better::Higher)
-                .extras(&ctx),
+            Case::new(
+                "ssd",
+                "warm_restart_hits",
+                r.warm_restart_hits,
+                "fraction",
+                1.0,
+                "every object written before the reopen",
+                Better::Higher,
+            )
+            .extras(&ctx),
         );
     }
     if args.admission_dram > 0 {

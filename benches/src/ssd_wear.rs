@@ -154,12 +154,8 @@ fn run_policy(dir: &Path, args: &WearArgs, admission: SsdAdmission, name: &str) 
 /// Runs the workload under every policy in `dir` (a scratch directory) and returns one
 /// written-bytes case and one hit-rate case per policy (docs/benchmarks.md convention).
 pub fn run(dir: &Path, args: &WearArgs) -> Result<Vec<Case>, String> {
-    let policies = [
-        ("all", SsdAdmission::All),
-        ("hit", SsdAdmission::Hit),
-        ("hit-or-young", SsdAdmission::default()),
-        ("never", SsdAdmission::Never),
-    ];
+    let policies =
+        [("all", SsdAdmission::All), ("hit", SsdAdmission::Hit), ("hit-or-young", SsdAdmission::default()), ("never", SsdAdmission::Never)];
     let mut results = Vec::new();
     for (name, p) in policies {
         results.push(run_policy(dir, args, p, name)?);
@@ -171,15 +167,31 @@ pub fn run(dir: &Path, args: &WearArgs) -> Result<Vec<Case>, String> {
         let ctx = ctx.as_object().cloned().unwrap_or_default();
         let base = "policy all, same workload";
         cases.push(
-            Case::new("ssd", &format!("admission_{}_ssd_written_bytes", r.policy), r.ssd_written_bytes as f64, "bytes", all.ssd_written_bytes as f64, base, Better::Lower)
-                .extra("dram_bytes", args.dram_bytes)
-                .extra("object_bytes", args.object_bytes)
-                .extras(&ctx),
+            Case::new(
+                "ssd",
+                &format!("admission_{}_ssd_written_bytes", r.policy),
+                r.ssd_written_bytes as f64,
+                "bytes",
+                all.ssd_written_bytes as f64,
+                base,
+                Better::Lower,
+            )
+            .extra("dram_bytes", args.dram_bytes)
+            .extra("object_bytes", args.object_bytes)
+            .extras(&ctx),
         );
         cases.push(
-            Case::new("ssd", &format!("admission_{}_rehit_hit_rate", r.policy), r.rehit_hit_rate, "fraction", all.rehit_hit_rate, base, Better::Higher)
-                .extra("dram_bytes", args.dram_bytes)
-                .extras(&ctx),
+            Case::new(
+                "ssd",
+                &format!("admission_{}_rehit_hit_rate", r.policy),
+                r.rehit_hit_rate,
+                "fraction",
+                all.rehit_hit_rate,
+                base,
+                Better::Higher,
+            )
+            .extra("dram_bytes", args.dram_bytes)
+            .extras(&ctx),
         );
     }
     Ok(cases)

@@ -104,7 +104,10 @@ impl<R: Read> Opener<R> {
         self.inner.read_exact(&mut self.rec)?;
         self.plain.resize(len, 0);
         let n = self.state.read_message(self.nonce, &self.rec, &mut self.plain).map_err(|e| {
-            io::Error::new(io::ErrorKind::InvalidData, format!("control record {} failed authentication ({e}): altered or injected", self.nonce))
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("control record {} failed authentication ({e}): altered or injected", self.nonce),
+            )
         })?;
         self.nonce += 1;
         self.plain.truncate(n);

@@ -59,10 +59,19 @@ pub enum Msg {
     Ready,
     /// The server's export agent: metadata to load and its export area (the only memory
     /// it registers for peers; `export.rs`).
-    Join { agent: String, metadata: Vec<u8>, base: u64, len: u64 },
+    Join {
+        agent: String,
+        metadata: Vec<u8>,
+        base: u64,
+        len: u64,
+    },
     /// Key changes of the server's pool; `snapshot`: the first batch of a full listing
     /// (replaces what the client knew), `more`: further batches of it follow.
-    Keys { changes: Vec<KeyChange>, snapshot: bool, more: bool },
+    Keys {
+        changes: Vec<KeyChange>,
+        snapshot: bool,
+        more: bool,
+    },
     Heartbeat,
     /// Pin `key` (of `size` bytes), stored under `namespace`, for a read; answered by
     /// `Pinned` or `PinFailed` (also when the holder has the key under another namespace).
@@ -88,7 +97,10 @@ pub enum Msg {
         #[serde(with = "u128_hex")]
         digest: u128,
     },
-    PinFailed { id: u64, reason: String },
+    PinFailed {
+        id: u64,
+        reason: String,
+    },
     Unpin {
         group: u32,
         #[serde(with = "u128_hex")]

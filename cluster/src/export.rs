@@ -110,9 +110,10 @@ impl ExportArea {
     /// (counted in [`Self::full_count`]).
     pub fn alloc(self: &Arc<Self>, len: u64) -> Option<Slot> {
         let mut x = self.extents.lock().expect("export extents");
-        let fit = len.max(1).checked_next_multiple_of(SLOT_ALIGN).and_then(|need| {
-            x.free.iter().find(|(_, &have)| have >= need).map(|(&at, &have)| (at, have, need))
-        });
+        let fit = len
+            .max(1)
+            .checked_next_multiple_of(SLOT_ALIGN)
+            .and_then(|need| x.free.iter().find(|(_, &have)| have >= need).map(|(&at, &have)| (at, have, need)));
         let Some((at, have, need)) = fit else {
             drop(x);
             // Relaxed: a counter for reports; it orders nothing.

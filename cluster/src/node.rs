@@ -400,10 +400,7 @@ impl Cluster {
             export,
             dram: (dram as usize, dram_len),
             pool,
-            state: Mutex::new(State {
-                catalog: Catalog::with_caps(caps),
-                ..State::default()
-            }),
+            state: Mutex::new(State { catalog: Catalog::with_caps(caps), ..State::default() }),
             discovery: Mutex::new(discovery),
             stop: AtomicBool::new(false),
             next_pin: AtomicU64::new(1),
@@ -522,8 +519,7 @@ impl Cluster {
         if changes.is_empty() {
             return;
         }
-        let subs: Vec<Arc<Outbox>> =
-            self.inner.state.lock().expect("state").subscribers.iter().map(|s| s.writer.clone()).collect();
+        let subs: Vec<Arc<Outbox>> = self.inner.state.lock().expect("state").subscribers.iter().map(|s| s.writer.clone()).collect();
         // Relaxed: a counter for reports; it orders nothing.
         self.inner.published_changes.fetch_add((changes.len() * subs.len()) as u64, Ordering::Relaxed);
         for chunk in changes.chunks(4096) {
@@ -649,7 +645,10 @@ impl Inner {
         if fds_left().is_some_and(|left| left < self.cfg.fd_reserve) {
             if a.warned_at.is_none_or(|t| t.elapsed() > Duration::from_secs(10)) {
                 a.warned_at = Some(Instant::now());
-                tracing::warn!(reserve = self.cfg.fd_reserve, "cluster port: file descriptors near RLIMIT_NOFILE; refusing cluster connections to keep the local side's reserve");
+                tracing::warn!(
+                    reserve = self.cfg.fd_reserve,
+                    "cluster port: file descriptors near RLIMIT_NOFILE; refusing cluster connections to keep the local side's reserve"
+                );
             }
             return None;
         }
@@ -808,7 +807,14 @@ impl Inner {
     /// Copy-on-pin: pins the object in the pool just long enough to copy it into an export
     /// slot of this subscriber's (`pins`), then unpins it; the peer reads the copy. A
     /// second pin of an object the subscriber holds a copy of shares that copy.
-    fn export_pin(&self, group: u32, namespace: u128, key: u128, size: u64, pins: &mut HashMap<(u32, u128, u128), Exported>) -> Result<Pin, String> {
+    fn export_pin(
+        &self,
+        group: u32,
+        namespace: u128,
+        key: u128,
+        size: u64,
+        pins: &mut HashMap<(u32, u128, u128), Exported>,
+    ) -> Result<Pin, String> {
         let p = self.pool.pin(group, namespace, ObjectKey(key), size)?;
         let k = (group, p.namespace, key);
         let copied = match pins.get_mut(&k) {
@@ -899,10 +905,11 @@ impl Inner {
         self.set_timeouts(&s);
         let mut rx = est.opener;
         let writer = Outbox::new(&s, est.sealer, "cluster-peer-tx").map_err(|e| e.to_string())?;
-        self.state.lock().expect("state").peers.insert(
-            server,
-            Peer { addr: addr.to_string(), writer: writer.clone(), region: None, pending: HashMap::new() },
-        );
+        self.state
+            .lock()
+            .expect("state")
+            .peers
+            .insert(server, Peer { addr: addr.to_string(), writer: writer.clone(), region: None, pending: HashMap::new() });
         self.liveness.lock().expect("liveness").seen(server, Instant::now());
         tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
         let mut snapshot: Option<Vec<RemoteObject>> = None;

@@ -158,7 +158,11 @@ mod tests {
     fn an_undrained_peer_never_blocks_the_sender_and_is_closed_past_the_bound() {
         let (a, sealer, _b_never_read) = pair();
         let o = Outbox::new(&a, sealer, "test-writer").unwrap();
-        let big = Msg::Keys { changes: vec![crate::catalog::KeyChange { group: 0, key: 7, stored: true, tier: 0, size: 1 << 20, namespace: 0 }; 4096], snapshot: false, more: false };
+        let big = Msg::Keys {
+            changes: vec![crate::catalog::KeyChange { group: 0, key: 7, stored: true, tier: 0, size: 1 << 20, namespace: 0 }; 4096],
+            snapshot: false,
+            more: false,
+        };
         let t = Instant::now();
         let mut sent = 0usize;
         while o.send(&big) {

@@ -5,8 +5,8 @@
 //! here, and is installed as the pool's `RemoteTier` so a load of a remote entry pulls
 //! the object over NIXL (the pin names the namespace; docs/cluster.md).
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -14,7 +14,6 @@ use umbp_pool::remote::{ClusterAccess, HeldObject};
 use umbp_pool::remote::{FetchItem, TierSource};
 use umbp_protocol::events::{EventKind, EventLog, EventLogReader};
 use umbp_protocol::{ObjectKey, Tier};
-
 
 use crate::catalog::{IndexChange, KeyChange};
 use crate::membership::Discovery;
@@ -85,7 +84,12 @@ impl PoolSide {
     fn list(&self, group: u32, key: ObjectKey, size: u64, namespace: u128) -> bool {
         let here = self.access.tenant_groups().group_of(namespace);
         if here != group {
-            tracing::warn!(key = format!("{:032x}", key.0), group, here, "cluster: a peer advertised a key in another tenant group than its namespace's; not listed");
+            tracing::warn!(
+                key = format!("{:032x}", key.0),
+                group,
+                here,
+                "cluster: a peer advertised a key in another tenant group than its namespace's; not listed"
+            );
             return false;
         }
         let (_, listed) = self.access.insert_remote(HeldObject { key, size, namespace }, self.max_remote);
@@ -257,7 +261,12 @@ impl FetchSide {
                 self.2.failed.lock().expect("failed").insert((g, r.key));
                 if let Some(holder) = e.tainting_holder() {
                     let leaked = self.1.abandon_promotion(r.namespace, r.key, holder);
-                    tracing::warn!(key = format!("{:032x}", r.key.0), leaked, holder, "remote read timed out: its DRAM is quarantined until that holder is forgotten");
+                    tracing::warn!(
+                        key = format!("{:032x}", r.key.0),
+                        leaked,
+                        holder,
+                        "remote read timed out: its DRAM is quarantined until that holder is forgotten"
+                    );
                 }
                 false
             }
@@ -284,7 +293,12 @@ pub enum TierError {
 impl ClusterTier {
     /// Starts the node over `access`'s pool and installs it as the pool's remote tier.
     /// `cfg.acl` is set to this pool's ACL digest: peers must run the same `--namespace-acl`.
-    pub fn start(access: ClusterAccess, mut cfg: ClusterConfig, discovery: Box<dyn Discovery>, opts: TierOptions) -> Result<Self, TierError> {
+    pub fn start(
+        access: ClusterAccess,
+        mut cfg: ClusterConfig,
+        discovery: Box<dyn Discovery>,
+        opts: TierOptions,
+    ) -> Result<Self, TierError> {
         cfg.acl = crate::control::acl_digest(access.tenant_groups());
         cfg.groups = access.tenant_groups().len() as u32;
         let (base, len) = access.dram();
@@ -312,10 +326,8 @@ impl ClusterTier {
         access.set_remote_source(Arc::new(FetchSide(cluster.clone(), access.clone(), side.clone())));
         let stop = Arc::new(AtomicBool::new(false));
         let (c, s, p) = (cluster.clone(), stop.clone(), side.clone());
-        let follower = std::thread::Builder::new()
-            .name("cluster-events".into())
-            .spawn(move || follow(&c, &p, &events, &cursors, &s))
-            .expect("spawn");
+        let follower =
+            std::thread::Builder::new().name("cluster-events".into()).spawn(move || follow(&c, &p, &events, &cursors, &s)).expect("spawn");
         tracing::info!(
             max_remote_entries = max_remote,
             tenant_groups = access.tenant_groups().len(),

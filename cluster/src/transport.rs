@@ -21,7 +21,9 @@ use std::time::{Duration, Instant};
 
 /// The NIXL binding, for tests that act as a peer at the NIXL level.
 pub use nixl_sys;
-use nixl_sys::{Agent as NixlAgent, AgentConfig, MemType, NixlError, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus};
+use nixl_sys::{
+    Agent as NixlAgent, AgentConfig, MemType, NixlError, OptArgs, RegistrationHandle, ThreadSync, XferDescList, XferOp, XferStatus,
+};
 
 /// Environment variable naming `libnixl_capi.so` or the directory that holds it.
 pub const LIB_ENV: &str = "UMBP_NIXL_LIB";
@@ -109,11 +111,7 @@ pub fn load_library() -> Result<PathBuf, TransportError> {
     });
     r.clone().map_err(|s| {
         let (tried, reason) = s.split_once('|').unwrap_or((s.as_str(), ""));
-        let tried = if Path::new(tried).is_absolute() {
-            tried.to_string()
-        } else {
-            format!("{tried} (by soname: {LIB_ENV} is unset)")
-        };
+        let tried = if Path::new(tried).is_absolute() { tried.to_string() } else { format!("{tried} (by soname: {LIB_ENV} is unset)") };
         TransportError::LibraryNotFound { tried, reason: reason.to_string() }
     })
 }
@@ -334,12 +332,7 @@ impl Agent {
         let mut remote = XferDescList::new(MemType::Dram).map_err(nixl("xfer dlist"))?;
         for p in pieces {
             if p.remote_offset.checked_add(p.len).is_none_or(|end| end > peer.len) {
-                return Err(TransportError::OutOfRange {
-                    peer: peer.agent.clone(),
-                    offset: p.remote_offset,
-                    len: p.len,
-                    region: peer.len,
-                });
+                return Err(TransportError::OutOfRange { peer: peer.agent.clone(), offset: p.remote_offset, len: p.len, region: peer.len });
             }
             let l = p.local as u64;
             assert!(

@@ -130,7 +130,7 @@ fn remote_read_between_two_processes_is_byte_exact() {
     for i in 0..n {
         let key = i as u128 + 1;
         let off = (n - 1 - i) * size; // a different place than at the peer
-        // SAFETY: [off, off+size) is in the mapping and nothing else uses it.
+                                      // SAFETY: [off, off+size) is in the mapping and nothing else uses it.
         let ns = unsafe { node.fetch(0, 0, ObjectKey(key), size, pool.base().add(off as usize)) }.unwrap();
         assert_eq!(ns, 0);
         assert!(pool.read(off, size as usize) == pattern(key, size as usize), "key {key}: bytes differ");
@@ -248,9 +248,7 @@ fn each_key_is_pulled_from_its_rendezvous_home_and_a_stopped_home_fails_only_its
     let node =
         unsafe { Cluster::start(cfg, Box::new(StaticPeers(vec![a.addr.clone(), b.addr.clone()])), pool.clone(), pool.base(), pool.len()) }
             .unwrap();
-    wait_for("both holders of every key", Duration::from_secs(20), || {
-        (1..=n as u128).all(|k| node.holders(0, ObjectKey(k)).len() == 2)
-    });
+    wait_for("both holders of every key", Duration::from_secs(20), || (1..=n as u128).all(|k| node.holders(0, ObjectKey(k)).len() == 2));
     // Which node id is which child: the agent name carries the listen address.
     let regions = node.peer_regions();
     let id_of = |addr: &str| regions.iter().find(|(_, r)| r.agent.contains(addr)).map(|(id, _)| *id).expect("joined");
@@ -340,7 +338,8 @@ fn a_holder_hung_mid_read_does_not_hold_up_the_other_holders_read() {
                 // export area and answered the pin (the pin timed out, or the holder was
                 // dropped as silent first).
                 assert!(
-                    e.destination_tainted() || matches!(e, umbp_cluster::FetchError::PinTimeout { .. } | umbp_cluster::FetchError::PeerGone(_)),
+                    e.destination_tainted()
+                        || matches!(e, umbp_cluster::FetchError::PinTimeout { .. } | umbp_cluster::FetchError::PeerGone(_)),
                     "key {key}: a read cut off by a hang is tainted, an unanswered pin fails: {e}"
                 );
             }

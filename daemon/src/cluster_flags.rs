@@ -57,7 +57,11 @@ impl ClusterArgs {
         };
         let secret = Secret::from_file(path)?;
         if self.heartbeat_ms == 0 || self.dead_after_ms <= self.heartbeat_ms {
-            anyhow::bail!("--cluster-dead-after-ms ({}) must exceed --cluster-heartbeat-ms ({}), which must be > 0", self.dead_after_ms, self.heartbeat_ms);
+            anyhow::bail!(
+                "--cluster-dead-after-ms ({}) must exceed --cluster-heartbeat-ms ({}), which must be > 0",
+                self.dead_after_ms,
+                self.heartbeat_ms
+            );
         }
         for (flag, v) in [
             ("--cluster-max-pins-per-peer", self.max_pins_per_peer),
@@ -144,22 +148,53 @@ mod tests {
         let d = config(&[]).unwrap();
         let def = ClusterConfig::new(String::new(), Secret::new(b"0123456789abcdef".to_vec()).unwrap());
         assert_eq!(
-            (d.max_pins_per_peer, d.max_pinned_bytes_per_peer, d.max_catalog_entries_per_group, d.max_unauthenticated, d.max_unauthenticated_per_source, d.pin_lease_margin, d.export_bytes),
-            (def.max_pins_per_peer, def.max_pinned_bytes_per_peer, def.max_catalog_entries_per_group, def.max_unauthenticated, def.max_unauthenticated_per_source, def.pin_lease_margin, def.export_bytes),
+            (
+                d.max_pins_per_peer,
+                d.max_pinned_bytes_per_peer,
+                d.max_catalog_entries_per_group,
+                d.max_unauthenticated,
+                d.max_unauthenticated_per_source,
+                d.pin_lease_margin,
+                d.export_bytes
+            ),
+            (
+                def.max_pins_per_peer,
+                def.max_pinned_bytes_per_peer,
+                def.max_catalog_entries_per_group,
+                def.max_unauthenticated,
+                def.max_unauthenticated_per_source,
+                def.pin_lease_margin,
+                def.export_bytes
+            ),
             "the flags' defaults are ClusterConfig's"
         );
         let c = config(&[
-            "--cluster-max-pins-per-peer", "7",
-            "--cluster-max-pinned-bytes-per-peer", "3MiB",
-            "--cluster-max-catalog-entries-per-group", "1000",
-            "--cluster-max-unauthenticated", "9",
-            "--cluster-max-unauthenticated-per-source", "2",
-            "--cluster-pin-lease-margin-ms", "250",
-            "--cluster-export-bytes", "64MiB",
+            "--cluster-max-pins-per-peer",
+            "7",
+            "--cluster-max-pinned-bytes-per-peer",
+            "3MiB",
+            "--cluster-max-catalog-entries-per-group",
+            "1000",
+            "--cluster-max-unauthenticated",
+            "9",
+            "--cluster-max-unauthenticated-per-source",
+            "2",
+            "--cluster-pin-lease-margin-ms",
+            "250",
+            "--cluster-export-bytes",
+            "64MiB",
         ])
         .unwrap();
         assert_eq!(
-            (c.max_pins_per_peer, c.max_pinned_bytes_per_peer, c.max_catalog_entries_per_group, c.max_unauthenticated, c.max_unauthenticated_per_source, c.pin_lease_margin, c.export_bytes),
+            (
+                c.max_pins_per_peer,
+                c.max_pinned_bytes_per_peer,
+                c.max_catalog_entries_per_group,
+                c.max_unauthenticated,
+                c.max_unauthenticated_per_source,
+                c.pin_lease_margin,
+                c.export_bytes
+            ),
             (7, 3 << 20, 1000, 9, 2, Duration::from_millis(250), 64 << 20)
         );
         // A size that is not whole pages is rounded up to them (the area's slot boundary).
@@ -171,7 +206,10 @@ mod tests {
             (&["--cluster-max-pinned-bytes-per-peer", "0"], "--cluster-max-pinned-bytes-per-peer must be more than 0"),
             (&["--cluster-max-catalog-entries-per-group", "0"], "--cluster-max-catalog-entries-per-group must be at least 1"),
             (&["--cluster-max-unauthenticated", "0"], "--cluster-max-unauthenticated must be at least 1"),
-            (&["--cluster-max-unauthenticated", "4", "--cluster-max-unauthenticated-per-source", "5"], "--cluster-max-unauthenticated-per-source (5) exceeds --cluster-max-unauthenticated (4)"),
+            (
+                &["--cluster-max-unauthenticated", "4", "--cluster-max-unauthenticated-per-source", "5"],
+                "--cluster-max-unauthenticated-per-source (5) exceeds --cluster-max-unauthenticated (4)",
+            ),
             (&["--cluster-pin-lease-margin-ms", "soon"], "--cluster-pin-lease-margin-ms"),
             (&["--cluster-export-bytes", "0"], "--cluster-export-bytes must be more than 0"),
             (&["--cluster-export-bytes", "lots"], "cluster-export-bytes"),

@@ -149,10 +149,12 @@ struct Args {
 fn table_parser<T: Clone + Send + Sync + 'static>(
     parse: fn(&str, &str) -> Result<T, umbp_pool::ConfigError>,
 ) -> impl Fn(&str) -> Result<T, String> + Clone + Send + Sync + 'static {
-    move |v| parse("", v).map_err(|e| match e {
-        umbp_pool::ConfigError::Invalid { message, .. } => message,
-        other => other.to_string(),
-    })
+    move |v| {
+        parse("", v).map_err(|e| match e {
+            umbp_pool::ConfigError::Invalid { message, .. } => message,
+            other => other.to_string(),
+        })
+    }
 }
 
 /// The SSD tier's settings from the `--ssd-*` flags; None without `--ssd-dir`. The
@@ -268,9 +270,7 @@ fn config_from(args: Args) -> anyhow::Result<PoolConfig> {
 /// Draws the prefault progress on stderr (hidden when stderr is not a terminal).
 fn progress_bar() -> ProgressFn {
     let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} ({eta})").expect("static template"),
-    );
+    bar.set_style(indicatif::ProgressStyle::with_template("{msg} {bar:40} {bytes}/{total_bytes} ({eta})").expect("static template"));
     ProgressFn::new(move |p| {
         bar.set_message(p.what);
         bar.set_length(p.total_bytes);
@@ -379,10 +379,19 @@ mod tests {
     fn table_defaults_reach_the_config() {
         let d = config_from(settings_args::try_parse_from::<Args, _, _>(["umbp-pool"]).unwrap()).unwrap();
         let p = PoolConfig::default();
-        assert_eq!((d.high_watermark, d.low_watermark, d.min_object_bytes, d.lease), (p.high_watermark, p.low_watermark, p.min_object_bytes, p.lease));
+        assert_eq!(
+            (d.high_watermark, d.low_watermark, d.min_object_bytes, d.lease),
+            (p.high_watermark, p.low_watermark, p.min_object_bytes, p.lease)
+        );
         assert_eq!((d.limits.clone(), d.uid_limits.clone(), d.control.clone()), (p.limits, p.uid_limits, p.control));
-        assert_eq!((d.copy_stage_bytes, d.promotion_ahead_bytes, d.idle_poll, d.engine), (p.copy_stage_bytes, p.promotion_ahead_bytes, p.idle_poll, p.engine));
-        assert_eq!((d.namespace_share, d.lease_share, d.hugepages, d.prefault), (p.namespace_share, p.lease_share, p.hugepages, p.prefault));
+        assert_eq!(
+            (d.copy_stage_bytes, d.promotion_ahead_bytes, d.idle_poll, d.engine),
+            (p.copy_stage_bytes, p.promotion_ahead_bytes, p.idle_poll, p.engine)
+        );
+        assert_eq!(
+            (d.namespace_share, d.lease_share, d.hugepages, d.prefault),
+            (p.namespace_share, p.lease_share, p.hugepages, p.prefault)
+        );
     }
 
     /// The GPU copy engine's flags (and, through clap, their env vars) reach the config
@@ -407,7 +416,17 @@ mod tests {
         assert_eq!(poll(&["--idle-poll-us", "20000"]), umbp_pool::config::IdlePoll::Fixed(std::time::Duration::from_millis(20)));
         assert_eq!(poll(&["--idle-poll-us", "0"]), umbp_pool::config::IdlePoll::Fixed(std::time::Duration::ZERO));
         let g = config_from(
-            parse(&["--copy-kernel", "copy-engine", "--copy-kernel-blocks", "12", "--copy-kernel-launch-size", "4MiB", "--copy-split-streams", "4"]).unwrap(),
+            parse(&[
+                "--copy-kernel",
+                "copy-engine",
+                "--copy-kernel-blocks",
+                "12",
+                "--copy-kernel-launch-size",
+                "4MiB",
+                "--copy-split-streams",
+                "4",
+            ])
+            .unwrap(),
         )
         .unwrap()
         .engine
@@ -451,9 +470,26 @@ mod tests {
         let (pa, pb) = (a.path().to_str().unwrap(), b.path().to_str().unwrap());
         let c = config_from(
             parse(&[
-                "--ssd-dir", pa, "--ssd-dir", pb, "--ssd-capacity", "2GiB", "--ssd-high-watermark", "0.9",
-                "--ssd-low-watermark", "0.5", "--ssd-direct-io", "false", "--ssd-admission", "hit-or-young:5",
-                "--ssd-segment-size", "64MiB", "--ssd-queue-depth", "32", "--ssd-flush-on-stop", "2.5",
+                "--ssd-dir",
+                pa,
+                "--ssd-dir",
+                pb,
+                "--ssd-capacity",
+                "2GiB",
+                "--ssd-high-watermark",
+                "0.9",
+                "--ssd-low-watermark",
+                "0.5",
+                "--ssd-direct-io",
+                "false",
+                "--ssd-admission",
+                "hit-or-young:5",
+                "--ssd-segment-size",
+                "64MiB",
+                "--ssd-queue-depth",
+                "32",
+                "--ssd-flush-on-stop",
+                "2.5",
             ])
             .unwrap(),
         )
@@ -501,7 +537,8 @@ mod tests {
             eprintln!("skipped: read-only directory check (running as root)");
         }
         // The environment's comma-separated list.
-        let c = settings_args::try_parse_from::<Args, _, _>(["umbp-pool", "--ssd-dir", &format!("{pa},{pb}"), "--ssd-capacity", "1GiB"]).unwrap();
+        let c = settings_args::try_parse_from::<Args, _, _>(["umbp-pool", "--ssd-dir", &format!("{pa},{pb}"), "--ssd-capacity", "1GiB"])
+            .unwrap();
         assert_eq!(config_from(c).unwrap().ssd.unwrap().dirs.len(), 2);
     }
 }

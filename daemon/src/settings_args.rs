@@ -9,10 +9,8 @@ use umbp_pool::config::settings::{self, Setting};
 /// daemon's tests catch (`every_flag_comes_from_the_settings_table`); it panics here.
 pub fn command<C: CommandFactory>() -> Command {
     let mut cmd = C::command();
-    let flags: Vec<(String, String)> = cmd
-        .get_arguments()
-        .filter_map(|a| Some((a.get_id().to_string(), a.get_long()?.to_string())))
-        .collect();
+    let flags: Vec<(String, String)> =
+        cmd.get_arguments().filter_map(|a| Some((a.get_id().to_string(), a.get_long()?.to_string()))).collect();
     for (id, flag) in flags {
         let row = settings::by_flag(&flag).unwrap_or_else(|| panic!("--{flag} has no row in the settings table"));
         cmd = cmd.mut_arg(id, |a| from_row(a, row));

@@ -41,10 +41,7 @@ fn word(seed: u64, i: usize) -> u64 {
 
 /// Index of the first wrong byte, if any.
 fn mismatch(buf: &[u8], seed: u64) -> Option<usize> {
-    buf.chunks_exact(8)
-        .enumerate()
-        .position(|(i, w)| w != word(seed, i).to_le_bytes())
-        .map(|i| i * 8)
+    buf.chunks_exact(8).enumerate().position(|(i, w)| w != word(seed, i).to_le_bytes()).map(|i| i * 8)
 }
 
 fn child(len: usize) {
@@ -55,23 +52,14 @@ fn child(len: usize) {
     let mut dptr: sys::CUdeviceptr = 0;
     // SAFETY: allocation and a copy into it, within its size.
     unsafe {
-        ck(
-            "cuMemAlloc",
-            sys::cuMemAlloc_v2(&mut dptr, len + 2 * OFFSET as usize),
-        );
-        ck(
-            "cuMemcpyHtoD",
-            sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), len),
-        );
+        ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, len + 2 * OFFSET as usize));
+        ck("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), len));
         // The pageable copy may still run when the call returns; the other process
         // reads this memory next.
         ck("cuCtxSynchronize", sys::cuCtxSynchronize());
     }
     let reg = cuda::export_cuda_memory(dptr + OFFSET, len as u64, 1).expect("export");
-    let hex: String = bytemuck::bytes_of(&reg)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
+    let hex: String = bytemuck::bytes_of(&reg).iter().map(|b| format!("{b:02x}")).collect();
     println!("REG {hex}");
     for line in std::io::stdin().lock().lines() {
         let line = line.unwrap();
@@ -79,12 +67,7 @@ fn child(len: usize) {
             break;
         };
         // SAFETY: copies the registered range into `host`, which has `len` bytes.
-        unsafe {
-            ck(
-                "cuMemcpyDtoH",
-                sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), dptr + OFFSET, len),
-            )
-        };
+        unsafe { ck("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), dptr + OFFSET, len)) };
         match mismatch(&host, seed.parse().unwrap()) {
             None => println!("RESULT OK"),
             Some(i) => println!("RESULT BAD at byte {i}"),
@@ -99,9 +82,7 @@ struct Report {
 
 impl Report {
     fn check(&mut self, case: &str, ok: bool, detail: &str) {
-        println!(
-            "{{\"check\":\"cuda_ipc\",\"case\":\"{case}\",\"ok\":{ok},\"detail\":\"{detail}\"}}"
-        );
+        println!("{{\"check\":\"cuda_ipc\",\"case\":\"{case}\",\"ok\":{ok},\"detail\":\"{detail}\"}}");
         if ok {
             self.passed += 1;
         } else {
@@ -148,28 +129,17 @@ fn main() {
     };
     let n = cuda::device_count().unwrap();
     let uuid = cuda::device_uuid(0).unwrap();
-    eprintln!(
-        "cuda_ipc_check: {n} device(s), device 0 uuid {uuid:02x?}, {} MiB",
-        len >> 20
-    );
+    eprintln!("cuda_ipc_check: {n} device(s), device 0 uuid {uuid:02x?}, {} MiB", len >> 20);
 
     let exe = std::env::current_exe().unwrap();
-    let mut peer = Command::new(exe)
-        .args(["child", &len.to_string()])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .expect("spawn child");
+    let mut peer =
+        Command::new(exe).args(["child", &len.to_string()]).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().expect("spawn child");
     let mut to_child = peer.stdin.take().unwrap();
     let mut from_child = BufReader::new(peer.stdout.take().unwrap());
     let mut read = |prefix: &str| -> String {
         let mut line = String::new();
         from_child.read_line(&mut line).unwrap();
-        line.trim()
-            .strip_prefix(prefix)
-            .unwrap_or_else(|| panic!("child said {line:?}"))
-            .trim()
-            .to_string()
+        line.trim().strip_prefix(prefix).unwrap_or_else(|| panic!("child said {line:?}")).trim().to_string()
     };
     let reg: MemoryRegistration = reg_from_hex(&read("REG"));
 
@@ -183,63 +153,32 @@ fn main() {
         // SAFETY: each chunk lies in the mapping, which outlives the registration.
         unsafe { backend.register_host_memory(pool.add(c), CHUNK) }.unwrap();
     }
-    eprintln!(
-        "cuda_ipc_check: registered {} MiB in {:.2}s",
-        len >> 20,
-        t.elapsed().as_secs_f64()
-    );
+    eprintln!("cuda_ipc_check: registered {} MiB in {:.2}s", len >> 20, t.elapsed().as_secs_f64());
 
-    let mut report = Report {
-        passed: 0,
-        failed: 0,
-    };
+    let mut report = Report { passed: 0, failed: 0 };
     let region = backend.open_region(&reg, None, peer.id()).unwrap();
-    report.check(
-        "open_region",
-        region.len() == len as u64,
-        "IPC handle opened in the pool process",
-    );
+    report.check("open_region", region.len() == len as u64, "IPC handle opened in the pool process");
 
     // Functional: pages out in reverse order, checked byte for byte.
     let pages = len as u64 / PAGE;
-    let reversed: Vec<CopyOp> = (0..pages)
-        .map(|p| CopyOp {
-            alloc_id: 1,
-            device_offset: p * PAGE,
-            host_offset: (pages - 1 - p) * PAGE,
-            len: PAGE,
-        })
-        .collect();
+    let reversed: Vec<CopyOp> =
+        (0..pages).map(|p| CopyOp { alloc_id: 1, device_offset: p * PAGE, host_offset: (pages - 1 - p) * PAGE, len: PAGE }).collect();
     // SAFETY: every host range lies in the pool mapping.
     unsafe { region.copy_to_host(&reversed, pool) }.unwrap();
     let mut bad = None;
     for p in 0..pages as usize {
         let dst = &pool_slice[(pages as usize - 1 - p) * PAGE as usize..][..PAGE as usize];
         let first_word = p * PAGE as usize / 8;
-        if let Some(i) = dst
-            .chunks_exact(8)
-            .enumerate()
-            .position(|(i, w)| w != word(1, first_word + i).to_le_bytes())
-        {
+        if let Some(i) = dst.chunks_exact(8).enumerate().position(|(i, w)| w != word(1, first_word + i).to_le_bytes()) {
             bad = Some((p, i * 8));
             break;
         }
     }
-    report.check(
-        "device_to_host_pages",
-        bad.is_none(),
-        &format!("{pages} pages of 64 KiB, reversed; first bad {bad:?}"),
-    );
+    report.check("device_to_host_pages", bad.is_none(), &format!("{pages} pages of 64 KiB, reversed; first bad {bad:?}"));
 
     fill(pool_slice, 2);
-    let straight: Vec<CopyOp> = (0..pages)
-        .map(|p| CopyOp {
-            alloc_id: 1,
-            device_offset: p * PAGE,
-            host_offset: p * PAGE,
-            len: PAGE,
-        })
-        .collect();
+    let straight: Vec<CopyOp> =
+        (0..pages).map(|p| CopyOp { alloc_id: 1, device_offset: p * PAGE, host_offset: p * PAGE, len: PAGE }).collect();
     // SAFETY: as above.
     unsafe { region.copy_from_host(&straight, pool) }.unwrap();
     writeln!(to_child, "verify 2").unwrap();
@@ -248,12 +187,7 @@ fn main() {
 
     // Bandwidth. One op per registered chunk (never straddling two registrations).
     let chunk_ops: Vec<CopyOp> = (0..len / CHUNK)
-        .map(|c| CopyOp {
-            alloc_id: 1,
-            device_offset: (c * CHUNK) as u64,
-            host_offset: (c * CHUNK) as u64,
-            len: CHUNK as u64,
-        })
+        .map(|c| CopyOp { alloc_id: 1, device_offset: (c * CHUNK) as u64, host_offset: (c * CHUNK) as u64, len: CHUNK as u64 })
         .collect();
     bind_primary_context();
     let mut local: sys::CUdeviceptr = 0;
@@ -265,10 +199,7 @@ fn main() {
     let base_d2h = len as f64
         / best_of(3, || unsafe {
             for c in (0..len).step_by(CHUNK) {
-                ck(
-                    "cuMemcpyDtoH",
-                    sys::cuMemcpyDtoH_v2(pool.add(c).cast(), local + c as u64, CHUNK),
-                )
+                ck("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(pool.add(c).cast(), local + c as u64, CHUNK))
             }
         })
         / 1e9;
@@ -276,10 +207,7 @@ fn main() {
     let base_h2d = len as f64
         / best_of(3, || unsafe {
             for c in (0..len).step_by(CHUNK) {
-                ck(
-                    "cuMemcpyHtoD",
-                    sys::cuMemcpyHtoD_v2(local + c as u64, pool.add(c).cast(), CHUNK),
-                )
+                ck("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(local + c as u64, pool.add(c).cast(), CHUNK))
             }
         })
         / 1e9;
@@ -329,11 +257,7 @@ fn main() {
         ck("cuStreamDestroy", sys::cuStreamDestroy_v2(stream));
         (early, late)
     };
-    report.check(
-        "stream_fences",
-        fence_ok == (0, 7),
-        &format!("done word before/after gate: {fence_ok:?}"),
-    );
+    report.check("stream_fences", fence_ok == (0, 7), &format!("done word before/after gate: {fence_ok:?}"));
 
     drop(region);
     for c in (0..len).step_by(CHUNK) {

@@ -117,11 +117,7 @@ fn check(call: &'static str, r: CUresult) -> Result<(), GpuError> {
     if r == CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(GpuError::Driver {
-            call,
-            code: r as i32,
-            name: format!("{r:?}"),
-        })
+        Err(GpuError::Driver { call, code: r as i32, name: format!("{r:?}") })
     }
 }
 
@@ -148,10 +144,7 @@ pub fn init() -> Result<(), GpuError> {
         // SAFETY: only the symbol's address is looked up; it is never called through this
         // untyped handle.
         if unsafe { lib.get::<*const c_void>(symbol.as_bytes()) }.is_err() {
-            return Err(GpuError::MissingSymbol {
-                library: LIBRARY,
-                symbol,
-            });
+            return Err(GpuError::MissingSymbol { library: LIBRARY, symbol });
         }
     }
     let has = |name: &[u8]| {
@@ -234,9 +227,7 @@ fn location(type_: sys::CUmemLocationType, id: i32) -> sys::CUmemLocation {
 fn get_device(ordinal: i32) -> Result<CUdevice, GpuError> {
     let mut dev: CUdevice = 0;
     // SAFETY: out-pointer to a local.
-    check("cuDeviceGet", unsafe {
-        sys::cuDeviceGet(&mut dev, ordinal)
-    })?;
+    check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut dev, ordinal) })?;
     Ok(dev)
 }
 
@@ -260,9 +251,7 @@ impl DeviceApi for Cuda {
         let dev = get_device(ordinal)?;
         let mut uuid = sys::CUuuid { bytes: [0; 16] };
         // SAFETY: out-pointer to a local.
-        check("cuDeviceGetUuid_v2", unsafe {
-            sys::cuDeviceGetUuid_v2(&mut uuid, dev)
-        })?;
+        check("cuDeviceGetUuid_v2", unsafe { sys::cuDeviceGetUuid_v2(&mut uuid, dev) })?;
         Ok(uuid.bytes.map(|b| b as u8))
     }
 
@@ -270,18 +259,14 @@ impl DeviceApi for Cuda {
         let dev = get_device(ordinal)?;
         let mut ctx: CUcontext = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; released in CudaDevice::drop.
-        check("cuDevicePrimaryCtxRetain", unsafe {
-            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-        })?;
+        check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
         Ok(CudaDevice { dev, ctx })
     }
 
     fn bind(&self, dev: &CudaDevice) -> Result<(), GpuError> {
         // Push/pop rather than set: the thread's own current context comes back on unbind.
         // SAFETY: the context is retained for as long as `dev` lives.
-        check("cuCtxPushCurrent", unsafe {
-            sys::cuCtxPushCurrent_v2(dev.ctx)
-        })
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(dev.ctx) })
     }
 
     fn unbind(&self) {
@@ -294,9 +279,7 @@ impl DeviceApi for Cuda {
         let mut s: CUstream = std::ptr::null_mut();
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: out-pointer to a local; a context is bound by the engine.
-        check("cuStreamCreate", unsafe {
-            sys::cuStreamCreate(&mut s, flags)
-        })?;
+        check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, flags) })?;
         Ok(CudaStream(s))
     }
 
@@ -316,14 +299,7 @@ impl DeviceApi for Cuda {
         }
     }
 
-    unsafe fn copy_batch_async(
-        &self,
-        dev: &CudaDevice,
-        dir: Dir,
-        items: &[Item],
-        stream: CudaStream,
-        batch: bool,
-    ) -> Result<(), GpuError> {
+    unsafe fn copy_batch_async(&self, dev: &CudaDevice, dir: Dir, items: &[Item], stream: CudaStream, batch: bool) -> Result<(), GpuError> {
         use std::sync::atomic::Ordering;
         let abi = BATCH_ABI.get().copied().unwrap_or(BatchAbi::None);
         if !batch || abi == BatchAbi::None || items.len() < 2 || BATCH_BROKEN.load(Ordering::Relaxed) {
@@ -439,37 +415,27 @@ impl DeviceApi for Cuda {
 
     fn synchronize(&self, stream: CudaStream) -> Result<(), GpuError> {
         // SAFETY: a live stream of the bound context.
-        check("cuStreamSynchronize", unsafe {
-            sys::cuStreamSynchronize(stream.0)
-        })
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream.0) })
     }
 
     unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, GpuError> {
-        let h = sys::CUipcMemHandle {
-            reserved: handle.map(|b| b as std::ffi::c_char),
-        };
+        let h = sys::CUipcMemHandle { reserved: handle.map(|b| b as std::ffi::c_char) };
         let mut ptr: CUdeviceptr = 0;
         let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32;
         // SAFETY: out-pointer to a local; the handle bytes are validated by the driver.
-        check("cuIpcOpenMemHandle", unsafe {
-            sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags)
-        })?;
+        check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, h, flags) })?;
         Ok(ptr)
     }
 
     unsafe fn ipc_close(&self, ptr: u64) -> Result<(), GpuError> {
         // SAFETY: forwarded contract: ptr came from ipc_open.
-        check("cuIpcCloseMemHandle", unsafe {
-            sys::cuIpcCloseMemHandle(ptr)
-        })
+        check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(ptr) })
     }
 
     fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
         let (mut base, mut size): (CUdeviceptr, usize) = (0, 0);
         // SAFETY: out-pointers to locals; the driver validates ptr.
-        check("cuMemGetAddressRange", unsafe {
-            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-        })?;
+        check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
         Ok((base, size as u64))
     }
 
@@ -478,16 +444,12 @@ impl DeviceApi for Cuda {
         // ([`crate::fence`]) need; on 64-bit systems with unified addressing it costs nothing more.
         let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
         // SAFETY: forwarded contract: the range is mapped memory of this process.
-        check("cuMemHostRegister", unsafe {
-            sys::cuMemHostRegister_v2(base.cast(), len, flags)
-        })
+        check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(base.cast(), len, flags) })
     }
 
     unsafe fn host_unregister(&self, base: *mut u8) -> Result<(), GpuError> {
         // SAFETY: forwarded contract: base was registered.
-        check("cuMemHostUnregister", unsafe {
-            sys::cuMemHostUnregister(base.cast())
-        })
+        check("cuMemHostUnregister", unsafe { sys::cuMemHostUnregister(base.cast()) })
     }
 
     fn copy_kernel(&self, _dev: &CudaDevice) -> Result<u64, GpuError> {
@@ -512,17 +474,36 @@ impl DeviceApi for Cuda {
             Ok(v)
         };
         use sys::CUdevice_attribute::*;
-        Ok(attr(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? == 1
-            && attr(CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)? == 1)
+        Ok(attr(CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? == 1 && attr(CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)? == 1)
     }
 
-    unsafe fn launch_copy_kernel(&self, kernel: u64, descs: u64, n: u64, blocks: u32, threads: u32, stream: CudaStream) -> Result<(), GpuError> {
+    unsafe fn launch_copy_kernel(
+        &self,
+        kernel: u64,
+        descs: u64,
+        n: u64,
+        blocks: u32,
+        threads: u32,
+        stream: CudaStream,
+    ) -> Result<(), GpuError> {
         let mut args = [descs, n];
         let mut params: [*mut c_void; 2] = [(&mut args[0] as *mut u64).cast(), (&mut args[1] as *mut u64).cast()];
         // SAFETY: the kernel takes two 8-byte parameters, pointed to by `params`, which
         // the driver copies at launch; forwarded contract for what they point to.
         check("cuLaunchKernel(umbp_copy_pages)", unsafe {
-            sys::cuLaunchKernel(kernel as sys::CUfunction, blocks, 1, 1, threads, 1, 1, 0, stream.0, params.as_mut_ptr(), std::ptr::null_mut())
+            sys::cuLaunchKernel(
+                kernel as sys::CUfunction,
+                blocks,
+                1,
+                1,
+                threads,
+                1,
+                1,
+                0,
+                stream.0,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
         })
     }
 
@@ -565,9 +546,7 @@ fn ensure_context_for(ptr: CUdeviceptr) -> Result<(), GpuError> {
     let dev = get_device(ordinal)?;
     // SAFETY: out-pointer to a local. The retain is never released: the primary context is
     // the one the worker's runtime uses and lives as long as the process anyway.
-    check("cuDevicePrimaryCtxRetain", unsafe {
-        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-    })?;
+    check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
     // SAFETY: ctx was just retained.
     check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
 }
@@ -576,9 +555,7 @@ fn pointer_ordinal(ptr: CUdeviceptr) -> Result<i32, GpuError> {
     let mut ordinal: i32 = -1;
     let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL;
     // SAFETY: the attribute is an int, written to a local.
-    check("cuPointerGetAttribute(DEVICE_ORDINAL)", unsafe {
-        sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), attr, ptr)
-    })?;
+    check("cuPointerGetAttribute(DEVICE_ORDINAL)", unsafe { sys::cuPointerGetAttribute((&mut ordinal as *mut i32).cast(), attr, ptr) })?;
     Ok(ordinal)
 }
 
@@ -588,11 +565,7 @@ fn pointer_ordinal(ptr: CUdeviceptr) -> Result<i32, GpuError> {
 /// differ between processes with different `CUDA_VISIBLE_DEVICES`). Call it from a thread
 /// where the allocating context is current (any thread of a PyTorch process after
 /// `torch.cuda.set_device`); with no current context the device's primary context is used.
-pub fn export_cuda_memory(
-    ptr: u64,
-    len: u64,
-    alloc_id: u32,
-) -> Result<MemoryRegistration, GpuError> {
+pub fn export_cuda_memory(ptr: u64, len: u64, alloc_id: u32) -> Result<MemoryRegistration, GpuError> {
     let kind = MemoryKind::Cuda;
     init()?;
     if ptr == 0 || len == 0 {
@@ -602,16 +575,11 @@ pub fn export_cuda_memory(
     let (base, size) = Cuda.address_range(ptr)?;
     let offset = ptr - base;
     if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(GpuError::invalid(
-            kind,
-            format!("{ptr:#x}+{len} passes the end of its allocation {base:#x}+{size}"),
-        ));
+        return Err(GpuError::invalid(kind, format!("{ptr:#x}+{len} passes the end of its allocation {base:#x}+{size}")));
     }
     let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: out-pointer to a local; base is the start of a live allocation.
-    check("cuIpcGetMemHandle", unsafe {
-        sys::cuIpcGetMemHandle(&mut handle, base)
-    })?;
+    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut handle, base) })?;
     let uuid = Cuda.device_uuid(pointer_ordinal(ptr)?)?;
     tracing::debug!(alloc_id, uuid = %format_uuid(&uuid), offset, len, "exported CUDA memory");
     let mut reg = new_registration(kind, alloc_id, ptr, offset, len);
@@ -629,9 +597,7 @@ pub fn export_cuda_memory(
 pub unsafe fn host_device_pointer(host: *mut u8) -> Result<CUdeviceptr, GpuError> {
     let mut d: CUdeviceptr = 0;
     // SAFETY: out-pointer to a local; the driver validates `host`.
-    check("cuMemHostGetDevicePointer", unsafe {
-        sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0)
-    })?;
+    check("cuMemHostGetDevicePointer", unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, host.cast(), 0) })?;
     Ok(d)
 }
 
@@ -664,9 +630,7 @@ pub fn device_name(ordinal: i32) -> Result<String, GpuError> {
     let dev = get_device(ordinal)?;
     let mut buf = [0 as std::ffi::c_char; 128];
     // SAFETY: the buffer holds the length passed.
-    check("cuDeviceGetName", unsafe {
-        sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev)
-    })?;
+    check("cuDeviceGetName", unsafe { sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev) })?;
     // SAFETY: the driver NUL-terminates within the buffer.
     Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
 }
@@ -688,9 +652,7 @@ fn context_for(stream: CUstream) -> Result<CUcontext, GpuError> {
     let dev = get_device(0)?;
     // SAFETY: out-pointer to a local. Never released: registrations made in it must
     // outlive every stream that uses them, and the primary context lives with the process.
-    check("cuDevicePrimaryCtxRetain", unsafe {
-        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
-    })?;
+    check("cuDevicePrimaryCtxRetain", unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, dev) })?;
     Ok(ctx)
 }
 

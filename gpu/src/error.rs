@@ -9,26 +9,15 @@ use crate::MemoryKind;
 pub enum GpuError {
     /// The shared library of a backend could not be loaded (no driver on this machine).
     #[error("{library} could not be loaded ({detail}); install the {what} driver or use another memory kind")]
-    LibraryMissing {
-        library: &'static str,
-        what: &'static str,
-        detail: String,
-    },
+    LibraryMissing { library: &'static str, what: &'static str, detail: String },
 
     /// The library loaded but lacks a function this crate calls (driver too old).
     #[error("{library} has no symbol {symbol}: the installed driver is too old")]
-    MissingSymbol {
-        library: &'static str,
-        symbol: &'static str,
-    },
+    MissingSymbol { library: &'static str, symbol: &'static str },
 
     /// A driver call returned an error code.
     #[error("{call} failed: {name} ({code})")]
-    Driver {
-        call: &'static str,
-        code: i32,
-        name: String,
-    },
+    Driver { call: &'static str, code: i32, name: String },
 
     /// A system call failed.
     #[error("{op} failed: {source}")]
@@ -36,20 +25,11 @@ pub enum GpuError {
 
     /// A copy op reaches outside the registered region; nothing was copied.
     #[error("copy op {index}: device range {device_offset}..+{len} lies outside the region of {region_len} bytes")]
-    OutOfRange {
-        index: usize,
-        device_offset: u64,
-        len: u64,
-        region_len: u64,
-    },
+    OutOfRange { index: usize, device_offset: u64, len: u64, region_len: u64 },
 
     /// A copy op names another allocation than the region it was given to.
     #[error("copy op {index}: alloc_id {found} given to the region of alloc_id {expected}")]
-    WrongAllocation {
-        index: usize,
-        expected: u32,
-        found: u32,
-    },
+    WrongAllocation { index: usize, expected: u32, found: u32 },
 
     /// The registration is unusable; the text says which field and why.
     #[error("invalid {kind:?} registration: {reason}")]
@@ -65,13 +45,7 @@ pub enum GpuError {
 
     /// process_vm_readv/writev refused or faulted on the peer's memory.
     #[error("{op} on pid {pid} at {address:#x} (+{len}) failed: {source}")]
-    PeerMemory {
-        op: &'static str,
-        pid: u32,
-        address: u64,
-        len: u64,
-        source: io::Error,
-    },
+    PeerMemory { op: &'static str, pid: u32, address: u64, len: u64, source: io::Error },
 
     /// No GPU visible to this process has the UUID the worker registered.
     #[error("no visible {api} device has UUID {uuid}; the pool must see every GPU its workers use (check CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES of the pool)")]
@@ -79,10 +53,7 @@ pub enum GpuError {
 
     /// A backend was asked for a kind it does not serve.
     #[error("backend for {backend:?} cannot handle {requested:?} memory")]
-    KindMismatch {
-        backend: MemoryKind,
-        requested: MemoryKind,
-    },
+    KindMismatch { backend: MemoryKind, requested: MemoryKind },
 
     /// The operation exists in the contract but this region cannot do it.
     #[error("{0}")]
@@ -91,12 +62,7 @@ pub enum GpuError {
     /// A store waited for its fence word ([`crate::fence`]) and the word never reached the value:
     /// the worker did not write it in time, or was gone. Nothing was published.
     #[error("fence word never reached {value} (last {last}) within {waited_ms} ms{why}")]
-    FenceTimeout {
-        value: u64,
-        last: u64,
-        waited_ms: u64,
-        why: &'static str,
-    },
+    FenceTimeout { value: u64, last: u64, waited_ms: u64, why: &'static str },
 
     /// The fence word carries the abort mark ([`crate::fence::ABORT`]): the worker (or the
     /// pool's watchdog) released it without the data being ready.
@@ -106,29 +72,16 @@ pub enum GpuError {
 
 impl GpuError {
     pub(crate) fn os(op: &'static str, source: impl Into<io::Error>) -> Self {
-        GpuError::Os {
-            op,
-            source: source.into(),
-        }
+        GpuError::Os { op, source: source.into() }
     }
 
     pub(crate) fn invalid(kind: MemoryKind, reason: impl Into<String>) -> Self {
-        GpuError::InvalidRegistration {
-            kind,
-            reason: reason.into(),
-        }
+        GpuError::InvalidRegistration { kind, reason: reason.into() }
     }
 }
 
 /// Formats a device UUID the way `nvidia-smi -L` does, for messages.
 pub(crate) fn format_uuid(uuid: &[u8; 16]) -> String {
     let h: Vec<String> = uuid.iter().map(|b| format!("{b:02x}")).collect();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        h[0..4].concat(),
-        h[4..6].concat(),
-        h[6..8].concat(),
-        h[8..10].concat(),
-        h[10..16].concat()
-    )
+    format!("GPU-{}-{}-{}-{}-{}", h[0..4].concat(), h[4..6].concat(), h[6..8].concat(), h[8..10].concat(), h[10..16].concat())
 }

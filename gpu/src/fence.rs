@@ -121,11 +121,7 @@ impl<'a> FenceWord<'a> {
         loop {
             let w = self.load();
             if reached(w, value) {
-                return if aborted(w, value) {
-                    Err(GpuError::FenceAborted { value, word: w })
-                } else {
-                    Ok(())
-                };
+                return if aborted(w, value) { Err(GpuError::FenceAborted { value, word: w }) } else { Ok(()) };
             }
             round += 1;
             if round < 2000 {
@@ -141,12 +137,7 @@ impl<'a> FenceWord<'a> {
                 std::thread::sleep(Duration::from_micros((round as u64 / 100).min(200)));
                 continue;
             };
-            return Err(GpuError::FenceTimeout {
-                value,
-                last: w,
-                waited_ms: waited.as_millis() as u64,
-                why,
-            });
+            return Err(GpuError::FenceTimeout { value, last: w, waited_ms: waited.as_millis() as u64, why });
         }
     }
 }

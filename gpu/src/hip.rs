@@ -25,12 +25,7 @@ use crate::error::format_uuid;
 use crate::{new_registration, Backend, GpuError, MemoryKind, MemoryRegistration};
 
 const LIBRARY: &str = "libamdhip64.so";
-const CANDIDATES: &[&str] = &[
-    "libamdhip64.so",
-    "libamdhip64.so.7",
-    "libamdhip64.so.6",
-    "/opt/rocm/lib/libamdhip64.so",
-];
+const CANDIDATES: &[&str] = &["libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6", "/opt/rocm/lib/libamdhip64.so"];
 
 type HipError = i32;
 const HIP_SUCCESS: HipError = 0;
@@ -82,14 +77,12 @@ struct Hip {
     ipc_get_mem_handle: unsafe extern "C" fn(*mut HipIpcMemHandle, *mut c_void) -> HipError,
     ipc_open_mem_handle: unsafe extern "C" fn(*mut *mut c_void, HipIpcMemHandle, u32) -> HipError,
     ipc_close_mem_handle: unsafe extern "C" fn(*mut c_void) -> HipError,
-    mem_get_address_range:
-        unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> HipError,
+    mem_get_address_range: unsafe extern "C" fn(*mut *mut c_void, *mut usize, *mut c_void) -> HipError,
     pointer_get_attribute: unsafe extern "C" fn(*mut c_void, i32, *mut c_void) -> HipError,
     host_register: unsafe extern "C" fn(*mut c_void, usize, u32) -> HipError,
     host_unregister: unsafe extern "C" fn(*mut c_void) -> HipError,
     host_get_device_pointer: unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u32) -> HipError,
-    memcpy_async:
-        unsafe extern "C" fn(*mut c_void, *const c_void, usize, i32, HipStream) -> HipError,
+    memcpy_async: unsafe extern "C" fn(*mut c_void, *const c_void, usize, i32, HipStream) -> HipError,
     stream_create_with_flags: unsafe extern "C" fn(*mut HipStream, u32) -> HipError,
     stream_destroy: unsafe extern "C" fn(HipStream) -> HipError,
     stream_synchronize: unsafe extern "C" fn(HipStream) -> HipError,
@@ -124,21 +117,13 @@ impl Hip {
                 }
             }
         }
-        let lib = lib.ok_or(GpuError::LibraryMissing {
-            library: LIBRARY,
-            what: "AMD ROCm (HIP)",
-            detail: last_err,
-        })?;
+        let lib = lib.ok_or(GpuError::LibraryMissing { library: LIBRARY, what: "AMD ROCm (HIP)", detail: last_err })?;
         macro_rules! sym {
             ($name:literal) => {{
                 // SAFETY: the declared type matches the HIP header's prototype; the library
                 // is kept alive in `_lib` as long as the pointer is used.
-                let s = unsafe { lib.get(concat!($name, "\0").as_bytes()) }.map_err(|_| {
-                    GpuError::MissingSymbol {
-                        library: LIBRARY,
-                        symbol: $name,
-                    }
-                })?;
+                let s = unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|_| GpuError::MissingSymbol { library: LIBRARY, symbol: $name })?;
                 *s
             }};
         }
@@ -185,15 +170,9 @@ impl Hip {
             "unknown hipError".to_string()
         } else {
             // SAFETY: non-null, NUL-terminated static string from the runtime.
-            unsafe { CStr::from_ptr(name) }
-                .to_string_lossy()
-                .into_owned()
+            unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned()
         };
-        Err(GpuError::Driver {
-            call,
-            code: r,
-            name,
-        })
+        Err(GpuError::Driver { call, code: r, name })
     }
 }
 
@@ -288,9 +267,7 @@ impl DeviceApi for HipApi {
         }
         let mut bus = [0 as c_char; 64];
         // SAFETY: the buffer holds `len` bytes as passed.
-        h.check("hipDeviceGetPCIBusId", unsafe {
-            (h.device_get_pci_bus_id)(bus.as_mut_ptr(), bus.len() as i32, dev)
-        })?;
+        h.check("hipDeviceGetPCIBusId", unsafe { (h.device_get_pci_bus_id)(bus.as_mut_ptr(), bus.len() as i32, dev) })?;
         let mut id = [0u8; 16];
         id[..4].copy_from_slice(b"PCI:");
         for (dst, &src) in id[4..].iter_mut().zip(bus.iter().take_while(|&&c| c != 0)) {
@@ -325,9 +302,7 @@ impl DeviceApi for HipApi {
     fn create_stream(&self) -> Result<HipStreamHandle, GpuError> {
         let mut s: HipStream = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; the device is bound by the engine.
-        self.0.check("hipStreamCreateWithFlags", unsafe {
-            (self.0.stream_create_with_flags)(&mut s, HIP_STREAM_NON_BLOCKING)
-        })?;
+        self.0.check("hipStreamCreateWithFlags", unsafe { (self.0.stream_create_with_flags)(&mut s, HIP_STREAM_NON_BLOCKING) })?;
         Ok(HipStreamHandle(s))
     }
 
@@ -350,9 +325,7 @@ impl DeviceApi for HipApi {
     fn create_event(&self) -> Result<HipEventHandle, GpuError> {
         let mut ev: HipEvent = std::ptr::null_mut();
         // SAFETY: out-pointer to a local; the device is bound by the engine.
-        self.0.check("hipEventCreateWithFlags", unsafe {
-            (self.0.event_create_with_flags)(&mut ev, HIP_EVENT_DISABLE_TIMING)
-        })?;
+        self.0.check("hipEventCreateWithFlags", unsafe { (self.0.event_create_with_flags)(&mut ev, HIP_EVENT_DISABLE_TIMING) })?;
         Ok(HipEventHandle(ev))
     }
 
@@ -363,32 +336,19 @@ impl DeviceApi for HipApi {
 
     fn wait_event(&self, waiter: HipStreamHandle, event: HipEventHandle) -> Result<(), GpuError> {
         // SAFETY: live event and stream of the bound device; flags must be 0.
-        self.0.check("hipStreamWaitEvent", unsafe {
-            (self.0.stream_wait_event)(waiter.0, event.0, 0)
-        })
+        self.0.check("hipStreamWaitEvent", unsafe { (self.0.stream_wait_event)(waiter.0, event.0, 0) })
     }
 
-    fn join(
-        &self,
-        waiter: HipStreamHandle,
-        event: HipEventHandle,
-        other: HipStreamHandle,
-    ) -> Result<(), GpuError> {
+    fn join(&self, waiter: HipStreamHandle, event: HipEventHandle, other: HipStreamHandle) -> Result<(), GpuError> {
         // SAFETY: live event and streams of the bound device.
-        self.0.check("hipEventRecord", unsafe {
-            (self.0.event_record)(event.0, other.0)
-        })?;
+        self.0.check("hipEventRecord", unsafe { (self.0.event_record)(event.0, other.0) })?;
         // SAFETY: as above; flags must be 0.
-        self.0.check("hipStreamWaitEvent", unsafe {
-            (self.0.stream_wait_event)(waiter.0, event.0, 0)
-        })
+        self.0.check("hipStreamWaitEvent", unsafe { (self.0.stream_wait_event)(waiter.0, event.0, 0) })
     }
 
     fn record(&self, event: HipEventHandle, stream: HipStreamHandle) -> Result<(), GpuError> {
         // SAFETY: live event and stream of the bound device.
-        self.0.check("hipEventRecord", unsafe {
-            (self.0.event_record)(event.0, stream.0)
-        })
+        self.0.check("hipEventRecord", unsafe { (self.0.event_record)(event.0, stream.0) })
     }
 
     fn event_done(&self, event: HipEventHandle) -> Result<bool, GpuError> {
@@ -401,9 +361,7 @@ impl DeviceApi for HipApi {
 
     fn event_wait(&self, event: HipEventHandle) -> Result<(), GpuError> {
         // SAFETY: live event.
-        self.0.check("hipEventSynchronize", unsafe {
-            (self.0.event_synchronize)(event.0)
-        })
+        self.0.check("hipEventSynchronize", unsafe { (self.0.event_synchronize)(event.0) })
     }
 
     unsafe fn wait_value64(&self, stream: HipStreamHandle, addr: u64, value: u64) -> Result<(), GpuError> {
@@ -419,9 +377,7 @@ impl DeviceApi for HipApi {
 
     fn synchronize(&self, stream: HipStreamHandle) -> Result<(), GpuError> {
         // SAFETY: a live stream.
-        self.0.check("hipStreamSynchronize", unsafe {
-            (self.0.stream_synchronize)(stream.0)
-        })
+        self.0.check("hipStreamSynchronize", unsafe { (self.0.stream_synchronize)(stream.0) })
     }
 
     unsafe fn ipc_open(&self, handle: &[u8; 64]) -> Result<u64, GpuError> {
@@ -429,42 +385,32 @@ impl DeviceApi for HipApi {
         let h = HipIpcMemHandle { reserved: *handle };
         // SAFETY: out-pointer to a local; the runtime validates the handle. HIP accepts
         // only the lazy-peer-access flag here.
-        self.0.check("hipIpcOpenMemHandle", unsafe {
-            (self.0.ipc_open_mem_handle)(&mut ptr, h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-        })?;
+        self.0.check("hipIpcOpenMemHandle", unsafe { (self.0.ipc_open_mem_handle)(&mut ptr, h, HIP_IPC_MEM_LAZY_ENABLE_PEER_ACCESS) })?;
         Ok(ptr as u64)
     }
 
     unsafe fn ipc_close(&self, ptr: u64) -> Result<(), GpuError> {
         // SAFETY: forwarded contract: ptr came from ipc_open.
-        self.0.check("hipIpcCloseMemHandle", unsafe {
-            (self.0.ipc_close_mem_handle)(ptr as *mut c_void)
-        })
+        self.0.check("hipIpcCloseMemHandle", unsafe { (self.0.ipc_close_mem_handle)(ptr as *mut c_void) })
     }
 
     fn address_range(&self, ptr: u64) -> Result<(u64, u64), GpuError> {
         let mut base: *mut c_void = std::ptr::null_mut();
         let mut size = 0usize;
         // SAFETY: out-pointers to locals; the runtime validates ptr.
-        self.0.check("hipMemGetAddressRange", unsafe {
-            (self.0.mem_get_address_range)(&mut base, &mut size, ptr as *mut c_void)
-        })?;
+        self.0.check("hipMemGetAddressRange", unsafe { (self.0.mem_get_address_range)(&mut base, &mut size, ptr as *mut c_void) })?;
         Ok((base as u64, size as u64))
     }
 
     unsafe fn host_register(&self, base: *mut u8, len: usize) -> Result<(), GpuError> {
         let flags = HIP_HOST_REGISTER_PORTABLE | HIP_HOST_REGISTER_MAPPED;
         // SAFETY: forwarded contract: mapped memory of this process.
-        self.0.check("hipHostRegister", unsafe {
-            (self.0.host_register)(base.cast(), len, flags)
-        })
+        self.0.check("hipHostRegister", unsafe { (self.0.host_register)(base.cast(), len, flags) })
     }
 
     unsafe fn host_unregister(&self, base: *mut u8) -> Result<(), GpuError> {
         // SAFETY: forwarded contract: base was registered.
-        self.0.check("hipHostUnregister", unsafe {
-            (self.0.host_unregister)(base.cast())
-        })
+        self.0.check("hipHostUnregister", unsafe { (self.0.host_unregister)(base.cast()) })
     }
 }
 
@@ -472,11 +418,7 @@ impl DeviceApi for HipApi {
 /// HIP twin of [`crate::cuda::export_cuda_memory`] (exports the allocation's base,
 /// `offset = ptr - base`, device identity per [`device_identity`]). Never run on AMD
 /// hardware (see the module docs).
-pub fn export_hip_memory(
-    ptr: u64,
-    len: u64,
-    alloc_id: u32,
-) -> Result<MemoryRegistration, GpuError> {
+pub fn export_hip_memory(ptr: u64, len: u64, alloc_id: u32) -> Result<MemoryRegistration, GpuError> {
     let kind = MemoryKind::Hip;
     let h = hip()?;
     let api = HipApi(h);
@@ -486,26 +428,17 @@ pub fn export_hip_memory(
     let mut ordinal: i32 = -1;
     // SAFETY: the attribute is an int, written to a local.
     h.check("hipPointerGetAttribute(DEVICE_ORDINAL)", unsafe {
-        (h.pointer_get_attribute)(
-            (&mut ordinal as *mut i32).cast(),
-            HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            ptr as *mut c_void,
-        )
+        (h.pointer_get_attribute)((&mut ordinal as *mut i32).cast(), HIP_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr as *mut c_void)
     })?;
     let (base, size) = api.address_range(ptr)?;
     let offset = ptr - base;
     if offset.checked_add(len).is_none_or(|end| end > size) {
-        return Err(GpuError::invalid(
-            kind,
-            format!("{ptr:#x}+{len} passes the end of its allocation {base:#x}+{size}"),
-        ));
+        return Err(GpuError::invalid(kind, format!("{ptr:#x}+{len} passes the end of its allocation {base:#x}+{size}")));
     }
     let mut handle = HipIpcMemHandle { reserved: [0; 64] };
     // SAFETY: out-pointer to a local; base is the start of a live allocation (exporting the
     // base, not `ptr`, keeps HIP's own interior offset at zero so ours is the only one).
-    h.check("hipIpcGetMemHandle", unsafe {
-        (h.ipc_get_mem_handle)(&mut handle, base as *mut c_void)
-    })?;
+    h.check("hipIpcGetMemHandle", unsafe { (h.ipc_get_mem_handle)(&mut handle, base as *mut c_void) })?;
     let uuid = api.device_uuid(ordinal)?;
     tracing::debug!(alloc_id, uuid = %format_uuid(&uuid), offset, len, "exported HIP memory");
     let mut reg = new_registration(kind, alloc_id, ptr, offset, len);
@@ -522,9 +455,7 @@ pub unsafe fn host_device_pointer(host: *mut u8) -> Result<*mut c_void, GpuError
     let h = hip()?;
     let mut d: *mut c_void = std::ptr::null_mut();
     // SAFETY: out-pointer to a local; the runtime validates `host`.
-    h.check("hipHostGetDevicePointer", unsafe {
-        (h.host_get_device_pointer)(&mut d, host.cast(), 0)
-    })?;
+    h.check("hipHostGetDevicePointer", unsafe { (h.host_get_device_pointer)(&mut d, host.cast(), 0) })?;
     Ok(d)
 }
 
@@ -533,16 +464,10 @@ pub unsafe fn host_device_pointer(host: *mut u8) -> Result<*mut c_void, GpuError
 /// # Safety
 /// `stream` is live; `ptr` is an 8-byte aligned device-accessible word that stays mapped
 /// until the stream ran the write.
-pub unsafe fn stream_write_value64(
-    stream: HipStream,
-    ptr: *mut c_void,
-    value: u64,
-) -> Result<(), GpuError> {
+pub unsafe fn stream_write_value64(stream: HipStream, ptr: *mut c_void, value: u64) -> Result<(), GpuError> {
     let h = hip()?;
     // SAFETY: forwarded contract.
-    h.check("hipStreamWriteValue64", unsafe {
-        (h.stream_write_value64)(stream, ptr, value, 0)
-    })
+    h.check("hipStreamWriteValue64", unsafe { (h.stream_write_value64)(stream, ptr, value, 0) })
 }
 
 /// Fence ([`crate::fence`]; `hipStreamWaitValue64`, full mask): `stream` waits until the word
@@ -550,14 +475,8 @@ pub unsafe fn stream_write_value64(
 ///
 /// # Safety
 /// As [`stream_write_value64`].
-pub unsafe fn stream_wait_value64(
-    stream: HipStream,
-    ptr: *mut c_void,
-    value: u64,
-) -> Result<(), GpuError> {
+pub unsafe fn stream_wait_value64(stream: HipStream, ptr: *mut c_void, value: u64) -> Result<(), GpuError> {
     let h = hip()?;
     // SAFETY: forwarded contract.
-    h.check("hipStreamWaitValue64", unsafe {
-        (h.stream_wait_value64)(stream, ptr, value, HIP_STREAM_WAIT_VALUE_GTE, u64::MAX)
-    })
+    h.check("hipStreamWaitValue64", unsafe { (h.stream_wait_value64)(stream, ptr, value, HIP_STREAM_WAIT_VALUE_GTE, u64::MAX) })
 }

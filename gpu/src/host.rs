@@ -25,10 +25,7 @@ use rustix::fs::SealFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 use rustix::process::{Pid, PidfdFlags};
 
-use crate::{
-    check_ops, expect_kind, new_registration, Backend, CopyOp, DeviceRegion, GpuError, MemoryKind,
-    MemoryRegistration,
-};
+use crate::{check_ops, expect_kind, new_registration, Backend, CopyOp, DeviceRegion, GpuError, MemoryKind, MemoryRegistration};
 
 /// Backend of [`MemoryKind::HostMemfd`]. Pool memory needs no registration.
 pub struct HostMemfdBackend;
@@ -44,14 +41,14 @@ impl Backend for HostMemfdBackend {
         MemoryKind::HostMemfd
     }
 
-    fn open_region_for(&self, reg: &MemoryRegistration, fd: Option<OwnedFd>, _peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region_for(
+        &self,
+        reg: &MemoryRegistration,
+        fd: Option<OwnedFd>,
+        _peer: &crate::Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(MemoryKind::HostMemfd, reg)?;
-        let fd = fd.ok_or_else(|| {
-            GpuError::invalid(
-                MemoryKind::HostMemfd,
-                "registration arrived without its memfd",
-            )
-        })?;
+        let fd = fd.ok_or_else(|| GpuError::invalid(MemoryKind::HostMemfd, "registration arrived without its memfd"))?;
         Ok(Box::new(MemfdRegion::open(reg, fd)?))
     }
 }
@@ -61,7 +58,12 @@ impl Backend for HostProcessBackend {
         MemoryKind::HostProcess
     }
 
-    fn open_region_for(&self, reg: &MemoryRegistration, _fd: Option<OwnedFd>, peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region_for(
+        &self,
+        reg: &MemoryRegistration,
+        _fd: Option<OwnedFd>,
+        peer: &crate::Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
         expect_kind(MemoryKind::HostProcess, reg)?;
         Ok(Box::new(ProcessRegion::open(reg, peer)?))
     }
@@ -70,9 +72,10 @@ impl Backend for HostProcessBackend {
 /// A pidfd of `pid`, for opening a HostProcess region of a bare pid
 /// ([`Backend::open_region`]).
 pub(crate) fn pidfd_of(pid: u32) -> Result<OwnedFd, GpuError> {
-    let raw = i32::try_from(pid).ok().and_then(Pid::from_raw).ok_or_else(|| {
-        GpuError::invalid(MemoryKind::HostProcess, format!("peer pid {pid} is not a process id"))
-    })?;
+    let raw = i32::try_from(pid)
+        .ok()
+        .and_then(Pid::from_raw)
+        .ok_or_else(|| GpuError::invalid(MemoryKind::HostProcess, format!("peer pid {pid} is not a process id")))?;
     rustix::process::pidfd_open(raw, PidfdFlags::empty()).map_err(|e| match e {
         rustix::io::Errno::SRCH => GpuError::PeerGone { pid },
         e => GpuError::os("pidfd_open", e),
@@ -88,16 +91,10 @@ fn check_memfd(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<SealFlags, G
     let kind = MemoryKind::HostMemfd;
     // F_GET_SEALS fails with EINVAL on anything but a memfd (or other sealable shmem file),
     // which is exactly the set of files whose size seals we can trust.
-    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| {
-        GpuError::invalid(
-            kind,
-            format!("fd is not a memfd (F_GET_SEALS: {})", io::Error::from(e)),
-        )
-    })?;
+    let seals = rustix::fs::fcntl_get_seals(fd)
+        .map_err(|e| GpuError::invalid(kind, format!("fd is not a memfd (F_GET_SEALS: {})", io::Error::from(e))))?;
     if !seals.contains(SealFlags::SHRINK) {
-        return Err(GpuError::NotSealed {
-            seals: seals.bits(),
-        });
+        return Err(GpuError::NotSealed { seals: seals.bits() });
     }
     // A hole punched in a hugetlb memfd (fallocate PUNCH_HOLE, allowed by every seal but
     // the write seals) unmaps its huge pages from the pool too and gives back their
@@ -114,18 +111,10 @@ fn check_memfd(fd: BorrowedFd<'_>, offset: u64, len: u64) -> Result<SealFlags, G
     if len == 0 {
         return Err(GpuError::invalid(kind, "size is 0"));
     }
-    let end = offset.checked_add(len).ok_or_else(|| {
-        GpuError::invalid(kind, format!("offset {offset} + size {len} overflows"))
-    })?;
+    let end = offset.checked_add(len).ok_or_else(|| GpuError::invalid(kind, format!("offset {offset} + size {len} overflows")))?;
     let st = rustix::fs::fstat(fd).map_err(|e| GpuError::os("fstat of memfd", e))?;
     if end > st.st_size as u64 {
-        return Err(GpuError::invalid(
-            kind,
-            format!(
-                "range {offset}..{end} passes the memfd's end at {}",
-                st.st_size
-            ),
-        ));
+        return Err(GpuError::invalid(kind, format!("range {offset}..{end} passes the memfd's end at {}", st.st_size)));
     }
     Ok(seals)
 }
@@ -169,54 +158,28 @@ impl MemfdRegion {
         let seals = check_memfd(fd.as_fd(), reg.offset, reg.size)?;
         let page = page_size();
         let aligned = reg.offset & !(page - 1);
-        let map_len = usize::try_from(reg.offset - aligned + reg.size).map_err(|_| {
-            GpuError::invalid(MemoryKind::HostMemfd, "size does not fit the address space")
-        })?;
+        let map_len = usize::try_from(reg.offset - aligned + reg.size)
+            .map_err(|_| GpuError::invalid(MemoryKind::HostMemfd, "size does not fit the address space"))?;
         let write_sealed = seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE);
         let map_with = |prot: ProtFlags| {
             // SAFETY: a fresh shared mapping of a file whose size was checked above and
             // cannot shrink (F_SEAL_SHRINK), so every mapped page stays backed.
-            unsafe {
-                rustix::mm::mmap(
-                    std::ptr::null_mut(),
-                    map_len,
-                    prot,
-                    MapFlags::SHARED,
-                    &fd,
-                    aligned,
-                )
-            }
+            unsafe { rustix::mm::mmap(std::ptr::null_mut(), map_len, prot, MapFlags::SHARED, &fd, aligned) }
         };
         let (map, writable) = if write_sealed {
             (map_with(ProtFlags::READ), false)
         } else {
             match map_with(ProtFlags::READ | ProtFlags::WRITE) {
                 // The worker may have passed an fd opened read-only: serve stores at least.
-                Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::PERM) => {
-                    (map_with(ProtFlags::READ), false)
-                }
+                Err(rustix::io::Errno::ACCESS) | Err(rustix::io::Errno::PERM) => (map_with(ProtFlags::READ), false),
                 other => (other, true),
             }
         };
         let map = map.map_err(|e| GpuError::os("mmap of memfd", e))?;
-        let map = NonNull::new(map)
-            .ok_or_else(|| GpuError::os("mmap of memfd", io::Error::other("null mapping")))?;
+        let map = NonNull::new(map).ok_or_else(|| GpuError::os("mmap of memfd", io::Error::other("null mapping")))?;
         // SAFETY: offset - aligned < page <= map_len, inside the mapping.
-        let data = unsafe {
-            map.as_ptr()
-                .cast::<u8>()
-                .add((reg.offset - aligned) as usize)
-        };
-        Ok(Self {
-            alloc_id: reg.alloc_id,
-            map,
-            map_len,
-            data,
-            len: reg.size,
-            writable,
-            fence_gpu: std::sync::OnceLock::new(),
-            _fd: fd,
-        })
+        let data = unsafe { map.as_ptr().cast::<u8>().add((reg.offset - aligned) as usize) };
+        Ok(Self { alloc_id: reg.alloc_id, map, map_len, data, len: reg.size, writable, fence_gpu: std::sync::OnceLock::new(), _fd: fd })
     }
 }
 
@@ -244,7 +207,10 @@ impl DeviceRegion for MemfdRegion {
         let kind = MemoryKind::HostMemfd;
         if self.len > MAX_FENCE_REGION_BYTES {
             // The pool pins a fence page: a worker must not make it pin gigabytes.
-            return Err(GpuError::invalid(kind, format!("{} bytes is too large for a fence page (at most {MAX_FENCE_REGION_BYTES})", self.len)));
+            return Err(GpuError::invalid(
+                kind,
+                format!("{} bytes is too large for a fence page (at most {MAX_FENCE_REGION_BYTES})", self.len),
+            ));
         }
         if !self.writable {
             return Err(GpuError::invalid(kind, "a fence page must be writable by the pool"));
@@ -299,10 +265,7 @@ impl DeviceRegion for MemfdRegion {
 
     unsafe fn copy_from_host(&self, ops: &[CopyOp], host_base: *const u8) -> Result<(), GpuError> {
         if !self.writable {
-            return Err(GpuError::Unsupported(
-                "memfd region is read-only (write-sealed or opened read-only): cannot load into it"
-                    .into(),
-            ));
+            return Err(GpuError::Unsupported("memfd region is read-only (write-sealed or opened read-only): cannot load into it".into()));
         }
         check_ops(ops, self.alloc_id, self.len)?;
         for op in ops {
@@ -358,22 +321,13 @@ impl ProcessRegion {
         if reg.size == 0 {
             return Err(GpuError::invalid(kind, "size is 0"));
         }
-        if reg.address == 0
-            || reg
-                .address
-                .checked_add(reg.size)
-                .is_none_or(|end| end > isize::MAX as u64)
-        {
-            return Err(GpuError::invalid(
-                kind,
-                format!(
-                    "address {:#x} + size {} is not a user range",
-                    reg.address, reg.size
-                ),
-            ));
+        if reg.address == 0 || reg.address.checked_add(reg.size).is_none_or(|end| end > isize::MAX as u64) {
+            return Err(GpuError::invalid(kind, format!("address {:#x} + size {} is not a user range", reg.address, reg.size)));
         }
         if peer_pid == 0 {
-            return Err(refused("peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach; register a memfd".into()));
+            return Err(refused(
+                "peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach; register a memfd".into(),
+            ));
         }
         let pidfd = peer
             .pidfd
@@ -388,28 +342,22 @@ impl ProcessRegion {
         let mem = rustix::fs::open(path.as_str(), rustix::fs::OFlags::RDWR | rustix::fs::OFlags::CLOEXEC, rustix::fs::Mode::empty())
             .map_err(|e| match e {
                 rustix::io::Errno::SRCH | rustix::io::Errno::NOENT => GpuError::PeerGone { pid: peer_pid },
-                e => GpuError::PeerMemory { op: "open of /proc/<pid>/mem", pid: peer_pid, address: reg.address, len: reg.size, source: e.into() },
+                e => GpuError::PeerMemory {
+                    op: "open of /proc/<pid>/mem",
+                    pid: peer_pid,
+                    address: reg.address,
+                    len: reg.size,
+                    source: e.into(),
+                },
             })?;
         (peer.verify)().map_err(refused)?;
-        let region = Self {
-            alloc_id: reg.alloc_id,
-            pid: peer_pid,
-            address: reg.address,
-            len: reg.size,
-            mem,
-            pidfd,
-        };
+        let region = Self { alloc_id: reg.alloc_id, pid: peer_pid, address: reg.address, len: reg.size, mem, pidfd };
         // Touch both ends now so that a permission problem (Yama, non-dumpable worker) or a
         // bad address surfaces at registration, where the worker gets a readable refusal,
         // instead of at the first store.
         let mut probe = [0u8; 1];
         for at in [0, reg.size - 1] {
-            let op = CopyOp {
-                alloc_id: reg.alloc_id,
-                device_offset: at,
-                host_offset: 0,
-                len: 1,
-            };
+            let op = CopyOp { alloc_id: reg.alloc_id, device_offset: at, host_offset: 0, len: 1 };
             // SAFETY: `probe` is one writable byte and the op copies one byte to offset 0.
             unsafe { region.transfer(&[op], probe.as_mut_ptr(), Direction::Read) }?;
         }
@@ -417,14 +365,8 @@ impl ProcessRegion {
     }
 
     fn check_alive(&self) -> Result<(), GpuError> {
-        let mut fds = [rustix::event::PollFd::new(
-            &self.pidfd,
-            rustix::event::PollFlags::IN,
-        )];
-        let zero = rustix::time::Timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
+        let mut fds = [rustix::event::PollFd::new(&self.pidfd, rustix::event::PollFlags::IN)];
+        let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
         match rustix::event::poll(&mut fds, Some(&zero)) {
             Ok(0) => Ok(()),
             Ok(_) => Err(GpuError::PeerGone { pid: self.pid }),
@@ -436,12 +378,7 @@ impl ProcessRegion {
     ///
     /// # Safety
     /// `host[host_offset..+len]` is valid pool memory for each op, writable for reads.
-    unsafe fn transfer(
-        &self,
-        ops: &[CopyOp],
-        host: *mut u8,
-        dir: Direction,
-    ) -> Result<(), GpuError> {
+    unsafe fn transfer(&self, ops: &[CopyOp], host: *mut u8, dir: Direction) -> Result<(), GpuError> {
         check_ops(ops, self.alloc_id, self.len)?;
         self.check_alive()?;
         for op in ops {
@@ -461,13 +398,8 @@ impl ProcessRegion {
                         Direction::Write => libc::pwrite64(self.mem.as_raw_fd(), local.cast(), left, remote as i64),
                     }
                 };
-                let fail = |source: io::Error| GpuError::PeerMemory {
-                    op: dir.call(),
-                    pid: self.pid,
-                    address: remote,
-                    len: left as u64,
-                    source,
-                };
+                let fail =
+                    |source: io::Error| GpuError::PeerMemory { op: dir.call(), pid: self.pid, address: remote, len: left as u64, source };
                 if n < 0 {
                     let err = io::Error::last_os_error();
                     return Err(match err.raw_os_error() {
@@ -535,11 +467,7 @@ pub fn allow_pool_ptrace(pool_pid: u32) -> Result<(), GpuError> {
 /// Worker side: registration of `len` bytes at `ptr` of this process as HostProcess memory.
 /// The worker must be dumpable (not setuid, no PR_SET_DUMPABLE 0), checked here; the
 /// connection calls [`allow_pool_ptrace`] with the pool's verified pid before sending it.
-pub fn export_process_memory(
-    ptr: *const u8,
-    len: usize,
-    alloc_id: u32,
-) -> Result<MemoryRegistration, GpuError> {
+pub fn export_process_memory(ptr: *const u8, len: usize, alloc_id: u32) -> Result<MemoryRegistration, GpuError> {
     let kind = MemoryKind::HostProcess;
     if ptr.is_null() || len == 0 {
         return Err(GpuError::invalid(kind, "null pointer or zero length"));
@@ -547,7 +475,10 @@ pub fn export_process_memory(
     match rustix::process::dumpable_behavior() {
         Ok(rustix::process::DumpableBehavior::Dumpable) => {}
         Ok(_) => {
-            return Err(GpuError::invalid(kind, "this process is not dumpable (PR_SET_DUMPABLE 0 or setuid): the pool cannot reach its memory"))
+            return Err(GpuError::invalid(
+                kind,
+                "this process is not dumpable (PR_SET_DUMPABLE 0 or setuid): the pool cannot reach its memory",
+            ))
         }
         Err(e) => return Err(GpuError::os("prctl(PR_GET_DUMPABLE)", e)),
     }
@@ -557,18 +488,7 @@ pub fn export_process_memory(
 /// Worker side: registration of `len` bytes at `offset` of memfd `fd` as HostMemfd memory.
 /// The fd itself travels beside the message (SCM_RIGHTS). Refuses, as the pool would, an fd
 /// that is not a memfd sealed with F_SEAL_SHRINK or is shorter than `offset + len`.
-pub fn export_memfd(
-    fd: BorrowedFd<'_>,
-    offset: u64,
-    len: u64,
-    alloc_id: u32,
-) -> Result<MemoryRegistration, GpuError> {
+pub fn export_memfd(fd: BorrowedFd<'_>, offset: u64, len: u64, alloc_id: u32) -> Result<MemoryRegistration, GpuError> {
     check_memfd(fd, offset, len)?;
-    Ok(new_registration(
-        MemoryKind::HostMemfd,
-        alloc_id,
-        0,
-        offset,
-        len,
-    ))
+    Ok(new_registration(MemoryKind::HostMemfd, alloc_id, 0, offset, len))
 }

@@ -34,11 +34,11 @@ pub mod host;
 #[doc(hidden)]
 pub mod testkit;
 
+/// The page copy kernel's settings and counters (`umbp-bench transfer` prints them).
+pub use engine::gather;
 pub use engine::{EngineConfig, EngineStats};
 pub use error::GpuError;
 pub use fence::FenceWord;
-/// The page copy kernel's settings and counters (`umbp-bench transfer` prints them).
-pub use engine::gather;
 pub use gather::{GatherConfig, GatherMode};
 
 /// Direction of a copy between a registered region ("device") and pool memory ("host").
@@ -110,8 +110,8 @@ pub unsafe fn transfer(args: &TransferArgs<'_>, parts: &[Part<'_>]) -> Vec<Resul
             continue;
         }
         if let (Dir::DeviceToHost, Fence::WaitBefore(word, value)) = (args.dir, args.fence) {
-            let ok = fence_checked
-                .get_or_insert_with(|| word.wait_cpu(value, args.fence_timeout, args.keep_waiting).map_err(|e| e.to_string()));
+            let ok =
+                fence_checked.get_or_insert_with(|| word.wait_cpu(value, args.fence_timeout, args.keep_waiting).map_err(|e| e.to_string()));
             if let Err(e) = ok {
                 group.results[i] = Some(Err(GpuError::Unsupported(e.clone())));
                 continue;
@@ -295,10 +295,7 @@ pub trait DeviceRegion: sealed::RegionHooks + Send + Sync {
     /// first use); others refuse.
     fn fence_word(&self, slot: u32) -> Result<FenceWord<'_>, GpuError> {
         let _ = slot;
-        Err(GpuError::Unsupported(format!(
-            "{:?} memory cannot hold fence words (use a small HostMemfd region)",
-            self.kind()
-        )))
+        Err(GpuError::Unsupported(format!("{:?} memory cannot hold fence words (use a small HostMemfd region)", self.kind())))
     }
 }
 
@@ -355,12 +352,7 @@ pub trait Backend: sealed::Sealed + Send + Sync {
     fn open_region_for(&self, reg: &MemoryRegistration, fd: Option<OwnedFd>, peer: &Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError>;
     /// [`Self::open_region_for`] a bare pid (tests, tools): no identity to check beyond a
     /// pidfd that HostProcess takes here.
-    fn open_region(
-        &self,
-        reg: &MemoryRegistration,
-        fd: Option<OwnedFd>,
-        peer_pid: u32,
-    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region(&self, reg: &MemoryRegistration, fd: Option<OwnedFd>, peer_pid: u32) -> Result<Box<dyn DeviceRegion>, GpuError> {
         let pidfd = match self.kind() {
             MemoryKind::HostProcess => {
                 expect_kind(MemoryKind::HostProcess, reg)?;
@@ -368,7 +360,13 @@ pub trait Backend: sealed::Sealed + Send + Sync {
             }
             _ => None,
         };
-        let peer = Peer { attachment: 0, pid: peer_pid, pidfd: pidfd.as_ref().map(|f| f.as_fd()), verify: &|| Ok(()), engine: EngineConfig::default() };
+        let peer = Peer {
+            attachment: 0,
+            pid: peer_pid,
+            pidfd: pidfd.as_ref().map(|f| f.as_fd()),
+            verify: &|| Ok(()),
+            engine: EngineConfig::default(),
+        };
         self.open_region_for(reg, fd, &peer)
     }
     /// Peer allocations this process holds open (GPU: IPC mappings). A worker that died
@@ -417,19 +415,10 @@ pub fn loaded_backends() -> Vec<Arc<dyn Backend>> {
 pub fn check_ops(ops: &[CopyOp], alloc_id: u32, region_len: u64) -> Result<(), GpuError> {
     for (index, op) in ops.iter().enumerate() {
         if op.alloc_id != alloc_id {
-            return Err(GpuError::WrongAllocation {
-                index,
-                expected: alloc_id,
-                found: op.alloc_id,
-            });
+            return Err(GpuError::WrongAllocation { index, expected: alloc_id, found: op.alloc_id });
         }
         if !op_inside(op, region_len) {
-            return Err(GpuError::OutOfRange {
-                index,
-                device_offset: op.device_offset,
-                len: op.len,
-                region_len,
-            });
+            return Err(GpuError::OutOfRange { index, device_offset: op.device_offset, len: op.len, region_len });
         }
     }
     Ok(())
@@ -446,13 +435,7 @@ pub(crate) fn op_inside(op: &CopyOp, region_len: u64) -> bool {
 /// A registration with every field zero but those given; the GPU exports fill in the
 /// device identity and handle. Built from `zeroed()` so that fields added to the wire
 /// struct later start at zero instead of breaking every constructor.
-pub(crate) fn new_registration(
-    kind: MemoryKind,
-    alloc_id: u32,
-    address: u64,
-    offset: u64,
-    size: u64,
-) -> MemoryRegistration {
+pub(crate) fn new_registration(kind: MemoryKind, alloc_id: u32, address: u64, offset: u64, size: u64) -> MemoryRegistration {
     let mut reg: MemoryRegistration = bytemuck::Zeroable::zeroed();
     reg.kind = kind as u32;
     reg.alloc_id = alloc_id;
@@ -464,8 +447,7 @@ pub(crate) fn new_registration(
 
 /// Refuses a registration given to a backend of another kind.
 pub(crate) fn expect_kind(backend: MemoryKind, reg: &MemoryRegistration) -> Result<(), GpuError> {
-    let requested = MemoryKind::from_u32(reg.kind)
-        .map_err(|_| GpuError::invalid(backend, format!("unknown memory kind {}", reg.kind)))?;
+    let requested = MemoryKind::from_u32(reg.kind).map_err(|_| GpuError::invalid(backend, format!("unknown memory kind {}", reg.kind)))?;
     if requested != backend {
         return Err(GpuError::KindMismatch { backend, requested });
     }
@@ -477,12 +459,7 @@ mod tests {
     use super::*;
 
     fn op(device_offset: u64, len: u64) -> CopyOp {
-        CopyOp {
-            alloc_id: 3,
-            device_offset,
-            host_offset: 0,
-            len,
-        }
+        CopyOp { alloc_id: 3, device_offset, host_offset: 0, len }
     }
 
     #[test]
@@ -493,46 +470,18 @@ mod tests {
     #[test]
     fn ops_outside_name_the_op() {
         let err = check_ops(&[op(0, 10), op(995, 10)], 3, 1000).unwrap_err();
-        assert!(matches!(
-            err,
-            GpuError::OutOfRange {
-                index: 1,
-                device_offset: 995,
-                len: 10,
-                region_len: 1000
-            }
-        ));
+        assert!(matches!(err, GpuError::OutOfRange { index: 1, device_offset: 995, len: 10, region_len: 1000 }));
         assert!(err.to_string().contains("copy op 1"), "{err}");
         // Overflow of offset + len is out of range, not a wrap-around into the region.
         assert!(check_ops(&[op(u64::MAX - 1, 4)], 3, u64::MAX).is_err());
-        let host_overflow = CopyOp {
-            alloc_id: 3,
-            device_offset: 0,
-            host_offset: u64::MAX,
-            len: 2,
-        };
+        let host_overflow = CopyOp { alloc_id: 3, device_offset: 0, host_offset: u64::MAX, len: 2 };
         assert!(check_ops(&[host_overflow], 3, 1000).is_err());
     }
 
     #[test]
     fn ops_of_another_allocation_are_refused() {
-        let err = check_ops(
-            &[CopyOp {
-                alloc_id: 4,
-                ..op(0, 1)
-            }],
-            3,
-            1000,
-        )
-        .unwrap_err();
-        assert!(matches!(
-            err,
-            GpuError::WrongAllocation {
-                index: 0,
-                expected: 3,
-                found: 4
-            }
-        ));
+        let err = check_ops(&[CopyOp { alloc_id: 4, ..op(0, 1) }], 3, 1000).unwrap_err();
+        assert!(matches!(err, GpuError::WrongAllocation { index: 0, expected: 3, found: 4 }));
     }
 
     #[test]
@@ -540,9 +489,6 @@ mod tests {
         let a = backend_for(MemoryKind::HostMemfd).unwrap();
         let b = backend_for(MemoryKind::HostMemfd).unwrap();
         assert!(Arc::ptr_eq(&a, &b));
-        assert_eq!(
-            backend_for(MemoryKind::HostProcess).unwrap().kind(),
-            MemoryKind::HostProcess
-        );
+        assert_eq!(backend_for(MemoryKind::HostProcess).unwrap().kind(), MemoryKind::HostProcess);
     }
 }

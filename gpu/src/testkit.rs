@@ -12,9 +12,15 @@ pub fn pattern_word(seed: u64, i: u64) -> u64 {
 macro_rules! ptx_kernel {
     ($name:literal, $last:literal) => {
         concat!(
-            ".visible .entry ", $name, "(.param .u64 p_buf, .param .u64 p_n, .param .u64 p_seed, .param .u64 ", $last, ")\n{\n",
+            ".visible .entry ",
+            $name,
+            "(.param .u64 p_buf, .param .u64 p_n, .param .u64 p_seed, .param .u64 ",
+            $last,
+            ")\n{\n",
             ".reg .pred %p<4>;\n.reg .b32 %r<6>;\n.reg .b64 %rd<18>;\n",
-            "ld.param.u64 %rd1, [p_buf];\nld.param.u64 %rd2, [p_n];\nld.param.u64 %rd3, [p_seed];\nld.param.u64 %rd4, [", $last, "];\n"
+            "ld.param.u64 %rd1, [p_buf];\nld.param.u64 %rd2, [p_n];\nld.param.u64 %rd3, [p_seed];\nld.param.u64 %rd4, [",
+            $last,
+            "];\n"
         )
     };
 }
@@ -49,7 +55,9 @@ pub const PTX: &str = concat!(
     "SPIN:\nmov.u64 %rd7, %globaltimer;\nsetp.lt.u64 %p1, %rd7, %rd6;\n@%p1 bra SPIN;\n",
     ptx_for_each_pattern_word!("st.global.u64 [%rd13], %rd12;\n"),
     ptx_kernel!("check_pattern", "p_bad"),
-    ptx_for_each_pattern_word!("ld.global.u64 %rd15, [%rd13];\nsetp.ne.u64 %p3, %rd15, %rd12;\n@%p3 atom.global.add.u64 %rd16, [%rd4], 1;\n"),
+    ptx_for_each_pattern_word!(
+        "ld.global.u64 %rd15, [%rd13];\nsetp.ne.u64 %p3, %rd15, %rd12;\n@%p3 atom.global.add.u64 %rd16, [%rd4], 1;\n"
+    ),
 );
 
 #[cfg(test)]

@@ -5,8 +5,8 @@
 mod common;
 
 use common::{
-    assert_copied_to_host, check, check_missing_library_is_named, ck, cuda_or_skip, fill, is_child, op_from_start,
-    pattern, reg_from_hex, reg_to_hex, retain_primary_context, reversed_pages, serve, Peer, PoolMem,
+    assert_copied_to_host, check, check_missing_library_is_named, ck, cuda_or_skip, fill, is_child, op_from_start, pattern, reg_from_hex,
+    reg_to_hex, retain_primary_context, reversed_pages, serve, Peer, PoolMem,
 };
 use umbp_gpu::cuda::{self, sys};
 use umbp_gpu::{CopyOp, GpuError, MemoryKind};
@@ -18,12 +18,7 @@ const OFFSET: u64 = 4096 * 3;
 
 #[test]
 fn missing_cuda_is_a_clear_error() {
-    check_missing_library_is_named(
-        "libcuda",
-        cuda::init(),
-        MemoryKind::Cuda,
-        cuda::export_cuda_memory,
-    );
+    check_missing_library_is_named("libcuda", cuda::init(), MemoryKind::Cuda, cuda::export_cuda_memory);
 }
 
 /// The worker: owns a device allocation with pattern 1 and verifies on request.
@@ -39,16 +34,10 @@ fn cuda_child_entry() {
     fill(&mut host, 1);
     // SAFETY: plain driver calls on locals; the context stays current on this thread.
     unsafe {
-        ck(
-            "cuCtxSetCurrent",
-            sys::cuCtxSetCurrent(retain_primary_context()),
-        );
+        ck("cuCtxSetCurrent", sys::cuCtxSetCurrent(retain_primary_context()));
         ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, alloc));
         ck("cuMemsetD8", sys::cuMemsetD8_v2(dptr, 0xee, alloc));
-        ck(
-            "cuMemcpyHtoD",
-            sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), LEN),
-        );
+        ck("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(dptr + OFFSET, host.as_ptr().cast(), LEN));
         // The memset and the pageable copy may still run when their calls return; the
         // other process reads this memory next, ordered by nothing else.
         ck("cuCtxSynchronize", sys::cuCtxSynchronize());
@@ -58,12 +47,7 @@ fn cuda_child_entry() {
     println!("REG {}", reg_to_hex(&reg));
     serve(|seed| {
         // SAFETY: copies the registered range into `host`, which has LEN bytes.
-        unsafe {
-            ck(
-                "cuMemcpyDtoH",
-                sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), dptr + OFFSET, LEN),
-            )
-        };
+        unsafe { ck("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(host.as_mut_ptr().cast(), dptr + OFFSET, LEN)) };
         check(&host, seed)
     });
 }
@@ -85,9 +69,7 @@ fn cuda_ipc_roundtrip() {
     // SAFETY: both chunks lie inside `pool`, which outlives the registrations.
     unsafe {
         backend.register_host_memory(pool.ptr(), LEN).unwrap();
-        backend
-            .register_host_memory(pool.ptr().add(LEN), LEN)
-            .unwrap();
+        backend.register_host_memory(pool.ptr().add(LEN), LEN).unwrap();
     }
     let region = backend.open_region(&reg, None, peer.pid()).unwrap();
     assert_eq!(region.len(), LEN as u64);
@@ -121,40 +103,22 @@ fn cuda_ipc_roundtrip() {
 
     // Out of range: refused before any byte moves.
     // SAFETY: host ranges inside `pool`.
-    let err = unsafe {
-        region.copy_from_host(
-            &[CopyOp {
-                alloc_id: 21,
-                device_offset: LEN as u64 - 1,
-                host_offset: 0,
-                len: 2,
-            }],
-            pool.ptr(),
-        )
-    }
-    .unwrap_err();
+    let err =
+        unsafe { region.copy_from_host(&[CopyOp { alloc_id: 21, device_offset: LEN as u64 - 1, host_offset: 0, len: 2 }], pool.ptr()) }
+            .unwrap_err();
     assert!(matches!(err, GpuError::OutOfRange { .. }), "{err}");
     assert_eq!(peer.verify(2), "OK");
 
     // A registration past the end of the exported allocation is refused at open.
     let mut too_long = reg;
     too_long.size = 1 << 40;
-    let err = backend
-        .open_region(&too_long, None, peer.pid())
-        .err()
-        .unwrap();
-    assert!(
-        err.to_string().contains("passes the exported allocation"),
-        "{err}"
-    );
+    let err = backend.open_region(&too_long, None, peer.pid()).err().unwrap();
+    assert!(err.to_string().contains("passes the exported allocation"), "{err}");
 
     // An unknown device UUID names the cause.
     let mut elsewhere = reg;
     elsewhere.device_uuid = [0xab; 16];
-    let err = backend
-        .open_region(&elsewhere, None, peer.pid())
-        .err()
-        .unwrap();
+    let err = backend.open_region(&elsewhere, None, peer.pid()).err().unwrap();
     assert!(matches!(err, GpuError::DeviceNotFound { .. }), "{err}");
 
     drop(region);
@@ -183,15 +147,9 @@ fn cuda_in_process_region() {
     fill(&mut host, 5);
     // SAFETY: plain driver calls on locals; the primary context is pushed and popped.
     unsafe {
-        ck(
-            "cuCtxPushCurrent",
-            sys::cuCtxPushCurrent_v2(retain_primary_context()),
-        );
+        ck("cuCtxPushCurrent", sys::cuCtxPushCurrent_v2(retain_primary_context()));
         ck("cuMemAlloc", sys::cuMemAlloc_v2(&mut dptr, len + 4096));
-        ck(
-            "cuMemcpyHtoD",
-            sys::cuMemcpyHtoD_v2(dptr + 4096, host.as_ptr().cast(), len),
-        );
+        ck("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(dptr + 4096, host.as_ptr().cast(), len));
         // A pageable copy may still run when the call returns; the engine's streams do
         // not wait for the legacy stream.
         ck("cuCtxSynchronize", sys::cuCtxSynchronize());
@@ -205,9 +163,7 @@ fn cuda_in_process_region() {
     // A stale address (offset not matching the allocation) is refused.
     let mut shifted = reg;
     shifted.offset += 8;
-    assert!(backend
-        .open_region(&shifted, None, std::process::id())
-        .is_err());
+    assert!(backend.open_region(&shifted, None, std::process::id()).is_err());
     drop(region);
     // SAFETY: the allocation is unused now.
     unsafe { ck("cuMemFree", sys::cuMemFree_v2(dptr)) };

@@ -85,7 +85,14 @@ impl Setup {
         let dir = if to_host { Dir::DeviceToHost } else { Dir::HostToDevice };
         let mut engine = EngineConfig::default();
         engine.gather.mode = self.mode.get();
-        let args = TransferArgs { dir, host_base: self.pool.ptr(), fence, fence_timeout: umbp_gpu::fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine };
+        let args = TransferArgs {
+            dir,
+            host_base: self.pool.ptr(),
+            fence,
+            fence_timeout: umbp_gpu::fence::FENCE_TIMEOUT,
+            keep_waiting: &|| true,
+            engine,
+        };
         // SAFETY: every op's host range lies inside `pool` (callers build them so).
         let r = unsafe { umbp_gpu::transfer(&args, &parts) };
         r.into_iter().for_each(|r| r.unwrap());
@@ -171,7 +178,10 @@ fn kernel_gather_and_scatter_are_byte_exact() {
         }
     }
     for (ordinal, c) in calibrations() {
-        println!("calibration GPU {ordinal}: blocks {} d2h kernel up to {} B, h2d kernel up to {} B", c.blocks, c.d2h_crossover, c.h2d_crossover);
+        println!(
+            "calibration GPU {ordinal}: blocks {} d2h kernel up to {} B, h2d kernel up to {} B",
+            c.blocks, c.d2h_crossover, c.h2d_crossover
+        );
         for p in c.points {
             println!(
                 "  page {:>6} B: d2h copy engines {:5.1} GB/s kernel {:5.1} | h2d copy engines {:5.1} kernel {:5.1}",

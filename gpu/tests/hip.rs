@@ -8,8 +8,8 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use common::{
-    assert_copied_to_host, check, check_missing_library_is_named, fill, is_child, op_from_start,
-    reg_from_hex, reg_to_hex, reversed_pages, serve, Peer, PoolMem,
+    assert_copied_to_host, check, check_missing_library_is_named, fill, is_child, op_from_start, reg_from_hex, reg_to_hex, reversed_pages,
+    serve, Peer, PoolMem,
 };
 use umbp_gpu::{backend_for, hip, Backend, MemoryKind};
 
@@ -35,12 +35,7 @@ fn hip_or_skip() -> Option<Arc<dyn Backend>> {
 
 #[test]
 fn missing_hip_is_a_clear_error() {
-    check_missing_library_is_named(
-        "libamdhip64",
-        hip::init(),
-        MemoryKind::Hip,
-        hip::export_hip_memory,
-    );
+    check_missing_library_is_named("libamdhip64", hip::init(), MemoryKind::Hip, hip::export_hip_memory);
 }
 
 type HipMalloc = unsafe extern "C" fn(*mut *mut c_void, usize) -> i32;
@@ -67,16 +62,7 @@ fn hip_child_entry() {
     // SAFETY: allocation and a copy into it, within its size.
     unsafe {
         assert_eq!(malloc(&mut dptr, LEN + 2 * OFFSET as usize), 0, "hipMalloc");
-        assert_eq!(
-            memcpy(
-                dptr.cast::<u8>().add(OFFSET as usize).cast(),
-                host.as_ptr().cast(),
-                LEN,
-                1
-            ),
-            0,
-            "hipMemcpy"
-        );
+        assert_eq!(memcpy(dptr.cast::<u8>().add(OFFSET as usize).cast(), host.as_ptr().cast(), LEN, 1), 0, "hipMemcpy");
     }
     let ptr = dptr as u64 + OFFSET;
     let reg = hip::export_hip_memory(ptr, LEN as u64, 31).unwrap();

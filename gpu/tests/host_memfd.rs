@@ -17,10 +17,7 @@ const REG_OFFSET: u64 = 4096 + 100;
 const REG_LEN: u64 = 512 * 1024;
 
 fn memfd(seals: &[FileSeal]) -> File {
-    let mfd = MemfdOptions::default()
-        .allow_sealing(true)
-        .create("umbp-gpu-test")
-        .unwrap();
+    let mfd = MemfdOptions::default().allow_sealing(true).create("umbp-gpu-test").unwrap();
     mfd.as_file().set_len(FILE_LEN).unwrap();
     let mut content = vec![0u8; FILE_LEN as usize];
     fill(&mut content, 1);
@@ -38,12 +35,7 @@ fn open(file: &File) -> Result<Box<dyn DeviceRegion>, GpuError> {
 }
 
 fn op(device_offset: u64, host_offset: u64, len: u64) -> CopyOp {
-    CopyOp {
-        alloc_id: 5,
-        device_offset,
-        host_offset,
-        len,
-    }
+    CopyOp { alloc_id: 5, device_offset, host_offset, len }
 }
 
 #[test]
@@ -56,20 +48,14 @@ fn copies_both_ways() {
     // Store direction: scattered pages, in reverse order on the host side.
     let page = 4096u64;
     let pages = REG_LEN / page;
-    let ops: Vec<CopyOp> = (0..pages)
-        .map(|p| op(p * page, (pages - 1 - p) * page, page))
-        .collect();
+    let ops: Vec<CopyOp> = (0..pages).map(|p| op(p * page, (pages - 1 - p) * page, page)).collect();
     let mut host = PoolMem::new(REG_LEN as usize);
     // SAFETY: every op's host range lies inside `host`.
     unsafe { region.copy_to_host(&ops, host.ptr()) }.unwrap();
     for p in 0..pages {
         for i in 0..page {
             let file_at = (REG_OFFSET + p * page + i) as usize;
-            assert_eq!(
-                host.bytes()[((pages - 1 - p) * page + i) as usize],
-                pattern(1, file_at),
-                "page {p} byte {i}"
-            );
+            assert_eq!(host.bytes()[((pages - 1 - p) * page + i) as usize], pattern(1, file_at), "page {p} byte {i}");
         }
     }
 
@@ -83,10 +69,7 @@ fn copies_both_ways() {
     // Bytes around the registered range are untouched.
     let mut before = [0u8; 100];
     file.read_exact_at(&mut before, REG_OFFSET - 100).unwrap();
-    assert!(before
-        .iter()
-        .enumerate()
-        .all(|(i, &b)| b == pattern(1, (REG_OFFSET - 100) as usize + i)));
+    assert!(before.iter().enumerate().all(|(i, &b)| b == pattern(1, (REG_OFFSET - 100) as usize + i)));
 }
 
 #[test]
@@ -98,29 +81,13 @@ fn out_of_range_op_is_refused_and_nothing_moves() {
     let ops = [op(0, 0, 4096), op(REG_LEN - 10, 4096, 11)];
     // SAFETY: host ranges lie inside `host`.
     let err = unsafe { region.copy_to_host(&ops, host.ptr()) }.unwrap_err();
-    assert!(
-        matches!(err, GpuError::OutOfRange { index: 1, .. }),
-        "{err}"
-    );
-    assert_eq!(
-        check(host.bytes(), 3),
-        "OK",
-        "a refused batch copies nothing, not even its valid ops"
-    );
+    assert!(matches!(err, GpuError::OutOfRange { index: 1, .. }), "{err}");
+    assert_eq!(check(host.bytes(), 3), "OK", "a refused batch copies nothing, not even its valid ops");
     // SAFETY: as above.
     let err = unsafe { region.copy_from_host(&[op(u64::MAX - 5, 0, 10)], host.ptr()) }.unwrap_err();
     assert!(matches!(err, GpuError::OutOfRange { .. }), "{err}");
     // SAFETY: as above.
-    let err = unsafe {
-        region.copy_from_host(
-            &[CopyOp {
-                alloc_id: 6,
-                ..op(0, 0, 1)
-            }],
-            host.ptr(),
-        )
-    }
-    .unwrap_err();
+    let err = unsafe { region.copy_from_host(&[CopyOp { alloc_id: 6, ..op(0, 0, 1) }], host.ptr()) }.unwrap_err();
     assert!(matches!(err, GpuError::WrongAllocation { .. }), "{err}");
 }
 
@@ -134,11 +101,7 @@ fn unsealed_memfd_is_refused() {
     // ...and so does the pool, which cannot trust the worker to have checked.
     let mut reg = export_memfd(memfd(&[FileSeal::SealShrink]).as_fd(), 0, 4096, 1).unwrap();
     reg.alloc_id = 1;
-    let err = backend_for(MemoryKind::HostMemfd)
-        .unwrap()
-        .open_region(&reg, Some(file.into()), 0)
-        .err()
-        .unwrap();
+    let err = backend_for(MemoryKind::HostMemfd).unwrap().open_region(&reg, Some(file.into()), 0).err().unwrap();
     assert!(matches!(err, GpuError::NotSealed { .. }), "{err}");
 }
 
@@ -148,10 +111,7 @@ fn other_files_and_bad_ranges_are_refused() {
     let reg = export_memfd(memfd(&[FileSeal::SealShrink]).as_fd(), 0, 4096, 1).unwrap();
 
     let tmp = regular_tempfile();
-    let err = backend
-        .open_region(&reg, Some(tmp.into()), 0)
-        .err()
-        .unwrap();
+    let err = backend.open_region(&reg, Some(tmp.into()), 0).err().unwrap();
     assert!(err.to_string().contains("not a memfd"), "{err}");
 
     let err = backend.open_region(&reg, None, 0).err().unwrap();
@@ -162,18 +122,12 @@ fn other_files_and_bad_ranges_are_refused() {
     assert!(err.to_string().contains("passes the memfd's end"), "{err}");
     let mut past_end = reg;
     past_end.offset = FILE_LEN;
-    let err = backend
-        .open_region(&past_end, Some(sealed.into()), 0)
-        .err()
-        .unwrap();
+    let err = backend.open_region(&past_end, Some(sealed.into()), 0).err().unwrap();
     assert!(err.to_string().contains("passes the memfd's end"), "{err}");
 
     let mut wrong_kind = reg;
     wrong_kind.kind = MemoryKind::HostProcess as u32;
-    let err = backend
-        .open_region(&wrong_kind, Some(memfd(&[FileSeal::SealShrink]).into()), 0)
-        .err()
-        .unwrap();
+    let err = backend.open_region(&wrong_kind, Some(memfd(&[FileSeal::SealShrink]).into()), 0).err().unwrap();
     assert!(matches!(err, GpuError::KindMismatch { .. }), "{err}");
 }
 
@@ -194,13 +148,7 @@ fn write_sealed_memfd_serves_stores_only() {
 fn regular_tempfile() -> File {
     let dir = std::env::temp_dir();
     let path = dir.join(format!("umbp-gpu-test-{}", std::process::id()));
-    let f = File::options()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(&path)
-        .unwrap();
+    let f = File::options().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
     f.set_len(8192).unwrap();
     std::fs::remove_file(&path).unwrap();
     f

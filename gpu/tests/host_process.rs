@@ -27,14 +27,8 @@ fn peer_child_entry() {
     let page = 4096;
     // SAFETY: a fresh anonymous mapping, then part of it unmapped; never accessed here.
     let holed = unsafe {
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            3 * page,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        );
+        let p =
+            libc::mmap(std::ptr::null_mut(), 3 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
         assert_ne!(p, libc::MAP_FAILED);
         assert_eq!(libc::munmap(p.cast::<u8>().add(page).cast(), page), 0);
         p as usize
@@ -45,26 +39,17 @@ fn peer_child_entry() {
     serve(|seed| {
         // SAFETY: volatile reads because the pool process wrote `buf` behind the compiler's
         // back (process_vm_writev); plain reads could be reordered before the command.
-        let snapshot: Vec<u8> = (0..buf.len())
-            .map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) })
-            .collect();
+        let snapshot: Vec<u8> = (0..buf.len()).map(|i| unsafe { std::ptr::read_volatile(buf.as_ptr().add(i)) }).collect();
         check(&snapshot, seed)
     });
 }
 
 fn op(device_offset: u64, host_offset: u64, len: u64) -> CopyOp {
-    CopyOp {
-        alloc_id: 11,
-        device_offset,
-        host_offset,
-        len,
-    }
+    CopyOp { alloc_id: 11, device_offset, host_offset, len }
 }
 
 fn open(reg: &MemoryRegistration, pid: u32) -> Result<Box<dyn DeviceRegion>, GpuError> {
-    backend_for(MemoryKind::HostProcess)
-        .unwrap()
-        .open_region(reg, None, pid)
+    backend_for(MemoryKind::HostProcess).unwrap().open_region(reg, None, pid)
 }
 
 #[test]
@@ -79,9 +64,7 @@ fn copies_to_and_from_a_live_process() {
     let piece = 1000u64;
     let n = BUF_LEN as u64 / piece;
     assert!(n > 2 * 1024, "must span several IOV_MAX batches");
-    let ops: Vec<CopyOp> = (0..n)
-        .map(|i| op(i * piece, (n - 1 - i) * piece, piece))
-        .collect();
+    let ops: Vec<CopyOp> = (0..n).map(|i| op(i * piece, (n - 1 - i) * piece, piece)).collect();
     let host = PoolMem::new(BUF_LEN);
     // SAFETY: all host ranges lie inside `host`.
     unsafe { region.copy_to_host(&ops, host.ptr()) }.unwrap();
@@ -90,9 +73,7 @@ fn copies_to_and_from_a_live_process() {
         let dst = (n as usize - 1 - i) * piece as usize;
         assert_eq!(
             host.bytes()[dst..dst + piece as usize],
-            (src..src + piece as usize)
-                .map(|j| pattern(1, j))
-                .collect::<Vec<_>>()[..],
+            (src..src + piece as usize).map(|j| pattern(1, j)).collect::<Vec<_>>()[..],
             "op {i}"
         );
     }
@@ -122,14 +103,8 @@ fn copies_to_and_from_a_live_process() {
     // A bad op refuses the batch before any byte moves.
     fill(whole.bytes_mut(), 3);
     // SAFETY: host ranges lie inside `whole`.
-    let err = unsafe {
-        region.copy_from_host(&[op(0, 0, 10), op(BUF_LEN as u64 - 1, 0, 2)], whole.ptr())
-    }
-    .unwrap_err();
-    assert!(
-        matches!(err, GpuError::OutOfRange { index: 1, .. }),
-        "{err}"
-    );
+    let err = unsafe { region.copy_from_host(&[op(0, 0, 10), op(BUF_LEN as u64 - 1, 0, 2)], whole.ptr()) }.unwrap_err();
+    assert!(matches!(err, GpuError::OutOfRange { index: 1, .. }), "{err}");
     assert_eq!(peer.verify(2), "OK");
 
     // The worker dies: copies fail with an error naming it, in both directions.
@@ -138,10 +113,7 @@ fn copies_to_and_from_a_live_process() {
     peer.child.wait().unwrap();
     // SAFETY: host range inside `whole`.
     let err = unsafe { region.copy_to_host(&[op(0, 0, 4096)], whole.ptr()) }.unwrap_err();
-    assert!(
-        matches!(err, GpuError::PeerGone { pid: p } if p == pid),
-        "{err}"
-    );
+    assert!(matches!(err, GpuError::PeerGone { pid: p } if p == pid), "{err}");
     // SAFETY: as above.
     let err = unsafe { region.copy_from_host(&[op(0, 0, 4096)], whole.ptr()) }.unwrap_err();
     assert!(matches!(err, GpuError::PeerGone { .. }), "{err}");
@@ -161,28 +133,18 @@ fn unmapped_peer_memory_is_an_error() {
     let mut too_long = reg;
     too_long.size = 1 << 40;
     let err = open(&too_long, peer.pid()).err().unwrap();
-    assert!(
-        matches!(err, GpuError::PeerMemory { source: ref s, .. } if s.raw_os_error() == Some(libc::EFAULT)),
-        "{err}"
-    );
+    assert!(matches!(err, GpuError::PeerMemory { source: ref s, .. } if s.raw_os_error() == Some(libc::EFAULT)), "{err}");
 
     // Ends mapped, middle not: opens, and a copy across the hole stops there with an error
     // naming the first unmapped address (the first page arrives, as a partial transfer).
     let region = open(&holed, peer.pid()).unwrap();
     let mut host = PoolMem::new(3 * 4096);
     fill(host.bytes_mut(), 4);
-    let ops = [CopyOp {
-        alloc_id: 12,
-        device_offset: 0,
-        host_offset: 0,
-        len: 3 * 4096,
-    }];
+    let ops = [CopyOp { alloc_id: 12, device_offset: 0, host_offset: 0, len: 3 * 4096 }];
     // SAFETY: the host range is `host`.
     let err = unsafe { region.copy_to_host(&ops, host.ptr()) }.unwrap_err();
     match &err {
-        GpuError::PeerMemory {
-            address, source, ..
-        } => {
+        GpuError::PeerMemory { address, source, .. } => {
             assert_eq!(*address, holed.address + 4096, "{err}");
             assert_eq!(source.raw_os_error(), Some(libc::EFAULT), "{err}");
         }
@@ -190,25 +152,12 @@ fn unmapped_peer_memory_is_an_error() {
     }
     // Two separate ops: the first succeeds, the second faults.
     let ops = [
-        CopyOp {
-            alloc_id: 12,
-            device_offset: 0,
-            host_offset: 0,
-            len: 100,
-        },
-        CopyOp {
-            alloc_id: 12,
-            device_offset: 4096 + 8,
-            host_offset: 100,
-            len: 100,
-        },
+        CopyOp { alloc_id: 12, device_offset: 0, host_offset: 0, len: 100 },
+        CopyOp { alloc_id: 12, device_offset: 4096 + 8, host_offset: 100, len: 100 },
     ];
     // SAFETY: host ranges inside `host`.
     let err = unsafe { region.copy_from_host(&ops, host.ptr()) }.unwrap_err();
-    assert!(
-        matches!(err, GpuError::PeerMemory { address, .. } if address == holed.address + 4096 + 8),
-        "{err}"
-    );
+    assert!(matches!(err, GpuError::PeerMemory { address, .. } if address == holed.address + 4096 + 8), "{err}");
 
     // A pid that is not a process.
     let err = open(&reg, 0).err().unwrap();

@@ -9,9 +9,9 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use crate::message::{recv_message, send_message, MessageError};
 use rustix::event::{poll, PollFd, PollFlags};
 use rustix::net::{connect, socket_with, AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-use crate::message::{recv_message, send_message, MessageError};
 use umbp_protocol::wire::{decode, Hello, HelloReply, MessageKind, ReplyStatus};
 use umbp_protocol::{ProtocolError, MAGIC, PROTOCOL_VERSION};
 
@@ -156,8 +156,7 @@ impl Dial {
             return Ok(None);
         }
         // The reply is one small message written at once, so it is all there (or EOF).
-        let msg = recv_message(&self.sock, Some(Duration::from_millis(100)))
-            .map_err(|e| DialError::Broken(HandshakeError::Recv(e)))?;
+        let msg = recv_message(&self.sock, Some(Duration::from_millis(100))).map_err(|e| DialError::Broken(HandshakeError::Recv(e)))?;
         if msg.kind != MessageKind::HelloReply {
             return Err(DialError::Broken(HandshakeError::UnexpectedKind(msg.kind)));
         }

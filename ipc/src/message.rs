@@ -13,8 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use rustix::net::{
-    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
 use umbp_protocol::wire::{MessageHeader, MessageKind};
 use umbp_protocol::ProtocolError;
@@ -91,9 +90,7 @@ fn restarting<T>(mut call: impl FnMut() -> rustix::io::Result<T>) -> rustix::io:
 fn map_io(e: std::io::Error) -> MessageError {
     match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => MessageError::Timeout,
-        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof => {
-            MessageError::Closed
-        }
+        std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::UnexpectedEof => MessageError::Closed,
         _ => MessageError::Io(e),
     }
 }
@@ -118,14 +115,13 @@ pub fn send_message(
         assert!(fds.len() <= MAX_FDS, "at most {MAX_FDS} fds per message");
         control.push(SendAncillaryMessage::ScmRights(fds));
     }
-    let mut sent = restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL))
-        .map_err(|e| map_io(e.into()))?;
+    let mut sent =
+        restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL)).map_err(|e| map_io(e.into()))?;
     while sent < buf.len() {
         deadline.arm(sock)?;
-        let n = restarting(|| {
-            sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)
-        })
-        .map_err(|e| map_io(e.into()))?;
+        let n =
+            restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL))
+                .map_err(|e| map_io(e.into()))?;
         sent += n;
     }
     Ok(())
@@ -224,9 +220,7 @@ pub fn peer_gone(sock: &UnixStream) -> bool {
             }
             // Readable: EOF reads as zero bytes; real data (a control message) means alive.
             let mut b = [0u8; 1];
-            let peeked = restarting(|| {
-                rustix::net::recv(sock, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT)
-            });
+            let peeked = restarting(|| rustix::net::recv(sock, &mut b, rustix::net::RecvFlags::PEEK | rustix::net::RecvFlags::DONTWAIT));
             matches!(peeked, Ok((0, _)))
         }
         Err(_) => false,

@@ -36,13 +36,7 @@ pub fn peer_cred(sock: BorrowedFd<'_>) -> io::Result<PeerCred> {
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: `cred` is a writable ucred and `len` its size; the kernel writes at most len.
     let rc = unsafe {
-        libc::getsockopt(
-            sock.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_PEERCRED,
-            (&mut cred as *mut libc::ucred).cast(),
-            &mut len,
-        )
+        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len)
     };
     if rc != 0 {
         return Err(io::Error::last_os_error());
@@ -57,9 +51,7 @@ fn peer_pidfd(sock: BorrowedFd<'_>) -> Option<OwnedFd> {
     let mut fd: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: `fd` is a writable int and `len` its size.
-    let rc = unsafe {
-        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_PEERPIDFD, (&mut fd as *mut libc::c_int).cast(), &mut len)
-    };
+    let rc = unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_PEERPIDFD, (&mut fd as *mut libc::c_int).cast(), &mut len) };
     // SAFETY: on success the kernel installed a new fd that we now own.
     (rc == 0 && fd >= 0).then(|| unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -133,9 +125,9 @@ impl PeerProcess {
     /// by root). Peers that connected as root pass the uid checks (root may read anything).
     /// The error says what changed.
     pub fn verify(&self) -> Result<(), String> {
-        let pid = self.pid().ok_or_else(|| {
-            "peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach".to_string()
-        })?;
+        let pid = self
+            .pid()
+            .ok_or_else(|| "peer is in another pid namespace (SO_PEERCRED pid 0): its process memory is out of reach".to_string())?;
         let pidfd = self.pidfd().ok_or_else(|| gone(pid))?;
         let uid = self.cred.uid;
         if uid != 0 {
@@ -209,11 +201,7 @@ pub fn trusted_pool_uid(configured: Option<u32>) -> Result<Option<u32>, String> 
         return Ok(configured);
     }
     match std::env::var(POOL_UID_ENV) {
-        Ok(v) if !v.trim().is_empty() => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| format!("{POOL_UID_ENV}={v:?} is not a uid (a number)")),
+        Ok(v) if !v.trim().is_empty() => v.trim().parse().map(Some).map_err(|_| format!("{POOL_UID_ENV}={v:?} is not a uid (a number)")),
         _ => Ok(None),
     }
 }

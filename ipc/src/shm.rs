@@ -50,12 +50,8 @@ impl SharedMemory {
         if hugepages {
             opts = opts.hugetlb(Some(memfd::HugetlbSize::Huge2MB));
         }
-        let mfd = opts
-            .create(name)
-            .map_err(|e| ShmError::Create { name: name.to_string(), source: std::io::Error::other(e) })?;
-        mfd.as_file()
-            .set_len(len as u64)
-            .map_err(|source| ShmError::Size { name: name.to_string(), len, source })?;
+        let mfd = opts.create(name).map_err(|e| ShmError::Create { name: name.to_string(), source: std::io::Error::other(e) })?;
+        mfd.as_file().set_len(len as u64).map_err(|source| ShmError::Size { name: name.to_string(), len, source })?;
         let map = Self::map_fd(mfd.as_file().as_fd(), len, true)?;
         mfd.add_seals(&SIZE_SEALS).map_err(|e| ShmError::Seal(std::io::Error::other(e)))?;
         let fd: OwnedFd = mfd.into_file().into();
@@ -162,10 +158,7 @@ mod tests {
         unsafe { shm.as_ptr().add(100).write(42) };
         shm.seal_read_only().unwrap();
         let dup = shm.fd().try_clone_to_owned().unwrap();
-        assert!(matches!(
-            SharedMemory::from_received(dup.try_clone().unwrap(), 1 << 16, true),
-            Err(ShmError::Map { .. })
-        ));
+        assert!(matches!(SharedMemory::from_received(dup.try_clone().unwrap(), 1 << 16, true), Err(ShmError::Map { .. })));
         let ro = SharedMemory::from_received(dup, 1 << 16, false).unwrap();
         // SAFETY: inside the mapping.
         assert_eq!(unsafe { ro.as_ptr().add(100).read() }, 42);

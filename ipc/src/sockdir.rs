@@ -60,8 +60,7 @@ pub struct DirPolicy {
 
 impl DirPolicy {
     /// A pool's socket directory: created 0750 (group members reach the socket through it).
-    pub const SOCKET: DirPolicy =
-        DirPolicy { what: "socket directory", holds: "the socket", flag: "--socket", create_mode: Some(0o750) };
+    pub const SOCKET: DirPolicy = DirPolicy { what: "socket directory", holds: "the socket", flag: "--socket", create_mode: Some(0o750) };
     /// An SSD tier directory: must exist (it names a drive); the pool's segments, lock and
     /// probe live in it.
     pub const SSD: DirPolicy =
@@ -147,13 +146,14 @@ pub fn prepare_dir(dir: &Path, policy: &DirPolicy, group: Option<u32>) -> Result
         }
         None => false,
     };
-    let fd = rustix::fs::open(dir, OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
-        .map_err(|e| match e {
+    let fd = rustix::fs::open(dir, OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty()).map_err(
+        |e| match e {
             rustix::io::Errno::LOOP | rustix::io::Errno::NOTDIR => {
                 refuse(p, dir, "is a symbolic link or not a directory; give the real directory")
             }
             e => failed(p, dir, "cannot open it", e),
-        })?;
+        },
+    )?;
     if created {
         if let Some(gid) = group {
             rustix::fs::fchown(&fd, None, Some(rustix::fs::Gid::from_raw(gid)))
@@ -230,7 +230,10 @@ mod tests {
         let e = prepare_socket_dir(&file.join("umbp"), None).unwrap_err();
         assert_eq!(e.source.as_ref().and_then(|s| s.raw_os_error()), Some(libc::ENOTDIR), "{e}");
         assert!(std::error::Error::source(&e).is_some());
-        assert_eq!(e.to_string(), format!("socket directory {}: cannot create it: {}", file.join("umbp").display(), e.source.as_ref().unwrap()));
+        assert_eq!(
+            e.to_string(),
+            format!("socket directory {}: cannot create it: {}", file.join("umbp").display(), e.source.as_ref().unwrap())
+        );
         std::fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -116,8 +116,7 @@ impl Attachment {
         layout: AttachmentLayout,
         socket: UnixStream,
     ) -> std::io::Result<Self> {
-        let ring_mem = SharedMemory::create(&format!("umbp-rings-{id}"), layout.total_bytes, false)
-            .map_err(std::io::Error::other)?;
+        let ring_mem = SharedMemory::create(&format!("umbp-rings-{id}"), layout.total_bytes, false).map_err(std::io::Error::other)?;
         ring_mem.seal_final().map_err(std::io::Error::other)?;
         let ring_mem = Arc::new(ring_mem);
         let base = ring_mem.as_ptr();
@@ -125,10 +124,8 @@ impl Attachment {
         // mapping of `total_bytes` (AttachmentLayout); `ring_mem` is kept alive in the
         // struct for as long as these 'static views exist (field order drops them first).
         let (sq, cq, hints, arena) = unsafe {
-            let sq = Ring::<Sqe>::init(base.add(layout.sq_offset), layout.sq_bytes(), layout.sq_entries)
-                .map_err(std::io::Error::other)?;
-            let cq = Ring::<Cqe>::init(base.add(layout.cq_offset), layout.cq_bytes(), layout.cq_entries)
-                .map_err(std::io::Error::other)?;
+            let sq = Ring::<Sqe>::init(base.add(layout.sq_offset), layout.sq_bytes(), layout.sq_entries).map_err(std::io::Error::other)?;
+            let cq = Ring::<Cqe>::init(base.add(layout.cq_offset), layout.cq_bytes(), layout.cq_entries).map_err(std::io::Error::other)?;
             let hints = Ring::<Hint>::init(base.add(layout.hint_offset), layout.hint_bytes(), layout.hint_entries)
                 .map_err(std::io::Error::other)?;
             let arena = Arena::new(base.add(layout.arena_offset), layout.arena_bytes);

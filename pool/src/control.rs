@@ -168,13 +168,7 @@ impl PeerConn {
     /// Takes what one read returned: `bytes` (empty: EOF), the fds that came with them,
     /// and whether the kernel dropped fds (MSG_CTRUNC). Returns a complete message when
     /// this read finished one.
-    pub fn feed(
-        &mut self,
-        now: Instant,
-        bytes: &[u8],
-        fds: Vec<OwnedFd>,
-        truncated: bool,
-    ) -> Result<Option<Event>, Violation> {
+    pub fn feed(&mut self, now: Instant, bytes: &[u8], fds: Vec<OwnedFd>, truncated: bool) -> Result<Option<Event>, Violation> {
         if bytes.is_empty() {
             return Err(Violation::Closed);
         }

@@ -25,11 +25,8 @@ impl Dram {
     pub fn create(config: &PoolConfig) -> Result<Self, PoolError> {
         let mem = SharedMemory::create("umbp-dram", config.capacity_bytes as usize, config.hugepages)
             .map_err(|source| PoolError::Dram { capacity_bytes: config.capacity_bytes, hugepages: config.hugepages, source })?;
-        let dram = Self {
-            mem,
-            registered: std::sync::atomic::AtomicU64::new(0),
-            registration_done: std::sync::atomic::AtomicBool::new(false),
-        };
+        let dram =
+            Self { mem, registered: std::sync::atomic::AtomicU64::new(0), registration_done: std::sync::atomic::AtomicBool::new(false) };
         dram.exclude_from_core_dumps();
         if let Some(node) = config.numa_node {
             dram.bind_numa(node)?;
@@ -58,15 +55,7 @@ impl Dram {
         mask[(node / 64) as usize] |= 1 << (node % 64);
         // SAFETY: mbind on our own mapping with a nodemask buffer of 1024 bits.
         let rc = unsafe {
-            libc::syscall(
-                libc::SYS_mbind,
-                self.mem.as_ptr(),
-                self.mem.len(),
-                MPOL_BIND,
-                mask.as_ptr(),
-                1025usize,
-                MPOL_MF_STRICT,
-            )
+            libc::syscall(libc::SYS_mbind, self.mem.as_ptr(), self.mem.len(), MPOL_BIND, mask.as_ptr(), 1025usize, MPOL_MF_STRICT)
         };
         if rc != 0 {
             return Err(PoolError::Mbind { node, source: std::io::Error::last_os_error() });
@@ -94,7 +83,9 @@ impl Dram {
             let n = STEP.min(len - off);
             // SAFETY: a range of our own mapping. MADV_POPULATE_WRITE (Linux 5.14) faults
             // pages in writable without changing their contents.
-            let rc = unsafe { libc::madvise(self.mem.as_ptr().add(off).cast(), n, 23 /* MADV_POPULATE_WRITE */) };
+            let rc = unsafe {
+                libc::madvise(self.mem.as_ptr().add(off).cast(), n, 23 /* MADV_POPULATE_WRITE */)
+            };
             if rc != 0 {
                 // Older kernels: touch one byte per page.
                 let mut p = off;
@@ -126,7 +117,6 @@ impl Dram {
         use std::sync::atomic::Ordering;
         (self.registered.load(Ordering::Acquire), self.registration_done.load(Ordering::Acquire))
     }
-
 }
 
 /// What to unregister at stop: each backend with the base of every chunk it pinned.
@@ -164,7 +154,12 @@ pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<st
     const CHUNK: usize = 1 << 30;
     let len = inner.dram.len();
     let started = std::time::Instant::now();
-    tracing::info!(total_bytes = len, backends = backends.len(), "registering DRAM with the GPU driver (the first {} MiB now, the rest in the background)", FIRST_CHUNK >> 20);
+    tracing::info!(
+        total_bytes = len,
+        backends = backends.len(),
+        "registering DRAM with the GPU driver (the first {} MiB now, the rest in the background)",
+        FIRST_CHUNK >> 20
+    );
     let mut done = Registrations::new();
     let first = FIRST_CHUNK.min(len);
     register_chunk(inner, &backends, 0, first, started, &mut done);

@@ -180,9 +180,7 @@ pub fn hold(point: HoldPoint, on: bool) {
 #[doc(hidden)]
 pub fn wait_reached(point: HoldPoint, timeout: std::time::Duration) -> bool {
     let h = HOLDS.lock().unwrap_or_else(|e| e.into_inner());
-    let (h, _) = HOLDS_CHANGED
-        .wait_timeout_while(h, timeout, |h| !h.reached[point as usize])
-        .unwrap_or_else(|e| e.into_inner());
+    let (h, _) = HOLDS_CHANGED.wait_timeout_while(h, timeout, |h| !h.reached[point as usize]).unwrap_or_else(|e| e.into_inner());
     h.reached[point as usize]
 }
 

@@ -16,13 +16,13 @@ pub mod control;
 mod dram;
 mod event_log;
 mod evictor;
-mod group_report;
 /// Fault injection and hold points for tests (feature `fault-injection`; off in the daemon).
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 #[path = "fault_off.rs"]
 mod fault;
+mod group_report;
 /// A hold point the pool's other crates pass too (the cluster tier's threads): empty and
 /// inlined away unless this build has `fault-injection`.
 #[doc(hidden)]
@@ -34,9 +34,9 @@ mod liveness;
 mod metrics;
 mod objects;
 mod poller;
+pub mod pool_report;
 mod priority_lock;
 mod promote;
-pub mod pool_report;
 pub mod remote;
 mod report;
 mod server;
@@ -255,7 +255,12 @@ impl Pool {
         for g in 0..tenant_groups.len() as u32 {
             let share = tenant_groups.index_share(g, config.namespace_share);
             let sized_for = ((listed_bytes as f64 * share) as u64).max(1);
-            group_mem.push(create_group(&config, g, tenant_groups.len(), umbp_protocol::index::slots_for(sized_for, config.min_object_bytes))?);
+            group_mem.push(create_group(
+                &config,
+                g,
+                tenant_groups.len(),
+                umbp_protocol::index::slots_for(sized_for, config.min_object_bytes),
+            )?);
         }
         let (index_mems, logs): (Vec<_>, Vec<_>) = group_mem.into_iter().unzip();
         let mut store = ObjectStore::with_groups(dram.len() as u64, index_mems.clone());
@@ -309,9 +314,8 @@ impl Pool {
             config,
         });
         let mut threads = Vec::new();
-        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new().name(name.to_string()).spawn(f).map_err(PoolError::Io)
-        };
+        let spawn =
+            |name: &str, f: Box<dyn FnOnce() + Send>| std::thread::Builder::new().name(name.to_string()).spawn(f).map_err(PoolError::Io);
         for i in 0..inner.config.copy_threads {
             let (inner, rx) = (inner.clone(), jobs_rx.clone());
             threads.push(spawn(&format!("umbp-copy-{i}"), Box::new(move || transfer::run_copy_thread(&inner, rx)))?);

@@ -42,7 +42,6 @@ use crate::pool_report::{SsdReport, TierCounts};
 use crate::tier::TierSource;
 use crate::{PoolError, PoolInner};
 
-
 type OpLabel = [(&'static str, &'static str); 1];
 type HistogramFamily = Family<OpLabel, Histogram, fn() -> Histogram>;
 
@@ -114,7 +113,11 @@ pub fn resolve_addr(addr: &str) -> String {
 pub enum Listener {
     Tcp(TcpListener),
     /// `only_uid`: without a metrics group, only this uid (the pool's) and root are served.
-    Unix { listener: UnixListener, path: PathBuf, only_uid: Option<u32> },
+    Unix {
+        listener: UnixListener,
+        path: PathBuf,
+        only_uid: Option<u32>,
+    },
 }
 
 /// One accepted scrape connection.
@@ -225,10 +228,7 @@ pub fn bind(addr: &str, group: Option<u32>) -> Result<Listener, PoolError> {
         return bind_unix(path, group).map_err(err);
     }
     let resolved = resolve_addr(addr);
-    let addrs: Vec<_> = resolved
-        .to_socket_addrs()
-        .map_err(|e| err(format!("not a host:port address ({e})")))?
-        .collect();
+    let addrs: Vec<_> = resolved.to_socket_addrs().map_err(|e| err(format!("not a host:port address ({e})")))?.collect();
     let listener = TcpListener::bind(&addrs[..]).map_err(|e| err(format!("cannot listen: {e}")))?;
     listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
     tracing::warn!(address = %resolved, "metrics on TCP: every local user (and the network, for a non-loopback HOST) can read pool-wide traffic; use --metrics-addr unix:PATH to restrict them");
@@ -329,7 +329,13 @@ pub fn serve(inner: &Arc<PoolInner>, listener: Listener) {
                     next += 1;
                     let interest = crate::poller::Interest { read: true, write: false };
                     if poller.add_with(stream.as_fd(), next, interest).is_ok() {
-                        let c = HttpConn { stream, request: Vec::new(), out: Vec::new(), sent: 0, deadline: Instant::now() + CONNECTION_DEADLINE };
+                        let c = HttpConn {
+                            stream,
+                            request: Vec::new(),
+                            out: Vec::new(),
+                            sent: 0,
+                            deadline: Instant::now() + CONNECTION_DEADLINE,
+                        };
                         conns.insert(next, c);
                     }
                 }
@@ -425,11 +431,8 @@ fn answer(request: &[u8], registry: &Registry) -> Vec<u8> {
         ("GET", _) => ("404 Not Found", "text/plain", "not found; metrics are at /metrics\n".to_string()),
         _ => ("405 Method Not Allowed", "text/plain", "only GET\n".to_string()),
     };
-    let mut out = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    )
-    .into_bytes();
+    let mut out =
+        format!("HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", body.len()).into_bytes();
     out.extend_from_slice(body.as_bytes());
     out
 }
@@ -522,13 +525,33 @@ impl Collector for PoolCollector {
         gauge(&mut enc, "umbp_pinned_objects", "Objects pinned by loads in flight", p.pinned_objects as f64)?;
         gauge(&mut enc, "umbp_namespaces", "Namespaces with at least one object", namespaces as f64)?;
         counter(&mut enc, "umbp_evictions", "Objects evicted by the evictor", p.evictions)?;
-        gauge(&mut enc, "umbp_quarantined_bytes", "DRAM kept out of use because a timed-out remote read may still write it", p.quarantined_bytes as f64)?;
+        gauge(
+            &mut enc,
+            "umbp_quarantined_bytes",
+            "DRAM kept out of use because a timed-out remote read may still write it",
+            p.quarantined_bytes as f64,
+        )?;
         gauge(&mut enc, "umbp_quarantined_ranges", "Quarantined DRAM ranges", p.quarantined_ranges as f64)?;
         gauge(&mut enc, "umbp_quarantine_max_bytes", "Bound on quarantined DRAM (--quarantine-max-size)", p.quarantine_max_bytes as f64)?;
-        counter(&mut enc, "umbp_quarantine_reclaimed_bytes", "Quarantined DRAM handed back (its writer can no longer land)", p.quarantine_reclaimed_bytes)?;
-        counter(&mut enc, "umbp_quarantine_refusals", "Remote-tier promotions served as misses because the quarantine was at its bound", p.quarantine_refusals)?;
+        counter(
+            &mut enc,
+            "umbp_quarantine_reclaimed_bytes",
+            "Quarantined DRAM handed back (its writer can no longer land)",
+            p.quarantine_reclaimed_bytes,
+        )?;
+        counter(
+            &mut enc,
+            "umbp_quarantine_refusals",
+            "Remote-tier promotions served as misses because the quarantine was at its bound",
+            p.quarantine_refusals,
+        )?;
         counter(&mut enc, "umbp_events", "KV events written to the shared event log", p.events_written)?;
-        gauge(&mut enc, "umbp_idle_poll_window_seconds", "How long idle pool threads poll for work before they sleep (--idle-poll-us)", p.idle_poll_window_us / 1e6)?;
+        gauge(
+            &mut enc,
+            "umbp_idle_poll_window_seconds",
+            "How long idle pool threads poll for work before they sleep (--idle-poll-us)",
+            p.idle_poll_window_us / 1e6,
+        )?;
 
         labelled_counter(
             &mut enc,
@@ -581,15 +604,22 @@ impl Collector for PoolCollector {
             "umbp_copy_bandwidth_gigabytes_per_second",
             "Bytes copied / time inside copy calls since start (GB/s), by direction",
             "direction",
-            &[
-                ("store", gbps(c.bytes_stored, c.phases.store.copy_ns)),
-                ("load", gbps(c.bytes_loaded, c.phases.load.copy_ns)),
-            ],
+            &[("store", gbps(c.bytes_stored, c.phases.store.copy_ns)), ("load", gbps(c.bytes_loaded, c.phases.load.copy_ns))],
         )?;
         counter(&mut enc, "umbp_submissions", "Submissions (SQEs) taken from the rings", c.submissions)?;
-        counter(&mut enc, "umbp_service_wakeups", "Submissions that found the pool asleep: the service thread woke for a doorbell (--idle-poll-us)", c.service_wakeups)?;
+        counter(
+            &mut enc,
+            "umbp_service_wakeups",
+            "Submissions that found the pool asleep: the service thread woke for a doorbell (--idle-poll-us)",
+            c.service_wakeups,
+        )?;
         counter(&mut enc, "umbp_rejected_submissions", "Submissions answered with an error CQE", c.rejected_submissions)?;
-        counter(&mut enc, "umbp_transfers_cancelled", "Transfers abandoned by their worker before the pool issued all their stages", c.transfers_cancelled)?;
+        counter(
+            &mut enc,
+            "umbp_transfers_cancelled",
+            "Transfers abandoned by their worker before the pool issued all their stages",
+            c.transfers_cancelled,
+        )?;
         counter(&mut enc, "umbp_hints", "Touch hints drained from schedulers", c.hints)?;
         labelled_gauge(
             &mut enc,
@@ -629,12 +659,20 @@ pub fn encode_cluster(enc: &mut DescriptorEncoder, c: &crate::pool_report::Clust
     for (name, help, v) in [
         ("umbp_cluster_fetches", "Remote objects fetched or tried", c.fetches),
         ("umbp_cluster_fetch_failures", "Remote fetches that failed (misses)", c.fetch_failures),
-        ("umbp_cluster_digest_mismatches", "Remote reads whose bytes did not match the holder's digest (not published)", c.digest_mismatches),
+        (
+            "umbp_cluster_digest_mismatches",
+            "Remote reads whose bytes did not match the holder's digest (not published)",
+            c.digest_mismatches,
+        ),
         ("umbp_cluster_late_reads", "Remote reads completed past the holder's pin lease (not published)", c.late_reads),
         ("umbp_cluster_refused_connections", "Connections closed at accept (unauthenticated caps, fd reserve)", c.refused_connections),
         ("umbp_cluster_auth_failures", "Cluster handshakes that failed authentication", c.auth_failures),
         ("umbp_cluster_pins_over_cap", "Peers' pins refused at the per-subscriber caps", c.pins_over_cap),
-        ("umbp_cluster_leases_over_cap", "Closed subscribers' pins released at once: the leases held a subscriber's pin caps", c.leases_over_cap),
+        (
+            "umbp_cluster_leases_over_cap",
+            "Closed subscribers' pins released at once: the leases held a subscriber's pin caps",
+            c.leases_over_cap,
+        ),
         ("umbp_cluster_catalog_over_cap", "Peers' keys left out of the catalog at the per-group cap", c.catalog_over_cap),
         ("umbp_cluster_published_changes", "DRAM key changes sent to subscribers", c.published_changes),
         ("umbp_cluster_export_full", "Peers' pins refused: the export area had no room for the copy", c.export_full),
@@ -682,11 +720,21 @@ pub fn encode_tiers(
     gauge(enc, "umbp_ssd_objects", "Objects on SSD (live records)", s.objects as f64)?;
     gauge(enc, "umbp_ssd_segments", "SSD segment files (each held open)", s.segments as f64)?;
     gauge(enc, "umbp_ssd_direct_io", "1 when every SSD directory uses O_DIRECT, 0 when buffered", f64::from(u8::from(s.direct_io)))?;
-    gauge(enc, "umbp_ssd_io_uring", "1 when SSD I/O runs through io_uring, 0 on the pread/pwrite fallback", f64::from(u8::from(s.io_uring)))?;
+    gauge(
+        enc,
+        "umbp_ssd_io_uring",
+        "1 when SSD I/O runs through io_uring, 0 on the pread/pwrite fallback",
+        f64::from(u8::from(s.io_uring)),
+    )?;
     counter(enc, "umbp_ssd_demotions", "Objects written to SSD when evicted from DRAM", s.demotions)?;
     counter(enc, "umbp_ssd_demoted_bytes", "Bytes written to SSD by demotions (drive wear)", s.demoted_bytes)?;
     counter(enc, "umbp_ssd_not_admitted", "Evicted objects the admission policy dropped instead of demoting", s.not_admitted)?;
-    counter(enc, "umbp_ssd_demotion_failures", "Demotions that failed (disk full, I/O error, no room): the object was dropped", s.demotion_failures)?;
+    counter(
+        enc,
+        "umbp_ssd_demotion_failures",
+        "Demotions that failed (disk full, I/O error, no room): the object was dropped",
+        s.demotion_failures,
+    )?;
     counter(enc, "umbp_ssd_promotions", "Objects read back from SSD into DRAM by loads", s.promotions)?;
     counter(enc, "umbp_ssd_promoted_bytes", "Bytes read from SSD by promotions", s.promoted_bytes)?;
     counter(enc, "umbp_ssd_promotion_failures", "Promotions that found no readable record (served as misses)", s.promotion_failures)?;

@@ -29,9 +29,9 @@ mod leases;
 mod policy;
 mod quarantine;
 mod remote;
-mod tiering;
 #[cfg(test)]
 mod tests;
+mod tiering;
 
 pub use events::ObjectEvent;
 use leases::{Lease, LeaseBook};
@@ -108,15 +108,21 @@ pub enum StoreReservation {
 /// Outcome of pinning one block for a load.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LoadReservation {
-    Pinned { offset: u64 },
+    Pinned {
+        offset: u64,
+    },
     Missing,
     /// On a lower tier only: the loader promotes it first ([`ObjectStore::begin_promotion`]).
-    Lower { tier: Tier },
+    Lower {
+        tier: Tier,
+    },
     /// Another load is promoting it right now: try again shortly.
     Promoting,
     /// The object exists with another size than the loader's layout: a layout mismatch
     /// inside one namespace, reported as a failed block.
-    SizeMismatch { stored: u64 },
+    SizeMismatch {
+        stored: u64,
+    },
 }
 
 #[derive(Debug, Default, Clone, Copy, serde::Serialize)]
@@ -164,8 +170,7 @@ impl GroupIndex {
     fn new(index_mem: Arc<SharedMemory>) -> Self {
         // SAFETY: the pool formatted this mapping (`Pool::start`) and keeps it alive in
         // `_index_mem` for as long as the writer exists; the store is its only writer.
-        let view = unsafe { IndexView::attach(index_mem.as_ptr(), index_mem.len()) }
-            .expect("the pool formats its own index region");
+        let view = unsafe { IndexView::attach(index_mem.as_ptr(), index_mem.len()) }.expect("the pool formats its own index region");
         // SAFETY: extends the borrow to 'static; `_index_mem` outlives `index` (field
         // order) and the mapping never moves.
         let view: IndexView<'static> = unsafe { std::mem::transmute::<IndexView<'_>, IndexView<'static>>(view) };
@@ -337,9 +342,7 @@ impl ObjectStore {
         }
         let held = self.held.get(&namespace).copied().unwrap_or_default();
         let footprint = SlabAllocator::footprint(size);
-        if held.objects >= self.policy.namespace_max_objects
-            || held.bytes.saturating_add(footprint) > self.policy.namespace_max_bytes
-        {
+        if held.objects >= self.policy.namespace_max_objects || held.bytes.saturating_add(footprint) > self.policy.namespace_max_bytes {
             if self.quota_refusals.is_multiple_of(1024) {
                 tracing::warn!(
                     namespace = format!("{namespace:032x}"),
@@ -563,8 +566,7 @@ impl ObjectStore {
             .iter()
             .filter(|(_, o)| {
                 o.namespace == namespace
-                    && ((o.state == ObjectState::Published && o.pins == 0 && !o.demoting)
-                        || matches!(o.state, ObjectState::Lower { .. }))
+                    && ((o.state == ObjectState::Published && o.pins == 0 && !o.demoting) || matches!(o.state, ObjectState::Lower { .. }))
             })
             .map(|(k, _)| *k)
             .collect();

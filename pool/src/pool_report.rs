@@ -611,11 +611,33 @@ mod tests {
         let ssd = SsdReport::example();
         let v = serde_json::to_value(&ssd).unwrap();
         let mut want = vec![
-            "dirs", "objects", "bytes", "live_bytes", "segments", "capacity_bytes", "high_watermark",
-            "low_watermark", "admission", "direct_io", "io_uring", "demotions", "demoted_bytes",
-            "not_admitted", "demotion_failures", "promotions", "promoted_bytes", "promotion_failures",
-            "crc_misses", "read_errors", "write_errors", "evicted_objects", "compactions",
-            "restored_objects", "torn_records_skipped", "segments_refused", "rebuild_ms",
+            "dirs",
+            "objects",
+            "bytes",
+            "live_bytes",
+            "segments",
+            "capacity_bytes",
+            "high_watermark",
+            "low_watermark",
+            "admission",
+            "direct_io",
+            "io_uring",
+            "demotions",
+            "demoted_bytes",
+            "not_admitted",
+            "demotion_failures",
+            "promotions",
+            "promoted_bytes",
+            "promotion_failures",
+            "crc_misses",
+            "read_errors",
+            "write_errors",
+            "evicted_objects",
+            "compactions",
+            "restored_objects",
+            "torn_records_skipped",
+            "segments_refused",
+            "rebuild_ms",
         ];
         want.sort_unstable();
         assert_eq!(keys(&v), want);
@@ -627,7 +649,16 @@ mod tests {
         uuid[15] = 0x01;
         let gpu = GpuEngineReport {
             kind: "Cuda".into(),
-            engine: umbp_gpu::EngineStats { ordinal: 1, device_uuid: uuid, calls: 2, items: 3, bytes: 4, enqueue_ns: 5, total_ns: 6, stages: 7 },
+            engine: umbp_gpu::EngineStats {
+                ordinal: 1,
+                device_uuid: uuid,
+                calls: 2,
+                items: 3,
+                bytes: 4,
+                enqueue_ns: 5,
+                total_ns: 6,
+                stages: 7,
+            },
         };
         let v = serde_json::to_value(&gpu).unwrap();
         let mut want = vec!["kind", "ordinal", "device_uuid", "calls", "items", "bytes", "enqueue_ns", "total_ns", "stages"];
@@ -640,12 +671,12 @@ mod tests {
         let e = serde_json::from_value::<GpuEngineReport>(bad).unwrap_err().to_string();
         assert!(e.contains("device_uuid"), "{e}");
 
-        let header = umbp_protocol::index::IndexSnapshot { slot_count: 1, epoch: 2, live: 3, tombstones: 4, inserts: 5, removes: 6, rebuilds: 7 };
+        let header =
+            umbp_protocol::index::IndexSnapshot { slot_count: 1, epoch: 2, live: 3, tombstones: 4, inserts: 5, removes: 6, rebuilds: 7 };
         let ix = IndexReport { header, probe_histogram: vec![3, 0] };
         let v = serde_json::to_value(&ix).unwrap();
         assert_eq!(keys(&v), ["epoch", "inserts", "live", "probe_histogram", "rebuilds", "removes", "slots", "tombstones"]);
         assert_eq!(v["slots"], 1);
         assert_eq!(serde_json::from_value::<IndexReport>(v).unwrap(), ix);
     }
-
 }

@@ -268,7 +268,8 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
         let mut store = inner.store.lock_urgent().expect("store lock");
         for (pos, c) in candidates.iter().enumerate().take(to).skip(from) {
             let key = GroupKey::new(att.group, c.key);
-            let lower = [Tier::Ssd, Tier::Remote].into_iter().find(|&t| inner.tiers.source(t).is_some() && store.size_on(key, t) == Some(size));
+            let lower =
+                [Tier::Ssd, Tier::Remote].into_iter().find(|&t| inner.tiers.source(t).is_some() && store.size_on(key, t) == Some(size));
             if lower.is_some() && !forced {
                 let held = inner.promoter.ahead_bytes.load(Ordering::Acquire);
                 if held + (items.len() as u64 + 1) * size > inner.promoter.window {
@@ -400,7 +401,13 @@ pub fn take(
                 }
                 s.handled[i.pos] = true;
                 if *ok {
-                    blocks.push(JobBlock { index: i.cand.index, key: i.cand.key, group: t.group, block_id: i.cand.block_id, offset: i.offset });
+                    blocks.push(JobBlock {
+                        index: i.cand.index,
+                        key: i.cand.key,
+                        group: t.group,
+                        block_id: i.cand.block_id,
+                        offset: i.offset,
+                    });
                 } else {
                     statuses[i.cand.index] = BlockStatus::Missing;
                 }
@@ -427,8 +434,12 @@ pub fn run_promotion_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<A
         match std::panic::catch_unwind(AssertUnwindSafe(|| fetch(inner, &t))) {
             Ok(results) => t.complete(inner, results),
             Err(panic) => {
-                let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
-                tracing::error!(objects = t.items.len(), "promotion thread panicked: {what}; these promotions failed (misses), the pool keeps serving");
+                let what =
+                    panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
+                tracing::error!(
+                    objects = t.items.len(),
+                    "promotion thread panicked: {what}; these promotions failed (misses), the pool keeps serving"
+                );
                 // The guard in `fetch` finished them as failed while unwinding.
                 t.complete(inner, vec![false; t.items.len()]);
             }

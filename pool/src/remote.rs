@@ -167,12 +167,7 @@ mod tests {
         acl.insert(65534u32, vec![0xb0bu128]);
         // Two namespaces of one reader: one tenant group.
         acl.insert(65535u32, vec![0xd1u128, 0xd2]);
-        let cfg = PoolConfig {
-            socket_path: dir.path().join("s"),
-            capacity_bytes: 64 << 20,
-            namespace_acl: acl,
-            ..PoolConfig::default()
-        };
+        let cfg = PoolConfig { socket_path: dir.path().join("s"), capacity_bytes: 64 << 20, namespace_acl: acl, ..PoolConfig::default() };
         let pool = Pool::start(cfg).expect("pool starts");
         let access = pool.cluster_access();
         let groups = access.tenant_groups().clone();

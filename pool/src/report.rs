@@ -9,9 +9,8 @@ use std::sync::Arc;
 use crate::attachment::Attachment;
 use crate::objects::ObjectStore;
 use crate::pool_report::{
-    GpuEngineReport, SsdReport, TierCounts,
-    AttachmentReport, EventsReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report,
-    TenantPool, TenantReport, TenantScope,
+    AttachmentReport, EventsReport, GpuEngineReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report, SsdReport, TenantPool,
+    TenantReport, TenantScope, TierCounts,
 };
 use crate::tier::TierSource;
 use crate::PoolInner;
@@ -64,15 +63,13 @@ pub fn for_peer(inner: &PoolInner, att: &Attachment) -> Report {
 /// are attached with, and the pool's size and watermarks. No pids, uids or namespaces of
 /// anyone else, no pool-wide counters.
 pub fn tenant(inner: &PoolInner, uid: u32) -> TenantReport {
-    let own: Vec<Arc<Attachment>> =
-        inner.attachments.lock().expect("attachments lock").iter().filter(|a| a.uid == uid).cloned().collect();
+    let own: Vec<Arc<Attachment>> = inner.attachments.lock().expect("attachments lock").iter().filter(|a| a.uid == uid).cloned().collect();
     let mut mine: Vec<u128> = own.iter().map(|a| a.namespace).collect();
     mine.sort_unstable();
     mine.dedup();
     let (pool, namespaces) = {
         let store = inner.store.lock().expect("store lock");
-        let namespaces: Vec<_> =
-            mine.iter().map(|ns| namespace(*ns, store.namespaces().get(ns).copied().unwrap_or_default())).collect();
+        let namespaces: Vec<_> = mine.iter().map(|ns| namespace(*ns, store.namespaces().get(ns).copied().unwrap_or_default())).collect();
         let pool = TenantPool {
             capacity_bytes: store.capacity_bytes(),
             high_watermark: inner.config.high_watermark,
@@ -171,11 +168,7 @@ pub fn build(inner: &PoolInner) -> PoolReport {
         socket: inner.config.socket_path.display().to_string(),
         uptime_s: inner.started.elapsed().as_secs_f64(),
         open_fds: open_fds(),
-        events: EventsReport {
-            capacity: inner.config.event_log_entries,
-            written: pool.events_written,
-            region_bytes: events_region_bytes,
-        },
+        events: EventsReport { capacity: inner.config.event_log_entries, written: pool.events_written, region_bytes: events_region_bytes },
         pool,
         namespaces,
         index,

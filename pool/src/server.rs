@@ -219,7 +219,12 @@ impl<'a> Control<'a> {
                     if self.spare_fd.take().is_some() {
                         let accepted = match self.listener.accept() {
                             Ok((sock, _)) => {
-                                refuse_now(&sock, self.inner, ReplyStatus::ResourceExhausted, "the pool is out of file descriptors; retry later".into());
+                                refuse_now(
+                                    &sock,
+                                    self.inner,
+                                    ReplyStatus::ResourceExhausted,
+                                    "the pool is out of file descriptors; retry later".into(),
+                                );
                                 true
                             }
                             Err(_) => false,
@@ -282,10 +287,7 @@ impl<'a> Control<'a> {
         let over = if self.handshakes >= cfg.max_handshakes {
             Some(format!("{} handshakes in progress, the limit (--max-handshakes); retry", self.handshakes))
         } else if of_uid >= cfg.handshakes_per_uid {
-            Some(format!(
-                "uid {} has {of_uid} handshakes in progress, the limit per uid (--max-handshakes-per-uid); retry",
-                id.uid
-            ))
+            Some(format!("uid {} has {of_uid} handshakes in progress, the limit per uid (--max-handshakes-per-uid); retry", id.uid))
         } else {
             None
         };
@@ -352,7 +354,13 @@ impl<'a> Control<'a> {
             }
             result = match recv_chunk(&peer.sock, &mut scratch[..want], RecvFlags::DONTWAIT) {
                 Ok(chunk) => {
-                    tracing::trace!(pid = peer.id.pid, bytes = chunk.bytes, fds = chunk.fds.len(), truncated = chunk.truncated, "control read");
+                    tracing::trace!(
+                        pid = peer.id.pid,
+                        bytes = chunk.bytes,
+                        fds = chunk.fds.len(),
+                        truncated = chunk.truncated,
+                        "control read"
+                    );
                     peer.conn.feed(Instant::now(), &scratch[..chunk.bytes], chunk.fds, chunk.truncated)
                 }
                 Err(MessageError::Timeout) => break,
@@ -460,9 +468,7 @@ impl<'a> Control<'a> {
             .collect::<Result<Vec<_>, _>>()
         {
             Ok(f) => f,
-            Err(e) => {
-                return self.refuse(token, ReplyStatus::ResourceExhausted, format!("the pool is out of file descriptors: {e}"))
-            }
+            Err(e) => return self.refuse(token, ReplyStatus::ResourceExhausted, format!("the pool is out of file descriptors: {e}")),
         };
         {
             let mut list = inner.attachments.lock().expect("attachments lock");
@@ -552,7 +558,9 @@ impl<'a> Control<'a> {
                 Ok(_) => {
                     self.reg_uids.insert(uid);
                 }
-                Err(e) => self.reply(token, Reply::error(ReplyStatus::Internal, &format!("cannot start a registration thread: {e}")), Vec::new()),
+                Err(e) => {
+                    self.reply(token, Reply::error(ReplyStatus::Internal, &format!("cannot start a registration thread: {e}")), Vec::new())
+                }
             }
         }
     }
@@ -714,16 +722,17 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
         if len != reg.size {
             return Reply::error(
                 ReplyStatus::InvalidRequest,
-                &format!("alloc_id {} is already registered with {len} bytes, not {} (a retry must repeat the registration)", reg.alloc_id, reg.size),
+                &format!(
+                    "alloc_id {} is already registered with {len} bytes, not {} (a retry must repeat the registration)",
+                    reg.alloc_id, reg.size
+                ),
             );
         }
     }
     // --max-regions / --max-registered-bytes, on the claimed size before opening anything
     // (a retry's old region does not count: it is replaced).
-    let (count, bytes) = (
-        att.regions.read().expect("regions lock").len() - replaced.is_some() as usize,
-        att.registered_bytes() - replaced.unwrap_or(0),
-    );
+    let (count, bytes) =
+        (att.regions.read().expect("regions lock").len() - replaced.is_some() as usize, att.registered_bytes() - replaced.unwrap_or(0));
     if let Err(r) = validate::check_registration(count, bytes, reg.size, &inner.config.limits) {
         tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
         return Reply::error(r.status, &r.message);
@@ -757,9 +766,13 @@ fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec
             if region.len() != replaced.unwrap_or(region.len()) {
                 return Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {}: a retry opened another size", reg.alloc_id));
             }
-            if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits)
-                .and_then(|()| if replaced.is_some() { Ok(()) } else { check_uid_registration(inner, att.uid, region.len()) })
-            {
+            if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits).and_then(|()| {
+                if replaced.is_some() {
+                    Ok(())
+                } else {
+                    check_uid_registration(inner, att.uid, region.len())
+                }
+            }) {
                 return Reply::error(r.status, &r.message);
             }
             if replaced.is_some() {

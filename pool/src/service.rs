@@ -13,10 +13,10 @@ use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
-use crate::{heartbeat, idle_poll};
 use crate::poller::Poller;
 use crate::stats::Counters;
 use crate::transfer::{Candidate, Job};
+use crate::{heartbeat, idle_poll};
 use crate::{validate, PoolInner};
 
 /// Submissions taken from one ring before looking at the next (fairness).

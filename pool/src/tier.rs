@@ -14,8 +14,8 @@ use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
 use crate::objects::Demotion;
-use umbp_ssd::{SsdConfig, SsdError, SsdStore};
 use crate::PoolInner;
+use umbp_ssd::{SsdConfig, SsdError, SsdStore};
 
 /// One object to fetch from a lower tier into its new DRAM allocation.
 pub struct FetchItem<'a> {
@@ -337,7 +337,12 @@ pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duratio
     }
     if !work.is_empty() {
         let left_bytes: u64 = work.iter().map(|d| d.size).sum();
-        tracing::warn!(objects = work.len(), bytes = left_bytes, limit_s = limit.as_secs_f64(), "clean stop: SSD flush time limit reached; these DRAM objects are not kept (raise --ssd-flush-on-stop)");
+        tracing::warn!(
+            objects = work.len(),
+            bytes = left_bytes,
+            limit_s = limit.as_secs_f64(),
+            "clean stop: SSD flush time limit reached; these DRAM objects are not kept (raise --ssd-flush-on-stop)"
+        );
         let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
         for d in &work {
             store.cancel_demotion(d.key);

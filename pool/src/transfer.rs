@@ -3,8 +3,8 @@
 //! completion.
 
 use std::cell::{Cell, RefCell};
-use std::panic::AssertUnwindSafe;
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -287,7 +287,10 @@ fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + 
         job.statuses[b.index] = BlockStatus::Failed;
     }
     if leaked > 0 {
-        tracing::error!(bytes = leaked, "the panic came from inside the device layer: DRAM of the failed stores quarantined (not reused until the pool restarts)");
+        tracing::error!(
+            bytes = leaked,
+            "the panic came from inside the device layer: DRAM of the failed stores quarantined (not reused until the pool restarts)"
+        );
     }
     Copied { failed: Vec::new(), settled: job.blocks.len(), cancelled: false }
 }
@@ -467,7 +470,12 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
                     let seg = &segments[i];
                     push_coalesced(
                         &mut ops,
-                        CopyOp { alloc_id: *alloc, device_offset: seg.offset + b.block_id * seg.block_stride, host_offset: b.offset + off, len: seg.page_bytes },
+                        CopyOp {
+                            alloc_id: *alloc,
+                            device_offset: seg.offset + b.block_id * seg.block_stride,
+                            host_offset: b.offset + off,
+                            len: seg.page_bytes,
+                        },
                     );
                 }
             }
@@ -516,7 +524,8 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
                 settle(inner, op, blocks, statuses, &dropped);
             }));
             if let Err(panic) = settled {
-                let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
+                let what =
+                    panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
                 tracing::error!(attachment = att.id, op = ?op, stage = s, "panic while settling a landed stage: {what}; the transfer drains and its unsettled blocks fail");
                 p.stage_panicked = true;
             }
@@ -674,7 +683,15 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
 /// Launches stages `from..` of a load's candidates (cut by `split`) ahead, one ticket per
 /// stage (so that each stage takes only its own), while the look-ahead window has room.
 /// True if all were launched.
-fn launch_stages(inner: &PoolInner, att: &Attachment, size: u64, cands: &[Candidate], ahead: &crate::promote::Ahead, split: &StageSplit, from: usize) -> bool {
+fn launch_stages(
+    inner: &PoolInner,
+    att: &Attachment,
+    size: u64,
+    cands: &[Candidate],
+    ahead: &crate::promote::Ahead,
+    split: &StageSplit,
+    from: usize,
+) -> bool {
     (from..split.count()).all(|k| {
         let to = split.range(k).end;
         crate::promote::launch(inner, att, size, cands, ahead, to, false) >= to
@@ -832,7 +849,11 @@ fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [Bl
             }
             _ => {
                 store.finish_load(b.object());
-                if ok { BlockStatus::Loaded } else { BlockStatus::Failed }
+                if ok {
+                    BlockStatus::Loaded
+                } else {
+                    BlockStatus::Failed
+                }
             }
         };
     }

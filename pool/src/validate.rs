@@ -46,16 +46,13 @@ pub struct AcceptedHello {
 /// magic, version, role, uid allow-list, namespace ACL, ring and arena sizes against the
 /// limits. `pool_uid` and root are always allowed and never namespace-restricted.
 pub fn check_hello(payload: &[u8], uid: u32, pool_uid: u32, cfg: &PoolConfig) -> Result<AcceptedHello, Refusal> {
-    let hello: Hello =
-        wire::decode(payload).map_err(|e| Refusal::new(ReplyStatus::InvalidRequest, format!("bad Hello: {e}")))?;
+    let hello: Hello = wire::decode(payload).map_err(|e| Refusal::new(ReplyStatus::InvalidRequest, format!("bad Hello: {e}")))?;
     let role = match hello.validate() {
         Ok(r) => r,
         Err(e @ ProtocolError::VersionMismatch { .. }) => {
             return Err(Refusal::new(ReplyStatus::VersionMismatch, format!("umbp-pool refuses: {e}")))
         }
-        Err(e @ ProtocolError::BadMagic { .. }) => {
-            return Err(Refusal::new(ReplyStatus::BadMagic, format!("umbp-pool refuses: {e}")))
-        }
+        Err(e @ ProtocolError::BadMagic { .. }) => return Err(Refusal::new(ReplyStatus::BadMagic, format!("umbp-pool refuses: {e}"))),
         Err(e) => return Err(Refusal::new(ReplyStatus::InvalidRequest, format!("umbp-pool refuses: {e}"))),
     };
     let privileged = uid == pool_uid || uid == 0;
@@ -98,17 +95,12 @@ pub fn check_hello(payload: &[u8], uid: u32, pool_uid: u32, cfg: &PoolConfig) ->
 /// Attachment counts: `total` live attachments, `of_uid` of them by `uid`.
 pub fn check_attachment_count(total: usize, of_uid: usize, uid: u32, cfg: &PoolConfig) -> Result<(), Refusal> {
     if total >= cfg.max_attachments {
-        return Err(Refusal::new(
-            ReplyStatus::ResourceExhausted,
-            format!("pool has {total} attachments, the limit (--max-attachments)"),
-        ));
+        return Err(Refusal::new(ReplyStatus::ResourceExhausted, format!("pool has {total} attachments, the limit (--max-attachments)")));
     }
     if of_uid >= cfg.limits.attachments_per_uid {
         return Err(Refusal::new(
             ReplyStatus::ResourceExhausted,
-            format!(
-                "uid {uid} already holds {of_uid} attachments, the limit per uid (--max-attachments-per-uid)"
-            ),
+            format!("uid {uid} already holds {of_uid} attachments, the limit per uid (--max-attachments-per-uid)"),
         ));
     }
     Ok(())
@@ -157,8 +149,7 @@ pub fn parse_layout(payload: &[u8]) -> Result<(u16, Vec<Segment>), Refusal> {
     if seg_bytes.len() < need {
         return Err(bad(format!("RegisterLayout: truncated: need {need} segment bytes")));
     }
-    let segments =
-        seg_bytes[..need].chunks_exact(std::mem::size_of::<Segment>()).map(bytemuck::pod_read_unaligned).collect();
+    let segments = seg_bytes[..need].chunks_exact(std::mem::size_of::<Segment>()).map(bytemuck::pod_read_unaligned).collect();
     Ok((header.group as u16, segments))
 }
 
@@ -222,11 +213,7 @@ pub enum SqeCheck {
 /// layouts: opcode, block count, group, the block list's and the status array's arena
 /// ranges; copies the block list out of the arena once. `layout_of(group)` returns the
 /// group's registered layout.
-pub fn check_sqe(
-    sqe: &Sqe,
-    arena: &Arena,
-    layout_of: impl FnOnce(u16) -> Option<Arc<KvLayout>>,
-) -> Result<SqeCheck, CqeError> {
+pub fn check_sqe(sqe: &Sqe, arena: &Arena, layout_of: impl FnOnce(u16) -> Option<Arc<KvLayout>>) -> Result<SqeCheck, CqeError> {
     let op = Opcode::from_u8(sqe.opcode).map_err(|_| CqeError::BadOpcode)?;
     if op == Opcode::Nop {
         return Ok(SqeCheck::Nop);

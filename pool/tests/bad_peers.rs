@@ -13,8 +13,8 @@ use umbp_ipc::SharedMemory;
 use umbp_protocol::entries::{BlockRef, BlockStatus, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE};
 use umbp_protocol::layout::Segment;
 use umbp_protocol::wire::{Hello, LayoutHeader, MessageKind, Role};
-use umbp_protocol::PROTOCOL_VERSION as PROTOCOL_VERSION_FIELD_CHECK;
 use umbp_protocol::ObjectKey;
+use umbp_protocol::PROTOCOL_VERSION as PROTOCOL_VERSION_FIELD_CHECK;
 
 const PAGE: u64 = 4096;
 const BLOCKS: u64 = 16;
@@ -159,8 +159,7 @@ fn bad_submissions_get_error_completions() {
         assert_eq!(c[0].result, -(want as i32), "case {i}: {s:?}");
     }
     // Block ids out of range: per-block Invalid, the valid one is stored.
-    a.write(0, &[BlockRef::new(ObjectKey(5), BLOCKS), BlockRef::new(ObjectKey(6), u64::MAX), BlockRef::new(ObjectKey(7), 1)])
-        .unwrap();
+    a.write(0, &[BlockRef::new(ObjectKey(5), BLOCKS), BlockRef::new(ObjectKey(6), u64::MAX), BlockRef::new(ObjectKey(7), 1)]).unwrap();
     let c = peer.submit_and_reap(&[sqe(Opcode::Store, 3, 0, 1024, 9)]);
     assert_eq!((c[0].result, c[0].ok_count, c[0].failed_count), (0, 1, 2));
     let st: Vec<_> = a.read::<u8>(1024, 3).unwrap().into_iter().map(BlockStatus::from_u8).collect();
@@ -230,7 +229,8 @@ fn failed_start_names_the_key_and_leaves_no_socket() {
         (&["--capacity", "lots"][..], "capacity (UMBP_DRAM_CAPACITY)"),
         (&["--capacity", "16MiB", "--low-wm", "0.95"][..], "low-wm"),
     ] {
-        let out = std::process::Command::new(umbp_integration_tests::pool_binary()).arg("--socket").arg(&socket).args(args).output().unwrap();
+        let out =
+            std::process::Command::new(umbp_integration_tests::pool_binary()).arg("--socket").arg(&socket).args(args).output().unwrap();
         assert!(!out.status.success(), "{args:?} must fail");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(needle), "{args:?}: {err}");

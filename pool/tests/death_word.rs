@@ -19,19 +19,28 @@ fn sigkill_marks_the_death_word_before_the_pool_is_reaped() {
     let mut pool = start_pool(&unique_socket("death"), &[]);
     let peer = RawPeer::attach(&pool.socket, Role::Observer, 1).unwrap();
     let view = index_view(&peer);
-    assert!(umbp_integration_tests::eventually(std::time::Duration::from_secs(5), || view.death_word_armed()), "the pool never armed its death word");
+    assert!(
+        umbp_integration_tests::eventually(std::time::Duration::from_secs(5), || view.death_word_armed()),
+        "the pool never armed its death word"
+    );
     assert!(!view.writer_gone());
     let owner = view.header().info.owner.load(std::sync::atomic::Ordering::Acquire);
     // SIGKILL and waitpid: the word is marked by the time the pool is reaped.
     pool.kill();
-    assert!(view.writer_gone(), "death word {:#x} (was {owner:#x}) not marked after the pool was reaped", view.header().info.owner.load(std::sync::atomic::Ordering::Acquire));
+    assert!(
+        view.writer_gone(),
+        "death word {:#x} (was {owner:#x}) not marked after the pool was reaped",
+        view.header().info.owner.load(std::sync::atomic::Ordering::Acquire)
+    );
     assert!(!view.is_closed(), "a SIGKILLed pool runs no code: only the kernel marked it");
 }
 
 #[test]
 fn graceful_stop_closes_the_index() {
     let socket = unique_socket("death-stop");
-    let pool = umbp_pool::Pool::start(umbp_pool::PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, ..Default::default() }).unwrap();
+    let pool =
+        umbp_pool::Pool::start(umbp_pool::PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, ..Default::default() })
+            .unwrap();
     let peer = RawPeer::attach(&socket, Role::Observer, 1).unwrap();
     let view = index_view(&peer);
     assert!(!view.writer_gone());
@@ -56,10 +65,15 @@ fn every_tenant_groups_index_carries_the_death_word() {
         assert!(!v.writer_gone());
     }
     // Three different indexes (own seeds: the headers differ).
-    let seeds: std::collections::BTreeSet<_> = views.iter().map(|v| v.header().info.seed[0].load(std::sync::atomic::Ordering::Relaxed)).collect();
+    let seeds: std::collections::BTreeSet<_> =
+        views.iter().map(|v| v.header().info.seed[0].load(std::sync::atomic::Ordering::Relaxed)).collect();
     assert_eq!(seeds.len(), 3, "each group has its own index");
     pool.kill();
     for (i, v) in views.iter().enumerate() {
-        assert!(v.writer_gone() && !v.is_closed(), "group index {i}: death word {:#x} not marked by the kernel", v.header().info.owner.load(std::sync::atomic::Ordering::Acquire));
+        assert!(
+            v.writer_gone() && !v.is_closed(),
+            "group index {i}: death word {:#x} not marked by the kernel",
+            v.header().info.owner.load(std::sync::atomic::Ordering::Acquire)
+        );
     }
 }

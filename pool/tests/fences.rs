@@ -30,7 +30,8 @@ const FENCE_ALLOC: u32 = 1;
 
 fn start(tag: &str, copy_threads: usize) -> (Pool, std::path::PathBuf) {
     let socket = unique_socket(tag);
-    let cfg = PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, min_object_bytes: PAGE, copy_threads, ..PoolConfig::default() };
+    let cfg =
+        PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, min_object_bytes: PAGE, copy_threads, ..PoolConfig::default() };
     (Pool::start(cfg).expect("pool starts"), socket)
 }
 
@@ -77,7 +78,16 @@ fn a_fenced_load_gets_its_word_however_it_ends() {
     let (_pool, socket) = start("fence-paths", 2);
     let (peer, _kv, fences) = fenced_worker(&socket, 3);
     let stored = BlockRef::new(ObjectKey(10), 0);
-    let c = run(&peer, Sqe { opcode: Opcode::Store as u8, count: 1, refs_offset: 64, status_offset: 2048, ..fenced(&peer, Opcode::Store, &[stored], 0, 0, 1) });
+    let c = run(
+        &peer,
+        Sqe {
+            opcode: Opcode::Store as u8,
+            count: 1,
+            refs_offset: 64,
+            status_offset: 2048,
+            ..fenced(&peer, Opcode::Store, &[stored], 0, 0, 1)
+        },
+    );
     assert_eq!((c.result, c.ok_count), (0, 1), "{c:?}");
 
     // Loaded.
@@ -136,9 +146,23 @@ fn a_peer_waiting_on_its_fences_never_holds_every_copy_thread() {
     for round in 0..5u64 {
         let t = Instant::now();
         peer.arena().write(0, &[BlockRef::new(ObjectKey(600 + round as u128), round)]).unwrap();
-        let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Store as u8, count: 1, refs_offset: 0, status_offset: 1024, user_data: round, ..Sqe::default() }]);
+        let c = peer.submit_and_reap(&[Sqe {
+            opcode: Opcode::Store as u8,
+            count: 1,
+            refs_offset: 0,
+            status_offset: 1024,
+            user_data: round,
+            ..Sqe::default()
+        }]);
         assert_eq!(c[0].ok_count, 1, "{c:?}");
-        let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Load as u8, count: 1, refs_offset: 0, status_offset: 1024, user_data: round, ..Sqe::default() }]);
+        let c = peer.submit_and_reap(&[Sqe {
+            opcode: Opcode::Load as u8,
+            count: 1,
+            refs_offset: 0,
+            status_offset: 1024,
+            user_data: round,
+            ..Sqe::default()
+        }]);
         assert_eq!(c[0].ok_count, 1, "{c:?}");
         assert!(t.elapsed() < Duration::from_secs(2), "round {round}: {:?} behind a peer stuck on its fences", t.elapsed());
     }
@@ -195,7 +219,14 @@ fn an_abandoned_fenced_store_stops_waiting_for_its_fence() {
     assert_eq!(done[0].ok_count, 0, "{done:?}");
     // Nothing was published.
     peer.arena().write(64, &[BlockRef::new(ObjectKey(700), 1)]).unwrap();
-    let c = peer.submit_and_reap(&[Sqe { opcode: Opcode::Load as u8, count: 1, refs_offset: 64, status_offset: 2048, user_data: 71, ..Sqe::default() }]);
+    let c = peer.submit_and_reap(&[Sqe {
+        opcode: Opcode::Load as u8,
+        count: 1,
+        refs_offset: 64,
+        status_offset: 2048,
+        user_data: 71,
+        ..Sqe::default()
+    }]);
     assert_eq!(statuses(&peer, 1), vec![BlockStatus::Missing], "{c:?}");
 }
 
@@ -287,7 +318,14 @@ fn one_uids_many_attachments_waiting_on_fences_never_delay_another_uid() {
     let (victim, _kv) = memfd_worker_at(&socket, 10, PAGE, BLOCKS, 0x22);
     let t = Instant::now();
     victim.arena().write(0, &[BlockRef::new(ObjectKey(800), 0)]).unwrap();
-    let c = victim.submit_and_reap(&[Sqe { opcode: Opcode::Store as u8, count: 1, refs_offset: 0, status_offset: 1024, user_data: 1, ..Sqe::default() }]);
+    let c = victim.submit_and_reap(&[Sqe {
+        opcode: Opcode::Store as u8,
+        count: 1,
+        refs_offset: 0,
+        status_offset: 1024,
+        user_data: 1,
+        ..Sqe::default()
+    }]);
     assert_eq!(c[0].ok_count, 1, "{c:?}");
     // Old code: ~30 s (both copy threads held by the attacker's fence waits).
     assert!(t.elapsed() < Duration::from_secs(1), "the victim's store took {:?} behind another uid's fence waits", t.elapsed());

@@ -98,20 +98,14 @@ fn namespace_acl_refuses_other_namespaces_and_unlisted_uids() {
     if !umbp_integration_tests::root_or_skip("to act as other uids") {
         return;
     }
-    let pool = start_pool(
-        &unique_socket("acl"),
-        &["--allow-uid", "65534", "--allow-uid", "65533", "--namespace-acl", "65534:aa,0xbb"],
-    );
+    let pool = start_pool(&unique_socket("acl"), &["--allow-uid", "65534", "--allow-uid", "65533", "--namespace-acl", "65534:aa,0xbb"]);
     open_up(&pool.socket);
     std::fs::set_permissions(&pool.socket, std::fs::Permissions::from_mode(0o777)).unwrap();
     let s = pool.socket.clone();
     assert_eq!(as_user(65534, 65534, || hello_from_child(&s, Role::Worker, 0xaa)), "attached");
     assert_eq!(as_user(65534, 65534, || hello_from_child(&s, Role::Scheduler, 0xbb)), "attached");
     let other_ns = as_user(65534, 65534, || hello_from_child(&s, Role::Worker, 0xcc));
-    assert!(
-        other_ns.contains("namespace 000000000000000000000000000000cc is not allowed for uid 65534"),
-        "{other_ns}"
-    );
+    assert!(other_ns.contains("namespace 000000000000000000000000000000cc is not allowed for uid 65534"), "{other_ns}");
     // Allowed to connect, but no ACL entry: refused once ACLs are in force.
     let unlisted = as_user(65533, 65533, || hello_from_child(&s, Role::Scheduler, 0xaa));
     assert!(unlisted.contains("not allowed for uid 65533") && unlisted.contains("--namespace-acl"), "{unlisted}");
@@ -185,9 +179,7 @@ fn assert_index_is_read_only(fd: BorrowedFd<'_>, len: usize) {
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
     let reopened = std::fs::OpenOptions::new().read(true).write(true).open(&path).unwrap();
     // SAFETY: a fresh mapping chosen by the kernel (refused: nothing to unmap).
-    let rw = unsafe {
-        mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, reopened.as_fd(), 0)
-    };
+    let rw = unsafe { mmap(std::ptr::null_mut(), len, ProtFlags::READ | ProtFlags::WRITE, MapFlags::SHARED, reopened.as_fd(), 0) };
     assert_eq!(errno_of(rw), Some(Errno::PERM), "writable mapping through /proc/self/fd");
     assert_eq!(errno_of(ftruncate(reopened.as_fd(), 0)), Some(Errno::PERM), "truncate through /proc/self/fd");
 }

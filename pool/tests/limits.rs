@@ -62,10 +62,7 @@ fn rings_and_arena_sizes() {
 
 #[test]
 fn registered_bytes_regions_and_layouts() {
-    let pool = start_pool(
-        &unique_socket("reg"),
-        &["--max-registered-bytes", "1MiB", "--max-regions", "2", "--max-layouts", "1"],
-    );
+    let pool = start_pool(&unique_socket("reg"), &["--max-registered-bytes", "1MiB", "--max-regions", "2", "--max-layouts", "1"]);
     let mut peer = RawPeer::attach(&pool.socket, Role::Worker, 1).unwrap();
     let half = SharedMemory::create("half", 512 << 10, false).unwrap();
     let big = SharedMemory::create("big", 768 << 10, false).unwrap();

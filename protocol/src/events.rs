@@ -199,9 +199,7 @@ impl<'a> EventLog<'a> {
         check_region(mem, len, capacity)?;
         // SAFETY: `capacity` entries start at EVENT_ENTRIES_OFFSET inside the region
         // (checked), 32-aligned; all atomics, valid for any bit pattern.
-        let entries = unsafe {
-            core::slice::from_raw_parts(mem.add(EVENT_ENTRIES_OFFSET) as *const EventEntry, capacity as usize)
-        };
+        let entries = unsafe { core::slice::from_raw_parts(mem.add(EVENT_ENTRIES_OFFSET) as *const EventEntry, capacity as usize) };
         Ok(Self { header, entries })
     }
 }

@@ -9,10 +9,7 @@ use rustix::thread::futex;
 /// Sleeps while `*word == expected`, at most `timeout`. Spurious returns are allowed:
 /// callers re-check their condition.
 pub fn wait(word: &AtomicU32, expected: u32, timeout: Option<Duration>) {
-    let ts = timeout.map(|d| rustix::time::Timespec {
-        tv_sec: d.as_secs().min(i64::MAX as u64) as i64,
-        tv_nsec: d.subsec_nanos() as _,
-    });
+    let ts = timeout.map(|d| rustix::time::Timespec { tv_sec: d.as_secs().min(i64::MAX as u64) as i64, tv_nsec: d.subsec_nanos() as _ });
     // EAGAIN (value changed), ETIMEDOUT and EINTR all mean "go look again".
     let _ = futex::wait(word, futex::Flags::empty(), expected, ts.as_ref());
 }

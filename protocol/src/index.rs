@@ -31,9 +31,9 @@ use crate::sync::{fence, AtomicU32, AtomicU64, Ordering};
 use crate::ProtocolError;
 use crate::{ObjectKey, MAGIC, PROTOCOL_VERSION};
 
-mod writer;
 #[cfg(all(test, not(loom)))]
 mod tests;
+mod writer;
 
 pub use writer::{IndexFull, IndexWriter, Insert, InsertError};
 
@@ -262,9 +262,7 @@ impl<'a> IndexView<'a> {
             }
             // SAFETY: [off, off + table_bytes) is inside the region and 32-aligned;
             // IndexSlot is all atomics, valid for any bit pattern.
-            *t = unsafe {
-                core::slice::from_raw_parts(mem.add(off as usize) as *const IndexSlot, slot_count as usize)
-            };
+            *t = unsafe { core::slice::from_raw_parts(mem.add(off as usize) as *const IndexSlot, slot_count as usize) };
         }
         let seed = [header.info.seed[0].load(Ordering::Relaxed), header.info.seed[1].load(Ordering::Relaxed)];
         Ok(Self { header, tables, mask: slot_count - 1, seed })

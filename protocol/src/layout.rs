@@ -48,18 +48,14 @@ pub const MAX_OBJECT_BYTES: u64 = 1 << 30;
 impl KvLayout {
     /// Validates segments against the sizes of the allocations they name.
     /// `alloc_size(id)` returns None for an unknown allocation.
-    pub fn new(
-        segments: Vec<Segment>,
-        alloc_size: impl Fn(u32) -> Option<u64>,
-    ) -> Result<Self, ProtocolError> {
+    pub fn new(segments: Vec<Segment>, alloc_size: impl Fn(u32) -> Option<u64>) -> Result<Self, ProtocolError> {
         if segments.is_empty() || segments.len() > crate::wire::MAX_SEGMENTS as usize {
             return Err(ProtocolError::InvalidField { what: "segment count", value: segments.len() as u64 });
         }
         let mut object_bytes: u64 = 0;
         let mut num_blocks = u64::MAX;
         for s in &segments {
-            let size = alloc_size(s.alloc_id)
-                .ok_or(ProtocolError::InvalidField { what: "segment alloc_id", value: s.alloc_id as u64 })?;
+            let size = alloc_size(s.alloc_id).ok_or(ProtocolError::InvalidField { what: "segment alloc_id", value: s.alloc_id as u64 })?;
             if s.page_bytes == 0 {
                 return Err(ProtocolError::InvalidField { what: "segment page_bytes", value: 0 });
             }
@@ -124,12 +120,8 @@ impl KvLayout {
         }
         let mut host = host_offset;
         for s in &self.segments {
-            let op = CopyOp {
-                alloc_id: s.alloc_id,
-                device_offset: s.offset + block_id * s.block_stride,
-                host_offset: host,
-                len: s.page_bytes,
-            };
+            let op =
+                CopyOp { alloc_id: s.alloc_id, device_offset: s.offset + block_id * s.block_stride, host_offset: host, len: s.page_bytes };
             push_coalesced(out, op);
             host += s.page_bytes;
         }
@@ -194,8 +186,7 @@ mod tests {
     #[test]
     fn per_layer_layout_addresses() {
         // Two layers, each a [blocks=4][page=1024] tensor, 4096 bytes apart.
-        let l = KvLayout::new(vec![Segment::new(0, 0, 1024, 1024, 4), Segment::new(0, 4096, 1024, 1024, 4)], sizes)
-            .unwrap();
+        let l = KvLayout::new(vec![Segment::new(0, 0, 1024, 1024, 4), Segment::new(0, 4096, 1024, 1024, 4)], sizes).unwrap();
         assert_eq!(l.object_bytes(), 2048);
         assert_eq!(l.num_blocks(), 4);
         let mut ops = vec![];
@@ -241,7 +232,10 @@ mod tests {
     fn rejects_bad_segments() {
         let bad = |s: Segment| KvLayout::new(vec![s], sizes).unwrap_err();
         assert!(matches!(bad(Segment::new(9, 0, 1, 1, 1)), ProtocolError::InvalidField { what: "segment alloc_id", .. }));
-        assert!(matches!(bad(Segment::new(1, 0, 1024, 1024, 5)), ProtocolError::InvalidField { what: "segment extent past allocation", .. }));
+        assert!(matches!(
+            bad(Segment::new(1, 0, 1024, 1024, 5)),
+            ProtocolError::InvalidField { what: "segment extent past allocation", .. }
+        ));
         assert!(matches!(bad(Segment::new(0, 0, 10, 20, 5)), ProtocolError::InvalidField { what: "segment block_stride", .. }));
         assert!(matches!(bad(Segment::new(0, 0, 0, 0, 5)), ProtocolError::InvalidField { what: "segment page_bytes", .. }));
         assert!(matches!(bad(Segment::new(0, u64::MAX - 5, u64::MAX / 2, 10, 3)), ProtocolError::InvalidField { .. }));

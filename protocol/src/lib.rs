@@ -6,6 +6,7 @@
 //! asserts its size at compile time, because two processes built at different times must
 //! agree on it byte for byte.
 
+pub mod arena;
 pub mod attachment;
 pub mod entries;
 pub mod error;
@@ -16,11 +17,10 @@ pub mod index;
 pub mod key;
 pub mod layout;
 pub mod location;
-pub mod arena;
 pub mod ring;
 pub mod stage_split;
-pub mod transfer_state;
 mod sync;
+pub mod transfer_state;
 pub mod wire;
 
 pub use error::ProtocolError;

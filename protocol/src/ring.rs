@@ -514,7 +514,12 @@ mod tests {
         let mut expect = 0u64;
         let mut out = vec![];
         for round in 0..100 {
-            let batch: Vec<u64> = (0..(round % 9)).map(|_| { next += 1; next }).collect();
+            let batch: Vec<u64> = (0..(round % 9))
+                .map(|_| {
+                    next += 1;
+                    next
+                })
+                .collect();
             let (n, _) = prod.push_batch(&batch).unwrap();
             next -= (batch.len() - n) as u64;
             out.clear();

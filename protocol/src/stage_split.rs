@@ -148,7 +148,9 @@ mod tests {
 
     #[test]
     fn each_stage_is_planned_while_nearly_as_many_bytes_are_queued_before_it() {
-        for (blocks, object, stage) in [(625, 640 << 10, 64 << 20), (300, 3 << 20, 64 << 20), (7, 1 << 20, 4 << 20), (40, 1 << 20, 16 << 20)] {
+        for (blocks, object, stage) in
+            [(625, 640 << 10, 64 << 20), (300, 3 << 20, 64 << 20), (7, 1 << 20, 4 << 20), (40, 1 << 20, 16 << 20)]
+        {
             let split = StageSplit::new(blocks, object, stage, 200);
             let first = split.range(0).len();
             assert!(split.count() > 1, "{blocks} x {object} B in stages of {stage} B");

@@ -138,10 +138,7 @@ impl Hello {
             return Err(ProtocolError::BadMagic { what: "hello", found: self.magic, expected: MAGIC });
         }
         if self.protocol_version != PROTOCOL_VERSION {
-            return Err(ProtocolError::VersionMismatch {
-                found: self.protocol_version,
-                expected: PROTOCOL_VERSION,
-            });
+            return Err(ProtocolError::VersionMismatch { found: self.protocol_version, expected: PROTOCOL_VERSION });
         }
         Role::from_u32(self.role)
     }
@@ -357,10 +354,7 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ProtocolError::BadMagic { .. })));
         let mut old = ok;
         old.protocol_version = 0;
-        assert_eq!(
-            old.validate(),
-            Err(ProtocolError::VersionMismatch { found: 0, expected: PROTOCOL_VERSION })
-        );
+        assert_eq!(old.validate(), Err(ProtocolError::VersionMismatch { found: 0, expected: PROTOCOL_VERSION }));
         let mut role = ok;
         role.role = 9;
         assert!(matches!(role.validate(), Err(ProtocolError::InvalidField { what: "role", .. })));

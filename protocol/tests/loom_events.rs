@@ -30,7 +30,11 @@ fn key(n: u64) -> ObjectKey {
 }
 
 fn kind(n: u64) -> EventKind {
-    if n.is_multiple_of(2) { EventKind::Stored } else { EventKind::Removed }
+    if n.is_multiple_of(2) {
+        EventKind::Stored
+    } else {
+        EventKind::Removed
+    }
 }
 
 /// Executions in which a reader lost events (shows the overrun path was explored).

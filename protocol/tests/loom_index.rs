@@ -22,9 +22,7 @@ use common::loom_model::check;
 use loom::sync::atomic::Ordering;
 use loom::sync::Arc;
 use loom::thread;
-use umbp_protocol::index::{
-    home_slot, IndexSlot, IndexView, IndexWriter, Insert, LoomIndexStorage, SLOT_FULL,
-};
+use umbp_protocol::index::{home_slot, IndexSlot, IndexView, IndexWriter, Insert, LoomIndexStorage, SLOT_FULL};
 use umbp_protocol::ObjectKey;
 
 /// Two keys with the same home slot (slot 1 of a 4-slot table, hence also of a 2-slot
@@ -210,8 +208,7 @@ fn harness_detects_torn_read_without_seqlock() {
         // Broken writer: data words rewritten in place, seq never made odd.
         slot.key[0].store(2, Ordering::Relaxed);
         slot.key[1].store(2, Ordering::Relaxed);
-        slot.location
-            .store(checksum(ObjectKey::from_words([2, 2])), Ordering::Relaxed);
+        slot.location.store(checksum(ObjectKey::from_words([2, 2])), Ordering::Relaxed);
         slot.seq.store(2, Ordering::Release);
     });
 }
@@ -226,8 +223,7 @@ fn seqlock_write(slot: &IndexSlot, key: [u64; 2], release_fence: bool) {
     }
     slot.key[0].store(key[0], Ordering::Relaxed);
     slot.key[1].store(key[1], Ordering::Relaxed);
-    slot.location
-        .store(checksum(ObjectKey::from_words(key)), Ordering::Relaxed);
+    slot.location.store(checksum(ObjectKey::from_words(key)), Ordering::Relaxed);
     slot.seq.store(s.wrapping_add(2), Ordering::Release);
 }
 

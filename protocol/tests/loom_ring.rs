@@ -33,10 +33,7 @@ struct Futex {
 
 impl Futex {
     fn new() -> Self {
-        Self {
-            bucket: Mutex::new(()),
-            cv: Condvar::new(),
-        }
+        Self { bucket: Mutex::new(()), cv: Condvar::new() }
     }
 
     /// FUTEX_WAIT: sleep only if `*word == expected`, checked under the bucket lock. The
@@ -65,10 +62,7 @@ struct Doorbell {
 
 impl Doorbell {
     fn new() -> Self {
-        Self {
-            count: Mutex::new(0),
-            cv: Condvar::new(),
-        }
+        Self { count: Mutex::new(0), cv: Condvar::new() }
     }
 
     fn ring(&self) {
@@ -108,11 +102,7 @@ fn shared(capacity: u32) -> Arc<Shared> {
 }
 
 fn new_shared(capacity: u32) -> Shared {
-    Shared {
-        ring: LoomRingStorage::new(capacity),
-        futex: Futex::new(),
-        doorbell: Doorbell::new(),
-    }
+    Shared { ring: LoomRingStorage::new(capacity), futex: Futex::new(), doorbell: Doorbell::new() }
 }
 
 /// For the `should_panic` models: a std `Arc`, whose drop does not call into loom's
@@ -165,13 +155,7 @@ fn produce(p: &mut Producer<'_, u64>, sh: &Shared, batches: &[&[u64]], sleep: Sl
 }
 
 /// Pops until `total` entries arrived, sleeping whenever the ring is empty.
-fn consume(
-    c: &mut Consumer<'_, u64>,
-    sh: &Shared,
-    total: usize,
-    max_batch: usize,
-    sleep: Sleep,
-) -> Vec<u64> {
+fn consume(c: &mut Consumer<'_, u64>, sh: &Shared, total: usize, max_batch: usize, sleep: Sleep) -> Vec<u64> {
     let mut got = Vec::new();
     while got.len() < total {
         if c.pop_batch(&mut got, max_batch).unwrap() > 0 {
@@ -196,14 +180,7 @@ enum Main {
     Producer,
 }
 
-fn run_sleep_model(
-    capacity: u32,
-    batches: &'static [&'static [u64]],
-    max_batch: usize,
-    sleep: Sleep,
-    main: Main,
-    bound: usize,
-) {
+fn run_sleep_model(capacity: u32, batches: &'static [&'static [u64]], max_batch: usize, sleep: Sleep, main: Main, bound: usize) {
     let runs = check(bound, move || {
         let sh = shared(capacity);
         let total: usize = batches.iter().map(|b| b.len()).sum();
@@ -254,14 +231,7 @@ fn futex_wakeup_batches_wraparound() {
 /// alone (the RMW pairs in `publish` and `prepare_sleep`).
 #[test]
 fn doorbell_wakeup_single_entries_wraparound() {
-    run_sleep_model(
-        2,
-        &[&[1], &[2], &[3]],
-        1,
-        Sleep::Doorbell,
-        Main::Consumer,
-        3,
-    );
+    run_sleep_model(2, &[&[1], &[2], &[3]], 1, Sleep::Doorbell, Main::Consumer, 3);
 }
 
 #[test]
@@ -272,14 +242,7 @@ fn doorbell_wakeup_batches_wraparound() {
 /// The doorbell model with the producer on the main thread.
 #[test]
 fn doorbell_wakeup_single_entries_producer_first() {
-    run_sleep_model(
-        2,
-        &[&[1], &[2], &[3]],
-        1,
-        Sleep::Doorbell,
-        Main::Producer,
-        3,
-    );
+    run_sleep_model(2, &[&[1], &[2], &[3]], 1, Sleep::Doorbell, Main::Producer, 3);
 }
 
 #[test]

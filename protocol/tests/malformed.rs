@@ -12,9 +12,7 @@ use proptest::prelude::*;
 use umbp_protocol::arena::Arena;
 use umbp_protocol::attachment::{AttachmentLayout, MAX_ARENA_BYTES};
 use umbp_protocol::entries::{Cqe, Opcode, Sqe};
-use umbp_protocol::index::{
-    region_bytes, IndexHeader, IndexView, IndexWriter, MAX_SLOTS, MIN_SLOTS, TABLES_OFFSET,
-};
+use umbp_protocol::index::{region_bytes, IndexHeader, IndexView, IndexWriter, MAX_SLOTS, MIN_SLOTS, TABLES_OFFSET};
 use umbp_protocol::ring::{ring_bytes, Ring, RingHeader, MAX_RING_CAPACITY};
 use umbp_protocol::wire::{self, Hello, HelloReply, MessageHeader, MessageKind, Role};
 use umbp_protocol::{ObjectKey, ProtocolError, MAGIC, PROTOCOL_VERSION};
@@ -63,14 +61,8 @@ fn header_offsets_match_the_layout() {
     let view = unsafe { IndexView::init(imem.ptr(), ilen, MIN_SLOTS) }.unwrap();
     let ih: &IndexHeader = view.header();
     let ibase = imem.ptr() as usize;
-    assert_eq!(
-        &ih.info.slot_count as *const _ as usize - ibase,
-        INDEX_SLOT_COUNT
-    );
-    assert_eq!(
-        &ih.info.table_offset[1] as *const _ as usize - ibase,
-        INDEX_TABLE_OFFSET[1]
-    );
+    assert_eq!(&ih.info.slot_count as *const _ as usize - ibase, INDEX_SLOT_COUNT);
+    assert_eq!(&ih.info.table_offset[1] as *const _ as usize - ibase, INDEX_TABLE_OFFSET[1]);
     assert_eq!(&*ih.epoch as *const _ as usize - ibase, 128);
 }
 
@@ -89,58 +81,29 @@ fn ring_region_too_small() {
     let mem = Region::new(8192);
     // Smaller than the header.
     let r = init_ring(&mem, 100, 4);
-    assert!(
-        matches!(r, Err(ProtocolError::RegionTooSmall { need, have: 100 }) if need == ring_bytes::<u64>(4))
-    );
-    assert!(matches!(
-        attach_ring(&mem, 511),
-        Err(ProtocolError::RegionTooSmall { .. })
-    ));
-    assert!(matches!(
-        attach_ring(&mem, 0),
-        Err(ProtocolError::RegionTooSmall { .. })
-    ));
+    assert!(matches!(r, Err(ProtocolError::RegionTooSmall { need, have: 100 }) if need == ring_bytes::<u64>(4)));
+    assert!(matches!(attach_ring(&mem, 511), Err(ProtocolError::RegionTooSmall { .. })));
+    assert!(matches!(attach_ring(&mem, 0), Err(ProtocolError::RegionTooSmall { .. })));
     // Header fits but the entries do not.
     let cap = 64;
-    assert!(matches!(
-        init_ring(&mem, ring_bytes::<u64>(cap) - 1, cap),
-        Err(ProtocolError::RegionTooSmall { .. })
-    ));
+    assert!(matches!(init_ring(&mem, ring_bytes::<u64>(cap) - 1, cap), Err(ProtocolError::RegionTooSmall { .. })));
     // A valid ring whose peer claims a capacity bigger than the mapping.
     init_ring(&mem, 8192, 16).unwrap();
     mem.put_u32(RING_CAPACITY, 1024);
-    assert!(
-        matches!(attach_ring(&mem, 8192), Err(ProtocolError::RegionTooSmall { need, have: 8192 }) if need == ring_bytes::<u64>(1024))
-    );
+    assert!(matches!(attach_ring(&mem, 8192), Err(ProtocolError::RegionTooSmall { need, have: 8192 }) if need == ring_bytes::<u64>(1024)));
 }
 
 #[test]
 fn ring_bad_magic_and_version() {
     let (mem, len) = ring_region(8);
     mem.put_u32(RING_MAGIC, 0);
-    assert_eq!(
-        attach_ring(&mem, len).err(),
-        Some(ProtocolError::BadMagic {
-            what: "ring",
-            found: 0,
-            expected: MAGIC
-        })
-    );
+    assert_eq!(attach_ring(&mem, len).err(), Some(ProtocolError::BadMagic { what: "ring", found: 0, expected: MAGIC }));
     mem.put_u32(RING_MAGIC, MAGIC.swap_bytes());
-    assert!(matches!(
-        attach_ring(&mem, len),
-        Err(ProtocolError::BadMagic { .. })
-    ));
+    assert!(matches!(attach_ring(&mem, len), Err(ProtocolError::BadMagic { .. })));
     mem.put_u32(RING_MAGIC, MAGIC);
     for v in [0, PROTOCOL_VERSION + 1, u32::MAX] {
         mem.put_u32(RING_VERSION, v);
-        assert_eq!(
-            attach_ring(&mem, len).err(),
-            Some(ProtocolError::VersionMismatch {
-                found: v,
-                expected: PROTOCOL_VERSION
-            })
-        );
+        assert_eq!(attach_ring(&mem, len).err(), Some(ProtocolError::VersionMismatch { found: v, expected: PROTOCOL_VERSION }));
     }
 }
 
@@ -148,33 +111,11 @@ fn ring_bad_magic_and_version() {
 fn ring_bad_entry_size_and_capacity() {
     let (mem, len) = ring_region(8);
     mem.put_u32(RING_ENTRY_SIZE, 64);
-    assert!(matches!(
-        attach_ring(&mem, len),
-        Err(ProtocolError::InvalidField {
-            what: "ring entry size",
-            value: 64
-        })
-    ));
+    assert!(matches!(attach_ring(&mem, len), Err(ProtocolError::InvalidField { what: "ring entry size", value: 64 })));
     mem.put_u32(RING_ENTRY_SIZE, 8);
-    for cap in [
-        0,
-        3,
-        6,
-        MAX_RING_CAPACITY + 1,
-        MAX_RING_CAPACITY * 2,
-        u32::MAX,
-    ] {
+    for cap in [0, 3, 6, MAX_RING_CAPACITY + 1, MAX_RING_CAPACITY * 2, u32::MAX] {
         mem.put_u32(RING_CAPACITY, cap);
-        assert!(
-            matches!(
-                attach_ring(&mem, len),
-                Err(ProtocolError::InvalidField {
-                    what: "ring capacity",
-                    ..
-                })
-            ),
-            "capacity {cap}"
-        );
+        assert!(matches!(attach_ring(&mem, len), Err(ProtocolError::InvalidField { what: "ring capacity", .. })), "capacity {cap}");
     }
     // Typed errors for a local mistake too.
     let big = Region::new(4096);
@@ -191,28 +132,14 @@ fn ring_bad_entry_size_and_capacity() {
 #[test]
 fn ring_corrupt_tail_seen_by_consumer() {
     let cap = 8u32;
-    for (head, tail) in [
-        (0u32, 9u32),
-        (0, u32::MAX),
-        (100, 50),
-        (u32::MAX - 2, 7),
-        (5, 5 + cap + 1),
-    ] {
+    for (head, tail) in [(0u32, 9u32), (0, u32::MAX), (100, 50), (u32::MAX - 2, 7), (5, 5 + cap + 1)] {
         let (mem, len) = ring_region(cap);
         // Corrupt *before* the consumer attaches: its first look at the tail must fail.
         mem.put_u32(RING_HEAD, head);
         mem.put_u32(RING_TAIL, tail);
         let mut c = attach_ring(&mem, len).unwrap().consumer();
         let e = c.try_pop();
-        assert_eq!(
-            e,
-            Err(ProtocolError::CorruptRing {
-                head,
-                tail,
-                capacity: cap
-            }),
-            "head {head} tail {tail}"
-        );
+        assert_eq!(e, Err(ProtocolError::CorruptRing { head, tail, capacity: cap }), "head {head} tail {tail}");
         assert!(c.available().is_err());
         assert!(c.pop_batch(&mut Vec::new(), 4).is_err());
         assert!(c.prepare_sleep().is_err());
@@ -224,14 +151,8 @@ fn ring_corrupt_tail_seen_by_consumer() {
     p.push_batch(&[1, 2, 3]).unwrap();
     assert_eq!(c.pop_batch(&mut Vec::new(), 8), Ok(3));
     mem.put_u32(RING_TAIL, 3 + cap + 1);
-    assert!(matches!(
-        c.try_pop(),
-        Err(ProtocolError::CorruptRing { .. })
-    ));
-    assert!(matches!(
-        c.prepare_sleep(),
-        Err(ProtocolError::CorruptRing { .. })
-    ));
+    assert!(matches!(c.try_pop(), Err(ProtocolError::CorruptRing { .. })));
+    assert!(matches!(c.prepare_sleep(), Err(ProtocolError::CorruptRing { .. })));
 }
 
 /// The producer's view: a head that claims more was consumed than was produced, so that
@@ -252,19 +173,13 @@ fn ring_corrupt_head_seen_by_producer() {
                     panic!("full ring reported instead of corruption (head {head} tail {tail})")
                 }
                 Err(e) => {
-                    assert!(
-                        matches!(e, ProtocolError::CorruptRing { capacity: 8, .. }),
-                        "{e:?}"
-                    );
+                    assert!(matches!(e, ProtocolError::CorruptRing { capacity: 8, .. }), "{e:?}");
                     saw_error = true;
                     break;
                 }
             }
         }
-        assert!(
-            saw_error,
-            "head {head} tail {tail}: corruption never detected"
-        );
+        assert!(saw_error, "head {head} tail {tail}: corruption never detected");
     }
     // Head moved past the producer's private tail after the producer filled the ring.
     let (mem, len) = ring_region(cap);
@@ -274,14 +189,8 @@ fn ring_corrupt_head_seen_by_producer() {
     }
     p.publish();
     mem.put_u32(RING_HEAD, cap + 3);
-    assert!(matches!(
-        p.try_push(99),
-        Err(ProtocolError::CorruptRing { .. })
-    ));
-    assert!(matches!(
-        p.push_batch(&[1]),
-        Err(ProtocolError::CorruptRing { .. })
-    ));
+    assert!(matches!(p.try_push(99), Err(ProtocolError::CorruptRing { .. })));
+    assert!(matches!(p.push_batch(&[1]), Err(ProtocolError::CorruptRing { .. })));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -304,13 +213,7 @@ fn attach_index(mem: &Region, len: usize) -> Result<IndexView<'_>, ProtocolError
 fn index_region_too_small() {
     let (mem, len) = index_region();
     for short in [0, 100, TABLES_OFFSET - 1, TABLES_OFFSET, len - 1] {
-        assert!(
-            matches!(
-                attach_index(&mem, short),
-                Err(ProtocolError::RegionTooSmall { .. })
-            ),
-            "len {short}"
-        );
+        assert!(matches!(attach_index(&mem, short), Err(ProtocolError::RegionTooSmall { .. })), "len {short}");
     }
     let fresh = Region::new(len);
     // SAFETY: within the region.
@@ -321,52 +224,21 @@ fn index_region_too_small() {
     assert!(matches!(r, Err(ProtocolError::Misaligned { .. })));
     // A slot count that does not fit the mapping.
     mem.put_u64(INDEX_SLOT_COUNT, MIN_SLOTS * 2);
-    assert!(matches!(
-        attach_index(&mem, len),
-        Err(ProtocolError::RegionTooSmall { .. })
-    ));
+    assert!(matches!(attach_index(&mem, len), Err(ProtocolError::RegionTooSmall { .. })));
 }
 
 #[test]
 fn index_bad_magic_version_and_slot_count() {
     let (mem, len) = index_region();
     mem.put_u32(INDEX_MAGIC, 0x1234_5678);
-    assert_eq!(
-        attach_index(&mem, len).err(),
-        Some(ProtocolError::BadMagic {
-            what: "index",
-            found: 0x1234_5678,
-            expected: MAGIC
-        })
-    );
+    assert_eq!(attach_index(&mem, len).err(), Some(ProtocolError::BadMagic { what: "index", found: 0x1234_5678, expected: MAGIC }));
     mem.put_u32(INDEX_MAGIC, MAGIC);
     mem.put_u32(INDEX_VERSION, PROTOCOL_VERSION + 7);
-    assert!(matches!(
-        attach_index(&mem, len),
-        Err(ProtocolError::VersionMismatch { .. })
-    ));
+    assert!(matches!(attach_index(&mem, len), Err(ProtocolError::VersionMismatch { .. })));
     mem.put_u32(INDEX_VERSION, PROTOCOL_VERSION);
-    for n in [
-        0,
-        1,
-        MIN_SLOTS / 2,
-        MIN_SLOTS + 1,
-        3 * MIN_SLOTS,
-        MAX_SLOTS * 2,
-        u64::MAX,
-        1 << 63,
-    ] {
+    for n in [0, 1, MIN_SLOTS / 2, MIN_SLOTS + 1, 3 * MIN_SLOTS, MAX_SLOTS * 2, u64::MAX, 1 << 63] {
         mem.put_u64(INDEX_SLOT_COUNT, n);
-        assert!(
-            matches!(
-                attach_index(&mem, len),
-                Err(ProtocolError::InvalidField {
-                    what: "index slot count",
-                    ..
-                })
-            ),
-            "slot count {n}"
-        );
+        assert!(matches!(attach_index(&mem, len), Err(ProtocolError::InvalidField { what: "index slot count", .. })), "slot count {n}");
     }
 }
 
@@ -390,10 +262,7 @@ fn index_table_offsets_out_of_range() {
             mem.put_u64(field, off);
             assert_eq!(
                 attach_index(&mem, len).err(),
-                Some(ProtocolError::InvalidField {
-                    what: "index table offset",
-                    value: off
-                }),
+                Some(ProtocolError::InvalidField { what: "index table offset", value: off }),
                 "table {t} offset {off:#x}"
             );
         }
@@ -452,48 +321,17 @@ fn wire_messages_reject_garbage() {
     let hello = Hello::new(Role::Worker, 42, 7);
     let bytes = bytemuck::bytes_of(&hello);
     for n in 0..bytes.len() {
-        assert_eq!(
-            wire::decode::<Hello>(&bytes[..n]).err(),
-            Some(ProtocolError::Truncated { need: 88, got: n })
-        );
+        assert_eq!(wire::decode::<Hello>(&bytes[..n]).err(), Some(ProtocolError::Truncated { need: 88, got: n }));
     }
     assert!(wire::decode::<HelloReply>(&[0u8; 255]).is_err());
     assert!(wire::decode::<MessageHeader>(&[0u8; 15]).is_err());
     // Header checks.
     let ok = MessageHeader::new(MessageKind::Hello, 88, 0);
     assert_eq!(ok.validate(), Ok(MessageKind::Hello));
-    assert!(matches!(
-        MessageHeader { magic: 0, ..ok }.validate(),
-        Err(ProtocolError::BadMagic {
-            what: "message",
-            ..
-        })
-    ));
-    assert!(matches!(
-        MessageHeader { kind: 0, ..ok }.validate(),
-        Err(ProtocolError::InvalidField {
-            what: "message kind",
-            ..
-        })
-    ));
-    assert!(matches!(
-        MessageHeader {
-            len: u32::MAX,
-            ..ok
-        }
-        .validate(),
-        Err(ProtocolError::InvalidField {
-            what: "message length",
-            ..
-        })
-    ));
-    assert!(matches!(
-        MessageHeader { fd_count: 9, ..ok }.validate(),
-        Err(ProtocolError::InvalidField {
-            what: "fd count",
-            ..
-        })
-    ));
+    assert!(matches!(MessageHeader { magic: 0, ..ok }.validate(), Err(ProtocolError::BadMagic { what: "message", .. })));
+    assert!(matches!(MessageHeader { kind: 0, ..ok }.validate(), Err(ProtocolError::InvalidField { what: "message kind", .. })));
+    assert!(matches!(MessageHeader { len: u32::MAX, ..ok }.validate(), Err(ProtocolError::InvalidField { what: "message length", .. })));
+    assert!(matches!(MessageHeader { fd_count: 9, ..ok }.validate(), Err(ProtocolError::InvalidField { what: "fd count", .. })));
     // Hello checks.
     assert!(matches!(
         Hello {
@@ -503,18 +341,8 @@ fn wire_messages_reject_garbage() {
         .validate(),
         Err(ProtocolError::VersionMismatch { found, .. }) if found == PROTOCOL_VERSION + 1
     ));
-    assert!(matches!(
-        Hello { role: 0, ..hello }.validate(),
-        Err(ProtocolError::InvalidField { what: "role", .. })
-    ));
-    assert!(matches!(
-        Hello {
-            magic: MAGIC + 1,
-            ..hello
-        }
-        .validate(),
-        Err(ProtocolError::BadMagic { .. })
-    ));
+    assert!(matches!(Hello { role: 0, ..hello }.validate(), Err(ProtocolError::InvalidField { what: "role", .. })));
+    assert!(matches!(Hello { magic: MAGIC + 1, ..hello }.validate(), Err(ProtocolError::BadMagic { .. })));
     assert!(Opcode::from_u8(0).is_err() && Opcode::from_u8(255).is_err());
     // A refusal's text survives a round trip and garbage text is decoded lossily.
     let mut r = HelloReply::refusal(wire::ReplyStatus::VersionMismatch, "peer speaks 9");
@@ -528,43 +356,15 @@ fn arena_and_attachment_limits() {
     let mem = Region::new(4096);
     // SAFETY: within the region, which outlives the arena.
     let arena = unsafe { Arena::new(mem.ptr(), 4096) };
-    for (off, count) in [
-        (4096u64, 1u64),
-        (4088, 2),
-        (u64::MAX, 1),
-        (8, u64::MAX),
-        (u64::MAX - 7, 1),
-        (1, 1),
-    ] {
-        assert!(
-            matches!(
-                arena.read::<u64>(off, count),
-                Err(ProtocolError::ArenaOutOfRange { .. })
-            ),
-            "{off}+{count}"
-        );
+    for (off, count) in [(4096u64, 1u64), (4088, 2), (u64::MAX, 1), (8, u64::MAX), (u64::MAX - 7, 1), (1, 1)] {
+        assert!(matches!(arena.read::<u64>(off, count), Err(ProtocolError::ArenaOutOfRange { .. })), "{off}+{count}");
         assert!(arena.check_range::<u64>(off, count).is_err());
     }
     assert_eq!(arena.read::<u64>(4088, 1).unwrap(), vec![0]);
     assert_eq!(arena.read::<u64>(4096, 0).unwrap(), Vec::<u64>::new());
-    assert!(arena
-        .write::<Cqe>(4096 - 31, &[Cqe::default_zeroed()])
-        .is_err());
-    for bad in [
-        (0, 4, 4, 1),
-        (4, 0, 4, 1),
-        (4, 4, 3, 1),
-        (MAX_RING_CAPACITY * 2, 4, 4, 1),
-        (4, 4, 4, 0),
-        (4, 4, 4, MAX_ARENA_BYTES + 1),
-    ] {
-        assert!(
-            matches!(
-                AttachmentLayout::new(bad.0, bad.1, bad.2, bad.3),
-                Err(ProtocolError::InvalidField { .. })
-            ),
-            "{bad:?}"
-        );
+    assert!(arena.write::<Cqe>(4096 - 31, &[Cqe::default_zeroed()]).is_err());
+    for bad in [(0, 4, 4, 1), (4, 0, 4, 1), (4, 4, 3, 1), (MAX_RING_CAPACITY * 2, 4, 4, 1), (4, 4, 4, 0), (4, 4, 4, MAX_ARENA_BYTES + 1)] {
+        assert!(matches!(AttachmentLayout::new(bad.0, bad.1, bad.2, bad.3), Err(ProtocolError::InvalidField { .. })), "{bad:?}");
     }
 }
 

@@ -51,20 +51,11 @@ struct Mapping {
 
 impl Mapping {
     fn new(fd: BorrowedFd<'_>, len: usize, writable: bool) -> Self {
-        let prot = if writable {
-            ProtFlags::READ | ProtFlags::WRITE
-        } else {
-            ProtFlags::READ
-        };
+        let prot = if writable { ProtFlags::READ | ProtFlags::WRITE } else { ProtFlags::READ };
         // SAFETY: a fresh mapping at an address the kernel picks; nothing aliases it in
         // this process except through `ptr`.
-        let ptr =
-            unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0) }
-                .expect("mmap");
-        Self {
-            ptr: ptr.cast(),
-            len,
-        }
+        let ptr = unsafe { rustix::mm::mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, fd, 0) }.expect("mmap");
+        Self { ptr: ptr.cast(), len }
     }
 
     /// The n-th u64 word, as an atomic (control words shared with the other processes).
@@ -86,14 +77,9 @@ impl Drop for Mapping {
 
 /// A sized and sealed memfd (no peer can shrink it and SIGBUS the others).
 fn memfd(name: &str, len: usize) -> memfd::Memfd {
-    let fd = MemfdOptions::new()
-        .allow_sealing(true)
-        .close_on_exec(true)
-        .create(name)
-        .expect("memfd_create");
+    let fd = MemfdOptions::new().allow_sealing(true).close_on_exec(true).create(name).expect("memfd_create");
     fd.as_file().set_len(len as u64).expect("ftruncate");
-    fd.add_seals(&[FileSeal::SealShrink, FileSeal::SealGrow, FileSeal::SealSeal])
-        .expect("seal");
+    fd.add_seals(&[FileSeal::SealShrink, FileSeal::SealGrow, FileSeal::SealSeal]).expect("seal");
     fd
 }
 
@@ -111,38 +97,23 @@ impl Children {
     /// the environment).
     fn spawn(&mut self, role: &str, fds: &[RawFd], arg: &str) -> usize {
         let exe = std::env::current_exe().unwrap();
-        let fd_list = fds
-            .iter()
-            .map(|f| f.to_string())
-            .collect::<Vec<_>>()
-            .join(",");
+        let fd_list = fds.iter().map(|f| f.to_string()).collect::<Vec<_>>().join(",");
         let keep: Vec<RawFd> = fds.to_vec();
         let mut cmd = Command::new(exe);
-        cmd.args([
-            "child_entry",
-            "--exact",
-            "--nocapture",
-            "--test-threads=1",
-            "-q",
-        ])
-        .env(ROLE_ENV, role)
-        .env(FDS_ENV, fd_list)
-        .env(ARG_ENV, arg)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        cmd.args(["child_entry", "--exact", "--nocapture", "--test-threads=1", "-q"])
+            .env(ROLE_ENV, role)
+            .env(FDS_ENV, fd_list)
+            .env(ARG_ENV, arg)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
         // SAFETY: only async-signal-safe syscalls (prctl, fcntl) between fork and exec.
         unsafe {
             cmd.pre_exec(move || {
-                rustix::process::set_parent_process_death_signal(Some(
-                    rustix::process::Signal::KILL,
-                ))?;
+                rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
                 for &fd in &keep {
                     // The memfds are close-on-exec in the parent; clear that in the child.
-                    rustix::io::fcntl_setfd(
-                        BorrowedFd::borrow_raw(fd),
-                        rustix::io::FdFlags::empty(),
-                    )?;
+                    rustix::io::fcntl_setfd(BorrowedFd::borrow_raw(fd), rustix::io::FdFlags::empty())?;
                 }
                 Ok(())
             });
@@ -159,19 +130,11 @@ impl Children {
         loop {
             if let Some(status) = child.try_wait().unwrap() {
                 let mut out = String::new();
-                child
-                    .stdout
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut out)
-                    .unwrap();
+                child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
                 assert!(status.success(), "child {role} failed: {status}\n{out}");
                 return parse_results(&out, role);
             }
-            assert!(
-                Instant::now() < deadline,
-                "child {role} did not finish in time (hung?)"
-            );
+            assert!(Instant::now() < deadline, "child {role} did not finish in time (hung?)");
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -189,21 +152,12 @@ impl Drop for Children {
 }
 
 fn parse_results(out: &str, role: &str) -> HashMap<String, f64> {
-    let line = out
-        .lines()
-        .find_map(|l| l.strip_prefix("UMBP_RESULT "))
-        .unwrap_or_else(|| panic!("child {role} reported nothing:\n{out}"));
-    line.split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.parse().unwrap()))
-        .collect()
+    let line = out.lines().find_map(|l| l.strip_prefix("UMBP_RESULT ")).unwrap_or_else(|| panic!("child {role} reported nothing:\n{out}"));
+    line.split_whitespace().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.parse().unwrap())).collect()
 }
 
 fn stress_secs() -> f64 {
-    std::env::var("UMBP_STRESS_SECS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(3.0)
+    std::env::var("UMBP_STRESS_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(3.0)
 }
 
 struct XorShift(u64);
@@ -259,10 +213,7 @@ fn index_key(i: u64) -> ObjectKey {
     if i.is_multiple_of(2) {
         ObjectKey::from_words([i << 24 | (i % 16), i << 24])
     } else {
-        ObjectKey::from_words([
-            i.wrapping_mul(0x9E37_79B9_7F4A_7C15),
-            i.wrapping_mul(0xC2B2_AE3D_27D4_EB4F),
-        ])
+        ObjectKey::from_words([i.wrapping_mul(0x9E37_79B9_7F4A_7C15), i.wrapping_mul(0xC2B2_AE3D_27D4_EB4F)])
     }
 }
 
@@ -308,10 +259,7 @@ fn index_writer() {
     }
     let snap = w.view().snapshot();
     assert_eq!(snap.live, live);
-    println!(
-        "UMBP_RESULT ops={ops} rebuilds={} live={live}",
-        snap.rebuilds
-    );
+    println!("UMBP_RESULT ops={ops} rebuilds={} live={live}", snap.rebuilds);
 }
 
 fn index_reader(seed: u64) {
@@ -337,24 +285,17 @@ fn index_reader(seed: u64) {
                 if loc != checksum(k) {
                     bad += 1;
                     if bad <= 5 {
-                        eprintln!(
-                            "inconsistent hit: {k:?} -> {loc:#x}, want {:#x}",
-                            checksum(k)
-                        );
+                        eprintln!("inconsistent hit: {k:?} -> {loc:#x}, want {:#x}", checksum(k));
                     }
                 }
             }
         }
         // match_prefix over a short run: count can be anything from 0 to the length.
-        let keys: Vec<_> = (0..8)
-            .map(|_| index_key(rng.next() % INDEX_UNIVERSE))
-            .collect();
+        let keys: Vec<_> = (0..8).map(|_| index_key(rng.next() % INDEX_UNIVERSE)).collect();
         assert!(view.match_prefix(&keys) <= keys.len());
         prefix_calls += 1;
     }
-    println!(
-        "UMBP_RESULT lookups={lookups} hits={hits} inconsistent={bad} prefix_calls={prefix_calls}"
-    );
+    println!("UMBP_RESULT lookups={lookups} hits={hits} inconsistent={bad} prefix_calls={prefix_calls}");
 }
 
 #[test]
@@ -371,23 +312,15 @@ fn index_seqlock_across_processes() {
     let fds = [index_fd.as_raw_fd(), ctl_fd.as_raw_fd()];
     let mut kids = Children::new();
     let writer = kids.spawn("index_writer", &fds, "");
-    let readers: Vec<usize> = (0..2)
-        .map(|r| kids.spawn("index_reader", &fds, &(0xfeed + r).to_string()))
-        .collect();
+    let readers: Vec<usize> = (0..2).map(|r| kids.spawn("index_reader", &fds, &(0xfeed + r).to_string())).collect();
     let deadline = Instant::now() + Duration::from_secs_f64(stress_secs() + 60.0);
     let mut total = HashMap::<String, f64>::new();
     for (n, r) in readers.into_iter().enumerate() {
         let res = kids.finish(r, deadline);
         eprintln!("index reader {n}: {res:?}");
         assert!(res["hits"] > 0.0, "reader {n} never hit: {res:?}");
-        assert!(
-            res["hits"] < res["lookups"],
-            "reader {n} never missed: {res:?}"
-        );
-        assert_eq!(
-            res["inconsistent"], 0.0,
-            "reader {n} saw torn or wrong entries: {res:?}"
-        );
+        assert!(res["hits"] < res["lookups"], "reader {n} never missed: {res:?}");
+        assert_eq!(res["inconsistent"], 0.0, "reader {n} saw torn or wrong entries: {res:?}");
         for (k, v) in res {
             *total.entry(k).or_default() += v;
         }
@@ -417,9 +350,7 @@ fn ring_producer() {
     let len = ring_bytes::<u64>(RING_CAPACITY);
     let mem = Mapping::new(fds[0], len, true);
     // SAFETY: the mapping outlives the ring handle.
-    let mut p = unsafe { Ring::<u64>::attach(mem.ptr, len) }
-        .unwrap()
-        .producer();
+    let mut p = unsafe { Ring::<u64>::attach(mem.ptr, len) }.unwrap().producer();
     let mut batch = [0u64; 64];
     let mut next = 0u64;
     let (mut wakes, mut full_spins) = (0u64, 0u64);
@@ -454,9 +385,7 @@ fn ring_consumer() {
     let len = ring_bytes::<u64>(RING_CAPACITY);
     let mem = Mapping::new(fds[0], len, true);
     // SAFETY: the mapping outlives the ring handle.
-    let mut c = unsafe { Ring::<u64>::attach(mem.ptr, len) }
-        .unwrap()
-        .consumer();
+    let mut c = unsafe { Ring::<u64>::attach(mem.ptr, len) }.unwrap().consumer();
     let mut out = Vec::with_capacity(256);
     let mut expect = 0u64;
     let (mut sleeps, mut stalls) = (0u64, 0u64);
@@ -516,10 +445,7 @@ fn ring_ten_million_across_processes() {
     assert_eq!(c["received"], RING_ENTRIES as f64);
     assert!(c["sleeps"] > 0.0, "consumer never slept: {c:?}");
     assert!(p["wakes"] > 0.0, "producer never woke the consumer: {p:?}");
-    assert_eq!(
-        c["stalls"], 0.0,
-        "a sleep ran into its timeout: lost wakeup? {c:?}"
-    );
+    assert_eq!(c["stalls"], 0.0, "a sleep ran into its timeout: lost wakeup? {c:?}");
     eprintln!(
         "ring: {} u64 entries across processes in {:.3} s = {:.1} M entries/s (consumer slept {} times, producer woke {} times)",
         RING_ENTRIES,

@@ -31,7 +31,11 @@ fn key(n: u64) -> ObjectKey {
 }
 
 fn kind(n: u64) -> EventKind {
-    if n.is_multiple_of(3) { EventKind::Removed } else { EventKind::Stored }
+    if n.is_multiple_of(3) {
+        EventKind::Removed
+    } else {
+        EventKind::Stored
+    }
 }
 
 proptest! {

@@ -83,16 +83,10 @@ impl Harness {
         // SAFETY: `mem` lives in the harness, beside both views, and is never moved out
         // (the heap allocation does not move when the harness does). The 'static lifetime
         // is a lie confined to this struct: the views are dropped with it.
-        let view: IndexView<'static> =
-            unsafe { IndexView::init(mem.ptr(), len, MIN_SLOTS) }.unwrap();
+        let view: IndexView<'static> = unsafe { IndexView::init(mem.ptr(), len, MIN_SLOTS) }.unwrap();
         // SAFETY: as above; a second view of the same region, as a reader process has.
         let reader: IndexView<'static> = unsafe { IndexView::attach(mem.ptr(), len) }.unwrap();
-        Self {
-            _mem: mem,
-            writer: IndexWriter::new(view),
-            reader,
-            model: HashMap::new(),
-        }
+        Self { _mem: mem, writer: IndexWriter::new(view), reader, model: HashMap::new() }
     }
 
     fn insert(&mut self, k: ObjectKey, loc: u64) -> Result<(), TestCaseError> {
@@ -100,14 +94,7 @@ impl Harness {
         match self.model.get(&k) {
             Some(&old) => prop_assert_eq!(got, Ok(Insert::Exists(old))),
             None if self.model.len() >= MAX_LIVE => {
-                prop_assert_eq!(
-                    got,
-                    Err(IndexFull {
-                        live: MAX_LIVE as u64,
-                        slots: MIN_SLOTS
-                    }
-                    .into())
-                )
+                prop_assert_eq!(got, Err(IndexFull { live: MAX_LIVE as u64, slots: MIN_SLOTS }.into()))
             }
             None => {
                 prop_assert_eq!(got, Ok(Insert::Inserted));
@@ -251,11 +238,7 @@ fn enough_churn_always_rebuilds() {
         h.insert(k, checksum(k)).unwrap();
         h.remove(k).unwrap();
         j += 1;
-        assert!(
-            j < 20_000,
-            "no rebuild after {j} insert/remove pairs: {:?}",
-            h.reader.snapshot()
-        );
+        assert!(j < 20_000, "no rebuild after {j} insert/remove pairs: {:?}", h.reader.snapshot());
     }
     h.check_all().unwrap();
     assert!(h.reader.snapshot().tombstones <= 1);

@@ -37,7 +37,13 @@ fn object_key<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, blo
 
 /// Keys of many blocks at once (one call per request instead of one per block).
 #[pyfunction]
-fn object_keys<'py>(py: Python<'py>, namespace: &[u8], group: u32, rank: u32, block_hashes: Vec<PyBackedBytes>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+fn object_keys<'py>(
+    py: Python<'py>,
+    namespace: &[u8],
+    group: u32,
+    rank: u32,
+    block_hashes: Vec<PyBackedBytes>,
+) -> PyResult<Vec<Bound<'py, PyBytes>>> {
     let ns = u128::from_le_bytes(key16(namespace, "namespace")?);
     Ok(block_hashes.iter().map(|h| PyBytes::new(py, &ObjectKey::derive(ns, group, rank, h.as_ref()).to_bytes())).collect())
 }
@@ -53,9 +59,7 @@ fn namespace_digest<'py>(py: Python<'py>, text: &str) -> Bound<'py, PyBytes> {
 /// not a unix socket address.
 #[pyfunction]
 fn default_socket_path() -> PyResult<String> {
-    umbp_worker::default_endpoint()
-        .map(|p| p.display().to_string())
-        .map_err(|e| PyValueError::new_err(e.to_string()))
+    umbp_worker::default_endpoint().map(|p| p.display().to_string()).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// A pool address -> its socket path: a path, or `unix://<path>`; `tcp://`, any other
@@ -216,12 +220,8 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_ssd::SsdConfig>> {
         }
         return Ok(None);
     }
-    let admission = a
-        .admission
-        .as_deref()
-        .map(|p| umbp_ssd::SsdAdmission::parse("ssd_admission", p))
-        .transpose()
-        .map_err(|e| bad(e.to_string()))?;
+    let admission =
+        a.admission.as_deref().map(|p| umbp_ssd::SsdAdmission::parse("ssd_admission", p)).transpose().map_err(|e| bad(e.to_string()))?;
     let flush_on_stop = a
         .flush_on_stop
         .map(|secs| match Duration::try_from_secs_f64(secs) {
@@ -348,8 +348,8 @@ impl Worker {
     #[pyo3(signature = (ptr, size, device=0))]
     fn register_cuda_memory(&self, py: Python<'_>, ptr: u64, size: u64, device: i32) -> PyResult<u32> {
         let _ = device; // the IPC handle identifies the device by UUID
-        // SAFETY: the Python caller vouches that the device range stays allocated until
-        // this Worker is closed (as for register_host_memory).
+                        // SAFETY: the Python caller vouches that the device range stays allocated until
+                        // this Worker is closed (as for register_host_memory).
         self.with(py, |w| unsafe { w.register_memory(umbp_worker::MemorySpec::Cuda { ptr, len: size }) })
     }
 

@@ -11,8 +11,8 @@
 use std::os::fd::OwnedFd;
 
 use umbp_ipc::SharedMemory;
-use umbp_protocol::events::{Event, EventLog, EventLogReader, EVENT_ENTRIES_OFFSET};
 pub use umbp_protocol::events::EventKind;
+use umbp_protocol::events::{Event, EventLog, EventLogReader, EVENT_ENTRIES_OFFSET};
 use umbp_protocol::ObjectKey;
 
 use crate::SchedulerError;

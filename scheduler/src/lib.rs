@@ -33,10 +33,10 @@ use umbp_protocol::ring::{Producer, Ring};
 use umbp_protocol::wire::{Hello, Role};
 use umbp_protocol::ProtocolError;
 
+pub use events::EventKind;
 pub use umbp_ipc::backoff::{BACKOFF_MAX, BACKOFF_MIN};
 pub use umbp_protocol::index::IndexSnapshot;
 pub use umbp_protocol::ObjectKey;
-pub use events::EventKind;
 
 use umbp_ipc::backoff::Backoff;
 use umbp_ipc::dial::{Attached, Dial, DialError};
@@ -136,7 +136,18 @@ impl Attachment {
         // view); IndexView::attach checks every header field against `len`.
         let index_view = unsafe { IndexView::attach(index.as_ptr(), index.len()) }?;
         let checked = Instant::now();
-        Ok(Self { index: index_view, hints, sock: a.sock, checked, seen_dead: std::cell::Cell::new(false), attachment_id: r.attachment_id, events, stalled: false, _ring: ring, _index: index })
+        Ok(Self {
+            index: index_view,
+            hints,
+            sock: a.sock,
+            checked,
+            seen_dead: std::cell::Cell::new(false),
+            attachment_id: r.attachment_id,
+            events,
+            stalled: false,
+            _ring: ring,
+            _index: index,
+        })
     }
 
     /// Full check: the pool did not close its index, its death word is clear and its
@@ -173,7 +184,11 @@ impl Attachment {
         if stalled != self.stalled {
             self.stalled = stalled;
             if stalled {
-                tracing::warn!(attachment = self.attachment_id, timeout_ms = timeout.as_millis() as u64, "UMBP pool stalled (its heartbeat is older than the stall timeout); lookups miss until it runs again");
+                tracing::warn!(
+                    attachment = self.attachment_id,
+                    timeout_ms = timeout.as_millis() as u64,
+                    "UMBP pool stalled (its heartbeat is older than the stall timeout); lookups miss until it runs again"
+                );
             } else {
                 tracing::info!(attachment = self.attachment_id, "UMBP pool runs again; lookups hit");
             }

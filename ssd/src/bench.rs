@@ -8,11 +8,11 @@ use std::time::Instant;
 
 use umbp_protocol::ObjectKey;
 
-use super::format::align_up;
-use super::uring::{ReadJob, Ring, WriteJob};
 use super::config::SsdConfig;
 use super::error::SsdError;
+use super::format::align_up;
 use super::store::SsdStore;
+use super::uring::{ReadJob, Ring, WriteJob};
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct SsdBench {
@@ -80,15 +80,15 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
             .open(&raw_path)
             .map_err(|e| SsdError::Io { path: raw_path.clone(), what: "opening raw file (O_DIRECT)".into(), source: e })?
     };
-    let mut ring = Ring::new(cfg.queue_depth, cfg.chunk_bytes, true).map_err(|source| SsdError::Uring { path: raw_path.clone(), source })?;
+    let mut ring =
+        Ring::new(cfg.queue_depth, cfg.chunk_bytes, true).map_err(|source| SsdError::Uring { path: raw_path.clone(), source })?;
     let fd = raw.as_raw_fd();
     let t = Instant::now();
     let mut i = 0u64;
     while i < n {
         let m = (n - i).min(batch as u64);
-        let jobs: Vec<WriteJob<'_>> = (0..m)
-            .map(|k| WriteJob { fd, offset: (i + k) * rec, len: rec, pieces: vec![&payloads[k as usize][..]] })
-            .collect();
+        let jobs: Vec<WriteJob<'_>> =
+            (0..m).map(|k| WriteJob { fd, offset: (i + k) * rec, len: rec, pieces: vec![&payloads[k as usize][..]] }).collect();
         for r in ring.write_batch(&jobs) {
             r.map_err(|e| SsdError::Io { path: raw_path.clone(), what: "raw write".into(), source: e })?;
         }
@@ -104,8 +104,7 @@ pub fn run(dir: &Path, total: u64, object: u64, batch: usize, cfg: &SsdConfig) -
     let mut i = 0u64;
     while i < n {
         let m = (n - i).min(batch as u64);
-        let items: Vec<(ObjectKey, u128, u64, &[u8])> =
-            (0..m).map(|k| (key(i + k), 1u128, object, &payloads[k as usize][..])).collect();
+        let items: Vec<(ObjectKey, u128, u64, &[u8])> = (0..m).map(|k| (key(i + k), 1u128, object, &payloads[k as usize][..])).collect();
         for r in store.put_batch(&items) {
             r?;
         }

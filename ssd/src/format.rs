@@ -292,9 +292,7 @@ mod tests {
 
     #[test]
     fn footer_roundtrips_and_rejects_a_wrong_length_or_crc() {
-        let entries: Vec<_> = (0..100u64)
-            .map(|i| FooterEntry { header: RecordHeader { seq: i, ..header() }, offset: i * BLOCK })
-            .collect();
+        let entries: Vec<_> = (0..100u64).map(|i| FooterEntry { header: RecordHeader { seq: i, ..header() }, offset: i * BLOCK }).collect();
         let off = 100 * BLOCK;
         let f = encode_footer(&entries, off);
         assert_eq!(f.len() as u64, footer_len(100));

@@ -7,10 +7,10 @@
 
 use std::sync::atomic::Ordering;
 
+use super::error::SsdError;
 use super::format::{self, FooterEntry, RecordHeader, Trailer, BLOCK, HEADER_BYTES};
 use super::segment::{AlignedBuf, Segment};
 use super::shard::{shard_index, Counters, Loc, SegMeta, Shard};
-use super::error::SsdError;
 
 /// Reads a segment through a sliding aligned window.
 struct Window<'a> {
@@ -60,9 +60,7 @@ fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdE
     let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
     let sane = entries.iter().all(|e| {
         e.offset.is_multiple_of(BLOCK)
-            && format::checked_record_len(e.header.size)
-                .and_then(|rl| e.offset.checked_add(rl))
-                .is_some_and(|end| end <= t.entries_offset)
+            && format::checked_record_len(e.header.size).and_then(|rl| e.offset.checked_add(rl)).is_some_and(|end| end <= t.entries_offset)
     });
     Ok(sane.then_some(entries))
 }

@@ -10,8 +10,8 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
 
-use super::format::BLOCK;
 use super::error::SsdError;
+use super::format::BLOCK;
 
 /// A zeroed heap buffer aligned to [`BLOCK`], as O_DIRECT needs.
 pub struct AlignedBuf {
@@ -173,10 +173,9 @@ impl Directory {
             Mode::from_raw_mode(0o600),
         )
         .map_err(|e| match e {
-            rustix::io::Errno::LOOP => SsdError::Unsafe {
-                path: lock_path.clone(),
-                message: "is a symbolic link: refusing to follow it (remove it)".into(),
-            },
+            rustix::io::Errno::LOOP => {
+                SsdError::Unsafe { path: lock_path.clone(), message: "is a symbolic link: refusing to follow it (remove it)".into() }
+            }
             e => io_err(&path, &format!("SSD directory is not writable (creating {LOCK_NAME})"), errno(e)),
         })?;
         let st = rustix::fs::fstat(&lock).map_err(|e| io_err(&lock_path, "fstat", errno(e)))?;
@@ -256,8 +255,13 @@ impl Directory {
 
     pub fn create_segment(&self, id: u64) -> Result<Segment, SsdError> {
         let path = self.segment_path(id);
-        let fd = rustix::fs::openat(&self.fd, segment_name(id).as_str(), self.flags() | OFlags::CREATE | OFlags::EXCL, Mode::from_raw_mode(0o600))
-            .map_err(|e| io_err(&path, "creating segment", errno(e)))?;
+        let fd = rustix::fs::openat(
+            &self.fd,
+            segment_name(id).as_str(),
+            self.flags() | OFlags::CREATE | OFlags::EXCL,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(|e| io_err(&path, "creating segment", errno(e)))?;
         Ok(Segment { id, path, file: File::from(fd) })
     }
 
@@ -272,13 +276,15 @@ impl Directory {
     pub fn open_segment(&self, id: u64) -> Result<Segment, SsdError> {
         let path = self.segment_path(id);
         // NONBLOCK: a FIFO planted under a segment's name must not hang the open.
-        let fd = rustix::fs::openat(&self.fd, segment_name(id).as_str(), self.flags() | OFlags::NONBLOCK, Mode::empty())
-            .map_err(|e| match e {
-                rustix::io::Errno::LOOP => {
-                    SsdError::Unsafe { path: path.clone(), message: "is a symbolic link: not followed, segment skipped".into() }
-                }
-                e => io_err(&path, "opening segment", errno(e)),
-            })?;
+        let fd =
+            rustix::fs::openat(&self.fd, segment_name(id).as_str(), self.flags() | OFlags::NONBLOCK, Mode::empty()).map_err(
+                |e| match e {
+                    rustix::io::Errno::LOOP => {
+                        SsdError::Unsafe { path: path.clone(), message: "is a symbolic link: not followed, segment skipped".into() }
+                    }
+                    e => io_err(&path, "opening segment", errno(e)),
+                },
+            )?;
         let st = rustix::fs::fstat(&fd).map_err(|e| io_err(&path, "fstat segment", errno(e)))?;
         if let Some(why) = foreign_file(&st, self.uid) {
             return Err(SsdError::Unsafe { path, message: format!("{why}: segment skipped") });

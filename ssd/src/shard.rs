@@ -7,11 +7,11 @@ use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::config::SsdConfig;
+use super::error::SsdError;
 use super::format::{self, FooterEntry, RecordHeader, HEADER_BYTES};
 use super::segment::{AlignedBuf, Directory, Segment};
 use super::uring::{ReadJob, Ring, WriteJob};
-use super::config::SsdConfig;
-use super::error::SsdError;
 
 pub(super) struct SegMeta {
     pub seg: Segment,
@@ -66,14 +66,11 @@ pub(super) fn bump(c: &AtomicU64, n: u64) {
     c.fetch_add(n, Ordering::Relaxed);
 }
 
-
 /// What a successful put did besides storing. Objects the store dropped meanwhile (for
 /// room, or unreadable in a compaction) are not here: they are reported by
 /// [`SsdStore::take_evicted`], whatever the call's result, so none is lost on an error path.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct PutOutcome {}
-
-
 
 /// The shard a key's records go to (of `n`).
 pub(super) fn shard_index(key: u128, n: usize) -> usize {
@@ -317,13 +314,13 @@ impl Shard {
                 self.reclaim(rec, counters);
             }
             if self.used_total() + rec + format::BLOCK > self.capacity {
-                results[i] =
-                    Err(SsdError::NoRoom { needed: rec, capacity: self.capacity, dir: self.dir.path.clone() });
+                results[i] = Err(SsdError::NoRoom { needed: rec, capacity: self.capacity, dir: self.dir.path.clone() });
                 continue;
             }
-            let fits = self.active.and_then(|a| self.segments.get(&a)).is_some_and(|m| {
-                m.len + rec + format::footer_len(m.records.len() as u64 + 1) <= self.segment_bytes
-            });
+            let fits = self
+                .active
+                .and_then(|a| self.segments.get(&a))
+                .is_some_and(|m| m.len + rec + format::footer_len(m.records.len() as u64 + 1) <= self.segment_bytes);
             if !fits {
                 self.flush(&mut pending, &mut results, counters);
                 self.seal_active();
@@ -527,7 +524,9 @@ mod tests {
         let data: Vec<u8> = (0..100_000u32).map(|i| (i * 7 + i / 3) as u8).collect();
         let want = crc32c::crc32c(&data);
         let chunks: Vec<(u64, &[u8])> = data.chunks(8192).enumerate().map(|(i, c)| (i as u64 * 8192, c)).collect();
-        for order in [vec![0usize, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], vec![3, 0, 1, 2, 12, 5, 4, 6, 7, 8, 9, 11, 10], (0..13).rev().collect()] {
+        for order in
+            [vec![0usize, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], vec![3, 0, 1, 2, 12, 5, 4, 6, 7, 8, 9, 11, 10], (0..13).rev().collect()]
+        {
             let mut p = PayloadCrc::default();
             for i in order {
                 p.add(chunks[i].0, chunks[i].1);

@@ -9,12 +9,12 @@ use std::time::Instant;
 
 use umbp_protocol::ObjectKey;
 
-use super::format::{self, RecordHeader, FLAG_TOMBSTONE};
-use super::segment::Directory;
-use super::uring::Ring;
 use super::config::SsdConfig;
 use super::error::SsdError;
+use super::format::{self, RecordHeader, FLAG_TOMBSTONE};
+use super::segment::Directory;
 use super::shard::{bump, shard_index, Counters, Out, PutOutcome, Shard};
+use super::uring::Ring;
 
 /// A snapshot of the store's state and counters.
 #[derive(Debug, Clone, Default, serde::Serialize)]
@@ -53,7 +53,6 @@ pub struct SsdStats {
     /// Time `open` spent reading footers and scanning segments (not opening rings).
     pub rebuild_ms: f64,
 }
-
 
 /// What the store knows about an object without reading it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -119,8 +118,8 @@ impl SsdStore {
         let n = c.dirs.len();
         for (i, path) in c.dirs.iter().enumerate() {
             let dir = Directory::open(path, c.direct_io)?;
-            let ring = Ring::new(c.queue_depth, c.chunk_bytes, c.io_uring)
-                .map_err(|source| SsdError::Uring { path: path.clone(), source })?;
+            let ring =
+                Ring::new(c.queue_depth, c.chunk_bytes, c.io_uring).map_err(|source| SsdError::Uring { path: path.clone(), source })?;
             let mut shard = Shard::new(dir, ring, per_shard, c);
             let started = Instant::now();
             max_seq = max_seq.max(super::rebuild::rebuild_shard(&mut shard, i, n, &counters)?);
@@ -250,7 +249,11 @@ impl SsdStore {
                         bufs.push(buf);
                     }
                     None => {
-                        tracing::debug!(key = format_args!("{:032x}", l.header.key), size = l.header.size, "SSD record size differs from the destination's: a miss");
+                        tracing::debug!(
+                            key = format_args!("{:032x}", l.header.key),
+                            size = l.header.size,
+                            "SSD record size differs from the destination's: a miss"
+                        );
                         bump(&self.counters.misses, 1);
                     }
                 }
@@ -331,11 +334,7 @@ impl SsdStore {
             out.extend(s.index.iter().map(|(k, l)| {
                 (
                     ObjectKey(k.0),
-                    SsdObjectInfo {
-                        namespace: l.header.namespace,
-                        size: l.header.size,
-                        layout_object_size: l.header.layout_object_size,
-                    },
+                    SsdObjectInfo { namespace: l.header.namespace, size: l.header.size, layout_object_size: l.header.layout_object_size },
                 )
             }));
         }

@@ -319,7 +319,7 @@ fn drop_dac_override_in_this_thread() -> bool {
         return false;
     }
     d[0].effective &= !((1 << 1) | (1 << 2) | (1 << 3)); // DAC_OVERRIDE, DAC_READ_SEARCH, FOWNER
-    // SAFETY: capset reads the header and two Data entries.
+                                                         // SAFETY: capset reads the header and two Data entries.
     unsafe { libc::syscall(libc::SYS_capset, &mut h as *mut Header, d.as_ptr()) == 0 }
 }
 
@@ -373,7 +373,8 @@ fn child_writer() {
     use std::io::Write;
     let mut out = std::io::stdout().lock();
     for i in 0.. {
-        let items: Vec<(ObjectKey, u128, u64, Vec<u8>)> = (i * 8..i * 8 + 8).map(|j| (key(j), 7, 65536, payload(j, 100_000 + (j as usize % 5) * 7_000))).collect();
+        let items: Vec<(ObjectKey, u128, u64, Vec<u8>)> =
+            (i * 8..i * 8 + 8).map(|j| (key(j), 7, 65536, payload(j, 100_000 + (j as usize % 5) * 7_000))).collect();
         let refs: Vec<(ObjectKey, u128, u64, &[u8])> = items.iter().map(|(k, n, l, d)| (*k, *n, *l, &d[..])).collect();
         for r in store.put_batch(&refs) {
             r.unwrap();
@@ -428,7 +429,10 @@ fn kill_writer_and_check_restart() -> bool {
     assert!(!status.success());
     let store = open_store(&cfg(&[d.path()], 1 << 30, 4 << 20));
     let st = store.stats();
-    println!("after SIGKILL: acked {acked}, found {}, torn skipped {}, scanned {}", st.objects, st.torn_records_skipped, st.segments_scanned);
+    println!(
+        "after SIGKILL: acked {acked}, found {}, torn skipped {}, scanned {}",
+        st.objects, st.torn_records_skipped, st.segments_scanned
+    );
     for j in 0..acked {
         let (_, data) = store.get(key(j), 7).unwrap_or_else(|| panic!("acknowledged object {j} lost"));
         assert!(data == payload(j, 100_000 + (j as usize % 5) * 7_000), "object {j} differs");
@@ -670,11 +674,7 @@ fn key_set(store: &SsdStore) -> std::collections::BTreeSet<(u128, u128)> {
 /// Checks S1's contract for one call: every key that was in the store (or just put) and is
 /// not any more is reported by `take_evicted` (the pool removes exactly those from its
 /// index), and nothing still there is. Returns how many were evicted.
-fn check_evictions_reported(
-    store: &SsdStore,
-    before: &std::collections::BTreeSet<(u128, u128)>,
-    removed: Option<(u128, u128)>,
-) -> usize {
+fn check_evictions_reported(store: &SsdStore, before: &std::collections::BTreeSet<(u128, u128)>, removed: Option<(u128, u128)>) -> usize {
     let after = key_set(store);
     let reported: std::collections::BTreeSet<(u128, u128)> = store.take_evicted().into_iter().map(|(k, ns)| (k.0, ns)).collect();
     let left: std::collections::BTreeSet<(u128, u128)> =

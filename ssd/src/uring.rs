@@ -71,8 +71,7 @@ impl Ring {
             return Ok(Self { ring: None, bufs: vec![AlignedBuf::new(chunk)], chunk, fixed: false });
         };
         let bufs: Vec<AlignedBuf> = (0..depth).map(|_| AlignedBuf::new(chunk)).collect();
-        let iovecs: Vec<libc::iovec> =
-            bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast(), iov_len: b.len() }).collect();
+        let iovecs: Vec<libc::iovec> = bufs.iter().map(|b| libc::iovec { iov_base: b.as_ptr().cast(), iov_len: b.len() }).collect();
         // SAFETY: the buffers live as long as the ring (both are fields of Self; the ring is
         // dropped, unregistering them, before or with them) and are never reallocated.
         let fixed = match unsafe { ring.submitter().register_buffers(&iovecs) } {
@@ -243,13 +242,7 @@ impl Ring {
     pub fn write_batch(&mut self, jobs: &[WriteJob<'_>]) -> Vec<io::Result<()>> {
         let chunks = self.chunks(jobs.iter().map(|j| j.len));
         let fds: Vec<(RawFd, u64)> = jobs.iter().map(|j| (j.fd, j.offset)).collect();
-        let errors = self.run(
-            true,
-            &fds,
-            &chunks,
-            |c, buf| gather(&jobs[c.job].pieces, c.at, buf),
-            |_, _| {},
-        );
+        let errors = self.run(true, &fds, &chunks, |c, buf| gather(&jobs[c.job].pieces, c.at, buf), |_, _| {});
         errors.into_iter().map(|e| e.map_or(Ok(()), Err)).collect()
     }
 
@@ -279,7 +272,12 @@ fn sync_io(write: bool, fd: RawFd, buf: &mut [u8], offset: u64) -> io::Result<()
         };
         match n {
             n if n > 0 => done += n as usize,
-            0 => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("short {} at {offset}", if write { "write" } else { "read" }))),
+            0 => {
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("short {} at {offset}", if write { "write" } else { "read" }),
+                ))
+            }
             _ => {
                 let e = io::Error::last_os_error();
                 if e.kind() != io::ErrorKind::Interrupted {

@@ -165,4 +165,3 @@ pub fn nixl_read(agent: &Agent, peer_agent: &str, remote_addr: u64, local: &mut 
     }
     false
 }
-

@@ -16,5 +16,5 @@ pub use pattern::{fill_pattern, verify_pattern};
 pub use process::{kill_and_clean, pool_binary, pool_command, pool_wrapper, stop_gracefully, unique_socket, workspace_binary, PoolProcess};
 pub use report::{report, report_json, try_report};
 pub use root::root_or_skip;
-pub use worker::worker_on_memfd;
 pub use wait::{eventually, thread_cpu_ms, wait_until};
+pub use worker::worker_on_memfd;

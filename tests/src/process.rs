@@ -214,4 +214,3 @@ impl Drop for PoolProcess {
         }
     }
 }
-

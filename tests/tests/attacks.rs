@@ -188,7 +188,11 @@ fn pid_reuse(tag: &str, fallback: bool) -> Option<(u32, String)> {
         // SAFETY: (child) raw syscalls only.
         unsafe {
             if libc::syscall(libc::SYS_setresuid, 65534 as libc::c_long, 65534 as libc::c_long, 65534 as libc::c_long) != 0
-                || libc::connect(fd, (&addr as *const libc::sockaddr_un).cast(), std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t) != 0
+                || libc::connect(
+                    fd,
+                    (&addr as *const libc::sockaddr_un).cast(),
+                    std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
+                ) != 0
                 || libc::write(fd, hello.as_ptr().cast(), hello.len()) != hello.len() as isize
             {
                 libc::_exit(2);
@@ -266,7 +270,9 @@ fn so_peerpidfd_here() -> bool {
     let mut fd: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt writes at most `len` bytes into `fd`.
-    let rc = unsafe { libc::getsockopt(std::os::fd::AsRawFd::as_raw_fd(&a), libc::SOL_SOCKET, 77, (&mut fd as *mut libc::c_int).cast(), &mut len) };
+    let rc = unsafe {
+        libc::getsockopt(std::os::fd::AsRawFd::as_raw_fd(&a), libc::SOL_SOCKET, 77, (&mut fd as *mut libc::c_int).cast(), &mut len)
+    };
     if rc == 0 && fd >= 0 {
         // SAFETY: the kernel gave us this fd.
         unsafe { libc::close(fd) };
@@ -376,11 +382,8 @@ fn hugetlb_hole_punch_cannot_kill_the_pool() {
         }
     };
     let mut pool = PoolProcess::start(&unique_socket("hugetlb"), &["--capacity", "64MiB", "--min-object-size", "4KiB"]);
-    let mfd = memfd::MemfdOptions::default()
-        .allow_sealing(true)
-        .hugetlb(Some(memfd::HugetlbSize::Huge2MB))
-        .create("victim-of-its-own")
-        .unwrap();
+    let mfd =
+        memfd::MemfdOptions::default().allow_sealing(true).hugetlb(Some(memfd::HugetlbSize::Huge2MB)).create("victim-of-its-own").unwrap();
     mfd.as_file().set_len(HUGE).unwrap();
     mfd.add_seals(&[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow]).unwrap();
     map_and_fill(mfd.as_file(), HUGE as usize, 0x5a);
@@ -412,11 +415,8 @@ fn hugetlb_hole_punch_cannot_kill_the_pool() {
             assert_ne!(status, 0, "the pool accepted a hugetlb memfd sealed only against shrinking");
             assert!(message.contains("hugetlb") && message.contains("F_SEAL_WRITE"), "{message}");
             // Sealed against writes, it is taken (stores only).
-            let sealed = memfd::MemfdOptions::default()
-                .allow_sealing(true)
-                .hugetlb(Some(memfd::HugetlbSize::Huge2MB))
-                .create("sealed")
-                .unwrap();
+            let sealed =
+                memfd::MemfdOptions::default().allow_sealing(true).hugetlb(Some(memfd::HugetlbSize::Huge2MB)).create("sealed").unwrap();
             sealed.as_file().set_len(HUGE).unwrap();
             sealed.add_seals(&[memfd::FileSeal::SealShrink, memfd::FileSeal::SealGrow, memfd::FileSeal::SealWrite]).unwrap();
             let (status, message) = raw_register_memfd(&pool.socket, sealed.as_file(), HUGE);
@@ -572,7 +572,13 @@ fn ringtool_refuses_a_pool_of_another_uid() {
         return;
     }
     let got = against_fake_pool("fake-ringtool", |socket| {
-        let out = Command::new(workspace_binary("ringtool")).arg("dump").arg("--socket").arg(socket).env_remove("UMBP_POOL_UID").output().unwrap();
+        let out = Command::new(workspace_binary("ringtool"))
+            .arg("dump")
+            .arg("--socket")
+            .arg(socket)
+            .env_remove("UMBP_POOL_UID")
+            .output()
+            .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains("uid 65534"), "ringtool talked to a fake pool: {err}");
     });
@@ -597,16 +603,18 @@ fn peer_in_another_pid_namespace_is_served_without_process_memory() {
             let _ = self.0.wait();
         }
     }
-    let mut pool = Killed(Command::new("unshare")
-        .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
-        .arg(pool_binary())
-        .arg("--socket")
-        .arg(&socket)
-        .args(["--capacity", "64MiB", "--min-object-size", "4KiB"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap());
+    let mut pool = Killed(
+        Command::new("unshare")
+            .args(["--pid", "--fork", "--mount-proc", "--kill-child"])
+            .arg(pool_binary())
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--capacity", "64MiB", "--min-object-size", "4KiB"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     if !eventually(Duration::from_secs(20), || std::os::unix::net::UnixStream::connect(&socket).is_ok()) {
         println!("skipped: the pool did not start under unshare --pid ({:?})", pool.0.try_wait());
         return;
@@ -614,9 +622,8 @@ fn peer_in_another_pid_namespace_is_served_without_process_memory() {
     let mut w = Worker::connect(WorkerConfig::new(&socket, 5)).unwrap();
     let mut buf = vec![0u8; 4096];
     // SAFETY: `buf` outlives `w` within this test, and the registration is refused anyway.
-    let e = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: buf.as_mut_ptr() as usize, len: buf.len() }) }
-        .unwrap_err()
-        .to_string();
+    let e =
+        unsafe { w.register_memory(MemorySpec::HostProcess { ptr: buf.as_mut_ptr() as usize, len: buf.len() }) }.unwrap_err().to_string();
     assert!(e.contains("pid namespace"), "HostProcess from pid 0 must be refused, saying why: {e}");
     // Memfds need no pid: served.
     let mfd = memfd::MemfdOptions::default().allow_sealing(true).create("kv").unwrap();

@@ -209,10 +209,7 @@ fn trickling_control_message_stalls_nobody_and_is_cut_per_message() {
     let json = served_at_once(&socket, Role::Observer, Duration::from_secs(5), "while a peer trickles");
     umbp_integration_tests::report::parse_full_report(&json).expect("the report");
     // The trickler is cut 2 s after its first byte (old code: it got its reply after ~14 s).
-    assert!(
-        eventually(Duration::from_secs(4), || closed_by_pool(&attacker)),
-        "trickling peer detached by its per-message deadline"
-    );
+    assert!(eventually(Duration::from_secs(4), || closed_by_pool(&attacker)), "trickling peer detached by its per-message deadline");
     assert!(started.elapsed() < Duration::from_millis(4500), "cut after {:?}", started.elapsed());
     trickler.join().unwrap();
     drop(pool);
@@ -273,7 +270,9 @@ impl StallingMemory {
             return Err(format!("UFFDIO_API: {}", std::io::Error::last_os_error()));
         }
         // SAFETY: a fresh anonymous mapping.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        let ptr = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        };
         if ptr == libc::MAP_FAILED {
             return Err("mmap".into());
         }
@@ -472,7 +471,8 @@ fn fd_reserve_keeps_room_for_attached_peers() {
 /// attached; new peers are refused at once (a spare fd is closed to accept-and-refuse).
 #[test]
 fn fd_exhaustion_refuses_the_message_clearly_and_keeps_the_peer() {
-    let pool = pool_with_nofile("nofile", 160, &["--fd-reserve", "0", "--max-handshakes-per-uid", "200", "--handshake-timeout-ms", "10000"]);
+    let pool =
+        pool_with_nofile("nofile", 160, &["--fd-reserve", "0", "--max-handshakes-per-uid", "200", "--handshake-timeout-ms", "10000"]);
     let worker = UnixStream::connect(&pool.socket).unwrap();
     attach(&worker, Role::Worker, Duration::from_secs(3)).unwrap();
     let (_held, e) = attach_until_refused(&pool.socket);

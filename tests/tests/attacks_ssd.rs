@@ -65,7 +65,13 @@ impl Victim {
 
     fn assert_untouched(&self, what: &str) {
         let now = std::fs::read(&self.path).unwrap();
-        assert!(now == self.bytes, "{what}: the victim file {} was changed ({} bytes, was {})", self.path.display(), now.len(), self.bytes.len());
+        assert!(
+            now == self.bytes,
+            "{what}: the victim file {} was changed ({} bytes, was {})",
+            self.path.display(),
+            now.len(),
+            self.bytes.len()
+        );
     }
 }
 
@@ -116,15 +122,7 @@ fn ssd_files_are_never_opened_through_symlinks() {
 /// A one-record segment whose header says `size` (with a valid CRC: CRCs are no secret).
 fn planted_record(size: u64) -> Vec<u8> {
     let payload = [0x5au8; 200];
-    let h = RecordHeader {
-        flags: 0,
-        key: key(9).0,
-        namespace: 7,
-        size,
-        layout_object_size: 65536,
-        seq: 1,
-        payload_crc: crc32c(&payload),
-    };
+    let h = RecordHeader { flags: 0, key: key(9).0, namespace: 7, size, layout_object_size: 65536, seq: 1, payload_crc: crc32c(&payload) };
     let mut seg = vec![0u8; 4 * BLOCK as usize];
     seg[..HEADER_BYTES].copy_from_slice(&h.encode());
     seg[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(&payload);
@@ -184,8 +182,14 @@ fn an_ssd_directory_another_user_controls_is_refused() {
     std::fs::create_dir(&open).unwrap();
     std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
     let below = ssd_dir(&open, "below");
-    for (dir, why) in [(&theirs, "owned by uid 65534".to_string()), (&open, "0777".into()), (&below, format!("the directory above it, {}", open.display()))] {
-        let e = SsdStore::open(&cfg(dir)).err().unwrap_or_else(|| panic!("the SSD tier opened {}, a directory another user controls", dir.display()));
+    for (dir, why) in [
+        (&theirs, "owned by uid 65534".to_string()),
+        (&open, "0777".into()),
+        (&below, format!("the directory above it, {}", open.display())),
+    ] {
+        let e = SsdStore::open(&cfg(dir))
+            .err()
+            .unwrap_or_else(|| panic!("the SSD tier opened {}, a directory another user controls", dir.display()));
         let e = e.to_string();
         assert!(e.contains(&dir.display().to_string()) && e.contains(&why) && e.contains("SSD directory"), "{e}");
     }
@@ -289,12 +293,14 @@ fn metrics_on_a_unix_socket_are_unreadable_to_another_uid() {
     let body = scrape_unix(&metrics).expect("the pool's uid scrapes");
     assert!(body.starts_with("HTTP/1.1 200") && body.contains("umbp_"), "{body}");
     assert_eq!(std::fs::metadata(&metrics).unwrap().permissions().mode() & 0o777, 0o600);
-    let as_nobody = |m: PathBuf| std::thread::spawn(move || {
-        become_uid(NOBODY);
-        scrape_unix(&m)
-    })
-    .join()
-    .unwrap();
+    let as_nobody = |m: PathBuf| {
+        std::thread::spawn(move || {
+            become_uid(NOBODY);
+            scrape_unix(&m)
+        })
+        .join()
+        .unwrap()
+    };
     let e = as_nobody(metrics.clone()).expect_err("uid 65534 read the metrics");
     assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
     // Even where the socket's mode is loosened afterwards, the pool answers no other uid.

@@ -95,14 +95,8 @@ fn namespace_quota_keeps_a_flooding_tenant_from_evicting_others() {
 /// back to its low watermark.
 #[test]
 fn touch_hints_cannot_pin_the_whole_pool() {
-    let pool =
-        PoolProcess::start(&unique_socket("pin"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--lease-ms", "60000"]);
-    let pinner = RunningWorker::start(
-        &pool.socket,
-        1,
-        &["store-pin", "--first-key", "0", "--count", "4096", "--seconds", "30"],
-        "pinned",
-    );
+    let pool = PoolProcess::start(&unique_socket("pin"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--lease-ms", "60000"]);
+    let pinner = RunningWorker::start(&pool.socket, 1, &["store-pin", "--first-key", "0", "--count", "4096", "--seconds", "30"], "pinned");
     std::thread::sleep(Duration::from_millis(300));
     let v = worker(&pool.socket, 2, &[], &["store", "--first-key", "0", "--count", "512"]);
     let low = (64u64 << 20) * 7 / 10;
@@ -121,16 +115,11 @@ fn hints_for_another_namespace_are_ignored() {
     let pool = PoolProcess::start(&unique_socket("foreign"), &["--capacity", "64MiB", "--min-object-size", "16KiB"]);
     let v = worker(&pool.socket, 1, &[], &["store", "--first-key", "0", "--count", "64"]);
     assert_eq!(n(&v, "stored"), 64, "{v}");
-    let keys: Vec<umbp_protocol::ObjectKey> =
-        (0..64u128).map(|i| umbp_protocol::ObjectKey::derive(1, 0, 0, &i.to_le_bytes())).collect();
+    let keys: Vec<umbp_protocol::ObjectKey> = (0..64u128).map(|i| umbp_protocol::ObjectKey::derive(1, 0, 0, &i.to_le_bytes())).collect();
     let mut idx = umbp_scheduler::IndexClient::connect(&pool.socket, 9, Duration::from_secs(5)).unwrap();
     assert_eq!(idx.match_prefix(&keys), 64, "lookups still see them");
     idx.touch(&keys);
-    assert!(
-        eventually(Duration::from_secs(5), || pool.report().pool.defences.foreign_hints_ignored >= 64),
-        "{}",
-        pool.report().pool
-    );
+    assert!(eventually(Duration::from_secs(5), || pool.report().pool.defences.foreign_hints_ignored >= 64), "{}", pool.report().pool);
 }
 
 /// The state report: a peer of another uid (65534, an unprivileged user) gets only its own
@@ -152,12 +141,8 @@ fn stats_report_hides_other_tenants() {
         &["--capacity", "64MiB", "--min-object-size", "16KiB", "--allow-uid", "65534", "--socket-group", "65534"],
     );
     // A tenant of root (namespace 0xabcdef) stays attached while the report is taken.
-    let tenant = RunningWorker::start(
-        &pool.socket,
-        0xabcdef,
-        &["store-pin", "--first-key", "0", "--count", "64", "--seconds", "20"],
-        "pinned",
-    );
+    let tenant =
+        RunningWorker::start(&pool.socket, 0xabcdef, &["store-pin", "--first-key", "0", "--count", "64", "--seconds", "20"], "pinned");
     let full = pool.report();
     let secret_ns = format!("{:032x}", 0xabcdefu128);
     assert!(full.to_string().contains(&secret_ns), "root gets the full report: {full}");
@@ -295,8 +280,16 @@ fn another_tenants_keys_are_invisible_in_index_and_event_log() {
     let pool = PoolProcess::start(
         &unique_socket("groups"),
         &[
-            "--capacity", "64MiB", "--min-object-size", "16KiB", "--allow-uid", "65534",
-            "--namespace-acl", "65533:a11ce", "--namespace-acl", "65534:b0b",
+            "--capacity",
+            "64MiB",
+            "--min-object-size",
+            "16KiB",
+            "--allow-uid",
+            "65534",
+            "--namespace-acl",
+            "65533:a11ce",
+            "--namespace-acl",
+            "65534:b0b",
         ],
     );
     {
@@ -337,17 +330,10 @@ fn another_tenants_keys_are_invisible_in_index_and_event_log() {
         })
     );
     assert_eq!(b.hits, 0, "B's scheduler found A's keys by lookup");
-    assert!(
-        b.events.iter().all(|(_, k)| !keys_a.contains(k)),
-        "B's event log lists A's keys ({} events)",
-        b.events.len()
-    );
+    assert!(b.events.iter().all(|(_, k)| !keys_a.contains(k)), "B's event log lists A's keys ({} events)", b.events.len());
     assert_eq!((b.snapshot.live, b.snapshot.inserts), (0, 0), "B's index shows A's entries: {:?}", b.snapshot);
     assert!(!b_memfds.is_empty(), "B was handed no index or event log of its own (it maps A's: {a_memfds:?})");
-    assert!(
-        b_memfds.iter().all(|(ino, _)| !a_memfds.iter().any(|(a, _)| a == ino)),
-        "B maps A's memfds"
-    );
+    assert!(b_memfds.iter().all(|(ino, _)| !a_memfds.iter().any(|(a, _)| a == ino)), "B maps A's memfds");
     assert!(
         b.store_statuses.iter().all(|s| *s == umbp_protocol::entries::BlockStatus::Stored),
         "B's store of A's keys must be Stored (its own objects), not AlreadyPresent: {:?}",

@@ -96,7 +96,13 @@ impl Held {
     /// Like [`Held::start`], with the pool's configuration changed by `tune`.
     fn start_with(tag: &str, tune: impl FnOnce(&mut PoolConfig)) -> Held {
         let socket = unique_socket(tag);
-        let mut cfg = PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, copy_threads: 1, copy_stage_bytes: PAGE, ..PoolConfig::default() };
+        let mut cfg = PoolConfig {
+            socket_path: socket.clone(),
+            capacity_bytes: 64 << 20,
+            copy_threads: 1,
+            copy_stage_bytes: PAGE,
+            ..PoolConfig::default()
+        };
         tune(&mut cfg);
         let pool = Pool::start(cfg).expect("pool starts");
         let (w, kv) = Self::attach(&socket);
@@ -313,7 +319,8 @@ fn a_load_waiting_on_an_ssd_promotion_is_cancellable() {
     }
     // Key 1000, stored first and never touched since, is the first demoted to SSD.
     let access = h._pool.cluster_access();
-    let on_ssd = eventually(Duration::from_secs(10), || h._pool.report().tiers.ssd >= 8 && access.dram_object(0, ObjectKey(1_000)).is_none());
+    let on_ssd =
+        eventually(Duration::from_secs(10), || h._pool.report().tiers.ssd >= 8 && access.dram_object(0, ObjectKey(1_000)).is_none());
     assert!(on_ssd, "objects never reached SSD: {:?}", h._pool.report().tiers);
     let pause = Released(umbp_pool::fault::pause_on_promotion_of(ObjectKey(1_000)));
     h.fill(0, 1);

@@ -153,7 +153,10 @@ fn a_peer_holding_the_join_cannot_write_any_object_in_the_pools_dram() {
     }
     let after = peek(pid, dram, dram_len);
     let landed = objects.iter().zip(&offsets).filter(|(o, &off)| after[off as usize..off as usize + o.len()] != o[..]).count();
-    println!("{} WRITEs into the pool's DRAM: {completed} completed, {refused} refused by NIXL, {pending} pending; {landed} landed", objects.len());
+    println!(
+        "{} WRITEs into the pool's DRAM: {completed} completed, {refused} refused by NIXL, {pending} pending; {landed} landed",
+        objects.len()
+    );
     // The pool's own worker loads every object byte for byte.
     let own = load(&pool, 0, OBJECTS);
     println!("the pool's own worker after the WRITEs: {own}");
@@ -184,7 +187,13 @@ fn a_full_export_area_refuses_pins_the_reader_misses_and_a_vanished_peers_slots_
     // Room for a few objects' copies only.
     let port = metrics::free_port();
     let m_addr = format!("127.0.0.1:{port}");
-    let pool_a = cluster_pool("xfa", &a, &[], &path, &["--cluster-export-bytes", "256KiB", "--cluster-pin-lease-margin-ms", "500", "--metrics-addr", &m_addr]);
+    let pool_a = cluster_pool(
+        "xfa",
+        &a,
+        &[],
+        &path,
+        &["--cluster-export-bytes", "256KiB", "--cluster-pin-lease-margin-ms", "500", "--metrics-addr", &m_addr],
+    );
     let pool_b = cluster_pool("xfb", &b, &[&a], &path, &[]);
     let r = store(&pool_a, 0, 32);
     assert_eq!(n(&r, "stored"), 32, "{r}");

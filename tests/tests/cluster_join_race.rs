@@ -32,8 +32,9 @@ const NS: u128 = 7;
 
 fn pool(tag: &str) -> (Pool, std::path::PathBuf) {
     let socket = unique_socket(tag);
-    let pool = Pool::start(PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, min_object_bytes: OBJECT, ..Default::default() })
-        .expect("pool starts");
+    let pool =
+        Pool::start(PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, min_object_bytes: OBJECT, ..Default::default() })
+            .expect("pool starts");
     (pool, socket)
 }
 

@@ -30,10 +30,26 @@ const LEASE_MARGIN_MS: u64 = 2000;
 fn pool(tag: &str, me: &str, secret: &std::path::Path, extra: &[&str]) -> PoolProcess {
     let (rt, margin) = (READ_TIMEOUT_MS.to_string(), LEASE_MARGIN_MS.to_string());
     let mut args = vec![
-        "--capacity", "8MiB", "--min-object-size", "16KiB", "--high-wm", "0.9", "--low-wm", "0.7",
-        "--cluster-listen", me, "--cluster-secret-file", secret.to_str().unwrap(),
-        "--cluster-heartbeat-ms", "200", "--cluster-dead-after-ms", "10000",
-        "--cluster-read-timeout-ms", &rt, "--cluster-pin-lease-margin-ms", &margin,
+        "--capacity",
+        "8MiB",
+        "--min-object-size",
+        "16KiB",
+        "--high-wm",
+        "0.9",
+        "--low-wm",
+        "0.7",
+        "--cluster-listen",
+        me,
+        "--cluster-secret-file",
+        secret.to_str().unwrap(),
+        "--cluster-heartbeat-ms",
+        "200",
+        "--cluster-dead-after-ms",
+        "10000",
+        "--cluster-read-timeout-ms",
+        &rt,
+        "--cluster-pin-lease-margin-ms",
+        &margin,
     ];
     args.extend_from_slice(extra);
     let p = PoolProcess::start(&unique_socket(tag), &args);
@@ -93,7 +109,10 @@ fn a_closed_subscribers_pinned_range_is_not_reused_before_its_lease_ends() {
         return;
     }
     assert!(nixl_read(&agent, &agent_name, base + offset, after), "the late READ");
-    assert!(before == after, "the pinned slot was reused within its lease ({churn:?} after the close): a late READ gets another object's bytes");
+    assert!(
+        before == after,
+        "the pinned slot was reused within its lease ({churn:?} after the close): a late READ gets another object's bytes"
+    );
     let c = pool.report().cluster.unwrap();
     assert_eq!(c.leased_pins, 1, "{c:?}");
     // Leases are bounded as one subscriber's pins: another closed subscriber's pin is
@@ -128,9 +147,7 @@ fn only_dram_key_changes_are_published_to_subscribers() {
     let mut m = Member::join(&a, SECRET);
     // Twice the DRAM: the older half is demoted to SSD (SSD-tier events in the log).
     let socket = pool.socket.clone();
-    let worker = std::thread::spawn(move || {
-        run_worker(&socket, 1, "per-layer", &["store", "--first-key", "0", "--count", "1024"])
-    });
+    let worker = std::thread::spawn(move || run_worker(&socket, 1, "per-layer", &["store", "--first-key", "0", "--count", "1024"]));
     let (mut dram, mut other, mut frames) = (0u64, 0u64, 0u64);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut settled_at: Option<Instant> = None;
@@ -139,7 +156,11 @@ fn only_dram_key_changes_are_published_to_subscribers() {
         if let Msg::Keys { changes, .. } = read_msg(&mut m.est.opener, MAX_FRAME).unwrap() {
             frames += 1;
             for c in changes {
-                if c.tier == 0 { dram += 1 } else { other += 1 }
+                if c.tier == 0 {
+                    dram += 1
+                } else {
+                    other += 1
+                }
             }
         }
         m.send(&Msg::Heartbeat);

@@ -119,7 +119,9 @@ fn a_nixl_write_into_the_export_area_is_caught_by_the_digest_and_never_published
             let raw = agent.raw();
             let mut done = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let req = raw.create_xfer_req(XferOp::Write, &local, &remote, &agent_name, Some(agent.opt_args())).expect("a WRITE into the export area is accepted");
+                let req = raw
+                    .create_xfer_req(XferOp::Write, &local, &remote, &agent_name, Some(agent.opt_args()))
+                    .expect("a WRITE into the export area is accepted");
                 raw.post_xfer_req(&req, Some(agent.opt_args())).unwrap();
                 let t = Instant::now();
                 while !matches!(raw.get_xfer_status(&req), Ok(XferStatus::Success)) && t.elapsed() < Duration::from_secs(5) {

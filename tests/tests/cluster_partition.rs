@@ -382,7 +382,9 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
         "the load of a partitioned holder's blocks took {remote_took:?} (read budget {READ_TIMEOUT_MS} ms)"
     );
     if local_done >= remote_done {
-        println!("skipped: B's local loads did not overlap the stuck remote load (machine too slow); their latency was not observed beside it");
+        println!(
+            "skipped: B's local loads did not overlap the stuck remote load (machine too slow); their latency was not observed beside it"
+        );
     }
     // The healthy link B-C still carries remote loads.
     let r = load(pb, 2000, 100);
@@ -509,7 +511,11 @@ fn a_healthy_holders_first_read_after_a_partition_completes() {
     let r = load(pc, 1000, 100);
     println!("C's load of B's blocks: {r}; promoted ahead in C: {}", pc.report().pool.promotions_ahead);
     assert_eq!(outcome(&r), (100, 0, 0), "C loads B's blocks while A is partitioned: {r}");
-    assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS, "C's load of B's blocks waited {} ms (budget {READ_TIMEOUT_MS} ms): {r}", n(&r, "max_wait_ms"));
+    assert!(
+        n(&r, "max_wait_ms") < READ_TIMEOUT_MS,
+        "C's load of B's blocks waited {} ms (budget {READ_TIMEOUT_MS} ms): {r}",
+        n(&r, "max_wait_ms")
+    );
 }
 
 /// Fixed bug (issue #17), the cause of the one above made certain: a member whose NIXL
@@ -542,7 +548,11 @@ fn a_member_whose_nixl_address_does_not_answer_stalls_no_other_read() {
         let r = load(p, first, 100);
         println!("{who}'s load of 100 blocks of a healthy member: {r} in {:?}", t.elapsed());
         assert_eq!(outcome(&r), (100, 0, 0), "{who} loads a healthy member's blocks beside an unanswering one: {r}");
-        assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS, "{who}'s load waited {} ms (budget {READ_TIMEOUT_MS} ms): {r}", n(&r, "max_wait_ms"));
+        assert!(
+            n(&r, "max_wait_ms") < READ_TIMEOUT_MS,
+            "{who}'s load waited {} ms (budget {READ_TIMEOUT_MS} ms): {r}",
+            n(&r, "max_wait_ms")
+        );
     }
     let r = load(pc, 50_000, 10);
     println!("C's load of A's blocks: {r}");

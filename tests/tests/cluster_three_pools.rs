@@ -167,7 +167,8 @@ fn three_pools_share_blocks_survive_a_stopped_peer_and_cap_remote_entries() {
 
     // 3. SIGCONT: pool 2 re-joins; its objects reappear in pools 1 and 3 and load.
     signal(&pool2, libc::SIGCONT);
-    let back = wait_until("pool 2's keys to reappear", Duration::from_secs(20), || listed(&mut idx1, &k3) == 100 && listed(&mut idx3, &k3) == 100);
+    let back =
+        wait_until("pool 2's keys to reappear", Duration::from_secs(20), || listed(&mut idx1, &k3) == 100 && listed(&mut idx3, &k3) == 100);
     println!("pool 2 re-joined: its keys reappeared {back:?} after SIGCONT");
     let r = load(&pool3, "strided", 2000, 100);
     assert_eq!((n(&r, "loaded"), n(&r, "corrupt"), n(&r, "missing")), (100, 0, 0), "{r}");

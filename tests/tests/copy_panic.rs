@@ -55,8 +55,14 @@ fn a_panicking_copy_fails_its_submission_and_the_pool_keeps_serving() {
 fn a_panic_settling_a_landed_stage_drains_the_transfer() {
     let socket = unique_socket("landing-panic");
     // Stages of one block; one copy thread (a killed thread would hang what follows).
-    let pool = Pool::start(PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, copy_threads: 1, copy_stage_bytes: PAGE, ..PoolConfig::default() })
-        .expect("pool starts");
+    let pool = Pool::start(PoolConfig {
+        socket_path: socket.clone(),
+        capacity_bytes: 64 << 20,
+        copy_threads: 1,
+        copy_stage_bytes: PAGE,
+        ..PoolConfig::default()
+    })
+    .expect("pool starts");
     let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&socket, 5), PAGE, BLOCKS);
     let job = |first: u128, n: u64| -> Vec<(ObjectKey, u64)> { (0..n).map(|i| (ObjectKey(first + i as u128), i)).collect() };
 

@@ -32,7 +32,8 @@ fn layouts_share_objects_and_namespaces_isolate() {
 /// also when stages mix new and already present blocks.
 #[test]
 fn staged_copies_keep_every_outcome() {
-    let pool = PoolProcess::start(&unique_socket("xstage"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--copy-stage-size", "32KiB"]);
+    let pool =
+        PoolProcess::start(&unique_socket("xstage"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--copy-stage-size", "32KiB"]);
     let s = &pool.socket;
     let a = run_worker(s, 1, "per-layer", &["store", "--first-key", "0", "--count", "200"]);
     assert_eq!((n(&a, "stored"), n(&a, "failed")), (200, 0), "{a}");
@@ -128,13 +129,25 @@ fn idle_poll_keeps_one_copy_thread_polling() {
     const BLOCKS: u64 = 32;
     let pool = PoolProcess::start(
         &unique_socket("xpoll1"),
-        &["--capacity", "256MiB", "--min-object-size", "1MiB", "--copy-threads", "4", "--copy-threads-per-peer", "4", "--idle-poll-us", "1000000"],
+        &[
+            "--capacity",
+            "256MiB",
+            "--min-object-size",
+            "1MiB",
+            "--copy-threads",
+            "4",
+            "--copy-threads-per-peer",
+            "4",
+            "--idle-poll-us",
+            "1000000",
+        ],
     );
     let (mut w, _kv) = worker_on_memfd(WorkerConfig::new(&pool.socket, 7), PAGE, BLOCKS);
     for round in 0..3u128 {
         let ids: Vec<_> = (0..4u128)
             .map(|j| {
-                let batch: Vec<(ObjectKey, u64)> = (0..8u128).map(|i| (ObjectKey(0x0c0f_0000 + round * 64 + j * 8 + i), (j * 8 + i) as u64)).collect();
+                let batch: Vec<(ObjectKey, u64)> =
+                    (0..8u128).map(|i| (ObjectKey(0x0c0f_0000 + round * 64 + j * 8 + i), (j * 8 + i) as u64)).collect();
                 w.store(0, &batch).unwrap()
             })
             .collect();
@@ -231,7 +244,10 @@ fn idle_poll_auto_polls_through_short_gaps_only() {
                 break;
             }
             if auto_late + fixed_late > TRANSFERS / 4 {
-                println!("{what}, attempt {attempt}: inconclusive, this machine stretched {} of the 300 µs gaps past 1 ms", auto_late + fixed_late);
+                println!(
+                    "{what}, attempt {attempt}: inconclusive, this machine stretched {} of the 300 µs gaps past 1 ms",
+                    auto_late + fixed_late
+                );
                 continue;
             }
             compared = true;

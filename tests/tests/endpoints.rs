@@ -61,7 +61,11 @@ fn seed_unix_address_from_the_environment() {
     let listening = eventually(Duration::from_secs(20), || std::os::unix::net::UnixStream::connect(&socket).is_ok());
     let stray = listing(cwd.path());
     let exited = pool.0.try_wait().ok().flatten();
-    assert!(listening, "umbp-pool with UMBP_STANDALONE_ADDRESS={address} does not listen at {} (exit: {exited:?}; its working directory holds {stray:?})", socket.display());
+    assert!(
+        listening,
+        "umbp-pool with UMBP_STANDALONE_ADDRESS={address} does not listen at {} (exit: {exited:?}; its working directory holds {stray:?})",
+        socket.display()
+    );
     assert!(stray.is_empty(), "umbp-pool created {stray:?} under its working directory");
 
     // The Rust worker, given the unix:// form, attaches and its memory registers.
@@ -117,7 +121,10 @@ fn tcp_address_refused_everywhere_with_one_message() {
         }
         let (out, err) = output(&mut cmd);
         assert!(!out.status.success(), "umbp-pool accepted {TCP}");
-        assert!(err.contains("UMBP_STANDALONE_ADDRESS") && err.contains(&format!("'{TCP}' is a tcp address; {ONLY_UNIX}")), "umbp-pool: {err}");
+        assert!(
+            err.contains("UMBP_STANDALONE_ADDRESS") && err.contains(&format!("'{TCP}' is a tcp address; {ONLY_UNIX}")),
+            "umbp-pool: {err}"
+        );
     }
     assert!(listing(cwd.path()).is_empty(), "umbp-pool created {:?}", listing(cwd.path()));
 

@@ -152,9 +152,7 @@ fn workers_killed_mid_transfer_leak_nothing() {
     }
     let settled = eventually(Duration::from_secs(10), || {
         let r = pool.report();
-        workers(&r) == 0
-            && r.pool.objects == r.pool.published_objects
-            && r.pool.pinned_objects == 0
+        workers(&r) == 0 && r.pool.objects == r.pool.published_objects && r.pool.pinned_objects == 0
     });
     let r = pool.report();
     assert!(settled, "unpublished or pinned objects left behind: {}", r.pool);
@@ -170,10 +168,7 @@ fn workers_killed_mid_transfer_leak_nothing() {
 
 #[test]
 fn scheduler_hits_are_leased_against_eviction() {
-    let pool = PoolProcess::start(
-        &unique_socket("lease"),
-        &["--capacity", "64MiB", "--min-object-size", "16KiB", "--lease-ms", "60000"],
-    );
+    let pool = PoolProcess::start(&unique_socket("lease"), &["--capacity", "64MiB", "--min-object-size", "16KiB", "--lease-ms", "60000"]);
     let s = &pool.socket;
     let r = run_worker(s, 1, "per-layer", &["store", "--first-key", "0", "--count", "64"]);
     assert_eq!(n(&r, "stored"), 64);

@@ -14,7 +14,8 @@ fn flood_vs_latency(tag: &str, pool_args: &[&str]) -> (serde_json::Value, serde_
     let mut args = vec!["--min-object-size", "16KiB"];
     args.extend_from_slice(pool_args);
     let pool = PoolProcess::start(&unique_socket(tag), &args);
-    let flood_args = ["--layers", "4", "--page", "262144", "--blocks", "64", "flood-loads", "--first-key", "0", "--seconds", "8", "--depth", "64"];
+    let flood_args =
+        ["--layers", "4", "--page", "262144", "--blocks", "64", "flood-loads", "--first-key", "0", "--seconds", "8", "--depth", "64"];
     let flooder = RunningWorker::start(&pool.socket, 5, &flood_args, "flooding");
     std::thread::sleep(std::time::Duration::from_millis(500));
     let lat = run_worker(&pool.socket, 6, "per-layer", &["latency", "--first-key", "1000000", "--seconds", "4"]);

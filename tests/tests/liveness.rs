@@ -40,7 +40,8 @@ fn killed_pool_lookups_miss_once_it_is_reaped() {
     loop {
         let start = Instant::now();
         calls.push((start, idx.match_prefix(&keys)));
-        if killed.get().is_some_and(|k| start.saturating_duration_since(*k) > Duration::from_millis(50)) || calls.len() == calls.capacity() {
+        if killed.get().is_some_and(|k| start.saturating_duration_since(*k) > Duration::from_millis(50)) || calls.len() == calls.capacity()
+        {
             break;
         }
     }

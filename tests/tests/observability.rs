@@ -52,7 +52,6 @@ fn ringtool(args: &[&str]) -> (bool, String, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into_owned(), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-
 #[test]
 fn ringtool_and_metrics_match_known_traffic() {
     let port = free_port();

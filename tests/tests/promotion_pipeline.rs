@@ -186,7 +186,10 @@ fn a_failed_fetch_in_a_later_stage_misses_only_those_blocks() {
     for (i, s) in st.iter().enumerate() {
         if bad.contains(&(i as u64)) {
             assert_eq!(*s, BlockStatus::Missing, "block {i}: its fetch failed: {st:?}");
-            assert!(p.mem[(i as u64 * OBJECT) as usize..((i as u64 + 1) * OBJECT) as usize].iter().all(|b| *b == 0), "block {i} was written");
+            assert!(
+                p.mem[(i as u64 * OBJECT) as usize..((i as u64 + 1) * OBJECT) as usize].iter().all(|b| *b == 0),
+                "block {i} was written"
+            );
         } else {
             assert_eq!(*s, BlockStatus::Loaded, "block {i}: {st:?}");
         }
@@ -259,7 +262,10 @@ fn a_load_cancelled_mid_pipeline_leaves_no_dram_pinned_or_promoting() {
     p.assert_settled();
     let r = p.pool.report();
     assert!(r.ssd.as_ref().unwrap().promotions > baseline.ssd.as_ref().unwrap().promotions);
-    println!("DRAM allocated {} -> {} bytes ({} -> {} DRAM objects)", baseline.pool.allocated_bytes, r.pool.allocated_bytes, baseline.tiers.dram, r.tiers.dram);
+    println!(
+        "DRAM allocated {} -> {} bytes ({} -> {} DRAM objects)",
+        baseline.pool.allocated_bytes, r.pool.allocated_bytes, baseline.tiers.dram, r.tiers.dram
+    );
     // And the pool keeps serving those keys.
     let st = p.load(0, REQ);
     assert_eq!(count(&st, BlockStatus::Loaded), REQ as usize, "{st:?}");
@@ -275,7 +281,9 @@ fn remote_loads_in_many_stages_are_byte_exact_with_look_ahead() {
     let secret = cluster::secret_file(dir.path(), b"pipelined-promotion-secret-0123456789");
     let (a1, a2) = (cluster::loopback_addr(), cluster::loopback_addr());
     let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: 3000, read_timeout_ms: 5000 };
-    let args = |me: &str, peer: &str| cluster::pool_args(me, &[peer], &secret, timing, &["--copy-stage-size", "16KiB", "--promotion-ahead", "128MiB"]);
+    let args = |me: &str, peer: &str| {
+        cluster::pool_args(me, &[peer], &secret, timing, &["--copy-stage-size", "16KiB", "--promotion-ahead", "128MiB"])
+    };
     let (args1, args2) = (args(&a1, &a2), args(&a2, &a1));
     let pool1 = PoolProcess::start(&unique_socket("pipe-clu1"), &args1.iter().map(String::as_str).collect::<Vec<_>>());
     let pool2 = PoolProcess::start(&unique_socket("pipe-clu2"), &args2.iter().map(String::as_str).collect::<Vec<_>>());

@@ -54,9 +54,15 @@ fn chaos_soak_short() {
     assert_eq!(case("corrupted_bytes")["value"], 0.0);
     assert!(case("corrupted_bytes")["verified_blocks"].as_u64().unwrap() > 100, "loads were verified");
     assert_eq!(case("corrupted_bytes")["injected_flips"], 0);
-    assert!(case("corrupted_bytes")["cancelled_transfers"].as_u64().unwrap() > 0, "no transfer was cancelled: the cancel path went untested");
+    assert!(
+        case("corrupted_bytes")["cancelled_transfers"].as_u64().unwrap() > 0,
+        "no transfer was cancelled: the cancel path went untested"
+    );
     assert!(case("corrupted_bytes")["worker_disconnects"].as_u64().unwrap() > 0, "no worker dropped a live pool: that path went untested");
-    assert!(case("corrupted_bytes")["started_load_waits"].as_u64().unwrap() > 0, "no worker waited on a started load: that path went untested");
+    assert!(
+        case("corrupted_bytes")["started_load_waits"].as_u64().unwrap() > 0,
+        "no worker waited on a started load: that path went untested"
+    );
     assert!(case("corrupted_bytes")["ssd_promotions"].as_u64().unwrap() > 0, "no load promoted from SSD: that path went untested");
     assert_eq!(case("leaked_bytes")["value"], 0.0);
     assert_eq!(case("leaked_bytes")["leaked_fds"], 0);

@@ -24,7 +24,20 @@ fn disk_full_demotions_are_misses_and_dram_keeps_serving() {
     set_fsize(10 << 20);
     let pool = PoolProcess::start(
         &unique_socket("ssd-full"),
-        &["--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "16MiB", "--ssd-admission", "all"],
+        &[
+            "--capacity",
+            "8MiB",
+            "--min-object-size",
+            "16KiB",
+            "--ssd-dir",
+            d,
+            "--ssd-capacity",
+            "256MiB",
+            "--ssd-segment-size",
+            "16MiB",
+            "--ssd-admission",
+            "all",
+        ],
     );
     set_fsize(libc::RLIM_INFINITY);
     let count = 6 * DRAM / OBJECT;

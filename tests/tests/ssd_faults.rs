@@ -94,7 +94,20 @@ fn kill_during_demotion_then_restart() {
     let d = dir.path().to_str().unwrap();
     let pool = PoolProcess::start(
         &socket,
-        &["--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB", "--ssd-admission", "all"],
+        &[
+            "--capacity",
+            "8MiB",
+            "--min-object-size",
+            "16KiB",
+            "--ssd-dir",
+            d,
+            "--ssd-capacity",
+            "256MiB",
+            "--ssd-segment-size",
+            "4MiB",
+            "--ssd-admission",
+            "all",
+        ],
     );
     let ssd = pool.report().ssd.unwrap();
     println!("after the kill: restored {}, torn records skipped {}", ssd.restored_objects, ssd.torn_records_skipped);

@@ -66,10 +66,7 @@ impl TestWorker {
         let batch: Vec<(ObjectKey, u64)> = keys.iter().enumerate().map(|(i, k)| (ObjectKey(*k), BATCH + i as u64)).collect();
         let id = self.w.load(0, &batch).expect("load");
         let st = self.w.wait(id, Duration::from_secs(30)).expect("completion").statuses;
-        keys.iter()
-            .enumerate()
-            .filter(|(i, k)| st[*i] == BlockStatus::Loaded && verify_pattern(**k, self.block(BATCH + *i as u64)))
-            .count()
+        keys.iter().enumerate().filter(|(i, k)| st[*i] == BlockStatus::Loaded && verify_pattern(**k, self.block(BATCH + *i as u64))).count()
     }
 }
 
@@ -103,8 +100,20 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     let mut pool = PoolProcess::start(
         &unique_socket("ssdobs"),
         &[
-            "--capacity", "4MiB", "--min-object-size", "16KiB", "--metrics-addr", &addr, "--ssd-dir", &dir,
-            "--ssd-capacity", "64MiB", "--ssd-segment-size", "4MiB", "--ssd-admission", "all",
+            "--capacity",
+            "4MiB",
+            "--min-object-size",
+            "16KiB",
+            "--metrics-addr",
+            &addr,
+            "--ssd-dir",
+            &dir,
+            "--ssd-capacity",
+            "64MiB",
+            "--ssd-segment-size",
+            "4MiB",
+            "--ssd-admission",
+            "all",
         ],
     );
     let sock = pool.socket.to_str().unwrap().to_string();

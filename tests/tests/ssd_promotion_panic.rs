@@ -64,7 +64,11 @@ fn a_panic_during_promotion_ends_it_as_failed() {
     let t = Instant::now();
     let l = worker(&socket, &["load", "--first-key", &k, "--count", "1"]);
     assert_eq!((n(&l, "missing"), n(&l, "loaded")), (1, 0), "the failed promotion dropped the object: {l}");
-    assert!(t.elapsed() < Duration::from_millis(1500), "a load of it answered at once, not after waiting for a promotion: {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "a load of it answered at once, not after waiting for a promotion: {:?}",
+        t.elapsed()
+    );
     let s = worker(&socket, &["store", "--first-key", &k, "--count", "1"]);
     assert_eq!(n(&s, "stored") + n(&s, "not_stored"), 1, "the key can be stored again (not stuck in the index): {s}");
     if n(&s, "stored") == 1 {

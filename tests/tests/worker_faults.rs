@@ -67,7 +67,13 @@ struct Held {
 impl Held {
     fn start(tag: &str) -> Held {
         let socket = unique_socket(tag);
-        let cfg = PoolConfig { socket_path: socket.clone(), capacity_bytes: 64 << 20, copy_threads: 1, copy_stage_bytes: PAGE, ..PoolConfig::default() };
+        let cfg = PoolConfig {
+            socket_path: socket.clone(),
+            capacity_bytes: 64 << 20,
+            copy_threads: 1,
+            copy_stage_bytes: PAGE,
+            ..PoolConfig::default()
+        };
         let pool = Pool::start(cfg).expect("pool starts");
         let (w, kv) = worker_on_memfd(Self::config(&socket), PAGE, BLOCKS);
         Held { pool, socket, w: Some(w), kv }

@@ -67,7 +67,10 @@ impl ArenaAllocator {
     /// to two submissions.
     pub fn free(&mut self, off: u64, size: u64) {
         assert!(
-            off.is_multiple_of(ARENA_ALIGN) && size.is_multiple_of(ARENA_ALIGN) && size > 0 && off.checked_add(size).is_some_and(|e| e <= self.len),
+            off.is_multiple_of(ARENA_ALIGN)
+                && size.is_multiple_of(ARENA_ALIGN)
+                && size > 0
+                && off.checked_add(size).is_some_and(|e| e <= self.len),
             "arena free of {off}+{size} outside an arena of {} bytes",
             self.len
         );

@@ -18,8 +18,8 @@ use umbp_protocol::ring::{Consumer, Producer, Ring};
 use umbp_protocol::wire::{decode, LayoutHeader, MemoryRegistration, MessageKind, Reply, ReplyStatus};
 
 use crate::arena_alloc::ArenaAllocator;
-use umbp_ipc::dial::Attached;
 use crate::WorkerError;
+use umbp_ipc::dial::Attached;
 
 pub(crate) struct Connection {
     pub sq: Producer<'static, Sqe>,
@@ -98,13 +98,7 @@ impl Connection {
     }
 
     /// One control request and its `Reply`; returns the reply's value.
-    pub fn control(
-        &mut self,
-        kind: MessageKind,
-        payload: &[u8],
-        fds: &[BorrowedFd<'_>],
-        timeout: Duration,
-    ) -> Result<u64, WorkerError> {
+    pub fn control(&mut self, kind: MessageKind, payload: &[u8], fds: &[BorrowedFd<'_>], timeout: Duration) -> Result<u64, WorkerError> {
         let stalled = || WorkerError::Stalled { oldest_ms: timeout.as_millis() as u64 };
         while self.owed_replies > 0 {
             match recv_message(&self.sock, Some(timeout)) {
@@ -134,12 +128,7 @@ impl Connection {
     }
 
     /// Registers one allocation; returns the pool's id for it on this attachment.
-    pub fn register_memory(
-        &mut self,
-        reg: &MemoryRegistration,
-        fd: Option<BorrowedFd<'_>>,
-        timeout: Duration,
-    ) -> Result<u32, WorkerError> {
+    pub fn register_memory(&mut self, reg: &MemoryRegistration, fd: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<u32, WorkerError> {
         let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
         if reg.kind == umbp_protocol::wire::MemoryKind::HostProcess as u32 {
             // Under Yama, let exactly this pool (its verified pid) open our memory; done on

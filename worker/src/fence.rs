@@ -33,9 +33,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use std::os::fd::{AsFd, OwnedFd};
 use umbp_gpu::cuda::HostWords;
 use umbp_gpu::fence::{self as gf, FenceWord, SLOT_BYTES};
-use std::os::fd::{AsFd, OwnedFd};
 
 use umbp_ipc::message::peer_gone;
 use umbp_ipc::peer::pidfd_exited;
@@ -161,9 +161,7 @@ fn watchdog(page: Arc<Page>) {
         // Only the pool's death ends its copies: a closed socket of a live pool process (it
         // hung up on this attachment) may still have copies landing in the blocks. Without
         // a pidfd (the pool in another pid namespace) the closed socket is all there is.
-        let dead = |s: &UnixStream, pidfd: &Option<OwnedFd>| {
-            peer_gone(s) && pidfd.as_ref().is_none_or(|p| pidfd_exited(p.as_fd()))
-        };
+        let dead = |s: &UnixStream, pidfd: &Option<OwnedFd>| peer_gone(s) && pidfd.as_ref().is_none_or(|p| pidfd_exited(p.as_fd()));
         if w.sock.as_ref().is_some_and(|(_, s, p)| dead(s, p)) {
             tracing::warn!(loads = w.loads.len(), "UMBP pool gone: releasing GPU streams waiting for loads");
             page.release_loads(&mut w);
@@ -186,12 +184,7 @@ impl Worker {
     /// Needs CUDA in this process; the first call sets up the fence page (one control
     /// round trip). If the stream write cannot be enqueued, the store is aborted (it
     /// completes as failed) and this returns the error.
-    pub fn store_after_stream(
-        &mut self,
-        group: u16,
-        blocks: &[(ObjectKey, u64)],
-        stream: u64,
-    ) -> Result<TransferId, WorkerError> {
+    pub fn store_after_stream(&mut self, group: u16, blocks: &[(ObjectKey, u64)], stream: u64) -> Result<TransferId, WorkerError> {
         let (id, slot) = self.submit_with_fence(Opcode::Store, group, blocks, stream)?;
         let Some(slot) = slot else { return Ok(id) };
         let f = self.fences.as_mut().expect("set up by fence_slot");
@@ -219,12 +212,7 @@ impl Worker {
     ///
     /// If the wait cannot be enqueued, the load still runs; this returns an error naming
     /// its transfer id, and the caller must wait for its completion on the CPU.
-    pub fn load_before_stream(
-        &mut self,
-        group: u16,
-        blocks: &[(ObjectKey, u64)],
-        stream: u64,
-    ) -> Result<TransferId, WorkerError> {
+    pub fn load_before_stream(&mut self, group: u16, blocks: &[(ObjectKey, u64)], stream: u64) -> Result<TransferId, WorkerError> {
         let (id, slot) = self.submit_with_fence(Opcode::Load, group, blocks, stream)?;
         let Some(slot) = slot else { return Ok(id) };
         let sock = self.attachment_socket().and_then(|(att, s, p)| s.try_clone().ok().map(|s| (att, s, p)));
@@ -308,25 +296,17 @@ impl Worker {
 
     fn setup_fences(&mut self, stream: u64) -> Result<Fences, WorkerError> {
         let len = SLOTS as usize * SLOT_BYTES as usize;
-        let mem = SharedMemory::create("umbp-fences", len, false)
-            .map_err(|source| WorkerError::Shm { what: "fence page", source })?;
+        let mem = SharedMemory::create("umbp-fences", len, false).map_err(|source| WorkerError::Shm { what: "fence page", source })?;
         // SAFETY: the mapping lives in `Page` next to the registration, which is dropped
         // first; `stream` is the caller's live stream (or 0).
         let gpu = unsafe { HostWords::register(mem.as_ptr(), len, stream as umbp_gpu::cuda::sys::CUstream) }
             .map_err(|e| gpu_err("stream-ordered transfers need CUDA in this process", e))?;
         let fd = mem.fd().try_clone_to_owned().map_err(WorkerError::Io)?;
         let alloc_id = self.register_memfd(fd, 0, len as u64)?;
-        let page = Arc::new(Page {
-            gpu,
-            mem,
-            watch: Mutex::new(Watch { loads: Vec::new(), sock: None, stop: false }),
-            wake: Condvar::new(),
-        });
+        let page =
+            Arc::new(Page { gpu, mem, watch: Mutex::new(Watch { loads: Vec::new(), sock: None, stop: false }), wake: Condvar::new() });
         let p2 = page.clone();
-        let watchdog = std::thread::Builder::new()
-            .name("umbp-fence-watch".into())
-            .spawn(move || watchdog(p2))
-            .map_err(WorkerError::Io)?;
+        let watchdog = std::thread::Builder::new().name("umbp-fence-watch".into()).spawn(move || watchdog(p2)).map_err(WorkerError::Io)?;
         tracing::debug!(alloc_id, slots = SLOTS, "UMBP fence page ready");
         Ok(Fences {
             page,
@@ -347,4 +327,3 @@ impl Fences {
         self.used = true;
     }
 }
-

@@ -8,17 +8,17 @@ use std::time::{Duration, Instant};
 use umbp_ipc::message::peer_gone;
 use umbp_protocol::attachment::MAX_ARENA_BYTES;
 use umbp_protocol::entries::{BlockRef, BlockStatus, Cqe, CqeError, Opcode, Sqe, MAX_BLOCKS_PER_SQE, SQE_CANCELLABLE};
-use umbp_protocol::transfer_state::{Abandoned, TransferState, STATE_BYTES};
 use umbp_protocol::layout::Segment;
 use umbp_protocol::ring::MAX_RING_CAPACITY;
+use umbp_protocol::transfer_state::{Abandoned, TransferState, STATE_BYTES};
 use umbp_protocol::wire::{Hello, MemoryRegistration, MessageKind, Role, MAX_SEGMENTS};
 use umbp_protocol::{ObjectKey, ProtocolError};
 
 use crate::arena_alloc::submission_bytes;
-use umbp_ipc::backoff::Backoff;
 use crate::connection::Connection;
-use umbp_ipc::dial::{Attached, Dial, DialError};
 use crate::WorkerError;
+use umbp_ipc::backoff::Backoff;
+use umbp_ipc::dial::{Attached, Dial, DialError};
 
 /// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS` (a path or
 /// `unix://` address, parsed by [`umbp_ipc::endpoint::parse_endpoint`]), else
@@ -251,8 +251,8 @@ impl Worker {
     pub fn connect(mut cfg: WorkerConfig) -> Result<Worker, WorkerError> {
         cfg.validate()?;
         // `unix:///path` as the seed writes it; another scheme is refused here, by name.
-        cfg.endpoint = umbp_ipc::endpoint::parse_endpoint("endpoint", cfg.endpoint.as_os_str())
-            .map_err(|e| WorkerError::Invalid(e.to_string()))?;
+        cfg.endpoint =
+            umbp_ipc::endpoint::parse_endpoint("endpoint", cfg.endpoint.as_os_str()).map_err(|e| WorkerError::Invalid(e.to_string()))?;
         let start = Instant::now();
         let deadline = start + cfg.startup_timeout;
         let hello = cfg.hello();
@@ -358,10 +358,7 @@ impl Worker {
     /// object. Replayed after every reconnect.
     pub fn register_layout(&mut self, group: u16, segments: Vec<Segment>) -> Result<u64, WorkerError> {
         if segments.is_empty() || segments.len() > MAX_SEGMENTS as usize {
-            return Err(WorkerError::Invalid(format!(
-                "a layout needs 1..={MAX_SEGMENTS} segments, got {}",
-                segments.len()
-            )));
+            return Err(WorkerError::Invalid(format!("a layout needs 1..={MAX_SEGMENTS} segments, got {}", segments.len())));
         }
         if let Some(s) = segments.iter().find(|s| !self.memory.iter().any(|m| m.id == s.alloc_id)) {
             return Err(WorkerError::Invalid(format!("segment names alloc id {}, never registered", s.alloc_id)));
@@ -576,10 +573,7 @@ impl Worker {
         fence: Option<(u32, u32)>,
     ) -> Result<TransferId, WorkerError> {
         if blocks.len() > MAX_BLOCKS_PER_SQE as usize {
-            return Err(WorkerError::Invalid(format!(
-                "{} blocks in one transfer; at most {MAX_BLOCKS_PER_SQE}",
-                blocks.len()
-            )));
+            return Err(WorkerError::Invalid(format!("{} blocks in one transfer; at most {MAX_BLOCKS_PER_SQE}", blocks.len())));
         }
         if !self.layouts.contains_key(&group) {
             return Err(WorkerError::Invalid(format!("cache group {group} has no registered layout")));
@@ -836,7 +830,9 @@ impl Worker {
                 self.dial = None;
                 let delay = self.backoff.failed(Instant::now());
                 match e {
-                    DialError::Refused(_) => tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP pool refused the reconnect"),
+                    DialError::Refused(_) => {
+                        tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP pool refused the reconnect")
+                    }
                     _ => tracing::debug!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP reconnect failed"),
                 }
                 return;
@@ -1045,10 +1041,7 @@ mod tests {
 
     #[test]
     fn unreachable_names_the_path() {
-        let cfg = WorkerConfig {
-            startup_timeout: Duration::from_millis(120),
-            ..WorkerConfig::new("/nonexistent/umbp-test/pool.sock", 1)
-        };
+        let cfg = WorkerConfig { startup_timeout: Duration::from_millis(120), ..WorkerConfig::new("/nonexistent/umbp-test/pool.sock", 1) };
         let t = Instant::now();
         let err = Worker::connect(cfg).err().expect("no pool there");
         assert!(t.elapsed() >= Duration::from_millis(120), "retried until the startup timeout");

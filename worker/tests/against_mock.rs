@@ -148,10 +148,7 @@ fn unexportable_memory_keeps_the_gpu_error_as_its_source() {
     let fd: OwnedFd = plain.into_file().into();
     // SAFETY: the memfd is never mapped or written by this test.
     let err = unsafe { w.register_memory(MemorySpec::HostMemfd { fd, offset: 0, len: 4096 }) }.unwrap_err();
-    assert!(
-        matches!(&err, WorkerError::Gpu { source: umbp_gpu::GpuError::NotSealed { .. }, .. }),
-        "{err}"
-    );
+    assert!(matches!(&err, WorkerError::Gpu { source: umbp_gpu::GpuError::NotSealed { .. }, .. }), "{err}");
     assert!(std::error::Error::source(&err).is_some_and(|s| s.is::<umbp_gpu::GpuError>()), "{err}");
     assert!(w.is_connected(), "a local refusal keeps the attachment");
 }
@@ -301,7 +298,10 @@ fn wait_polls_then_sleeps_and_keeps_its_timeout() {
             let t = Instant::now();
             assert!(w.wait(id, timeout).is_none(), "wait_poll {poll:?}: stalled transfer completed");
             let took = t.elapsed();
-            assert!(took >= timeout && took < timeout + Duration::from_millis(200), "wait_poll {poll:?}, timeout {timeout:?}: took {took:?}");
+            assert!(
+                took >= timeout && took < timeout + Duration::from_millis(200),
+                "wait_poll {poll:?}, timeout {timeout:?}: took {took:?}"
+            );
         }
         pool.stall(false);
         assert!(w.wait(id, Duration::from_secs(5)).expect("completion after the stall").all_ok(), "wait_poll {poll:?}");

@@ -133,22 +133,10 @@ fn parse_bytes(s: &str) -> Result<u64, String> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
-        Cmd::Ring {
-            iterations,
-            warmup,
-            json,
-        } => bench::ring::run(&RingArgs {
-            iterations: iterations.max(1),
-            warmup,
-        })
-        .map(|c| bench::report::print(&c, json)),
-        Cmd::Index {
-            entries,
-            keys,
-            iterations,
-            min_object_bytes,
-            json,
-        } => bench::index::run(&IndexArgs {
+        Cmd::Ring { iterations, warmup, json } => {
+            bench::ring::run(&RingArgs { iterations: iterations.max(1), warmup }).map(|c| bench::report::print(&c, json))
+        }
+        Cmd::Index { entries, keys, iterations, min_object_bytes, json } => bench::index::run(&IndexArgs {
             entries: entries.max(1),
             keys: keys.max(1),
             iterations: iterations.max(1),
@@ -156,8 +144,7 @@ fn main() -> ExitCode {
         })
         .map(|c| bench::report::print(&c, json)),
         Cmd::Lookup { iterations, blocks, json } => {
-            bench::lookup::run(&bench::lookup::LookupArgs { iterations: iterations.max(1), blocks })
-                .map(|c| bench::report::print(&c, json))
+            bench::lookup::run(&bench::lookup::LookupArgs { iterations: iterations.max(1), blocks }).map(|c| bench::report::print(&c, json))
         }
         Cmd::Ssd { dir, bytes, object_size, batch, rebuild_objects, admission_dram, json } => {
             bench::ssd::run(&bench::ssd::SsdArgs { dir, bytes, object_bytes: object_size.max(1), batch, rebuild_objects, admission_dram })
@@ -172,11 +159,7 @@ fn main() -> ExitCode {
         Cmd::Soak(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakWorker(s) => s.run().map_err(std::io::Error::other),
         Cmd::SoakPool(s) => s.run().map_err(std::io::Error::other),
-        Cmd::RingPeer {
-            fd,
-            sock_fd,
-            rounds,
-        } => bench::ring::peer(fd, sock_fd, rounds),
+        Cmd::RingPeer { fd, sock_fd, rounds } => bench::ring::peer(fd, sock_fd, rounds),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

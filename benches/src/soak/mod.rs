@@ -36,7 +36,7 @@ use umbp_integration_tests::eventually;
 use umbp_pool::PoolReport;
 use umbp_worker::ObjectKey;
 
-use self::pool::{kind_diff, log_tail, describe, settled_fds, worker_attachments, PoolCmd, PoolProc, SIGCONT, SIGSTOP};
+use self::pool::{describe, kind_diff, log_tail, settled_fds, worker_attachments, PoolCmd, PoolProc, SIGCONT, SIGSTOP};
 use self::procs::{Totals, WorkerProc};
 use self::worker::SoakCommand;
 use super::report::{Better, Case};
@@ -82,7 +82,6 @@ pub struct SoakCli {
     pub json: bool,
 }
 
-
 const NS: u128 = 0x736f_616b;
 /// Layout of every worker: LAYERS segments of BLOCKS pages.
 const LAYERS: u64 = 4;
@@ -113,7 +112,6 @@ fn key_of(k: u64) -> ObjectKey {
     ObjectKey::derive(NS, 0, 0, &k.to_le_bytes())
 }
 
-
 struct Soak {
     cli: SoakCli,
     pool: PoolProc,
@@ -137,7 +135,8 @@ impl Soak {
     /// Records a pool process that ended on its own.
     fn pool_crashed(&mut self, when: &str, st: &std::process::ExitStatus) {
         self.pool_crashes += 1;
-        let msg = format!("{when}: umbp-pool crashed or exited on its own ({}); its log ends: {}", describe(st), log_tail(&self.pool.log, 5));
+        let msg =
+            format!("{when}: umbp-pool crashed or exited on its own ({}); its log ends: {}", describe(st), log_tail(&self.pool.log, 5));
         eprintln!("soak: {msg}");
         self.failures.push(msg);
     }
@@ -175,10 +174,12 @@ impl Soak {
         for w in &mut self.workers {
             w.send(SoakCommand::Pause);
         }
-        let ok = eventually(Duration::from_secs(30), || {
-            self.workers.iter().zip(&before).all(|(w, b)| w.state.lock().unwrap().paused > *b)
-        });
-        if ok { Ok(()) } else { Err("a worker did not drain its transfers within 30 s of pause".into()) }
+        let ok = eventually(Duration::from_secs(30), || self.workers.iter().zip(&before).all(|(w, b)| w.state.lock().unwrap().paused > *b));
+        if ok {
+            Ok(())
+        } else {
+            Err("a worker did not drain its transfers within 30 s of pause".into())
+        }
     }
 
     fn resume_all(&mut self) {
@@ -252,7 +253,9 @@ impl SoakCli {
     pub fn run(self) -> Result<(), String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let (bin, pre_args) = match (self.inject_corruption, &self.pool_bin) {
-            (Some(_), Some(_)) => return Err("--inject-corruption runs its own test pool (this binary): it cannot be combined with --pool-bin".into()),
+            (Some(_), Some(_)) => {
+                return Err("--inject-corruption runs its own test pool (this binary): it cannot be combined with --pool-bin".into())
+            }
             (Some(_), None) if !self.pool_args.trim().is_empty() => {
                 return Err("--inject-corruption runs its own test pool, which takes no --pool-args".into())
             }
@@ -326,7 +329,8 @@ impl SoakCli {
 
         let bar = if self.json { indicatif::ProgressBar::hidden() } else { indicatif::ProgressBar::new(self.seconds) };
         bar.set_style(
-            indicatif::ProgressStyle::with_template("soak [{bar:30}] {pos}/{len} s {msg}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            indicatif::ProgressStyle::with_template("soak [{bar:30}] {pos}/{len} s {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         let mut rng = splitmix(self.seed ^ 0x50a4);
         let mut rand = move |n: u64| {
@@ -363,7 +367,9 @@ impl SoakCli {
                     std::thread::sleep(Duration::from_millis(rand(300)));
                     match s.pool.restart()? {
                         // It had ended on its own before our SIGKILL: a crash, not a fault.
-                        Some(st) => s.pool_crashed(&format!("chaos phase, {:.1} s in (before a restart)", start.elapsed().as_secs_f64()), &st),
+                        Some(st) => {
+                            s.pool_crashed(&format!("chaos phase, {:.1} s in (before a restart)", start.elapsed().as_secs_f64()), &st)
+                        }
                         None => restarts += 1,
                     }
                 }
@@ -376,8 +382,7 @@ impl SoakCli {
 
         // All workers must come back (the last fault may have been a pool restart).
         let reattached = eventually(Duration::from_secs(30), || {
-            s.pool.report().is_ok_and(|r| worker_attachments(&r) == n)
-                && s.workers.iter().all(|w| w.last()["connected"] == true)
+            s.pool.report().is_ok_and(|r| worker_attachments(&r) == n) && s.workers.iter().all(|w| w.last()["connected"] == true)
         });
         if !reattached {
             s.failures.push("not every worker re-attached within 30 s of the last fault".into());
@@ -418,7 +423,8 @@ impl SoakCli {
             s.failures.push(format!("{} corrupted bytes were returned as Loaded", total.corrupt_bytes));
         }
         if total.max_blocked_ms > self.timeout_ms as f64 {
-            s.failures.push(format!("a worker call blocked {} ms past what it allowed (bound {} ms)", total.max_blocked_ms, self.timeout_ms));
+            s.failures
+                .push(format!("a worker call blocked {} ms past what it allowed (bound {} ms)", total.max_blocked_ms, self.timeout_ms));
         }
         let pass = s.failures.is_empty();
         // Kept for reading when the run failed, unless it was meant to (negative control).
@@ -427,9 +433,17 @@ impl SoakCli {
         }
         let ctx = |c: Case| c.extra("seconds", self.seconds).extra("workers", n as u64).extra("pass", pass);
         let cases = vec![
-            ctx(Case::new("soak", "operations", ops, "transfers", base_rate * chaos_s, "fault-free rate x duration (warm-up phase)", Better::Higher))
-                .extra("blocks", (total.blocks) as u64)
-                .extra("ops_per_s", (ops / chaos_s).round()),
+            ctx(Case::new(
+                "soak",
+                "operations",
+                ops,
+                "transfers",
+                base_rate * chaos_s,
+                "fault-free rate x duration (warm-up phase)",
+                Better::Higher,
+            ))
+            .extra("blocks", (total.blocks) as u64)
+            .extra("ops_per_s", (ops / chaos_s).round()),
             ctx(Case::new("soak", "faults_injected", faults as f64, "faults", 0.0, "faults in the warm-up phase", Better::Higher))
                 .extra("worker_kills", kills)
                 .extra("pool_stops", stops)
@@ -451,9 +465,17 @@ impl SoakCli {
                 .extra("leak_checks", s.leak_checks)
                 .extra("leaked_fds", s.leaked_fds)
                 .extra("fds_per_worker", s.fds_per_worker as u64),
-            ctx(Case::new("soak", "max_blocked_ms", total.max_blocked_ms, "ms", self.timeout_ms as f64, "engine timeout_ms (the bound)", Better::Lower))
-                .extra("all_reattached", reattached)
-                .extra("call", total.max_blocked_call.unwrap_or("")),
+            ctx(Case::new(
+                "soak",
+                "max_blocked_ms",
+                total.max_blocked_ms,
+                "ms",
+                self.timeout_ms as f64,
+                "engine timeout_ms (the bound)",
+                Better::Lower,
+            ))
+            .extra("all_reattached", reattached)
+            .extra("call", total.max_blocked_call.unwrap_or("")),
         ];
         super::report::print(&cases, self.json);
         if pass {
@@ -483,4 +505,3 @@ mod tests {
         assert_eq!(blocked_ms(Duration::ZERO, timeout), ms(timeout));
     }
 }
-

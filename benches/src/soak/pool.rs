@@ -41,7 +41,10 @@ impl SoakPoolCli {
         // Before any thread starts, so all inherit the mask and only sigwait sees the signal.
         let stop = umbp_pool::StopSignals::block();
         umbp_pool::fault::corrupt_every_nth_store(self.inject_corruption);
-        tracing::warn!(every = self.inject_corruption, "TEST POOL: corrupting one stored object in every N (umbp-bench soak --inject-corruption)");
+        tracing::warn!(
+            every = self.inject_corruption,
+            "TEST POOL: corrupting one stored object in every N (umbp-bench soak --inject-corruption)"
+        );
         let pool = umbp_pool::Pool::start(config).map_err(|e| e.to_string())?;
         stop.wait();
         tracing::warn!(flipped_bytes = umbp_pool::fault::corrupted_bytes(), "TEST POOL: stopping");
@@ -49,7 +52,6 @@ impl SoakPoolCli {
         Ok(())
     }
 }
-
 
 /// How the pool is started: `bin [subcommand...] --socket S args...`.
 #[derive(Clone)]
@@ -194,7 +196,8 @@ impl PoolProc {
             if is_segment(&t) {
                 continue;
             }
-            let kind: String = t.split(" (deleted)").next().unwrap_or("").chars().map(|c| if c.is_ascii_digit() { 'N' } else { c }).collect();
+            let kind: String =
+                t.split(" (deleted)").next().unwrap_or("").chars().map(|c| if c.is_ascii_digit() { 'N' } else { c }).collect();
             *m.entry(kind).or_insert(0) += 1;
         }
         m
@@ -268,4 +271,3 @@ pub(super) fn kind_diff(a: &std::collections::BTreeMap<String, i64>, b: &std::co
         })
         .collect()
 }
-

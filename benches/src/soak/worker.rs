@@ -115,7 +115,11 @@ impl KvMemory {
     }
 
     fn check(&self, off: usize, len: usize) {
-        assert!(off.is_multiple_of(8) && off.checked_add(len).is_some_and(|e| e <= self.len), "KV access {off}+{len} outside {} bytes", self.len);
+        assert!(
+            off.is_multiple_of(8) && off.checked_add(len).is_some_and(|e| e <= self.len),
+            "KV access {off}+{len} outside {} bytes",
+            self.len
+        );
     }
 
     /// Copies `src` to `off..`. Only for blocks with no transfer in flight (the pool reads
@@ -273,7 +277,12 @@ impl SoakWorker {
             }
         }
         let blocks: Vec<(ObjectKey, u64)> = batch.iter().map(|&(_, k, b)| (k, b)).collect();
-        let r = self.timed(if store { "store" } else { "load" }, Duration::ZERO, |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) });
+        let r =
+            self.timed(
+                if store { "store" } else { "load" },
+                Duration::ZERO,
+                |w| if store { w.store(0, &blocks) } else { w.load(0, &blocks) },
+            );
         match r {
             Ok(id) => self.pending.push((id, Pending { batch, submitted: Instant::now(), cancel_refused: false })),
             Err(e) => {
@@ -376,11 +385,7 @@ impl SoakWorkerCli {
         cfg.startup_timeout = Duration::from_secs(60);
         let mut w = Worker::connect(cfg).map_err(|e| e.to_string())?;
         let spec = match &mem.shm {
-            Some(s) => MemorySpec::HostMemfd {
-                fd: s.fd().try_clone_to_owned().map_err(|e| e.to_string())?,
-                offset: 0,
-                len: bytes as u64,
-            },
+            Some(s) => MemorySpec::HostMemfd { fd: s.fd().try_clone_to_owned().map_err(|e| e.to_string())?, offset: 0, len: bytes as u64 },
             None => MemorySpec::HostProcess { ptr: mem.base() as usize, len: bytes },
         };
         // SAFETY: `mem` moves into the SoakWorker with `w` (declared after it: dropped
@@ -481,7 +486,8 @@ mod tests {
 
     #[test]
     fn kv_memory_is_accessed_through_raw_pointers_in_bounds() {
-        for mut m in [KvMemory::heap(4 * 4096), KvMemory::memfd(umbp_ipc::SharedMemory::create("kv-test", 4 * 4096, false).expect("memfd"))] {
+        for mut m in [KvMemory::heap(4 * 4096), KvMemory::memfd(umbp_ipc::SharedMemory::create("kv-test", 4 * 4096, false).expect("memfd"))]
+        {
             let want: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
             m.write(4096, &want);
             assert_eq!(m.count_diff(4096, &want), 0);

@@ -44,7 +44,14 @@ impl Base {
                 let one = ns(a, CopyDir::D2h, 1)?;
                 let mt = ns(a, CopyDir::D2h, copy_threads)?;
                 let name = "one memcpy of the same bytes";
-                Base { store: gbps(bytes, one), load: gbps(bytes, one), load_ns: one, store_name: name, load_name: name, mt: Some((gbps(bytes, mt), copy_threads)) }
+                Base {
+                    store: gbps(bytes, one),
+                    load: gbps(bytes, one),
+                    load_ns: one,
+                    store_name: name,
+                    load_name: name,
+                    mt: Some((gbps(bytes, mt), copy_threads)),
+                }
             }
             BackendArg::Cuda => {
                 let d = ns(a, CopyDir::D2h, 1)?;
@@ -178,8 +185,10 @@ fn layout_cases(
         ld.push(gbps(bytes, u64_of(&eld.around(|| xfer(a, Op::Load, group, key, &l.blocks, per, inflight))?, "ns")));
     }
     let phases = phase_means(&p0, &pool.phases());
-    let cold = restores(a, pool, group, key, &l.blocks, args.reps.max(3), false).map_err(|e| format!("restore of layout {}: {e}", l.name))?;
-    let warm = restores(a, pool, group, key, &l.blocks, args.reps.max(3), true).map_err(|e| format!("restore of layout {}: {e}", l.name))?;
+    let cold =
+        restores(a, pool, group, key, &l.blocks, args.reps.max(3), false).map_err(|e| format!("restore of layout {}: {e}", l.name))?;
+    let warm =
+        restores(a, pool, group, key, &l.blocks, args.reps.max(3), true).map_err(|e| format!("restore of layout {}: {e}", l.name))?;
     let exact = check_exact(a, l, group, key, seed)?;
     a.call(&Command::Reset)?;
     let pages = l.blocks.len() as u64 * l.shape.layers * l.shape.segments_per_layer;
@@ -231,13 +240,24 @@ impl Restores {
             .extra("submit_us", median(self.submit_us.clone()))
             .extra("service_wakeups_per_job", self.wakeups.clone())
             .extra("pool_phases_us", self.phases["load"].clone())
-            .extra("index_client", if self.keep_index { "kept: connected once, restores back to back" } else { "connected for each restore" })
+            .extra(
+                "index_client",
+                if self.keep_index { "kept: connected once, restores back to back" } else { "connected for each restore" },
+            )
     }
 }
 
 /// `n` restores of `blocks` stored at `key`; with `keep_index` the worker's index client
 /// stays connected (one untimed restore connects it first), as an engine's scheduler does.
-fn restores(a: &mut WorkerProc, pool: &PoolHandle, group: u16, key: u64, blocks: &[u64], n: usize, keep_index: bool) -> Result<Restores, String> {
+fn restores(
+    a: &mut WorkerProc,
+    pool: &PoolHandle,
+    group: u16,
+    key: u64,
+    blocks: &[u64],
+    n: usize,
+    keep_index: bool,
+) -> Result<Restores, String> {
     let restore = |a: &mut WorkerProc| -> Result<Value, String> {
         let r = a.call(&Command::Restore { group, key_base: key, blocks: blocks.to_vec(), keep_index })?;
         if u64_of(&r, "hits") != blocks.len() as u64 || u64_of(&r, "bad") != 0 {
@@ -303,8 +323,12 @@ fn object_cases(args: &TransferArgs, a: &mut WorkerProc, pool: &PoolHandle, ctx:
                 let opn = if op == Op::Store { "store" } else { "load" };
                 let value = median(v);
                 let mut c = ctx(base.case(&format!("{label}_{opn}_gbps"), op, value))
-                    .extra("object_bytes", size).extra("objects", count).extra("inflight", inflight).extra("bytes", ob)
-                    .extra("engine", e.json()).extra("pool_phases_us", phases[opn].clone());
+                    .extra("object_bytes", size)
+                    .extra("objects", count)
+                    .extra("inflight", inflight)
+                    .extra("bytes", ob)
+                    .extra("engine", e.json())
+                    .extra("pool_phases_us", phases[opn].clone());
                 if inflight == 1 {
                     let one = if op == Op::Store { one_store } else { one_load };
                     c = c
@@ -418,13 +442,21 @@ fn pool_overhead(args: &TransferArgs, pool: &PoolHandle, a: &mut WorkerProc) -> 
     let phases = phase_means(&p0, &pool.phases());
     for (op, v, base) in [("store", st, one_st), ("load", ld, one_ld)] {
         cases.push(
-            Case::new("transfer", &format!("gptoss_shape_{op}_overhead_us"), v, "us", base, "one-block submission, same layout", Better::Lower)
-                .extra("pool_phases_us", phases[op].clone())
-                .extra("backend", "host")
-                .extra("blocks", l.blocks.len())
-                .extra("layers", l.shape.layers)
-                .extra("page_bytes", l.shape.page)
-                .extra("cpus", crate::report::cpus()),
+            Case::new(
+                "transfer",
+                &format!("gptoss_shape_{op}_overhead_us"),
+                v,
+                "us",
+                base,
+                "one-block submission, same layout",
+                Better::Lower,
+            )
+            .extra("pool_phases_us", phases[op].clone())
+            .extra("backend", "host")
+            .extra("blocks", l.blocks.len())
+            .extra("layers", l.shape.layers)
+            .extra("page_bytes", l.shape.page)
+            .extra("cpus", crate::report::cpus()),
         );
     }
     a.call(&Command::Drop { group })?;
@@ -457,7 +489,13 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         umbp_pool::config::IdlePoll::Fixed(d) => serde_json::json!(d.as_micros() as u64),
         auto => serde_json::json!(auto.to_string()),
     });
-    let ctx = |c: Case| c.extra("backend", "cuda").extra("gpu", gpu.clone()).extra("batch_api", batch_api).extra("idle_poll_us", idle_poll_us.clone()).extra("hugepages", args.pool_socket.is_none().then_some(args.hugepages));
+    let ctx = |c: Case| {
+        c.extra("backend", "cuda")
+            .extra("gpu", gpu.clone())
+            .extra("batch_api", batch_api)
+            .extra("idle_poll_us", idle_poll_us.clone())
+            .extra("hugepages", args.pool_socket.is_none().then_some(args.hugepages))
+    };
     let mut key = 1u64 << 40;
     let mut next_key = |n: u64| {
         key += n + 1000;
@@ -496,8 +534,15 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         Ok((median(st), median(ld)))
     };
     let lay = |c: Case, t: Tune| {
-        ctx(c).extra("layout", l.about).extra("bytes", bytes).extra("blocks", n).extra("streams", t.streams).extra("batch", t.batch)
-            .extra("parallel_submit", t.parallel).extra("batch_max", t.batch_max).extra("copy_stage_mib", t.stage_mib)
+        ctx(c)
+            .extra("layout", l.about)
+            .extra("bytes", bytes)
+            .extra("blocks", n)
+            .extra("streams", t.streams)
+            .extra("batch", t.batch)
+            .extra("parallel_submit", t.parallel)
+            .extra("batch_max", t.batch_max)
+            .extra("copy_stage_mib", t.stage_mib)
     };
     if args.wants("gptoss") {
         // Warm up (stream sets, IPC mappings, first-touch of pool pages).
@@ -530,8 +575,12 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
                 eprintln!("tuning {t:?}: store {s:.1} GB/s, load {d:.1} GB/s; engine {engine:.1} GB/s, enqueue {enqueue_ms:.2} ms per call; pool phases {phases}");
                 let name = format!("tune_s{}_b{}_p{}_m{}_st{}", t.streams, t.batch as u8, t.parallel as u8, t.batch_max, t.stage_mib);
                 for (op, v, opn) in [(Op::Store, s, "store"), (Op::Load, d, "load")] {
-                    cases.push(lay(base.case(&format!("{name}_{opn}_gbps"), op, v), t)
-                        .extra("engine_gbps", engine).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases[opn].clone()));
+                    cases.push(
+                        lay(base.case(&format!("{name}_{opn}_gbps"), op, v), t)
+                            .extra("engine_gbps", engine)
+                            .extra("enqueue_ms_per_call", enqueue_ms)
+                            .extra("pool_phases_us", phases[opn].clone()),
+                    );
                 }
                 if s + d > best.0 {
                     best = (s + d, t);
@@ -549,9 +598,13 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
         let engine_gbps = gbps(e1.bytes - e0.bytes, e1.total_ns - e0.total_ns);
         let enqueue_ms = (e1.enqueue_ns - e0.enqueue_ns) as f64 / (e1.calls - e0.calls).max(1) as f64 / 1e6;
         for (op, v, opn) in [(Op::Store, s, "store"), (Op::Load, d, "load")] {
-            cases.push(lay(base.case(&format!("gptoss_{opn}_gbps"), op, v), tuning)
-                .extra("engine_gbps_store_and_load", engine_gbps).extra("enqueue_ms_per_call", enqueue_ms).extra("pool_phases_us", phases[opn].clone())
-                .extra("service_wakeups_per_job", phases["service_wakeups_per_job"].clone()));
+            cases.push(
+                lay(base.case(&format!("gptoss_{opn}_gbps"), op, v), tuning)
+                    .extra("engine_gbps_store_and_load", engine_gbps)
+                    .extra("enqueue_ms_per_call", enqueue_ms)
+                    .extra("pool_phases_us", phases[opn].clone())
+                    .extra("service_wakeups_per_job", phases["service_wakeups_per_job"].clone()),
+            );
         }
 
         // --- restore: lookup + load of the 10k prefix, end to end
@@ -589,9 +642,15 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             }
             let exact = check_exact(&mut a, &l, 0, k, 1)?;
             let s = ssd_of(p.report())?;
-            cases.push(lay(base.restore_case("ssd_restore_10k_ms", ms), tuning)
-                .extra("promoted_fraction", median(promoted)).extra("tokens", 10_000).extra("check", exact)
-                .extra("direct_io", s.direct_io).extra("io_uring", s.io_uring).extra("ssd_dir", s.dirs.join(",")));
+            cases.push(
+                lay(base.restore_case("ssd_restore_10k_ms", ms), tuning)
+                    .extra("promoted_fraction", median(promoted))
+                    .extra("tokens", 10_000)
+                    .extra("check", exact)
+                    .extra("direct_io", s.direct_io)
+                    .extra("io_uring", s.io_uring)
+                    .extra("ssd_dir", s.dirs.join(",")),
+            );
         }
 
         // --- fenced store and load (stream-ordered, docs/gpu.md "Stream-ordered transfers"): same layout
@@ -604,9 +663,14 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             fs.push(gbps(bytes, u64_of(&s, "ns")));
             fl.push(gbps(bytes, u64_of(&d, "ns")));
         }
-        cases.push(lay(base.case("gptoss_fenced_store_gbps", Op::Store, median(fs)), tuning).extra("note", "store_after_stream; time to completion"));
-        cases.push(lay(base.case("gptoss_fenced_load_gbps", Op::Load, median(fl)), tuning)
-            .extra("note", "load_before_stream; time until the worker's stream passed its wait"));
+        cases.push(
+            lay(base.case("gptoss_fenced_store_gbps", Op::Store, median(fs)), tuning)
+                .extra("note", "store_after_stream; time to completion"),
+        );
+        cases.push(
+            lay(base.case("gptoss_fenced_load_gbps", Op::Load, median(fl)), tuning)
+                .extra("note", "load_before_stream; time until the worker's stream passed its wait"),
+        );
     }
     apply(tuning);
     if args.layout_only {
@@ -673,8 +737,22 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             bi.push(gbps(2 * rounds * bytes, ns));
         }
         let bb = a.call(&Command::Baseline { bytes: bytes * rounds, dir: CopyDir::Bidir, reps: 3, threads: 1 })?;
-        cases.push(lay(Case::new("transfer", "bidir_gbps", median(bi), "GB/s", gbps(2 * rounds * bytes, u64_of(&bb, "ns")),
-            "contiguous pinned cuMemcpyDtoH + HtoD at once, same bytes", Better::Higher), tuning).extra("rounds", rounds).extra("workers", 2));
+        cases.push(
+            lay(
+                Case::new(
+                    "transfer",
+                    "bidir_gbps",
+                    median(bi),
+                    "GB/s",
+                    gbps(2 * rounds * bytes, u64_of(&bb, "ns")),
+                    "contiguous pinned cuMemcpyDtoH + HtoD at once, same bytes",
+                    Better::Higher,
+                ),
+                tuning,
+            )
+            .extra("rounds", rounds)
+            .extra("workers", 2),
+        );
         drop(b);
     }
 
@@ -725,19 +803,28 @@ fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, group: u16, key: u64,
         Ok((t, done))
     };
     a.call(&Command::Reset)?;
-    let (t_store, st) = with(a, Command::StoreLoop { group, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
+    let (t_store, st) =
+        with(a, Command::StoreLoop { group, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
     let (t_copy, cp) = with(a, Command::MemcpyLoop { bytes: l.bytes(), seconds: secs + 1.5 })?;
     let alone2 = run_matmul(cmd, secs)?;
     let alone = (alone1 + alone2) / 2.0;
     let pct = |t: f64| (1.0 - t / alone) * 100.0;
     let noise = ((alone1 - alone2) / alone).abs() * 100.0;
-    Ok(Case::new("transfer", name, pct(t_store), "%", pct(t_copy), "same matmul slowdown under a contiguous cuMemcpyDtoH loop", Better::Lower)
-        .extra("matmul_tflops_alone", alone)
-        .extra("matmul_tflops_with_stores", t_store)
-        .extra("matmul_tflops_with_memcpy", t_copy)
-        .extra("alone_run_to_run_pct", noise)
-        .extra("store_gbps_during", gbps(u64_of(&st, "bytes"), u64_of(&st, "ns")))
-        .extra("memcpy_gbps_during", gbps(u64_of(&cp, "bytes"), u64_of(&cp, "ns"))))
+    Ok(Case::new(
+        "transfer",
+        name,
+        pct(t_store),
+        "%",
+        pct(t_copy),
+        "same matmul slowdown under a contiguous cuMemcpyDtoH loop",
+        Better::Lower,
+    )
+    .extra("matmul_tflops_alone", alone)
+    .extra("matmul_tflops_with_stores", t_store)
+    .extra("matmul_tflops_with_memcpy", t_copy)
+    .extra("alone_run_to_run_pct", noise)
+    .extra("store_gbps_during", gbps(u64_of(&st, "bytes"), u64_of(&st, "ns")))
+    .extra("memcpy_gbps_during", gbps(u64_of(&cp, "bytes"), u64_of(&cp, "ns"))))
 }
 
 /// Counters of every GPU copy engine of this process (the in-process pool's) together.
@@ -753,7 +840,13 @@ fn engine_totals() -> umbp_gpu::EngineStats {
 /// left DRAM: the evictor takes the least recently used first, and with admission `all`
 /// it demotes them to SSD. Each copy waits for the evictor to settle first: a store into
 /// a full DRAM is refused (NotStored), and a refused copy pushes nothing out.
-fn push_out_of_dram(a: &mut WorkerProc, p: &umbp_pool::Pool, blocks: &[u64], n: usize, next_key: &mut impl FnMut(u64) -> u64) -> Result<(), String> {
+fn push_out_of_dram(
+    a: &mut WorkerProc,
+    p: &umbp_pool::Pool,
+    blocks: &[u64],
+    n: usize,
+    next_key: &mut impl FnMut(u64) -> u64,
+) -> Result<(), String> {
     let settle = || -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(120);
         let mut last = u64::MAX;

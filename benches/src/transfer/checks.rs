@@ -53,8 +53,17 @@ pub(crate) fn checks(args: &TransferArgs) -> Result<Vec<Case>, String> {
         let lb = xfer(&mut b, Op::Load, 0, 1000, &l.blocks, 16, 2);
         let va = a.call(&Command::Verify { group: 0, seed: 22, blocks: l.blocks.clone() })?;
         let vb = b.call(&Command::Verify { group: 0, seed: 11, blocks: l.blocks.clone() })?;
-        let ok = stored && la.is_ok() && lb.is_ok() && u64_of(&va, "bad_words") == 0 && u64_of(&vb, "bad_words") == 0 && u64_of(&va, "words") > 0;
-        c.record("cross_worker_byte_exact", ok, json!({"a_verify": va, "b_verify": vb, "errors": [ra.err(), rb.err(), la.err(), lb.err()]}));
+        let ok = stored
+            && la.is_ok()
+            && lb.is_ok()
+            && u64_of(&va, "bad_words") == 0
+            && u64_of(&vb, "bad_words") == 0
+            && u64_of(&va, "words") > 0;
+        c.record(
+            "cross_worker_byte_exact",
+            ok,
+            json!({"a_verify": va, "b_verify": vb, "errors": [ra.err(), rb.err(), la.err(), lb.err()]}),
+        );
         // Blocks not loaded must be untouched (still poison): the pool wrote only what it should.
         let untouched: Vec<u64> = (0..l.cache_blocks()).filter(|x| !l.blocks.contains(x)).take(8).collect();
         let p = a.call(&Command::VerifyPoison { group: 0, blocks: untouched })?;
@@ -65,22 +74,33 @@ pub(crate) fn checks(args: &TransferArgs) -> Result<Vec<Case>, String> {
         let fl = Layout::contiguous("fence", 1, MIB, 256);
         fl.setup(&mut a, 1, 3)?;
         fl.setup(&mut b, 1, 4)?;
-        let r = a.call(&Command::FenceStore { group: 1, old_seed: 3, new_seed: 5, spin_ms: 300, key_base: 50_000, control_key_base: 60_000 })?;
+        let r =
+            a.call(&Command::FenceStore { group: 1, old_seed: 3, new_seed: 5, spin_ms: 300, key_base: 50_000, control_key_base: 60_000 })?;
         b.call(&Command::Poison { group: 1 })?;
         xfer(&mut b, Op::Load, 1, 50_000, &fl.blocks, 256, 1)?;
         let v = b.call(&Command::Verify { group: 1, seed: 5, blocks: fl.blocks.clone() })?;
-        c.record("fenced_store_sees_kernel_output", u64_of(&r, "bad") == 0 && u64_of(&v, "bad_words") == 0, json!({"store": r, "verify": v}));
+        c.record(
+            "fenced_store_sees_kernel_output",
+            u64_of(&r, "bad") == 0 && u64_of(&v, "bad_words") == 0,
+            json!({"store": r, "verify": v}),
+        );
         b.call(&Command::Poison { group: 1 })?;
         let ctl = xfer(&mut b, Op::Load, 1, 60_000, &fl.blocks, 256, 1);
         let cv = b.call(&Command::Verify { group: 1, seed: 5, blocks: fl.blocks.clone() })?;
         // Informational: without the fence the pool copies before the kernel ran.
-        println!("{}", json!({"check": "transfer", "case": "unfenced_store_control", "info": true,
-            "words_not_from_kernel": u64_of(&cv, "bad_words"), "words": u64_of(&cv, "words"), "load": ctl.err()}));
+        println!(
+            "{}",
+            json!({"check": "transfer", "case": "unfenced_store_control", "info": true,
+            "words_not_from_kernel": u64_of(&cv, "bad_words"), "words": u64_of(&cv, "words"), "load": ctl.err()})
+        );
         // 3. Load ordered before a kernel that reads (fence), with an unfenced control.
         let r = a.call(&Command::FenceLoad { group: 1, seed: 5, key_base: 50_000 })?;
         c.record("fenced_load_before_reading_kernel", u64_of(&r, "bad_words") == 0 && u64_of(&r, "load_bad") == 0, r.clone());
-        println!("{}", json!({"check": "transfer", "case": "unfenced_load_control", "info": true,
-            "kernel_saw_unloaded_words": u64_of(&r, "control_bad_words")}));
+        println!(
+            "{}",
+            json!({"check": "transfer", "case": "unfenced_load_control", "info": true,
+            "kernel_saw_unloaded_words": u64_of(&r, "control_bad_words")})
+        );
         // Many fenced loads back to back on one stream (slot reuse, ordering).
         let r = a.call(&Command::Xfer(Xfer { fence: true, ..Xfer::new(Op::Load, 1, 50_000, &fl.blocks, 4, 16) }))?;
         let v = a.call(&Command::Verify { group: 1, seed: 5, blocks: fl.blocks.clone() })?;
@@ -127,7 +147,11 @@ pub(crate) fn checks(args: &TransferArgs) -> Result<Vec<Case>, String> {
             .and_then(|_| xfer(&mut a, Op::Load, 0, key, &l.blocks, 40, 1))
             .and_then(|_| a.call(&Command::Verify { group: 0, seed: 11, blocks: l.blocks.clone() }));
         let served = rt.as_ref().is_ok_and(|v| u64_of(v, "bad_words") == 0);
-        c.record("killed_worker_pool_keeps_serving", served && started.get("started").is_some(), json!({"roundtrip": rt.as_ref().map_err(|e| e.clone())}));
+        c.record(
+            "killed_worker_pool_keeps_serving",
+            served && started.get("started").is_some(),
+            json!({"roundtrip": rt.as_ref().map_err(|e| e.clone())}),
+        );
         let detail = json!({"open_mappings_before": before_maps, "while_attached": during_maps, "after_death": after_maps,
                             "attachments_before": before_att, "attachments_after": after_att});
         match (before_maps, during_maps, after_maps) {

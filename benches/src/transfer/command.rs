@@ -96,26 +96,53 @@ pub enum Command {
     Info,
     /// Allocate and register the memory of `group`, filled with pattern `seed`, and its
     /// layout; replies `{"object_bytes": n}`.
-    Setup { group: u16, shape: Shape, seed: u64 },
+    Setup {
+        group: u16,
+        shape: Shape,
+        seed: u64,
+    },
     /// Forget `group` locally (registrations and memory stay: the pool may reference them).
-    Drop { group: u16 },
+    Drop {
+        group: u16,
+    },
     /// Drop this worker's namespace in the pool.
     Reset,
     Xfer(Xfer),
     /// Median ns of a contiguous copy of `bytes` (host: memcpy split over `threads`
     /// threads; cuda: pinned cuMemcpy, `threads` must be 1).
-    Baseline { bytes: u64, dir: CopyDir, reps: usize, threads: usize },
+    Baseline {
+        bytes: u64,
+        dir: CopyDir,
+        reps: usize,
+        threads: usize,
+    },
     /// Fill `group`'s memory with the poison byte.
-    Poison { group: u16 },
+    Poison {
+        group: u16,
+    },
     /// Fill `group`'s memory with pattern `seed`.
-    Fill { group: u16, seed: u64 },
+    Fill {
+        group: u16,
+        seed: u64,
+    },
     /// Count words of `blocks`' pages that differ from pattern `seed`.
-    Verify { group: u16, seed: u64, blocks: Vec<u64> },
+    Verify {
+        group: u16,
+        seed: u64,
+        blocks: Vec<u64>,
+    },
     /// Count words of `blocks`' pages that are not the poison byte.
-    VerifyPoison { group: u16, blocks: Vec<u64> },
+    VerifyPoison {
+        group: u16,
+        blocks: Vec<u64>,
+    },
     /// Every word of `group`'s memory: pattern `seed` in the pages of `blocks` (placed by
     /// the group's shape, not by what was registered), poison elsewhere.
-    VerifyAll { group: u16, seed: u64, blocks: Vec<u64> },
+    VerifyAll {
+        group: u16,
+        seed: u64,
+        blocks: Vec<u64>,
+    },
     /// Scheduler lookup of keys `key_base + i`, then one load of the hits; end to end.
     /// The index client is connected for this restore, or with `keep_index` kept from the
     /// last such restore (a scheduler that stays connected, as an engine's does).
@@ -128,13 +155,33 @@ pub enum Command {
     },
     /// Store `blocks` with fresh keys for `seconds`, one transfer in flight (replies
     /// `{"started": true}` first).
-    StoreLoop { group: u16, key_base: u64, blocks: Vec<u64>, seconds: f64, no_reset: bool },
+    StoreLoop {
+        group: u16,
+        key_base: u64,
+        blocks: Vec<u64>,
+        seconds: f64,
+        no_reset: bool,
+    },
     /// Contiguous pinned device-to-host copies for `seconds` (cuda).
-    MemcpyLoop { bytes: u64, seconds: f64 },
+    MemcpyLoop {
+        bytes: u64,
+        seconds: f64,
+    },
     /// Store ordered after a slow kernel writing the KV, and an unfenced control (cuda).
-    FenceStore { group: u16, old_seed: u64, new_seed: u64, spin_ms: u64, key_base: u64, control_key_base: u64 },
+    FenceStore {
+        group: u16,
+        old_seed: u64,
+        new_seed: u64,
+        spin_ms: u64,
+        key_base: u64,
+        control_key_base: u64,
+    },
     /// Load ordered before a reading kernel, and an unfenced control (cuda).
-    FenceLoad { group: u16, seed: u64, key_base: u64 },
+    FenceLoad {
+        group: u16,
+        seed: u64,
+        key_base: u64,
+    },
     /// Leave the command loop.
     Exit,
 }
@@ -180,8 +227,10 @@ mod tests {
         assert!(e.contains("verfy"), "{e}");
         let e = Command::parse(r#"{"cmd":"verify","group":0,"sed":1,"blocks":[]}"#).unwrap_err();
         assert!(e.contains("sed"), "{e}");
-        let e = Command::parse(r#"{"cmd":"xfer","op":"store","group":0,"key_base":0,"blocks":[],"per_transfer":1,"inflight":1,"rounds":1,"fenced":true}"#)
-            .unwrap_err();
+        let e = Command::parse(
+            r#"{"cmd":"xfer","op":"store","group":0,"key_base":0,"blocks":[],"per_transfer":1,"inflight":1,"rounds":1,"fenced":true}"#,
+        )
+        .unwrap_err();
         assert!(e.contains("fenced"), "{e}");
         let e = Command::parse(r#"{"cmd":"poison"}"#).unwrap_err();
         assert!(e.contains("group"), "missing field named: {e}");

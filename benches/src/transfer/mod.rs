@@ -207,7 +207,12 @@ pub(crate) fn gpt_oss() -> Layout {
     let cache_blocks = 512;
     let blocks = 10_000u64.div_ceil(32);
     let shape = Shape { layers: 24, page: 64 << 10, blocks: cache_blocks, per_layer_alloc: true, segments_per_layer: 1 };
-    Layout { name: "gptoss", about: "24 layers x 64 KiB pages (gpt-oss-20b-like), one allocation per layer", shape, blocks: scattered(blocks, cache_blocks) }
+    Layout {
+        name: "gptoss",
+        about: "24 layers x 64 KiB pages (gpt-oss-20b-like), one allocation per layer",
+        shape,
+        blocks: scattered(blocks, cache_blocks),
+    }
 }
 
 /// The small-page layouts of issue #14: a 70B-class GQA model at TP8, block 16: 80 layers,
@@ -263,8 +268,8 @@ mod tests {
         let mut w = Worker::connect(WorkerConfig::new(&socket, 7)).expect("connect");
         let mut kv = vec![0u8; 16 << 10];
         // SAFETY: `kv` lives to the end of the test and no transfer ever runs.
-        let alloc = unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() }) }
-            .expect("register");
+        let alloc =
+            unsafe { w.register_memory(MemorySpec::HostProcess { ptr: kv.as_mut_ptr() as usize, len: kv.len() }) }.expect("register");
         w.register_layout(0, vec![Segment::new(alloc, 0, 4096, 4096, 4)]).expect("layout");
         let e = w.store_after_stream(0, &[(ObjectKey(1), 0)], 0).unwrap_err();
         assert!(e.to_string().contains("CUDA"), "{e}");

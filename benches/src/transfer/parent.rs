@@ -1,4 +1,3 @@
-
 //! The parent side of `transfer`: the pool the workers attach to (in this process or a
 //! running `umbp-pool`) and the worker child processes, driven by [`Command`]s.
 
@@ -28,7 +27,13 @@ impl WorkerProc {
 
     /// As [`Self::spawn`], with extra environment (e.g. `CUDA_VISIBLE_DEVICES` to put the
     /// worker on one GPU).
-    pub(crate) fn spawn_with_env(name: &str, socket: &Path, backend: BackendArg, namespace: u128, env: &[(&str, String)]) -> Result<Self, String> {
+    pub(crate) fn spawn_with_env(
+        name: &str,
+        socket: &Path,
+        backend: BackendArg,
+        namespace: u128,
+        env: &[(&str, String)],
+    ) -> Result<Self, String> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let mut child = std::process::Command::new(exe)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
@@ -198,7 +203,15 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
 
 /// One round of `blocks` (keys `key_base + i`) in transfers of `per` blocks, `inflight`
 /// outstanding; an error when a block did not complete ok.
-pub(crate) fn xfer(w: &mut WorkerProc, op: Op, group: u16, key_base: u64, blocks: &[u64], per: usize, inflight: usize) -> Result<Value, String> {
+pub(crate) fn xfer(
+    w: &mut WorkerProc,
+    op: Op,
+    group: u16,
+    key_base: u64,
+    blocks: &[u64],
+    per: usize,
+    inflight: usize,
+) -> Result<Value, String> {
     xfer_with(w, Xfer::new(op, group, key_base, blocks, per, inflight))
 }
 

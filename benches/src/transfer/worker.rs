@@ -113,7 +113,9 @@ impl WorkerState {
             Command::VerifyPoison { group, blocks } => self.verify(group, 0, &blocks, true),
             Command::VerifyAll { group, seed, blocks } => self.verify_all(group, seed, &blocks),
             Command::Restore { group, key_base, blocks, keep_index } => self.restore(group, key_base, &blocks, keep_index),
-            Command::StoreLoop { group, key_base, blocks, seconds, no_reset } => self.store_loop(group, key_base, &blocks, seconds, no_reset, say),
+            Command::StoreLoop { group, key_base, blocks, seconds, no_reset } => {
+                self.store_loop(group, key_base, &blocks, seconds, no_reset, say)
+            }
             Command::MemcpyLoop { bytes, seconds } => {
                 let gpu = self.gpu.as_ref().ok_or("memcpy_loop needs cuda")?;
                 say(json!({"started": true}));
@@ -139,17 +141,13 @@ impl WorkerState {
         for (i, &len) in sizes.iter().enumerate() {
             let mem = match &self.gpu {
                 Some(g) => Mem::Cuda { ptr: g.alloc(len as usize)?, len: len as usize },
-                None => Mem::Host(
-                    umbp_ipc::SharedMemory::create(&format!("kv-{group}-{i}"), len as usize, false).map_err(|e| e.to_string())?,
-                ),
+                None => {
+                    Mem::Host(umbp_ipc::SharedMemory::create(&format!("kv-{group}-{i}"), len as usize, false).map_err(|e| e.to_string())?)
+                }
             };
             fill_pattern(self.gpu.as_ref(), &mem, seed)?;
             let spec = match &mem {
-                Mem::Host(m) => MemorySpec::HostMemfd {
-                    fd: m.fd().try_clone_to_owned().map_err(|e| e.to_string())?,
-                    offset: 0,
-                    len,
-                },
+                Mem::Host(m) => MemorySpec::HostMemfd { fd: m.fd().try_clone_to_owned().map_err(|e| e.to_string())?, offset: 0, len },
                 Mem::Cuda { ptr, len } => MemorySpec::Cuda { ptr: *ptr, len: *len as u64 },
             };
             // SAFETY: `mem` (a memfd or a CUDA allocation) is kept in `allocs` for as long as
@@ -366,12 +364,22 @@ impl WorkerState {
         let submit_ns = t.elapsed().as_nanos() as u64 - lookup_ns;
         let c = self.w.wait(id, Duration::from_secs(60)).ok_or("restore timed out")?;
         let ns = t.elapsed().as_nanos() as u64;
-        Ok(json!({"ns": ns, "lookup_ns": lookup_ns, "submit_ns": submit_ns, "hits": hits, "bad": c.statuses.iter().filter(|s| !s.is_ok()).count()}))
+        Ok(
+            json!({"ns": ns, "lookup_ns": lookup_ns, "submit_ns": submit_ns, "hits": hits, "bad": c.statuses.iter().filter(|s| !s.is_ok()).count()}),
+        )
     }
 
     /// Stores `blocks` with fresh keys in a loop for `seconds` (resetting the namespace
     /// when the pool fills), one transfer in flight; for interference and the kill check.
-    fn store_loop(&mut self, group: u16, mut base: u64, blocks: &[u64], secs: f64, no_reset: bool, say: &dyn Fn(Value)) -> Result<Value, String> {
+    fn store_loop(
+        &mut self,
+        group: u16,
+        mut base: u64,
+        blocks: &[u64],
+        secs: f64,
+        no_reset: bool,
+        say: &dyn Fn(Value),
+    ) -> Result<Value, String> {
         let ob = self.groups.get(&group).map_or(0, |g| g.object_bytes);
         say(json!({"started": true}));
         let t = Instant::now();

@@ -41,7 +41,8 @@ unsafe fn digests_of(ranges: &[(usize, usize)]) -> Vec<u128> {
         return ranges.iter().map(one).collect();
     }
     std::thread::scope(|s| {
-        let parts: Vec<_> = ranges.chunks(ranges.len().div_ceil(threads)).map(|c| s.spawn(move || c.iter().map(one).collect::<Vec<_>>())).collect();
+        let parts: Vec<_> =
+            ranges.chunks(ranges.len().div_ceil(threads)).map(|c| s.spawn(move || c.iter().map(one).collect::<Vec<_>>())).collect();
         parts.into_iter().flat_map(|h| h.join().expect("a digest thread does not panic")).collect()
     })
 }
@@ -140,8 +141,12 @@ impl Inner {
         let mut backoff = transport::Backoff::default();
         loop {
             for (&node, batch) in &by_node {
-                let fresh: Vec<usize> =
-                    batch.2.iter().map(|&(i, _)| i).filter(|i| pinned.contains_key(i) && out[*i].is_none() && !posted.contains(i)).collect();
+                let fresh: Vec<usize> = batch
+                    .2
+                    .iter()
+                    .map(|&(i, _)| i)
+                    .filter(|i| pinned.contains_key(i) && out[*i].is_none() && !posted.contains(i))
+                    .collect();
                 let all_answered = pins_over || unanswered.get(&node).is_none_or(|&c| c == 0);
                 if fresh.is_empty() || (!all_answered && fresh.iter().map(|&i| items[i].size).sum::<u64>() < READ_CHUNK_BYTES) {
                     continue;
@@ -170,7 +175,8 @@ impl Inner {
                 continue;
             }
             // Waiting for pins; poll the reads in flight meanwhile.
-            let wait = if reads.is_empty() { control::left(pin_deadline) } else { Duration::from_micros(200).min(control::left(pin_deadline)) };
+            let wait =
+                if reads.is_empty() { control::left(pin_deadline) } else { Duration::from_micros(200).min(control::left(pin_deadline)) };
             match rx.recv_timeout(wait) {
                 Ok((id, r)) => {
                     let Some(&(node, i)) = id_to.get(&id) else { continue };

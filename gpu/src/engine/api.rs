@@ -127,7 +127,15 @@ pub(crate) trait DeviceApi: Send + Sync + 'static {
     /// # Safety
     /// `descs` holds `n` [`crate::gather::Desc`] readable by the device until the stream
     /// passed the launch; each names ranges valid as in [`Self::copy_async`].
-    unsafe fn launch_copy_kernel(&self, kernel: u64, descs: u64, n: u64, blocks: u32, threads: u32, stream: Self::Stream) -> Result<(), GpuError> {
+    unsafe fn launch_copy_kernel(
+        &self,
+        kernel: u64,
+        descs: u64,
+        n: u64,
+        blocks: u32,
+        threads: u32,
+        stream: Self::Stream,
+    ) -> Result<(), GpuError> {
         let _ = (kernel, descs, n, blocks, threads, stream);
         Err(GpuError::Unsupported(format!("{}: no page copy kernel", Self::API)))
     }

@@ -55,25 +55,18 @@ impl<A: DeviceApi> Shared<A> {
                 return Ok(engine);
             }
         }
-        Err(GpuError::DeviceNotFound {
-            api: A::API,
-            uuid: format_uuid(uuid),
-        })
+        Err(GpuError::DeviceNotFound { api: A::API, uuid: format_uuid(uuid) })
     }
 
     /// The engine used for host registration: any device will do because registrations are
     /// portable; device 0 keeps it deterministic.
     fn first_engine(&self) -> Result<Arc<Engine<A>>, GpuError> {
         if self.api.device_count()? < 1 {
-            return Err(GpuError::Unsupported(format!(
-                "no {} device visible to the pool",
-                A::API
-            )));
+            return Err(GpuError::Unsupported(format!("no {} device visible to the pool", A::API)));
         }
         let uuid = self.api.device_uuid(0)?;
         self.engine_for(&uuid)
     }
-
 }
 
 impl<A: DeviceApi> crate::sealed::Sealed for GpuBackend<A> {}
@@ -95,11 +88,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
     }
 
     unsafe fn unregister_host_memory(&self, base: *mut u8) -> Result<(), GpuError> {
-        self.shared
-            .host_ranges
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|r| r.0 != base as usize);
+        self.shared.host_ranges.write().unwrap_or_else(|e| e.into_inner()).retain(|r| r.0 != base as usize);
         let engine = self.shared.first_engine()?;
         let _bound = Bound::new(&self.shared.api, &engine.dev)?;
         // SAFETY: forwarded caller contract.
@@ -109,7 +98,12 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
     /// A peer that is this very process (embedded mode: the pool runs inside the worker)
     /// has its device pointer used directly, because a process cannot open its own IPC
     /// handle (CUDA refuses it).
-    fn open_region_for(&self, reg: &MemoryRegistration, _fd: Option<OwnedFd>, peer: &crate::Peer<'_>) -> Result<Box<dyn DeviceRegion>, GpuError> {
+    fn open_region_for(
+        &self,
+        reg: &MemoryRegistration,
+        _fd: Option<OwnedFd>,
+        peer: &crate::Peer<'_>,
+    ) -> Result<Box<dyn DeviceRegion>, GpuError> {
         self.open_gpu_region(reg, peer.pid, Holder::of(peer), &peer.engine)
     }
 
@@ -118,8 +112,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
     }
 
     fn engine_stats(&self) -> Vec<EngineStats> {
-        let mut stats: Vec<EngineStats> =
-            lock(&self.shared.engines).values().map(|e| e.stats.snapshot(e.ordinal, e.uuid)).collect();
+        let mut stats: Vec<EngineStats> = lock(&self.shared.engines).values().map(|e| e.stats.snapshot(e.ordinal, e.uuid)).collect();
         stats.sort_by_key(|s| s.ordinal);
         stats
     }
@@ -157,17 +150,10 @@ impl<A: DeviceApi> GpuBackend<A> {
             alloc_id: reg.alloc_id,
         };
         // Checked after taking the reference so that dropping `region` releases it.
-        if reg
-            .offset
-            .checked_add(reg.size)
-            .is_none_or(|end| end > mapping.size)
-        {
+        if reg.offset.checked_add(reg.size).is_none_or(|end| end > mapping.size) {
             return Err(GpuError::invalid(
                 A::KIND,
-                format!(
-                    "offset {} + size {} passes the exported allocation of {} bytes",
-                    reg.offset, reg.size, mapping.size
-                ),
+                format!("offset {} + size {} passes the exported allocation of {} bytes", reg.offset, reg.size, mapping.size),
             ));
         }
         tracing::debug!(

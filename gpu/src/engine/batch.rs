@@ -24,14 +24,7 @@ pub(super) fn range_end(ranges: &[(usize, usize)], addr: usize) -> Option<usize>
 
 /// Appends the items of `op` (device side at `dev_base`), cut at `split` bytes and at the
 /// ends of registered host ranges.
-pub(crate) fn push_items(
-    items: &mut Vec<Item>,
-    host_base: *mut u8,
-    dev_base: u64,
-    op: &CopyOp,
-    ranges: &[(usize, usize)],
-    split: u64,
-) {
+pub(crate) fn push_items(items: &mut Vec<Item>, host_base: *mut u8, dev_base: u64, op: &CopyOp, ranges: &[(usize, usize)], split: u64) {
     let mut done = 0;
     while done < op.len {
         let host = host_base as usize + (op.host_offset + done) as usize;
@@ -39,11 +32,7 @@ pub(crate) fn push_items(
         if let Some(end) = range_end(ranges, host) {
             piece = piece.min((end - host) as u64);
         }
-        items.push(Item {
-            host: host as *mut u8,
-            device: dev_base + op.device_offset + done,
-            len: piece as usize,
-        });
+        items.push(Item { host: host as *mut u8, device: dev_base + op.device_offset + done, len: piece as usize });
         done += piece;
     }
 }
@@ -155,12 +144,12 @@ mod tests {
         let ops = [
             op(0, 0, 4096),
             op(4096, 8192, 4096),
-            op(0, 0x10_0000 - 2048, 4096),       // straddles the first two registrations
-            op(0x2000, 0x20_0000, 4096),         // in the second
+            op(0, 0x10_0000 - 2048, 4096), // straddles the first two registrations
+            op(0x2000, 0x20_0000, 4096),   // in the second
             op(0x3000, 0x20_1000, 4096),
-            op(0x4000, 0x500_0000, 4096),        // in none
-            op(0x5000, 0x800_0000, 4096),        // the third
-            op(0x6000, 0x100_0000, 40 << 20),    // over the split size and into no registration
+            op(0x4000, 0x500_0000, 4096),     // in none
+            op(0x5000, 0x800_0000, 4096),     // the third
+            op(0x6000, 0x100_0000, 40 << 20), // over the split size and into no registration
             op(0x7000, 16, 48),
         ];
         for ranges in [&ranges[..], &[]] {

@@ -52,7 +52,14 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { streams: DEFAULT_STREAMS, batch: true, batch_max: DEFAULT_BATCH_MAX, parallel_submit: false, gather: GatherConfig::default(), stage_bytes: DEFAULT_STAGE_BYTES }
+        Self {
+            streams: DEFAULT_STREAMS,
+            batch: true,
+            batch_max: DEFAULT_BATCH_MAX,
+            parallel_submit: false,
+            gather: GatherConfig::default(),
+            stage_bytes: DEFAULT_STAGE_BYTES,
+        }
     }
 }
 

@@ -39,7 +39,8 @@ fn setup(crossover: usize) -> Setup {
     // SAFETY: the simulated driver registers nothing; the range is only compared.
     unsafe { backend.register_host_memory(HOST_BASE as *mut u8, (BLOCKS * object) as usize) }.unwrap();
     // Copy engines at open: no calibration (the test sets its own below).
-    let engine = EngineConfig { gather: GatherConfig { mode: GatherMode::CopyEngine, ..GatherConfig::default() }, ..EngineConfig::default() };
+    let engine =
+        EngineConfig { gather: GatherConfig { mode: GatherMode::CopyEngine, ..GatherConfig::default() }, ..EngineConfig::default() };
     let peer = Peer { attachment: 0, pid: std::process::id(), pidfd: None, verify: &|| Ok(()), engine };
     let regions: Vec<Box<dyn DeviceRegion>> = (0..LAYERS)
         .map(|l| {
@@ -69,7 +70,12 @@ fn plan(regions: &[Box<dyn DeviceRegion>], s: usize) -> StagePlan<'_> {
             let mut ops = Vec::new();
             for b in (s * n / STAGES) as u64..((s + 1) * n / STAGES) as u64 {
                 for kv in 0..2u64 {
-                    ops.push(CopyOp { alloc_id: l as u32, device_offset: kv * BLOCKS * PAGE + b * PAGE, host_offset: b * object + (2 * l as u64 + kv) * PAGE, len: PAGE });
+                    ops.push(CopyOp {
+                        alloc_id: l as u32,
+                        device_offset: kv * BLOCKS * PAGE + b * PAGE,
+                        host_offset: b * object + (2 * l as u64 + kv) * PAGE,
+                        len: PAGE,
+                    });
                 }
             }
             (r.as_ref(), ops)
@@ -86,7 +92,14 @@ fn run(setup: &Setup, gather: GatherMode, reps: usize) -> (f64, usize) {
         for dir in [Dir::DeviceToHost, Dir::HostToDevice] {
             let mut plans: Vec<Option<StagePlan<'_>>> = (0..STAGES).map(|s| Some(plan(&setup.regions, s))).collect();
             let engine = EngineConfig { gather: GatherConfig { mode: gather, ..GatherConfig::default() }, ..EngineConfig::default() };
-            let args = TransferArgs { dir, host_base: HOST_BASE as *mut u8, fence: Fence::None, fence_timeout: crate::fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine };
+            let args = TransferArgs {
+                dir,
+                host_base: HOST_BASE as *mut u8,
+                fence: Fence::None,
+                fence_timeout: crate::fence::FENCE_TIMEOUT,
+                keep_waiting: &|| true,
+                engine,
+            };
             let mut done = 0;
             let t = Instant::now();
             // SAFETY: dry simulated driver: no byte is read or written.
@@ -108,7 +121,9 @@ fn run(setup: &Setup, gather: GatherMode, reps: usize) -> (f64, usize) {
 fn kv4k_engine_cost_per_page() {
     let reps: usize = std::env::var("UMBP_COST_REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(11);
     let only = std::env::var("UMBP_COST_MODE").unwrap_or_default();
-    for (name, mode, crossover) in [("kernel", GatherMode::Auto, 16384), ("staged", GatherMode::Staged, 16384), ("copy-engine", GatherMode::CopyEngine, 0)] {
+    for (name, mode, crossover) in
+        [("kernel", GatherMode::Auto, 16384), ("staged", GatherMode::Staged, 16384), ("copy-engine", GatherMode::CopyEngine, 0)]
+    {
         if !only.is_empty() && only != name {
             continue;
         }

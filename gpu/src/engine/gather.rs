@@ -222,7 +222,11 @@ pub struct GatherConfig {
 
 impl GatherConfig {
     pub(crate) fn launch_bytes(&self) -> usize {
-        if self.launch_bytes == 0 { usize::MAX } else { self.launch_bytes.max(ALIGN) }
+        if self.launch_bytes == 0 {
+            usize::MAX
+        } else {
+            self.launch_bytes.max(ALIGN)
+        }
     }
     pub(crate) fn split_streams(&self) -> usize {
         self.split_streams.clamp(1, 16)
@@ -821,8 +825,8 @@ pub(crate) fn pick_blocks(rates: &[(u32, f64)]) -> u32 {
 }
 
 mod staged;
-pub(crate) use staged::{launch_staged, staged_order, Staging};
 pub use staged::staging_stats;
+pub(crate) use staged::{launch_staged, staged_order, Staging};
 
 #[cfg(test)]
 mod tests;

@@ -71,17 +71,10 @@ impl<A: DeviceApi> GpuBackend<A> {
         if reg.address.checked_sub(reg.offset) != Some(base) {
             return Err(GpuError::invalid(
                 A::KIND,
-                format!(
-                    "address {:#x} - offset {} is not the allocation base {base:#x}",
-                    reg.address, reg.offset
-                ),
+                format!("address {:#x} - offset {} is not the allocation base {base:#x}", reg.address, reg.offset),
             ));
         }
-        Ok(IpcMapping {
-            ptr: base,
-            size,
-            refs: 0,
-        })
+        Ok(IpcMapping { ptr: base, size, refs: 0 })
     }
 }
 
@@ -120,7 +113,6 @@ mod tests {
     use crate::{Backend, MemoryKind};
     use std::sync::atomic::Ordering;
 
-
     /// Issue #13 item 2 (run on the CPU stand-in, not on a GPU): a second process presenting
     /// the same handle bytes must not reuse the first one's mapping without a driver call;
     /// the same process re-registering (a reconnect) shares it.
@@ -132,7 +124,13 @@ mod tests {
         reg.device_uuid = [7; 16];
         reg.ipc_handle = [42; 64];
         let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
-        let peer = |pid: u32, attachment: u32| crate::Peer { attachment, pid, pidfd: None, verify: &|| Ok(()), engine: crate::EngineConfig::default() };
+        let peer = |pid: u32, attachment: u32| crate::Peer {
+            attachment,
+            pid,
+            pidfd: None,
+            verify: &|| Ok(()),
+            engine: crate::EngineConfig::default(),
+        };
         let victim = backend.open_region_for(&reg, None, &peer(1_000_001, 1)).unwrap();
         assert_eq!(opens(&backend), 1);
         let again = backend.open_region_for(&reg, None, &peer(1_000_001, 2)).unwrap();
@@ -156,7 +154,8 @@ mod tests {
         reg.device_uuid = [7; 16];
         reg.ipc_handle = [43; 64];
         let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
-        let peer = |attachment: u32| crate::Peer { attachment, pid: 0, pidfd: None, verify: &|| Ok(()), engine: crate::EngineConfig::default() };
+        let peer =
+            |attachment: u32| crate::Peer { attachment, pid: 0, pidfd: None, verify: &|| Ok(()), engine: crate::EngineConfig::default() };
         let victim = backend.open_region_for(&reg, None, &peer(1)).unwrap();
         let thief = backend.open_region_for(&reg, None, &peer(2)).unwrap();
         assert_eq!(opens(&backend), 2, "a pid-0 peer's handle bytes were served from another pid-0 peer's mapping");
@@ -165,5 +164,4 @@ mod tests {
         drop(thief);
         assert_eq!(backend.open_mappings(), 0);
     }
-
 }

@@ -46,13 +46,13 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::GpuError;
 
+pub(crate) use crate::Dir;
 pub(crate) use api::DeviceApi;
 pub(crate) use backend::GpuBackend;
-pub(crate) use item::Item;
 pub use config::EngineConfig;
-pub(crate) use crate::Dir;
-pub use stats::EngineStats;
+pub(crate) use item::Item;
 use stats::EngineCounters;
+pub use stats::EngineStats;
 use streams::StreamSet;
 
 /// One GPU as seen by the pool: its bound handle and idle stream sets. Stream sets are

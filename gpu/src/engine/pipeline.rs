@@ -45,7 +45,13 @@ fn stage_landed<A: DeviceApi>(api: &A, events: &[A::Event], block: bool) -> Resu
 /// caller's builder panics, every stream is synchronized before the panic goes on: the
 /// caller gives the pool memory of those copies back while unwinding, and a DMA must not
 /// still read or write it then.
-fn build_or_drain<A: DeviceApi>(api: &A, set: &StreamSet<A>, build: &mut StageBuilder<'_>, s: usize, items: &mut Vec<Item>) -> Result<(), GpuError> {
+fn build_or_drain<A: DeviceApi>(
+    api: &A,
+    set: &StreamSet<A>,
+    build: &mut StageBuilder<'_>,
+    s: usize,
+    items: &mut Vec<Item>,
+) -> Result<(), GpuError> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| build(s, items))) {
         Ok(r) => r,
         Err(panic) => {
@@ -146,7 +152,9 @@ impl<A: DeviceApi> Engine<A> {
             0
         };
         // A stage's host order where it goes through device staging (None: it does not).
-        let staged_order = |scan: &gather::Scan, items: &[Item]| kernel.and_then(|g| gather::staged_order(g.wants_staged(mode, dir, scan), items, stage_chunk));
+        let staged_order = |scan: &gather::Scan, items: &[Item]| {
+            kernel.and_then(|g| gather::staged_order(g.wants_staged(mode, dir, scan), items, stage_chunk))
+        };
         let mut used = vec![false; set.streams.len()];
         let mut first_err: Option<GpuError> = None;
         // Store fence: on the GPU when the word is device-mapped and the driver supports
@@ -243,7 +251,22 @@ impl<A: DeviceApi> Engine<A> {
                         (used[0], used[1]) = (true, true);
                         // SAFETY: forwarded caller contract; `staged_order` checked
                         // alignment and sizes.
-                        if let Err(e) = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &items, &order, scan.descs, set.streams[0], set.streams[1]) } {
+                        if let Err(e) = unsafe {
+                            gather::launch_staged(
+                                api,
+                                &self.dev,
+                                g,
+                                &mut set.descs,
+                                staging,
+                                &config.gather,
+                                dir,
+                                &items,
+                                &order,
+                                scan.descs,
+                                set.streams[0],
+                                set.streams[1],
+                            )
+                        } {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -252,7 +275,9 @@ impl<A: DeviceApi> Engine<A> {
                         // wait, before the stage event and the load fence's write.
                         used[0] = true;
                         // SAFETY: forwarded caller contract; `wants` checked eligibility.
-                        if let Err(e) = unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, &scan, set.streams[0]) } {
+                        let launched =
+                            unsafe { gather::launch(api, g, &mut set.descs, &config.gather, dir, &items, &scan, set.streams[0]) };
+                        if let Err(e) = launched {
                             first_err = Some(e);
                             break 'stages;
                         }
@@ -309,7 +334,23 @@ impl<A: DeviceApi> Engine<A> {
                 } else if let (Some(g), Some(staging), Some(order)) = (kernel, set.staging.as_mut(), staged_order(&scan, &items)) {
                     (used[0], used[1]) = (true, true);
                     // SAFETY: forwarded caller contract; `staged_order` checked eligibility.
-                    first_err = unsafe { gather::launch_staged(api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &items, &order, scan.descs, set.streams[0], set.streams[1]) }.err();
+                    first_err = unsafe {
+                        gather::launch_staged(
+                            api,
+                            &self.dev,
+                            g,
+                            &mut set.descs,
+                            staging,
+                            &config.gather,
+                            dir,
+                            &items,
+                            &order,
+                            scan.descs,
+                            set.streams[0],
+                            set.streams[1],
+                        )
+                    }
+                    .err();
                 } else if let Some(g) = kernel.filter(|g| g.wants(mode, dir, &scan)) {
                     used[0] = true;
                     // SAFETY: forwarded caller contract; `wants` checked eligibility.
@@ -406,22 +447,33 @@ impl<A: DeviceApi> Engine<A> {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
     use super::super::sim::{simulated, SimulatedDevice};
+    use super::*;
     use std::sync::atomic::Ordering;
 
     use crate::{Dir, EngineConfig};
 
     /// A device-to-host transfer, no fence, default tuning.
     fn args() -> TransferArgs<'static> {
-        TransferArgs { dir: Dir::DeviceToHost, host_base: std::ptr::null_mut(), fence: Fence::None, fence_timeout: fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine: EngineConfig::default() }
+        TransferArgs {
+            dir: Dir::DeviceToHost,
+            host_base: std::ptr::null_mut(),
+            fence: Fence::None,
+            fence_timeout: fence::FENCE_TIMEOUT,
+            keep_waiting: &|| true,
+            engine: EngineConfig::default(),
+        }
     }
 
     /// 64 pages of 1 KiB "device" memory copied to host in 4 stages of 16 pages, each
     /// stage built only when asked for. Returns the result, the stages reported, whether
     /// each reported stage had landed when reported, and whether each stage was built only
     /// after the one before had been handed to the driver.
-    fn staged_copy(api: &SimulatedDevice, engine: &Engine<SimulatedDevice>, lens: &[usize]) -> (Result<(), GpuError>, Vec<usize>, bool, bool) {
+    fn staged_copy(
+        api: &SimulatedDevice,
+        engine: &Engine<SimulatedDevice>,
+        lens: &[usize],
+    ) -> (Result<(), GpuError>, Vec<usize>, bool, bool) {
         let src: Vec<u8> = (0..64 * 1024).map(|i| (i % 251) as u8).collect();
         let mut dst = vec![0u8; src.len()];
         let dst_ptr = dst.as_mut_ptr();
@@ -448,7 +500,9 @@ mod tests {
             reported.push(s);
         };
         // SAFETY: items point into `src`/`dst`, alive for the call.
-        let r = unsafe { engine.run(api, &Call { args: &args(), stages: 4, signal: false, ranges: &[] }, stage_items(0), &mut build, &mut done) };
+        let r = unsafe {
+            engine.run(api, &Call { args: &args(), stages: 4, signal: false, ranges: &[] }, stage_items(0), &mut build, &mut done)
+        };
         (r, reported, landed_when_reported, built_in_order)
     }
 
@@ -461,7 +515,8 @@ mod tests {
             let (api, engine) = simulated(usize::MAX, events, true);
             let src = vec![5u8; 4096];
             let mut dst = vec![0u8; 4096];
-            let item = |i: usize, dst: *mut u8| Item { host: dst.wrapping_add(i * 1024), device: src[i * 1024..].as_ptr() as u64, len: 1024 };
+            let item =
+                |i: usize, dst: *mut u8| Item { host: dst.wrapping_add(i * 1024), device: src[i * 1024..].as_ptr() as u64, len: 1024 };
             let dst_ptr = dst.as_mut_ptr();
             let mut build = |s: usize, items: &mut Vec<Item>| {
                 if s == 2 {
@@ -472,7 +527,15 @@ mod tests {
             };
             let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // SAFETY: items point into `src`/`dst`, alive for the call.
-                unsafe { engine.run(&api, &Call { args: &args(), stages: 4, signal: false, ranges: &[] }, vec![item(0, dst_ptr)], &mut build, &mut |_| {}) }
+                unsafe {
+                    engine.run(
+                        &api,
+                        &Call { args: &args(), stages: 4, signal: false, ranges: &[] },
+                        vec![item(0, dst_ptr)],
+                        &mut build,
+                        &mut |_| {},
+                    )
+                }
             }));
             assert!(r.is_err(), "the panic goes on to the caller");
             assert!(api.syncs.load(Ordering::Relaxed) > 0, "streams left running under a panic (events {events})");
@@ -523,7 +586,8 @@ mod tests {
         use crate::gather::{Calibration, GatherConfig, GatherMode, GatherState, Point};
         let split = GatherConfig { split_streams: 4, ..GatherConfig::default() };
         let (api, engine) = simulated(usize::MAX, true, false);
-        let p = |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0, ..Point::default() };
+        let p =
+            |page| Point { page, d2h_ce_gbps: 10.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 10.0, h2d_kernel_gbps: 40.0, ..Point::default() };
         let calibration = Calibration::from_points(vec![p(4096), p(16384)], 8);
         assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration })).is_ok());
         let total = 4 << 20;
@@ -597,17 +661,27 @@ mod tests {
         let mut items = Vec::new();
         for l in 0..layers {
             for o in 0..objects {
-                items.push(Item { host: host_ptr.wrapping_add((o * layers + l) * page), device: dev[(l * objects + o) * page..].as_ptr() as u64, len: page });
+                items.push(Item {
+                    host: host_ptr.wrapping_add((o * layers + l) * page),
+                    device: dev[(l * objects + o) * page..].as_ptr() as u64,
+                    len: page,
+                });
             }
         }
-        let cfg = EngineConfig { gather: GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() }, stage_bytes: 1 << 20, ..Default::default() };
+        let cfg = EngineConfig {
+            gather: GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() },
+            stage_bytes: 1 << 20,
+            ..Default::default()
+        };
         let run = |dir: Dir, items: Vec<Item>, cfg: EngineConfig| {
             let mut a = args();
             a.dir = dir;
             a.engine = cfg;
             let (k0, c0, s0) = (api.kernels.load(Ordering::Relaxed), api.copies.load(Ordering::Relaxed), api.joins.load(Ordering::Relaxed));
             // SAFETY: items point into `dev`/`host`, alive for the call.
-            let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+            let r = unsafe {
+                engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {})
+            };
             assert!(r.is_ok(), "{r:?}");
             (api.kernels.load(Ordering::Relaxed) - k0, api.copies.load(Ordering::Relaxed) - c0, api.joins.load(Ordering::Relaxed) - s0)
         };
@@ -626,7 +700,8 @@ mod tests {
         check(&host);
         // Load back into a cleared device copy: scatter per chunk.
         let mut dev2 = vec![0u8; total];
-        let back: Vec<Item> = items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
+        let back: Vec<Item> =
+            items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
         let (k, c, chunks) = run(Dir::HostToDevice, back, cfg);
         assert_eq!((k, c, chunks), (6, 6, 6));
         assert_eq!(dev2, dev, "loaded bytes");
@@ -648,17 +723,34 @@ mod tests {
         // Auto on a GPU whose calibration found staging fastest for 4 KiB stores only
         // (loads: the direct kernel won): stores stage, loads take the kernel, and a
         // forced mode overrides the calibration.
-        let point = Point { page, d2h_ce_gbps: 5.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 5.0, h2d_kernel_gbps: 40.0, d2h_staged_gbps: 50.0, h2d_staged_gbps: 30.0 };
+        let point = Point {
+            page,
+            d2h_ce_gbps: 5.0,
+            d2h_kernel_gbps: 40.0,
+            h2d_ce_gbps: 5.0,
+            h2d_kernel_gbps: 40.0,
+            d2h_staged_gbps: 50.0,
+            h2d_staged_gbps: 30.0,
+        };
         let (api2, engine2) = simulated(usize::MAX, true, false);
         assert!(engine2.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![point], 8) })).is_ok());
         let run2 = |dir: Dir, items: Vec<Item>, mode: GatherMode| {
             let mut a = args();
             a.dir = dir;
             a.engine = EngineConfig { gather: GatherConfig { mode, ..GatherConfig::default() }, ..cfg };
-            let (k0, c0, s0) = (api2.kernels.load(Ordering::Relaxed), api2.copies.load(Ordering::Relaxed), api2.joins.load(Ordering::Relaxed));
+            let (k0, c0, s0) =
+                (api2.kernels.load(Ordering::Relaxed), api2.copies.load(Ordering::Relaxed), api2.joins.load(Ordering::Relaxed));
             let registered = [(host_ptr as usize, host_ptr as usize + total)];
             // SAFETY: items point into `dev`/`host`, alive for the call.
-            let r = unsafe { engine2.run(&api2, &Call { args: &a, stages: 1, signal: false, ranges: &registered }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+            let r = unsafe {
+                engine2.run(
+                    &api2,
+                    &Call { args: &a, stages: 1, signal: false, ranges: &registered },
+                    items,
+                    &mut |_, _| Ok(()),
+                    &mut |_| {},
+                )
+            };
             assert!(r.is_ok(), "{r:?}");
             (api2.kernels.load(Ordering::Relaxed) - k0, api2.copies.load(Ordering::Relaxed) - c0, api2.joins.load(Ordering::Relaxed) - s0)
         };
@@ -667,7 +759,8 @@ mod tests {
         assert_eq!(run2(Dir::DeviceToHost, items.clone(), GatherMode::Auto), (6, 6, 6), "auto store: staged");
         check(&host);
         dev2.fill(0);
-        let back2: Vec<Item> = items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
+        let back2: Vec<Item> =
+            items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
         let (k, c, chunks) = run2(Dir::HostToDevice, back2, GatherMode::Auto);
         assert_eq!((c, chunks), (0, 0), "auto load: the direct kernel, no staging");
         assert!(k > 0);
@@ -685,17 +778,29 @@ mod tests {
     fn unstaged_copies_keep_the_configured_streams_where_staging_is_calibrated() {
         use crate::gather::{Calibration, GatherState, Point};
         let (api, engine) = simulated(usize::MAX, true, false);
-        let point = Point { page: 4096, d2h_ce_gbps: 5.0, d2h_kernel_gbps: 40.0, h2d_ce_gbps: 5.0, h2d_kernel_gbps: 40.0, d2h_staged_gbps: 50.0, h2d_staged_gbps: 50.0 };
+        let point = Point {
+            page: 4096,
+            d2h_ce_gbps: 5.0,
+            d2h_kernel_gbps: 40.0,
+            h2d_ce_gbps: 5.0,
+            h2d_kernel_gbps: 40.0,
+            d2h_staged_gbps: 50.0,
+            h2d_staged_gbps: 50.0,
+        };
         assert!(engine.gather.set(Some(GatherState { kernel: 1, calibration: Calibration::from_points(vec![point], 8) })).is_ok());
         let (pages, page) = (64usize, 64usize << 10);
         let src: Vec<u8> = (0..pages * page).map(|i| (i % 253) as u8).collect();
         let mut dst = vec![0u8; src.len()];
         let dst_ptr = dst.as_mut_ptr();
         // Pages in reverse order on the host side: 64 copies, none contiguous with the next.
-        let items: Vec<Item> = (0..pages).map(|i| Item { host: dst_ptr.wrapping_add((pages - 1 - i) * page), device: src[i * page..].as_ptr() as u64, len: page }).collect();
+        let items: Vec<Item> = (0..pages)
+            .map(|i| Item { host: dst_ptr.wrapping_add((pages - 1 - i) * page), device: src[i * page..].as_ptr() as u64, len: page })
+            .collect();
         let registered = [(dst_ptr as usize, dst_ptr as usize + dst.len())];
         // SAFETY: items point into `src`/`dst`, alive for the call.
-        let r = unsafe { engine.run(&api, &Call { args: &args(), stages: 1, signal: false, ranges: &registered }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+        let r = unsafe {
+            engine.run(&api, &Call { args: &args(), stages: 1, signal: false, ranges: &registered }, items, &mut |_, _| Ok(()), &mut |_| {})
+        };
         assert!(r.is_ok(), "{r:?}");
         for i in 0..pages {
             assert_eq!(&dst[(pages - 1 - i) * page..(pages - i) * page], &src[i * page..(i + 1) * page], "page {i}");
@@ -718,22 +823,32 @@ mod tests {
         let mut host = vec![0u8; pages * page];
         let host_ptr = host.as_mut_ptr();
         // Device pages in reverse order, host packed: one contiguous host run.
-        let items: Vec<Item> = (0..pages).map(|i| Item { host: host_ptr.wrapping_add(i * page), device: dev[(pages - 1 - i) * page..].as_ptr() as u64, len: page }).collect();
+        let items: Vec<Item> = (0..pages)
+            .map(|i| Item { host: host_ptr.wrapping_add(i * page), device: dev[(pages - 1 - i) * page..].as_ptr() as u64, len: page })
+            .collect();
         let mut a = args();
-        a.engine = EngineConfig { gather: GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() }, stage_bytes: 1 << 20, ..Default::default() };
+        a.engine = EngineConfig {
+            gather: GatherConfig { mode: GatherMode::Staged, ..GatherConfig::default() },
+            stage_bytes: 1 << 20,
+            ..Default::default()
+        };
         let k0 = api.kernels.load(Ordering::Relaxed);
         // SAFETY: items point into `dev`/`host`, alive for the call.
-        let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items.clone(), &mut |_, _| Ok(()), &mut |_| {}) };
+        let r = unsafe {
+            engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, items.clone(), &mut |_, _| Ok(()), &mut |_| {})
+        };
         assert!(r.is_ok(), "{r:?}");
         assert!(api.kernels.load(Ordering::Relaxed) > k0, "staged: the gather kernel ran");
         for i in 0..pages {
             assert_eq!(&host[i * page..(i + 1) * page], &dev[(pages - 1 - i) * page..(pages - i) * page], "page {i}");
         }
         let mut dev2 = vec![0u8; dev.len()];
-        let back: Vec<Item> = items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
+        let back: Vec<Item> =
+            items.iter().map(|it| Item { device: it.device - dev.as_ptr() as u64 + dev2.as_mut_ptr() as u64, ..*it }).collect();
         a.dir = Dir::HostToDevice;
         // SAFETY: as above.
-        let r = unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, back, &mut |_, _| Ok(()), &mut |_| {}) };
+        let r =
+            unsafe { engine.run(&api, &Call { args: &a, stages: 1, signal: false, ranges: &[] }, back, &mut |_, _| Ok(()), &mut |_| {}) };
         assert!(r.is_ok(), "{r:?}");
         assert_eq!(dev2, dev, "loaded bytes");
         let _ = &mut host;
@@ -755,7 +870,9 @@ mod tests {
         tuned.engine.batch_max = 20;
         tuned.engine.batch = false;
         // SAFETY: items point into `src`/`dst`, alive for the call.
-        let r = unsafe { engine.run(&api, &Call { args: &tuned, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {}) };
+        let r = unsafe {
+            engine.run(&api, &Call { args: &tuned, stages: 1, signal: false, ranges: &[] }, items, &mut |_, _| Ok(()), &mut |_| {})
+        };
         assert!(r.is_ok(), "{r:?}");
         assert_eq!(dst, src);
         assert_eq!(api.streams_made.load(Ordering::Relaxed), 3, "streams of the config");

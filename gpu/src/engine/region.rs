@@ -43,7 +43,14 @@ impl<A: DeviceApi> GpuRegion<A> {
     /// Host ranges of all ops are valid (writable for DeviceToHost) for the call.
     unsafe fn run_one(&self, ops: &[CopyOp], host_base: *mut u8, dir: Dir) -> Result<(), GpuError> {
         let part = [Part { region: self, ops }];
-        let args = TransferArgs { dir, host_base, fence: Fence::None, fence_timeout: crate::fence::FENCE_TIMEOUT, keep_waiting: &|| true, engine: EngineConfig::default() };
+        let args = TransferArgs {
+            dir,
+            host_base,
+            fence: Fence::None,
+            fence_timeout: crate::fence::FENCE_TIMEOUT,
+            keep_waiting: &|| true,
+            engine: EngineConfig::default(),
+        };
         let mut group = Group::new(1);
         // SAFETY: forwarded caller contract.
         unsafe { self.transfer_group(&args, &part, 0, &mut group) };
@@ -84,9 +91,9 @@ impl<A: DeviceApi> RegionHooks for GpuRegion<A> {
         let ranges = self.shared.host_ranges.read().unwrap_or_else(|e| e.into_inner()).clone();
         let push_stage = |stage: &StagePlan<'r>, items: &mut Vec<Item>| -> Result<(), GpuError> {
             for (region, ops) in stage {
-                let r = self.same_engine(*region).ok_or_else(|| {
-                    GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into())
-                })?;
+                let r = self
+                    .same_engine(*region)
+                    .ok_or_else(|| GpuError::Unsupported("a pipelined transfer's stages must all be on one GPU".into()))?;
                 push_ops(items, args.host_base, r.device_ptr, ops, r.alloc_id, r.len, &ranges, SPLIT_BYTES)?;
             }
             Ok(())

@@ -7,7 +7,6 @@ use std::sync::Mutex;
 use super::{DeviceApi, Dir, Engine, Item};
 use crate::{GpuError, MemoryKind};
 
-
 /// A CPU stand-in for a GPU driver (no GPU on the machines that run the unit tests; the
 /// real driver path runs on the device machine): "device" addresses are host
 /// addresses, copies happen at once, events are done when recorded unless
@@ -90,7 +89,11 @@ impl DeviceApi for SimulatedDevice {
         Ok(())
     }
     fn create_event(&self) -> Result<usize, GpuError> {
-        if self.events { Ok(0) } else { Err(GpuError::Unsupported("no events".into())) }
+        if self.events {
+            Ok(0)
+        } else {
+            Err(GpuError::Unsupported("no events".into()))
+        }
     }
     fn record(&self, _: usize, _: usize) -> Result<(), GpuError> {
         Ok(())
@@ -159,11 +162,19 @@ impl DeviceApi for SimulatedDevice {
         unsafe { self.free_mapped(ptr as *mut u8) };
     }
     fn wait_event(&self, _: usize, _: usize) -> Result<(), GpuError> {
-        if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
+        if self.events {
+            Ok(())
+        } else {
+            Err(GpuError::Unsupported("SIM: events off".into()))
+        }
     }
     fn join(&self, _: usize, _: usize, _: usize) -> Result<(), GpuError> {
         self.joins.fetch_add(1, Ordering::Relaxed);
-        if self.events { Ok(()) } else { Err(GpuError::Unsupported("SIM: events off".into())) }
+        if self.events {
+            Ok(())
+        } else {
+            Err(GpuError::Unsupported("SIM: events off".into()))
+        }
     }
     unsafe fn free_mapped(&self, ptr: *mut u8) {
         // SAFETY: from aligned_alloc in alloc_mapped.
@@ -190,4 +201,3 @@ pub(super) fn simulated(fail_len: usize, events: bool, events_lag: bool) -> (Sim
     let engine = Engine::new(0, [7; 16], (), false);
     (api, engine)
 }
-

@@ -96,8 +96,6 @@ mod uuid_hex {
         if s.len() != 32 {
             return Err(D::Error::custom(format!("device_uuid {s:?}: not 32 hex digits")));
         }
-        u128::from_str_radix(&s, 16)
-            .map(u128::to_be_bytes)
-            .map_err(|_| D::Error::custom(format!("device_uuid {s:?}: not 32 hex digits")))
+        u128::from_str_radix(&s, 16).map(u128::to_be_bytes).map_err(|_| D::Error::custom(format!("device_uuid {s:?}: not 32 hex digits")))
     }
 }

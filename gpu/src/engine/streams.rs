@@ -84,7 +84,6 @@ impl<A: DeviceApi> Engine<A> {
         });
     }
 
-
     /// Makes sure `set` has staging buffers of `chunk` bytes (reallocated if the size
     /// changed), reset for a new call; false (with a log) where they cannot be had.
     ///

@@ -39,11 +39,7 @@ impl Peer {
             .expect("spawn child test process");
         let stdin = child.stdin.take().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
-        Peer {
-            child,
-            stdin,
-            stdout,
-        }
+        Peer { child, stdin, stdout }
     }
 
     pub fn pid(&self) -> u32 {
@@ -105,43 +101,27 @@ pub fn serve(mut check: impl FnMut(u8) -> String) {
 
 /// Byte `i` of test pattern `seed`: varies with both so a shifted or stale copy shows.
 pub fn pattern(seed: u8, i: usize) -> u8 {
-    (i as u32)
-        .wrapping_mul(2_654_435_761)
-        .rotate_left(seed as u32 % 32)
-        .wrapping_add(seed as u32) as u8
-        ^ (i >> 12) as u8
+    (i as u32).wrapping_mul(2_654_435_761).rotate_left(seed as u32 % 32).wrapping_add(seed as u32) as u8 ^ (i >> 12) as u8
 }
 
 pub fn fill(buf: &mut [u8], seed: u8) {
-    buf.iter_mut()
-        .enumerate()
-        .for_each(|(i, b)| *b = pattern(seed, i));
+    buf.iter_mut().enumerate().for_each(|(i, b)| *b = pattern(seed, i));
 }
 
 /// `OK`, or the first mismatching index.
 pub fn check(buf: &[u8], seed: u8) -> String {
-    match buf
-        .iter()
-        .enumerate()
-        .position(|(i, &b)| b != pattern(seed, i))
-    {
+    match buf.iter().enumerate().position(|(i, &b)| b != pattern(seed, i)) {
         None => "OK".into(),
         Some(i) => format!("BAD at {i}: {} != {}", buf[i], pattern(seed, i)),
     }
 }
 
 pub fn reg_to_hex(reg: &MemoryRegistration) -> String {
-    bytemuck::bytes_of(reg)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    bytemuck::bytes_of(reg).iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub fn reg_from_hex(hex: &str) -> MemoryRegistration {
-    let bytes: Vec<u8> = (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
-        .collect();
+    let bytes: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
     bytemuck::pod_read_unaligned(&bytes)
 }
 
@@ -155,20 +135,10 @@ impl PoolMem {
     pub fn new(len: usize) -> PoolMem {
         // SAFETY: a fresh private anonymous mapping.
         let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
         };
         assert_ne!(ptr, libc::MAP_FAILED);
-        PoolMem {
-            ptr: ptr.cast(),
-            len,
-        }
+        PoolMem { ptr: ptr.cast(), len }
     }
 
     pub fn ptr(&self) -> *mut u8 {
@@ -195,12 +165,7 @@ impl Drop for PoolMem {
 
 /// One op over the first `len` bytes of both registration `alloc_id` and the host memory.
 pub fn op_from_start(alloc_id: u32, len: u64) -> CopyOp {
-    CopyOp {
-        alloc_id,
-        device_offset: 0,
-        host_offset: 0,
-        len,
-    }
+    CopyOp { alloc_id, device_offset: 0, host_offset: 0, len }
 }
 
 /// Ops that copy the first `len` bytes of registration `alloc_id` in 64 KiB pages to the
@@ -209,14 +174,7 @@ pub fn op_from_start(alloc_id: u32, len: u64) -> CopyOp {
 pub fn reversed_pages(alloc_id: u32, len: u64, host_base: u64) -> Vec<CopyOp> {
     let page = 64 * 1024u64;
     let pages = len / page;
-    (0..pages)
-        .map(|p| CopyOp {
-            alloc_id,
-            device_offset: p * page,
-            host_offset: host_base + (pages - 1 - p) * page,
-            len: page,
-        })
-        .collect()
+    (0..pages).map(|p| CopyOp { alloc_id, device_offset: p * page, host_offset: host_base + (pages - 1 - p) * page, len: page }).collect()
 }
 
 /// After `ops` were copied to `host` from a registration holding pattern `seed`: asserts
@@ -224,10 +182,7 @@ pub fn reversed_pages(alloc_id: u32, len: u64, host_base: u64) -> Vec<CopyOp> {
 pub fn assert_copied_to_host(host: &[u8], ops: &[CopyOp], seed: u8) {
     for (n, op) in ops.iter().enumerate() {
         let (dst, src) = (op.host_offset as usize, op.device_offset as usize);
-        assert!(
-            (0..op.len as usize).all(|i| host[dst + i] == pattern(seed, src + i)),
-            "op {n}"
-        );
+        assert!((0..op.len as usize).all(|i| host[dst + i] == pattern(seed, src + i)), "op {n}");
     }
 }
 

@@ -451,7 +451,12 @@ pub fn parse_copy_kernel(key: &str, value: &str) -> Result<umbp_gpu::GatherMode,
         "kernel" => GatherMode::Kernel,
         "copy-engine" => GatherMode::CopyEngine,
         "staged" => GatherMode::Staged,
-        _ => return Err(ConfigError::Invalid { key: key.into(), message: format!("{value:?}: expected auto, kernel, copy-engine or staged") }),
+        _ => {
+            return Err(ConfigError::Invalid {
+                key: key.into(),
+                message: format!("{value:?}: expected auto, kernel, copy-engine or staged"),
+            })
+        }
     })
 }
 
@@ -527,9 +532,7 @@ fn unsafe_zeroed_group() -> libc::group {
 /// uid may attach with.
 pub fn parse_namespace_acl(key: &str, value: &str) -> Result<(u32, Vec<u128>), ConfigError> {
     let bad = |message: String| ConfigError::Invalid { key: key.into(), message };
-    let (uid, list) = value
-        .split_once(':')
-        .ok_or_else(|| bad(format!("{value:?}: expected UID:NSHEX[,NSHEX...]")))?;
+    let (uid, list) = value.split_once(':').ok_or_else(|| bad(format!("{value:?}: expected UID:NSHEX[,NSHEX...]")))?;
     let uid: u32 = uid.trim().parse().map_err(|_| bad(format!("{uid:?} is not a numeric uid")))?;
     let mut namespaces = Vec::new();
     for ns in list.split(',') {
@@ -737,7 +740,10 @@ mod tests {
         assert_eq!((d.copy_stage_growth_percent, DEFAULT_COPY_STAGE_GROWTH_PERCENT), (AUTO_COPY_STAGE_GROWTH, AUTO_COPY_STAGE_GROWTH));
         assert_eq!((d.promotion_ahead_bytes, DEFAULT_PROMOTION_AHEAD_BYTES), (size(&PROMOTION_AHEAD), size(&PROMOTION_AHEAD)));
         assert_eq!(IDLE_POLL_US.default, Some("auto"));
-        assert_eq!((d.idle_poll, DEFAULT_IDLE_POLL), (IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX }, IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX }));
+        assert_eq!(
+            (d.idle_poll, DEFAULT_IDLE_POLL),
+            (IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX }, IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX })
+        );
         assert_eq!(d.engine, umbp_gpu::EngineConfig::default(), "the GPU engine's own defaults agree with the table");
         assert_eq!(
             (d.engine.streams as u64, d.engine.batch, d.engine.batch_max as u64, d.engine.parallel_submit),
@@ -766,13 +772,26 @@ mod tests {
         );
         let c = &d.control;
         assert_eq!(
-            (c.handshake_timeout.as_millis() as u64, c.message_timeout.as_millis() as u64, c.max_handshakes as u64, c.handshakes_per_uid as u64, c.fd_reserve),
-            (number(&HANDSHAKE_TIMEOUT_MS), number(&CONTROL_TIMEOUT_MS), number(&MAX_HANDSHAKES), number(&MAX_HANDSHAKES_PER_UID), number(&FD_RESERVE))
+            (
+                c.handshake_timeout.as_millis() as u64,
+                c.message_timeout.as_millis() as u64,
+                c.max_handshakes as u64,
+                c.handshakes_per_uid as u64,
+                c.fd_reserve
+            ),
+            (
+                number(&HANDSHAKE_TIMEOUT_MS),
+                number(&CONTROL_TIMEOUT_MS),
+                number(&MAX_HANDSHAKES),
+                number(&MAX_HANDSHAKES_PER_UID),
+                number(&FD_RESERVE)
+            )
         );
         assert_eq!((d.namespace_share, d.lease_share), (fraction(&NAMESPACE_SHARE), fraction(&LEASE_SHARE)));
         // The SSD tier: unset settings take the table's defaults, which the store's own agree with.
         let dir = tempfile::tempdir().unwrap();
-        let s = SsdSettings { dirs: vec![dir.path().into()], capacity_bytes: Some(4 << 30), ..Default::default() }.resolve().unwrap().unwrap();
+        let s =
+            SsdSettings { dirs: vec![dir.path().into()], capacity_bytes: Some(4 << 30), ..Default::default() }.resolve().unwrap().unwrap();
         let own = umbp_ssd::SsdConfig::default();
         assert_eq!((s.high_watermark, s.low_watermark), (fraction(&SSD_HIGH_WM), fraction(&SSD_LOW_WM)));
         assert_eq!((s.high_watermark, s.low_watermark), (own.high_watermark, own.low_watermark));

@@ -108,7 +108,8 @@ impl ObjectStore {
                 (g.index.len(), Self::index_mark(g, p.index_low_wm))
             };
             let want = len.saturating_sub(low).min((budget - n) as u64) as usize;
-            let victims = if want == 0 { Vec::new() } else { self.pick_lru(Victims::Group(*group), now, cursor, |_, chosen| chosen >= want) };
+            let victims =
+                if want == 0 { Vec::new() } else { self.pick_lru(Victims::Group(*group), now, cursor, |_, chosen| chosen >= want) };
             let k = self.drop_victims(victims);
             self.index_evictions += k as u64;
             n += k;

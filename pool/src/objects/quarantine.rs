@@ -130,6 +130,12 @@ impl Quarantine {
     }
 
     pub fn stats(&self) -> QuarantineStats {
-        QuarantineStats { bytes: self.bytes, ranges: self.ranges.len() as u64, reclaimed_bytes: self.reclaimed_bytes, max_bytes: self.max_bytes.unwrap_or(0), refusals: self.refusals }
+        QuarantineStats {
+            bytes: self.bytes,
+            ranges: self.ranges.len() as u64,
+            reclaimed_bytes: self.reclaimed_bytes,
+            max_bytes: self.max_bytes.unwrap_or(0),
+            refusals: self.refusals,
+        }
     }
 }

@@ -40,8 +40,7 @@ pub struct RawPeer {
 }
 
 pub fn handshake(sock: &UnixStream, hello: &Hello) -> Result<(HelloReply, Vec<OwnedFd>), String> {
-    send_message(sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(Duration::from_secs(5)))
-        .map_err(|e| e.to_string())?;
+    send_message(sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
     let m = recv_message(sock, Some(Duration::from_secs(5))).map_err(|e| e.to_string())?;
     assert_eq!(m.kind, MessageKind::HelloReply);
     let reply: HelloReply = wire::decode(&m.payload).unwrap();
@@ -84,16 +83,12 @@ impl RawPeer {
 
     pub fn sq(&self) -> Producer<'_, Sqe> {
         // SAFETY: the section lies inside our mapping (AttachmentLayout from the reply).
-        unsafe { Ring::<Sqe>::attach(self.rings.as_ptr().add(self.layout.sq_offset), self.layout.sq_bytes()) }
-            .unwrap()
-            .producer()
+        unsafe { Ring::<Sqe>::attach(self.rings.as_ptr().add(self.layout.sq_offset), self.layout.sq_bytes()) }.unwrap().producer()
     }
 
     pub fn cq(&self) -> Consumer<'_, Cqe> {
         // SAFETY: as above.
-        unsafe { Ring::<Cqe>::attach(self.rings.as_ptr().add(self.layout.cq_offset), self.layout.cq_bytes()) }
-            .unwrap()
-            .consumer()
+        unsafe { Ring::<Cqe>::attach(self.rings.as_ptr().add(self.layout.cq_offset), self.layout.cq_bytes()) }.unwrap().consumer()
     }
 
     pub fn arena(&self) -> umbp_protocol::arena::Arena {

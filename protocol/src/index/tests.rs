@@ -219,7 +219,10 @@ fn home_mix_spreads_structured_keys() {
             Box::new(ObjectKey),
             Box::new(|i| ObjectKey(i << 64)),
             // v2 colliders: lo ^ rotl(hi, 32) constant.
-            Box::new(|i| { let hi = i as u64; ObjectKey(((hi.rotate_left(32) ^ 0xabc) as u128) | ((hi as u128) << 64)) }),
+            Box::new(|i| {
+                let hi = i as u64;
+                ObjectKey(((hi.rotate_left(32) ^ 0xabc) as u128) | ((hi as u128) << 64))
+            }),
         ];
         for f in &families {
             let mut used = std::collections::HashSet::new();

@@ -112,9 +112,8 @@ fn exec_swap(socket: &std::path::Path, victim: &std::path::Path, addr: u64, befo
         // The process the pool knows by SO_PEERCRED becomes the victim.
         // SAFETY: dup2 onto stdout; the pipe's write end stays CLOEXEC-free on fd 1.
         unsafe { libc::dup2(p[1], 1) };
-        let err = std::os::unix::process::CommandExt::exec(
-            std::process::Command::new(victim).args(["victim", "--addr", &addr.to_string()]),
-        );
+        let err =
+            std::os::unix::process::CommandExt::exec(std::process::Command::new(victim).args(["victim", "--addr", &addr.to_string()]));
         eprintln!("exec {}: {err}", victim.display());
         std::process::exit(4);
     }

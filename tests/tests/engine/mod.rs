@@ -93,4 +93,3 @@ pub fn keys(first: u128, n: u64) -> Vec<ObjectKey> {
 pub fn all(st: &[BlockStatus], s: BlockStatus) -> bool {
     st.iter().all(|x| *x == s)
 }
-

@@ -8,9 +8,9 @@ use std::time::Duration;
 
 use umbp_ipc::message::{recv_message, send_message};
 use umbp_ipc::SharedMemory;
+use umbp_pool::Report;
 use umbp_protocol::events::{EventLog, EventLogSnapshot};
 use umbp_protocol::index::{IndexSnapshot, IndexView, TABLES_OFFSET};
-use umbp_pool::Report;
 use umbp_protocol::wire::{self, Hello, HelloReply, MessageKind, Reply, Role};
 
 const TIMEOUT: Duration = Duration::from_secs(5);
@@ -41,14 +41,12 @@ impl Observer {
         })?;
         // As workers do: only a pool of our uid, root or UMBP_POOL_UID hears our Hello (a socket
         // another user put in place of the pool's learns nothing, docs/security.md item 4).
-        umbp_ipc::peer::check_pool_peer(std::os::fd::AsFd::as_fd(&sock), None)
-            .map_err(|e| format!("pool at {}: {e}", socket.display()))?;
+        umbp_ipc::peer::check_pool_peer(std::os::fd::AsFd::as_fd(&sock), None).map_err(|e| format!("pool at {}: {e}", socket.display()))?;
         let mut hello = Hello::new(Role::Observer, 0, std::process::id());
         // An observer submits nothing: ask for the smallest rings and arena the pool allows.
         hello.sq_entries = 1;
         hello.arena_bytes = 4096;
-        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(&hello), &[], Some(TIMEOUT))
-            .map_err(|e| at("sending Hello", &e))?;
+        send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(&hello), &[], Some(TIMEOUT)).map_err(|e| at("sending Hello", &e))?;
         let m = recv_message(&sock, Some(TIMEOUT)).map_err(|e| at("waiting for HelloReply", &e))?;
         if m.kind != MessageKind::HelloReply {
             return Err(at("unexpected answer", &format!("{:?}", m.kind)));
@@ -60,13 +58,9 @@ impl Observer {
         // fds: ring memfd (unused: observers submit nothing), index, doorbell, event log.
         let mut fds = m.fds.into_iter();
         let _ring = fds.next();
-        let index = fds
-            .next()
-            .and_then(|fd| SharedMemory::from_received(fd, TABLES_OFFSET, false).ok());
+        let index = fds.next().and_then(|fd| SharedMemory::from_received(fd, TABLES_OFFSET, false).ok());
         let _doorbell = fds.next();
-        let events = fds
-            .next()
-            .and_then(|fd| SharedMemory::from_received(fd, umbp_protocol::events::EVENT_ENTRIES_OFFSET, false).ok());
+        let events = fds.next().and_then(|fd| SharedMemory::from_received(fd, umbp_protocol::events::EVENT_ENTRIES_OFFSET, false).ok());
         Ok(Self { socket: socket.to_path_buf(), sock, reply, index, events })
     }
 

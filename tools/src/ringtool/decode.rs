@@ -12,8 +12,8 @@ use umbp_protocol::index::{SLOT_EMPTY, SLOT_FULL, SLOT_TOMBSTONE};
 use umbp_protocol::layout::Segment;
 use umbp_protocol::location::{self, Tier};
 use umbp_protocol::wire::{
-    self, encode_message, Hello, HelloReply, LayoutHeader, MemoryKind, MemoryRegistration,
-    MessageHeader, MessageKind, Reply, ReplyStatus, Role,
+    self, encode_message, Hello, HelloReply, LayoutHeader, MemoryKind, MemoryRegistration, MessageHeader, MessageKind, Reply, ReplyStatus,
+    Role,
 };
 use umbp_protocol::ObjectKey;
 
@@ -201,21 +201,40 @@ macro_rules! record {
     };
 }
 
-record!(sqe_json, sqe_from, Sqe { opcode, flags, group, count, user_data, refs_offset, status_offset, fence_value, fence_ref, state_offset, reserved });
+record!(
+    sqe_json,
+    sqe_from,
+    Sqe { opcode, flags, group, count, user_data, refs_offset, status_offset, fence_value, fence_ref, state_offset, reserved }
+);
 record!(cqe_json, cqe_from, Cqe { user_data, result, ok_count, failed_count, _pad, reserved });
 record!(blockref_json, blockref_from, BlockRef { key, block_id });
 record!(hint_json, hint_from, Hint { key });
-record!(hello_json, hello_from, Hello {
-    magic, protocol_version, role, pid, namespace, tp_rank, tp_size, dp_rank, sq_entries, arena_bytes, reserved
-});
-record!(hello_reply_json, hello_reply_from, HelloReply {
-    magic, protocol_version, status, attachment_id, sq_entries, cq_entries, hint_entries, pool_pid,
-    arena_bytes, ring_region_bytes, index_region_bytes, event_log_bytes, message
-});
+record!(
+    hello_json,
+    hello_from,
+    Hello { magic, protocol_version, role, pid, namespace, tp_rank, tp_size, dp_rank, sq_entries, arena_bytes, reserved }
+);
+record!(
+    hello_reply_json,
+    hello_reply_from,
+    HelloReply {
+        magic,
+        protocol_version,
+        status,
+        attachment_id,
+        sq_entries,
+        cq_entries,
+        hint_entries,
+        pool_pid,
+        arena_bytes,
+        ring_region_bytes,
+        index_region_bytes,
+        event_log_bytes,
+        message
+    }
+);
 record!(reply_json, reply_from, Reply { status, _pad, value, message });
-record!(memreg_json, memreg_from, MemoryRegistration {
-    kind, alloc_id, device_uuid, ipc_handle, address, offset, size, reserved
-});
+record!(memreg_json, memreg_from, MemoryRegistration { kind, alloc_id, device_uuid, ipc_handle, address, offset, size, reserved });
 record!(layout_header_json, layout_header_from, LayoutHeader { group, segment_count });
 record!(segment_json, segment_from, Segment { alloc_id, _pad, offset, block_stride, page_bytes, num_blocks });
 record!(message_header_json, message_header_from, MessageHeader { magic, kind, len, fd_count });
@@ -265,7 +284,11 @@ pub fn decode_one(ty: RecordType, bytes: &[u8]) -> Result<Value, String> {
         RecordType::Cqe => {
             let v: Cqe = pod(bytes)?;
             let mut m = cqe_json(&v);
-            let r = if v.result == 0 { "ok".to_string() } else { CqeError::from_result(v.result).map_or("unknown".into(), |e| format!("{e:?}")) };
+            let r = if v.result == 0 {
+                "ok".to_string()
+            } else {
+                CqeError::from_result(v.result).map_or("unknown".into(), |e| format!("{e:?}"))
+            };
             m.insert("result_name".into(), r.into());
             if let Some(b) = v.busy_reason() {
                 m.insert("busy_reason".into(), b.limit_name().into());
@@ -413,10 +436,7 @@ fn decode_message_bytes(bytes: &[u8]) -> Result<Value, String> {
 pub fn decode_all(ty: RecordType, bytes: &[u8]) -> Result<Vec<Value>, String> {
     let Some(size) = ty.size() else { return Ok(vec![decode_one(ty, bytes)?]) };
     if bytes.is_empty() || !bytes.len().is_multiple_of(size) {
-        return Err(format!(
-            "{} bytes is not a whole number of {ty:?} records ({size} bytes each)",
-            bytes.len()
-        ));
+        return Err(format!("{} bytes is not a whole number of {ty:?} records ({size} bytes each)", bytes.len()));
     }
     bytes.chunks_exact(size).map(|c| decode_one(ty, c)).collect()
 }
@@ -530,10 +550,7 @@ mod tests {
         assert_eq!(decode_one(RecordType::Cqe, bytemuck::bytes_of(&cqe)).unwrap()["result_name"], "Busy");
         let br = BlockRef::new(ObjectKey(0x0123_4567_89ab_cdef_fedc_ba98_7654_3210), 42);
         round_trip(RecordType::Blockref, bytemuck::bytes_of(&br));
-        assert_eq!(
-            decode_one(RecordType::Blockref, bytemuck::bytes_of(&br)).unwrap()["key_hex"],
-            "0123456789abcdeffedcba9876543210"
-        );
+        assert_eq!(decode_one(RecordType::Blockref, bytemuck::bytes_of(&br)).unwrap()["key_hex"], "0123456789abcdeffedcba9876543210");
         round_trip(RecordType::Hint, bytemuck::bytes_of(&Hint { key: [5, 6] }));
         let mut hello = Hello::new(Role::Scheduler, 0xabcdef, 1234);
         hello.tp_rank = 1;

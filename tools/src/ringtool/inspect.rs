@@ -91,10 +91,7 @@ pub fn inspect(path: &Path, events: usize, keys: usize) -> Result<Value, String>
     let map = ReadOnlyMap::open(path)?;
     let magic = map.u32_at(0);
     if magic != MAGIC {
-        return Err(format!(
-            "{}: not a UMBP region (first word {magic:#010x}, expected {MAGIC:#010x} \"UMBP\")",
-            path.display()
-        ));
+        return Err(format!("{}: not a UMBP region (first word {magic:#010x}, expected {MAGIC:#010x} \"UMBP\")", path.display()));
     }
     let word2 = map.u32_at(8);
     let common = json!({ "path": path.display().to_string(), "bytes": map.len, "seals": seals(path) });

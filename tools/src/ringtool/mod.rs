@@ -141,7 +141,11 @@ pub enum Cmd {
 pub const STDOUT_CLOSED: &str = "stdout closed";
 
 fn stdout_error(e: std::io::Error) -> String {
-    if e.kind() == std::io::ErrorKind::BrokenPipe { STDOUT_CLOSED.into() } else { format!("stdout: {e}") }
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        STDOUT_CLOSED.into()
+    } else {
+        format!("stdout: {e}")
+    }
 }
 
 /// Runs one command; the error text is printed after "ringtool: ".
@@ -246,7 +250,11 @@ fn watch(socket: &std::path::Path, interval: f64, count: Option<u64>, json: bool
         } else {
             let screen = view::watch_screen(&report, prev.as_ref().map(|(p, t)| (p, now - *t)), interval);
             // Clear and home the cursor on a terminal; separate screens with a rule otherwise.
-            if tty { format!("\x1b[H\x1b[2J{screen}") } else { format!("{screen}{}\n", "-".repeat(72)) }
+            if tty {
+                format!("\x1b[H\x1b[2J{screen}")
+            } else {
+                format!("{screen}{}\n", "-".repeat(72))
+            }
         };
         out.write_all(text.as_bytes()).and_then(|_| out.flush()).map_err(stdout_error)?;
         drop(out);

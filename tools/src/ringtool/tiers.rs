@@ -145,7 +145,12 @@ mod tests {
         assert!(!s.approximate && s.unreadable == 0);
         let j = s.to_json();
         assert_eq!(j["tiers"]["ssd"], 31);
-        let listed: Vec<_> = j["keys"].as_array().unwrap().iter().map(|k| (k["key"].as_str().unwrap().to_string(), k["tier"].as_str().unwrap().to_string())).collect();
+        let listed: Vec<_> = j["keys"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|k| (k["key"].as_str().unwrap().to_string(), k["tier"].as_str().unwrap().to_string()))
+            .collect();
         assert!(listed.contains(&(format!("{:032x}", 1005u128), "ssd".into())), "{listed:?}");
         assert!(listed.contains(&(format!("{:032x}", 1u128), "dram".into())));
         assert!(listed.contains(&(format!("{:032x}", 5000u128), "remote".into())));

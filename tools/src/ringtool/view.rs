@@ -2,9 +2,7 @@
 
 use std::time::Duration;
 
-use umbp_pool::pool_report::{
-    AttachmentReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, SsdReport, TenantReport,
-};
+use umbp_pool::pool_report::{AttachmentReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, SsdReport, TenantReport};
 
 pub fn bytes(n: f64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -75,8 +73,7 @@ fn devices_cell(a: &AttachmentReport) -> String {
 }
 
 fn namespaces_table(out: &mut String, namespaces: &[NamespaceReport]) {
-    let ns: Vec<Vec<String>> =
-        namespaces.iter().map(|n| vec![n.namespace.clone(), n.objects.to_string(), bytes(n.bytes as f64)]).collect();
+    let ns: Vec<Vec<String>> = namespaces.iter().map(|n| vec![n.namespace.clone(), n.objects.to_string(), bytes(n.bytes as f64)]).collect();
     out.push_str(&format!("NAMESPACES ({})\n", ns.len()));
     if !ns.is_empty() {
         out.push_str(&table(&["namespace", "objects", "bytes"], &ns, 2));
@@ -110,8 +107,21 @@ fn attachments_table(out: &mut String, attachments: &[AttachmentReport]) {
     if !atts.is_empty() {
         out.push_str(&table(
             &[
-                "id", "pid", "role", "namespace", "tp", "sq h/t", "cq h/t", "hints h/t", "inflight", "wakeup", "subm",
-                "blocks", "errors", "registered", "devices",
+                "id",
+                "pid",
+                "role",
+                "namespace",
+                "tp",
+                "sq h/t",
+                "cq h/t",
+                "hints h/t",
+                "inflight",
+                "wakeup",
+                "subm",
+                "blocks",
+                "errors",
+                "registered",
+                "devices",
             ],
             &atts,
             2,
@@ -177,10 +187,7 @@ pub fn dump(r: &PoolReport) -> String {
         p.published_objects,
         p.pinned_objects
     ));
-    out.push_str(&format!(
-        "  evictions {}  KV events written {} (log of {} entries)\n",
-        p.evictions, r.events.written, r.events.capacity
-    ));
+    out.push_str(&format!("  evictions {}  KV events written {} (log of {} entries)\n", p.evictions, r.events.written, r.events.capacity));
     out.push_str(&format!(
         "  idle poll {} (window now {:.0} µs)  submissions that found the pool asleep {} of {}\n",
         if p.idle_poll.is_empty() { "?" } else { &p.idle_poll },
@@ -211,12 +218,8 @@ pub fn dump(r: &PoolReport) -> String {
             ix.removes,
             ix.rebuilds
         ));
-        let hist: Vec<String> = ix
-            .probe_histogram
-            .iter()
-            .enumerate()
-            .map(|(i, n)| format!("{i}{}:{n}", if i == 7 { "+" } else { "" }))
-            .collect();
+        let hist: Vec<String> =
+            ix.probe_histogram.iter().enumerate().map(|(i, n)| format!("{i}{}:{n}", if i == 7 { "+" } else { "" })).collect();
         out.push_str(&format!("  probe lengths  {}\n", hist.join("  ")));
     }
     // With --namespace-acl: one index and event log per tenant group (the INDEX above is
@@ -334,11 +337,7 @@ pub fn rates(prev: &PoolReport, cur: &PoolReport, dt: Duration) -> Vec<(&'static
 
 /// One `watch` screen: rates first, then the dump.
 pub fn watch_screen(cur: &PoolReport, prev: Option<(&PoolReport, Duration)>, interval: Duration) -> String {
-    let mut out = format!(
-        "ringtool watch  (every {:.1} s, Ctrl-C to quit)  {}\n\nRATES\n",
-        interval.as_secs_f64(),
-        cur.socket
-    );
+    let mut out = format!("ringtool watch  (every {:.1} s, Ctrl-C to quit)  {}\n\nRATES\n", interval.as_secs_f64(), cur.socket);
     match prev {
         Some((p, dt)) => {
             let r = rates(p, cur, dt);

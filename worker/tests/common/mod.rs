@@ -344,7 +344,11 @@ fn execute(c: &Conn, s: &Shared, sqe: &Sqe) -> Cqe {
                     Some(buf) => {
                         // SAFETY: as above, reading the object's buffer.
                         let ok = ops.iter().all(|o| unsafe { c.regions[&o.alloc_id].copy_from_host(&[*o], buf.as_ptr()) }.is_ok());
-                        if ok { BlockStatus::Loaded } else { BlockStatus::Failed }
+                        if ok {
+                            BlockStatus::Loaded
+                        } else {
+                            BlockStatus::Failed
+                        }
                     }
                 },
                 Opcode::Nop => BlockStatus::Pending,

@@ -5,11 +5,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+#[cfg(doc)]
+use super::GatherMode;
 use super::{blocks_for, desc_pieces, Desc, DescBuf, GatherConfig, GatherState, ALIGN, LAUNCHED_PAGES, LAUNCHES, THREADS};
 #[cfg(doc)]
 use super::{build_descs, desc_count};
-#[cfg(doc)]
-use super::GatherMode;
 use crate::engine::api::DeviceApi;
 use crate::engine::item::Item;
 use crate::Dir;

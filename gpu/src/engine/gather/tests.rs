@@ -1,5 +1,5 @@
-use super::*;
 use super::staged::{average_host_run, by_page};
+use super::*;
 
 fn it(host: usize, device: u64, len: usize) -> Item {
     Item { host: host as *mut u8, device, len }
@@ -7,7 +7,14 @@ fn it(host: usize, device: u64, len: usize) -> Item {
 
 #[test]
 fn crossover_is_the_largest_page_where_the_kernel_wins() {
-    let p = |page, d2h_ce, d2h_k, h2d_ce, h2d_k| Point { page, d2h_ce_gbps: d2h_ce, d2h_kernel_gbps: d2h_k, h2d_ce_gbps: h2d_ce, h2d_kernel_gbps: h2d_k, ..Point::default() };
+    let p = |page, d2h_ce, d2h_k, h2d_ce, h2d_k| Point {
+        page,
+        d2h_ce_gbps: d2h_ce,
+        d2h_kernel_gbps: d2h_k,
+        h2d_ce_gbps: h2d_ce,
+        h2d_kernel_gbps: h2d_k,
+        ..Point::default()
+    };
     let c = Calibration::from_points(
         vec![p(4096, 5.0, 45.0, 5.0, 40.0), p(16384, 20.0, 48.0, 20.0, 30.0), p(65536, 50.0, 49.0, 50.0, 30.0)],
         8,
@@ -41,7 +48,7 @@ fn staging_is_chosen_where_it_beats_both_other_paths() {
     };
     let c = Calibration::from_points(
         vec![
-            p(4096, 5.0, 47.0, 52.0, 47.5),  // stores stage; loads: staging not 2% over the kernel
+            p(4096, 5.0, 47.0, 52.0, 47.5),   // stores stage; loads: staging not 2% over the kernel
             p(16384, 20.0, 50.0, 53.0, 53.0), // both stage
             p(65536, 51.0, 50.0, 53.0, 53.0), // staging only 4% over copy engines: not worth a kernel
         ],
