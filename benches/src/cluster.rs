@@ -8,7 +8,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -18,38 +18,11 @@ use umbp_cluster::membership::StaticPeers;
 use umbp_cluster::{transport, Cluster, ClusterConfig, FetchRequest};
 use umbp_protocol::ObjectKey;
 
+pub use crate::cluster_setup::ClusterCli;
+use crate::cluster_setup::{ucx_loopback_defaults, Holder};
 use crate::report::{Better, Case};
 
 pub const PEER_SUBCOMMAND: &str = "__cluster-peer";
-
-/// What to measure: a prefix of `prefix_tokens` tokens in blocks of `tokens_per_block`
-/// tokens of `token_bytes` each (default: Llama-3.1-8B bf16, 128 KiB of KV per token).
-#[derive(Debug, Clone, clap::Args)]
-pub struct ClusterCli {
-    #[arg(long, default_value_t = 10_000)]
-    pub prefix_tokens: u64,
-    #[arg(long, default_value_t = 16)]
-    pub tokens_per_block: u64,
-    #[arg(long, default_value_t = 128 << 10)]
-    pub token_bytes: u64,
-    /// Blocks per request (a load's stage: 64 MiB of 2 MiB blocks), for both paths.
-    #[arg(long, default_value_t = 32)]
-    pub batch: u64,
-    /// Timed rounds (each: the whole prefix raw, then through the cluster tier).
-    #[arg(long, default_value_t = 3)]
-    pub rounds: usize,
-    /// One JSON object per case and line.
-    #[arg(long)]
-    pub json: bool,
-    /// Skip the cases through real pools (cluster_pools.rs: a worker's remote restore and
-    /// the local lookup with remote entries present).
-    #[arg(long)]
-    pub no_pools: bool,
-    /// The loading pool's `promotion_ahead_bytes` in MiB (pipelined promotion; 0 = each
-    /// stage fetched only when the copy reaches it) [default: the pool's default].
-    #[arg(long, value_name = "MIB")]
-    pub promotion_ahead_mib: Option<u64>,
-}
 
 /// The hidden holder process.
 #[derive(Debug, Clone, clap::Args)]
@@ -60,14 +33,6 @@ pub struct ClusterPeerCli {
     pub objects: u64,
     #[arg(long)]
     pub object_bytes: u64,
-}
-
-pub(crate) fn ucx_loopback_defaults() {
-    if std::env::var_os("UCX_TLS").is_none() {
-        // SAFETY (of the env write): called before any thread or NIXL/UCX state exists.
-        std::env::set_var("UCX_TLS", "tcp,self");
-        std::env::set_var("UCX_NET_DEVICES", "lo");
-    }
 }
 
 fn cluster_cfg(secret: Secret) -> ClusterConfig {
@@ -91,14 +56,6 @@ impl ClusterPeerCli {
         loop {
             std::thread::sleep(Duration::from_secs(3600));
         }
-    }
-}
-
-pub(crate) struct Holder(pub(crate) Child);
-impl Drop for Holder {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
     }
 }
 

@@ -98,7 +98,7 @@ fn transfer(w: &mut Worker, store: bool, blocks: &[(ObjectKey, u64)]) -> Result<
 
 impl ClusterPoolPeerCli {
     pub fn run(self) -> std::io::Result<()> {
-        crate::cluster::ucx_loopback_defaults();
+        crate::cluster_setup::ucx_loopback_defaults();
         fn e(m: impl ToString) -> std::io::Error {
             std::io::Error::other(m.to_string())
         }
@@ -142,7 +142,7 @@ fn lookup_ns(idx: &mut IndexClient, keys: &[ObjectKey]) -> Result<(f64, f64), St
 }
 
 /// The pool-path cases; `a` as for the fetch-level cases.
-pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Result<Vec<Case>, String> {
+pub fn run(a: &crate::cluster_setup::ClusterCli, secret_path: &std::path::Path) -> Result<Vec<Case>, String> {
     let blocks = a.prefix_tokens.div_ceil(a.tokens_per_block.max(1));
     let block = a.tokens_per_block * a.token_bytes;
     let total = blocks * block;
@@ -156,7 +156,7 @@ pub fn run(a: &crate::cluster::ClusterCli, secret_path: &std::path::Path) -> Res
         .map_err(|e| e.to_string())?;
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;
-    let _holder = crate::cluster::Holder(child);
+    let _holder = crate::cluster_setup::Holder(child);
     let addr = line.strip_prefix("READY ").ok_or_else(|| format!("holder pool said {line:?}"))?.trim().to_string();
 
     let dir = tempfile::Builder::new().prefix("umbp-bench-cluster-b-").tempdir().map_err(|e| e.to_string())?;

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod cluster_pools;
+pub mod cluster_setup;
 pub mod index;
 pub mod lookup;
 pub mod multi_gpu;

@@ -7,9 +7,15 @@ use std::sync::Arc;
 
 use umbp_ipc::{SharedMemory, ShmError};
 use umbp_protocol::events::{self, EventKind, EventLog, EventLogWriter};
-use umbp_protocol::ProtocolError;
+use umbp_protocol::{ObjectKey, ProtocolError};
 
-use crate::objects::ObjectEvent;
+/// A key that left the pool or entered it, for KV events: what the object store hands the
+/// log (defined here, below the store, so the log needs nothing of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ObjectEvent {
+    Stored(ObjectKey),
+    Removed(ObjectKey),
+}
 
 /// Why the event log could not be created.
 #[derive(Debug, thiserror::Error)]

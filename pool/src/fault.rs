@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use umbp_protocol::ObjectKey;
 
-use crate::transfer::JobBlock;
+use crate::job_blocks::JobBlock;
 
 static PANIC_ON_COPY_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
 static PANIC_ON_PROMOTION_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);

@@ -2,7 +2,7 @@
 //! the hooks the pool's threads call are empty and inlined away, and nothing can arm a
 //! fault. The armable version is fault.rs.
 
-use crate::transfer::JobBlock;
+use crate::job_blocks::JobBlock;
 
 /// The hold points (see fault.rs); never held in this build.
 #[doc(hidden)]

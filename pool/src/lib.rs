@@ -30,6 +30,7 @@ pub use fault::{pass as pass_hold_point, HoldPoint};
 pub mod groups;
 mod heartbeat;
 mod idle_poll;
+mod job_blocks;
 mod liveness;
 mod metrics;
 mod objects;

@@ -30,66 +30,14 @@ use std::time::{Duration, Instant};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::ConstCounter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
-use umbp_protocol::entries::Opcode;
 use umbp_protocol::wire::Role;
 
 use crate::pool_report::{SsdReport, TierCounts};
 use crate::tier::TierSource;
 use crate::{PoolError, PoolInner};
-
-type OpLabel = [(&'static str, &'static str); 1];
-type HistogramFamily = Family<OpLabel, Histogram, fn() -> Histogram>;
-
-fn latency_histogram() -> Histogram {
-    // 1 µs .. ~8.4 s in powers of two.
-    Histogram::new(exponential_buckets(1e-6, 2.0, 24))
-}
-
-fn op_label(op: Opcode) -> OpLabel {
-    [("op", if op == Opcode::Store { "store" } else { "load" })]
-}
-
-/// Latency histograms, observed by the copy threads.
-pub struct Latencies {
-    /// Submission accepted by the service thread -> completion posted.
-    transfer: HistogramFamily,
-    /// Time inside the device backends' copy calls of one submission.
-    copy: HistogramFamily,
-}
-
-impl Default for Latencies {
-    fn default() -> Self {
-        let l = Self {
-            transfer: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
-            copy: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
-        };
-        // Both series exist from the start (zero counts), so dashboards need no special case.
-        for op in [Opcode::Store, Opcode::Load] {
-            let _ = l.transfer.get_or_create(&op_label(op));
-            let _ = l.copy.get_or_create(&op_label(op));
-        }
-        l
-    }
-}
-
-impl Latencies {
-    pub fn observe_transfer(&self, op: Opcode, seconds: f64) {
-        if op != Opcode::Nop {
-            self.transfer.get_or_create(&op_label(op)).observe(seconds);
-        }
-    }
-
-    pub fn observe_copy(&self, op: Opcode, seconds: f64) {
-        if op != Opcode::Nop {
-            self.copy.get_or_create(&op_label(op)).observe(seconds);
-        }
-    }
-}
 
 /// A connection's whole time: its request in, the answer out.
 pub const CONNECTION_DEADLINE: Duration = Duration::from_secs(2);

@@ -33,7 +33,7 @@ mod remote;
 mod tests;
 mod tiering;
 
-pub use events::ObjectEvent;
+pub use crate::event_log::ObjectEvent;
 use leases::{Lease, LeaseBook};
 pub use policy::Policy;
 pub use quarantine::{QuarantineStats, Writer};

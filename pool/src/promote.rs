@@ -36,8 +36,8 @@ use umbp_protocol::entries::BlockStatus;
 use umbp_protocol::location::Tier;
 
 use crate::attachment::Attachment;
+use crate::job_blocks::{Candidate, JobBlock};
 use crate::objects::GroupKey;
-use crate::transfer::{Candidate, JobBlock};
 use crate::PoolInner;
 
 /// The pool's promotion threads' side: where tickets go, and the look-ahead in DRAM.

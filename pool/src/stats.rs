@@ -2,6 +2,10 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use umbp_protocol::entries::Opcode;
+
 use crate::pool_report::{CountersReport, PhaseReport, Phases};
 
 #[derive(Default)]
@@ -34,7 +38,7 @@ pub struct Counters {
     pub store_phases: PhaseCounters,
     pub load_phases: PhaseCounters,
     /// Transfer and copy latency histograms (Prometheus).
-    pub latency: crate::metrics::Latencies,
+    pub latency: Latencies,
 }
 
 /// Time of the jobs of one direction, split by phase, in nanoseconds summed over jobs.
@@ -120,6 +124,55 @@ impl Counters {
             store_copy_ns: store.copy_ns,
             load_copy_ns: load.copy_ns,
             phases: Phases { store, load },
+        }
+    }
+}
+
+pub(crate) type OpLabel = [(&'static str, &'static str); 1];
+pub(crate) type HistogramFamily = Family<OpLabel, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 1 µs .. ~8.4 s in powers of two.
+    Histogram::new(exponential_buckets(1e-6, 2.0, 24))
+}
+
+fn op_label(op: Opcode) -> OpLabel {
+    [("op", if op == Opcode::Store { "store" } else { "load" })]
+}
+
+/// Latency histograms, observed by the copy threads.
+pub struct Latencies {
+    /// Submission accepted by the service thread -> completion posted.
+    pub(crate) transfer: HistogramFamily,
+    /// Time inside the device backends' copy calls of one submission.
+    pub(crate) copy: HistogramFamily,
+}
+
+impl Default for Latencies {
+    fn default() -> Self {
+        let l = Self {
+            transfer: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+            copy: Family::new_with_constructor(latency_histogram as fn() -> Histogram),
+        };
+        // Both series exist from the start (zero counts), so dashboards need no special case.
+        for op in [Opcode::Store, Opcode::Load] {
+            let _ = l.transfer.get_or_create(&op_label(op));
+            let _ = l.copy.get_or_create(&op_label(op));
+        }
+        l
+    }
+}
+
+impl Latencies {
+    pub fn observe_transfer(&self, op: Opcode, seconds: f64) {
+        if op != Opcode::Nop {
+            self.transfer.get_or_create(&op_label(op)).observe(seconds);
+        }
+    }
+
+    pub fn observe_copy(&self, op: Opcode, seconds: f64) {
+        if op != Opcode::Nop {
+            self.copy.get_or_create(&op_label(op)).observe(seconds);
         }
     }
 }

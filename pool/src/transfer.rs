@@ -13,40 +13,13 @@ use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
 use umbp_protocol::layout::{push_coalesced, CopyOp, KvLayout};
 use umbp_protocol::stage_split::{self, StageSplit};
 use umbp_protocol::transfer_state::TransferState;
-use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
 use crate::idle_poll;
+use crate::job_blocks::{Candidate, JobBlock};
 use crate::objects::{GroupKey, LoadReservation, StoreReservation};
 use crate::stats::Counters;
 use crate::PoolInner;
-
-/// A block of a submission that needs a copy, before its object is reserved.
-#[derive(Clone, Copy)]
-pub struct Candidate {
-    /// Position in the submission (and in `statuses`).
-    pub index: usize,
-    pub key: ObjectKey,
-    pub block_id: u64,
-}
-
-/// A block whose object is reserved (store) or pinned (load) for the copy.
-pub struct JobBlock {
-    /// Position in the submission (and in `statuses`).
-    pub index: usize,
-    pub key: ObjectKey,
-    /// The submitter's tenant group: the object is (group, key) in the store.
-    pub group: u32,
-    pub block_id: u64,
-    /// Object offset in DRAM.
-    pub offset: u64,
-}
-
-impl JobBlock {
-    fn object(&self) -> GroupKey {
-        GroupKey::new(self.group, self.key)
-    }
-}
 
 pub struct Job {
     pub att: Arc<Attachment>,

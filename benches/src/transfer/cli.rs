@@ -166,7 +166,7 @@ impl TransferCli {
         if args.sizes.contains(&0) {
             return Err("--sizes: object sizes are in MiB and must be at least 1".into());
         }
-        let cases = run(&args)?;
+        let cases = if args.multi_gpu { crate::multi_gpu::run(&args)? } else { run(&args)? };
         for (ordinal, c) in umbp_gpu::gather::calibrations() {
             eprintln!("page copy kernel calibration, GPU {ordinal}: {c:?}");
         }

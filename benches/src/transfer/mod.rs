@@ -180,16 +180,14 @@ fn scattered(count: u64, cache: u64) -> Vec<u64> {
     (0..count).map(|i| (i * step) % cache).collect()
 }
 
-/// Runs the benchmark or the checks.
+/// Runs the benchmark or the checks on one GPU (`--multi-gpu`: multi_gpu.rs, chosen by the
+/// command line).
 pub fn run(args: &TransferArgs) -> Result<Vec<Case>, String> {
     if args.backend == BackendArg::Cuda {
         let n = umbp_gpu::cuda::device_count().map_err(|e| format!("--backend cuda: {e}"))?;
         if n == 0 {
             return Err("--backend cuda: the CUDA driver sees no device".into());
         }
-    }
-    if args.multi_gpu {
-        return super::multi_gpu::run(args);
     }
     if args.check {
         return checks::checks(args);

@@ -4,23 +4,11 @@ use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, RwLock};
 
-use super::ipc_cache::{open_ipc_mappings, Holder, IpcKey, IpcMapping};
+use super::ipc_cache::Holder;
 use super::region::GpuRegion;
-use super::{lock, Bound, DeviceApi, Engine, EngineStats};
-use crate::error::format_uuid;
+use super::shared::Shared;
+use super::{lock, Bound, DeviceApi, EngineStats};
 use crate::{expect_kind, Backend, DeviceRegion, GpuError, MemoryKind, MemoryRegistration};
-
-pub(super) struct Shared<A: DeviceApi> {
-    pub(super) api: A,
-    pub(super) engines: Mutex<HashMap<[u8; 16], Arc<Engine<A>>>>,
-    /// Opened IPC handles. A worker often registers several tensors of one allocation (the
-    /// PyTorch caching allocator packs them), and opening one handle twice in a process is
-    /// an error with CUDA, so each handle is opened once and reference counted.
-    pub(super) ipc: Mutex<HashMap<IpcKey, IpcMapping>>,
-    /// Host ranges registered through this backend, sorted by start: copies are cut at
-    /// their ends, because a DMA straddling two registrations may be staged by the driver.
-    pub(super) host_ranges: RwLock<Vec<(usize, usize)>>,
-}
 
 /// [`Backend`] of a GPU kind.
 pub(crate) struct GpuBackend<A: DeviceApi> {
@@ -37,35 +25,6 @@ impl<A: DeviceApi> GpuBackend<A> {
                 host_ranges: RwLock::new(Vec::new()),
             }),
         }
-    }
-}
-
-impl<A: DeviceApi> Shared<A> {
-    fn engine_for(&self, uuid: &[u8; 16]) -> Result<Arc<Engine<A>>, GpuError> {
-        let mut engines = lock(&self.engines);
-        if let Some(e) = engines.get(uuid) {
-            return Ok(e.clone());
-        }
-        for ordinal in 0..self.api.device_count()? {
-            if &self.api.device_uuid(ordinal)? == uuid {
-                let dev = self.api.open_device(ordinal)?;
-                let engine = Arc::new(Engine::new(ordinal, *uuid, dev, true));
-                tracing::debug!(api = A::API, ordinal, uuid = %format_uuid(uuid), "opened transfer engine");
-                engines.insert(*uuid, engine.clone());
-                return Ok(engine);
-            }
-        }
-        Err(GpuError::DeviceNotFound { api: A::API, uuid: format_uuid(uuid) })
-    }
-
-    /// The engine used for host registration: any device will do because registrations are
-    /// portable; device 0 keeps it deterministic.
-    fn first_engine(&self) -> Result<Arc<Engine<A>>, GpuError> {
-        if self.api.device_count()? < 1 {
-            return Err(GpuError::Unsupported(format!("no {} device visible to the pool", A::API)));
-        }
-        let uuid = self.api.device_uuid(0)?;
-        self.engine_for(&uuid)
     }
 }
 
@@ -108,7 +67,7 @@ impl<A: DeviceApi> Backend for GpuBackend<A> {
     }
 
     fn open_mappings(&self) -> usize {
-        open_ipc_mappings(self)
+        self.shared.open_mappings()
     }
 
     fn engine_stats(&self) -> Vec<EngineStats> {
@@ -135,10 +94,10 @@ impl<A: DeviceApi> GpuBackend<A> {
         let _bound = Bound::new(&shared.api, &engine.dev)?;
         engine.calibrate_once(&shared.api, config);
         let (mapping, key) = if peer_pid == std::process::id() {
-            (self.local_mapping(reg)?, None)
+            (shared.local_mapping(reg)?, None)
         } else {
             let key = (holder, reg.device_uuid, reg.ipc_handle);
-            (self.ipc_mapping(reg, key)?, Some(key))
+            (shared.ipc_mapping(reg, key)?, Some(key))
         };
         let region = GpuRegion {
             shared: shared.clone(),
@@ -168,24 +127,63 @@ impl<A: DeviceApi> GpuBackend<A> {
     }
 }
 
-impl<A: DeviceApi> Drop for Shared<A> {
-    fn drop(&mut self) {
-        // Runs once no region is left (each holds the Arc); backends are cached for the
-        // life of the process, so in practice this is a test or teardown path.
-        let engines = std::mem::take(&mut *lock(&self.engines));
-        for engine in engines.values() {
-            if let Ok(_bound) = Bound::new(&self.api, &engine.dev) {
-                for mut set in lock(&engine.idle).drain(..) {
-                    // SAFETY: idle sets were synchronized before they were put back.
-                    unsafe { set.descs.free(&self.api) };
-                    if let Some(mut st) = set.staging.take() {
-                        // SAFETY: as above.
-                        unsafe { st.free(&self.api) };
-                    }
-                    set.streams.into_iter().for_each(|s| self.api.destroy_stream(s));
-                    set.events.into_iter().chain(set.stage_events).for_each(|e| self.api.destroy_event(e));
-                }
-            }
-        }
+#[cfg(test)]
+mod tests {
+    use super::super::sim::simulated;
+    use super::super::sim::SimulatedDevice;
+    use super::*;
+    use crate::{Backend, MemoryKind};
+    use std::sync::atomic::Ordering;
+
+    /// Issue #13 item 2 (run on the CPU stand-in, not on a GPU): a second process presenting
+    /// the same handle bytes must not reuse the first one's mapping without a driver call;
+    /// the same process re-registering (a reconnect) shares it.
+    #[test]
+    fn ipc_mappings_are_not_shared_between_peers() {
+        let (api, _) = simulated(usize::MAX, true, false);
+        let backend = GpuBackend::new(api);
+        let mut reg = crate::new_registration(MemoryKind::Cuda, 1, 0x1000, 0, 4096);
+        reg.device_uuid = [7; 16];
+        reg.ipc_handle = [42; 64];
+        let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
+        let peer = |pid: u32, attachment: u32| crate::Peer {
+            attachment,
+            pid,
+            pidfd: None,
+            verify: &|| Ok(()),
+            engine: crate::EngineConfig::default(),
+        };
+        let victim = backend.open_region_for(&reg, None, &peer(1_000_001, 1)).unwrap();
+        assert_eq!(opens(&backend), 1);
+        let again = backend.open_region_for(&reg, None, &peer(1_000_001, 2)).unwrap();
+        assert_eq!(opens(&backend), 1, "the same process re-registering shares its mapping");
+        let thief = backend.open_region_for(&reg, None, &peer(1_000_002, 3)).unwrap();
+        assert_eq!(opens(&backend), 2, "another peer's handle bytes were served from the cache without a driver call");
+        assert_eq!(backend.open_mappings(), 2);
+        drop((victim, again));
+        assert_eq!(backend.open_mappings(), 1, "the thief's mapping is its own");
+        drop(thief);
+        assert_eq!(backend.open_mappings(), 0);
+    }
+
+    /// Issue #32 item 5: every peer in another pid namespace reads as pid 0, so a cache by
+    /// pid let one such peer reuse another's mapping by presenting its handle bytes.
+    #[test]
+    fn peers_in_another_pid_namespace_do_not_share_ipc_mappings() {
+        let (api, _) = simulated(usize::MAX, true, false);
+        let backend = GpuBackend::new(api);
+        let mut reg = crate::new_registration(MemoryKind::Cuda, 1, 0x1000, 0, 4096);
+        reg.device_uuid = [7; 16];
+        reg.ipc_handle = [43; 64];
+        let opens = |b: &GpuBackend<SimulatedDevice>| b.shared.api.ipc_opens.load(Ordering::Relaxed);
+        let peer =
+            |attachment: u32| crate::Peer { attachment, pid: 0, pidfd: None, verify: &|| Ok(()), engine: crate::EngineConfig::default() };
+        let victim = backend.open_region_for(&reg, None, &peer(1)).unwrap();
+        let thief = backend.open_region_for(&reg, None, &peer(2)).unwrap();
+        assert_eq!(opens(&backend), 2, "a pid-0 peer's handle bytes were served from another pid-0 peer's mapping");
+        drop(victim);
+        assert_eq!(backend.open_mappings(), 1, "the thief's mapping is its own");
+        drop(thief);
+        assert_eq!(backend.open_mappings(), 0);
     }
 }

@@ -15,7 +15,8 @@
 //! |---|---|
 //! | `api.rs` | [`DeviceApi`]: the driver calls, one implementation per GPU API |
 //! | `backend.rs` | [`GpuBackend`]: devices, engines, host registrations, opening regions |
-//! | `ipc_cache.rs` | IPC mappings per (peer, device, handle), reference counted |
+//! | `shared.rs` | what a backend's regions share: engines per device, the IPC mapping cache, host ranges |
+//! | `ipc_cache.rs` | the IPC cache's key (peer, device, handle) and entry |
 //! | `region.rs` | [`region::GpuRegion`]: one opened allocation and its transfer hooks |
 //! | `pipeline.rs` | one copy call: fence wait, staged batched submission, fence signal, sync |
 //! | `streams.rs` | stream sets one copy call takes whole, their events |
@@ -36,6 +37,7 @@ mod ipc_cache;
 mod item;
 mod pipeline;
 mod region;
+mod shared;
 #[cfg(test)]
 mod sim;
 mod stats;

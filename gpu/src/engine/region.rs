@@ -4,10 +4,10 @@
 use std::any::Any;
 use std::sync::Arc;
 
-use super::backend::Shared;
 use super::batch::{push_ops, SPLIT_BYTES};
 use super::ipc_cache::IpcKey;
 use super::pipeline::Call;
+use super::shared::Shared;
 use super::{duplicate, DeviceApi, Dir, Engine, EngineConfig, Item};
 use crate::sealed::{Group, Pipelined, RegionHooks, Staged};
 use crate::{CopyOp, DeviceRegion, Fence, GpuError, MemoryKind, Part, StagePlan, TransferArgs};

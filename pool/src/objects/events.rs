@@ -2,16 +2,9 @@
 //! log and for the embedded pool's own engine.
 
 use umbp_protocol::location::Tier;
-use umbp_protocol::ObjectKey;
 
 use super::ObjectStore;
-
-/// A key that left the pool or entered it, for KV events.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ObjectEvent {
-    Stored(ObjectKey),
-    Removed(ObjectKey),
-}
+use crate::event_log::ObjectEvent;
 
 /// Events kept for observers before the oldest are dropped.
 const MAX_EVENTS: usize = 1 << 16;
