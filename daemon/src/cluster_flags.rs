@@ -149,22 +149,12 @@ mod tests {
         let def = ClusterConfig::new(String::new(), Secret::new(b"0123456789abcdef".to_vec()).unwrap());
         assert_eq!(
             (
-                d.max_pins_per_peer,
-                d.max_pinned_bytes_per_peer,
-                d.max_catalog_entries_per_group,
-                d.max_unauthenticated,
-                d.max_unauthenticated_per_source,
-                d.pin_lease_margin,
-                d.export_bytes
+                d.max_pins_per_peer, d.max_pinned_bytes_per_peer, d.max_catalog_entries_per_group, d.max_unauthenticated,
+                d.max_unauthenticated_per_source, d.pin_lease_margin, d.export_bytes
             ),
             (
-                def.max_pins_per_peer,
-                def.max_pinned_bytes_per_peer,
-                def.max_catalog_entries_per_group,
-                def.max_unauthenticated,
-                def.max_unauthenticated_per_source,
-                def.pin_lease_margin,
-                def.export_bytes
+                def.max_pins_per_peer, def.max_pinned_bytes_per_peer, def.max_catalog_entries_per_group, def.max_unauthenticated,
+                def.max_unauthenticated_per_source, def.pin_lease_margin, def.export_bytes
             ),
             "the flags' defaults are ClusterConfig's"
         );
@@ -187,13 +177,8 @@ mod tests {
         .unwrap();
         assert_eq!(
             (
-                c.max_pins_per_peer,
-                c.max_pinned_bytes_per_peer,
-                c.max_catalog_entries_per_group,
-                c.max_unauthenticated,
-                c.max_unauthenticated_per_source,
-                c.pin_lease_margin,
-                c.export_bytes
+                c.max_pins_per_peer, c.max_pinned_bytes_per_peer, c.max_catalog_entries_per_group, c.max_unauthenticated,
+                c.max_unauthenticated_per_source, c.pin_lease_margin, c.export_bytes
             ),
             (7, 3 << 20, 1000, 9, 2, Duration::from_millis(250), 64 << 20)
         );

@@ -417,13 +417,7 @@ mod tests {
         assert_eq!(poll(&["--idle-poll-us", "0"]), umbp_pool::config::IdlePoll::Fixed(std::time::Duration::ZERO));
         let g = config_from(
             parse(&[
-                "--copy-kernel",
-                "copy-engine",
-                "--copy-kernel-blocks",
-                "12",
-                "--copy-kernel-launch-size",
-                "4MiB",
-                "--copy-split-streams",
+                "--copy-kernel", "copy-engine", "--copy-kernel-blocks", "12", "--copy-kernel-launch-size", "4MiB", "--copy-split-streams",
                 "4",
             ])
             .unwrap(),
@@ -470,26 +464,9 @@ mod tests {
         let (pa, pb) = (a.path().to_str().unwrap(), b.path().to_str().unwrap());
         let c = config_from(
             parse(&[
-                "--ssd-dir",
-                pa,
-                "--ssd-dir",
-                pb,
-                "--ssd-capacity",
-                "2GiB",
-                "--ssd-high-watermark",
-                "0.9",
-                "--ssd-low-watermark",
-                "0.5",
-                "--ssd-direct-io",
-                "false",
-                "--ssd-admission",
-                "hit-or-young:5",
-                "--ssd-segment-size",
-                "64MiB",
-                "--ssd-queue-depth",
-                "32",
-                "--ssd-flush-on-stop",
-                "2.5",
+                "--ssd-dir", pa, "--ssd-dir", pb, "--ssd-capacity", "2GiB", "--ssd-high-watermark", "0.9", "--ssd-low-watermark", "0.5",
+                "--ssd-direct-io", "false", "--ssd-admission", "hit-or-young:5", "--ssd-segment-size", "64MiB", "--ssd-queue-depth", "32",
+                "--ssd-flush-on-stop", "2.5",
             ])
             .unwrap(),
         )

@@ -565,18 +565,8 @@ macro_rules! display_as_json {
     )*};
 }
 display_as_json!(
-    Report,
-    PoolReport,
-    PoolSection,
-    Defences,
-    NamespaceReport,
-    IndexReport,
-    GroupReport,
-    AttachmentReport,
-    CountersReport,
-    Phases,
-    SsdReport,
-    TenantReport
+    Report, PoolReport, PoolSection, Defences, NamespaceReport, IndexReport, GroupReport, AttachmentReport, CountersReport, Phases,
+    SsdReport, TenantReport
 );
 
 #[cfg(test)]
@@ -611,33 +601,10 @@ mod tests {
         let ssd = SsdReport::example();
         let v = serde_json::to_value(&ssd).unwrap();
         let mut want = vec![
-            "dirs",
-            "objects",
-            "bytes",
-            "live_bytes",
-            "segments",
-            "capacity_bytes",
-            "high_watermark",
-            "low_watermark",
-            "admission",
-            "direct_io",
-            "io_uring",
-            "demotions",
-            "demoted_bytes",
-            "not_admitted",
-            "demotion_failures",
-            "promotions",
-            "promoted_bytes",
-            "promotion_failures",
-            "crc_misses",
-            "read_errors",
-            "write_errors",
-            "evicted_objects",
-            "compactions",
-            "restored_objects",
-            "torn_records_skipped",
-            "segments_refused",
-            "rebuild_ms",
+            "dirs", "objects", "bytes", "live_bytes", "segments", "capacity_bytes", "high_watermark", "low_watermark", "admission",
+            "direct_io", "io_uring", "demotions", "demoted_bytes", "not_admitted", "demotion_failures", "promotions", "promoted_bytes",
+            "promotion_failures", "crc_misses", "read_errors", "write_errors", "evicted_objects", "compactions", "restored_objects",
+            "torn_records_skipped", "segments_refused", "rebuild_ms",
         ];
         want.sort_unstable();
         assert_eq!(keys(&v), want);

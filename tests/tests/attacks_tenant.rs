@@ -280,16 +280,8 @@ fn another_tenants_keys_are_invisible_in_index_and_event_log() {
     let pool = PoolProcess::start(
         &unique_socket("groups"),
         &[
-            "--capacity",
-            "64MiB",
-            "--min-object-size",
-            "16KiB",
-            "--allow-uid",
-            "65534",
-            "--namespace-acl",
-            "65533:a11ce",
-            "--namespace-acl",
-            "65534:b0b",
+            "--capacity", "64MiB", "--min-object-size", "16KiB", "--allow-uid", "65534", "--namespace-acl", "65533:a11ce",
+            "--namespace-acl", "65534:b0b",
         ],
     );
     {

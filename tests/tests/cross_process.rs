@@ -130,15 +130,7 @@ fn idle_poll_keeps_one_copy_thread_polling() {
     let pool = PoolProcess::start(
         &unique_socket("xpoll1"),
         &[
-            "--capacity",
-            "256MiB",
-            "--min-object-size",
-            "1MiB",
-            "--copy-threads",
-            "4",
-            "--copy-threads-per-peer",
-            "4",
-            "--idle-poll-us",
+            "--capacity", "256MiB", "--min-object-size", "1MiB", "--copy-threads", "4", "--copy-threads-per-peer", "4", "--idle-poll-us",
             "1000000",
         ],
     );

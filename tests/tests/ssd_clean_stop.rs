@@ -21,18 +21,8 @@ fn store_stop_restart(tag: &str, flush: &str) -> (u64, umbp_pool::PoolReport, Po
     let d = dir.path().to_str().unwrap().to_string();
     // The default admission (hit-or-young): every object here is young, so admitted.
     let args = [
-        "--capacity",
-        "8MiB",
-        "--min-object-size",
-        "16KiB",
-        "--ssd-dir",
-        &d,
-        "--ssd-capacity",
-        "256MiB",
-        "--ssd-segment-size",
-        "4MiB",
-        "--ssd-flush-on-stop",
-        flush,
+        "--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", &d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB",
+        "--ssd-flush-on-stop", flush,
     ];
     let mut pool = PoolProcess::start(&unique_socket(tag), &args);
     let count = 2 * DRAM / OBJECT;

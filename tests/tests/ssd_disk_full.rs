@@ -25,18 +25,8 @@ fn disk_full_demotions_are_misses_and_dram_keeps_serving() {
     let pool = PoolProcess::start(
         &unique_socket("ssd-full"),
         &[
-            "--capacity",
-            "8MiB",
-            "--min-object-size",
-            "16KiB",
-            "--ssd-dir",
-            d,
-            "--ssd-capacity",
-            "256MiB",
-            "--ssd-segment-size",
-            "16MiB",
-            "--ssd-admission",
-            "all",
+            "--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "16MiB",
+            "--ssd-admission", "all",
         ],
     );
     set_fsize(libc::RLIM_INFINITY);

@@ -95,18 +95,8 @@ fn kill_during_demotion_then_restart() {
     let pool = PoolProcess::start(
         &socket,
         &[
-            "--capacity",
-            "8MiB",
-            "--min-object-size",
-            "16KiB",
-            "--ssd-dir",
-            d,
-            "--ssd-capacity",
-            "256MiB",
-            "--ssd-segment-size",
-            "4MiB",
-            "--ssd-admission",
-            "all",
+            "--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB",
+            "--ssd-admission", "all",
         ],
     );
     let ssd = pool.report().ssd.unwrap();

@@ -100,20 +100,8 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     let mut pool = PoolProcess::start(
         &unique_socket("ssdobs"),
         &[
-            "--capacity",
-            "4MiB",
-            "--min-object-size",
-            "16KiB",
-            "--metrics-addr",
-            &addr,
-            "--ssd-dir",
-            &dir,
-            "--ssd-capacity",
-            "64MiB",
-            "--ssd-segment-size",
-            "4MiB",
-            "--ssd-admission",
-            "all",
+            "--capacity", "4MiB", "--min-object-size", "16KiB", "--metrics-addr", &addr, "--ssd-dir", &dir, "--ssd-capacity", "64MiB",
+            "--ssd-segment-size", "4MiB", "--ssd-admission", "all",
         ],
     );
     let sock = pool.socket.to_str().unwrap().to_string();

@@ -18,18 +18,8 @@ fn touch_hints_promote_ssd_objects_before_the_load() {
     let pool = PoolProcess::start(
         &unique_socket("ssd-prefetch"),
         &[
-            "--capacity",
-            "8MiB",
-            "--min-object-size",
-            "16KiB",
-            "--ssd-dir",
-            d,
-            "--ssd-capacity",
-            "256MiB",
-            "--ssd-segment-size",
-            "4MiB",
-            "--ssd-admission",
-            "all",
+            "--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB",
+            "--ssd-admission", "all",
         ],
     );
     // 2x DRAM: the first keys stored end up on SSD only.

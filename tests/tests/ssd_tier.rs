@@ -21,18 +21,8 @@ fn ssd_dir(tag: &str) -> tempfile::TempDir {
 fn ssd_pool(tag: &str, dir: &Path, extra: &[&str]) -> PoolProcess {
     let d = dir.to_str().unwrap();
     let mut args = vec![
-        "--capacity",
-        "8MiB",
-        "--min-object-size",
-        "16KiB",
-        "--ssd-dir",
-        d,
-        "--ssd-capacity",
-        "256MiB",
-        "--ssd-segment-size",
-        "4MiB",
-        "--ssd-admission",
-        "all",
+        "--capacity", "8MiB", "--min-object-size", "16KiB", "--ssd-dir", d, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB",
+        "--ssd-admission", "all",
     ];
     args.extend_from_slice(extra);
     PoolProcess::start(&unique_socket(tag), &args)

@@ -253,18 +253,8 @@ impl<A: DeviceApi> Engine<A> {
                         // alignment and sizes.
                         if let Err(e) = unsafe {
                             gather::launch_staged(
-                                api,
-                                &self.dev,
-                                g,
-                                &mut set.descs,
-                                staging,
-                                &config.gather,
-                                dir,
-                                &items,
-                                &order,
-                                scan.descs,
-                                set.streams[0],
-                                set.streams[1],
+                                api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &items, &order, scan.descs,
+                                set.streams[0], set.streams[1],
                             )
                         } {
                             first_err = Some(e);
@@ -336,17 +326,7 @@ impl<A: DeviceApi> Engine<A> {
                     // SAFETY: forwarded caller contract; `staged_order` checked eligibility.
                     first_err = unsafe {
                         gather::launch_staged(
-                            api,
-                            &self.dev,
-                            g,
-                            &mut set.descs,
-                            staging,
-                            &config.gather,
-                            dir,
-                            &items,
-                            &order,
-                            scan.descs,
-                            set.streams[0],
+                            api, &self.dev, g, &mut set.descs, staging, &config.gather, dir, &items, &order, scan.descs, set.streams[0],
                             set.streams[1],
                         )
                     }

@@ -107,21 +107,8 @@ fn attachments_table(out: &mut String, attachments: &[AttachmentReport]) {
     if !atts.is_empty() {
         out.push_str(&table(
             &[
-                "id",
-                "pid",
-                "role",
-                "namespace",
-                "tp",
-                "sq h/t",
-                "cq h/t",
-                "hints h/t",
-                "inflight",
-                "wakeup",
-                "subm",
-                "blocks",
-                "errors",
-                "registered",
-                "devices",
+                "id", "pid", "role", "namespace", "tp", "sq h/t", "cq h/t", "hints h/t", "inflight", "wakeup", "subm", "blocks", "errors",
+                "registered", "devices",
             ],
             &atts,
             2,
