@@ -55,7 +55,7 @@ pub fn run(inner: &PoolInner) {
             // watermark (best effort, tier::prefetch).
             let hinted = inner.store.lock().expect("store lock").take_prefetch();
             if !hinted.is_empty() {
-                crate::tier::prefetch(inner, ssd, hinted);
+                crate::tier::prefetch(inner, hinted);
             }
         }
     }

@@ -21,7 +21,7 @@
 //!   stopping) abandons it: its promoted objects are unpinned (they stay in DRAM, published,
 //!   evictable, like a prefetch's) once the fetch is done; nothing stays pinned or promoting.
 //! - A promotion thread that panics inside a fetch ends those promotions as failed through
-//!   `PromotionGuard` (remote ones abandoned first: their DRAM is quarantined), completes the
+//!   `tier::Promotions` (remote ones abandoned first: their DRAM is quarantined), completes the
 //!   ticket as all-failed (the load sees misses, never waits forever) and keeps serving.
 //!
 //! Locks: a ticket's own mutex and a load's look-ahead mutex are never held while the store
@@ -38,6 +38,7 @@ use umbp_protocol::location::Tier;
 use crate::attachment::Attachment;
 use crate::job_blocks::{Candidate, JobBlock};
 use crate::objects::GroupKey;
+use crate::tier::{Promotion, Promotions};
 use crate::PoolInner;
 
 /// The pool's promotion threads' side: where tickets go, and the look-ahead in DRAM.
@@ -450,36 +451,15 @@ pub fn run_promotion_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<A
 /// Fetches a ticket's objects and finishes their promotions; true = published in DRAM
 /// (still pinned for the load).
 fn fetch(inner: &PoolInner, t: &Ticket) -> Vec<bool> {
-    // Finishes these promotions as failed if the fetch panics.
-    let guard = crate::tier::PromotionGuard::new(inner, t.items.iter().map(|i| (t.key(i), i.offset, i.tier)).collect());
-    let mut fetched = vec![false; t.items.len()];
-    let base = inner.dram.base();
-    for tier in Tier::ALL {
-        let Some(source) = inner.tiers.source(tier) else { continue };
-        let idx: Vec<usize> = (0..t.items.len()).filter(|&i| t.items[i].tier == tier).collect();
-        if idx.is_empty() {
-            continue;
-        }
-        let mut items: Vec<crate::tier::FetchItem<'_>> = idx
-            .iter()
-            .map(|&i| crate::tier::FetchItem {
-                key: t.items[i].cand.key,
-                namespace: t.items[i].namespace,
-                // SAFETY: `begin_promotion` (in `launch`) allocated these `size` bytes of
-                // DRAM to this object and marked it promoting, pinned for the ticket's
-                // load: no other object shares them, no copy reads them (loads of it wait,
-                // and this load takes the ticket only once it is complete) and nothing frees
-                // them until `finish_promotion` below. Distinct objects' allocations do not
-                // overlap, so the slices are disjoint.
-                dst: unsafe { std::slice::from_raw_parts_mut(base.add(t.items[i].offset as usize), t.size as usize) },
-            })
-            .collect();
-        let ok = source.fetch(&mut items);
-        for (&i, ok) in idx.iter().zip(ok) {
-            fetched[i] = ok && !crate::fault::fetch_fails(t.items[i].cand.key);
-        }
+    // Finished as failed if the fetch panics.
+    let promotions = Promotions::new(
+        inner,
+        t.items.iter().map(|i| Promotion { key: t.key(i), offset: i.offset, size: t.size, tier: i.tier, namespace: i.namespace }).collect(),
+    );
+    let mut fetched = promotions.fetch();
+    for (ok, i) in fetched.iter_mut().zip(&t.items) {
+        *ok = *ok && !crate::fault::fetch_fails(i.cand.key);
     }
     let mut store = inner.store.lock().expect("store lock");
-    guard.disarm();
-    t.items.iter().zip(fetched).map(|(i, ok)| store.finish_promotion(t.key(i), i.offset, ok)).collect()
+    promotions.finish(&mut store, &fetched)
 }

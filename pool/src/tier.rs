@@ -13,7 +13,7 @@ use std::time::Instant;
 use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
-use crate::objects::Demotion;
+use crate::objects::{Demotion, GroupKey, ObjectStore};
 use crate::PoolInner;
 use umbp_ssd::{SsdConfig, SsdError, SsdStore};
 
@@ -122,31 +122,90 @@ impl TierSource for SsdTier {
     }
 }
 
-/// Ends promotions that did not finish: held by a load between `begin_promotion` and
-/// `finish_promotion`. If the load's copy thread panics in between (the fetch, a tier's
-/// bug), dropping this guard while unwinding finishes each promotion as failed (a miss:
-/// the object and its lower-tier record go) instead of leaving it "promoting" forever,
-/// which would make every later load of the key wait and miss, block storing it again and
-/// hold its DRAM. Objects on the remote tier are abandoned first (a transfer may still
-/// write their DRAM, so it is never reused).
-pub struct PromotionGuard<'a> {
-    inner: &'a PoolInner,
-    /// (object, DRAM offset, tier) of each promotion still open.
-    open: Vec<(crate::objects::GroupKey, u64, Tier)>,
+/// One promotion begun under the store lock (`ObjectStore::begin_promotion`): the object,
+/// the DRAM allocation it owns until it is finished, and where its bytes come from.
+#[derive(Clone, Copy, Debug)]
+pub struct Promotion {
+    pub key: GroupKey,
+    /// DRAM offset of its allocation (`size` bytes).
+    pub offset: u64,
+    pub size: u64,
+    pub tier: Tier,
+    /// The namespace that stored it (part of its identity on SSD and remotely).
+    pub namespace: u128,
 }
 
-impl<'a> PromotionGuard<'a> {
-    pub fn new(inner: &'a PoolInner, open: Vec<(crate::objects::GroupKey, u64, Tier)>) -> Self {
+/// Promotions from `begin_promotion` to `finish_promotion`, the one place their DRAM is
+/// written: [`Promotions::fetch`] fills each allocation from its tier outside the store
+/// lock, [`Promotions::finish`] ends them under it.
+///
+/// If the thread panics in between (the fetch, a tier's bug), dropping them while
+/// unwinding finishes each as failed (a miss: the object and its lower-tier record go)
+/// instead of leaving it "promoting" forever, which would make every later load of the key
+/// wait and miss, block storing it again and hold its DRAM. Objects on the remote tier are
+/// abandoned first (a transfer may still write their DRAM, so it is never reused).
+pub struct Promotions<'a> {
+    inner: &'a PoolInner,
+    /// Still open: emptied by `finish`.
+    open: Vec<Promotion>,
+}
+
+impl<'a> Promotions<'a> {
+    /// Takes over promotions just begun (each `begin_promotion` returned its offset).
+    pub fn new(inner: &'a PoolInner, open: Vec<Promotion>) -> Self {
         Self { inner, open }
     }
 
-    /// The promotions are about to be finished normally (under the store lock).
-    pub fn disarm(mut self) {
-        self.open.clear();
+    pub fn list(&self) -> &[Promotion] {
+        &self.open
+    }
+
+    /// Fetches every object from its tier into its DRAM allocation, a batch per tier;
+    /// `result[i]`: promotion `i` has its exact bytes. Runs without the store lock.
+    pub fn fetch(&self) -> Vec<bool> {
+        let mut fetched = vec![false; self.open.len()];
+        let base = self.inner.dram.base();
+        for tier in Tier::ALL {
+            let Some(source) = self.inner.tiers.source(tier) else { continue };
+            let idx: Vec<usize> = (0..self.open.len()).filter(|&i| self.open[i].tier == tier).collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let mut items: Vec<FetchItem<'_>> = idx
+                .iter()
+                .map(|&i| {
+                    let p = &self.open[i];
+                    FetchItem {
+                        key: p.key.key,
+                        namespace: p.namespace,
+                        // SAFETY: `begin_promotion` allocated these `size` bytes of DRAM to
+                        // this object and marked it promoting, pinned by its promoter: no
+                        // other object shares them, no copy reads them (loads of it wait
+                        // for the promotion) and nothing frees them until `finish` or
+                        // `drop` ends the promotion, after `items` is gone. Distinct
+                        // objects' allocations do not overlap, so the slices are disjoint.
+                        dst: unsafe { std::slice::from_raw_parts_mut(base.add(p.offset as usize), p.size as usize) },
+                    }
+                })
+                .collect();
+            let ok = source.fetch(&mut items);
+            for (&i, ok) in idx.iter().zip(ok) {
+                fetched[i] = ok;
+            }
+        }
+        fetched
+    }
+
+    /// Ends every promotion under the store lock: `fetched[i]` publishes promotion `i` in
+    /// DRAM (it stays pinned for its promoter), false drops it. Returns which are
+    /// published (false also where the object was dropped meanwhile).
+    pub fn finish(mut self, store: &mut ObjectStore, fetched: &[bool]) -> Vec<bool> {
+        let open = std::mem::take(&mut self.open);
+        open.iter().zip(fetched).map(|(p, &ok)| store.finish_promotion(p.key, p.offset, ok)).collect()
     }
 }
 
-impl Drop for PromotionGuard<'_> {
+impl Drop for Promotions<'_> {
     fn drop(&mut self) {
         if self.open.is_empty() {
             return;
@@ -155,11 +214,11 @@ impl Drop for PromotionGuard<'_> {
         // Not poisoned by this panic (the fetch runs without the lock); if another thread
         // poisoned it, contain_panic stops the pool anyway.
         let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
-        for (key, offset, tier) in self.open.drain(..) {
-            if tier == Tier::Remote {
-                store.abandon_promotion(key, crate::objects::Writer::Unknown);
+        for p in self.open.drain(..) {
+            if p.tier == Tier::Remote {
+                store.abandon_promotion(p.key, crate::objects::Writer::Unknown);
             }
-            store.finish_promotion(key, offset, false);
+            store.finish_promotion(p.key, p.offset, false);
         }
     }
 }
@@ -238,15 +297,15 @@ const PREFETCH_BATCH: usize = 256;
 /// `finish_promotion`), then unpinned: the object is a plain DRAM object, most recently
 /// used. A load that arrives meanwhile waits for it (`Promoting`) instead of reading again.
 /// Returns how many were promoted.
-pub fn prefetch(inner: &PoolInner, ssd: &SsdTier, keys: Vec<crate::objects::GroupKey>) -> usize {
+pub fn prefetch(inner: &PoolInner, keys: Vec<GroupKey>) -> usize {
     let mut keys = keys;
     let mut promoted = 0;
     while !keys.is_empty() {
-        let mut mine: Vec<(crate::objects::GroupKey, u64, u64, u128)> = Vec::new();
+        let mut mine: Vec<Promotion> = Vec::new();
         {
             let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
             let take = keys.len().min(PREFETCH_BATCH);
-            let batch: Vec<crate::objects::GroupKey> = keys.drain(..take).collect();
+            let batch: Vec<GroupKey> = keys.drain(..take).collect();
             for key in batch {
                 if store.needs_eviction() {
                     keys.clear();
@@ -254,36 +313,21 @@ pub fn prefetch(inner: &PoolInner, ssd: &SsdTier, keys: Vec<crate::objects::Grou
                 }
                 // Only objects still on SSD (not promoted, loaded or dropped meanwhile).
                 let Some(size) = store.size_on(key, Tier::Ssd) else { continue };
-                if let Some((offset, _, namespace)) = store.begin_promotion(key) {
-                    mine.push((key, offset, size, namespace));
+                if let Some((offset, tier, namespace)) = store.begin_promotion(key) {
+                    mine.push(Promotion { key, offset, size, tier, namespace });
                 }
             }
         }
         if mine.is_empty() {
             continue;
         }
-        let guard = PromotionGuard::new(inner, mine.iter().map(|m| (m.0, m.1, Tier::Ssd)).collect());
-        let base = inner.dram.base();
-        let mut items: Vec<FetchItem<'_>> = mine
-            .iter()
-            .map(|&(key, offset, size, namespace)| FetchItem {
-                key: key.key,
-                namespace,
-                // SAFETY: `begin_promotion` allocated these `size` bytes of DRAM to this
-                // object and marked it promoting, pinned by this prefetch: no other object
-                // shares them, no copy reads them (loads of it wait) and nothing frees them
-                // until `finish_promotion` below. Distinct objects' allocations do not
-                // overlap, so the slices are disjoint.
-                dst: unsafe { std::slice::from_raw_parts_mut(base.add(offset as usize), size as usize) },
-            })
-            .collect();
-        let ok = ssd.fetch(&mut items);
-        drop(items);
+        let promotions = Promotions::new(inner, mine);
+        let fetched = promotions.fetch();
         let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
-        guard.disarm();
-        for (m, ok) in mine.iter().zip(ok) {
-            if store.finish_promotion(m.0, m.1, ok) {
-                store.finish_load(m.0);
+        let promoted_keys: Vec<GroupKey> = promotions.list().iter().map(|p| p.key).collect();
+        for (key, published) in promoted_keys.into_iter().zip(promotions.finish(&mut store, &fetched)) {
+            if published {
+                store.finish_load(key);
                 promoted += 1;
             }
         }

@@ -19,6 +19,7 @@ use crate::idle_poll;
 use crate::job_blocks::{Candidate, JobBlock};
 use crate::objects::{GroupKey, LoadReservation, StoreReservation};
 use crate::stats::Counters;
+use crate::tier::{Promotion, Promotions};
 use crate::PoolInner;
 
 pub struct Job {
@@ -734,38 +735,17 @@ fn promote(
         if mine.is_empty() {
             continue;
         }
-        // Finishes these promotions as failed if this thread panics before they end.
-        let guard = crate::tier::PromotionGuard::new(inner, mine.iter().map(|m| (GroupKey::new(att.group, m.0.key), m.1, m.2)).collect());
-        let mut fetched = vec![false; mine.len()];
-        for tier in umbp_protocol::location::Tier::ALL {
-            let idx: Vec<usize> = (0..mine.len()).filter(|&i| mine[i].2 == tier).collect();
-            let Some(source) = inner.tiers.source(tier) else { continue };
-            if idx.is_empty() {
-                continue;
-            }
-            let base = inner.dram.base();
-            let mut items: Vec<crate::tier::FetchItem<'_>> = idx
-                .iter()
-                .map(|&i| crate::tier::FetchItem {
-                    key: mine[i].0.key,
-                    namespace: mine[i].3,
-                    // SAFETY: `begin_promotion` allocated these `size` bytes of DRAM to
-                    // this object and marked it promoting, pinned by this load: no other
-                    // object shares them, no copy reads them (loads of it wait) and
-                    // nothing frees them until `finish_promotion` below. Distinct
-                    // objects' allocations do not overlap, so the slices are disjoint.
-                    dst: unsafe { std::slice::from_raw_parts_mut(base.add(mine[i].1 as usize), size as usize) },
-                })
-                .collect();
-            let ok = source.fetch(&mut items);
-            for (&i, ok) in idx.iter().zip(ok) {
-                fetched[i] = ok;
-            }
-        }
+        // Finished as failed if this thread panics before they end.
+        let promotions = Promotions::new(
+            inner,
+            mine.iter()
+                .map(|&(c, offset, tier, namespace)| Promotion { key: GroupKey::new(att.group, c.key), offset, size, tier, namespace })
+                .collect(),
+        );
+        let fetched = promotions.fetch();
         let mut store = inner.store.lock_urgent().expect("store lock");
-        guard.disarm();
-        for ((c, offset, _, _), ok) in mine.into_iter().zip(fetched) {
-            if store.finish_promotion(GroupKey::new(att.group, c.key), offset, ok) {
+        for ((c, offset, _, _), published) in mine.into_iter().zip(promotions.finish(&mut store, &fetched)) {
+            if published {
                 blocks.push(JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset });
             } else {
                 statuses[c.index] = BlockStatus::Missing;
