@@ -7,7 +7,7 @@ cudaHostRegister as the pool's DRAM is), both directions; no pool. One JSON line
     python3 scripts/device/copy_probe.py
 
 Asks whether the copy engine a stream lands on, or the kind of memory, moves the one-copy
-floor (docs/benchmarks.md, "twelfth pass": neither does).
+floor (docs/history/benchmarks-2026-11.md, "twelfth pass": neither does).
 """
 import ctypes
 import json

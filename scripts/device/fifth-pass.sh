@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #14, fifth pass (docs/benchmarks.md "CPU work per page and per operation"): the
+# Issue #14, fifth pass (docs/history/benchmarks-2026-11.md "CPU work per page and per operation"): the
 # device checks on these binaries, then the transfer figures, raw JSON lines under $OUT.
 # Run from the repository root (the scripts of scripts/device/ are used from there) with
 # the binaries of scripts/device/build.sh in BIN:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #14, eighth and ninth passes (docs/benchmarks.md "Wake-ups"): the device checks
+# Issue #14, eighth and ninth passes (docs/history/benchmarks-2026-11.md "Wake-ups"): the device checks
 # on these binaries, then the same transfer cases with each --idle-poll-us of POLLS
 # (default "50 1000000": a 50 µs poll, and one that keeps the pool awake between the
 # bench's transfers), alternating in separate processes (A B A B), then the index's cold
