@@ -386,6 +386,16 @@ impl Worker {
         .map(|t| t.0)
     }
 
+    /// Keeps the attachment while the caller is idle: reaps completions (kept for `poll`),
+    /// notices a lost pool and re-attaches to a restarted one (with the backoff). For a
+    /// background timer; blocks only while a re-attach re-registers memory.
+    fn maintain(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |w| {
+            w.maintain();
+            Ok(())
+        })
+    }
+
     /// Finished transfers: [(transfer id, [status per block])]. Never blocks.
     fn poll(&self, py: Python<'_>) -> PyResult<Vec<(u64, Vec<u32>)>> {
         self.with(py, |w| Ok(w.poll().into_iter().map(|c| (c.id.0, statuses(&c.statuses))).collect()))

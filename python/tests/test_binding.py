@@ -40,6 +40,46 @@ def _page(buf, layer, block):
     return bytes(buf[off : off + PAGE])
 
 
+def test_keep_attached_reattaches_an_idle_worker(short_tmp, pool_bin):
+    """Issue #33 item 8: a worker nobody calls re-attaches to a restarted pool within about a
+    second when its keep-attached timer runs; the same worker without one stays detached
+    until its next call (the control)."""
+    from umbp.vllm.keep_attached import KeepAttached
+
+    sock = str(short_tmp / "pool.sock")
+    cmd = [str(pool_bin), "--socket", sock, "--capacity", "64MiB", "--min-object-size", "4KiB"]
+    proc = subprocess.Popen(cmd)
+    keeper = None
+    try:
+        ns = n.namespace_digest("keep-attached")
+        kept, kept_buf = _attach(sock, ns)
+        idle, idle_buf = _attach(sock, ns)
+        keeper = KeepAttached(kept, interval_s=0.1)
+        proc.kill()
+        proc.wait()
+        deadline = time.time() + 5
+        while kept.connected and time.time() < deadline:
+            time.sleep(0.02)
+        assert not kept.connected, "the timer noticed the dead pool"
+        proc = subprocess.Popen(cmd)
+        t0 = time.time()
+        deadline = t0 + 5
+        while not kept.connected and time.time() < deadline:
+            time.sleep(0.02)
+        took = time.time() - t0
+        assert kept.connected, "the idle worker with a keep-attached timer did not re-attach within 5 s"
+        assert took < 2.0, f"re-attach took {took:.2f} s"
+        assert not idle.connected, "the control: a worker nobody calls stays detached"
+        # The re-attach re-registered memory and layouts: a store lands at once.
+        keys = n.object_keys(ns, 0, 0, [b"k"])
+        assert kept.wait(kept.store(0, keys, [0]), 5000) == [n.STATUS_STORED]
+    finally:
+        if keeper is not None:
+            keeper.stop()
+        proc.kill()
+        proc.wait()
+
+
 def test_keys_are_stable_and_distinct():
     ns = n.namespace_digest("model=x;dtype=bf16")
     assert len(ns) == 16 and ns == n.namespace_digest("model=x;dtype=bf16")

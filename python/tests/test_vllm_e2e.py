@@ -166,6 +166,14 @@ def test_standalone_pool_killed_then_restarted(native, pool_factory, engine_fact
     assert rb["num_cached_tokens"] == 0, "nothing can be restored from a dead pool"
 
     pool.start()  # same socket, empty pool: B must re-attach by itself
+    # ... while idle (issue #33 item 8): before its next request, so that request's stores
+    # land in the new pool instead of failing on the dead attachment.
+    t0 = time.monotonic()
+    while not any(a["role"] == "worker" for a in pool.report()["attachments"]):
+        assert time.monotonic() - t0 < 10, "idle engine B did not re-attach to the restarted pool within 10 s"
+        time.sleep(0.1)
+    reattach_s = time.monotonic() - t0
+    assert reattach_s < 3.0, f"idle engine B re-attached only after {reattach_s:.1f} s"
     deadline = time.monotonic() + 60
     hits = 0
     while time.monotonic() < deadline:

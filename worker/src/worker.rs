@@ -527,6 +527,16 @@ impl Worker {
         self.after_control(result)
     }
 
+    /// Keeps the attachment while the caller is idle: reaps completions (kept for
+    /// [`Self::poll`]), notices a lost or stalled pool, and re-dials a restarted one (with
+    /// the backoff; the re-attach re-registers memory and layouts). A worker that submits
+    /// nothing otherwise learns of a restarted pool only at its next call, and that call's
+    /// transfers fail; an engine's background timer calls this so the next request finds it
+    /// attached (docs/connection.md "A restarted pool").
+    pub fn maintain(&mut self) {
+        self.service();
+    }
+
     /// Drops the attachment as if the pool were lost, with the pool alive (an engine-side
     /// reset; the soak's "worker lose on a live pool"): every transfer in flight is
     /// abandoned, stores and unstarted loads complete as failed at once, started loads keep

@@ -32,6 +32,7 @@ import torch
 
 from ._logging import get_logger
 from .endpoints import embedded_socket_path
+from .keep_attached import KeepAttached
 from .keys import make_keys
 from .layout import kv_layout
 from .metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
@@ -116,6 +117,10 @@ class WorkerSide:
                     else ""
                 )
             ) from e
+        # A standalone pool may restart while this engine is idle: re-attach in the
+        # background (keep_attached.py), not at the next request. An embedded pool lives and
+        # dies with this process.
+        self._keeper = KeepAttached(self.w) if self.pool is None else None
         self.object_bytes = 0  # the first full-attention group's
         self.group_object_bytes: dict[int, int] = {}
         self._registered = False
@@ -494,6 +499,9 @@ class WorkerSide:
         for tid, job in list(self._jobs.items()):
             if job.kind == "store":
                 self.w.cancel(tid)  # never published after the blocks go back
+        keeper = getattr(self, "_keeper", None)
+        if keeper is not None:
+            keeper.stop()
         for closer in (getattr(self, "w", None), self.pool):
             if closer is None:
                 continue
