@@ -56,15 +56,6 @@ pub struct AttachmentCounters {
     pub sq_pauses: AtomicU64,
 }
 
-/// This peer's share of the copy threads: how many of its jobs run now, and the jobs
-/// waiting for one of its slots (`--copy-threads-per-peer`). A leaf lock: nothing else is
-/// locked while it is held.
-#[derive(Default)]
-pub struct CopySlots {
-    pub running: usize,
-    pub waiting: VecDeque<crate::transfer::Job>,
-}
-
 pub struct Attachment {
     pub id: u32,
     pub role: Role,
@@ -90,7 +81,6 @@ pub struct Attachment {
     /// Bytes those submissions may move (blocks x object bytes), for `--max-inflight-bytes`.
     pub inflight_bytes: AtomicU64,
     pub counters: AttachmentCounters,
-    pub copy_slots: Mutex<CopySlots>,
     pub regions: RwLock<HashMap<u32, Arc<dyn DeviceRegion>>>,
     /// Device UUID of each registered region (zero for host memory), for reports.
     pub region_devices: Mutex<HashMap<u32, [u8; 16]>>,
@@ -150,7 +140,6 @@ impl Attachment {
             inflight: AtomicU32::new(0),
             inflight_bytes: AtomicU64::new(0),
             counters: AttachmentCounters::default(),
-            copy_slots: Mutex::new(CopySlots::default()),
             regions: RwLock::new(HashMap::new()),
             region_devices: Mutex::new(HashMap::new()),
             layouts: RwLock::new(HashMap::new()),

@@ -13,6 +13,7 @@ mod attachment;
 pub mod config;
 #[doc(hidden)]
 pub mod control;
+mod copy_slots;
 mod dram;
 mod event_log;
 mod evictor;
@@ -30,6 +31,7 @@ pub use fault::{pass as pass_hold_point, HoldPoint};
 pub mod groups;
 mod heartbeat;
 mod idle_poll;
+mod job;
 mod job_blocks;
 mod liveness;
 mod metrics;
@@ -134,14 +136,14 @@ pub(crate) struct PoolInner {
     /// Distinct uids among `attachments`, set under its lock when one comes or goes: the
     /// per-uid copy-thread cap applies while it is above one (transfer.rs).
     pub attached_uids: std::sync::atomic::AtomicUsize,
-    /// Copy threads held per uid and jobs held back by the per-uid cap (transfer.rs).
-    pub copy_uids: Mutex<transfer::UidCopySlots>,
+    /// Copy threads held per peer and per uid, and the jobs their caps hold back.
+    pub copy_slots: copy_slots::CopySlots,
     /// Wakes the service thread when attachments come or go, and at shutdown.
     pub service_wake: Doorbell,
     /// Wakes the control thread when a handshake finished, and at shutdown.
     pub control_wake: Doorbell,
     pub evict_wake: (Mutex<bool>, Condvar),
-    pub jobs: crossbeam_channel::Sender<transfer::Job>,
+    pub jobs: crossbeam_channel::Sender<job::Job>,
     pub shutdown: AtomicBool,
     pub counters: stats::Counters,
     /// `config.copy_stage_bytes`, changeable while running ([`Pool::set_copy_stage_bytes`]).
@@ -292,7 +294,7 @@ impl Pool {
             group_mem,
             attachments: Mutex::new(Vec::new()),
             attached_uids: std::sync::atomic::AtomicUsize::new(0),
-            copy_uids: Mutex::new(transfer::UidCopySlots::default()),
+            copy_slots: copy_slots::CopySlots::default(),
             service_wake: Doorbell::new()?,
             control_wake: Doorbell::new()?,
             evict_wake: (Mutex::new(false), Condvar::new()),

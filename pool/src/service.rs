@@ -13,10 +13,10 @@ use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
 use crate::attachment::Attachment;
+use crate::job::Job;
 use crate::job_blocks::Candidate;
 use crate::poller::Poller;
 use crate::stats::Counters;
-use crate::transfer::Job;
 use crate::{heartbeat, idle_poll};
 use crate::{validate, PoolInner};
 

@@ -10,50 +10,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
-use umbp_protocol::layout::{push_coalesced, CopyOp, KvLayout};
+use umbp_protocol::layout::{push_coalesced, CopyOp};
 use umbp_protocol::stage_split::{self, StageSplit};
 use umbp_protocol::transfer_state::TransferState;
 
 use crate::attachment::Attachment;
 use crate::idle_poll;
+use crate::job::Job;
 use crate::job_blocks::{Candidate, JobBlock};
 use crate::objects::{GroupKey, LoadReservation, StoreReservation};
 use crate::stats::Counters;
 use crate::tier::{Promotion, Promotions};
 use crate::PoolInner;
-
-pub struct Job {
-    pub att: Arc<Attachment>,
-    pub sqe: Sqe,
-    pub op: Opcode,
-    pub layout: Arc<KvLayout>,
-    /// Blocks that need a copy, in submission order; the others already have their status.
-    pub candidates: Vec<Candidate>,
-    /// Candidates reserved so far (the copy thread reserves stage by stage), in order.
-    pub blocks: Vec<JobBlock>,
-    pub statuses: Vec<BlockStatus>,
-    /// Arena offset of the transfer's state word, when the worker may cancel it
-    /// (umbp_protocol::transfer_state: the pool claims each stage before issuing it).
-    pub state_offset: Option<u64>,
-    /// The worker abandoned it before the pool started it: it completes as `Cancelled`.
-    pub cancelled: bool,
-    /// When the service thread took the submission from the ring.
-    pub accepted: Instant,
-    /// When the service thread queued it for a copy thread (transfer latency metric).
-    pub submitted: Instant,
-    /// Loads: promotions from lower tiers launched ahead of the copy (promote.rs); the
-    /// copy thread of the peer's previous load may launch the first ones.
-    pub ahead: Arc<crate::promote::Ahead>,
-}
-
-/// Copy threads held per uid, and the jobs held back by the per-uid cap
-/// (`PoolConfig::copy_threads_per_uid`), in submission order. A leaf lock, never held with
-/// an attachment's `copy_slots`.
-#[derive(Default)]
-pub struct UidCopySlots {
-    running: HashMap<u32, usize>,
-    waiting: std::collections::VecDeque<Job>,
-}
 
 /// Sets `inner.attached_uids` from the attachment list (called under its lock).
 pub fn count_attached_uids(inner: &PoolInner, list: &[Arc<Attachment>]) {
@@ -70,65 +38,22 @@ pub fn count_attached_uids(inner: &PoolInner, list: &[Arc<Attachment>]) {
 /// one uid is attached, when its uid does (`copy_threads_per_uid`): one peer, or one uid's
 /// many peers, whose copies wait never stall another uid.
 pub fn dispatch(inner: &PoolInner, job: Job) {
-    let att = job.att.clone();
-    {
-        let mut slots = att.copy_slots.lock().expect("copy slots lock");
-        if slots.running >= inner.config.copy_threads_per_peer() {
-            slots.waiting.push_back(job);
-            return;
-        }
-        slots.running += 1;
+    if let Some(job) = inner.copy_slots.take_peer_slot(job, inner.config.copy_threads_per_peer()) {
+        admit_uid(inner, job);
     }
-    admit_uid(inner, job);
 }
 
 /// The per-uid cap on a job that holds a slot of its peer's: sent now, or held back until
 /// one of its uid's jobs finishes (so a held-back job's uid always has one running, whose
 /// end sends it).
 fn admit_uid(inner: &PoolInner, job: Job) {
-    {
-        let mut uids = inner.copy_uids.lock().expect("copy uids lock");
-        let cap = inner.config.copy_threads_per_uid(inner.attached_uids.load(Ordering::Relaxed));
-        let running = uids.running.entry(job.att.uid).or_default();
-        if cap.is_some_and(|cap| *running >= cap) {
-            uids.waiting.push_back(job);
-            return;
-        }
-        *running += 1;
-    }
-    send(inner, job);
-}
-
-/// One of `uid`'s jobs finished: the held-back jobs now under the cap (of this uid, or of
-/// others when uids left meanwhile) are sent, in order.
-fn release_uid_slot(inner: &PoolInner, uid: u32) {
-    let ready: Vec<Job> = {
-        let mut guard = inner.copy_uids.lock().expect("copy uids lock");
-        let uids = &mut *guard;
-        if let Some(n) = uids.running.get_mut(&uid) {
-            *n -= 1;
-            if *n == 0 {
-                uids.running.remove(&uid);
-            }
-        }
-        let cap = inner.config.copy_threads_per_uid(inner.attached_uids.load(Ordering::Relaxed));
-        let mut ready = Vec::new();
-        let mut i = 0;
-        while i < uids.waiting.len() {
-            let u = uids.waiting[i].att.uid;
-            let running = uids.running.entry(u).or_default();
-            if cap.is_none_or(|cap| *running < cap) {
-                *running += 1;
-                ready.extend(uids.waiting.remove(i));
-            } else {
-                i += 1;
-            }
-        }
-        ready
-    };
-    for job in ready {
+    if let Some(job) = inner.copy_slots.take_uid_slot(job, uid_cap(inner)) {
         send(inner, job);
     }
+}
+
+fn uid_cap(inner: &PoolInner) -> Option<usize> {
+    inner.config.copy_threads_per_uid(inner.attached_uids.load(Ordering::Relaxed))
 }
 
 fn send(inner: &PoolInner, job: Job) {
@@ -139,20 +64,12 @@ fn send(inner: &PoolInner, job: Job) {
 }
 
 /// A copy thread is done with one of `att`'s jobs: its uid's slot goes to the next
-/// held-back job, its peer's slot to the peer's next waiting job, if any.
+/// held-back jobs now under the cap, its peer's slot to the peer's next waiting job, if any.
 fn release_slot(inner: &PoolInner, att: &Attachment) {
-    release_uid_slot(inner, att.uid);
-    let next = {
-        let mut slots = att.copy_slots.lock().expect("copy slots lock");
-        match slots.waiting.pop_front() {
-            Some(job) => Some(job),
-            None => {
-                slots.running -= 1;
-                None
-            }
-        }
-    };
-    if let Some(job) = next {
+    for job in inner.copy_slots.release_uid_slot(att.uid, uid_cap(inner)) {
+        send(inner, job);
+    }
+    if let Some(job) = inner.copy_slots.release_peer_slot(att.id) {
         admit_uid(inner, job);
     }
 }
@@ -637,16 +554,13 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
     if !inner.promoter.enabled() {
         return;
     }
-    let next: Vec<(Arc<crate::promote::Ahead>, Vec<Candidate>, u64, usize)> = {
-        let slots = att.copy_slots.lock().expect("copy slots lock");
-        slots
-            .waiting
-            .iter()
+    let next: Vec<(Arc<crate::promote::Ahead>, Vec<Candidate>, u64, usize)> = inner.copy_slots.peer_waiting(att.id, |waiting| {
+        waiting
             .filter(|j| j.op == Opcode::Load)
             .take(NEXT_LOADS)
             .map(|j| (j.ahead.clone(), j.candidates.clone(), j.layout.object_bytes(), j.layout.segments().len()))
             .collect()
-    };
+    });
     for (ahead, cands, size, pages) in next {
         if !launch_stages(inner, att, size, &cands, &ahead, &stage_split(inner, cands.len(), size, pages), 0) {
             break;
