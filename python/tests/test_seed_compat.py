@@ -200,6 +200,52 @@ def test_request_hits_again_after_a_failed_load_and_a_preemption(make, native):
     assert h.connector_stats()["loaded_blocks"] >= 2
 
 
+def test_a_preempted_request_that_stored_loads_async_and_is_freed_once(make):
+    """A request that stored its prompt and was preempted hits the pool again with an
+    asynchronous load (under kv_load_failure_policy=recompute loads are always async, so
+    refusing async loads to requests that stored would cost every preempted request its
+    hits). Aborted while that load is in flight, it is reported "received" only, never
+    also "sent": vLLM frees its blocks exactly once and the engine goes on."""
+    from sched_harness import tokens
+    from vllm.v1.request import RequestStatus
+
+    h = make()
+    b = h.add("b", tokens(34, 300), max_tokens=64)
+    h.step_until(lambda: b.num_computed_tokens > 300)
+    h.step_until(lambda: h.pool_report()["pool"]["published_objects"] >= 2)
+    assert h.sched.reset_prefix_cache(reset_running_requests=True)
+    h.kv_buffer.zero_()
+    assert b.num_preemptions == 1
+
+    reports = {"sending": set(), "recving": set()}
+    get_finished = h.worker.get_finished
+
+    def spy(finished):
+        sending, recving = get_finished(finished)
+        reports["sending"] |= sending or set()
+        reports["recving"] |= recving or set()
+        return sending, recving
+
+    h.worker.get_finished = spy
+    free_before = h.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def abort_b(so):
+        h.sched.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+
+    so = h.step(before_worker=abort_b)
+    loads = [op for op in so.kv_connector_metadata.loads if op.req_id == "b"]
+    assert loads and all(op.is_async for op in loads), "the preempted request got no (async) pool hit"
+    h.step_until(lambda: "b" not in h.sched.requests)
+    for _ in range(5):
+        h.step()
+    assert reports["recving"] == {"b"} and reports["sending"] == set(), reports
+    assert h.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before, "b's blocks not freed"
+    # The engine goes on: a new request with the same prompt is served from the pool.
+    h.add("c", tokens(34, 300))
+    h.run()
+    assert h.external_tokens("c") == 256
+
+
 def test_failed_loads_are_bounded(make, native):
     """Every reload fails (objects dropped each time): after _MAX_FAILED_LOADS failures the
     request is not offered the pool again, even after preemptions."""

@@ -55,10 +55,6 @@ class ReqState:
     failed_at_preemptions: int = 0  # request.num_preemptions when the last load failed
     tail_stored: bool = False  # enable_partial_hash_hits: the prompt's partial block planned
 
-    @property
-    def has_store(self) -> bool:
-        return self.store_ops > 0
-
 
 def _finished_with_error(request: Any) -> bool:
     try:
@@ -315,9 +311,11 @@ class SchedulerSide:
         st.pool_hit_tokens = 0
         if not (self.c._do_load and self.cfg.enable_lookup) or self._load_blocked(st, request):
             return 0, False
-        # Async loads only for requests that never stored: a request that stored before a
-        # preemption would otherwise have to report both "sent" and "received" at finish.
-        is_async = self.c._load_async and not st.has_store
+        # A request that stored before may load asynchronously too: it looks up again only
+        # after a preemption, whose stores the workers finished or cancelled before its blocks
+        # were reused (handle_preemptions), so at finish it reports "received" or "sent",
+        # never both (request_finished).
+        is_async = self.c._load_async
         if self.c._force_async and not is_async:
             # A model that must load asynchronously (Mamba, sparse indexer) cannot take a
             # synchronous load: recompute instead.
@@ -373,7 +371,7 @@ class SchedulerSide:
         end_tok = first_tok + num_external_tokens
         all_ids = blocks.get_block_ids()
         null = self._null_block_id()
-        is_async = self.c._load_async and not st.has_store
+        is_async = self.c._load_async
         ops: list[BlockOp] = []
         for g in self.c._groups:
             ids = list(all_ids[g.gid])
@@ -657,7 +655,8 @@ class SchedulerSide:
         if st.async_load_pending:
             # An async load may still write the blocks; the worker's "finished receiving"
             # report (which vLLM handles for finished requests too) releases them.
-            # (Requests that ever stored never load asynchronously, so no store is pending.)
+            # No store is pending: the request stored nothing since its lookup, and its
+            # stores before a preemption ended in handle_preemptions.
             return True, None
         if (
             st.load_block_ids
