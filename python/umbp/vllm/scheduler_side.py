@@ -311,15 +311,12 @@ class SchedulerSide:
         st.pool_hit_tokens = 0
         if not (self.c._do_load and self.cfg.enable_lookup) or self._load_blocked(st, request):
             return 0, False
-        # A request that stored before may load asynchronously too: it looks up again only
-        # after a preemption, whose stores the workers finished or cancelled before its blocks
-        # were reused (handle_preemptions), so at finish it reports "received" or "sent",
-        # never both (request_finished).
+        # Every load is asynchronous when `_load_async` (load_async, or forced: Mamba, sparse
+        # indexer, kv_load_failure_policy=recompute), a request that stored before included: it
+        # looks up again only after a preemption, whose stores the workers finished or cancelled
+        # before its blocks were reused (handle_preemptions), so at finish it reports "received"
+        # or "sent", never both (request_finished).
         is_async = self.c._load_async
-        if self.c._force_async and not is_async:
-            # A model that must load asynchronously (Mamba, sparse indexer) cannot take a
-            # synchronous load: recompute instead.
-            return 0, False
         stats = self.c._stats
         stats.add("lookups", 1)
         stats.add("lookup_query_tokens", max(0, request.num_tokens - num_computed_tokens))
