@@ -20,6 +20,7 @@ use crate::WorkerError;
 use umbp_ipc::backoff::Backoff;
 use umbp_ipc::dial::{Attached, Dial, DialError};
 
+mod fenced;
 mod lost_pool;
 mod reconnect;
 
@@ -253,7 +254,7 @@ pub struct Worker {
     quarantine: Vec<Quarantine>,
     stall_warned: bool,
     /// GPU fence page, made at the first stream-ordered transfer (crate::fence).
-    pub(crate) fences: Option<crate::fence::Fences>,
+    fences: Option<crate::fence::Fences>,
     /// The rings are single-producer/single-consumer: one thread at a time.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -538,7 +539,7 @@ impl Worker {
     /// Submits like [`Self::store`]/[`Self::load`]; `fence` = `(alloc id of the fence
     /// page, slot)` makes it a fenced transfer whose fence value is its transfer id
     /// (crate::fence, docs/gpu.md "Stream-ordered transfers").
-    pub(crate) fn submit_fenced(
+    fn submit_fenced(
         &mut self,
         op: Opcode,
         group: u16,
@@ -632,13 +633,13 @@ impl Worker {
 
     /// Whether transfer `id` was submitted and the pool has not completed it yet (also
     /// when it was cancelled: the pool may still look at its fence slot until then).
-    pub(crate) fn in_flight(&self, id: u64) -> bool {
+    fn in_flight(&self, id: u64) -> bool {
         self.inflight.contains_key(&id) || self.abandoned.contains_key(&id) || self.quarantined(id)
     }
 
     /// The current attachment's id, socket and a dup of the pool's pidfd (the fence
     /// watchdog watches them).
-    pub(crate) fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream, Option<OwnedFd>)> {
+    fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream, Option<OwnedFd>)> {
         self.conn.as_ref().map(|c| (c.attachment_id, &c.sock, c.pool_pidfd()))
     }
 

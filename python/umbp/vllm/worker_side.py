@@ -38,7 +38,7 @@ from .layout import kv_layout
 from .metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
 
 if TYPE_CHECKING:
-    from .connector import UMBPStoreConnector
+    from .connector_view import ConnectorView
 
 logger = get_logger("worker")
 
@@ -56,7 +56,7 @@ class Job:
 
 
 class WorkerSide:
-    def __init__(self, c: "UMBPStoreConnector"):
+    def __init__(self, c: "ConnectorView"):
         self.c = c
         self.cfg = c._cfg
         self.n = c._native
