@@ -78,6 +78,20 @@ def setup(native, pool_factory, monkeypatch):
     w.close()
 
 
+def _timed_with_rescue(call, pool, rescue_after_s: float) -> float:
+    """Seconds `call()` took; the stopped `pool` is resumed after `rescue_after_s` so that
+    a call that waits for it (the behaviour a test rules out) ends instead of hanging."""
+    rescue = threading.Timer(rescue_after_s, pool.resume)
+    rescue.start()
+    t0 = time.monotonic()
+    try:
+        call()
+    finally:
+        took = time.monotonic() - t0
+        rescue.cancel()
+    return took
+
+
 def _stopped_mid_load(pool, w, keys, delays):
     """Submits a load of every block and stops the pool `delay` after it; returns the
     transfer id once the pool had started the load when it stopped (cancel says
@@ -109,14 +123,7 @@ def test_a_started_sync_load_of_a_stopped_pool_returns_within_timeout_and_is_qua
     ws._jobs[tid] = job
     ws._sync_loads.append(tid)
     # A step that waits for the pool (the old behaviour) ends when it resumes, not never.
-    rescue = threading.Timer(5.0, pool.resume)
-    rescue.start()
-    t0 = time.monotonic()
-    try:
-        ws.wait_for_sync_loads()
-    finally:
-        took = time.monotonic() - t0
-        rescue.cancel()
+    took = _timed_with_rescue(ws.wait_for_sync_loads, pool, 5.0)
     assert took < TIMEOUT_MS / 1000 + MARGIN_S, f"the step waited {took:.3f} s on a stopped pool"
     # Reported failed (vLLM fails the request) and held: not given back.
     assert ws.take_load_errors() == set(job.block_ids)
@@ -262,14 +269,9 @@ def test_shutdown_under_a_stopped_pool_returns_within_timeout(native, setup):
     sid = w.store(0, [b"\xee" * 16], [BLOCKS])
     ws._jobs[sid] = Job("store", "req-s", [b""], [BLOCKS], time.perf_counter_ns())
     ws._req_stores["req-s"] = {sid}
-    rescue = threading.Timer(10.0, pool.resume)
-    rescue.start()
-    t0 = time.monotonic()
     try:
-        ws.shutdown()
+        took = _timed_with_rescue(ws.shutdown, pool, 10.0)
     finally:
-        took = time.monotonic() - t0
-        rescue.cancel()
         pool.resume()
         time.sleep(0.5)  # the resumed pool may still finish the load into `buf`: keep it
     assert took < timeout_ms / 1000 + 1.0, f"shutdown took {took:.2f} s under a stopped pool (timeout_ms {timeout_ms})"
