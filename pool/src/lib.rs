@@ -23,6 +23,7 @@ pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 #[path = "fault_off.rs"]
 mod fault;
+mod finish;
 mod group_report;
 /// A hold point the pool's other crates pass too (the cluster tier's threads): empty and
 /// inlined away unless this build has `fault-injection`.

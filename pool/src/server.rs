@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use rustix::net::RecvFlags;
 use umbp_ipc::message::{recv_chunk, send_chunk, MessageError};
-use umbp_protocol::layout::KvLayout;
-use umbp_protocol::wire::{HelloReply, MessageKind, Reply, ReplyStatus, Role};
+use umbp_protocol::wire::{HelloReply, MessageKind, Reply, ReplyStatus};
 use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
 
 use crate::attachment::Attachment;
@@ -22,6 +21,8 @@ use crate::control::{self, Event, Next, PeerConn, Phase, Request, Timeouts, Viol
 use crate::poller::{Interest, Poller};
 use crate::validate::{self, AcceptedHello};
 use crate::{PoolError, PoolInner};
+
+mod registration;
 
 /// Binds the pool socket (mode 0660, group `group` when given: its members may connect;
 /// the uid allow-list still applies). A live pool at the path is never displaced; a stale
@@ -510,7 +511,7 @@ impl<'a> Control<'a> {
                 self.start_registrations();
                 return;
             }
-            MessageKind::RegisterLayout => (register_layout(inner, &att, &req.payload), Vec::new()),
+            MessageKind::RegisterLayout => (registration::register_layout(inner, &att, &req.payload), Vec::new()),
             MessageKind::ResetNamespace => {
                 let n = inner.store.lock().expect("store lock").reset_namespace(att.namespace);
                 tracing::info!(attachment = att.id, dropped = n, "namespace reset");
@@ -550,7 +551,7 @@ impl<'a> Control<'a> {
             let token = job.token;
             let (inner, tx) = (self.inner.clone(), self.reg_tx.clone());
             let spawned = std::thread::Builder::new().name("umbp-regmem".into()).spawn(move || {
-                let reply = register_memory(&inner, &job.att, &job.payload, job.fds);
+                let reply = registration::register_memory(&inner, &job.att, &job.payload, job.fds);
                 let _ = tx.send(RegDone { token: job.token, uid, reply });
                 inner.control_wake.ring();
             });
@@ -671,158 +672,6 @@ fn refuse_now(sock: &UnixStream, inner: &PoolInner, status: ReplyStatus, message
     let mut bytes = bytemuck::bytes_of(&header).to_vec();
     bytes.extend_from_slice(bytemuck::bytes_of(&reply));
     let _ = send_chunk(sock, &bytes, &[]);
-}
-
-/// What all live attachments of `uid` hold: (regions, registered bytes, layouts).
-fn uid_usage(inner: &PoolInner, uid: u32) -> (usize, u64, usize) {
-    let list = inner.attachments.lock().expect("attachments lock").clone();
-    list.iter().filter(|a| a.uid == uid && a.is_alive()).fold((0, 0, 0), |(r, b, l), a| {
-        (
-            r + a.regions.read().expect("regions lock").len(),
-            b.saturating_add(a.registered_bytes()),
-            l + a.layouts.read().expect("layouts lock").len(),
-        )
-    })
-}
-
-/// The per-uid totals (`--max-regions-per-uid`, `--max-registered-bytes-per-uid`) for one
-/// more region of `size` bytes.
-fn check_uid_registration(inner: &PoolInner, uid: u32, size: u64) -> Result<(), validate::Refusal> {
-    let l = &inner.config.uid_limits;
-    let (regions, bytes, _) = uid_usage(inner, uid);
-    let refuse = |message: String| Err(validate::Refusal { status: ReplyStatus::ResourceExhausted, message });
-    if regions >= l.regions {
-        return refuse(format!("uid {uid} already has {regions} regions registered, the limit per uid (--max-regions-per-uid)"));
-    }
-    if bytes.checked_add(size).is_none_or(|t| t > l.registered_bytes) {
-        return refuse(format!(
-            "registering {size} more bytes would exceed the {} bytes uid {uid} may register in all its attachments \
-             (--max-registered-bytes-per-uid; {bytes} registered)",
-            l.registered_bytes
-        ));
-    }
-    Ok(())
-}
-
-fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8], fds: Vec<std::os::fd::OwnedFd>) -> Reply {
-    let (reg, kind) = match validate::parse_memory_registration(payload) {
-        Ok(r) => r,
-        Err(r) => return Reply::error(r.status, &r.message),
-    };
-    if att.role != Role::Worker {
-        return Reply::error(ReplyStatus::PermissionDenied, "only workers register memory");
-    }
-    // A registration of an alloc_id this peer registered already, with the same size, is a
-    // retry (the worker gave up waiting for the reply of a pool that stalled, and sends it
-    // again): the new region replaces the old one, so a timed-out registration never
-    // refuses every retry (issue #31). Layouts stay valid (same size); copies running now
-    // keep the region they started with (they hold its Arc). Another size is refused.
-    let replaced = att.regions.read().expect("regions lock").get(&reg.alloc_id).map(|r| r.len());
-    if let Some(len) = replaced {
-        if len != reg.size {
-            return Reply::error(
-                ReplyStatus::InvalidRequest,
-                &format!(
-                    "alloc_id {} is already registered with {len} bytes, not {} (a retry must repeat the registration)",
-                    reg.alloc_id, reg.size
-                ),
-            );
-        }
-    }
-    // --max-regions / --max-registered-bytes, on the claimed size before opening anything
-    // (a retry's old region does not count: it is replaced).
-    let (count, bytes) =
-        (att.regions.read().expect("regions lock").len() - replaced.is_some() as usize, att.registered_bytes() - replaced.unwrap_or(0));
-    if let Err(r) = validate::check_registration(count, bytes, reg.size, &inner.config.limits) {
-        tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
-        return Reply::error(r.status, &r.message);
-    }
-    // --max-regions-per-uid / --max-registered-bytes-per-uid: all attachments of the uid
-    // (a retry adds nothing to them).
-    if let Err(r) = if replaced.is_some() { Ok(()) } else { check_uid_registration(inner, att.uid, reg.size) } {
-        tracing::warn!(attachment = att.id, pid = att.pid, "memory registration refused: {}", r.message);
-        return Reply::error(r.status, &r.message);
-    }
-    let backend = match umbp_gpu::backend_for(kind) {
-        Ok(b) => b,
-        Err(e) => {
-            let hint = match kind {
-                umbp_protocol::wire::MemoryKind::Cuda | umbp_protocol::wire::MemoryKind::Hip => {
-                    " (umbp-pool must see every GPU its workers use: check its CUDA_VISIBLE_DEVICES / container devices)"
-                }
-                _ => "",
-            };
-            return Reply::error(ReplyStatus::Unsupported, &format!("{kind:?} memory: {e}{hint}"));
-        }
-    };
-    // The pid comes from SO_PEERCRED, never from the message, and is checked to still be
-    // the process that connected, running as the peer's uid (HostProcess; item 1 of #13).
-    let verify = || att.process.verify();
-    let engine = *inner.engine.lock().expect("engine config lock");
-    let peer = umbp_gpu::Peer { attachment: att.id, pid: att.pid, pidfd: att.process.pidfd(), verify: &verify, engine };
-    match backend.open_region_for(&reg, fds.into_iter().next(), &peer) {
-        Ok(region) => {
-            // The opened size is what copies may touch; check it too.
-            if region.len() != replaced.unwrap_or(region.len()) {
-                return Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {}: a retry opened another size", reg.alloc_id));
-            }
-            if let Err(r) = validate::check_registration(count, bytes, region.len(), &inner.config.limits).and_then(|()| {
-                if replaced.is_some() {
-                    Ok(())
-                } else {
-                    check_uid_registration(inner, att.uid, region.len())
-                }
-            }) {
-                return Reply::error(r.status, &r.message);
-            }
-            if replaced.is_some() {
-                tracing::info!(attachment = att.id, alloc = reg.alloc_id, "memory registration repeated (a retry): the region is replaced");
-            }
-            tracing::info!(attachment = att.id, alloc = reg.alloc_id, ?kind, bytes = region.len(), "memory registered");
-            att.regions.write().expect("regions lock").insert(reg.alloc_id, Arc::from(region));
-            att.region_devices.lock().expect("devices lock").insert(reg.alloc_id, reg.device_uuid);
-            Reply::ok(reg.alloc_id as u64)
-        }
-        Err(e) => Reply::error(ReplyStatus::InvalidRequest, &format!("alloc_id {}: {e}", reg.alloc_id)),
-    }
-}
-
-fn register_layout(inner: &PoolInner, att: &Attachment, payload: &[u8]) -> Reply {
-    let (group, segments) = match validate::parse_layout(payload) {
-        Ok(p) => p,
-        Err(r) => return Reply::error(r.status, &r.message),
-    };
-    {
-        let layouts = att.layouts.read().expect("layouts lock");
-        if let Err(r) = validate::check_layout_count(layouts.len(), layouts.contains_key(&group), &inner.config.limits) {
-            return Reply::error(r.status, &r.message);
-        }
-        let replaces = layouts.contains_key(&group);
-        drop(layouts);
-        // --max-layouts-per-uid: all attachments of the uid.
-        let (_, _, of_uid) = uid_usage(inner, att.uid);
-        if !replaces && of_uid >= inner.config.uid_limits.layouts {
-            let m = format!("uid {} already has {of_uid} layouts, the limit per uid (--max-layouts-per-uid)", att.uid);
-            return Reply::error(ReplyStatus::ResourceExhausted, &m);
-        }
-    }
-    let layout = {
-        let regions = att.regions.read().expect("regions lock");
-        KvLayout::new(segments, |id| regions.get(&id).map(|r| r.len()))
-    };
-    match layout {
-        Ok(l) => {
-            let bytes = l.object_bytes();
-            if let Err(r) = validate::check_layout_object(group, bytes, inner.config.min_object_bytes) {
-                tracing::warn!(attachment = att.id, pid = att.pid, "{}", r.message);
-                return Reply::error(r.status, &r.message);
-            }
-            tracing::info!(attachment = att.id, group, object_bytes = bytes, blocks = l.num_blocks(), "layout registered");
-            att.layouts.write().expect("layouts lock").insert(group, Arc::new(l));
-            Reply::ok(bytes)
-        }
-        Err(e) => Reply::error(ReplyStatus::InvalidRequest, &format!("RegisterLayout group {group}: {e}")),
-    }
 }
 
 /// Marks a peer gone: the service thread stops serving it; copy jobs already queued see

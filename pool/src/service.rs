@@ -211,7 +211,7 @@ fn reject(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError) {
 
 fn reject_with(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError, detail: u64) {
     // A worker stream may be waiting on this load's fence word (docs/gpu.md "Stream-ordered transfers", umbp_gpu::fence).
-    crate::transfer::signal_load_fence(att, sqe, false);
+    crate::finish::signal_load_fence(att, sqe, false);
     Counters::add(&inner.counters.rejected_submissions, 1);
     att.counters.errors.fetch_add(1, Ordering::Relaxed);
     att.complete(Cqe { user_data: sqe.user_data, result: -(err as i32), reserved: detail, ..Cqe::default() });
@@ -280,7 +280,7 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         ahead: Default::default(),
     };
     if job.candidates.is_empty() {
-        crate::transfer::finish(inner, job, &[], 0);
+        crate::finish::finish(inner, job, &[], 0);
     } else {
         crate::transfer::dispatch(inner, job);
     }

@@ -445,8 +445,19 @@ impl Worker {
         self.with(py, |w| w.reset_namespace())
     }
 
-    fn close(&self) {
-        self.inner.lock().expect("worker lock").take();
+    /// Closes the worker. Loads the pool started into registered memory are waited for
+    /// (their completion or the pool's death) at most `timeout_ms`, by default the worker's
+    /// timeout: a caller with a shutdown budget of its own passes what is left of it.
+    #[pyo3(signature = (timeout_ms=None))]
+    fn close(&self, py: Python<'_>, timeout_ms: Option<u64>) {
+        let w = self.inner.lock().expect("worker lock").take();
+        if let Some(w) = w {
+            // Without the GIL: the wait may take up to the timeout.
+            py.detach(|| match timeout_ms {
+                Some(ms) => w.close_within(std::time::Duration::from_millis(ms)),
+                None => drop(w),
+            });
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-"""A seed user's first hour (issue #33 items 1, 2, 3, 7), without an engine:
+"""A seed user's first hour (issue #33 items 1, 2, 3, 7, 10), without an engine:
 
 - endpoints: the binding's `parse_endpoint` is the one parser (`umbp_ipc::endpoint`) the
   daemon, the Rust worker and scheduler and ringtool use: same values, same messages;
@@ -6,7 +6,8 @@
   without harm, and importing it costs nothing beyond the registration;
 - embedded `lookup_instance` is accepted with the seed's meaning (it separates engines:
   their workers' sockets differ);
-- a request whose load failed may hit again after it was preempted (real vLLM Scheduler).
+- a request whose load failed may hit again after it was preempted (real vLLM Scheduler);
+- item 10: `save_decode_cache` and `enable_lookup=false` do what the seed says.
 
 The engines that run the seed's configs verbatim are in test_seed_config_e2e.py."""
 
@@ -274,3 +275,56 @@ def test_failed_loads_are_bounded(make, native):
         h.kv_buffer.zero_()
     assert loads == S._MAX_FAILED_LOADS
     assert h.conn._sched._reqs["b"].load_failures == S._MAX_FAILED_LOADS
+
+
+# -- item 10: the seed's save_decode_cache and enable_lookup=false, verified ----------------
+
+
+def _decode_then_prompt(make, extra):
+    """Request a (300-token prompt) generates 100 tokens (the harness samples token 7), so
+    its third 128-token block is filled by generated tokens. vLLM's own cache is emptied;
+    then request b's prompt is a's whole text, prompt and output. Returns (b's tokens taken
+    from the connector, objects in the pool)."""
+    from sched_harness import tokens
+
+    h = make(extra=extra)
+    prompt = tokens(40, 300)
+    a = h.add("a", prompt, max_tokens=100)
+    h.run()
+    text = prompt + list(a.output_token_ids)
+    assert len(text) == 400
+    h.step_until(lambda: h.pool_report()["pool"]["published_objects"] >= (3 if extra.get("save_decode_cache") else 2))
+    objects = h.pool_report()["pool"]["published_objects"]
+    h.reset_local_cache()
+    h.add("b", text)
+    h.run()
+    return h.external_tokens("b"), objects
+
+
+def test_save_decode_cache_stores_blocks_filled_by_generated_tokens(make):
+    """The seed's `save_decode_cache`: on, the block filled by generated tokens is stored and
+    a later prompt that continues the conversation hits it (3 blocks, 384 tokens); off (the
+    default), only the prompt's 2 full blocks are in the pool."""
+    hit_on, objects_on = _decode_then_prompt(make, {"save_decode_cache": True})
+    hit_off, objects_off = _decode_then_prompt(make, {})
+    assert (hit_on, objects_on) == (384, 3), "save_decode_cache=true: the decode block is stored and hit"
+    assert (hit_off, objects_off) == (256, 2), "default: prompt blocks only"
+
+
+def test_enable_lookup_false_stores_but_never_reports_a_hit(make):
+    """The seed's `enable_lookup=false`: the engine stores (the pool fills) but is never
+    offered a hit, so nothing is loaded; the same engine with lookups on hits."""
+    from sched_harness import tokens
+
+    h = make(extra={"enable_lookup": False})
+    h.store_and_forget("a", tokens(41, 300))
+    assert h.pool_report()["pool"]["published_objects"] == 2, "stores still happen"
+    h.add("b", tokens(41, 300))
+    h.run()
+    assert h.external_tokens("b") == 0
+    assert h.connector_stats().get("loaded_blocks", 0) == 0
+    h2 = make()
+    h2.store_and_forget("a", tokens(42, 300))
+    h2.add("b", tokens(42, 300))
+    h2.run()
+    assert h2.external_tokens("b") == 256, "the control: lookups on hit"

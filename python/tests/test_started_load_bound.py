@@ -78,6 +78,20 @@ def setup(native, pool_factory, monkeypatch):
     w.close()
 
 
+def _timed_with_rescue(call, pool, rescue_after_s: float) -> float:
+    """Seconds `call()` took; the stopped `pool` is resumed after `rescue_after_s` so that
+    a call that waits for it (the behaviour a test rules out) ends instead of hanging."""
+    rescue = threading.Timer(rescue_after_s, pool.resume)
+    rescue.start()
+    t0 = time.monotonic()
+    try:
+        call()
+    finally:
+        took = time.monotonic() - t0
+        rescue.cancel()
+    return took
+
+
 def _stopped_mid_load(pool, w, keys, delays):
     """Submits a load of every block and stops the pool `delay` after it; returns the
     transfer id once the pool had started the load when it stopped (cancel says
@@ -109,14 +123,7 @@ def test_a_started_sync_load_of_a_stopped_pool_returns_within_timeout_and_is_qua
     ws._jobs[tid] = job
     ws._sync_loads.append(tid)
     # A step that waits for the pool (the old behaviour) ends when it resumes, not never.
-    rescue = threading.Timer(5.0, pool.resume)
-    rescue.start()
-    t0 = time.monotonic()
-    try:
-        ws.wait_for_sync_loads()
-    finally:
-        took = time.monotonic() - t0
-        rescue.cancel()
+    took = _timed_with_rescue(ws.wait_for_sync_loads, pool, 5.0)
     assert took < TIMEOUT_MS / 1000 + MARGIN_S, f"the step waited {took:.3f} s on a stopped pool"
     # Reported failed (vLLM fails the request) and held: not given back.
     assert ws.take_load_errors() == set(job.block_ids)
@@ -238,3 +245,33 @@ def test_a_request_failed_by_a_load_error_is_freed_only_after_the_workers_report
     assert "b" in h.sched.requests
     h.step_until(lambda: "b" not in h.sched.requests)
     assert h.sched.kv_cache_manager.block_pool.get_num_free_blocks() == free0
+
+
+def test_shutdown_under_a_stopped_pool_returns_within_timeout(native, setup):
+    """Issue #33 item 10: an engine shut down while its pool is stopped, with a store in
+    flight and a load the pool had started, returns within `timeout_ms` + 1 s (the seed's
+    promise), never hangs. Before, the store wait took `timeout_ms` and then the worker's
+    drop waited another `timeout_ms` for the started load: 2 x 1.5 s here."""
+    pool, _w, keys, _buf = setup
+    timeout_ms = 1500
+    buf = ctypes.create_string_buffer(BLOCK * (BLOCKS + 1))
+    w = native.Worker(str(pool.socket_path), native.namespace_digest("bound"), timeout_ms=timeout_ms)
+    alloc = w.register_host_memory(ctypes.addressof(buf), BLOCK * (BLOCKS + 1))
+    w.register_layout(0, [(alloc, 0, BLOCK, BLOCK, BLOCKS + 1)])
+    ws = _worker_side(native, w, recompute=False)
+    ws.cfg = SimpleNamespace(timeout_ms=timeout_ms)
+    tid = _stopped_mid_load(pool, w, keys, [0.002, 0.005, 0.001, 0.01, 0.0005, 0.02])
+    if tid is None:
+        w.close()
+        pytest.skip("the pool was never stopped in the middle of a load: nothing was tested")
+    from umbp.vllm.worker_side import Job
+
+    sid = w.store(0, [b"\xee" * 16], [BLOCKS])
+    ws._jobs[sid] = Job("store", "req-s", [b""], [BLOCKS], time.perf_counter_ns())
+    ws._req_stores["req-s"] = {sid}
+    try:
+        took = _timed_with_rescue(ws.shutdown, pool, 10.0)
+    finally:
+        pool.resume()
+        time.sleep(0.5)  # the resumed pool may still finish the load into `buf`: keep it
+    assert took < timeout_ms / 1000 + 1.0, f"shutdown took {took:.2f} s under a stopped pool (timeout_ms {timeout_ms})"

@@ -558,6 +558,20 @@ fn a_member_whose_nixl_address_does_not_answer_stalls_no_other_read() {
     println!("C's load of A's blocks: {r}");
     assert_eq!(outcome(&r), (0, 0, 10), "the unanswering member's blocks are misses, never bytes: {r}");
     assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS + 200, "the fetch took {} ms, budget {READ_TIMEOUT_MS} ms: {r}", n(&r, "max_wait_ms"));
+
+    // Issue #31 (the leak-only quarantine case): those reads outlived their budget while A
+    // stays a member (its control connection answers heartbeats), so their DRAM in C may
+    // still be written and was quarantined. C drops A at the timeout and forgets its
+    // endpoint: the DRAM comes back, and A re-joins. Before, it stayed quarantined for as
+    // long as A stayed a member (each such load added more, up to the bound).
+    let took = wait_until("C to reclaim the DRAM of its timed-out reads from A", Duration::from_secs(10), || {
+        let p = pc.report().pool;
+        p.quarantined_bytes == 0 && p.quarantine_reclaimed_bytes > 0
+    });
+    println!("C reclaimed {} bytes of timed-out reads from A {took:?} later", pc.report().pool.quarantine_reclaimed_bytes);
+    wait_until("A to re-join C (its blocks listed again)", Duration::from_secs(30), || listed(&mut ic, &k_a) == 10);
+    let r = load(pb, 2000, 100);
+    assert_eq!(outcome(&r), (100, 0, 0), "B still loads C's blocks: {r}");
 }
 
 /// The stall test's steps (see above), on a fresh cluster; returns it with A still cut off

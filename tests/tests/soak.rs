@@ -75,6 +75,35 @@ fn chaos_soak_short() {
     assert_eq!(case("pool_crashes")["final_exit"], "exit status: 0", "the pool's clean stop");
 }
 
+/// `--cluster`: a second member (the holder) with a worker of its own on the same keys, so
+/// loads also promote from the remote tier over NIXL (UCX TCP on loopback) while the holder
+/// is stopped and restarted besides the soak pool's own faults (issue #31: remote
+/// promotions in the soak). Every check of the soak holds, and remote fetches happened.
+#[test]
+fn chaos_soak_cluster_short() {
+    if !cluster::nixl_on_loopback() {
+        return;
+    }
+    let secs = std::env::var("UMBP_SOAK_SECS").unwrap_or_else(|_| "15".into());
+    let (out, cases) = soak(&["--seconds", &secs, "--workers", "2", "--timeout-ms", "1000", "--capacity", "32MiB", "--cluster"]);
+    assert!(out.status.success(), "soak failed (output above)");
+    let case = |name: &str| case(&cases, name);
+    assert_eq!(case("corrupted_bytes")["value"], 0.0);
+    assert!(case("corrupted_bytes")["verified_blocks"].as_u64().unwrap() > 100, "loads were verified");
+    assert!(case("corrupted_bytes")["remote_fetches"].as_u64().unwrap() > 0, "no load fetched from the holder: that path went untested");
+    assert!(
+        case("faults_injected")["holder_stops"].as_u64().unwrap() + case("faults_injected")["holder_restarts"].as_u64().unwrap() > 0,
+        "the holder saw no fault: {}",
+        case("faults_injected")
+    );
+    assert_eq!(case("leaked_bytes")["value"], 0.0);
+    assert_eq!(case("leaked_bytes")["leaked_fds"], 0);
+    assert!(case("max_blocked_ms")["value"].as_f64().unwrap() <= 1000.0);
+    assert_eq!(case("max_blocked_ms")["all_reattached"], true);
+    assert_eq!(case("pool_crashes")["value"], 0.0);
+    assert_eq!(case("pool_crashes")["final_exit"], "exit status: 0", "the pool's clean stop");
+}
+
 /// Direct children of `parent` whose command name is `comm`.
 fn children_named(parent: u32, comm: &str) -> Vec<i32> {
     let mut out = Vec::new();

@@ -40,10 +40,7 @@ use umbp_gpu::fence::{self as gf, FenceWord, SLOT_BYTES};
 use umbp_ipc::message::peer_gone;
 use umbp_ipc::peer::pidfd_exited;
 use umbp_ipc::SharedMemory;
-use umbp_protocol::entries::Opcode;
-use umbp_protocol::ObjectKey;
 
-use crate::worker::{TransferId, Worker};
 use crate::WorkerError;
 
 /// Fence words per worker: more than any ring holds in flight.
@@ -171,130 +168,15 @@ fn watchdog(page: Arc<Page>) {
     }
 }
 
-fn gpu_err(what: &str, source: umbp_gpu::GpuError) -> WorkerError {
+pub(crate) fn gpu_err(what: &str, source: umbp_gpu::GpuError) -> WorkerError {
     WorkerError::Gpu { what: what.to_string(), source }
 }
 
-impl Worker {
-    /// Stream-ordered store (docs/gpu.md "Stream-ordered transfers"): the pool copies `blocks` only after `stream` (a
-    /// raw `CUstream` as an integer, 0 = legacy default stream; e.g. torch's current
-    /// stream) has run everything enqueued on it before this call. Returns at once; the
-    /// CPU never waits for the GPU. Completion as for [`Worker::store`].
-    ///
-    /// Needs CUDA in this process; the first call sets up the fence page (one control
-    /// round trip). If the stream write cannot be enqueued, the store is aborted (it
-    /// completes as failed) and this returns the error.
-    pub fn store_after_stream(&mut self, group: u16, blocks: &[(ObjectKey, u64)], stream: u64) -> Result<TransferId, WorkerError> {
-        let (id, slot) = self.submit_with_fence(Opcode::Store, group, blocks, stream)?;
-        let Some(slot) = slot else { return Ok(id) };
-        let f = self.fences.as_mut().expect("set up by fence_slot");
-        let word = f.page.word(slot);
-        let addr = word.device().expect("fence pages are device-mapped");
-        // SAFETY: `addr` is a word of the registered fence page, which is never
-        // unregistered once a fenced transfer was made (Fences::drop).
-        if let Err(e) = unsafe { umbp_gpu::cuda::fence_write(stream, addr, id.0) } {
-            // The pool must not read KV the stream may still be writing: abort the store.
-            word.signal(id.0.wrapping_add(gf::ABORT));
-            f.poisoned[slot as usize] = true;
-            return Err(gpu_err(
-                &format!("store {} aborted (it completes as failed): cuStreamWriteValue64 on stream {stream:#x}", id.0),
-                e,
-            ));
-        }
-        Ok(id)
-    }
-
-    /// Stream-ordered load (docs/gpu.md "Stream-ordered transfers"): submits the load and makes `stream` wait (on the
-    /// GPU) until the pool has written the blocks; kernels enqueued on `stream` after this
-    /// call read the loaded KV. The CPU does not wait. Whether each block loaded is in the
-    /// completion, as for [`Worker::load`]: the stream is released also when the load
-    /// failed, so check it before trusting the bytes (vLLM: report load errors).
-    ///
-    /// If the wait cannot be enqueued, the load still runs; this returns an error naming
-    /// its transfer id, and the caller must wait for its completion on the CPU.
-    pub fn load_before_stream(&mut self, group: u16, blocks: &[(ObjectKey, u64)], stream: u64) -> Result<TransferId, WorkerError> {
-        let (id, slot) = self.submit_with_fence(Opcode::Load, group, blocks, stream)?;
-        let Some(slot) = slot else { return Ok(id) };
-        let sock = self.attachment_socket().and_then(|(att, s, p)| s.try_clone().ok().map(|s| (att, s, p)));
-        let f = self.fences.as_mut().expect("set up by fence_slot");
-        {
-            let mut w = f.page.watch();
-            if let Some((att, s, p)) = sock {
-                if w.sock.as_ref().is_none_or(|(a, _, _)| *a != att) {
-                    w.sock = Some((att, s, p));
-                }
-            }
-            w.loads.push((slot, id.0));
-        }
-        f.page.wake.notify_all();
-        let addr = f.page.word(slot).device().expect("fence pages are device-mapped");
-        // SAFETY: a word of the registered fence page, never unregistered once used.
-        unsafe { umbp_gpu::cuda::fence_wait(stream, addr, id.0) }.map_err(|e| {
-            gpu_err(
-                &format!("load {} runs but the stream does not wait for it; wait for its completion on the CPU: cuStreamWaitValue64 on stream {stream:#x}", id.0),
-                e,
-            )
-        })?;
-        Ok(id)
-    }
-
-    /// Submits `op` carrying a fence slot, which it claims for the new transfer; the caller
-    /// then ties the slot's word to `stream`. An empty transfer moves no bytes, so there is
-    /// nothing to order against the stream: it is submitted unfenced (slot None).
-    fn submit_with_fence(
-        &mut self,
-        op: Opcode,
-        group: u16,
-        blocks: &[(ObjectKey, u64)],
-        stream: u64,
-    ) -> Result<(TransferId, Option<u32>), WorkerError> {
-        if blocks.is_empty() {
-            return Ok((self.submit_fenced(op, group, blocks, None)?, None));
-        }
-        let (alloc, slot) = self.fence_slot(stream)?;
-        let id = self.submit_fenced(op, group, blocks, Some((alloc, slot)))?;
-        self.fences.as_mut().expect("set up by fence_slot").claim(slot, id.0);
-        Ok((id, Some(slot)))
-    }
-
-    /// Whether stream-ordered transfers are set up (after the first one succeeded).
-    pub fn fences_ready(&self) -> bool {
-        self.fences.is_some()
-    }
-
-    /// The slot for the next fenced transfer, setting the page up on first use.
-    fn fence_slot(&mut self, stream: u64) -> Result<(u32, u32), WorkerError> {
-        if self.fences.is_none() {
-            let f = self.setup_fences(stream)?;
-            self.fences = Some(f);
-        }
-        // Forget finished loads and check the slot is free.
-        let inflight: Vec<u64> = {
-            let f = self.fences.as_ref().expect("set above");
-            let w = f.page.watch();
-            w.loads.iter().map(|&(_, id)| id).collect()
-        };
-        let done: Vec<u64> = inflight.into_iter().filter(|id| !self.in_flight(*id)).collect();
-        let f = self.fences.as_ref().expect("set above");
-        let slot = (f.next_seq % SLOTS as u64) as u32;
-        let owner = f.owner[slot as usize];
-        let busy = owner != 0 && self.in_flight(owner);
-        let f = self.fences.as_mut().expect("set above");
-        if !done.is_empty() {
-            f.page.watch().loads.retain(|(_, id)| !done.contains(id));
-        }
-        if busy {
-            return Err(WorkerError::Full);
-        }
-        if f.poisoned[slot as usize] {
-            // Its store was aborted and completed; nothing else touches the word now.
-            f.page.word(slot).store(0);
-            f.poisoned[slot as usize] = false;
-        }
-        Ok((f.alloc_id, slot))
-    }
-
-    fn setup_fences(&mut self, stream: u64) -> Result<Fences, WorkerError> {
+impl Fences {
+    /// Maps a fence page, registers it with CUDA (pinned, device-mapped; `stream` is the
+    /// caller's live stream or 0) and, through `register` (its memfd and length; returns
+    /// the caller-visible alloc id), with the pool; starts the watchdog.
+    pub(crate) fn create(stream: u64, register: impl FnOnce(OwnedFd, u64) -> Result<u32, WorkerError>) -> Result<Fences, WorkerError> {
         let len = SLOTS as usize * SLOT_BYTES as usize;
         let mem = SharedMemory::create("umbp-fences", len, false).map_err(|source| WorkerError::Shm { what: "fence page", source })?;
         // SAFETY: the mapping lives in `Page` next to the registration, which is dropped
@@ -302,7 +184,7 @@ impl Worker {
         let gpu = unsafe { HostWords::register(mem.as_ptr(), len, stream as umbp_gpu::cuda::sys::CUstream) }
             .map_err(|e| gpu_err("stream-ordered transfers need CUDA in this process", e))?;
         let fd = mem.fd().try_clone_to_owned().map_err(WorkerError::Io)?;
-        let alloc_id = self.register_memfd(fd, 0, len as u64)?;
+        let alloc_id = register(fd, len as u64)?;
         let page =
             Arc::new(Page { gpu, mem, watch: Mutex::new(Watch { loads: Vec::new(), sock: None, stop: false }), wake: Condvar::new() });
         let p2 = page.clone();
@@ -318,10 +200,73 @@ impl Worker {
             watchdog: Some(watchdog),
         })
     }
-}
 
-impl Fences {
-    fn claim(&mut self, slot: u32, id: u64) {
+    /// (alloc id, slot) for the next fenced transfer, or `Full` while that slot's last
+    /// transfer is still in flight. Watched loads that are no longer in flight are
+    /// forgotten first.
+    pub(crate) fn next_slot(&mut self, in_flight: impl Fn(u64) -> bool) -> Result<(u32, u32), WorkerError> {
+        self.page.watch().loads.retain(|&(_, id)| in_flight(id));
+        let slot = (self.next_seq % SLOTS as u64) as u32;
+        let owner = self.owner[slot as usize];
+        if owner != 0 && in_flight(owner) {
+            return Err(WorkerError::Full);
+        }
+        if self.poisoned[slot as usize] {
+            // Its store was aborted and completed; nothing else touches the word now.
+            self.page.word(slot).store(0);
+            self.poisoned[slot as usize] = false;
+        }
+        Ok((self.alloc_id, slot))
+    }
+
+    /// Makes the pool's read of store `id` wait for `stream`: enqueues the stream's write of
+    /// `id` into the slot's word. If it cannot be enqueued, the store is aborted (the pool
+    /// sees the abort mark and fails it) and the error returned.
+    pub(crate) fn order_store(&mut self, slot: u32, id: u64, stream: u64) -> Result<(), WorkerError> {
+        let word = self.page.word(slot);
+        let addr = word.device().expect("fence pages are device-mapped");
+        // SAFETY: `addr` is a word of the registered fence page, which is never
+        // unregistered once a fenced transfer was made (Fences::drop).
+        if let Err(e) = unsafe { umbp_gpu::cuda::fence_write(stream, addr, id) } {
+            // The pool must not read KV the stream may still be writing: abort the store.
+            word.signal(id.wrapping_add(gf::ABORT));
+            self.poisoned[slot as usize] = true;
+            return Err(gpu_err(&format!("store {id} aborted (it completes as failed): cuStreamWriteValue64 on stream {stream:#x}"), e));
+        }
+        Ok(())
+    }
+
+    /// Makes `stream` wait for load `id`'s word, watched (with the attachment `sock`: id,
+    /// socket, the pool's pidfd) so that a dead pool releases it.
+    pub(crate) fn order_load(
+        &mut self,
+        slot: u32,
+        id: u64,
+        stream: u64,
+        sock: Option<(u32, UnixStream, Option<OwnedFd>)>,
+    ) -> Result<(), WorkerError> {
+        {
+            let mut w = self.page.watch();
+            if let Some((att, s, p)) = sock {
+                if w.sock.as_ref().is_none_or(|(a, _, _)| *a != att) {
+                    w.sock = Some((att, s, p));
+                }
+            }
+            w.loads.push((slot, id));
+        }
+        self.page.wake.notify_all();
+        let addr = self.page.word(slot).device().expect("fence pages are device-mapped");
+        // SAFETY: a word of the registered fence page, never unregistered once used.
+        unsafe { umbp_gpu::cuda::fence_wait(stream, addr, id) }.map_err(|e| {
+            gpu_err(
+                &format!("load {id} runs but the stream does not wait for it; wait for its completion on the CPU: cuStreamWaitValue64 on stream {stream:#x}"),
+                e,
+            )
+        })
+    }
+
+    /// Slot `slot` now belongs to transfer `id`.
+    pub(crate) fn claim(&mut self, slot: u32, id: u64) {
         self.owner[slot as usize] = id;
         self.next_seq += 1;
         self.used = true;

@@ -20,6 +20,10 @@ use crate::WorkerError;
 use umbp_ipc::backoff::Backoff;
 use umbp_ipc::dial::{Attached, Dial, DialError};
 
+mod fenced;
+mod lost_pool;
+mod reconnect;
+
 /// The pool's socket when nothing else is configured: `UMBP_STANDALONE_ADDRESS` (a path or
 /// `unix://` address, parsed by [`umbp_ipc::endpoint::parse_endpoint`]), else
 /// `$XDG_RUNTIME_DIR/umbp/pool.sock`, else `/tmp/umbp/pool.sock` (docs/connection.md).
@@ -193,6 +197,17 @@ impl Quarantine {
     }
 }
 
+/// Sets `ABANDONED` in `f`'s state word; returns whether the pool may have started it (a
+/// started stage, garbage in the word, or abandoned before by a cancel that found it
+/// started).
+fn abandon(conn: &Connection, f: &InFlight) -> bool {
+    match conn.arena.atomic_u64(f.state_offset()) {
+        Ok(w) => !matches!(TransferState::new(w).abandon(), Abandoned::BeforeStart),
+        // Our own offset inside our own arena: cannot fail; if it did, assume started.
+        Err(_) => true,
+    }
+}
+
 /// What [`Worker::cancel`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CancelOutcome {
@@ -239,7 +254,7 @@ pub struct Worker {
     quarantine: Vec<Quarantine>,
     stall_warned: bool,
     /// GPU fence page, made at the first stream-ordered transfer (crate::fence).
-    pub(crate) fences: Option<crate::fence::Fences>,
+    fences: Option<crate::fence::Fences>,
     /// The rings are single-producer/single-consumer: one thread at a time.
     _not_sync: PhantomData<Cell<()>>,
 }
@@ -506,16 +521,6 @@ impl Worker {
         self.inflight.len() + self.ready.len() + self.quarantined_count()
     }
 
-    /// Started loads of a lost attachment still holding their blocks: the pool's process
-    /// lives, so its copies into them may still land (docs/connection.md "A lost pool").
-    pub fn quarantined_count(&self) -> usize {
-        self.quarantine.iter().map(|q| q.loads.len()).sum()
-    }
-
-    fn quarantined(&self, id: u64) -> bool {
-        self.quarantine.iter().any(|q| q.loads.contains_key(&id))
-    }
-
     /// Drops every unpinned object of this namespace in the pool; returns how many.
     pub fn reset_namespace(&mut self) -> Result<u64, WorkerError> {
         self.service();
@@ -527,47 +532,6 @@ impl Worker {
         self.after_control(result)
     }
 
-    /// Keeps the attachment while the caller is idle: reaps completions (kept for
-    /// [`Self::poll`]), notices a lost or stalled pool, and re-dials a restarted one (with
-    /// the backoff; the re-attach re-registers memory and layouts). A worker that submits
-    /// nothing otherwise learns of a restarted pool only at its next call, and that call's
-    /// transfers fail; an engine's background timer calls this so the next request finds it
-    /// attached (docs/connection.md "A restarted pool").
-    pub fn maintain(&mut self) {
-        self.service();
-    }
-
-    /// Drops the attachment as if the pool were lost, with the pool alive (an engine-side
-    /// reset; the soak's "worker lose on a live pool"): every transfer in flight is
-    /// abandoned, stores and unstarted loads complete as failed at once, started loads keep
-    /// their blocks until the pool answers them or dies (docs/connection.md "A lost
-    /// pool"). The next call reconnects.
-    pub fn disconnect(&mut self) {
-        self.reap();
-        self.lose("disconnected by the caller");
-    }
-
-    /// Reconnects now, ignoring the backoff    /// Reconnects now, ignoring the backoff, and waits for the handshake (up to `timeout`)
-    /// and re-registration. A no-op while attached to a live pool.
-    pub fn reconnect_now(&mut self) -> Result<(), WorkerError> {
-        self.reap();
-        self.check_alive();
-        if self.conn.is_some() {
-            return Ok(());
-        }
-        self.dial = None;
-        let result = match Dial::blocking(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout, self.cfg.pool_uid) {
-            Ok(a) => self.finish_reconnect(a),
-            Err(DialError::Refused(refusal)) => Err(WorkerError::Refused { message: refusal.to_string() }),
-            Err(e) => Err(WorkerError::Unreachable { path: self.cfg.endpoint.clone(), source: e.into_io() }),
-        };
-        if let Err(e) = &result {
-            let delay = self.backoff.failed(Instant::now());
-            tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP reconnect failed");
-        }
-        result
-    }
-
     fn submit(&mut self, op: Opcode, group: u16, blocks: &[(ObjectKey, u64)]) -> Result<TransferId, WorkerError> {
         self.submit_fenced(op, group, blocks, None)
     }
@@ -575,7 +539,7 @@ impl Worker {
     /// Submits like [`Self::store`]/[`Self::load`]; `fence` = `(alloc id of the fence
     /// page, slot)` makes it a fenced transfer whose fence value is its transfer id
     /// (crate::fence, docs/gpu.md "Stream-ordered transfers").
-    pub(crate) fn submit_fenced(
+    fn submit_fenced(
         &mut self,
         op: Opcode,
         group: u16,
@@ -669,13 +633,13 @@ impl Worker {
 
     /// Whether transfer `id` was submitted and the pool has not completed it yet (also
     /// when it was cancelled: the pool may still look at its fence slot until then).
-    pub(crate) fn in_flight(&self, id: u64) -> bool {
+    fn in_flight(&self, id: u64) -> bool {
         self.inflight.contains_key(&id) || self.abandoned.contains_key(&id) || self.quarantined(id)
     }
 
     /// The current attachment's id, socket and a dup of the pool's pidfd (the fence
     /// watchdog watches them).
-    pub(crate) fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream, Option<OwnedFd>)> {
+    fn attachment_socket(&self) -> Option<(u32, &std::os::unix::net::UnixStream, Option<OwnedFd>)> {
         self.conn.as_ref().map(|c| (c.attachment_id, &c.sock, c.pool_pidfd()))
     }
 
@@ -734,214 +698,6 @@ impl Worker {
     fn check_alive(&mut self) {
         if self.conn.as_ref().is_some_and(|c| peer_gone(&c.sock)) {
             self.lose("socket closed");
-        }
-    }
-
-    /// Drops the attachment (docs/connection.md "A lost pool"). Every transfer without a
-    /// completion is abandoned first (its state word gets `ABANDONED`), so a pool that is
-    /// still alive publishes nothing of it and starts no further stage. Stores and loads
-    /// the pool never started have then failed and their blocks are the caller's again. A
-    /// load the pool has started may still be copying into its blocks: it fails only once
-    /// the pool's process is known dead; while it lives, the load keeps its blocks (it is
-    /// quarantined with the old attachment) until the pool answers it there or dies.
-    fn lose(&mut self, why: &str) {
-        let Some(mut conn) = self.conn.take() else { return };
-        // Completions published before the pool went are real; keep them.
-        let ring_broken = reap_into(&mut conn, &mut self.inflight, &mut self.abandoned, &mut self.ready).is_err();
-        // Cancelled transfers' completions are dropped unseen; the arena goes with the attachment.
-        self.abandoned.clear();
-        let pool_dead = conn.pool_dead().unwrap_or_else(|| peer_gone(&conn.sock));
-        let mut pending: Vec<(u64, InFlight)> = self.inflight.drain().collect();
-        pending.sort_unstable_by_key(|(id, _)| *id);
-        let mut held = HashMap::new();
-        let mut gone = HashMap::new();
-        for (id, f) in pending {
-            let started = abandon(&conn, &f);
-            if f.op == Opcode::Load && started && !pool_dead {
-                held.insert(id, f);
-                continue;
-            }
-            if f.op == Opcode::Load {
-                // The pool will never write this load's fence word (or is dead).
-                if let Some(fences) = &self.fences {
-                    fences.release_load(id);
-                }
-            }
-            self.ready.push_back(Completion::failed(id, f.count as usize, None));
-            gone.insert(id, f);
-        }
-        tracing::warn!(
-            endpoint = %self.cfg.endpoint.display(),
-            attachment = conn.attachment_id,
-            failed = gone.len(),
-            quarantined = held.len(),
-            pool_dead,
-            "lost the UMBP pool ({why}); pending transfers abandoned and failed (started loads keep their blocks while the pool process lives), reconnecting"
-        );
-        if !held.is_empty() {
-            // Kept open: a live pool completes the started stages on this attachment.
-            self.quarantine.push(Quarantine { conn, loads: held, gone, ring_broken });
-        }
-        self.stall_warned = false;
-        self.dial = None;
-        self.backoff.reset();
-    }
-
-    /// Ends quarantined loads whose pool answered on the lost attachment or died.
-    fn check_quarantine(&mut self) {
-        if self.quarantine.is_empty() {
-            return;
-        }
-        for q in &mut self.quarantine {
-            if !q.ring_broken {
-                q.ring_broken = reap_into(&mut q.conn, &mut q.loads, &mut q.gone, &mut self.ready).is_err();
-            }
-            if !q.loads.is_empty() && q.pool_dead() {
-                tracing::warn!(
-                    attachment = q.conn.attachment_id,
-                    loads = q.loads.len(),
-                    "the lost UMBP pool's process is gone: its started loads failed, their blocks are free"
-                );
-                let mut ids: Vec<(u64, InFlight)> = q.loads.drain().collect();
-                ids.sort_unstable_by_key(|(id, _)| *id);
-                for (id, f) in ids {
-                    if let Some(fences) = &self.fences {
-                        fences.release_load(id);
-                    }
-                    self.ready.push_back(Completion::failed(id, f.count as usize, None));
-                }
-            }
-        }
-        self.quarantine.retain(|q| !q.loads.is_empty());
-    }
-
-    /// Advances a reconnect without waiting: starts a dial when the backoff allows, or
-    /// looks for the reply of one in progress.
-    fn try_reconnect(&mut self) {
-        let now = Instant::now();
-        if self.dial.is_none() {
-            if !self.backoff.due(now) {
-                return;
-            }
-            match Dial::start(&self.cfg.endpoint, &self.cfg.hello(), self.cfg.timeout, self.cfg.pool_uid) {
-                Ok(d) => self.dial = Some(d),
-                Err(e) => {
-                    let delay = self.backoff.failed(now);
-                    tracing::debug!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP pool not reachable yet");
-                    return;
-                }
-            }
-        }
-        let Some(dial) = self.dial.as_mut() else { return };
-        let attached = match dial.finish(Duration::ZERO) {
-            Ok(None) => return,
-            Ok(Some((reply, fds))) => self.dial.take().expect("dial in progress").into_attached(reply, fds),
-            Err(e) => {
-                self.dial = None;
-                let delay = self.backoff.failed(Instant::now());
-                match e {
-                    DialError::Refused(_) => {
-                        tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP pool refused the reconnect")
-                    }
-                    _ => tracing::debug!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP reconnect failed"),
-                }
-                return;
-            }
-        };
-        if let Err(e) = self.finish_reconnect(attached) {
-            let delay = self.backoff.failed(Instant::now());
-            tracing::warn!(endpoint = %self.cfg.endpoint.display(), error = %e, ?delay, "UMBP re-registration failed");
-        }
-    }
-
-    /// Maps the new attachment and replays registrations and layouts (blocking: the pool
-    /// has just shown it is alive by answering Hello). The whole replay shares one
-    /// `timeout`: a pool that answers slowly after its Hello reply must not hold the calling
-    /// engine thread for up to one timeout per message (found by `umbp-bench soak`: calls
-    /// blocked 2.1 s with timeout_ms 1000, 3.6 s under valgrind; tests/tests/reconnect_stall.rs).
-    /// A pool too slow to finish the replay in one timeout is retried with backoff.
-    fn finish_reconnect(&mut self, attached: Attached) -> Result<(), WorkerError> {
-        let mut conn = Connection::new(attached)?;
-        let deadline = Instant::now() + self.cfg.timeout;
-        let left = || {
-            let d = deadline.saturating_duration_since(Instant::now());
-            if d.is_zero() {
-                Err(WorkerError::Io(std::io::Error::new(std::io::ErrorKind::TimedOut, "re-registration took longer than timeout_ms")))
-            } else {
-                Ok(d)
-            }
-        };
-        for m in &self.memory {
-            let id = conn.register_memory(&m.reg, m.fd.as_ref().map(|f| f.as_fd()), left()?)?;
-            conn.alloc_ids.insert(m.id, id);
-        }
-        for (&group, segments) in &self.layouts {
-            conn.register_layout(group, segments, left()?)?;
-        }
-        tracing::info!(
-            endpoint = %self.cfg.endpoint.display(),
-            attachment = conn.attachment_id,
-            allocations = self.memory.len(),
-            layouts = self.layouts.len(),
-            "reattached to UMBP pool and re-registered"
-        );
-        self.conn = Some(conn);
-        self.backoff.reset();
-        Ok(())
-    }
-
-    /// Passes a control result on, dropping the attachment when the exchange broke the
-    /// socket (closed, garbage): its byte stream can no longer be trusted to be in step.
-    fn after_control<T>(&mut self, result: Result<T, WorkerError>) -> Result<T, WorkerError> {
-        match result {
-            Err(e @ (WorkerError::Disconnected | WorkerError::Io(_) | WorkerError::Protocol(_))) => {
-                self.lose(&e.to_string());
-                Err(e)
-            }
-            other => other,
-        }
-    }
-}
-
-/// Sets `ABANDONED` in `f`'s state word; returns whether the pool may have started it (a
-/// started stage, garbage in the word, or abandoned before by a cancel that found it
-/// started).
-fn abandon(conn: &Connection, f: &InFlight) -> bool {
-    match conn.arena.atomic_u64(f.state_offset()) {
-        Ok(w) => !matches!(TransferState::new(w).abandon(), Abandoned::BeforeStart),
-        // Our own offset inside our own arena: cannot fail; if it did, assume started.
-        Err(_) => true,
-    }
-}
-
-impl Drop for Worker {
-    /// Abandons every transfer in flight (docs/connection.md "Dropping a worker"): a live
-    /// pool publishes none of its stores and starts no further stage. Loads the pool has
-    /// started may still be copying into registered memory, which must stay allocated
-    /// until the `Worker` is dropped: the drop waits for them (their completion or the
-    /// pool's death), at most `timeout`, and warns if one is still running then.
-    fn drop(&mut self) {
-        if !self.inflight.is_empty() {
-            self.lose("worker dropped");
-        }
-        if self.quarantine.is_empty() {
-            return;
-        }
-        let deadline = Instant::now() + self.cfg.timeout;
-        loop {
-            self.check_quarantine();
-            if self.quarantine.is_empty() {
-                return;
-            }
-            if Instant::now() >= deadline {
-                tracing::error!(
-                    loads = self.quarantined_count(),
-                    timeout_ms = self.cfg.timeout.as_millis() as u64,
-                    "UMBP worker dropped while the pool (alive, not answering) has started loads into its memory"
-                );
-                return;
-            }
-            std::thread::sleep(LIVENESS_SLICE.min(deadline - Instant::now()));
         }
     }
 }
@@ -1027,49 +783,4 @@ fn export(spec: MemorySpec, alloc_id: u32) -> Result<(MemoryRegistration, Option
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn worker_is_send() {
-        fn send<T: Send>() {}
-        send::<Worker>();
-    }
-
-    #[test]
-    fn config_validation() {
-        let ok = WorkerConfig::new("/x", 1);
-        assert!(ok.validate().is_ok());
-        assert!(WorkerConfig { tp_rank: 2, tp_size: 2, ..ok.clone() }.validate().is_err());
-        assert!(WorkerConfig { sq_entries: 100, ..ok.clone() }.validate().is_err());
-        assert!(WorkerConfig { sq_entries: 256, ..ok.clone() }.validate().is_ok());
-        assert!(WorkerConfig { arena_bytes: MAX_ARENA_BYTES + 1, ..ok.clone() }.validate().is_err());
-        let h = WorkerConfig { tp_rank: 1, tp_size: 4, dp_rank: 3, sq_entries: 64, ..ok }.hello();
-        assert_eq!((h.tp_rank, h.tp_size, h.dp_rank, h.sq_entries), (1, 4, 3, 64));
-        assert_eq!(h.validate(), Ok(Role::Worker));
-    }
-
-    #[test]
-    fn unreachable_names_the_path() {
-        let cfg = WorkerConfig { startup_timeout: Duration::from_millis(120), ..WorkerConfig::new("/nonexistent/umbp-test/pool.sock", 1) };
-        let t = Instant::now();
-        let err = Worker::connect(cfg).err().expect("no pool there");
-        assert!(t.elapsed() >= Duration::from_millis(120), "retried until the startup timeout");
-        assert!(matches!(err, WorkerError::Unreachable { .. }));
-        assert!(err.to_string().contains("/nonexistent/umbp-test/pool.sock"), "{err}");
-    }
-
-    #[test]
-    fn completion_helpers() {
-        let c = Completion {
-            id: TransferId(1),
-            statuses: vec![BlockStatus::Stored, BlockStatus::AlreadyPresent, BlockStatus::NotStored],
-            error: None,
-        };
-        assert_eq!(c.ok_count(), 2);
-        assert!(!c.all_ok());
-        let f = Completion::failed(2, 3, Some(CqeError::Busy));
-        assert_eq!(f.ok_count(), 0);
-        assert_eq!(f.statuses, vec![BlockStatus::Failed; 3]);
-    }
-}
+mod tests;

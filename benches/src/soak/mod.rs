@@ -23,8 +23,10 @@
 //!
 //! Files: this one (command line, shared constants, the chaos loop and its checks),
 //! `worker.rs` (the worker process), `procs.rs` (worker processes seen from the parent),
-//! `pool.rs` (the pool process, and the `__soak-pool` test pool).
+//! `pool.rs` (the pool process, and the `__soak-pool` test pool), `cluster.rs` (`--cluster`:
+//! a second member holding objects the soak's workers load over NIXL).
 
+mod cluster;
 mod pool;
 mod procs;
 mod worker;
@@ -77,6 +79,12 @@ pub struct SoakCli {
     /// `umbp-pool` has no flag, variable or message that arms it.
     #[arg(long = "inject-corruption", value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub inject_corruption: Option<u64>,
+    /// A second pool (the holder) in a cluster with the soak's pool, with a worker of its
+    /// own on the same keys: loads also promote from the remote tier over NIXL, while the
+    /// holder is stopped (remote reads time out, their DRAM is quarantined) and restarted.
+    /// Needs the NIXL library (scripts/setup-nixl.sh prints UMBP_NIXL_LIB=...).
+    #[arg(long)]
+    pub cluster: bool,
     /// One JSON object per case and line.
     #[arg(long)]
     pub json: bool,
@@ -129,6 +137,12 @@ struct Soak {
     /// restart) or, at the end, by its SIGTERM with exit status 0.
     pool_crashes: u64,
     failures: Vec<String>,
+    /// `--cluster`: the second member and its worker.
+    holder: Option<cluster::Holder>,
+    fetches: cluster::FetchTally,
+    /// The most DRAM the soak's pool held quarantined at a leak check, and reclaimed.
+    quarantine_peak: u64,
+    quarantine_reclaimed: u64,
 }
 
 impl Soak {
@@ -149,7 +163,28 @@ impl Soak {
             self.pool_crashed(when, &st);
             self.pool.respawn()?;
         }
+        if let Some(st) = self.holder.as_mut().and_then(|h| h.pool.exited()) {
+            self.holder_crashed(&format!("{when} (the cluster holder)"), &st);
+            self.holder.as_mut().expect("checked").pool.respawn()?;
+        }
         Ok(())
+    }
+
+    fn holder_crashed(&mut self, when: &str, st: &std::process::ExitStatus) {
+        self.pool_crashes += 1;
+        let log = self.holder.as_ref().map(|h| h.pool.log.clone()).unwrap_or_default();
+        let msg = format!("{when}: umbp-pool crashed or exited on its own ({}); its log ends: {}", describe(st), log_tail(&log, 5));
+        eprintln!("soak: {msg}");
+        self.failures.push(msg);
+    }
+
+    /// Every worker: the soak pool's and the holder's.
+    fn all_workers(&self) -> impl Iterator<Item = &WorkerProc> {
+        self.workers.iter().chain(self.holder.iter().flat_map(|h| h.workers.iter()))
+    }
+
+    fn all_workers_mut(&mut self) -> impl Iterator<Item = &mut WorkerProc> {
+        self.workers.iter_mut().chain(self.holder.iter_mut().flat_map(|h| h.workers.iter_mut()))
     }
 
     fn spawn_worker(&mut self) -> Result<(), String> {
@@ -162,7 +197,7 @@ impl Soak {
 
     fn totals(&self) -> Totals {
         let mut t = self.banked;
-        for w in &self.workers {
+        for w in self.all_workers() {
             t.add(&w.last());
         }
         t
@@ -170,11 +205,11 @@ impl Soak {
 
     /// Pauses every worker (each finishes what it has in flight) and waits until all say so.
     fn pause_all(&mut self) -> Result<(), String> {
-        let before: Vec<u64> = self.workers.iter().map(|w| w.state.lock().unwrap().paused).collect();
-        for w in &mut self.workers {
+        let before: Vec<u64> = self.all_workers().map(|w| w.state.lock().unwrap().paused).collect();
+        for w in self.all_workers_mut() {
             w.send(SoakCommand::Pause);
         }
-        let ok = eventually(Duration::from_secs(30), || self.workers.iter().zip(&before).all(|(w, b)| w.state.lock().unwrap().paused > *b));
+        let ok = eventually(Duration::from_secs(30), || self.all_workers().zip(&before).all(|(w, b)| w.state.lock().unwrap().paused > *b));
         if ok {
             Ok(())
         } else {
@@ -183,7 +218,7 @@ impl Soak {
     }
 
     fn resume_all(&mut self) {
-        for w in &mut self.workers {
+        for w in self.all_workers_mut() {
             w.send(SoakCommand::Resume);
         }
     }
@@ -208,11 +243,19 @@ impl Soak {
             // A pool that died meanwhile explains it (and must be counted as a crash).
             self.check_pool(when)?;
         }
+        if let Some(r) = &last {
+            self.fetches.observe(self.pool.starts, r);
+            self.quarantine_peak = self.quarantine_peak.max(r.pool.quarantined_bytes);
+            self.quarantine_reclaimed = self.quarantine_reclaimed.max(r.pool.quarantine_reclaimed_bytes);
+        }
         let allocated = last.as_ref().map_or(0, |r| r.pool.allocated_bytes);
+        // DRAM a timed-out remote read may still write stays allocated, held by no object
+        // (the quarantine: bounded, counted apart, reclaimed when its holder is forgotten).
+        let quarantined = last.as_ref().map_or(0, |r| r.pool.quarantined_bytes);
         let published = last.as_ref().map_or(0, |r| r.pool.published_objects);
         // With an SSD tier (--pool-args --ssd-dir), published objects on SSD hold no DRAM.
         let in_dram = last.as_ref().map_or(0, |r| if r.ssd.is_some() { r.tiers.dram } else { published });
-        let leaked = allocated.saturating_sub(in_dram * OBJECT_BYTES);
+        let leaked = allocated.saturating_sub(in_dram * OBJECT_BYTES + quarantined);
         self.leaked_bytes = self.leaked_bytes.max(leaked);
         if leaked > 0 {
             self.failures.push(format!("{when}: {leaked} bytes allocated beyond published objects: {pool_json}"));
@@ -235,6 +278,14 @@ impl Soak {
                 self.fds_per_worker,
                 kind_diff(&self.pool.fd_kinds(), &expect).join(", ")
             ));
+        }
+        // `--cluster`: TCP sockets (control connections, UCX endpoints) follow the one peer,
+        // whatever happened to it: bounded, not growing with its restarts.
+        if self.holder.is_some() {
+            let tcp = self.pool.tcp_fds();
+            if tcp > cluster::MAX_TCP_FDS {
+                self.failures.push(format!("{when}: pool has {tcp} TCP sockets with one cluster peer (bound {})", cluster::MAX_TCP_FDS));
+            }
         }
         // The SSD tier holds one fd per segment file, no more.
         if let Some(segments) = last.as_ref().and_then(|r| r.ssd.as_ref()).map(|s| s.segments) {
@@ -276,7 +327,16 @@ impl SoakCli {
         let log = dir.path().join("pool.log");
         let mut args: Vec<String> = vec!["--capacity".into(), self.capacity.clone(), "--min-object-size".into(), "64KiB".into()];
         args.extend(self.pool_args.split_whitespace().map(String::from));
-        let pool = PoolProc::start(&PoolCmd { bin, pre_args, args }, &socket, &log)?;
+        let holder_cmd = if self.cluster {
+            let (member, holder) = cluster::setup(dir.path(), &bin, &self.capacity)?;
+            args.extend(member);
+            Some(holder)
+        } else {
+            None
+        };
+        let mut pool = PoolProc::start(&PoolCmd { bin, pre_args, args }, &socket, &log)?;
+        pool.skip_tcp = self.cluster;
+        let holder = holder_cmd.map(|cmd| cluster::Holder::start(&cmd, dir.path())).transpose()?;
         let base_fds = settled_fds(&pool, |_| true);
         let base_kinds = pool.fd_kinds();
         let mut s = Soak {
@@ -294,9 +354,20 @@ impl SoakCli {
             leak_checks: 0,
             pool_crashes: 0,
             failures: Vec::new(),
+            holder,
+            fetches: Default::default(),
+            quarantine_peak: 0,
+            quarantine_reclaimed: 0,
         };
         for _ in 0..self.workers.max(1) {
             s.spawn_worker()?;
+        }
+        if let Some(h) = s.holder.as_mut() {
+            // One worker on the holder: it stores (and loads) the same keys, so the soak's
+            // pool lists objects only the holder has.
+            let w = WorkerProc::spawn(&h.pool.socket, s.next_id, self.seed, self.timeout_ms, &self.memory)?;
+            s.next_id += 1;
+            h.workers.push(w);
         }
         let n = s.workers.len();
         // Per-attachment fds, measured with everyone attached and idle.
@@ -347,7 +418,8 @@ impl SoakCli {
             if Instant::now() >= deadline {
                 break;
             }
-            match rand(9) {
+            // `--cluster` adds two faults of the holder (9, 10) to the schedule of the others.
+            match rand(if s.holder.is_some() { 11 } else { 9 }) {
                 0..=3 => {
                     let i = rand(s.workers.len() as u64) as usize;
                     let mut w = s.workers.swap_remove(i);
@@ -362,6 +434,20 @@ impl SoakCli {
                     std::thread::sleep(Duration::from_millis(100 + rand(2 * self.timeout_ms)));
                     s.pool.signal(SIGCONT);
                     stops += 1;
+                }
+                9 => {
+                    let ms = 100 + rand(2 * self.timeout_ms);
+                    s.holder.as_mut().expect("drawn only with a holder").stop_for(ms);
+                }
+                10 => {
+                    let h = s.holder.as_mut().expect("drawn only with a holder");
+                    match h.pool.restart()? {
+                        Some(st) => s.holder_crashed(
+                            &format!("chaos phase, {:.1} s in (before a holder restart)", start.elapsed().as_secs_f64()),
+                            &st,
+                        ),
+                        None => h.restarts += 1,
+                    }
                 }
                 _ => {
                     std::thread::sleep(Duration::from_millis(rand(300)));
@@ -382,7 +468,7 @@ impl SoakCli {
 
         // All workers must come back (the last fault may have been a pool restart).
         let reattached = eventually(Duration::from_secs(30), || {
-            s.pool.report().is_ok_and(|r| worker_attachments(&r) == n) && s.workers.iter().all(|w| w.last()["connected"] == true)
+            s.pool.report().is_ok_and(|r| worker_attachments(&r) == n) && s.all_workers().all(|w| w.last()["connected"] == true)
         });
         if !reattached {
             s.failures.push("not every worker re-attached within 30 s of the last fault".into());
@@ -394,11 +480,26 @@ impl SoakCli {
             s.pool.report().ok().and_then(|r| r.ssd).map_or((0, 0), |ssd| (ssd.promotions, ssd.promotion_failures));
         s.pause_all()?;
         let mut total = s.banked;
-        for w in &mut s.workers {
+        for w in s.all_workers_mut() {
             w.send(SoakCommand::Quit);
         }
-        for w in &mut s.workers {
+        for w in s.all_workers_mut() {
             total.add(&w.reap());
+        }
+        let (fetches, fetch_failures) = s.fetches.totals();
+        let (holder_stops, holder_restarts) = s.holder.as_ref().map_or((0, 0), |h| (h.stops, h.restarts));
+        if let Some(mut h) = s.holder.take() {
+            match h.pool.stop(Duration::from_secs(120)) {
+                Ok(st) if st.success() => {}
+                Ok(st) => {
+                    s.holder = Some(h);
+                    s.holder_crashed("at the clean stop of the cluster holder (SIGTERM)", &st);
+                }
+                Err(e) => {
+                    s.pool_crashes += 1;
+                    s.failures.push(format!("the cluster holder: {e}"));
+                }
+            }
         }
         // The clean stop: exit status 0, or the run fails (a sanitizer's or valgrind's
         // error exit code comes back here, as does a crash during shutdown).
@@ -418,7 +519,7 @@ impl SoakCli {
 
         let chaos_s = start.elapsed().as_secs_f64();
         let ops = total.transfers - t1.transfers;
-        let faults = kills + stops + restarts;
+        let faults = kills + stops + restarts + holder_stops + holder_restarts;
         if total.corrupt_bytes > 0.0 {
             s.failures.push(format!("{} corrupted bytes were returned as Loaded", total.corrupt_bytes));
         }
@@ -447,7 +548,9 @@ impl SoakCli {
             ctx(Case::new("soak", "faults_injected", faults as f64, "faults", 0.0, "faults in the warm-up phase", Better::Higher))
                 .extra("worker_kills", kills)
                 .extra("pool_stops", stops)
-                .extra("pool_restarts", restarts),
+                .extra("pool_restarts", restarts)
+                .extra("holder_stops", holder_stops)
+                .extra("holder_restarts", holder_restarts),
             ctx(Case::new("soak", "corrupted_bytes", total.corrupt_bytes, "bytes", 0.0, "allowed", Better::Lower))
                 .extra("verified_blocks", total.loaded as u64)
                 .extra("verified_bytes", total.loaded as u64 * OBJECT_BYTES)
@@ -456,6 +559,10 @@ impl SoakCli {
                 .extra("started_load_waits", total.started_waits as u64)
                 .extra("ssd_promotions", ssd_promotions)
                 .extra("ssd_promotion_failures", ssd_promotion_failures)
+                .extra("remote_fetches", fetches)
+                .extra("remote_fetch_failures", fetch_failures)
+                .extra("quarantine_peak_bytes", s.quarantine_peak)
+                .extra("quarantine_reclaimed_bytes", s.quarantine_reclaimed)
                 .extra("inject_corruption", self.inject_corruption.unwrap_or(0))
                 .extra("injected_flips", injected_flips),
             ctx(Case::new("soak", "pool_crashes", s.pool_crashes as f64, "crashes", 0.0, "allowed", Better::Lower))

@@ -69,11 +69,20 @@ pub(super) struct PoolProc {
     pub(super) log: PathBuf,
     /// Pool processes started so far.
     pub(super) starts: u64,
+    /// Leave TCP sockets out of [`Self::fd_kinds`] (`soak --cluster`: the cluster's control
+    /// connections and UCX's endpoints come and go with the peers, not with the workers;
+    /// [`Self::tcp_fds`] counts them apart).
+    pub(super) skip_tcp: bool,
 }
 
 /// An SSD tier segment file (`.../seg-<hex>.umbp`).
 fn is_segment(target: &str) -> bool {
     target.rsplit('/').next().is_some_and(|f| f.starts_with("seg-") && f.ends_with(".umbp"))
+}
+
+/// The inode of an fd's `socket:[INODE]` link target.
+fn socket_inode(target: &str) -> Option<u64> {
+    target.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
 }
 
 /// How a pool process ended, in words ("exit status: 99", "signal: 11 (SIGSEGV)").
@@ -96,7 +105,14 @@ pub(super) fn log_tail(path: &Path, n: usize) -> String {
 
 impl PoolProc {
     pub(super) fn start(cmd: &PoolCmd, socket: &Path, log: &Path) -> Result<Self, String> {
-        let mut p = Self { child: Self::spawn(cmd, socket, log)?, cmd: cmd.clone(), socket: socket.into(), log: log.into(), starts: 1 };
+        let mut p = Self {
+            child: Self::spawn(cmd, socket, log)?,
+            cmd: cmd.clone(),
+            socket: socket.into(),
+            log: log.into(),
+            starts: 1,
+            skip_tcp: false,
+        };
         p.wait_listening()?;
         Ok(p)
     }
@@ -188,12 +204,14 @@ impl PoolProc {
     }
 
     /// Open fds by kind (`socket`, `/memfd:umbp-rings-N`, `anon_inode:[eventfd]`...), less
-    /// the SSD tier's segment files (counted by [`Self::segment_fds`]).
+    /// the SSD tier's segment files (counted by [`Self::segment_fds`]) and, with
+    /// `skip_tcp`, TCP sockets (counted by [`Self::tcp_fds`]).
     pub(super) fn fd_kinds(&self) -> std::collections::BTreeMap<String, i64> {
+        let tcp = if self.skip_tcp { self.tcp_inodes() } else { Default::default() };
         let mut m = std::collections::BTreeMap::new();
         for e in std::fs::read_dir(format!("/proc/{}/fd", self.pid())).into_iter().flatten().flatten() {
             let t = std::fs::read_link(e.path()).map(|t| t.display().to_string()).unwrap_or_default();
-            if is_segment(&t) {
+            if is_segment(&t) || socket_inode(&t).is_some_and(|i| tcp.contains(&i)) {
                 continue;
             }
             let kind: String =
@@ -207,6 +225,30 @@ impl PoolProc {
     /// capacity: checked against the report by the soak).
     pub(super) fn fds(&self) -> usize {
         self.fd_kinds().values().sum::<i64>() as usize
+    }
+
+    /// Inodes of the TCP sockets in the pool's network namespace (`/proc/PID/net/tcp{,6}`).
+    fn tcp_inodes(&self) -> std::collections::HashSet<u64> {
+        let mut set = std::collections::HashSet::new();
+        for table in ["tcp", "tcp6"] {
+            let text = std::fs::read_to_string(format!("/proc/{}/net/{table}", self.pid())).unwrap_or_default();
+            // Columns: sl local rem st tx:rx tr:when retrnsmt uid timeout inode ...
+            set.extend(text.lines().skip(1).filter_map(|l| l.split_whitespace().nth(9)?.parse::<u64>().ok()));
+        }
+        set
+    }
+
+    /// Open fds of TCP sockets.
+    pub(super) fn tcp_fds(&self) -> usize {
+        let tcp = self.tcp_inodes();
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_link(e.path()).is_ok_and(|t| socket_inode(&t.display().to_string()).is_some_and(|i| tcp.contains(&i)))
+            })
+            .count()
     }
 
     /// Open fds of SSD segment files (`seg-*.umbp`).

@@ -2,14 +2,12 @@
 //! contiguous-copy baseline measured in the same run, and the byte-exactness check of every
 //! layout measured (a poisoned destination loaded back; a failure fails the run).
 
-use std::process::Stdio;
-use std::time::{Duration, Instant};
-
 use serde_json::{json, Value};
 use umbp_pool::PoolConfig;
 
 use super::command::{Command, CopyDir, Op, Xfer};
-use super::parent::{phase_means, start_pool, xfer, xfer_with, PoolHandle, WorkerProc};
+use super::interference::interference;
+use super::parent::{phase_means, push_out_of_dram, start_pool, xfer, xfer_with, PoolHandle, WorkerProc};
 use super::{gbps, gpt_oss, median, small_page_layouts, u64_of, BackendArg, Layout, TransferArgs, MIB, NS};
 use crate::report::{Better, Case};
 
@@ -770,63 +768,6 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     Ok(cases)
 }
 
-fn run_matmul(cmd: &str, seconds: f64) -> Result<f64, String> {
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!("{cmd} --seconds {seconds}"))
-        .stderr(Stdio::inherit())
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: Value = text
-        .lines()
-        .rev()
-        .find_map(|l| serde_json::from_str(l).ok())
-        .ok_or_else(|| format!("{cmd}: no JSON line in its output ({text:?}, {})", out.status))?;
-    v.get("tflops").and_then(Value::as_f64).ok_or_else(|| format!("{cmd}: {v}"))
-}
-
-/// Matmul rate alone, then while stores stream (and while a plain contiguous cuMemcpy
-/// loop streams, the baseline); the slowdown in percent.
-fn interference(a: &mut WorkerProc, cmd: &str, l: &Layout, group: u16, key: u64, name: &str, quick: bool) -> Result<Case, String> {
-    let secs = if quick { 3.0 } else { 5.0 };
-    let _warm = run_matmul(cmd, 1.0)?;
-    let alone1 = run_matmul(cmd, secs)?;
-    let with = |a: &mut WorkerProc, loop_cmd: Command| -> Result<(f64, Value), String> {
-        a.send(&loop_cmd)?;
-        let started = a.recv()?;
-        if started.get("started").is_none() {
-            return Err(format!("loop did not start: {started}"));
-        }
-        let t = run_matmul(cmd, secs)?;
-        let done = a.recv()?;
-        Ok((t, done))
-    };
-    a.call(&Command::Reset)?;
-    let (t_store, st) =
-        with(a, Command::StoreLoop { group, key_base: key, blocks: l.blocks.clone(), seconds: secs + 1.5, no_reset: false })?;
-    let (t_copy, cp) = with(a, Command::MemcpyLoop { bytes: l.bytes(), seconds: secs + 1.5 })?;
-    let alone2 = run_matmul(cmd, secs)?;
-    let alone = (alone1 + alone2) / 2.0;
-    let pct = |t: f64| (1.0 - t / alone) * 100.0;
-    let noise = ((alone1 - alone2) / alone).abs() * 100.0;
-    Ok(Case::new(
-        "transfer",
-        name,
-        pct(t_store),
-        "%",
-        pct(t_copy),
-        "same matmul slowdown under a contiguous cuMemcpyDtoH loop",
-        Better::Lower,
-    )
-    .extra("matmul_tflops_alone", alone)
-    .extra("matmul_tflops_with_stores", t_store)
-    .extra("matmul_tflops_with_memcpy", t_copy)
-    .extra("alone_run_to_run_pct", noise)
-    .extra("store_gbps_during", gbps(u64_of(&st, "bytes"), u64_of(&st, "ns")))
-    .extra("memcpy_gbps_during", gbps(u64_of(&cp, "bytes"), u64_of(&cp, "ns"))))
-}
-
 /// Counters of every GPU copy engine of this process (the in-process pool's) together.
 fn engine_totals() -> umbp_gpu::EngineStats {
     let mut t = umbp_gpu::EngineStats::default();
@@ -834,41 +775,4 @@ fn engine_totals() -> umbp_gpu::EngineStats {
         t.add(&e);
     }
     t
-}
-
-/// Stores fresh copies of the layout (new keys) until everything stored before them has
-/// left DRAM: the evictor takes the least recently used first, and with admission `all`
-/// it demotes them to SSD. Each copy waits for the evictor to settle first: a store into
-/// a full DRAM is refused (NotStored), and a refused copy pushes nothing out.
-fn push_out_of_dram(
-    a: &mut WorkerProc,
-    p: &umbp_pool::Pool,
-    blocks: &[u64],
-    n: usize,
-    next_key: &mut impl FnMut(u64) -> u64,
-) -> Result<(), String> {
-    let settle = || -> Result<(), String> {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        let mut last = u64::MAX;
-        loop {
-            let r = p.report();
-            let demoted = r.ssd.map_or(0, |s| s.demotions);
-            if r.pool.allocated_bytes as f64 <= r.pool.capacity_bytes as f64 * r.pool.high_watermark && demoted == last {
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err("pushing the prefix out of DRAM: the evictor did not settle in 120 s".into());
-            }
-            last = demoted;
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    };
-    let r = p.report();
-    let prefix_bytes = r.pool.allocated_bytes.max(1);
-    let rounds = r.pool.capacity_bytes.div_ceil(prefix_bytes.min(r.pool.capacity_bytes)) + 1;
-    for _ in 0..rounds {
-        settle()?;
-        a.call(&Command::Xfer(Xfer::new(Op::Store, 0, next_key(0), blocks, n, 1)))?;
-    }
-    settle()
 }

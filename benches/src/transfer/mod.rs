@@ -21,6 +21,7 @@ pub(crate) mod checks;
 pub mod cli;
 pub mod command;
 mod cu;
+mod interference;
 pub(crate) mod parent;
 mod worker;
 

@@ -224,3 +224,40 @@ pub(crate) fn xfer_with(w: &mut WorkerProc, x: Xfer) -> Result<Value, String> {
     }
     Ok(r)
 }
+
+/// Stores fresh copies of the layout (new keys) until everything stored before them has
+/// left DRAM: the evictor takes the least recently used first, and with admission `all`
+/// it demotes them to SSD. Each copy waits for the evictor to settle first: a store into
+/// a full DRAM is refused (NotStored), and a refused copy pushes nothing out.
+pub(super) fn push_out_of_dram(
+    a: &mut WorkerProc,
+    p: &umbp_pool::Pool,
+    blocks: &[u64],
+    n: usize,
+    next_key: &mut impl FnMut(u64) -> u64,
+) -> Result<(), String> {
+    let settle = || -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let mut last = u64::MAX;
+        loop {
+            let r = p.report();
+            let demoted = r.ssd.map_or(0, |s| s.demotions);
+            if r.pool.allocated_bytes as f64 <= r.pool.capacity_bytes as f64 * r.pool.high_watermark && demoted == last {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err("pushing the prefix out of DRAM: the evictor did not settle in 120 s".into());
+            }
+            last = demoted;
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    };
+    let r = p.report();
+    let prefix_bytes = r.pool.allocated_bytes.max(1);
+    let rounds = r.pool.capacity_bytes.div_ceil(prefix_bytes.min(r.pool.capacity_bytes)) + 1;
+    for _ in 0..rounds {
+        settle()?;
+        a.call(&Command::Xfer(Xfer::new(Op::Store, 0, next_key(0), blocks, n, 1)))?;
+    }
+    settle()
+}

@@ -162,9 +162,22 @@ impl Inner {
                 break;
             }
             if Instant::now() >= deadline {
+                let mut dropped = HashSet::new();
                 for r in reads.drain(..) {
                     let e = r.read.timed_out(self.cfg.read_timeout);
                     self.settle_holder_read(group, items, &r.parts(), &pinned, Err(e), &mut out);
+                    // The read may still land, so its destinations stay quarantined until
+                    // this holder is forgotten (its endpoint closed). A holder that keeps
+                    // answering heartbeats would never be: drop it now (it re-joins at the
+                    // next dial, through a new endpoint), so that DRAM comes back.
+                    if dropped.insert(r.node) {
+                        tracing::warn!(
+                            node = format!("{:016x}", r.node),
+                            agent = %r.agent,
+                            "a remote read outlived its budget: dropping that peer (it re-joins) to reclaim the DRAM the read may still write"
+                        );
+                        self.drop_peer(r.node, &r.writer);
+                    }
                 }
                 break;
             }

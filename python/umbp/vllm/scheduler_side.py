@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-    from .connector import UMBPStoreConnector
+    from .connector_view import ConnectorView
 
 logger = get_logger("scheduler")
 
@@ -79,7 +79,7 @@ _MAX_LAZY_INFO = 1 << 14
 class SchedulerSide:
     _RETRY_ATTACH_S = 1.0
 
-    def __init__(self, c: "UMBPStoreConnector"):
+    def __init__(self, c: "ConnectorView"):
         self.c = c
         self.cfg = c._cfg
         self.n = c._native

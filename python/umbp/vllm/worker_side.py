@@ -38,7 +38,7 @@ from .layout import kv_layout
 from .metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
 
 if TYPE_CHECKING:
-    from .connector import UMBPStoreConnector
+    from .connector_view import ConnectorView
 
 logger = get_logger("worker")
 
@@ -56,7 +56,7 @@ class Job:
 
 
 class WorkerSide:
-    def __init__(self, c: "UMBPStoreConnector"):
+    def __init__(self, c: "ConnectorView"):
         self.c = c
         self.cfg = c._cfg
         self.n = c._native
@@ -502,11 +502,17 @@ class WorkerSide:
         keeper = getattr(self, "_keeper", None)
         if keeper is not None:
             keeper.stop()
-        for closer in (getattr(self, "w", None), self.pool):
-            if closer is None:
+        # The whole shutdown stays within timeout_ms: a stopped pool's started loads are
+        # waited for only with what is left of it (the worker's own drop would wait another
+        # timeout_ms).
+        left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        w = getattr(self, "w", None)
+        pool = getattr(self, "pool", None)
+        for obj, close in ((w, lambda: w.close(timeout_ms=left_ms)), (pool, lambda: pool.close())):
+            if obj is None:
                 continue
             try:
-                closer.close()
+                close()
             except Exception as e:  # noqa: BLE001
                 logger.debug("UMBP: close failed: %s", e)
         self.pool = None
