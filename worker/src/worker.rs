@@ -652,11 +652,25 @@ impl Worker {
     /// Everything a call does before its own work: reap, notice a dead or stalled pool,
     /// advance a reconnect. Never blocks on the pool.
     fn service(&mut self) {
+        let began = Instant::now();
         self.reap();
         self.check_quarantine();
         self.check_alive();
+        let checked = Instant::now();
         if self.conn.is_none() {
             self.try_reconnect();
+        }
+        let done = Instant::now();
+        // The engine thread is ours for this long: past the timeout an operator must learn
+        // which part held it (the soak fails on it: docs/reliability.md).
+        if done - began > self.cfg.timeout {
+            tracing::warn!(
+                endpoint = %self.cfg.endpoint.display(),
+                took_ms = (done - began).as_millis() as u64,
+                checks_ms = (checked - began).as_millis() as u64,
+                reconnect_ms = (done - checked).as_millis() as u64,
+                "UMBP worker call held the calling thread past timeout_ms"
+            );
         }
         let overdue = self.overdue_ms(Instant::now());
         match (overdue, self.stall_warned) {

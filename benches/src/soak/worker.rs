@@ -199,6 +199,10 @@ impl SoakWorker {
         let started = Instant::now();
         let r = f(&mut self.w);
         let over = blocked_ms(wait, started.elapsed());
+        if over > self.timeout.as_secs_f64() * 1e3 {
+            // Named with the time, so the pool's and this worker's logs show what held it.
+            tracing::warn!(worker = self.id, call, blocked_ms = over, "soak worker call blocked past the engine timeout");
+        }
         if over > self.t.max_blocked_ms {
             self.t.max_blocked_ms = over;
             self.t.max_blocked_call = call;
@@ -364,6 +368,11 @@ impl SoakWorkerCli {
     /// The worker process: commands `pause` (finish what is in flight, report `paused`,
     /// submit nothing), `resume` and `quit` arrive on stdin; reports go to stdout.
     pub fn run(self) -> Result<(), String> {
+        // The worker library's own logs (a lost pool, a reconnect) with the soak's RUST_LOG.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()))
+            .with_writer(std::io::stderr)
+            .try_init();
         let commands = Arc::new(Mutex::new(Vec::<Result<SoakCommand, String>>::new()));
         let c2 = commands.clone();
         std::thread::spawn(move || {

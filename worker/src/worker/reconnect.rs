@@ -92,8 +92,9 @@ impl Worker {
     /// blocked 2.1 s with timeout_ms 1000, 3.6 s under valgrind; tests/tests/reconnect_stall.rs).
     /// A pool too slow to finish the replay in one timeout is retried with backoff.
     pub(super) fn finish_reconnect(&mut self, attached: Attached) -> Result<(), WorkerError> {
+        let began = Instant::now();
         let mut conn = Connection::new(attached)?;
-        let deadline = Instant::now() + self.cfg.timeout;
+        let deadline = began + self.cfg.timeout;
         let left = || {
             let d = deadline.saturating_duration_since(Instant::now());
             if d.is_zero() {
@@ -114,6 +115,7 @@ impl Worker {
             attachment = conn.attachment_id,
             allocations = self.memory.len(),
             layouts = self.layouts.len(),
+            replay_ms = began.elapsed().as_millis() as u64,
             "reattached to UMBP pool and re-registered"
         );
         self.conn = Some(conn);
