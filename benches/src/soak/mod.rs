@@ -409,6 +409,7 @@ impl SoakCli {
             rng % n.max(1)
         };
         let (mut kills, mut stops, mut restarts) = (0u64, 0u64, 0u64);
+        let mut tick = 0u64;
         let start = Instant::now();
         let deadline = start + Duration::from_secs(self.seconds);
         while Instant::now() < deadline {
@@ -418,8 +419,16 @@ impl SoakCli {
             if Instant::now() >= deadline {
                 break;
             }
-            // `--cluster` adds two faults of the holder (9, 10) to the schedule of the others.
-            match rand(if s.holder.is_some() { 11 } else { 9 }) {
+            // `--cluster` adds two faults of the holder (9, 10) to the schedule of the others,
+            // and makes them the first two, so even a short run stops and restarts the holder.
+            let fault = match (s.holder.is_some(), tick) {
+                (true, 0) => 9,
+                (true, 1) => 10,
+                (true, _) => rand(11),
+                (false, _) => rand(9),
+            };
+            tick += 1;
+            match fault {
                 0..=3 => {
                     let i = rand(s.workers.len() as u64) as usize;
                     let mut w = s.workers.swap_remove(i);
