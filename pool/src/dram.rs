@@ -12,6 +12,44 @@ pub struct Dram {
     registered: std::sync::atomic::AtomicU64,
     /// Background registration finished (or there was none to do).
     registration_done: std::sync::atomic::AtomicBool,
+    /// Foreground GPU work the background registration steps aside for (pinning.rs).
+    pub(crate) gate: ForegroundGate,
+}
+
+/// Foreground GPU driver work (a worker's memory registration) that the background DRAM
+/// registration steps aside for. The driver serializes host registration with other
+/// context work: measured on an H100 host, a worker's first CUDA registration waited 39.6 s
+/// for the whole 64 GiB background registration (issue #33 item 4). Registrations come in
+/// bursts (an engine registers every layer's KV tensors), so the background also waits
+/// out a short quiet period after the last one.
+#[derive(Default)]
+pub(crate) struct ForegroundGate {
+    active: std::sync::atomic::AtomicU32,
+    last_exit: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+/// Foreground work in progress while held.
+pub(crate) struct Foreground<'a>(&'a ForegroundGate);
+
+impl ForegroundGate {
+    pub(crate) fn enter(&self) -> Foreground<'_> {
+        // Relaxed: a hint that only delays the next chunk; no data is published through it.
+        self.active.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Foreground(self)
+    }
+
+    /// Foreground work runs now or ended less than `quiet` ago.
+    pub(crate) fn busy(&self, quiet: std::time::Duration) -> bool {
+        self.active.load(std::sync::atomic::Ordering::Relaxed) > 0
+            || self.last_exit.lock().unwrap_or_else(|e| e.into_inner()).is_some_and(|t| t.elapsed() < quiet)
+    }
+}
+
+impl Drop for Foreground<'_> {
+    fn drop(&mut self) {
+        *self.0.last_exit.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::time::Instant::now());
+        self.0.active.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 // SAFETY: plain memory; which bytes are touched by whom is decided by the object store
@@ -25,8 +63,12 @@ impl Dram {
     pub fn create(config: &PoolConfig) -> Result<Self, PoolError> {
         let mem = SharedMemory::create("umbp-dram", config.capacity_bytes as usize, config.hugepages)
             .map_err(|source| PoolError::Dram { capacity_bytes: config.capacity_bytes, hugepages: config.hugepages, source })?;
-        let dram =
-            Self { mem, registered: std::sync::atomic::AtomicU64::new(0), registration_done: std::sync::atomic::AtomicBool::new(false) };
+        let dram = Self {
+            mem,
+            registered: std::sync::atomic::AtomicU64::new(0),
+            registration_done: std::sync::atomic::AtomicBool::new(false),
+            gate: ForegroundGate::default(),
+        };
         dram.exclude_from_core_dumps();
         if let Some(node) = config.numa_node {
             dram.bind_numa(node)?;
@@ -117,110 +159,16 @@ impl Dram {
         use std::sync::atomic::Ordering;
         (self.registered.load(Ordering::Acquire), self.registration_done.load(Ordering::Acquire))
     }
-}
 
-/// What to unregister at stop: each backend with the base of every chunk it pinned.
-pub type Registrations = Vec<(std::sync::Arc<dyn umbp_gpu::Backend>, usize)>;
+    /// Records that `[0, bytes)` is registered (Release: pairs with `registration`'s
+    /// Acquire, so a reader that sees the count sees the allocator limit set before it).
+    pub(crate) fn set_registered(&self, bytes: u64) {
+        self.registered.store(bytes, std::sync::atomic::Ordering::Release);
+    }
 
-/// Registers DRAM with every GPU driver present, in 1 GiB chunks from the start of the
-/// tier: the first 256 MiB before returning (so a pool that says it is listening can take
-/// stores at once; measured up to 0.85 s per GiB without prefault), the rest on a
-/// background thread, since pinning hundreds of GiB takes minutes. The allocator hands out
-/// only registered pages meanwhile (`page_limit`), so the pool serves from the registered
-/// part. Chunks are multiples of the 2 MiB slab page, so no slab object straddles two
-/// registrations; multi-page objects may, and the GPU engine cuts copies at registration
-/// ends. Progress is logged (info) every chunk with the rate so far. Returns the backends
-/// and chunk bases to unregister at stop.
-pub fn register_with_gpus(inner: &std::sync::Arc<crate::PoolInner>) -> Option<std::thread::JoinHandle<Registrations>> {
-    use std::sync::atomic::Ordering;
-    use umbp_protocol::wire::MemoryKind;
-    // A backend whose library loads but sees no device (a CUDA driver on a GPU-less
-    // machine) cannot register anything: skip it instead of failing every chunk.
-    let backends: Vec<_> = [MemoryKind::Cuda, MemoryKind::Hip]
-        .into_iter()
-        .filter(|k| match k {
-            MemoryKind::Cuda => umbp_gpu::cuda::device_count().is_ok_and(|n| n > 0),
-            _ => umbp_gpu::hip::device_count().is_ok_and(|n| n > 0),
-        })
-        .filter_map(|k| umbp_gpu::backend_for(k).ok())
-        .collect();
-    if backends.is_empty() {
-        tracing::debug!("no GPU driver found: DRAM stays unregistered (host backends only)");
-        inner.dram.registration_done.store(true, Ordering::Release);
-        return None;
+    pub(crate) fn set_registration_done(&self) {
+        self.registration_done.store(true, std::sync::atomic::Ordering::Release);
     }
-    inner.store.lock().expect("store lock").set_page_limit(0);
-    const FIRST_CHUNK: usize = 256 << 20;
-    const CHUNK: usize = 1 << 30;
-    let len = inner.dram.len();
-    let started = std::time::Instant::now();
-    tracing::info!(
-        total_bytes = len,
-        backends = backends.len(),
-        "registering DRAM with the GPU driver (the first {} MiB now, the rest in the background)",
-        FIRST_CHUNK >> 20
-    );
-    let mut done = Registrations::new();
-    let first = FIRST_CHUNK.min(len);
-    register_chunk(inner, &backends, 0, first, started, &mut done);
-    let outer = inner.clone();
-    let inner = inner.clone();
-    let t = std::thread::Builder::new().name("umbp-register".into()).spawn(move || {
-        let mut off = first;
-        while off < len && !inner.is_shutting_down() {
-            let n = CHUNK.min(len - off);
-            register_chunk(&inner, &backends, off, n, started, &mut done);
-            off += n;
-        }
-        inner.store.lock().expect("store lock").set_page_limit(u32::MAX);
-        inner.dram.registration_done.store(true, Ordering::Release);
-        tracing::info!(bytes = off, elapsed_s = started.elapsed().as_secs_f64(), "DRAM registration done");
-        done
-    });
-    match t {
-        Ok(t) => Some(t),
-        Err(e) => {
-            // Serve unregistered (staged copies) rather than never hand out a page. The
-            // first chunk stays registered until the process exits.
-            tracing::warn!("cannot start the DRAM registration thread: {e}; DRAM past the first chunk stays unregistered");
-            outer.store.lock().expect("store lock").set_page_limit(u32::MAX);
-            outer.dram.registration_done.store(true, Ordering::Release);
-            None
-        }
-    }
-}
-
-/// Registers `[off, off + n)` of DRAM with every backend, then lets the allocator hand out
-/// pages up to its end and logs the progress.
-fn register_chunk(
-    inner: &crate::PoolInner,
-    backends: &[std::sync::Arc<dyn umbp_gpu::Backend>],
-    off: usize,
-    n: usize,
-    started: std::time::Instant,
-    done: &mut Registrations,
-) {
-    use std::sync::atomic::Ordering;
-    let base = inner.dram.base() as usize;
-    for b in backends {
-        // SAFETY: a chunk of the DRAM mapping, which outlives the pool's threads;
-        // unregistered in `Pool::stop` after every copy thread has exited.
-        match unsafe { b.register_host_memory((base + off) as *mut u8, n) } {
-            Ok(()) => done.push((b.clone(), base + off)),
-            Err(e) => tracing::warn!(offset = off, "registering DRAM with {:?} failed: {e}; copies there will be staged", b.kind()),
-        }
-    }
-    let end = off + n;
-    inner.store.lock().expect("store lock").set_page_limit((end as u64 / crate::PAGE_BYTES) as u32);
-    inner.dram.registered.store(end as u64, Ordering::Release);
-    let secs = started.elapsed().as_secs_f64();
-    tracing::info!(
-        registered_bytes = end,
-        total_bytes = inner.dram.len(),
-        elapsed_s = secs,
-        gib_per_s = end as f64 / (1u64 << 30) as f64 / secs.max(1e-9),
-        "DRAM registration progress"
-    );
 }
 
 #[cfg(test)]

@@ -37,6 +37,7 @@ mod job_blocks;
 mod liveness;
 mod metrics;
 mod objects;
+mod pinning;
 mod poller;
 pub mod pool_report;
 mod priority_lock;
@@ -220,7 +221,7 @@ pub struct Pool {
     inner: Arc<PoolInner>,
     threads: Vec<JoinHandle<()>>,
     socket_path: PathBuf,
-    registration: Option<JoinHandle<dram::Registrations>>,
+    registration: Option<JoinHandle<pinning::Registrations>>,
 }
 
 impl Pool {
@@ -340,7 +341,7 @@ impl Pool {
             let i5 = inner.clone();
             threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);
         }
-        let registration = dram::register_with_gpus(&inner);
+        let registration = pinning::register_with_gpus(&inner);
         tracing::info!(
             socket = %socket_path.display(),
             capacity_bytes = inner.config.capacity_bytes,

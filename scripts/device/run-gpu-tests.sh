@@ -16,6 +16,9 @@
 #   scheck    the same with device staging forced (--gather staged); `check` stages only
 #             where the calibration chose it
 #   extpool   the cross-worker checks again against a real umbp-pool process
+#   pinning   the same against a pool still registering its DRAM with the driver
+#             (--capacity $PIN_CAPACITY, default 64GiB: about 40 s of pinning on an H100
+#             host): the checks must finish before the pinning does (issue #33 item 4)
 #   bench     umbp-bench transfer --backend cuda --json --sweep (+ interference with
 #             scripts/device/matmul_loop.py when torch is there)
 #   host      umbp-bench transfer --backend host --json (this machine's CPU figures)
@@ -29,7 +32,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 cd "$here/../.."
 bin=${BIN:-.device-bin}
 out=${OUT:-/tmp}
-stages=${STAGES:-gpucheck check kcheck scheck extpool bench host multigpu}
+stages=${STAGES:-gpucheck check kcheck scheck extpool pinning bench host multigpu}
 fail=0
 has() { [[ " $stages " == *" $1 "* ]]; }
 run() { # name, command...
@@ -64,6 +67,35 @@ if [ $gpu = 1 ]; then
     run extpool "$bin/umbp-bench" transfer --backend cuda --check --pool-socket "$sock"
     kill "$pool" 2>/dev/null; wait "$pool" 2>/dev/null
     tail -5 "$out/extpool-pool.log"
+  fi
+  if has pinning; then
+    sock=/tmp/umbp-pinning-$$.sock
+    RUST_LOG=info "$bin/umbp-pool" --socket "$sock" --capacity "${PIN_CAPACITY:-64GiB}" > "$out/pinning-pool.log" 2>&1 &
+    pool=$!
+    for _ in $(seq 600); do [ -S "$sock" ] && break; sleep 0.1; done
+    run pinning "$bin/umbp-bench" transfer --backend cuda --check --pool-socket "$sock"
+    # The first CUDA registration must come before the pinning ends (it waited for all
+    # of it before: 39.6 s on an H100 host at 64 GiB).
+    python3 - "$out/pinning-pool.log" <<'PY' || fail=1
+import re, sys
+from datetime import datetime
+def ts(line):
+    return datetime.fromisoformat(line.split()[0].replace("Z", "+00:00"))
+lines = [re.sub(r"\x1b\[[0-9;]*m", "", l) for l in open(sys.argv[1]).read().splitlines()]
+attach = next((ts(l) for l in lines if "attached attachment" in l), None)
+regs = [ts(l) for l in lines if "memory registered" in l and "kind=Cuda" in l]
+reg = regs[0] if regs else None
+done = next((ts(l) for l in lines if "DRAM registration done" in l), None)
+if attach is None or reg is None:
+    print("=== pinning: FAIL: no worker attached or registered CUDA memory"); sys.exit(1)
+wait = (reg - attach).total_seconds()
+print(f"=== pinning: {len(regs)} CUDA registrations, the first {wait:.3f} s after attach, the last {(regs[-1] - attach).total_seconds():.3f} s; pinning "
+      + (f"ended {(done - reg).total_seconds():.1f} s after it" if done else "still running at the end"))
+if done is not None and done <= reg:
+    print("=== pinning: FAIL: the registration waited for the pool's DRAM registration"); sys.exit(1)
+PY
+    kill "$pool" 2>/dev/null; wait "$pool" 2>/dev/null
+    sed 's/\x1b\[[0-9;]*m//g' "$out/pinning-pool.log" | grep -E "registering DRAM|registration (progress|done)|memory registered" | sed -n '1,3p;$p'
   fi
   if has bench; then
     mm=()

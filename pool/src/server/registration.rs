@@ -98,7 +98,13 @@ pub(super) fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8
     let verify = || att.process.verify();
     let engine = *inner.engine.lock().expect("engine config lock");
     let peer = umbp_gpu::Peer { attachment: att.id, pid: att.pid, pidfd: att.process.pidfd(), verify: &verify, engine };
-    match backend.open_region_for(&reg, fds.into_iter().next(), &peer) {
+    // A GPU region goes before the background DRAM registration (pinning.rs), which the
+    // driver would otherwise let hold it for minutes (issue #33 item 4).
+    let gpu = matches!(kind, umbp_protocol::wire::MemoryKind::Cuda | umbp_protocol::wire::MemoryKind::Hip);
+    let _first = gpu.then(|| inner.dram.gate.enter());
+    let opened = backend.open_region_for(&reg, fds.into_iter().next(), &peer);
+    drop(_first);
+    match opened {
         Ok(region) => {
             // The opened size is what copies may touch; check it too.
             if region.len() != replaced.unwrap_or(region.len()) {
