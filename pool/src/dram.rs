@@ -123,27 +123,35 @@ impl Dram {
         let mut off = 0;
         while off < len {
             let n = STEP.min(len - off);
-            // SAFETY: a range of our own mapping. MADV_POPULATE_WRITE (Linux 5.14) faults
-            // pages in writable without changing their contents.
-            let rc = unsafe {
-                libc::madvise(self.mem.as_ptr().add(off).cast(), n, 23 /* MADV_POPULATE_WRITE */)
-            };
-            if rc != 0 {
-                // Older kernels: touch one byte per page.
-                let mut p = off;
-                while p < off + n {
-                    // SAFETY: inside our mapping; reading and writing back the same byte.
-                    unsafe {
-                        let b = self.mem.as_ptr().add(p);
-                        b.write_volatile(b.read_volatile());
-                    }
-                    p += 4096;
-                }
-            }
+            self.populate(off, n);
             off += n;
             report(off);
         }
         tracing::info!(bytes = len, "DRAM prefaulted");
+    }
+
+    /// Faults `[off, off + n)` in, writable, keeping its contents: what the driver's host
+    /// registration would otherwise do itself, at a fraction of memory speed and while it
+    /// holds a lock every other process's GPU driver calls wait for.
+    pub(crate) fn populate(&self, off: usize, n: usize) {
+        debug_assert!(off + n <= self.mem.len());
+        // SAFETY: a range of our own mapping. MADV_POPULATE_WRITE (Linux 5.14) faults
+        // pages in writable without changing their contents.
+        let rc = unsafe {
+            libc::madvise(self.mem.as_ptr().add(off).cast(), n, 23 /* MADV_POPULATE_WRITE */)
+        };
+        if rc != 0 {
+            // Older kernels: touch one byte per page.
+            let mut p = off;
+            while p < off + n {
+                // SAFETY: inside our mapping; reading and writing back the same byte.
+                unsafe {
+                    let b = self.mem.as_ptr().add(p);
+                    b.write_volatile(b.read_volatile());
+                }
+                p += 4096;
+            }
+        }
     }
 
     pub fn base(&self) -> *mut u8 {

@@ -459,6 +459,12 @@ impl Collector for PoolCollector {
         }
 
         gauge(&mut enc, "umbp_capacity_bytes", "DRAM capacity of the pool", capacity as f64)?;
+        gauge(
+            &mut enc,
+            "umbp_dram_registered_bytes",
+            "DRAM registered (pinned) with the GPU drivers so far; equals capacity once done (0 without a GPU)",
+            p.dram_registered_bytes as f64,
+        )?;
         gauge(&mut enc, "umbp_allocated_bytes", "DRAM handed to objects (published or being written)", allocated as f64)?;
         gauge(
             &mut enc,

@@ -6,7 +6,7 @@
 //! and progress is logged and reported (`dram_registered_bytes`).
 
 use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -23,11 +23,11 @@ const FIRST_CHUNK: usize = 256 << 20;
 /// registrations), small enough that foreground work waits at most one step (~80 ms at the
 /// 1.6 GiB/s the driver pins on an H100 host).
 const CHUNK: usize = 128 << 20;
-/// Background threads pinning at once. One: measured on the H200 host (2026-12-05), four
-/// threads pinned 64 GiB at 1.74 GiB/s against 1.61 GiB/s for one (H100 host): the driver
-/// serializes registration, and every thread mid-chunk is one more chunk a worker's
-/// registration waits for.
-const THREADS: usize = 1;
+/// Threads faulting DRAM in ahead of the registration. Registration itself runs on one
+/// thread: measured on the H200 host (2026-12-05), four threads pinned 64 GiB at 1.74 GiB/s
+/// against 1.61 GiB/s for one (H100 host), since the driver serializes it, and every
+/// thread mid-chunk is one more chunk a worker's registration waits for.
+const POPULATE_THREADS: usize = 4;
 /// After a worker's GPU registration, the background waits this long for the next one of
 /// the same burst before it pins again.
 const QUIET: Duration = Duration::from_millis(250);
@@ -58,55 +58,35 @@ pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHan
     }
     inner.store.lock().expect("store lock").set_page_limit(0);
     let len = inner.dram.len();
-    let threads = THREADS;
     tracing::info!(
         total_bytes = len,
         backends = backends.len(),
-        threads,
+        populate_threads = POPULATE_THREADS,
         "registering DRAM with the GPU driver (the first {} MiB now, the rest in the background)",
         FIRST_CHUNK >> 20
     );
     let first = FIRST_CHUNK.min(len);
     let progress = Progress::new(len);
     let mut done = Registrations::new();
+    inner.dram.populate(0, first);
     register_range(inner, &backends, 0, first, &mut done);
     progress.finished(inner, 0, first);
     let outer = inner.clone();
     let inner = inner.clone();
     let t = std::thread::Builder::new().name("umbp-register".into()).spawn(move || {
-        let chunks = (len - first).div_ceil(CHUNK);
-        let next = AtomicUsize::new(0);
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = (0..threads)
-                .map(|_| {
-                    let (inner, backends, next, progress) = (&inner, &backends, &next, &progress);
-                    scope.spawn(move || {
-                        let mut mine = Registrations::new();
-                        loop {
-                            yield_to_foreground(inner);
-                            let i = next.fetch_add(1, Ordering::Relaxed);
-                            if i >= chunks || inner.is_shutting_down() {
-                                return mine;
-                            }
-                            let off = first + i * CHUNK;
-                            let n = CHUNK.min(len - off);
-                            register_range(inner, backends, off, n, &mut mine);
-                            progress.finished(inner, off, n);
-                        }
-                    })
-                })
-                .collect();
-            for w in workers {
-                done.extend(w.join().expect("a DRAM registration thread panicked"));
-            }
-        });
+        let mut mine = Registrations::new();
+        pin_in_background(&inner, first, len, CHUNK, &progress, |off, n| register_range(&inner, &backends, off, n, &mut mine));
+        done.extend(mine);
+        if inner.is_shutting_down() && progress.prefix() < len {
+            tracing::info!(bytes = progress.prefix(), total_bytes = len, "DRAM registration stopped: the pool is stopping");
+            return done;
+        }
         inner.store.lock().expect("store lock").set_page_limit(u32::MAX);
         inner.dram.set_registration_done();
         tracing::info!(
             bytes = progress.prefix(),
             elapsed_s = progress.started.elapsed().as_secs_f64(),
             gib_per_s = progress.rate(),
-            threads,
             "DRAM registration done"
         );
         done
@@ -122,6 +102,52 @@ pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHan
             None
         }
     }
+}
+
+/// Registers `[first, len)` in `chunk`s, in order, with `register`: populate threads fault
+/// each chunk in ahead of the one registering thread, so the driver only pins pages
+/// already there, and its lock (which every GPU call of every process on the node waits
+/// for) is held for a fraction of the time. Stops early when the pool shuts down.
+fn pin_in_background(
+    inner: &PoolInner,
+    first: usize,
+    len: usize,
+    chunk: usize,
+    progress: &Progress,
+    mut register: impl FnMut(usize, usize),
+) {
+    let chunks = (len - first).div_ceil(chunk);
+    let range = |i: usize| (first + i * chunk, chunk.min(len - first - i * chunk));
+    let next_populate = AtomicUsize::new(0);
+    let populated: Vec<AtomicBool> = (0..chunks).map(|_| AtomicBool::new(false)).collect();
+    std::thread::scope(|scope| {
+        for _ in 0..POPULATE_THREADS {
+            let (next_populate, populated) = (&next_populate, &populated);
+            scope.spawn(move || loop {
+                let i = next_populate.fetch_add(1, Ordering::Relaxed);
+                if i >= chunks || inner.is_shutting_down() {
+                    return;
+                }
+                let (off, n) = range(i);
+                // Beyond the registered prefix: the allocator hands out none of it yet.
+                inner.dram.populate(off, n);
+                // Release: pairs with the registering thread's Acquire (the pages are in).
+                populated[i].store(true, Ordering::Release);
+            });
+        }
+        for (i, ready) in populated.iter().enumerate() {
+            while !ready.load(Ordering::Acquire) && !inner.is_shutting_down() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            yield_to_foreground(inner);
+            if inner.is_shutting_down() {
+                break;
+            }
+            let (off, n) = range(i);
+            register(off, n);
+            progress.finished(inner, off, n);
+        }
+    });
 }
 
 /// Waits (bounded) while a worker's GPU registration is in progress.
@@ -145,8 +171,9 @@ fn register_range(inner: &PoolInner, backends: &[Arc<dyn umbp_gpu::Backend>], of
     }
 }
 
-/// Chunks finish out of order on several threads; the allocator may use only the
-/// registered prefix, so this tracks which chunks are done and how far the prefix reaches.
+/// The registered prefix the allocator may use, and the progress log. Chunks are accepted
+/// in any order (the prefix grows only over adjoining ones), so the order of registration
+/// can change without the allocator ever handing out an unregistered page.
 struct Progress {
     started: Instant,
     total: usize,
@@ -231,6 +258,46 @@ mod tests {
         }
         assert_eq!(seen, vec![CHUNK, 4 * CHUNK, 5 * CHUNK]);
         assert_eq!(p.prefix(), 5 * CHUNK);
+    }
+
+    /// The background pass with a recording registrar on a real (GPU-less) pool: chunks go
+    /// in order and cover the range, the allocator's limit follows them, and a worker's
+    /// registration (the gate held) pauses the pass until it ends and the quiet period
+    /// passes.
+    #[test]
+    fn the_background_pass_registers_in_order_and_steps_aside_for_a_registration() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = crate::PoolConfig { socket_path: dir.path().join("s"), capacity_bytes: 64 << 20, ..crate::PoolConfig::default() };
+        let pool = crate::Pool::start(cfg).expect("pool starts");
+        let inner = pool.cluster_access().inner.clone();
+        let (first, len, chunk) = (4 << 20, 64 << 20, 4 << 20);
+        inner.store.lock().unwrap().set_page_limit((first as u64 / crate::PAGE_BYTES) as u32);
+        let progress = Progress::new(len);
+        progress.advance(0, first, |_| {});
+        let held = inner.dram.gate.enter();
+        let released = std::sync::Mutex::new(None::<Instant>);
+        let calls = std::sync::Mutex::new(Vec::new());
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                *released.lock().unwrap() = Some(Instant::now());
+                drop(held);
+            });
+            pin_in_background(&inner, first, len, chunk, &progress, |off, n| {
+                calls.lock().unwrap().push((off, n, Instant::now()));
+            });
+        });
+        let calls = calls.into_inner().unwrap();
+        let offsets: Vec<_> = calls.iter().map(|c| (c.0, c.1)).collect();
+        assert_eq!(offsets, (first..len).step_by(chunk).map(|o| (o, chunk)).collect::<Vec<_>>());
+        let released = released.into_inner().unwrap().expect("the registration ended");
+        assert!(
+            calls[0].2 >= released + QUIET,
+            "the first chunk went {:?} after the registration ended, inside the quiet period",
+            calls[0].2 - released
+        );
+        assert_eq!(progress.prefix(), len);
+        assert_eq!(inner.dram.registration().0, len as u64);
     }
 
     #[test]

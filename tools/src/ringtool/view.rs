@@ -174,6 +174,14 @@ pub fn dump(r: &PoolReport) -> String {
         p.published_objects,
         p.pinned_objects
     ));
+    if !p.dram_registration_done {
+        out.push_str(&format!(
+            "  GPU registration of DRAM in progress: {} of {} ({:.0}%); stores use the registered part\n",
+            bytes(p.dram_registered_bytes as f64),
+            bytes(cap),
+            if cap > 0.0 { 100.0 * p.dram_registered_bytes as f64 / cap } else { 0.0 }
+        ));
+    }
     out.push_str(&format!("  evictions {}  KV events written {} (log of {} entries)\n", p.evictions, r.events.written, r.events.capacity));
     out.push_str(&format!(
         "  idle poll {} (window now {:.0} µs)  submissions that found the pool asleep {} of {}\n",
