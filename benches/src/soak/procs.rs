@@ -33,7 +33,9 @@ impl WorkerProc {
             .args(["--timeout-ms", &timeout_ms.to_string(), "--memory", memory])
             .arg("--socket")
             .arg(socket)
-            .env("RUST_LOG", "error")
+            // The parent's RUST_LOG reaches the workers (their logs go to its stderr), so a
+            // blocked call can be traced (`RUST_LOG=warn,umbp_worker=info`); quiet otherwise.
+            .env("RUST_LOG", std::env::var("RUST_LOG").unwrap_or_else(|_| "error".into()))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
