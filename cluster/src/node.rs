@@ -56,8 +56,9 @@ pub trait LocalPool: Send + Sync + 'static {
     /// Remote keys appeared (first holder) or vanished (last holder gone): mirror them in
     /// the local index. Called without any cluster lock held.
     fn apply_index(&self, changes: &[IndexChange]);
-    /// The node closed its transport endpoint to the holder `agent` (it left or died, and
-    /// no read to it was in flight): no byte of an earlier read from it lands any more.
+    /// The node forgot the holder `agent` (it left or died, and no read to it was in
+    /// flight). This does NOT mean an earlier, timed-out read from it can no longer land
+    /// (see pool_tier.rs): never a reason to reuse that read's destination.
     fn holder_forgotten(&self, agent: &str) {
         let _ = agent;
     }
@@ -175,8 +176,8 @@ impl FetchError {
     }
 
     /// The holder (transport agent name) whose read may still write the destination, when
-    /// [`Self::destination_tainted`]: its DRAM is safe again once the node forgot that
-    /// holder ([`LocalPool::holder_forgotten`]).
+    /// [`Self::destination_tainted`] (its DRAM stays quarantined: no transport event says
+    /// the read can no longer land).
     pub fn tainting_holder(&self) -> Option<&str> {
         match self {
             Self::Transport(TransportError::Timeout { peer, .. }) => Some(peer),

@@ -184,11 +184,15 @@ impl LocalPool for PoolSide {
         }
     }
 
+    /// The DRAM of this holder's timed-out reads stays quarantined (until the pool
+    /// restarts; bounded by `quarantine_max_bytes`). Forgetting the holder's NIXL metadata
+    /// does not stop a read already posted: the chaos soak (`umbp-bench soak --cluster`,
+    /// 2026-12-05) saw a holder SIGSTOPped mid-read, dropped, forgotten, its reads' DRAM
+    /// reclaimed and given to another object, and on SIGCONT the old read landed there:
+    /// 65,307 wrong bytes returned as `Loaded`. No NIXL event says a given-up read can no
+    /// longer land, so nothing here hands that DRAM back.
     fn holder_forgotten(&self, agent: &str) {
-        let reclaimed = self.access.holder_forgotten(agent);
-        if reclaimed > 0 {
-            tracing::info!(holder = agent, reclaimed, "holder forgotten: the DRAM its timed-out reads left is reclaimed");
-        }
+        tracing::debug!(holder = agent, "holder forgotten; the DRAM of its timed-out reads stays quarantined");
     }
 }
 

@@ -129,15 +129,15 @@ impl ClusterAccess {
 
     /// A promotion from the remote tier whose destination a read from `holder` (its
     /// transport agent name) may still write (timeout): the object leaves the pool and its
-    /// DRAM is quarantined until [`Self::holder_forgotten`] for that holder.
+    /// DRAM is quarantined (until the pool restarts: see `objects/quarantine.rs`).
     pub fn abandon_promotion(&self, namespace: u128, key: ObjectKey, holder: &str) -> u64 {
         let g = self.inner.tenant_groups.group_of(namespace);
         self.inner.store.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key), Writer::RemoteRead(holder.to_string()))
     }
 
-    /// The cluster node closed its transport endpoint to `holder`: no read from it lands
-    /// any more, so the DRAM its timed-out reads left is reclaimed (once their loads
-    /// finished them). Returns the bytes reclaimed.
+    /// Reclaims the DRAM `holder`'s timed-out reads left (once their loads finished them),
+    /// for a caller that KNOWS no byte of those reads can land any more. The cluster tier
+    /// has no such event today and does not call it. Returns the bytes reclaimed.
     pub fn holder_forgotten(&self, holder: &str) -> u64 {
         self.inner.store.lock().expect("store lock").reclaim_quarantine_of(holder)
     }

@@ -397,7 +397,7 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
         listed(&mut ib, &k_a2) == 0 && listed(&mut ic, &k_a2) == 0 && listed(&mut ia, &k_b) == 0 && listed(&mut ia, &k_c) == 0
     });
     let gone = cut.elapsed();
-    reclaims_reads_from(pb, "A", "the first drop");
+    keeps_quarantined_reads_of(pb, "A", "the first drop");
     println!("partition: A and {{B, C}} dropped each other {gone:?} after the cut (dead-after {DEAD_AFTER_MS} ms)");
     assert!(gone >= Duration::from_millis(DEAD_AFTER_MS / 2), "dropped after {gone:?}, long before the heartbeat bound");
     assert_eq!(listed(&mut ic, &k_b), 100, "C keeps B's entries: their link is up");
@@ -451,7 +451,7 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
         println!("skipped: the load finished before the cut; a cut mid-load was not observed this run");
     }
     wait_until("B to drop A again", bound, || listed(&mut ib, &k_a4) == 0);
-    reclaims_reads_from(pb, "A", "the second drop");
+    keeps_quarantined_reads_of(pb, "A", "the second drop");
     net.heal("a");
     wait_until("A to re-join B again", Duration::from_secs(30), || listed(&mut ib, &k_a4) == 50);
     // What loaded is local on B now, the rest is listed again from A: all 1000 byte-exact
@@ -461,19 +461,23 @@ fn a_partitioned_pool_leaves_every_index_in_bounded_time_and_rejoins() {
     assert_eq!(outcome(&r), (1000, 0, 0), "after the second heal: {r}");
 }
 
-/// Issue #31 item 6g: once `pool` dropped the holder and no read to it is in flight, it
-/// forgets the holder's NIXL endpoint, and the DRAM of the reads from it that timed out is
-/// reclaimed. Before, it stayed quarantined until the pool restarted. Reads time out in
-/// some runs only (others miss at the pin): a run where none did says so.
-fn reclaims_reads_from(pool: &NsPool, holder: &str, when: &str) {
-    wait_until(&format!("the DRAM of {holder}'s timed-out reads to be reclaimed after {when}"), Duration::from_secs(10), || {
-        pool.report().pool.quarantined_bytes == 0
-    });
+/// Issue #31: the DRAM of reads from a dropped holder that timed out stays quarantined after
+/// `pool` forgets the holder: forgetting its NIXL metadata does not stop a read it already
+/// posted, and the chaos soak saw such a read land, on the holder's resume, in DRAM that
+/// had been reclaimed and given to another object (65,307 wrong bytes returned as
+/// `Loaded`; cluster/src/pool_tier.rs `holder_forgotten`). Reads time out in some runs
+/// only (others miss at the pin): a run where none did says so.
+fn keeps_quarantined_reads_of(pool: &NsPool, holder: &str, when: &str) {
+    let before = pool.report().pool.quarantined_bytes;
+    // Past the drop and the forget (both within a second of the timeout).
+    std::thread::sleep(Duration::from_secs(2));
     let p = pool.report().pool;
-    if p.quarantine_reclaimed_bytes == 0 {
+    assert_eq!(p.quarantine_reclaimed_bytes, 0, "after {when}: DRAM of timed-out reads from {holder} was reclaimed: {p:?}");
+    assert!(p.quarantined_bytes >= before, "after {when}: quarantined DRAM shrank from {before} to {}", p.quarantined_bytes);
+    if p.quarantined_bytes == 0 {
         println!("not observed after {when}: no read from {holder} had timed out (nothing was quarantined)");
     } else {
-        println!("after {when}: {} bytes of timed-out reads from {holder} reclaimed, none quarantined", p.quarantine_reclaimed_bytes);
+        println!("after {when}: {} bytes of timed-out reads from {holder} stay quarantined", p.quarantined_bytes);
     }
 }
 
@@ -559,17 +563,16 @@ fn a_member_whose_nixl_address_does_not_answer_stalls_no_other_read() {
     assert_eq!(outcome(&r), (0, 0, 10), "the unanswering member's blocks are misses, never bytes: {r}");
     assert!(n(&r, "max_wait_ms") < READ_TIMEOUT_MS + 200, "the fetch took {} ms, budget {READ_TIMEOUT_MS} ms: {r}", n(&r, "max_wait_ms"));
 
-    // Issue #31 (the leak-only quarantine case): those reads outlived their budget while A
-    // stays a member (its control connection answers heartbeats), so their DRAM in C may
-    // still be written and was quarantined. C drops A at the timeout and forgets its
-    // endpoint: the DRAM comes back, and A re-joins. Before, it stayed quarantined for as
-    // long as A stayed a member (each such load added more, up to the bound).
-    let took = wait_until("C to reclaim the DRAM of its timed-out reads from A", Duration::from_secs(10), || {
-        let p = pc.report().pool;
-        p.quarantined_bytes == 0 && p.quarantine_reclaimed_bytes > 0
-    });
-    println!("C reclaimed {} bytes of timed-out reads from A {took:?} later", pc.report().pool.quarantine_reclaimed_bytes);
+    // Issue #31: those reads outlived their budget while A stays a member (its control
+    // connection answers heartbeats), so their DRAM in C may still be written: quarantined.
+    // C drops A at the timeout, forgets its endpoint, and A re-joins; the DRAM stays
+    // quarantined even so (a forgotten holder's posted read can still land: see
+    // `keeps_quarantined_reads_of`). Before, C reclaimed it at the forget.
+    let quarantined = pc.report().pool.quarantined_bytes;
+    assert!(quarantined > 0, "C's timed-out reads from A quarantine their DRAM");
     wait_until("A to re-join C (its blocks listed again)", Duration::from_secs(30), || listed(&mut ic, &k_a) == 10);
+    let p = pc.report().pool;
+    assert!(p.quarantined_bytes >= quarantined && p.quarantine_reclaimed_bytes == 0, "after A re-joined C: {p:?}");
     let r = load(pb, 2000, 100);
     assert_eq!(outcome(&r), (100, 0, 0), "B still loads C's blocks: {r}");
 }

@@ -7,11 +7,12 @@
 //! - its owner is done with it: the load that began the promotion has called
 //!   `finish_promotion` (which then matches nothing; until it has, reusing the offset
 //!   would let that late finish end another promotion given the same offset), and
-//! - the transfer can no longer land: for a remote read, the cluster node has forgotten
-//!   the holder (`reclaim_quarantine_of`: its transport endpoint is closed, so no byte of
-//!   the read arrives any more). A copy-thread panic inside the device layer has no such
-//!   event (the device layer drains its streams on every path it knows of; a panic inside
-//!   it is a bug of unknown state): its ranges stay until the pool restarts.
+//! - the transfer can no longer land (`reclaim_quarantine_of`, for a writer that reports
+//!   it). The cluster tier reports none today: forgetting a holder's NIXL metadata does not
+//!   stop a read it already posted (cluster/src/pool_tier.rs `holder_forgotten`), so a
+//!   timed-out remote read's ranges stay until the pool restarts. Nor has a copy-thread
+//!   panic inside the device layer such an event (the device layer drains its streams on
+//!   every path it knows of; a panic inside it is a bug of unknown state).
 //!
 //! The bound (`PoolConfig::quarantine_max_bytes`): at it, the store refuses what could add
 //! more — a promotion from the remote tier is a miss (the load's engine recomputes, never
