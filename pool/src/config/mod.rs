@@ -11,6 +11,9 @@ use std::time::Duration;
 use settings::Setting;
 pub use ssd::SsdSettings;
 
+/// The DRAM tier's page (store/alloc.rs cuts DRAM into these); here so that `validate` can
+/// check the capacity against it without importing the store.
+pub const PAGE_BYTES: u64 = 2 << 20;
 /// Default `--copy-stage-size` (the table's, checked by its tests). H200, 469 MiB submissions
 /// of 64 KiB pages: store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages,
 /// 50.8/50.9 in 32, 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions
@@ -185,16 +188,25 @@ pub struct PoolConfig {
     pub progress: Option<ProgressFn>,
 }
 
+/// Progress of a long start-up step (prefaulting DRAM), for [`PoolConfig::progress`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// What is being done, e.g. "prefaulting DRAM".
+    pub what: &'static str,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+}
+
 /// A progress callback ([`PoolConfig::progress`]).
 #[derive(Clone)]
-pub struct ProgressFn(std::sync::Arc<dyn Fn(&crate::Progress) + Send + Sync>);
+pub struct ProgressFn(std::sync::Arc<dyn Fn(&Progress) + Send + Sync>);
 
 impl ProgressFn {
-    pub fn new(f: impl Fn(&crate::Progress) + Send + Sync + 'static) -> Self {
+    pub fn new(f: impl Fn(&Progress) + Send + Sync + 'static) -> Self {
         Self(std::sync::Arc::new(f))
     }
 
-    pub fn call(&self, p: &crate::Progress) {
+    pub fn call(&self, p: &Progress) {
         (self.0)(p)
     }
 }
@@ -592,7 +604,7 @@ impl PoolConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         use settings::*;
         let inv = |setting: &'static Setting, message: String| Err(ConfigError::setting(setting, message));
-        if self.capacity_bytes < crate::alloc::PAGE_BYTES {
+        if self.capacity_bytes < PAGE_BYTES {
             return inv(&CAPACITY, format!("{} bytes is less than one 2 MiB page", self.capacity_bytes));
         }
         // Written so that NaN also fails.
