@@ -7,21 +7,23 @@
 //! peer liveness; memory registrations run on short-lived threads), one service thread (drains submission rings of every
 //! attachment, sleeping on their eventfd doorbells when idle), `copy_threads` copy threads,
 //! and one evictor.
-
-// Module map: five rooms, imports run one way (top to bottom); the crate root above them
-// holds `Pool` and `PoolInner`, which every room still takes (the step after this one
-// splits it into handles).
-//   copy/     the copy path: intake (service thread), jobs and their blocks, copy threads
-//             and slots, stages, look-ahead promotion, finish and fences, idle polling
-//   peer/     the socket server and control loop, validation, attachments, registration,
-//             heartbeat and death notice
-//   observe/  counters and latencies, the state report, Prometheus metrics
-//   tier/     tiers below DRAM: the `TierSource` seam, promotion, demotion (the evictor
-//             thread), the cluster seam
-//   store/    objects, slab allocator, DRAM and its pinning, event log, tenant groups,
-//             the store's priority lock
-// Shared leaves every room may import: config/, pool_report.rs (the report's types),
-// poller.rs, fault.rs (test hooks), stop_signals.rs.
+//!
+//! Module map: five rooms; imports run one way, down this list (a room imports only rooms
+//! below it and the shared leaves). The crate root above them holds `Pool`, `PoolInner` and
+//! `PoolError`; every room still takes `PoolInner` from it (splitting it into handles is
+//! the next step, issue #41).
+//! - `copy/`: the copy path: intake (the service thread), jobs and their blocks, copy
+//!   threads and slots, stages, look-ahead promotion, finish and fences, idle polling.
+//! - `peer/`: the socket server and control loop, validation, attachments, memory
+//!   registration, the heartbeat and death notice in the index header.
+//! - `observe/`: counters and latencies, the state report, Prometheus metrics.
+//! - `tier/`: tiers below DRAM: the `TierSource` seam, promotion, demotion (the evictor
+//!   thread), the SSD tier, the cluster seam (`remote`).
+//! - `store/`: objects, slab allocator, DRAM and its pinning, event log, tenant groups,
+//!   the store's priority lock.
+//!
+//! Shared leaves any room may import: `config/`, `pool_report.rs` (the report's types),
+//! `poller.rs`, `fault.rs` (test hooks), `stop_signals.rs`.
 
 pub mod config;
 mod copy;
@@ -126,7 +128,7 @@ pub(crate) struct PoolInner {
     pub store: priority_lock::PriorityMutex<ObjectStore>,
     /// Objects of the store below DRAM (promoting included), readable without its lock.
     pub lower_objects: Arc<std::sync::atomic::AtomicU64>,
-    /// Tiers below DRAM (tier.rs): where loads fetch objects not in DRAM from.
+    /// Tiers below DRAM (tier/mod.rs): where loads fetch objects not in DRAM from.
     pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
     /// Distinct uids among `attachments`, set under its lock when one comes or goes: the

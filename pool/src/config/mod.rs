@@ -30,7 +30,7 @@ pub const MAX_IDLE_POLL: Duration = Duration::from_secs(1);
 /// bench's transfers on the 2-core VM), far shorter than an engine step, so a pool serving
 /// engines that submit once a step sleeps between them.
 pub const AUTO_IDLE_POLL_MAX: Duration = Duration::from_millis(2);
-/// Default `idle_poll` (the table's `auto`): adaptive (pool/src/idle_poll.rs).
+/// Default `idle_poll` (the table's `auto`): adaptive (pool/src/copy/idle_poll.rs).
 pub const DEFAULT_IDLE_POLL: IdlePoll = IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX };
 
 /// How long the service thread and a copy thread poll for work after the pool's last
@@ -125,10 +125,10 @@ pub struct PoolConfig {
     pub copy_stage_growth_percent: u32,
     /// Loads from lower tiers (SSD, remote pools): bytes of DRAM the pool promotes ahead of
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches
-    /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
+    /// overlap copies (pool/src/copy/promote.rs); 0 = each stage fetched when it is reached.
     pub promotion_ahead_bytes: u64,
     /// Bound on DRAM quarantined because a transfer may still write it (a remote read that
-    /// timed out; pool/src/objects/quarantine.rs): at it, promotions from the remote tier
+    /// timed out; pool/src/store/objects/quarantine.rs): at it, promotions from the remote tier
     /// are misses until quarantined ranges are reclaimed. None: 1/8 of `capacity_bytes`.
     pub quarantine_max_bytes: Option<u64>,
     /// How long the service thread and a copy thread keep polling for work after the

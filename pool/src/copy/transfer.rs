@@ -580,7 +580,7 @@ fn launch_stages(
 /// to promote into, before the block is a miss.
 const PROMOTION_WAIT: Duration = Duration::from_secs(2);
 
-/// Brings the load's blocks that are on a lower tier into DRAM (tier.rs, the seam): under
+/// Brings the load's blocks that are on a lower tier into DRAM (tier/mod.rs, the seam): under
 /// the store lock each gets a DRAM allocation and is marked promoting (pinned for this
 /// load); outside it, the tier's source fetches the bytes; under the lock again each is
 /// published in DRAM (or dropped: a miss). A block another load is promoting is waited

@@ -67,7 +67,7 @@ enum ObjectState {
     /// In DRAM at `offset`, listed in the index as DRAM.
     Published,
     /// Only on a lower tier (no DRAM); listed in the index with that tier. A load
-    /// promotes it (tier.rs).
+    /// promotes it (tier/mod.rs).
     Lower { tier: Tier },
     /// A load is fetching it from `from` into its DRAM at `offset` (pinned by that load);
     /// still listed as `from` until the bytes are in.

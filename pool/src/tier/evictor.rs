@@ -48,7 +48,7 @@ pub fn run(inner: &PoolInner) {
             }
             store.take_demotions()
         };
-        // Demotion I/O runs here, without the store lock (tier.rs).
+        // Demotion I/O runs here, without the store lock (tier/mod.rs).
         if let Some(ssd) = &inner.tiers.ssd {
             crate::tier::run_demotions(inner, ssd, demotions);
             // Then SSD objects that touch hints found, into the DRAM left below the high

@@ -6,8 +6,8 @@
 //! under its lock; the bytes move here, outside it; the store then switches the object's
 //! tier under the lock again (index location and KV events).
 //!
-//! The room below observe/: imports store/ only; the evictor thread and the cluster seam
-//! (remote.rs) live here because both drive demotions and fetches.
+//! The room below observe/: of the rooms it imports store/ only. The evictor thread and the
+//! cluster seam (remote.rs) live here because both drive demotions and fetches.
 
 pub(crate) mod evictor;
 pub mod remote;

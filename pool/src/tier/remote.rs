@@ -3,7 +3,7 @@
 //! [`crate::Pool::cluster_access`] to register the DRAM (as the destination of this
 //! pool's remote reads), pin objects while it copies them out for peers' reads,
 //! list and follow this pool's keys, mirror peers' keys as `Lower { Remote }` objects, and
-//! install the [`TierSource`] that loads of those promote through (tier.rs: the same seam
+//! install the [`TierSource`] that loads of those promote through (tier/mod.rs: the same seam
 //! as the SSD tier; `Tiers::remote` is a [`RemoteSlot`] filled once the cluster starts).
 //! With `--namespace-acl`, peers' keys are routed by namespace: each is listed in the
 //! tenant group of its namespace, and a peer's pin names the namespace.
