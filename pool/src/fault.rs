@@ -12,8 +12,6 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use umbp_protocol::ObjectKey;
 
-use crate::job_blocks::JobBlock;
-
 static PANIC_ON_COPY_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
 static PANIC_ON_PROMOTION_OF: Mutex<Option<ObjectKey>> = Mutex::new(None);
 static PROMOTION_ARMED: AtomicBool = AtomicBool::new(false);
@@ -92,21 +90,21 @@ pub fn corrupted_bytes() -> u64 {
     CORRUPTED.load(Ordering::Relaxed)
 }
 
-/// Called by the copy thread after reserving a stage's blocks.
-pub(crate) fn check_copy(blocks: &[JobBlock]) {
+/// Called by the copy thread with the keys of a stage's blocks, after reserving them.
+pub(crate) fn check_copy(keys: impl Iterator<Item = ObjectKey> + Clone) {
     if !ARMED.load(Ordering::Acquire) {
         return;
     }
     let armed = *PANIC_ON_COPY_OF.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(key) = armed {
-        if blocks.iter().any(|b| b.key == key) {
+        if keys.clone().any(|k| k == key) {
             panic!("injected copy fault for key {:032x}", key.0);
         }
     }
     let pause = {
         let mut p = PAUSE_ON_COPY_OF.lock().unwrap_or_else(|e| e.into_inner());
         match p.as_ref() {
-            Some((key, _)) if blocks.iter().any(|b| b.key == *key) => p.take().map(|(_, pause)| pause),
+            Some((key, _)) if keys.clone().any(|k| k == *key) => p.take().map(|(_, pause)| pause),
             _ => None,
         }
     };
@@ -126,13 +124,13 @@ pub fn panic_on_landing_of(key: Option<ObjectKey>) {
     LANDING_ARMED.store(key.is_some(), Ordering::Release);
 }
 
-/// Called by the copy thread with a landed stage's blocks, before they are settled.
-pub(crate) fn check_landed(blocks: &[JobBlock]) {
+/// Called by the copy thread with the keys of a landed stage's blocks, before they are settled.
+pub(crate) fn check_landed(mut keys: impl Iterator<Item = ObjectKey>) {
     if !LANDING_ARMED.load(Ordering::Acquire) {
         return;
     }
     let armed = *PANIC_ON_LANDING_OF.lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(key) = armed.filter(|k| blocks.iter().any(|b| b.key == *k)) {
+    if let Some(key) = armed.filter(|k| keys.any(|b| b == *k)) {
         panic!("injected landing fault for key {:032x}", key.0);
     }
 }
@@ -202,28 +200,29 @@ pub fn pass(point: HoldPoint) {
     }
 }
 
-/// Called with a store stage's blocks once their copies landed, before they are published.
+/// Called with a store stage's blocks (key, DRAM offset) once their copies landed, before
+/// they are published.
 ///
 /// # Safety
 /// `dram` is the base of the pool's DRAM, and every block's object (`offset`, `size`
 /// bytes from it) is reserved for this store and not published yet: nobody else reads or
 /// writes it now.
-pub(crate) unsafe fn stored(dram: *mut u8, blocks: &[JobBlock], size: u64) {
+pub(crate) unsafe fn stored(dram: *mut u8, blocks: impl Iterator<Item = (ObjectKey, u64)>, size: u64) {
     let every = CORRUPT_EVERY.load(Ordering::Acquire);
     if every == 0 || size == 0 {
         return;
     }
-    for b in blocks {
+    for (key, offset) in blocks {
         let n = STORED.fetch_add(1, Ordering::Relaxed) + 1;
         if !n.is_multiple_of(every) {
             continue;
         }
         // A position that moves around the object (any layer, any page).
-        let at = b.offset + (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % size;
+        let at = offset + (n.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 17) % size;
         // SAFETY: `at` lies inside this block's object, which the caller vouches is ours.
         unsafe { *dram.add(at as usize) ^= 0xFF };
         CORRUPTED.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(key = %format_args!("{:032x}", b.key.0), "TEST FAULT: flipped a byte of a stored object (corrupt_every_nth_store)");
+        tracing::warn!(key = %format_args!("{:032x}", key.0), "TEST FAULT: flipped a byte of a stored object (corrupt_every_nth_store)");
     }
 }
 

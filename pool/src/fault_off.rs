@@ -2,7 +2,7 @@
 //! the hooks the pool's threads call are empty and inlined away, and nothing can arm a
 //! fault. The armable version is fault.rs.
 
-use crate::job_blocks::JobBlock;
+use umbp_protocol::ObjectKey;
 
 /// The hold points (see fault.rs); never held in this build.
 #[doc(hidden)]
@@ -15,10 +15,10 @@ pub enum HoldPoint {
 }
 
 #[inline(always)]
-pub(crate) fn check_copy(_blocks: &[JobBlock]) {}
+pub(crate) fn check_copy(_keys: impl Iterator<Item = ObjectKey> + Clone) {}
 
 #[inline(always)]
-pub(crate) fn check_landed(_blocks: &[JobBlock]) {}
+pub(crate) fn check_landed(_keys: impl Iterator<Item = ObjectKey>) {}
 
 #[doc(hidden)]
 #[inline(always)]
@@ -27,7 +27,7 @@ pub fn pass(_point: HoldPoint) {}
 /// # Safety
 /// None needed: does nothing (the armable version's contract is in fault.rs).
 #[inline(always)]
-pub(crate) unsafe fn stored(_dram: *mut u8, _blocks: &[JobBlock], _size: u64) {}
+pub(crate) unsafe fn stored(_dram: *mut u8, _blocks: impl Iterator<Item = (ObjectKey, u64)>, _size: u64) {}
 
 #[inline(always)]
 pub(crate) fn demotion_batch(_objects: usize) {}

@@ -7,50 +7,55 @@
 //! peer liveness; memory registrations run on short-lived threads), one service thread (drains submission rings of every
 //! attachment, sleeping on their eventfd doorbells when idle), `copy_threads` copy threads,
 //! and one evictor.
+//!
+//! Module map: five rooms; imports run one way, down this list (a room imports only rooms
+//! below it and the shared leaves). The crate root above them holds `Pool`, `PoolInner` and
+//! `PoolError`; every room still takes `PoolInner` from it (splitting it into handles is
+//! the next step, issue #41).
+//! - `copy/`: the copy path: intake (the service thread), jobs and their blocks, copy
+//!   threads and slots, stages, look-ahead promotion, finish and fences, idle polling.
+//! - `peer/`: the socket server and control loop, validation, attachments, memory
+//!   registration, the heartbeat and death notice in the index header.
+//! - `observe/`: counters and latencies, the state report, Prometheus metrics.
+//! - `tier/`: tiers below DRAM: the `TierSource` seam, promotion, demotion (the evictor
+//!   thread), the SSD tier, the cluster seam (`remote`).
+//! - `store/`: objects, slab allocator, DRAM and its pinning, event log, tenant groups,
+//!   the store's priority lock.
+//!
+//! Shared leaves any room may import: `config/`, `pool_report.rs` (the report's types),
+//! `poller.rs`, `fault.rs` (test hooks), `stop_signals.rs`.
 
-mod alloc;
-mod attachment;
 pub mod config;
-#[doc(hidden)]
-pub mod control;
-mod copy_slots;
-mod dram;
-mod event_log;
-mod evictor;
+mod copy;
 /// Fault injection and hold points for tests (feature `fault-injection`; off in the daemon).
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 #[cfg(not(feature = "fault-injection"))]
 #[path = "fault_off.rs"]
 mod fault;
-mod finish;
-mod group_report;
+mod observe;
+mod peer;
+mod poller;
+pub mod pool_report;
+mod stop_signals;
+mod store;
+mod tier;
+
 /// A hold point the pool's other crates pass too (the cluster tier's threads): empty and
 /// inlined away unless this build has `fault-injection`.
 #[doc(hidden)]
 pub use fault::{pass as pass_hold_point, HoldPoint};
-pub mod groups;
-mod heartbeat;
-mod idle_poll;
-mod job;
-mod job_blocks;
-mod liveness;
-mod metrics;
-mod objects;
-mod pinning;
-mod poller;
-pub mod pool_report;
-mod priority_lock;
-mod promote;
-pub mod remote;
-mod report;
-mod server;
-mod service;
-mod stats;
-mod stop_signals;
-mod tier;
-mod transfer;
-pub mod validate;
+#[doc(hidden)]
+pub use peer::control;
+pub use peer::validate;
+pub use store::groups;
+pub use tier::remote;
+
+use copy::{copy_slots, idle_poll, job, promote, service, transfer};
+use observe::{metrics, report, stats};
+use peer::{liveness, server};
+use store::{dram, event_log, pinning, priority_lock};
+use tier::evictor;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -58,28 +63,19 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-pub use alloc::PAGE_BYTES;
-pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, ProgressFn, UidLimits};
+pub use config::PAGE_BYTES;
+pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLimits, PoolConfig, Progress, ProgressFn, UidLimits};
 pub use event_log::EventLogError;
-pub use objects::ObjectEvent;
 pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
+pub use store::objects::ObjectEvent;
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.
 pub const FAULT_INJECTION: bool = cfg!(feature = "fault-injection");
 
-/// Progress of a long start-up step (prefaulting DRAM), for [`PoolConfig::progress`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Progress {
-    /// What is being done, e.g. "prefaulting DRAM".
-    pub what: &'static str,
-    pub done_bytes: u64,
-    pub total_bytes: u64,
-}
-
-use attachment::Attachment;
-use objects::ObjectStore;
+use peer::attachment::Attachment;
+use store::objects::ObjectStore;
 use umbp_ipc::doorbell::Doorbell;
 use umbp_ipc::SharedMemory;
 
@@ -132,7 +128,7 @@ pub(crate) struct PoolInner {
     pub store: priority_lock::PriorityMutex<ObjectStore>,
     /// Objects of the store below DRAM (promoting included), readable without its lock.
     pub lower_objects: Arc<std::sync::atomic::AtomicU64>,
-    /// Tiers below DRAM (tier.rs): where loads fetch objects not in DRAM from.
+    /// Tiers below DRAM (tier/mod.rs): where loads fetch objects not in DRAM from.
     pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
     /// Distinct uids among `attachments`, set under its lock when one comes or goes: the
@@ -270,7 +266,7 @@ impl Pool {
         let (index_mems, logs): (Vec<_>, Vec<_>) = group_mem.into_iter().unzip();
         let mut store = ObjectStore::with_groups(dram.len() as u64, index_mems.clone());
         // Namespace quotas are shares of an index sized for the whole pool (3/4 of its slots).
-        store.set_policy(objects::Policy::from_config(&config, dram.len() as u64, slots / 4 * 3));
+        store.set_policy(store::objects::Policy::from_config(&config, dram.len() as u64, slots / 4 * 3));
         store.set_quarantine_max_bytes(config.quarantine_max_bytes.unwrap_or(dram.len() as u64 / 8));
         let mut group_mem = Vec::with_capacity(logs.len());
         for (g, (index_mem, log)) in index_mems.into_iter().zip(logs).enumerate() {
@@ -475,7 +471,7 @@ fn create_group(
     let index_mem = SharedMemory::create(&format!("umbp-index{suffix}"), umbp_protocol::index::region_bytes(slots), false)
         .map_err(|source| PoolError::IndexMemory { group: g, source })?;
     // SAFETY: a fresh zeroed mapping that only this pool writes.
-    unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, objects::index_seed()) }
+    unsafe { umbp_protocol::index::IndexView::init_seeded(index_mem.as_ptr(), index_mem.len(), slots, store::objects::index_seed()) }
         .map_err(|source| PoolError::IndexFormat { group: g, source })?;
     // Schedulers map it read-only: no writable mapping can be made from now on.
     index_mem.seal_read_only().map_err(|source| PoolError::IndexMemory { group: g, source })?;

@@ -258,7 +258,7 @@ pub struct PoolSection {
     pub evictions: u64,
     /// DRAM a transfer may still write (a remote read that timed out, a copy thread that
     /// panicked inside the device layer), never handed out meanwhile
-    /// (pool/src/objects/quarantine.rs).
+    /// (pool/src/store/objects/quarantine.rs).
     pub quarantined_bytes: u64,
     /// Quarantined ranges now.
     #[serde(default)]
@@ -273,7 +273,7 @@ pub struct PoolSection {
     #[serde(default)]
     pub quarantine_refusals: u64,
     /// DRAM held now by promotions launched ahead of their load's current stage
-    /// (pool/src/promote.rs; at most `promotion_ahead_bytes`).
+    /// (pool/src/copy/promote.rs; at most `promotion_ahead_bytes`).
     #[serde(default)]
     pub promotion_ahead_bytes: u64,
     /// Objects promoted ahead of their load's current stage since the start.

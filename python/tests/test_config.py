@@ -119,7 +119,7 @@ def test_sizes_rejected(key, value):
 
 
 def test_sizes_agree_with_umbp_pool(native):
-    """The connector parses sizes like umbp-pool (pool/src/config.rs) does."""
+    """The connector parses sizes like umbp-pool (pool/src/config/) does."""
     for s in ["64GiB", "64GB", "64G", "512MiB", "4KiB", "4k", "4096", "2TiB", "1.5GiB"]:
         try:
             pool = native.parse_size("capacity_bytes", s)

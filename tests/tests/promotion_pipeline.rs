@@ -1,4 +1,4 @@
-//! Pipelined promotion (pool/src/promote.rs): a load whose objects are on a lower tier has
+//! Pipelined promotion (pool/src/copy/promote.rs): a load whose objects are on a lower tier has
 //! them fetched by the pool's promotion threads ahead of the stage its copy thread copies
 //! (later stages; the peer's next queued loads). Loads in many stages stay byte-exact; a
 //! fetch that fails in a later stage is a miss for those blocks only (nothing published);

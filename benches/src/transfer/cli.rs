@@ -182,7 +182,7 @@ impl TransferCli {
 /// Pool and worker logs on stderr (RUST_LOG, default: warnings, pool progress).
 fn init_logs() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,umbp_pool::dram=info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,umbp_pool::store::dram=info"));
     let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
 }
 

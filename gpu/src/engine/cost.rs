@@ -58,7 +58,7 @@ fn setup(crossover: usize) -> Setup {
     Setup { backend, regions }
 }
 
-/// The pool's plan of stage `s` (pool/src/transfer.rs `copy`): per allocation, per
+/// The pool's plan of stage `s` (pool/src/copy/transfer.rs `copy`): per allocation, per
 /// block, its K and V page; objects lie one after the other in pool memory.
 fn plan(regions: &[Box<dyn DeviceRegion>], s: usize) -> StagePlan<'_> {
     let object = LAYERS as u64 * 2 * PAGE;

@@ -11,6 +11,9 @@ use std::time::Duration;
 use settings::Setting;
 pub use ssd::SsdSettings;
 
+/// The DRAM tier's page (store/alloc.rs cuts DRAM into these); here so that `validate` can
+/// check the capacity against it without importing the store.
+pub const PAGE_BYTES: u64 = 2 << 20;
 /// Default `--copy-stage-size` (the table's, checked by its tests). H200, 469 MiB submissions
 /// of 64 KiB pages: store/load 48.2/49.8 GB/s in one stage, 50.0/49.3 in 16 MiB stages,
 /// 50.8/50.9 in 32, 51.3/51.7 in 64, 51.5/51.9 in 128; 64 MiB keeps smaller submissions
@@ -27,7 +30,7 @@ pub const MAX_IDLE_POLL: Duration = Duration::from_secs(1);
 /// bench's transfers on the 2-core VM), far shorter than an engine step, so a pool serving
 /// engines that submit once a step sleeps between them.
 pub const AUTO_IDLE_POLL_MAX: Duration = Duration::from_millis(2);
-/// Default `idle_poll` (the table's `auto`): adaptive (pool/src/idle_poll.rs).
+/// Default `idle_poll` (the table's `auto`): adaptive (pool/src/copy/idle_poll.rs).
 pub const DEFAULT_IDLE_POLL: IdlePoll = IdlePoll::Auto { max: AUTO_IDLE_POLL_MAX };
 
 /// How long the service thread and a copy thread poll for work after the pool's last
@@ -122,10 +125,10 @@ pub struct PoolConfig {
     pub copy_stage_growth_percent: u32,
     /// Loads from lower tiers (SSD, remote pools): bytes of DRAM the pool promotes ahead of
     /// the stage a load copies (its later stages, the peer's next loads), so that fetches
-    /// overlap copies (pool/src/promote.rs); 0 = each stage fetched when it is reached.
+    /// overlap copies (pool/src/copy/promote.rs); 0 = each stage fetched when it is reached.
     pub promotion_ahead_bytes: u64,
     /// Bound on DRAM quarantined because a transfer may still write it (a remote read that
-    /// timed out; pool/src/objects/quarantine.rs): at it, promotions from the remote tier
+    /// timed out; pool/src/store/objects/quarantine.rs): at it, promotions from the remote tier
     /// are misses until quarantined ranges are reclaimed. None: 1/8 of `capacity_bytes`.
     pub quarantine_max_bytes: Option<u64>,
     /// How long the service thread and a copy thread keep polling for work after the
@@ -185,16 +188,25 @@ pub struct PoolConfig {
     pub progress: Option<ProgressFn>,
 }
 
+/// Progress of a long start-up step (prefaulting DRAM), for [`PoolConfig::progress`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// What is being done, e.g. "prefaulting DRAM".
+    pub what: &'static str,
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+}
+
 /// A progress callback ([`PoolConfig::progress`]).
 #[derive(Clone)]
-pub struct ProgressFn(std::sync::Arc<dyn Fn(&crate::Progress) + Send + Sync>);
+pub struct ProgressFn(std::sync::Arc<dyn Fn(&Progress) + Send + Sync>);
 
 impl ProgressFn {
-    pub fn new(f: impl Fn(&crate::Progress) + Send + Sync + 'static) -> Self {
+    pub fn new(f: impl Fn(&Progress) + Send + Sync + 'static) -> Self {
         Self(std::sync::Arc::new(f))
     }
 
-    pub fn call(&self, p: &crate::Progress) {
+    pub fn call(&self, p: &Progress) {
         (self.0)(p)
     }
 }
@@ -592,7 +604,7 @@ impl PoolConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         use settings::*;
         let inv = |setting: &'static Setting, message: String| Err(ConfigError::setting(setting, message));
-        if self.capacity_bytes < crate::alloc::PAGE_BYTES {
+        if self.capacity_bytes < PAGE_BYTES {
             return inv(&CAPACITY, format!("{} bytes is less than one 2 MiB page", self.capacity_bytes));
         }
         // Written so that NaN also fails.

@@ -113,7 +113,7 @@ MAX_SOCKET_PATH = 107
 # Longest file name embedded_socket_path() puts into lookup_dir.
 EMBEDDED_SOCKET_NAME_MAX = len("umbp-emb-0123456789abcdef-dp99999-tp99999.sock")
 
-# Same units as umbp-pool's parser (pool/src/config.rs): K/KB/KiB are all 1024-based.
+# Same units as umbp-pool's parser (pool/src/config/): K/KB/KiB are all 1024-based.
 _UNITS = {
     "": 1,
     "b": 1,

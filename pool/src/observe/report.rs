@@ -3,45 +3,15 @@
 //! (operators, ringtool); any other peer gets [`tenant`]: its own uid's attachments and
 //! namespaces, nothing of other tenants (docs/security.md).
 
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-
-use crate::attachment::Attachment;
-use crate::objects::ObjectStore;
 use crate::pool_report::{
-    AttachmentReport, EventsReport, GpuEngineReport, NamespaceReport, PoolReport, PoolSection, RegionReport, Report, SsdReport, TenantPool,
-    TenantReport, TenantScope, TierCounts,
+    EventsReport, GpuEngineReport, NamespaceReport, PoolReport, PoolSection, Report, SsdReport, TenantPool, TenantReport, TenantScope,
+    TierCounts,
 };
+use crate::store::objects::ObjectStore;
 use crate::tier::TierSource;
 use crate::PoolInner;
 
-fn uuid_hex(u: &[u8; 16]) -> String {
-    u.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// Registered regions of one attachment: alloc id, memory kind, bytes, device UUID.
-fn regions(a: &Attachment) -> Vec<RegionReport> {
-    let devices = a.region_devices.lock().expect("devices lock").clone();
-    let mut regions: Vec<_> = a
-        .regions
-        .read()
-        .expect("regions lock")
-        .iter()
-        .map(|(id, r)| {
-            let uuid = devices.get(id).copied().unwrap_or_default();
-            RegionReport {
-                alloc_id: *id,
-                kind: format!("{:?}", r.kind()),
-                bytes: r.len(),
-                device_uuid: (uuid != [0; 16]).then(|| uuid_hex(&uuid)),
-            }
-        })
-        .collect();
-    regions.sort_by_key(|r| r.alloc_id);
-    regions
-}
-
-fn namespace(ns: u128, u: crate::objects::NamespaceUsage) -> NamespaceReport {
+fn namespace(ns: u128, u: crate::store::objects::NamespaceUsage) -> NamespaceReport {
     NamespaceReport { namespace: format!("{ns:032x}"), objects: u.objects, bytes: u.bytes }
 }
 
@@ -49,13 +19,13 @@ fn open_fds() -> Option<usize> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
 }
 
-/// The report a StatsRequest from `att` gets: the full one for the pool's uid and root,
-/// the tenant one for everyone else.
-pub fn for_peer(inner: &PoolInner, att: &Attachment) -> Report {
-    if att.uid == inner.uid || att.uid == 0 {
+/// The report a StatsRequest from a peer of `uid` gets: the full one for the pool's uid
+/// and root, the tenant one for everyone else.
+pub fn for_peer(inner: &PoolInner, uid: u32) -> Report {
+    if uid == inner.uid || uid == 0 {
         Report::Full(Box::new(build(inner)))
     } else {
-        Report::Tenant(tenant(inner, att.uid))
+        Report::Tenant(tenant(inner, uid))
     }
 }
 
@@ -63,7 +33,7 @@ pub fn for_peer(inner: &PoolInner, att: &Attachment) -> Report {
 /// are attached with, and the pool's size and watermarks. No pids, uids or namespaces of
 /// anyone else, no pool-wide counters.
 pub fn tenant(inner: &PoolInner, uid: u32) -> TenantReport {
-    let own: Vec<Arc<Attachment>> = inner.attachments.lock().expect("attachments lock").iter().filter(|a| a.uid == uid).cloned().collect();
+    let own: Vec<_> = inner.attachments.lock().expect("attachments lock").iter().filter(|a| a.uid == uid).cloned().collect();
     let mut mine: Vec<u128> = own.iter().map(|a| a.namespace).collect();
     mine.sort_unstable();
     mine.dedup();
@@ -84,35 +54,7 @@ pub fn tenant(inner: &PoolInner, uid: u32) -> TenantReport {
         protocol_version: umbp_protocol::PROTOCOL_VERSION,
         pool,
         namespaces,
-        attachments: own.iter().map(|a| attachment(a)).collect(),
-    }
-}
-
-fn attachment(a: &Attachment) -> AttachmentReport {
-    let (sq, cq, hints) = a.ring_snapshots();
-    AttachmentReport {
-        id: a.id,
-        pid: a.pid,
-        uid: a.uid,
-        role: a.role.into(),
-        namespace: format!("{:032x}", a.namespace),
-        tp_rank: a.tp_rank,
-        tp_size: a.tp_size,
-        dp_rank: a.dp_rank,
-        sq: sq.into(),
-        cq: cq.into(),
-        hints: hints.into(),
-        cq_overflow: a.overflow_len(),
-        sq_paused: a.sq_paused.load(Ordering::Relaxed),
-        sq_pauses: a.counters.sq_pauses.load(Ordering::Relaxed),
-        inflight: a.inflight.load(Ordering::Relaxed),
-        submissions: a.counters.submissions.load(Ordering::Relaxed),
-        errors: a.counters.errors.load(Ordering::Relaxed),
-        blocks: a.counters.blocks.load(Ordering::Relaxed),
-        registered_bytes: a.registered_bytes(),
-        regions: a.regions.read().expect("regions lock").len(),
-        devices: regions(a),
-        layouts: a.layouts.read().expect("layouts lock").keys().copied().collect(),
+        attachments: own.iter().map(|a| a.report()).collect(),
     }
 }
 
@@ -158,9 +100,9 @@ pub fn build(inner: &PoolInner) -> PoolReport {
     // The SSD store's own locks, never under the store lock.
     let ssd = inner.tiers.ssd.as_deref().map(|t| ssd_report(t, &tier_stats));
     // Summed over the tenant groups' indexes; each group's in `groups`.
-    let (index, groups, events_region_bytes) = crate::group_report::build(inner, &group_events);
+    let (index, groups, events_region_bytes) = crate::observe::group_report::build(inner, &group_events);
     // Snapshot the list first: no attachment's locks are taken under `attachments`.
-    let list: Vec<Arc<Attachment>> = inner.attachments.lock().expect("attachments lock").clone();
+    let list: Vec<_> = inner.attachments.lock().expect("attachments lock").clone();
     PoolReport {
         version: env!("CARGO_PKG_VERSION").to_string(),
         protocol_version: umbp_protocol::PROTOCOL_VERSION,
@@ -173,7 +115,7 @@ pub fn build(inner: &PoolInner) -> PoolReport {
         namespaces,
         index,
         groups,
-        attachments: list.iter().map(|a| attachment(a)).collect(),
+        attachments: list.iter().map(|a| a.report()).collect(),
         counters: inner.counters.snapshot(),
         gpu_engines: gpu_engines(),
         ssd,
@@ -183,7 +125,7 @@ pub fn build(inner: &PoolInner) -> PoolReport {
 }
 
 /// The SSD tier's section: the store's state and counters and the demoter's.
-pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::objects::TierStats) -> SsdReport {
+pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::store::objects::TierStats) -> SsdReport {
     let st = t.store.stats();
     SsdReport {
         dirs: t.config.dirs.iter().map(|d| d.display().to_string()).collect(),

@@ -13,25 +13,15 @@ use umbp_protocol::layout::{push_coalesced, CopyOp};
 use umbp_protocol::stage_split::{self, StageSplit};
 use umbp_protocol::transfer_state::TransferState;
 
-use crate::attachment::Attachment;
-use crate::finish::{fail_landed, fence_word, finish, finish_cancelled, settle};
-use crate::idle_poll;
-use crate::job::Job;
-use crate::job_blocks::{Candidate, JobBlock};
-use crate::objects::{GroupKey, LoadReservation, StoreReservation};
-use crate::stats::Counters;
+use crate::copy::finish::{fail_landed, fence_word, finish, finish_cancelled, settle};
+use crate::copy::idle_poll;
+use crate::copy::job::Job;
+use crate::copy::job_blocks::{Candidate, JobBlock};
+use crate::observe::stats::Counters;
+use crate::peer::attachment::Attachment;
+use crate::store::objects::{GroupKey, LoadReservation, StoreReservation};
 use crate::tier::{Promotion, Promotions};
 use crate::PoolInner;
-
-/// Sets `inner.attached_uids` from the attachment list (called under its lock).
-pub fn count_attached_uids(inner: &PoolInner, list: &[Arc<Attachment>]) {
-    let mut uids: Vec<u32> = list.iter().map(|a| a.uid).collect();
-    uids.sort_unstable();
-    uids.dedup();
-    // Relaxed: a count read as a hint by `dispatch`; a stale value only moves the cap for
-    // the jobs dispatched meanwhile, and the list's lock orders the writes among themselves.
-    inner.attached_uids.store(uids.len(), Ordering::Relaxed);
-}
 
 /// Hands a job to the copy threads, or queues it when its peer already occupies its share
 /// of them (`copy_threads_per_peer`, queued behind the peer's own jobs) or, while more than
@@ -315,11 +305,11 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
             // This stage's lower-tier objects go to the promotion threads (if the look-ahead
             // did not already), then later stages' and the peer's next loads' within the
             // look-ahead window: they fetch while this stage copies.
-            crate::promote::launch(inner, att, size, p.candidates, ahead, b, true);
+            crate::copy::promote::launch(inner, att, size, p.candidates, ahead, b, true);
             if launch_stages(inner, att, size, p.candidates, ahead, &split, s + 1) {
                 launch_next_loads(inner, att);
             }
-            crate::promote::take(inner, &keep_waiting_for_promotions, ahead, b, p.blocks, p.statuses, n);
+            crate::copy::promote::take(inner, &keep_waiting_for_promotions, ahead, b, p.blocks, p.statuses, n);
             let rest = ahead.unhandled(a..b);
             let cands: Vec<Candidate> = rest.iter().map(|&i| p.candidates[i]).collect();
             reserve(inner, att, op, size, &cands, p.blocks, p.statuses, &keep_waiting_for_promotions);
@@ -348,7 +338,7 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
         } else {
             reserve(inner, att, op, size, &p.candidates[a..b], p.blocks, p.statuses, &keep_waiting_for_promotions);
         }
-        crate::fault::check_copy(&p.blocks[from..]);
+        crate::fault::check_copy(p.blocks[from..].iter().map(|b| b.key));
         let t_plan = Instant::now();
         p.reserve_ns += ns_between(t, t_plan);
         let stage = &p.blocks[from..];
@@ -406,11 +396,11 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
                     Opcode::Store if store_given_up() => blocks.iter().map(|b| b.index).collect(),
                     _ => Vec::new(),
                 };
-                crate::fault::check_landed(blocks);
+                crate::fault::check_landed(blocks.iter().map(|b| b.key));
                 if op == Opcode::Store {
                     // SAFETY: these objects are reserved for this job, their copies
                     // landed, and only the settle below publishes them.
-                    unsafe { crate::fault::stored(inner.dram.base(), blocks, size) };
+                    unsafe { crate::fault::stored(inner.dram.base(), blocks.iter().map(|b| (b.key, b.offset)), size) };
                 }
                 settle(inner, op, blocks, statuses, &dropped);
             }));
@@ -554,7 +544,7 @@ fn launch_next_loads(inner: &PoolInner, att: &Attachment) {
     if !inner.promoter.enabled() {
         return;
     }
-    let next: Vec<(Arc<crate::promote::Ahead>, Vec<Candidate>, u64, usize)> = inner.copy_slots.peer_waiting(att.id, |waiting| {
+    let next: Vec<(Arc<crate::copy::promote::Ahead>, Vec<Candidate>, u64, usize)> = inner.copy_slots.peer_waiting(att.id, |waiting| {
         waiting
             .filter(|j| j.op == Opcode::Load)
             .take(NEXT_LOADS)
@@ -576,13 +566,13 @@ fn launch_stages(
     att: &Attachment,
     size: u64,
     cands: &[Candidate],
-    ahead: &crate::promote::Ahead,
+    ahead: &crate::copy::promote::Ahead,
     split: &StageSplit,
     from: usize,
 ) -> bool {
     (from..split.count()).all(|k| {
         let to = split.range(k).end;
-        crate::promote::launch(inner, att, size, cands, ahead, to, false) >= to
+        crate::copy::promote::launch(inner, att, size, cands, ahead, to, false) >= to
     })
 }
 
@@ -590,7 +580,7 @@ fn launch_stages(
 /// to promote into, before the block is a miss.
 const PROMOTION_WAIT: Duration = Duration::from_secs(2);
 
-/// Brings the load's blocks that are on a lower tier into DRAM (tier.rs, the seam): under
+/// Brings the load's blocks that are on a lower tier into DRAM (tier/mod.rs, the seam): under
 /// the store lock each gets a DRAM allocation and is marked promoting (pinned for this
 /// load); outside it, the tier's source fetches the bytes; under the lock again each is
 /// published in DRAM (or dropped: a miss). A block another load is promoting is waited

@@ -113,7 +113,7 @@ impl Dram {
         const STEP: usize = 1 << 30;
         let len = self.mem.len();
         let report = |done: usize| {
-            let p = crate::Progress { what: "prefaulting DRAM", done_bytes: done as u64, total_bytes: len as u64 };
+            let p = crate::config::Progress { what: "prefaulting DRAM", done_bytes: done as u64, total_bytes: len as u64 };
             tracing::debug!(done_bytes = p.done_bytes, total_bytes = p.total_bytes, "{}", p.what);
             if let Some(f) = progress {
                 f.call(&p);

@@ -21,7 +21,7 @@ use umbp_protocol::index::{IndexView, IndexWriter, Insert, InsertError};
 use umbp_protocol::location::{self, Tier};
 use umbp_protocol::ObjectKey;
 
-use crate::alloc::SlabAllocator;
+use crate::store::alloc::SlabAllocator;
 
 mod events;
 mod eviction;
@@ -33,10 +33,11 @@ mod remote;
 mod tests;
 mod tiering;
 
-pub use crate::event_log::ObjectEvent;
+pub use crate::store::event_log::ObjectEvent;
 use leases::{Lease, LeaseBook};
 pub use policy::Policy;
 pub use quarantine::{QuarantineStats, Writer};
+pub use remote::HeldObject;
 pub use tiering::{Demotion, TierStats};
 
 /// An object's identity in the store: the tenant group whose index holds it and its key.
@@ -66,7 +67,7 @@ enum ObjectState {
     /// In DRAM at `offset`, listed in the index as DRAM.
     Published,
     /// Only on a lower tier (no DRAM); listed in the index with that tier. A load
-    /// promotes it (tier.rs).
+    /// promotes it (tier/mod.rs).
     Lower { tier: Tier },
     /// A load is fetching it from `from` into its DRAM at `offset` (pinned by that load);
     /// still listed as `from` until the bytes are in.
@@ -161,7 +162,7 @@ pub fn index_seed() -> [u64; 2] {
 struct GroupIndex {
     index: IndexWriter<'static>,
     /// The group's events in shared memory, for its schedulers (absent in unit tests).
-    event_log: Option<crate::event_log::SharedEventLog>,
+    event_log: Option<crate::store::event_log::SharedEventLog>,
     // Declared last: the index writer borrows this mapping.
     _index_mem: Arc<SharedMemory>,
 }

@@ -7,8 +7,8 @@ use std::sync::Arc;
 use umbp_protocol::layout::KvLayout;
 use umbp_protocol::wire::{Reply, ReplyStatus, Role};
 
-use crate::attachment::Attachment;
-use crate::validate;
+use crate::peer::attachment::Attachment;
+use crate::peer::validate;
 use crate::PoolInner;
 
 /// What all live attachments of `uid` hold: (regions, registered bytes, layouts).

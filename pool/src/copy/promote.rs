@@ -35,9 +35,9 @@ use std::time::Duration;
 use umbp_protocol::entries::BlockStatus;
 use umbp_protocol::location::Tier;
 
-use crate::attachment::Attachment;
-use crate::job_blocks::{Candidate, JobBlock};
-use crate::objects::GroupKey;
+use crate::copy::job_blocks::{Candidate, JobBlock};
+use crate::peer::attachment::Attachment;
+use crate::store::objects::GroupKey;
 use crate::tier::{Promotion, Promotions};
 use crate::PoolInner;
 

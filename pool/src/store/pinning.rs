@@ -206,7 +206,7 @@ impl Progress {
     /// it and lets the allocator hand out pages up to its end.
     fn finished(&self, inner: &PoolInner, off: usize, n: usize) {
         self.advance(off, n, |prefix| {
-            inner.store.lock().expect("store lock").set_page_limit((prefix as u64 / crate::PAGE_BYTES) as u32);
+            inner.store.lock().expect("store lock").set_page_limit((prefix as u64 / crate::config::PAGE_BYTES) as u32);
             inner.dram.set_registered(prefix as u64);
         });
     }
@@ -302,7 +302,7 @@ mod tests {
 
     #[test]
     fn foreground_work_holds_the_gate_until_dropped() {
-        let gate = crate::dram::ForegroundGate::default();
+        let gate = crate::store::dram::ForegroundGate::default();
         let quiet = Duration::from_millis(200);
         assert!(!gate.busy(quiet));
         let a = gate.enter();

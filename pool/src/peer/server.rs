@@ -16,10 +16,10 @@ use umbp_ipc::message::{recv_chunk, send_chunk, MessageError};
 use umbp_protocol::wire::{HelloReply, MessageKind, Reply, ReplyStatus};
 use umbp_protocol::{MAGIC, PROTOCOL_VERSION};
 
-use crate::attachment::Attachment;
-use crate::control::{self, Event, Next, PeerConn, Phase, Request, Timeouts, Violation};
+use crate::peer::attachment::Attachment;
+use crate::peer::control::{self, Event, Next, PeerConn, Phase, Request, Timeouts, Violation};
+use crate::peer::validate::{self, AcceptedHello};
 use crate::poller::{Interest, Poller};
-use crate::validate::{self, AcceptedHello};
 use crate::{PoolError, PoolInner};
 
 mod registration;
@@ -478,7 +478,7 @@ impl<'a> Control<'a> {
                 return self.refuse(token, r.status, r.message);
             }
             list.push(att.clone());
-            crate::transfer::count_attached_uids(inner, &list);
+            count_attached_uids(inner, &list);
         }
         let mut reply = HelloReply::refusal(ReplyStatus::Ok, "");
         reply.magic = MAGIC;
@@ -518,7 +518,7 @@ impl<'a> Control<'a> {
                 (Reply::ok(n), Vec::new())
             }
             MessageKind::StatsRequest => {
-                let json = serde_json::to_vec(&crate::report::for_peer(inner, &att)).unwrap_or_default();
+                let json = serde_json::to_vec(&crate::observe::report::for_peer(inner, att.uid)).unwrap_or_default();
                 (Reply::ok(json.len() as u64), json)
             }
             other => (Reply::error(ReplyStatus::InvalidRequest, &format!("unexpected message {other:?}")), Vec::new()),
@@ -674,6 +674,17 @@ fn refuse_now(sock: &UnixStream, inner: &PoolInner, status: ReplyStatus, message
     let _ = send_chunk(sock, &bytes, &[]);
 }
 
+/// Sets `inner.attached_uids` from the attachment list (called under its lock).
+pub fn count_attached_uids(inner: &PoolInner, list: &[Arc<Attachment>]) {
+    let mut uids: Vec<u32> = list.iter().map(|a| a.uid).collect();
+    uids.sort_unstable();
+    uids.dedup();
+    // Relaxed: a count read as a hint by `dispatch` (copy/transfer.rs); a stale value only
+    // moves the cap for the jobs dispatched meanwhile, and the list's lock orders the writes
+    // among themselves.
+    inner.attached_uids.store(uids.len(), Ordering::Relaxed);
+}
+
 /// Marks a peer gone: the service thread stops serving it; copy jobs already queued see
 /// `alive == false` and cancel; regions close when the last job drops its reference.
 pub fn detach(inner: &PoolInner, att: &Arc<Attachment>, why: &str) {
@@ -682,7 +693,7 @@ pub fn detach(inner: &PoolInner, att: &Arc<Attachment>, why: &str) {
     let mut list = inner.attachments.lock().expect("attachments lock");
     let before = list.len();
     list.retain(|a| a.id != att.id);
-    crate::transfer::count_attached_uids(inner, &list);
+    count_attached_uids(inner, &list);
     if list.len() != before {
         tracing::info!(attachment = att.id, pid = att.pid, "{why}");
     }

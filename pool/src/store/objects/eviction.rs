@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use super::{GroupIndex, GroupKey, Held, Object, ObjectState, ObjectStore};
-use crate::alloc::SlabAllocator;
+use crate::store::alloc::SlabAllocator;
 
 /// What one evictor pass still evicts, each target with its LRU cursor (the next tick to
 /// look at).

@@ -3,7 +3,7 @@
 //! [`crate::Pool::cluster_access`] to register the DRAM (as the destination of this
 //! pool's remote reads), pin objects while it copies them out for peers' reads,
 //! list and follow this pool's keys, mirror peers' keys as `Lower { Remote }` objects, and
-//! install the [`TierSource`] that loads of those promote through (tier.rs: the same seam
+//! install the [`TierSource`] that loads of those promote through (tier/mod.rs: the same seam
 //! as the SSD tier; `Tiers::remote` is a [`RemoteSlot`] filled once the cluster starts).
 //! With `--namespace-acl`, peers' keys are routed by namespace: each is listed in the
 //! tenant group of its namespace, and a peer's pin names the namespace.
@@ -13,7 +13,8 @@ use std::sync::{Arc, OnceLock};
 use umbp_ipc::SharedMemory;
 use umbp_protocol::ObjectKey;
 
-use crate::objects::{GroupKey, LoadReservation, Writer};
+pub use crate::store::objects::HeldObject;
+use crate::store::objects::{GroupKey, LoadReservation, Writer};
 pub use crate::tier::{FetchItem, TierSource};
 use crate::PoolInner;
 
@@ -35,14 +36,6 @@ impl TierSource for RemoteSlot {
     }
 }
 
-/// One published object of this pool, as the cluster advertises it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct HeldObject {
-    pub key: ObjectKey,
-    pub size: u64,
-    pub namespace: u128,
-}
-
 /// What the cluster tier may do to a running pool.
 #[derive(Clone)]
 pub struct ClusterAccess {
@@ -57,7 +50,7 @@ impl ClusterAccess {
     }
 
     /// This pool's tenant groups (from `--namespace-acl`; one group without it).
-    pub fn tenant_groups(&self) -> &crate::groups::TenantGroups {
+    pub fn tenant_groups(&self) -> &crate::store::groups::TenantGroups {
         &self.inner.tenant_groups
     }
 
@@ -152,7 +145,7 @@ impl ClusterAccess {
 mod tests {
     use umbp_protocol::ObjectKey;
 
-    use crate::objects::{GroupKey, StoreReservation};
+    use crate::store::objects::{GroupKey, StoreReservation};
     use crate::{Pool, PoolConfig};
 
     /// A peer's pin names the namespace: the holder serves only an object stored under it

@@ -7,8 +7,8 @@ use std::time::Instant;
 use umbp_protocol::entries::{BlockStatus, Opcode, Sqe};
 use umbp_protocol::layout::KvLayout;
 
-use crate::attachment::Attachment;
-use crate::job_blocks::{Candidate, JobBlock};
+use crate::copy::job_blocks::{Candidate, JobBlock};
+use crate::peer::attachment::Attachment;
 
 pub struct Job {
     pub att: Arc<Attachment>,
@@ -31,5 +31,5 @@ pub struct Job {
     pub submitted: Instant,
     /// Loads: promotions from lower tiers launched ahead of the copy (promote.rs); the
     /// copy thread of the peer's previous load may launch the first ones.
-    pub ahead: Arc<crate::promote::Ahead>,
+    pub ahead: Arc<crate::copy::promote::Ahead>,
 }

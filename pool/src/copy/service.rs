@@ -12,13 +12,15 @@ use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Sqe};
 use umbp_protocol::wire::Role;
 use umbp_protocol::ObjectKey;
 
-use crate::attachment::Attachment;
-use crate::job::Job;
-use crate::job_blocks::Candidate;
+use crate::copy::idle_poll;
+use crate::copy::job::Job;
+use crate::copy::job_blocks::Candidate;
+use crate::observe::stats::Counters;
+use crate::peer::attachment::Attachment;
+use crate::peer::heartbeat;
+use crate::peer::validate;
 use crate::poller::Poller;
-use crate::stats::Counters;
-use crate::{heartbeat, idle_poll};
-use crate::{validate, PoolInner};
+use crate::PoolInner;
 
 /// Submissions taken from one ring before looking at the next (fairness).
 const BATCH: usize = 64;
@@ -184,7 +186,7 @@ fn sync_watch_list(poller: &mut Poller, watched: &mut HashMap<u32, Arc<Attachmen
 fn corrupt(inner: &PoolInner, att: &Arc<Attachment>, e: umbp_protocol::ProtocolError) {
     tracing::warn!(attachment = att.id, pid = att.pid, "submission ring corrupted: {e}; detaching");
     crate::fault::pass(crate::fault::HoldPoint::ServiceCorrupt);
-    crate::server::detach(inner, att, "detached after ring corruption");
+    crate::peer::server::detach(inner, att, "detached after ring corruption");
 }
 
 fn drain_submissions(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqes: &mut Vec<Sqe>) -> bool {
@@ -211,7 +213,7 @@ fn reject(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError) {
 
 fn reject_with(inner: &PoolInner, att: &Attachment, sqe: &Sqe, err: CqeError, detail: u64) {
     // A worker stream may be waiting on this load's fence word (docs/gpu.md "Stream-ordered transfers", umbp_gpu::fence).
-    crate::finish::signal_load_fence(att, sqe, false);
+    crate::copy::finish::signal_load_fence(att, sqe, false);
     Counters::add(&inner.counters.rejected_submissions, 1);
     att.counters.errors.fetch_add(1, Ordering::Relaxed);
     att.complete(Cqe { user_data: sqe.user_data, result: -(err as i32), reserved: detail, ..Cqe::default() });
@@ -280,9 +282,9 @@ fn handle(inner: &Arc<PoolInner>, att: &Arc<Attachment>, sqe: Sqe) {
         ahead: Default::default(),
     };
     if job.candidates.is_empty() {
-        crate::finish::finish(inner, job, &[], 0);
+        crate::copy::finish::finish(inner, job, &[], 0);
     } else {
-        crate::transfer::dispatch(inner, job);
+        crate::copy::transfer::dispatch(inner, job);
     }
 }
 
@@ -308,10 +310,10 @@ fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
             if i > 0 {
                 // The hints of a lookup arrive right before the load of the same prefix:
                 // that load's copy thread goes first.
-                store = inner.store.yield_to_urgent(store, crate::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
+                store = inner.store.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
             }
             for h in batch {
-                let key = crate::objects::GroupKey::new(att.group, ObjectKey::from_words(h.key));
+                let key = crate::store::objects::GroupKey::new(att.group, ObjectKey::from_words(h.key));
                 store.touch_hint(att.uid, att.namespace, acl, key, inner.config.lease, now);
             }
         }

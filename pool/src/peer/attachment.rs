@@ -17,6 +17,8 @@ use umbp_protocol::ring::{Consumer, Producer, Ring, RingSnapshot};
 use umbp_protocol::wire::Role;
 use umbp_protocol::ProtocolError;
 
+use crate::pool_report::{AttachmentReport, RegionReport};
+
 /// Completion side: CQEs that did not fit wait in `overflow` (the pool never blocks on a
 /// slow reaper) and go out in order before newer ones. The overflow is bounded: once it
 /// holds a CQ's worth ([`Attachment::completions_backed_up`]) the service thread stops
@@ -243,4 +245,59 @@ impl Attachment {
         }
         full
     }
+
+    /// This attachment in the state report (observe/report.rs).
+    pub fn report(&self) -> AttachmentReport {
+        let (sq, cq, hints) = self.ring_snapshots();
+        AttachmentReport {
+            id: self.id,
+            pid: self.pid,
+            uid: self.uid,
+            role: self.role.into(),
+            namespace: format!("{:032x}", self.namespace),
+            tp_rank: self.tp_rank,
+            tp_size: self.tp_size,
+            dp_rank: self.dp_rank,
+            sq: sq.into(),
+            cq: cq.into(),
+            hints: hints.into(),
+            cq_overflow: self.overflow_len(),
+            sq_paused: self.sq_paused.load(Ordering::Relaxed),
+            sq_pauses: self.counters.sq_pauses.load(Ordering::Relaxed),
+            inflight: self.inflight.load(Ordering::Relaxed),
+            submissions: self.counters.submissions.load(Ordering::Relaxed),
+            errors: self.counters.errors.load(Ordering::Relaxed),
+            blocks: self.counters.blocks.load(Ordering::Relaxed),
+            registered_bytes: self.registered_bytes(),
+            regions: self.regions.read().expect("regions lock").len(),
+            devices: region_reports(self),
+            layouts: self.layouts.read().expect("layouts lock").keys().copied().collect(),
+        }
+    }
+}
+
+fn uuid_hex(u: &[u8; 16]) -> String {
+    u.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Registered regions of one attachment: alloc id, memory kind, bytes, device UUID.
+fn region_reports(a: &Attachment) -> Vec<RegionReport> {
+    let devices = a.region_devices.lock().expect("devices lock").clone();
+    let mut regions: Vec<_> = a
+        .regions
+        .read()
+        .expect("regions lock")
+        .iter()
+        .map(|(id, r)| {
+            let uuid = devices.get(id).copied().unwrap_or_default();
+            RegionReport {
+                alloc_id: *id,
+                kind: format!("{:?}", r.kind()),
+                bytes: r.len(),
+                device_uuid: (uuid != [0; 16]).then(|| uuid_hex(&uuid)),
+            }
+        })
+        .collect();
+    regions.sort_by_key(|r| r.alloc_id);
+    regions
 }

@@ -3,7 +3,7 @@
 
 use umbp_protocol::ObjectKey;
 
-use crate::objects::GroupKey;
+use crate::store::objects::GroupKey;
 
 /// A block of a submission that needs a copy, before its object is reserved.
 #[derive(Clone, Copy)]

@@ -41,7 +41,7 @@ impl Default for Policy {
 impl Policy {
     /// `capacity` bytes of DRAM; `index_capacity`: the live entries an index sized for the
     /// whole pool takes (namespace quotas are shares of it, whatever group they are in).
-    pub fn from_config(c: &crate::PoolConfig, capacity: u64, index_capacity: u64) -> Self {
+    pub fn from_config(c: &crate::config::PoolConfig, capacity: u64, index_capacity: u64) -> Self {
         let frac = |n: u64, f: f64| (n as f64 * f) as u64;
         let share = c.namespace_share;
         Self {

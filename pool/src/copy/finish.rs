@@ -8,10 +8,10 @@ use std::sync::Arc;
 
 use umbp_protocol::entries::{BlockStatus, Cqe, CqeError, Opcode, Sqe};
 
-use crate::attachment::Attachment;
-use crate::job::Job;
-use crate::job_blocks::JobBlock;
-use crate::stats::Counters;
+use crate::copy::job::Job;
+use crate::copy::job_blocks::JobBlock;
+use crate::observe::stats::Counters;
+use crate::peer::attachment::Attachment;
 use crate::PoolInner;
 
 /// Fails the blocks of a landed stage not settled yet (after a panic while settling):

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-pub const PAGE_BYTES: u64 = 2 << 20;
+pub use crate::config::PAGE_BYTES;
 /// Slot sizes are rounded up to this, so copies stay cache-line aligned.
 const SLOT_ALIGN: u64 = 64;
 

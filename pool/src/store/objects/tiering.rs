@@ -11,8 +11,8 @@ use umbp_protocol::location::{self, Tier};
 use umbp_protocol::ObjectKey;
 
 use super::{GroupKey, Object, ObjectEvent, ObjectState, ObjectStore};
-use crate::alloc::SlabAllocator;
 use crate::pool_report::TierMoves;
+use crate::store::alloc::SlabAllocator;
 
 /// An object the evictor chose for demotion: its DRAM bytes (stable until
 /// [`ObjectStore::finish_demotion`]) to write to SSD.
@@ -207,7 +207,7 @@ impl ObjectStore {
 
     /// The SSD store dropped these records for room (or found them unreadable): objects
     /// only there leave the index; DRAM copies just forget them.
-    pub fn ssd_records_gone(&mut self, gone: &[(ObjectKey, u128)], groups: &crate::groups::TenantGroups) {
+    pub fn ssd_records_gone(&mut self, gone: &[(ObjectKey, u128)], groups: &crate::store::groups::TenantGroups) {
         for &(key, ns) in gone {
             let gk = GroupKey::new(groups.group_of(ns), key);
             let Some(o) = self.objects.get_mut(&gk) else { continue };

@@ -440,10 +440,10 @@ impl Collector for PoolCollector {
         let inner = &self.inner;
         let (p, namespaces, tier_stats) = {
             let s = inner.store.lock().expect("store lock");
-            (crate::report::pool_section(inner, &s), s.namespaces().len() as u64, s.tier_stats())
+            (crate::observe::report::pool_section(inner, &s), s.namespaces().len() as u64, s.tier_stats())
         };
         // The SSD store's own counters, never under the store lock (as report.rs).
-        let ssd = inner.tiers.ssd.as_deref().map(|t| crate::report::ssd_report(t, &tier_stats));
+        let ssd = inner.tiers.ssd.as_deref().map(|t| crate::observe::report::ssd_report(t, &tier_stats));
         let [dram, ssd_objects, remote] = tier_stats.objects;
         let tiers = TierCounts { dram, ssd: ssd_objects, remote };
         let c = inner.counters.snapshot();
@@ -588,7 +588,7 @@ impl Collector for PoolCollector {
 
         // Summed over the tenant groups' indexes (one without --namespace-acl); headers
         // only: a scrape never walks the tables for the probe histogram.
-        if let Some(s) = crate::group_report::index_totals(inner) {
+        if let Some(s) = crate::observe::group_report::index_totals(inner) {
             gauge(&mut enc, "umbp_index_slots", "Slots per index table (all tenant groups' indexes)", s.slot_count as f64)?;
             gauge(&mut enc, "umbp_index_live", "Live index entries", s.live as f64)?;
             gauge(&mut enc, "umbp_index_tombstones", "Index tombstones", s.tombstones as f64)?;

@@ -1,7 +1,7 @@
 //! Background eviction between the watermarks, so the store path never evicts itself:
 //! DRAM bytes, used index slots (live entries and tombstones: a pool of objects smaller
 //! than the index was sized for fills the index before DRAM), and each namespace's quota
-//! (`--namespace-share`). The policy lives in [`crate::objects::Policy`]. With an SSD tier,
+//! (`--namespace-share`). The policy lives in [`crate::store::objects::Policy`]. With an SSD tier,
 //! objects evicted for DRAM bytes that the admission policy admits are written to SSD by
 //! this thread, outside the store lock (`tier::run_demotions`), then leave DRAM.
 
@@ -35,7 +35,7 @@ pub fn run(inner: &PoolInner) {
                         break;
                     }
                     // Transfers of the whole node wait while this thread holds the lock.
-                    store = inner.store.yield_to_urgent(store, crate::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
+                    store = inner.store.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
                 }
                 tracing::debug!(
                     evicted = n,
@@ -48,7 +48,7 @@ pub fn run(inner: &PoolInner) {
             }
             store.take_demotions()
         };
-        // Demotion I/O runs here, without the store lock (tier.rs).
+        // Demotion I/O runs here, without the store lock (tier/mod.rs).
         if let Some(ssd) = &inner.tiers.ssd {
             crate::tier::run_demotions(inner, ssd, demotions);
             // Then SSD objects that touch hints found, into the DRAM left below the high

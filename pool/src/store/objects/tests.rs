@@ -158,7 +158,7 @@ fn tenant_groups_have_their_own_objects_indexes_and_logs() {
     let cap = 4u64 << 20;
     let mems: Vec<_> = (0..3).map(|_| index_mem(cap, 64 << 10)).collect();
     let mut s = ObjectStore::with_groups(cap, mems);
-    let logs: Vec<_> = (0..3).map(|g| crate::event_log::SharedEventLog::create(&format!("ev{g}"), 64).unwrap()).collect();
+    let logs: Vec<_> = (0..3).map(|g| crate::store::event_log::SharedEventLog::create(&format!("ev{g}"), 64).unwrap()).collect();
     let log_mems: Vec<_> = logs.iter().map(|l| l.memory().clone()).collect();
     for (g, l) in logs.into_iter().enumerate() {
         s.set_event_log(g as u32, l);
@@ -217,7 +217,7 @@ fn demotion_and_promotion_move_tiers_safely() {
     let size = 64u64 << 10;
     let mut s = store(4 << 20);
     s.set_ssd_admission(umbp_ssd::SsdAdmission::All);
-    let log = crate::event_log::SharedEventLog::create("ev-tiers", 256).unwrap();
+    let log = crate::store::event_log::SharedEventLog::create("ev-tiers", 256).unwrap();
     let log_mem = log.memory().clone();
     s.set_event_log(0, log);
     // SAFETY: the log's mapping lives as long as `log_mem`.
@@ -300,7 +300,7 @@ fn demotion_and_promotion_move_tiers_safely() {
     assert_eq!(s.reserve_load(ObjectKey(3), size), LoadReservation::Missing);
     assert_eq!(s.take_ssd_drops(), vec![(ObjectKey(3), 1)]);
     // Records the SSD store dropped for room take their SSD-only objects along.
-    let groups = crate::groups::TenantGroups::single();
+    let groups = crate::store::groups::TenantGroups::single();
     s.ssd_records_gone(&[(ObjectKey(4), 1), (ObjectKey(5), 2)], &groups);
     assert_eq!(reader(&s).lookup(ObjectKey(4)), None);
     assert!(reader(&s).lookup(ObjectKey(5)).is_some(), "another namespace's record: not this object");

@@ -4,14 +4,14 @@
 use umbp_protocol::location::Tier;
 
 use super::ObjectStore;
-use crate::event_log::ObjectEvent;
+use crate::store::event_log::ObjectEvent;
 
 /// Events kept for observers before the oldest are dropped.
 const MAX_EVENTS: usize = 1 << 16;
 
 impl ObjectStore {
     /// From now on every event of `group` also goes to this shared-memory log.
-    pub fn set_event_log(&mut self, group: u32, log: crate::event_log::SharedEventLog) {
+    pub fn set_event_log(&mut self, group: u32, log: crate::store::event_log::SharedEventLog) {
         self.groups[group as usize].event_log = Some(log);
     }
 

@@ -8,7 +8,15 @@ use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
 use super::{GroupKey, ObjectEvent, ObjectState, ObjectStore, Writer};
-use crate::remote::HeldObject;
+
+/// One published object of this pool, as the cluster advertises it (re-exported as
+/// `remote::HeldObject`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeldObject {
+    pub key: ObjectKey,
+    pub size: u64,
+    pub namespace: u128,
+}
 
 impl ObjectStore {
     /// Lists a peer's object in `group` (the tenant group of its namespace here) unless
@@ -95,7 +103,7 @@ mod tests {
     use umbp_protocol::{index, location};
 
     use super::*;
-    use crate::objects::{LoadReservation, StoreReservation};
+    use crate::store::objects::{LoadReservation, StoreReservation};
 
     fn store() -> ObjectStore {
         let slots = index::slots_for(1 << 24, 4096);

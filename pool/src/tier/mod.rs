@@ -5,6 +5,12 @@
 //! Lock rule: no I/O under the store lock. The store marks objects (demoting, promoting)
 //! under its lock; the bytes move here, outside it; the store then switches the object's
 //! tier under the lock again (index location and KV events).
+//!
+//! The room below observe/: of the rooms it imports store/ only. The evictor thread and the
+//! cluster seam (remote.rs) live here because both drive demotions and fetches.
+
+pub(crate) mod evictor;
+pub mod remote;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -13,7 +19,7 @@ use std::time::Instant;
 use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
-use crate::objects::{Demotion, GroupKey, ObjectStore};
+use crate::store::objects::{Demotion, GroupKey, ObjectStore};
 use crate::PoolInner;
 use umbp_ssd::{SsdConfig, SsdError, SsdStore};
 
@@ -216,7 +222,7 @@ impl Drop for Promotions<'_> {
         let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
         for p in self.open.drain(..) {
             if p.tier == Tier::Remote {
-                store.abandon_promotion(p.key, crate::objects::Writer::Unknown);
+                store.abandon_promotion(p.key, crate::store::objects::Writer::Unknown);
             }
             store.finish_promotion(p.key, p.offset, false);
         }
@@ -426,7 +432,7 @@ pub fn drop_records(inner: &PoolInner, ssd: &SsdTier) {
 
 /// Warm restart: lists every record of the SSD store in its namespace's group's index as
 /// an SSD object (before any peer can attach). Returns how many were listed.
-pub fn restore(store: &mut crate::objects::ObjectStore, groups: &crate::groups::TenantGroups, ssd: &SsdTier) -> u64 {
+pub fn restore(store: &mut crate::store::objects::ObjectStore, groups: &crate::store::groups::TenantGroups, ssd: &SsdTier) -> u64 {
     let started = Instant::now();
     let keys = ssd.store.keys();
     let mut listed = 0u64;

@@ -6,7 +6,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
-use crate::job::Job;
+use crate::copy::job::Job;
 
 #[derive(Default)]
 pub struct CopySlots {
