@@ -269,7 +269,7 @@ impl FetchSide {
                         key = format!("{:032x}", r.key.0),
                         leaked,
                         holder,
-                        "remote read timed out: its DRAM is quarantined until that holder is forgotten"
+                        "remote read timed out: its DRAM stays quarantined (until the pool restarts: the read may still land)"
                     );
                 }
                 false
