@@ -115,8 +115,6 @@ def test_sliding_window_group_blocks_are_announced(make_sliding):
     hashes = [bytes(x) for x in a.block_hashes][:3]
     # The full-attention group: every full block, as before.
     assert set(groups.get(full, {})) == {conv(x) for x in hashes}
-    for e in groups[full].values():
-        assert e.kv_cache_spec_kind == "full_attention" and e.kv_cache_spec_sliding_window is None
     # The sliding-window group: exactly the blocks the pool holds for it, each with the
     # window, its tokens and its parent, medium CPU.
     in_pool = [i for i in range(3) if h.conn._sched._present(sw, hashes[i])]
@@ -128,6 +126,8 @@ def test_sliding_window_group_blocks_are_announced(make_sliding):
         assert e.token_ids == prompt[i * bs : (i + 1) * bs] and e.block_size == bs
         assert e.parent_block_hash == (conv(hashes[i - 1]) if i else None)
         assert e.medium == "CPU"
+    for e in groups[full].values():
+        assert e.kv_cache_spec_kind == "full_attention" and e.kv_cache_spec_sliding_window is None
     assert len(stored) == len(groups[full]) + len(groups[sw]), "a block was announced twice"
     # The same prompt again (vLLM's cache emptied): loaded, nothing announced again.
     h.reset_local_cache()
@@ -154,7 +154,6 @@ def test_mamba_group_states_are_announced(make_mamba):
     full, mg = h.gid("attn"), h.gid("mamba")
     hashes = [bytes(x) for x in a.block_hashes]
     assert set(groups.get(full, {})) == {conv(x) for x in hashes[: 3 * bs // hb]}
-    assert all(e.kv_cache_spec_kind == "full_attention" for e in groups[full].values())
     # Every state vLLM handed off (and the connector stored) is announced like vLLM
     # announces a partial entry: the hash of the prefix ending at the boundary, the
     # tokens of its last hash block, its parent.
@@ -169,6 +168,7 @@ def test_mamba_group_states_are_announced(make_mamba):
         assert e.token_ids == prompt[bd - hb : bd] and e.block_size == hb
         assert e.parent_block_hash == (conv(hashes[k - 2]) if k > 1 else None)
         assert e.medium == "CPU"
+    assert all(e.kv_cache_spec_kind == "full_attention" for e in groups[full].values())
     assert len(stored) == len(groups[full]) + len(groups[mg]), "a block was announced twice"
     want = {(e.group_idx, e.block_hashes[0]) for e in stored}
     assert removed_after_reset(h, want) == want
