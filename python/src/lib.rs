@@ -524,6 +524,13 @@ impl Index {
         Ok(self.inner.lock().expect("index lock").contains(k))
     }
 
+    /// Tier of `key`'s object: "dram", "ssd" or "remote"; None when the pool does not hold
+    /// it (or is not attached, or is stalled).
+    fn tier(&self, key: &[u8]) -> PyResult<Option<&'static str>> {
+        let k = ObjectKey::from_bytes(key16(key, "key")?);
+        Ok(self.inner.lock().expect("index lock").tier(k).map(|t| t.as_str()))
+    }
+
     #[getter]
     fn connected(&self) -> bool {
         self.inner.lock().expect("index lock").is_attached()

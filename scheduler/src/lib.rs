@@ -357,6 +357,24 @@ impl IndexClient {
         self.match_prefix(&[key]) == 1
     }
 
+    /// The tier holding `key`'s object (DRAM, SSD, another node), or None when it is
+    /// absent, when no live pool is attached, when the attached pool is stalled, and for a
+    /// tier this build does not know. For KV events: a block another engine stored is
+    /// announced with the medium of its tier. Never blocks, posts no touch hint.
+    pub fn tier(&mut self, key: ObjectKey) -> Option<umbp_protocol::location::Tier> {
+        let timeout = self.stall_timeout;
+        let att = self.live()?;
+        if att.stalled(timeout) {
+            return None;
+        }
+        let location = att.index.lookup(key);
+        if att.index.writer_gone() {
+            self.drop_dead();
+            return None;
+        }
+        umbp_protocol::location::decode(location?).map(|(t, _)| t)
+    }
+
     /// Tells the pool these keys are in use (LRU order, short eviction lease). Best effort.
     pub fn touch(&mut self, keys: &[ObjectKey]) {
         if let Some(att) = self.live() {

@@ -32,6 +32,14 @@ class GroupInfo:
     sliding_window: int | None
     layer_names: tuple[str, ...]
     page_bytes: int | None  # one block of one layer, when vLLM knows it
+    # vLLM's name of the group's kind in KV events (`BlockStored.kv_cache_spec_kind`:
+    # "full_attention", "mla_attention", "sliding_window", "mamba"); None: derive from `kind`.
+    spec_kind: str | None = None
+
+    @property
+    def event_kind(self) -> str:
+        """`kv_cache_spec_kind` of this group's `BlockStored` events."""
+        return self.spec_kind or _EVENT_KIND[self.kind]
 
     def skipped_tokens(self, num_tokens: int) -> int:
         """Leading tokens whose KV this group no longer needs once `num_tokens` are
@@ -48,6 +56,24 @@ class GroupInfo:
         if self.kind == MAMBA:
             return range(last - 1, last)
         return range(self.skipped_tokens(num_tokens) // self.block_size, last)
+
+
+_EVENT_KIND = {FULL: "full_attention", SLIDING: "sliding_window", MAMBA: "mamba"}
+
+
+def _spec_kind(spec: Any) -> str | None:
+    """vLLM's own `kv_cache_spec_kind` of `spec` (vLLM versions that have it), as its
+    block pool and offloading connectors put it in their KV events."""
+    try:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+    except ImportError:
+        return None
+    try:
+        kind = get_kv_cache_spec_kind(spec)
+    except Exception:  # noqa: BLE001 - a spec vLLM cannot classify: derive from ours
+        return None
+    value = str(getattr(kind, "value", kind))
+    return None if value == "unknown" else value
 
 
 def _kind(spec: Any) -> str | None:
@@ -103,7 +129,10 @@ def describe_groups(kv_cache_config: Any) -> list[GroupInfo]:
             page = None
         sw = getattr(spec, "sliding_window", None)
         out.append(
-            GroupInfo(gid, kind, int(spec.block_size), int(sw) if sw else None, tuple(g.layer_names), page)
+            GroupInfo(
+                gid, kind, int(spec.block_size), int(sw) if sw else None, tuple(g.layer_names), page,
+                _spec_kind(spec),
+            )
         )
     if not out:
         raise ValueError("UMBPStoreConnector: this model has no prefix-cacheable KV cache group")

@@ -57,11 +57,12 @@ class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
     `store_done`: request id -> number of its store ops whose outcome is known (stored,
     present, refused or not submitted); the scheduler compares it with the ops it planned
     to decide whether a finished request's blocks can be freed at once.
-    `stored`: block hash -> number of ranks that now hold it in the pool (for KV events).
+    `stored`: (KV cache group, block hash) -> number of ranks that now hold it in the pool
+    (for KV events).
     """
 
     store_done: dict[str, int] = field(default_factory=dict)
-    stored: dict[bytes, int] = field(default_factory=dict)
+    stored: dict[tuple[int, bytes], int] = field(default_factory=dict)
     ops_done: dict[int, int] = field(default_factory=dict)  # pinned store op -> ranks done
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:

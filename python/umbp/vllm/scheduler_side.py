@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._logging import get_logger
 from .endpoints import embedded_socket_path
-from .groups import FULL, MAMBA, GroupInfo
+from .groups import FULL, MAMBA, SLIDING, GroupInfo
 from .keys import kv_block_hashes, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
 from .tier_events import last_per_key, restamp, slowest_tier
@@ -75,6 +75,13 @@ _MAX_LAZY_SEEN = 1 << 18
 # Freed blocks whose tokens are kept for lazy-offload events (~0.5 KiB each at block 128).
 _MAX_LAZY_INFO = 1 << 14
 
+# KV events name a block by (KV cache group, block hash): the groups of a hybrid model
+# share block hashes (a sliding-window block and a full-attention block of one prefix have
+# the same hash), and each group's block is a pool object of its own.
+BlockKey = tuple[int, bytes]
+# One block to announce: (hash, parent hash, tokens, block size).
+EventItem = tuple[bytes, "bytes | None", list[int], int]
+
 
 class SchedulerSide:
     _RETRY_ATTACH_S = 1.0
@@ -97,22 +104,23 @@ class SchedulerSide:
         self._lazy_seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
         # lazy_offload: stores picked after a step's frees, sent with the next metadata.
         self._lazy_ops: list[BlockOp] = []
-        # lazy_offload with events: hash -> (parent hash, tokens) of freed blocks.
-        self._lazy_block_info: OrderedDict[bytes, tuple[bytes | None, list[int]]] = OrderedDict()
+        # lazy_offload with events: (group, hash) -> (parent hash, tokens) of freed blocks.
+        self._lazy_block_info: OrderedDict[BlockKey, tuple[bytes | None, list[int]]] = OrderedDict()
         self.lazy_stored_blocks = 0  # blocks lazy offload submitted (tests, measurements)
         self._events: list[Any] = []
-        # BlockStored events wait until every TP rank confirmed the store:
-        # hash -> (event, ranks confirmed).
-        self._event_pending: dict[bytes, tuple[Any, int]] = {}
+        # Events name blocks by (group, hash) (BlockKey): every group's blocks are announced.
+        # BlockStored events of our stores wait until every TP rank confirmed the store:
+        # block -> (event, ranks confirmed).
+        self._event_pending: dict[BlockKey, tuple[Any, int]] = {}
         # Pool events name object keys; vLLM's events name block hashes. Keys of every rank
-        # of every block we announced (or are about to) map back to the hash.
-        self._key_to_hash: dict[bytes, bytes] = {}
-        self._block_keys: dict[bytes, list[bytes]] = {}  # hash -> its keys (all ranks)
-        self._published: OrderedDict[bytes, None] = OrderedDict()  # BlockStored sent
+        # of every block we announced (or are about to) map back to the block.
+        self._key_to_hash: dict[bytes, BlockKey] = {}
+        self._block_keys: dict[BlockKey, list[bytes]] = {}  # block -> its keys (all ranks)
+        self._published: OrderedDict[BlockKey, None] = OrderedDict()  # BlockStored sent
         # Tiers (tier_events.py): each key's tier as the pool's events said (absent: DRAM),
         # and each announced block's BlockStored with the tier it was announced for.
         self._key_tier: dict[bytes, str] = {}
-        self._announced: dict[bytes, tuple[Any, str]] = {}
+        self._announced: dict[BlockKey, tuple[Any, str]] = {}
         self._event_source_ok = True
         # One index per TP rank in embedded mode (each worker has a pool); one in standalone.
         if self.cfg.embedded:
@@ -325,10 +333,15 @@ class SchedulerSide:
             # least one token must be computed to sample the next one.
             hit_tokens = self._pool_hit_tokens(request, request.num_tokens - 1)
             st.pool_hit_tokens = hit_tokens
+            if self.c._events_enabled and hit_tokens > 0:
+                self._announce_found(request, self._hit_blocks(request, hit_tokens))
         else:
             bs = self.c._block_size
-            n = self._pool_prefix(self._hashes(request))
+            hashes = self._hashes(request)
+            n = self._pool_prefix(hashes)
             st.pool_hit_tokens = n * bs
+            if self.c._events_enabled and n > 0:
+                self._announce_found(request, [(self._g0, hashes, range(n))])
             # A hit covering the whole request is trimmed by one token (its block is
             # still loaded in full).
             hit_tokens = min(n * bs, request.num_tokens - 1)
@@ -521,8 +534,8 @@ class SchedulerSide:
                     # (request_finished delays the free).
                     meta.stores.append(BlockOp(rid, hashes[lo:hi], list(gids[lo:hi]), group=g.gid))
                     st.store_ops += 1
-                    if self.c._events_enabled and g.gid == self.c._group:
-                        self._remember_for_events(req, hashes, lo, hi)
+                    if self.c._events_enabled:
+                        self._remember_for_events(g, req, hashes, range(lo, hi))
                     continue
                 # Sliding window: vLLM frees blocks that leave the window while the request
                 # runs, so these are pinned instead. Only blocks vLLM itself cached under
@@ -536,6 +549,8 @@ class SchedulerSide:
                 op = self._pinned_op(g.gid, [hashes[i] for i in pick], [bp.blocks[gids[i]] for i in pick], rid)
                 if op is not None:
                     meta.stores.append(op)
+                    if self.c._events_enabled:
+                        self._remember_for_events(g, req, hashes, pick)
             st.stored_upto = upto
         self._plan_state_stores(so, meta)
 
@@ -558,13 +573,15 @@ class SchedulerSide:
             if k < len(ids[g.gid]):
                 meta.stores.append(BlockOp(req.request_id, [h], [ids[g.gid][k]], group=g.gid))
                 st.store_ops += 1
+                if self.c._events_enabled:
+                    self._remember_blocks(g, [self._state_item(req, p)])
 
     def _plan_state_stores(self, so: "SchedulerOutput", meta: UMBPConnectorMetadata) -> None:
         """Mamba "align" states vLLM hands off at block (or prefix-match-unit) boundaries."""
         block_state = getattr(so, "kv_connector_block_state", None)
         offloads = getattr(block_state, "boundary_state_offloads", None) or {}
         bp = self.c._gpu_block_pool
-        ours = {g.gid for g in self.c._groups if g.kind == MAMBA}
+        ours = {g.gid: g for g in self.c._groups if g.kind == MAMBA}
         if not offloads or bp is None or not ours:
             return
         gone = set(so.preempted_req_ids or ()) | set(getattr(so, "finished_req_ids", ()) or ())
@@ -584,6 +601,8 @@ class SchedulerSide:
                 op = self._pinned_op(gid, [h], [bp.blocks[block_id]], rid)
                 if op is not None:
                     meta.stores.append(op)
+                    if self.c._events_enabled:
+                        self._remember_blocks(ours[gid], [self._state_item(req, boundary)])
 
     def _lazy_remember(self, group: int, h: bytes) -> None:
         self._lazy_seen[(group, h)] = None
@@ -637,8 +656,8 @@ class SchedulerSide:
             if op is not None:
                 ops.append(op)
                 self.lazy_stored_blocks += len(items)
-                if self.c._events_enabled and gid == self.c._group:
-                    self._remember_lazy_for_events(op.hashes)
+                if self.c._events_enabled:
+                    self._remember_lazy_for_events(ours[gid], op.hashes)
         return ops
 
     def request_finished(
@@ -695,185 +714,290 @@ class SchedulerSide:
                     st.store_ops_done += n
             for op_id, ranks in wm.ops_done.items():
                 self._unpin(op_id, ranks)
-            for h, ranks in wm.stored.items():
-                pending = self._event_pending.get(h)
+            for bk, ranks in wm.stored.items():
+                pending = self._event_pending.get(bk)
                 if pending is None:
                     continue
                 ev, seen = pending
                 seen += ranks
                 if seen >= self.c._tp_size:
-                    del self._event_pending[h]
+                    del self._event_pending[bk]
                     self._events.append(ev)
-                    self._publish(h, ev)
+                    self._publish(bk, ev)
                 else:
-                    self._event_pending[h] = (ev, seen)
+                    self._event_pending[bk] = (ev, seen)
         if self.c._do_store and self.c._offload.lazy_offload:
             # vLLM freed this step's finished requests before calling us, and the next
             # schedule() may evict their blocks: pick them now (see _lazy_pick).
             self._lazy_ops.extend(self._lazy_pick())
 
     # -- KV events ----------------------------------------------------------------------
-    def _remember_for_events(self, req: Any, hashes: list[bytes], lo: int, hi: int) -> None:
-        """Prepare BlockStored events for blocks lo..hi of `req`, published once all TP
-        ranks stored the block."""
-        bs = self._g0.block_size
+    # Every group the connector stores is announced: a block is named by (group, hash) and
+    # its BlockStored carries the group's index and vLLM's kind of the group
+    # (`kv_cache_spec_kind`, and `kv_cache_spec_sliding_window` for sliding windows). Full
+    # and sliding-window blocks are announced like vLLM's block pool announces them (hash,
+    # parent hash, the block's tokens); a Mamba state, and a partial-hit tail, like vLLM
+    # announces a partial entry: keyed by the hash of the prefix ending there, with the
+    # tokens of its last hash block.
+
+    def _remember_for_events(self, g: GroupInfo, req: Any, hashes: list[bytes], idxs: Any) -> None:
+        """Prepare BlockStored events for blocks `idxs` of `req` in group `g`, published
+        once all TP ranks stored the block."""
+        bs = g.block_size
         tokens = req.all_token_ids
         self._remember_blocks(
-            [(hashes[b], hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs])) for b in range(lo, hi)]
+            g, [(hashes[b], hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs]), bs) for b in idxs]
         )
+
+    def _state_item(self, req: Any, tokens: int) -> EventItem:
+        """The event item of an object keyed by the hash of the prefix ending at `tokens`
+        (a Mamba state, a partial-hit tail): as vLLM announces a partial entry."""
+        hb = self.c._hash_block_size
+        k = tokens // hb
+        hashes = req.block_hashes
+        parent = bytes(hashes[k - 2]) if k > 1 else None
+        return (bytes(hashes[k - 1]), parent, list(req.all_token_ids[(k - 1) * hb : k * hb]), hb)
 
     def _note_lazy_blocks(self, req: Any) -> None:
         """lazy_offload with events: remember the parent hash and tokens of `req`'s full
-        blocks (its blocks are being freed), so a later lazy store of one can be announced
-        (a free-queue block carries only its hash). Bounded: the oldest are dropped, and a
-        block stored without them is stored unannounced (counted as suppressed)."""
+        blocks of every group lazy offload stores (its blocks are being freed), so a later
+        lazy store of one can be announced (a free-queue block carries only its hash).
+        Bounded: the oldest are dropped, and a block stored without them is stored
+        unannounced (counted as suppressed)."""
         try:
-            hashes = self._hashes(req)
-            bs = self._g0.block_size
             tokens = req.all_token_ids
-            n = min(len(hashes), len(tokens) // bs)
-            for b in range(n):
-                h = hashes[b]
-                if h in self._lazy_block_info or h in self._published:
-                    continue
-                self._lazy_block_info[h] = (hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs]))
+            for g in self.c._groups:
+                if g.kind == MAMBA:
+                    continue  # lazy offload does not store states
+                hashes = self._group_hashes(req, g)
+                bs = g.block_size
+                n = min(len(hashes), len(tokens) // bs)
+                for b in range(n):
+                    bk = (g.gid, hashes[b])
+                    if bk in self._lazy_block_info or bk in self._published:
+                        continue
+                    self._lazy_block_info[bk] = (hashes[b - 1] if b else None, list(tokens[b * bs : (b + 1) * bs]))
             while len(self._lazy_block_info) > _MAX_LAZY_INFO:
                 self._lazy_block_info.popitem(last=False)
         except Exception as e:  # noqa: BLE001 - events are best effort
             logger.debug("UMBP: cannot note blocks for lazy-offload events: %s", e)
 
-    def _remember_lazy_for_events(self, hashes: list[bytes]) -> None:
-        """BlockStored events for blocks lazy offload picked (of the event group)."""
-        items = []
+    def _remember_lazy_for_events(self, g: GroupInfo, hashes: list[bytes]) -> None:
+        """BlockStored events for blocks of group `g` lazy offload picked."""
+        items: list[EventItem] = []
         for h in hashes:
-            info = self._lazy_block_info.pop(h, None)
+            info = self._lazy_block_info.pop((g.gid, h), None)
             if info is None:
-                if h not in self._published:
+                if (g.gid, h) not in self._published:
                     self.c._stats.add("events_suppressed", 1)
                 continue
-            items.append((h, info[0], info[1]))
-        self._remember_blocks(items)
+            items.append((h, info[0], info[1], g.block_size))
+        self._remember_blocks(g, items)
 
-    def _remember_blocks(self, items: list[tuple[bytes, bytes | None, list[int]]]) -> None:
-        """Prepare BlockStored events for blocks given as (hash, parent hash, tokens)."""
+    def _event_room(self, want: int) -> int:
+        """kv_event_max_objects: how many of `want` new blocks may be tracked. When the
+        tracked blocks (announced or about to be) fill it, new BlockStored events are
+        suppressed until tracked blocks leave the pool; storing and lookups go on."""
+        room = max(0, self.cfg.kv_event_max_objects - len(self._published) - len(self._event_pending))
+        if want > room:
+            if not getattr(self, "_events_full_logged", False):
+                self._events_full_logged = True
+                logger.warning(
+                    "UMBP: kv_event_max_objects=%d blocks tracked: BlockStored events are "
+                    "suppressed until tracked blocks leave the pool",
+                    self.cfg.kv_event_max_objects,
+                )
+            self.c._stats.add("events_suppressed", want - room)
+        return min(want, room)
+
+    def _stored_event(self, g: GroupInfo, item: EventItem) -> Any:
+        """vLLM's BlockStored for one block of group `g` (medium CPU: the pool's DRAM)."""
+        from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        h, parent, toks, bsz = item
+        kw: dict[str, Any] = dict(
+            block_hashes=[maybe_convert_block_hash(h)],
+            parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+            token_ids=toks,
+            block_size=bsz,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=g.gid,
+        )
+        fields = getattr(BlockStored, "__struct_fields__", ())
+        # Fields of the vLLM versions that describe the group in store events.
+        if "kv_cache_spec_kind" in fields:
+            kw["kv_cache_spec_kind"] = g.event_kind
+        if "kv_cache_spec_sliding_window" in fields:
+            kw["kv_cache_spec_sliding_window"] = g.sliding_window if g.kind == SLIDING else None
+        return BlockStored(**kw)
+
+    def _track(self, g: GroupInfo, hashes: list[bytes]) -> list[list[bytes]]:
+        """Map the keys of `hashes` of group `g` (this namespace, every rank) back to their
+        blocks, so that the pool's "removed" events can be named by block; returns the keys
+        per block."""
+        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._tp_size)]
+        out = []
+        for i, h in enumerate(hashes):
+            keys = [rk[i] for rk in rank_keys]
+            self._block_keys[(g.gid, h)] = keys
+            for k in keys:
+                self._key_to_hash[k] = (g.gid, h)
+            out.append(keys)
+        return out
+
+    def _remember_blocks(self, g: GroupInfo, items: list[EventItem]) -> None:
+        """Prepare BlockStored events for blocks of group `g` given as (hash, parent hash,
+        tokens, block size): published when every TP rank reported the store."""
         if not items:
             return
         if len(self._event_pending) > _MAX_EVENT_PENDING:
-            for h in list(self._event_pending):
-                self._forget(h)
+            for bk in list(self._event_pending):
+                self._forget(bk)
         try:
-            from vllm.distributed.kv_events import BlockStored
-            from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-            bs = self._g0.block_size
-            todo = [it for it in items if it[0] not in self._published]
-            # kv_event_max_objects: when the tracked blocks (announced or about to be)
-            # fill it, new BlockStored events are suppressed until tracked blocks leave
-            # the pool; storing and lookups go on.
-            room = max(0, self.cfg.kv_event_max_objects - len(self._published) - len(self._event_pending))
-            if len(todo) > room:
-                if not getattr(self, "_events_full_logged", False):
-                    self._events_full_logged = True
-                    logger.warning(
-                        "UMBP: kv_event_max_objects=%d blocks tracked: BlockStored events are "
-                        "suppressed until tracked blocks leave the pool",
-                        self.cfg.kv_event_max_objects,
-                    )
-                self.c._stats.add("events_suppressed", len(todo) - room)
-                todo = todo[:room]
-            # Keys as the workers will derive them (this step's namespace, every rank), so
-            # that the pool's "removed" events can be named by block hash.
-            rank_keys = [
-                make_keys(self.n, self.namespace, self.c._group, r, [it[0] for it in todo])
-                for r in range(self.c._tp_size)
-            ]
-            for i, (h, parent, toks) in enumerate(todo):
-                self._event_pending[h] = (
-                    BlockStored(
-                        block_hashes=[maybe_convert_block_hash(h)],
-                        parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
-                        token_ids=toks,
-                        block_size=bs,
-                        lora_id=None,
-                        medium="CPU",
-                        lora_name=None,
-                        group_idx=self.c._group,
-                    ),
-                    0,
-                )
-                keys = [rk[i] for rk in rank_keys]
-                self._block_keys[h] = keys
-                for k in keys:
-                    self._key_to_hash[k] = h
+            todo = [it for it in dict((it[0], it) for it in items).values() if (g.gid, it[0]) not in self._published]
+            todo = todo[: self._event_room(len(todo))]
+            self._track(g, [it[0] for it in todo])
+            for it in todo:
+                self._event_pending[(g.gid, it[0])] = (self._stored_event(g, it), 0)
         except Exception as e:  # noqa: BLE001 - events are best effort
             logger.debug("UMBP: cannot build KV events: %s", e)
 
-    def _publish(self, h: bytes, ev: Any = None) -> None:
-        self._published[h] = None  # bounded by kv_event_max_objects (_remember_for_events)
-        if ev is not None:
-            self._announced[h] = (ev, "dram")
+    def _hit_blocks(self, request: Any, tokens: int) -> list[tuple[GroupInfo, list[bytes], Any]]:
+        """Hybrid models: per group, (group, its hashes, indices) of the blocks a pool hit
+        of `tokens` found (every group checked them present): a full-attention group's
+        whole prefix, a sliding-window group's blocks inside the window, a Mamba group's
+        state at the hit's end (an index into the prefix hashes of `request`)."""
+        out: list[tuple[GroupInfo, list[bytes], Any]] = []
+        hb = self.c._hash_block_size
+        for g in self.c._groups:
+            if g.kind == MAMBA:
+                if tokens % hb == 0:
+                    out.append((g, [], (tokens,)))
+                continue
+            hashes = self._group_hashes(request, g)
+            idxs = range(tokens // g.block_size) if g.kind == FULL else g.needed_blocks(tokens)
+            out.append((g, hashes, range(idxs.start, min(idxs.stop, len(hashes)))))
+        return out
 
-    def _forget(self, h: bytes) -> None:
-        self._event_pending.pop(h, None)
-        self._published.pop(h, None)
-        self._announced.pop(h, None)
-        for k in self._block_keys.pop(h, ()):
+    def _announce_found(self, request: Any, found: list[tuple[GroupInfo, list[bytes], Any]]) -> None:
+        """A lookup found blocks in the pool (stored by this engine or by another one that
+        shares the pool): announce those this engine has not announced yet, at once (they
+        are in the pool for every TP rank) and with the medium of the tier holding them,
+        so a KV-aware router learns that this engine can serve them too. They are then
+        tracked like our own: BlockRemoved when the pool drops them, re-announced when
+        they change tier. `found`: (group, its hashes, block indices); a Mamba group's
+        entries are token counts (its state after that many tokens)."""
+        try:
+            for g, hashes, idxs in found:
+                items: list[EventItem] = []
+                for i in idxs:
+                    if g.kind == MAMBA:
+                        it = self._state_item(request, i)
+                    else:
+                        bs = g.block_size
+                        it = (hashes[i], hashes[i - 1] if i else None, list(request.all_token_ids[i * bs : (i + 1) * bs]), bs)
+                    bk = (g.gid, it[0])
+                    if bk not in self._published and bk not in self._event_pending:
+                        items.append(it)
+                if items:
+                    self._announce_present(g, items)
+        except Exception as e:  # noqa: BLE001 - events are best effort
+            logger.debug("UMBP: cannot announce blocks found in the pool: %s", e)
+
+    def _announce_present(self, g: GroupInfo, items: list[EventItem]) -> None:
+        items = list(dict((it[0], it) for it in items).values())
+        items = items[: self._event_room(len(items))]
+        if not items:
+            return
+        all_keys = self._track(g, [it[0] for it in items])
+        for it, keys in zip(items, all_keys):
+            tiers = []
+            for rank, key in enumerate(keys):
+                idx = self._rank_index(rank)
+                tier_of = getattr(idx, "tier", None) if idx is not None else None
+                # A binding without Index.tier: the block was just found, read it as DRAM.
+                t = tier_of(key) if tier_of is not None else "dram"
+                if t is None:
+                    break  # gone since the lookup (or the pool stalled): not announced
+                tiers.append(t)
+            if len(tiers) < len(keys):
+                self._forget((g.gid, it[0]))
+                continue
+            for key, t in zip(keys, tiers):
+                if t != "dram":
+                    self._key_tier[key] = t
+            tier = slowest_tier(tiers)
+            ev = restamp(self._stored_event(g, it), tier)
+            self._events.append(ev)
+            bk = (g.gid, it[0])
+            self._published[bk] = None
+            self._announced[bk] = (ev, tier)
+
+    def _publish(self, bk: BlockKey, ev: Any = None) -> None:
+        self._published[bk] = None  # bounded by kv_event_max_objects (_event_room)
+        if ev is not None:
+            self._announced[bk] = (ev, "dram")
+
+    def _forget(self, bk: BlockKey) -> None:
+        self._event_pending.pop(bk, None)
+        self._published.pop(bk, None)
+        self._announced.pop(bk, None)
+        for k in self._block_keys.pop(bk, ()):
             self._key_to_hash.pop(k, None)
             self._key_tier.pop(k, None)
 
-    def _removed(self, h: bytes, out: list[Any]) -> None:
-        """The pool dropped (one rank's copy of) block `h`: it can no longer be loaded."""
-        if h in self._published:
-            from vllm.distributed.kv_events import BlockRemoved
-            from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-            ev = BlockRemoved(
-                block_hashes=[maybe_convert_block_hash(h)], medium="CPU", group_idx=self.c._group
-            )
-            out.append(restamp(ev, self._announced.get(h, (None, "dram"))[1]))
-        self._forget(h)
-
-    def _retier(self, h: bytes, out: list[Any]) -> None:
-        """Block `h`'s keys changed tier: announce it again under its new medium
-        (BlockRemoved with the old one, then BlockStored with the new one)."""
-        announced = self._announced.get(h)
-        if announced is None or h not in self._published:
-            return
-        ev, old = announced
-        new = slowest_tier(self._key_tier.get(k, "dram") for k in self._block_keys.get(h, ()))
-        if new == old:
-            return
+    def _removed_event(self, bk: BlockKey, tier: str) -> Any:
         from vllm.distributed.kv_events import BlockRemoved
         from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        gone = BlockRemoved(block_hashes=[maybe_convert_block_hash(h)], medium="CPU", group_idx=self.c._group)
-        out.append(restamp(gone, old))
+        return restamp(BlockRemoved(block_hashes=[maybe_convert_block_hash(bk[1])], medium="CPU", group_idx=bk[0]), tier)
+
+    def _removed(self, bk: BlockKey, out: list[Any]) -> None:
+        """The pool dropped (one rank's copy of) block `bk`: it can no longer be loaded."""
+        if bk in self._published:
+            out.append(self._removed_event(bk, self._announced.get(bk, (None, "dram"))[1]))
+        self._forget(bk)
+
+    def _retier(self, bk: BlockKey, out: list[Any]) -> None:
+        """Block `bk`'s keys changed tier: announce it again under its new medium
+        (BlockRemoved with the old one, then BlockStored with the new one)."""
+        announced = self._announced.get(bk)
+        if announced is None or bk not in self._published:
+            return
+        ev, old = announced
+        new = slowest_tier(self._key_tier.get(k, "dram") for k in self._block_keys.get(bk, ()))
+        if new == old:
+            return
+        out.append(self._removed_event(bk, old))
         ev = restamp(ev, new)
         out.append(ev)
-        self._announced[h] = (ev, new)
+        self._announced[bk] = (ev, new)
 
     def _apply_pool_events(self, idx: Any, events: list[Any], out: list[Any]) -> None:
         """The pool's events for keys we announced: a key whose last event is "stored" is
         in that tier now (a demotion or promotion moves it); one whose last event is
         "removed" left the pool, unless the index still lists it (a move whose "stored"
         comes with the next call)."""
-        moved: list[bytes] = []
+        moved: list[BlockKey] = []
         for key, (kind, tier) in last_per_key(events, self._key_to_hash).items():
-            h = self._key_to_hash.get(key)
-            if h is None:
+            bk = self._key_to_hash.get(key)
+            if bk is None:
                 continue  # forgotten with another rank's key of the same block
             if kind == "stored":
                 self._key_tier[key] = tier
-                moved.append(h)
+                moved.append(bk)
             elif kind == "removed":
                 try:
                     still = bool(idx.contains(key))
                 except Exception:  # noqa: BLE001 - a dead pool holds nothing
                     still = False
                 if not still:
-                    self._removed(h, out)
-        for h in dict.fromkeys(moved):
-            self._retier(h, out)
+                    self._removed(bk, out)
+        for bk in dict.fromkeys(moved):
+            self._retier(bk, out)
 
     def _drain_pool_events(self, out: list[Any]) -> None:
         """Pool evictions and resets -> BlockRemoved for blocks we announced."""
@@ -898,8 +1022,8 @@ class SchedulerSide:
             up = bool(getattr(idx, "connected", True))
             if self._index_was_up[i] and not up:
                 # A dead pool took every object with it, and a restarted one starts empty.
-                for h in list(self._published):
-                    self._removed(h, out)
+                for bk in list(self._published):
+                    self._removed(bk, out)
             self._index_was_up[i] = up
 
     def take_events(self) -> list[Any]:
@@ -922,8 +1046,8 @@ class SchedulerSide:
             self.n.namespace_digest(f"{self.c._ns_text}#reset-epoch={self._epoch}")
         )
         self._reset_pending = True
-        for h in list(self._event_pending):
-            self._forget(h)
+        for bk in list(self._event_pending):
+            self._forget(bk)
         for st in self._reqs.values():
             st.pool_hit_tokens = 0
         logger.info("UMBP: reset_cache -> namespace %s; dropping pooled objects", self.namespace.hex())

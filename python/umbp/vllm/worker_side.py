@@ -136,7 +136,7 @@ class WorkerSide:
         # Started synchronous loads past timeout_ms, reported failed: their blocks stay out
         # of reuse (the request's free is delayed) until the pool completes them or dies.
         self._quarantined: dict[int, Job] = {}
-        self._stored_hashes: dict[bytes, int] = {}
+        self._stored_hashes: dict[tuple[int, bytes], int] = {}  # (group, hash) -> stores
         self._ops_done: dict[int, int] = {}
         self._on_cuda = False
 
@@ -475,7 +475,8 @@ class WorkerSide:
             else:
                 continue
             if self.c._events_enabled:
-                self._stored_hashes[h] = self._stored_hashes.get(h, 0) + 1
+                bk = (job.group, h)  # KV events name blocks by (group, hash)
+                self._stored_hashes[bk] = self._stored_hashes.get(bk, 0) + 1
         stats = self.c._stats
         stats.add("store_stored_blocks", stored)
         stats.add("store_present_blocks", present)
