@@ -87,6 +87,23 @@ fn restarting<T>(mut call: impl FnMut() -> rustix::io::Result<T>) -> rustix::io:
     }
 }
 
+/// [`restarting`] for a call bounded by `deadline`: the socket timeout starts over with
+/// each system call, so every retry after a signal is re-armed with what is left (else a
+/// signal storm, e.g. an engine's SIGUSR2s, kept a receive from a stopped pool blocked
+/// past its deadline: 1,561 ms for a 1,000 ms bound in `umbp-bench soak`).
+fn restarting_within<T>(
+    deadline: &Deadline,
+    sock: &UnixStream,
+    mut call: impl FnMut() -> rustix::io::Result<T>,
+) -> Result<T, MessageError> {
+    loop {
+        match call() {
+            Err(rustix::io::Errno::INTR) => deadline.arm(sock)?,
+            r => return r.map_err(|e| map_io(e.into())),
+        }
+    }
+}
+
 fn map_io(e: std::io::Error) -> MessageError {
     match e.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => MessageError::Timeout,
@@ -115,13 +132,12 @@ pub fn send_message(
         assert!(fds.len() <= MAX_FDS, "at most {MAX_FDS} fds per message");
         control.push(SendAncillaryMessage::ScmRights(fds));
     }
-    let mut sent =
-        restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL)).map_err(|e| map_io(e.into()))?;
+    let mut sent = restarting_within(&deadline, sock, || sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL))?;
     while sent < buf.len() {
         deadline.arm(sock)?;
-        let n =
-            restarting(|| sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL))
-                .map_err(|e| map_io(e.into()))?;
+        let n = restarting_within(&deadline, sock, || {
+            sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)
+        })?;
         sent += n;
     }
     Ok(())
@@ -136,7 +152,7 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
     let mut got = 0;
     while got < head.len() {
         deadline.arm(sock)?;
-        let chunk = recv_chunk(sock, &mut head[got..], RecvFlags::empty())?;
+        let chunk = recv_chunk_within(sock, &mut head[got..], RecvFlags::empty(), Some(&deadline))?;
         fds.extend(chunk.fds);
         if chunk.truncated {
             return Err(MessageError::FdsTruncated);
@@ -155,7 +171,7 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
     let mut off = 0;
     while off < payload.len() {
         deadline.arm(sock)?;
-        let n = restarting(|| rustix::io::read(sock.as_fd(), &mut payload[off..])).map_err(|e| map_io(e.into()))?;
+        let n = restarting_within(&deadline, sock, || rustix::io::read(sock.as_fd(), &mut payload[off..]))?;
         if n == 0 {
             return Err(MessageError::Closed);
         }
@@ -175,10 +191,18 @@ pub struct Chunk {
 /// One `recvmsg` into `buf` (fds close-on-exec), with `flags` added (e.g. DONTWAIT for a
 /// non-blocking read). Would-block and timeouts are `MessageError::Timeout`.
 pub fn recv_chunk(sock: &UnixStream, buf: &mut [u8], flags: RecvFlags) -> Result<Chunk, MessageError> {
+    recv_chunk_within(sock, buf, flags, None)
+}
+
+/// [`recv_chunk`], its retries after a signal re-armed with what is left of `deadline`.
+fn recv_chunk_within(sock: &UnixStream, buf: &mut [u8], flags: RecvFlags, deadline: Option<&Deadline>) -> Result<Chunk, MessageError> {
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let r = restarting(|| recvmsg(sock.as_fd(), &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC | flags))
-        .map_err(|e| map_io(e.into()))?;
+    let mut call = || recvmsg(sock.as_fd(), &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC | flags);
+    let r = match deadline {
+        Some(d) => restarting_within(d, sock, call)?,
+        None => restarting(&mut call).map_err(|e| map_io(e.into()))?,
+    };
     let mut fds = Vec::new();
     for msg in control.drain() {
         if let RecvAncillaryMessage::ScmRights(rights) = msg {
@@ -297,6 +321,30 @@ mod tests {
             sent
         });
         (stop, t)
+    }
+
+    /// Issue #31 (the soak's `max_blocked_ms`): a receive from a silent peer under a signal
+    /// storm ends at its deadline. Each retry after EINTR used to run with the socket
+    /// timeout as armed before the first try, which starts over with every system call, so
+    /// the receive blocked until the storm ended (here 2 s for a 300 ms timeout).
+    #[test]
+    fn a_signal_storm_does_not_stretch_a_receive_past_its_timeout() {
+        let (_a, b) = UnixStream::pair().unwrap();
+        let (stop, storm) = signal_storm();
+        let s = stop.clone();
+        let ender = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_secs(2));
+            s.store(true, std::sync::atomic::Ordering::Relaxed);
+        });
+        let t = Instant::now();
+        let r = recv_message(&b, Some(Duration::from_millis(300)));
+        let took = t.elapsed();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let sent = storm.join().unwrap();
+        ender.join().unwrap();
+        assert!(sent > 100, "the storm sent only {sent} signals: nothing was tested");
+        assert!(matches!(r, Err(MessageError::Timeout)), "{:?}", r.map(|m| m.kind));
+        assert!(took < Duration::from_millis(800), "a 300 ms receive took {took:?} under {sent} signals");
     }
 
     /// Issue #31 item 1: a zero-timeout poll interrupted by a signal returned EINTR, which
