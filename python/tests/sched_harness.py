@@ -249,16 +249,19 @@ class Harness:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         mros = []
-        for w, kv in zip(self.workers, self.kvs):
+        for w, kv in self._ranks():
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
             if forward:
                 for name in self.layers:
                     w.wait_for_layer_load(name)
-                self._forward(so, kv)
+                if kv is None:
+                    self._forward(so)
+                else:
+                    self._forward(so, kv)
                 for name in self.layers:
-                    w.save_kv_layer(name, kv[name], None)
+                    w.save_kv_layer(name, (self.kv if kv is None else kv)[name], None)
             w.wait_for_save()
             sending, recving = w.get_finished(so.finished_req_ids)
             kco = KVConnectorOutput(
@@ -283,6 +286,13 @@ class Harness:
             if st is not None and st.kv_connector_stats:
                 self.stats.append(dict(st.kv_connector_stats))
         return so
+
+    def _ranks(self) -> list[tuple[Any, Any]]:
+        """(worker connector, its KV for the fake forward, None: the harness's own) per PCP
+        rank; one without PCP (harnesses built by subclasses set only `worker`)."""
+        if getattr(self, "pcp", 1) > 1:
+            return list(zip(self.workers, self.kvs))
+        return [(self.worker, None)]
 
     def _forward(self, so: Any, kv: dict[str, torch.Tensor] | None = None) -> None:
         kv = self.kv if kv is None else kv
@@ -318,7 +328,7 @@ class Harness:
     def reset_local_cache(self) -> None:
         """Empty vLLM's own prefix cache and the KV memory: only the pool can help now."""
         assert self.sched.reset_prefix_cache(), "blocks still held"
-        for buf in self.kv_buffers:
+        for buf in getattr(self, "kv_buffers", None) or [self.kv_buffer]:
             buf.zero_()
 
     def store_and_forget(self, rid: str, tokens: list[int]) -> None:
@@ -330,7 +340,7 @@ class Harness:
 
     def holds_blocks_of(self, req: Any, ids: list[int], nblocks: int, rank: int = 0) -> bool:
         """PCP rank `rank`'s KV holds the first `nblocks` blocks of `req` in `ids`."""
-        kv = self.kvs[rank]
+        kv = self.kvs[rank] if rank else self.kv
         for j in range(nblocks):
             for li, name in enumerate(self.layers):
                 want = block_value(req.block_hashes[j]) + li
@@ -362,7 +372,7 @@ class Harness:
 
     def close(self) -> None:
         self.sched.shutdown()
-        for w in self.workers:
+        for w in getattr(self, "workers", None) or [self.worker]:
             w.shutdown()
 
 
