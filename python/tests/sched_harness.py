@@ -8,6 +8,13 @@ layout); each `step()` does what the model runner does around a forward pass, in
 observed order (docs/vllm-interface-notes.md), with a fake forward that writes a
 recognisable value into every block it computes: value = f(block hash) + layer, so a
 loaded block can be checked to hold exactly the bytes stored for its hash.
+
+With `pcp=N` (prefill context parallelism) there is one worker-role connector per PCP
+rank, each with its own KV tensors and (embedded mode) its own pool, every one told its
+rank through vLLM's `get_pcp_group()` (faked here: one process has no process groups), all
+driven with the same metadata, and their outputs combined by vLLM's own
+`KVOutputAggregator` as the executor does. The fake forward writes the same bytes on every
+PCP rank: vLLM 0.32 replicates the KV cache over PCP ranks without DCP.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import os
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -96,6 +104,7 @@ class Harness:
         events: bool = False,
         num_blocks: int = 64,
         engine_id: str | None = None,
+        pcp: int = 1,
     ):
         from vllm.config import KVEventsConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -115,6 +124,13 @@ class Harness:
             block_size=BLOCK, seed=0, kv_transfer_config=ktc, kv_events_config=kec,
         )
         vc = self.vllm_config = args.create_engine_config()
+        self.pcp = pcp
+        if pcp > 1:
+            # vLLM's CPU build refuses PCP > 1 in its config (only Model Runner V2 runs
+            # PCP, and it needs Triton's GPU backend): set it where a GPU build has it. The
+            # scheduler does not depend on it (vLLM 0.32 gives its KV cache manager
+            # pcp_world_size=1).
+            vc.parallel_config.prefill_context_parallel_size = pcp
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
         specs = {n: spec for n in self.layers}
@@ -133,19 +149,36 @@ class Harness:
         self.kv_cache_config = kccs[0]
         self.num_blocks = kccs[0].num_blocks
 
-        # Worker first (it starts the embedded pool the scheduler's index attaches to),
-        # as vLLM does.
-        self.worker = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kccs[0])
+        # Workers first (each starts the embedded pool the scheduler's index attaches to),
+        # as vLLM does; one per PCP rank.
         (t,) = kccs[0].kv_cache_tensors
-        self.kv_buffer = torch.zeros(t.size // 2, dtype=torch.bfloat16)
         per_layer = t.layer_stride // 2
-        self.kv = {
-            name: self.kv_buffer[i * per_layer : (i + 1) * per_layer].view(
-                self.num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE
+        self.workers: list[Any] = []
+        self.kv_buffers: list[torch.Tensor] = []
+        self.kvs: list[dict[str, torch.Tensor]] = []
+        for r in range(pcp):
+            with fake_pcp_group(r, pcp):
+                w = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kccs[0])
+            buf = torch.zeros(t.size // 2, dtype=torch.bfloat16)
+            kv = {
+                name: buf[i * per_layer : (i + 1) * per_layer].view(
+                    self.num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE
+                )
+                for i, name in enumerate(t.layers)
+            }
+            w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.kv_buffers.append(buf)
+            self.kvs.append(kv)
+        # PCP rank 0's (the only one without PCP): what the single-worker tests use.
+        self.worker, self.kv_buffer, self.kv = self.workers[0], self.kv_buffers[0], self.kvs[0]
+        if pcp > 1:
+            from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+            # What the executor builds: one finished report per worker (TP × PCP).
+            self.aggregator = KVOutputAggregator.from_connector(
+                self.worker, vc.parallel_config.tensor_parallel_size * pcp
             )
-            for i, name in enumerate(t.layers)
-        }
-        self.worker.register_kv_caches(self.kv)
 
         self._start_scheduler(skcc, sbs, hbs)
         self.sched.kv_event_publisher = self.recorder
@@ -209,33 +242,38 @@ class Harness:
         meta = so.kv_connector_metadata
         if before_worker is not None:
             before_worker(so)
-        w = self.worker
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
         forward = bool(so.num_scheduled_tokens)
-        w.start_load_kv(None)
-        if forward:
-            for name in self.layers:
-                w.wait_for_layer_load(name)
-            self._forward(so)
-            for name in self.layers:
-                w.save_kv_layer(name, self.kv[name], None)
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        kco = KVConnectorOutput(
-            finished_sending=sending, finished_recving=recving,
-            kv_connector_stats=w.get_kv_connector_stats(),
-            invalid_block_ids=w.get_block_ids_with_load_errors(),
-            kv_connector_worker_meta=w.build_connector_worker_meta(),
-        )
-        w.clear_connector_metadata()
         req_ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in req_ids:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kco)
+        mros = []
+        for w, kv in self._ranks():
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
+            w.start_load_kv(None)
+            if forward:
+                for name in self.layers:
+                    w.wait_for_layer_load(name)
+                if kv is None:
+                    self._forward(so)
+                else:
+                    self._forward(so, kv)
+                for name in self.layers:
+                    w.save_kv_layer(name, (self.kv if kv is None else kv)[name], None)
+            w.wait_for_save()
+            sending, recving = w.get_finished(so.finished_req_ids)
+            kco = KVConnectorOutput(
+                finished_sending=sending, finished_recving=recving,
+                kv_connector_stats=w.get_kv_connector_stats(),
+                invalid_block_ids=w.get_block_ids_with_load_errors(),
+                kv_connector_worker_meta=w.build_connector_worker_meta(),
+            )
+            w.clear_connector_metadata()
+            mros.append(ModelRunnerOutput(req_ids=list(req_ids), req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                          sampled_token_ids=[list(x) for x in sampled], kv_connector_output=kco))
+        mro = mros[0] if len(mros) == 1 else self.aggregator.aggregate(mros, output_rank=0)
         outs = self.sched.update_from_output(so, mro)
         if not forward:
             # The pool completes transfers on its own threads (~1 ms): an idle step that
@@ -249,7 +287,15 @@ class Harness:
                 self.stats.append(dict(st.kv_connector_stats))
         return so
 
-    def _forward(self, so: Any) -> None:
+    def _ranks(self) -> list[tuple[Any, Any]]:
+        """(worker connector, its KV for the fake forward, None: the harness's own) per PCP
+        rank; one without PCP (harnesses built by subclasses set only `worker`)."""
+        if getattr(self, "pcp", 1) > 1:
+            return list(zip(self.workers, self.kvs))
+        return [(self.worker, None)]
+
+    def _forward(self, so: Any, kv: dict[str, torch.Tensor] | None = None) -> None:
+        kv = self.kv if kv is None else kv
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             after = req.num_computed_tokens  # already advanced by schedule()
@@ -258,7 +304,7 @@ class Harness:
             hashes = req.block_hashes
             for j in range(before // BLOCK, min(after // BLOCK, len(hashes))):
                 for li, name in enumerate(self.layers):
-                    self.kv[name][ids[j]].fill_(block_value(hashes[j]) + li)
+                    kv[name][ids[j]].fill_(block_value(hashes[j]) + li)
 
     def run(self, timeout: float = 20.0) -> int:
         """Steps until no request is left; returns how many steps that took."""
@@ -282,7 +328,8 @@ class Harness:
     def reset_local_cache(self) -> None:
         """Empty vLLM's own prefix cache and the KV memory: only the pool can help now."""
         assert self.sched.reset_prefix_cache(), "blocks still held"
-        self.kv_buffer.zero_()
+        for buf in getattr(self, "kv_buffers", None) or [self.kv_buffer]:
+            buf.zero_()
 
     def store_and_forget(self, rid: str, tokens: list[int]) -> None:
         """Runs request `rid` on `tokens` to the end (its blocks are stored), then empties
@@ -291,11 +338,13 @@ class Harness:
         self.run()
         self.reset_local_cache()
 
-    def holds_blocks_of(self, req: Any, ids: list[int], nblocks: int) -> bool:
+    def holds_blocks_of(self, req: Any, ids: list[int], nblocks: int, rank: int = 0) -> bool:
+        """PCP rank `rank`'s KV holds the first `nblocks` blocks of `req` in `ids`."""
+        kv = self.kvs[rank] if rank else self.kv
         for j in range(nblocks):
             for li, name in enumerate(self.layers):
                 want = block_value(req.block_hashes[j]) + li
-                if not bool((self.kv[name][ids[j]] == want).all()):
+                if not bool((kv[name][ids[j]] == want).all()):
                     return False
         return True
 
@@ -323,7 +372,27 @@ class Harness:
 
     def close(self) -> None:
         self.sched.shutdown()
-        self.worker.shutdown()
+        for w in getattr(self, "workers", None) or [self.worker]:
+            w.shutdown()
+
+
+@contextmanager
+def fake_pcp_group(rank: int, size: int):
+    """vLLM's `get_pcp_group()` answering PCP rank `rank` of `size` (a worker process of a
+    PCP engine knows its rank from its process group; one test process has none)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed import parallel_state as ps
+
+    if size <= 1:
+        yield
+        return
+    orig = ps.get_pcp_group
+    ps.get_pcp_group = lambda: SimpleNamespace(rank_in_group=rank, world_size=size)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ps.get_pcp_group = orig
 
 
 def tokens(seed: int, n: int) -> list[int]:

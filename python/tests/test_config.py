@@ -231,13 +231,34 @@ def test_pipeline_parallel_rejected():
         C.check_parallelism(2)
 
 
-def test_prefill_context_parallel_rejected():
-    C.check_parallelism(1, prefill_context_parallel_size=1)
-    with pytest.raises(ValueError, match="prefill_context_parallel_size.*prefill context parallelism"):
-        C.check_parallelism(1, prefill_context_parallel_size=2)
-    # PP is still named first when both are set.
+def test_prefill_context_parallel_accepted():
+    """Issue #33: PCP > 1 is supported (keys carry the PCP rank, a hit needs every PCP
+    rank: test_pcp.py); only pipeline parallelism is still refused."""
+    for pcp in (1, 2, 4):
+        C.check_parallelism(1, prefill_context_parallel_size=pcp)
+    # PP is still refused with PCP.
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         C.check_parallelism(2, prefill_context_parallel_size=2)
+
+
+def test_pcp_rank_in_socket_and_ssd_names(tmp_path):
+    """Each (TP, PCP) worker has its own embedded pool socket and SSD directories; with
+    PCP 1 the names are the ones they always were."""
+    from umbp.vllm.endpoints import embedded_socket_path
+
+    base = str(tmp_path / "umbp.sock")
+    names = {
+        embedded_socket_path(base, "eng", 0, tp, pcp_rank=pcp)
+        for tp in range(2)
+        for pcp in range(2)
+    }
+    assert len(names) == 4
+    assert embedded_socket_path(base, "eng", 0, 1).endswith("-dp0-tp1.sock")
+    assert embedded_socket_path(base, "eng", 0, 1, pcp_rank=1).endswith("-dp0-pcp1-tp1.sock")
+    assert C.rank_tag(3) == "tp3" and C.rank_tag(3, 1) == "pcp1-tp3"
+    ssd = C.SsdOptions(dirs=(str(tmp_path),), capacity_bytes=1 << 30)
+    assert ssd.rank_dirs(0, 1) == [str(tmp_path / "dp0-tp1")]
+    assert ssd.rank_dirs(0, 1, 1) == [str(tmp_path / "dp0-pcp1-tp1")]
 
 
 def test_load_failure_policy_warning():

@@ -129,6 +129,18 @@ def test_tp_and_block_size_change_the_namespace(cfg_dir, base, name, kw):
     assert json.loads(text)[key] != json.loads(base)[key]
 
 
+def test_pcp_size_changes_the_namespace(cfg_dir, base):
+    """Issue #33: PCP is part of the namespace topology (as the seed's): an engine with
+    PCP 2 never shares objects with one without (its keys also carry the PCP rank). vLLM's
+    CPU build refuses PCP > 1 in a config (test_pcp.py), so it is set on the config as a
+    GPU build has it."""
+    cfg = engine_config(cfg_dir)
+    cfg.parallel_config.prefill_context_parallel_size = 2
+    text = canonical_namespace_text(cfg, None)
+    assert text != base
+    assert (json.loads(text)["pcp"], json.loads(base)["pcp"]) == (2, 1)
+
+
 def test_kv_layout_changes_the_namespace(cfg_dir):
     class KVConfig:  # what canonical_namespace_text reads of vLLM's KVCacheConfig
         kv_cache_groups: list = []

@@ -12,8 +12,8 @@ Keys (all optional):
 | `endpoint` | socket path or `unix://` address | `$UMBP_STANDALONE_ADDRESS`, else the default socket | standalone pool to attach to; a TCP address is refused (unix sockets only) |
 | `lookup_instance` | standalone: socket path or `unix://` address; embedded: a name | standalone: `endpoint`; embedded: none | standalone: pool whose index the scheduler reads; embedded (the seed's meaning): tells independent engines of one model on a host apart: mixed into each worker pool's socket name |
 | `lookup_dir` | directory | the default socket's directory | embedded: where each worker's pool socket (which the scheduler's lookups attach to) is created |
-| `capacity_bytes` | size | see below | embedded: DRAM per worker (per TP rank) |
-| `total_capacity_bytes` | size | | embedded: DRAM for the whole engine, split evenly over TP ranks |
+| `capacity_bytes` | size | see below | embedded: DRAM per worker (per TP rank, and per PCP rank with prefill context parallelism) |
+| `total_capacity_bytes` | size | | embedded: DRAM for the whole engine, split evenly over its workers (TP ranks × PCP ranks) |
 | `dram_high_watermark` / `dram_low_watermark` | float in (0, 1] | the pool's (`--high-wm` / `--low-wm`) | embedded: evictor watermarks |
 | `dram_use_hugepages` | bool | false | embedded: back the pool's DRAM with 2 MiB huge pages (reserved beforehand: `vm.nr_hugepages`) |
 | `dram_hugepage_size` | size | 2MiB | embedded: huge page size; only 2 MiB exists in the pool (anything else is refused) |
@@ -34,8 +34,8 @@ Keys (all optional):
 | `lazy_offload_max_blocks` | int > 0 | ceil(`max_num_batched_tokens` / block size) | lazy offload: free-queue blocks examined per scan (one after each step's frees, one per step's metadata) |
 | `enable_partial_hash_hits` | bool | false | hits may end inside a block, at vLLM's `prefix_match_unit` (refused at start where vLLM or the model has no such hits) |
 | `kv_layout` | `auto` \\| `engine` \\| a layout name (`BLHNC`, `BLNHC`, `LBNHC`, ...) | `auto` | KV cache layout asked of vLLM: auto asks for a block-outermost cross-layer layout where every attention backend supports it and pages are under 64 KiB (kv_layout_choice.py), engine never asks |
-| `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (created); the directory must exist |
-| `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / TP ranks | embedded: SSD bytes per worker |
+| `ssd_dir` | directory or list (comma-separated string) | `$UMBP_SSD_DIR` | embedded: SSD tier below DRAM, one directory per drive; each worker uses `<dir>/dp<D>-tp<T>` (`<dir>/dp<D>-pcp<P>-tp<T>` with PCP > 1; created); the directory must exist |
+| `ssd_capacity` | size | `$UMBP_SSD_CAPACITY`, else half the free space / workers (TP × PCP ranks) | embedded: SSD bytes per worker |
 | `ssd_high_watermark` / `ssd_low_watermark` | float in (0, 1] | `$UMBP_SSD_HIGH_WM` / `$UMBP_SSD_LOW_WM`, else the pool's (`--ssd-high-watermark` / `--ssd-low-watermark`) | embedded: SSD reclaim watermarks |
 | `ssd_direct_io` | bool | `$UMBP_SSD_DIRECT_IO`, else the pool's (`--ssd-direct-io`) | embedded: O_DIRECT segment files (buffered with a warning where refused) |
 | `ssd_admission` | `all` \\| `hit` \\| `never` \\| `hit-or-young[:SECONDS]` | `$UMBP_SSD_ADMISSION`, else hit-or-young | embedded: which evicted objects are written to SSD |
@@ -45,7 +45,7 @@ Keys (all optional):
 `UMBP_SSD_ENABLED=1` without a directory is an error.
 
 Embedded capacity default: `$UMBP_DRAM_CAPACITY` (a size) per worker, else a quarter of the
-machine's physical memory split over the local TP ranks. Sizes are ints (bytes) or strings
+machine's physical memory split over the engine's workers (TP ranks × PCP ranks). Sizes are ints (bytes) or strings
 such as `64GiB`, `512MiB`, `1.5G`, `4096`; like umbp-pool, `K`, `KB` and `KiB` (and M/G/T)
 are all powers of 1024.
 
@@ -294,9 +294,13 @@ class UMBPConnectorConfig:
     # from_extra_config logs each once per process.
     notes: tuple[str, ...] = ()
 
-    def embedded_pool_kwargs(self, dp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
+    def embedded_pool_kwargs(
+        self, dp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1, pcp_rank: int | None = None
+    ) -> dict[str, Any]:
         """Keyword arguments of `umbp._native.EmbeddedPool` that this config sets (for the
-        worker of `dp_rank`/`tp_rank`: its SSD directories are its own)."""
+        worker of `dp_rank`/`tp_rank`, and `pcp_rank` with PCP > 1: its SSD directories are
+        its own). `tp_size` is the number of workers sharing the engine's capacity (TP
+        ranks × PCP ranks)."""
         kw: dict[str, Any] = {
             "high_wm": self.dram_high_watermark,
             "low_wm": self.dram_low_watermark,
@@ -310,7 +314,7 @@ class UMBPConnectorConfig:
         if self.num_workers is not None:
             kw["copy_threads"] = self.num_workers
         if self.ssd is not None:
-            kw.update(self.ssd.pool_kwargs(dp_rank, tp_rank, tp_size))
+            kw.update(self.ssd.pool_kwargs(dp_rank, tp_rank, tp_size, pcp_rank=pcp_rank))
         return kw
 
     @property
@@ -318,7 +322,8 @@ class UMBPConnectorConfig:
         return self.mode == MODE_EMBEDDED
 
     def capacity_per_worker(self, tp_size: int) -> int:
-        """Embedded pool size for one worker (one TP rank)."""
+        """Embedded pool size for one worker (one TP rank, or one (TP, PCP) rank pair:
+        `tp_size` is the engine's number of workers, TP ranks × PCP ranks)."""
         if self.capacity_bytes is not None:
             return self.capacity_bytes
         if self.total_capacity_bytes is not None:
@@ -538,25 +543,30 @@ def transfer_directions(kv_role: Any) -> tuple[bool, bool]:
     return _ROLE_DIRECTIONS[kv_role]
 
 
+def rank_tag(tp_rank: int, pcp_rank: int | None = None) -> str:
+    """A worker's rank in socket and directory names: `tp<T>`, or `pcp<P>-tp<T>` when a
+    PCP rank is given (PCP > 1; PCP 1 keeps the names it always had)."""
+    return f"tp{tp_rank}" if pcp_rank is None else f"pcp{pcp_rank}-tp{tp_rank}"
+
+
 def check_parallelism(pipeline_parallel_size: int, prefill_context_parallel_size: int = 1) -> None:
     """Refuse topologies the key scheme does not describe.
 
-    Keys name (block, TP rank); with pipeline parallelism each stage holds different layers
+    Keys name (block, KV rank); with pipeline parallelism each stage holds different layers
     of the same block, which would need a stage in the key and a hit check over all stages.
-    With prefill context parallelism (PCP) each PCP rank holds a different part of a
-    block's tokens under the same TP rank, so one key would name different bytes on each:
-    it would need the PCP rank in the key and a hit check over all of them.
+    Prefill context parallelism (PCP) is accepted: the KV rank carries the PCP rank next to
+    the TP rank (keys.kv_rank), and a hit needs the block from every (TP, PCP) rank, so
+    whatever part of a block's KV each PCP rank holds (vLLM 0.32 replicates it without DCP,
+    shards its tokens with DCP) is stored and restored by that rank under its own key.
     """
     if pipeline_parallel_size > 1:
         raise ValueError(
             "pipeline_parallel_size: UMBPStoreConnector does not support pipeline parallelism "
             f"(pipeline_parallel_size={pipeline_parallel_size}); use tensor or data parallelism"
         )
-    if prefill_context_parallel_size > 1:
+    if prefill_context_parallel_size < 1:
         raise ValueError(
-            "prefill_context_parallel_size: UMBPStoreConnector does not support prefill "
-            f"context parallelism (prefill_context_parallel_size={prefill_context_parallel_size}): "
-            "its keys do not name the PCP rank; use tensor or data parallelism"
+            f"prefill_context_parallel_size: must be at least 1, got {prefill_context_parallel_size}"
         )
 
 
@@ -684,8 +694,8 @@ def parse_dirs(value: Any, key: str) -> tuple[str, ...]:
 @dataclass(frozen=True)
 class SsdOptions:
     """The embedded pool's SSD tier: `dirs` (one per drive), `capacity_bytes` per worker
-    (None: half the free space of the first directory's file system, split over the local
-    TP ranks), watermarks, O_DIRECT, the admission policy (None: the pool's default,
+    (None: half the free space of the first directory's file system, split over the
+    engine's workers, TP ranks × PCP ranks), watermarks, O_DIRECT, the admission policy (None: the pool's default,
     hit-or-young) and the flush at shutdown in seconds (None: the pool's default, 20 s)."""
 
     dirs: tuple[str, ...]
@@ -757,8 +767,9 @@ class SsdOptions:
             kw["flush_on_stop_s"] = parse_seconds(*f)
         return cls(**kw)
 
-    def rank_dirs(self, dp_rank: int, tp_rank: int) -> list[str]:
-        """One worker's directories: `<dir>/dp<D>-tp<T>` in each (every embedded pool holds
+    def rank_dirs(self, dp_rank: int, tp_rank: int, pcp_rank: int | None = None) -> list[str]:
+        """One worker's directories: `<dir>/dp<D>-tp<T>` in each (`<dir>/dp<D>-pcp<P>-tp<T>`
+        when a PCP rank is given, i.e. with PCP > 1; every embedded pool holds
         its directories exclusively; the names stay the same across restarts, so a restarted
         engine finds its SSD objects again). Each `dir` must exist and be writable (a typo
         is an error naming ssd_dir, never a new directory elsewhere); the per-rank
@@ -770,7 +781,7 @@ class SsdOptions:
                 raise ValueError(f"ssd_dir: {d!r} {why} (create the directory first)")
             if not os.access(d, os.W_OK | os.X_OK):
                 raise ValueError(f"ssd_dir: {d!r} is not writable by this process")
-            sub = os.path.join(d, f"dp{dp_rank}-tp{tp_rank}")
+            sub = os.path.join(d, f"dp{dp_rank}-{rank_tag(tp_rank, pcp_rank)}")
             try:
                 os.makedirs(sub, exist_ok=True)
             except OSError as e:
@@ -787,10 +798,13 @@ class SsdOptions:
             raise ValueError(f"ssd_dir: {self.dirs[0]!r}: {e} (give ssd_capacity)") from e
         return max(1, st.f_bavail * st.f_frsize // 2 // max(1, tp_size))
 
-    def pool_kwargs(self, dp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1) -> dict[str, Any]:
-        """Keyword arguments of `umbp._native.EmbeddedPool` for one worker's SSD tier."""
+    def pool_kwargs(
+        self, dp_rank: int = 0, tp_rank: int = 0, tp_size: int = 1, pcp_rank: int | None = None
+    ) -> dict[str, Any]:
+        """Keyword arguments of `umbp._native.EmbeddedPool` for one worker's SSD tier
+        (`tp_size`: the engine's workers, TP ranks × PCP ranks)."""
         kw: dict[str, Any] = {
-            "ssd_dir": self.rank_dirs(dp_rank, tp_rank),
+            "ssd_dir": self.rank_dirs(dp_rank, tp_rank, pcp_rank),
             "ssd_capacity": self.capacity_per_worker(tp_size),
             "ssd_high_wm": self.high_watermark,
             "ssd_low_wm": self.low_watermark,

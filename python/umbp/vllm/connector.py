@@ -12,13 +12,14 @@ vLLM builds one instance per role (see docs/vllm-interface-notes.md for the obse
 * **scheduler role** (EngineCore process): prefix lookups in the pool's shared index
   (`umbp._native.Index`, memory reads, no RPC), and per step a plan of loads and stores
   (`UMBPConnectorMetadata`) sent to every worker.
-* **worker role** (one per TP rank): registers the paged KV tensors with the pool once,
+* **worker role** (one per TP rank and PCP rank): registers the paged KV tensors with the pool once,
   submits the planned transfers (`umbp._native.Worker`, non-blocking) and reaps them.
 
 The pool copies the bytes (docs/gpu.md "Stream-ordered transfers"); no KV byte goes through Python. Modes:
 
 * `embedded` (default): each worker runs its own `EmbeddedPool`, listening on a private socket
-  derived from (engine id, DP rank, TP rank); the scheduler attaches one `Index` per TP rank.
+  derived from (engine id, DP rank, TP rank, PCP rank with PCP > 1); the scheduler attaches
+  one `Index` per worker.
 * `standalone`: every worker and the scheduler attach to the node's `umbp-pool`
   (`endpoint`, else `$UMBP_STANDALONE_ADDRESS`, else the binding's default socket).
 
@@ -26,7 +27,8 @@ Correctness rules this file keeps (vLLM contract, docs/connection.md "Failure ru
 * only whole blocks, keyed by vLLM's chained block hashes + a namespace + the KV cache group
   (keys.py); hybrid models (several groups: full attention, sliding window, Mamba state) are
   described in groups.py and docs/vllm-hybrid.md;
-* a hit is reported only for leading blocks present for *every* TP rank;
+* a hit is reported only for leading blocks present for *every* KV rank (each TP rank, and
+  each PCP rank of each with prefill context parallelism: keys carry the PCP rank);
 * stores are submitted after the forward (`wait_for_save`) and never block the step; a
   finished request whose stores are still in flight keeps its blocks (`request_finished`
   returns True) until every worker reports it in `get_finished`; preempted requests wait for
@@ -69,7 +71,7 @@ from .config import (
 )
 from .endpoints import embedded_socket_path, load_native
 from .groups import FULL, describe_groups, forces_async_load, scheduler_block_size
-from .keys import canonical_namespace_text, make_keys
+from .keys import canonical_namespace_text, kv_rank_count, make_keys
 from .kv_layout_choice import required_kv_layout
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
 from .scheduler_side import SchedulerSide
@@ -118,9 +120,10 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # into the same blocks, so a started load can never hand them back early.
         self._recompute_failures = getattr(ktc, "kv_load_failure_policy", "fail") == "recompute"
         pc = vllm_config.parallel_config
-        check_parallelism(
-            pc.pipeline_parallel_size, int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
-        )
+        # Prefill context parallelism: every (TP, PCP) worker holds its own KV bytes and keys
+        # them with its KV rank (keys.kv_rank); a hit needs all of them.
+        self._pcp_size = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
+        check_parallelism(pc.pipeline_parallel_size, self._pcp_size)
         if kv_cache_config is None:
             raise ValueError("UMBPStoreConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
 
@@ -159,6 +162,8 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
             logger.warning("UMBP: load_async=false ignored: loads are always asynchronous when %s", why_async)
         self._gpu_block_pool: Any = None
         self._tp_size = pc.tensor_parallel_size
+        # Workers per engine (DP rank) with their own KV bytes: TP ranks × PCP ranks.
+        self._num_ranks = kv_rank_count(self._tp_size, self._pcp_size)
         self._dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
         self._engine_id = str(ktc.engine_id)
         self._do_load, self._do_store = transfer_directions(ktc.kv_role)

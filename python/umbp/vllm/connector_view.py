@@ -28,6 +28,8 @@ class ConnectorView(Protocol):
     _force_async: bool
     _load_async: bool
     _tp_size: int
+    _pcp_size: int  # prefill context parallel size (1 without PCP)
+    _num_ranks: int  # KV ranks per engine: TP size × PCP size (keys.kv_rank_count)
     _dp_rank: int
     _engine_id: str
     _do_load: bool

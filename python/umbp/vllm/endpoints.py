@@ -29,12 +29,14 @@ def embedded_socket_path(
     tp_rank: int,
     lookup_dir: str | None = None,
     instance: str | None = None,
+    pcp_rank: int | None = None,
 ) -> str:
     """Private socket of one worker's embedded pool.
 
     In `lookup_dir` (kv_connector_extra_config) if given, else the default socket
     directory; named after a digest of the engine id and the `lookup_instance` name if one
-    is given (unix socket paths are limited to 107 bytes) plus the DP and TP rank, so two
+    is given (unix socket paths are limited to 107 bytes) plus the DP and TP rank (and the
+    PCP rank when one is given, i.e. with prefill context parallelism > 1), so two
     engines or DP ranks on one host never collide, also two engines given the same
     `engine_id` but different `lookup_instance` names (the seed's meaning of that key).
     The pool itself refuses to take over a live listener. A `lookup_dir` that cannot be
@@ -43,7 +45,8 @@ def embedded_socket_path(
     """
     ident = str(engine_id) if instance is None else f"{engine_id}\0lookup_instance={instance}"
     tag = hashlib.sha256(ident.encode()).hexdigest()[:16]
-    name = f"umbp-emb-{tag}-dp{dp_rank}-tp{tp_rank}.sock"
+    rank = f"tp{tp_rank}" if pcp_rank is None else f"pcp{pcp_rank}-tp{tp_rank}"
+    name = f"umbp-emb-{tag}-dp{dp_rank}-{rank}.sock"
     if lookup_dir is not None:
         try:
             os.makedirs(lookup_dir, mode=0o700, exist_ok=True)

@@ -1,7 +1,10 @@
 """Object keys and the key namespace (docs/protocol.md §3 and docs/architecture.md "An object's life").
 
 A key is xxh3-128 over `(namespace, cache group, rank, vLLM block hash)`, computed by the
-binding (`umbp._native.object_key`). vLLM block hashes carry no model or rank identity, so the
+binding (`umbp._native.object_key`). The rank is the worker's *KV rank*
+(`kv_rank`): `pcp_rank * tp_size + tp_rank`, so it carries the prefill-context-parallel
+(PCP) rank in the place the TP rank goes, as the seed's keys carry `tp{r}:pcp{p}` (vLLM's
+own worker order within a DP rank; with PCP 1 it is the TP rank, so keys are unchanged). vLLM block hashes carry no model or rank identity, so the
 namespace must: it is a digest of a canonical description of everything that makes two
 engines' KV bytes for the same tokens identical or not — model, revision, the effective
 model config (dtype, quantization, and the HF config with `hf_overrides` applied: a
@@ -128,6 +131,21 @@ def draft_model_description(spec: Any) -> dict[str, Any] | None:
         "draft_dtype": _canonical(getattr(dmc, "dtype", None)) if dmc is not None else None,
         "draft_hf_config": hf_config_digest(getattr(dmc, "hf_config", None)) if dmc is not None else None,
     }
+
+
+def kv_rank(tp_rank: int, pcp_rank: int, tp_size: int) -> int:
+    """The rank a worker's keys carry: its TP rank and PCP rank in one number
+    (`pcp_rank * tp_size + tp_rank`, vLLM's worker order inside a DP rank). The namespace
+    holds the TP and PCP sizes, so the number names one (TP, PCP) pair unambiguously."""
+    if not 0 <= tp_rank < tp_size or pcp_rank < 0:
+        raise ValueError(f"bad ranks: tp_rank={tp_rank} (tp_size={tp_size}), pcp_rank={pcp_rank}")
+    return pcp_rank * tp_size + tp_rank
+
+
+def kv_rank_count(tp_size: int, pcp_size: int) -> int:
+    """How many KV ranks (workers with their own KV bytes per block) an engine has: every
+    one must hold a block for it to be a hit."""
+    return max(1, int(tp_size)) * max(1, int(pcp_size))
 
 
 def _safe(fn: Callable[[], Any]) -> Any:

@@ -52,7 +52,8 @@ class UMBPConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class UMBPWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the workers finished since their last report (summed over TP ranks).
+    """What the workers finished since their last report (summed over the workers: TP ranks
+    × PCP ranks).
 
     `store_done`: request id -> number of its store ops whose outcome is known (stored,
     present, refused or not submitted); the scheduler compares it with the ops it planned

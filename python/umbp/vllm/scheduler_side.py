@@ -43,7 +43,7 @@ class ReqState:
     local_hit_tokens: int = 0  # num_computed_tokens passed to the last lookup
     pool_hit_tokens: int = 0  # prefix tokens restorable from the pool (all ranks) at lookup
     stored_upto: int = 0  # tokens [0, stored_upto) need no store (in pool, loaded or planned)
-    store_ops: int = 0  # request-held store ops planned (each goes to every TP rank)
+    store_ops: int = 0  # request-held store ops planned (each goes to every KV rank)
     store_ops_done: int = 0  # completions reported by workers, summed over ranks
     async_load_pending: bool = False  # async load planned, completion not yet seen
     load_block_ids: tuple[int, ...] = ()  # blocks of the last planned load (all groups)
@@ -98,7 +98,7 @@ class SchedulerSide:
         self._finish_after_stores: list[str] = []
         # Stores of blocks the request does not hold for us (sliding-window and Mamba
         # groups free blocks while the request runs; lazy offload stores free blocks):
-        # pinned in vLLM's block pool until every TP rank reported the op done.
+        # pinned in vLLM's block pool until every KV rank (TP × PCP) reported the op done.
         self._next_op = 1
         self._pins: dict[int, tuple[list[Any], int]] = {}  # op id -> (blocks, ranks done)
         self._lazy_seen: OrderedDict[tuple[int, bytes], None] = OrderedDict()
@@ -109,7 +109,7 @@ class SchedulerSide:
         self.lazy_stored_blocks = 0  # blocks lazy offload submitted (tests, measurements)
         self._events: list[Any] = []
         # Events name blocks by (group, hash) (BlockKey): every group's blocks are announced.
-        # BlockStored events of our stores wait until every TP rank confirmed the store:
+        # BlockStored events of our stores wait until every KV rank confirmed the store:
         # block -> (event, ranks confirmed).
         self._event_pending: dict[BlockKey, tuple[Any, int]] = {}
         # Pool events name object keys; vLLM's events name block hashes. Keys of every rank
@@ -122,13 +122,16 @@ class SchedulerSide:
         self._key_tier: dict[bytes, str] = {}
         self._announced: dict[BlockKey, tuple[Any, str]] = {}
         self._event_source_ok = True
-        # One index per TP rank in embedded mode (each worker has a pool); one in standalone.
+        # One index per KV rank in embedded mode (each worker has a pool: rank r is TP rank
+        # r % tp_size of PCP rank r // tp_size, keys.kv_rank); one in standalone.
         if self.cfg.embedded:
             default = self.n.default_socket_path()
+            tp = c._tp_size
             self._index_paths = [
-                embedded_socket_path(default, c._engine_id, c._dp_rank, r, lookup_dir=self.cfg.lookup_dir,
-                                     instance=self.cfg.instance)
-                for r in range(c._tp_size)
+                embedded_socket_path(default, c._engine_id, c._dp_rank, r % tp, lookup_dir=self.cfg.lookup_dir,
+                                     instance=self.cfg.instance,
+                                     pcp_rank=(r // tp) if c._pcp_size > 1 else None)
+                for r in range(c._num_ranks)
             ]
         else:
             assert self.cfg.lookup_instance is not None
@@ -210,14 +213,15 @@ class SchedulerSide:
         return len(self.c._groups) > 1 or self.c._groups[0].kind != FULL
 
     def _pool_prefix(self, hashes: list[bytes], group: int | None = None) -> int:
-        """Leading blocks present in the pool for every TP rank (0 when not attached)."""
+        """Leading blocks present in the pool for every KV rank (every TP rank of every PCP
+        rank; 0 when not attached)."""
         if not hashes:
             return 0
         if not all(i is not None for i in self._indexes) and not self._attach():
             return 0
         n = len(hashes)
         ns, g = self.namespace, (self.c._group if group is None else group)
-        for rank in range(self.c._tp_size):
+        for rank in range(self.c._num_ranks):
             idx = self._rank_index(rank)
             if idx is None:
                 return 0
@@ -239,8 +243,8 @@ class SchedulerSide:
         return n
 
     def _present(self, group: int, h: bytes) -> bool:
-        """Object `h` of `group` is in the pool for every TP rank."""
-        for rank in range(self.c._tp_size):
+        """Object `h` of `group` is in the pool for every KV rank (TP × PCP)."""
+        for rank in range(self.c._num_ranks):
             idx = self._rank_index(rank)
             if idx is None:
                 return False
@@ -486,7 +490,7 @@ class SchedulerSide:
             return
         blocks, done = pin
         done += ranks
-        if done < self.c._tp_size:
+        if done < self.c._num_ranks:
             self._pins[op_id] = (blocks, done)
             return
         del self._pins[op_id]
@@ -684,7 +688,7 @@ class SchedulerSide:
             # blocks stay until every worker reports the load over ("finished sending").
             self._finish_after_stores.append(request.request_id)
             return True, None
-        if st.store_ops_done < st.store_ops * self.c._tp_size:
+        if st.store_ops_done < st.store_ops * self.c._num_ranks:
             # Stores may still read the blocks: keep them until every worker reports the
             # request as "finished sending" (it learns which ones through the metadata).
             self._finish_after_stores.append(request.request_id)
@@ -720,7 +724,7 @@ class SchedulerSide:
                     continue
                 ev, seen = pending
                 seen += ranks
-                if seen >= self.c._tp_size:
+                if seen >= self.c._num_ranks:
                     del self._event_pending[bk]
                     self._events.append(ev)
                     self._publish(bk, ev)
@@ -742,7 +746,7 @@ class SchedulerSide:
 
     def _remember_for_events(self, g: GroupInfo, req: Any, hashes: list[bytes], idxs: Any) -> None:
         """Prepare BlockStored events for blocks `idxs` of `req` in group `g`, published
-        once all TP ranks stored the block."""
+        once all KV ranks (TP × PCP) stored the block."""
         bs = g.block_size
         tokens = req.all_token_ids
         self._remember_blocks(
@@ -838,7 +842,7 @@ class SchedulerSide:
         """Map the keys of `hashes` of group `g` (this namespace, every rank) back to their
         blocks, so that the pool's "removed" events can be named by block; returns the keys
         per block."""
-        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._tp_size)]
+        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._num_ranks)]
         out = []
         for i, h in enumerate(hashes):
             keys = [rk[i] for rk in rank_keys]
@@ -850,7 +854,7 @@ class SchedulerSide:
 
     def _remember_blocks(self, g: GroupInfo, items: list[EventItem]) -> None:
         """Prepare BlockStored events for blocks of group `g` given as (hash, parent hash,
-        tokens, block size): published when every TP rank reported the store."""
+        tokens, block size): published when every KV rank reported the store."""
         if not items:
             return
         if len(self._event_pending) > _MAX_EVENT_PENDING:
@@ -885,7 +889,7 @@ class SchedulerSide:
     def _announce_found(self, request: Any, found: list[tuple[GroupInfo, list[bytes], Any]]) -> None:
         """A lookup found blocks in the pool (stored by this engine or by another one that
         shares the pool): announce those this engine has not announced yet, at once (they
-        are in the pool for every TP rank) and with the medium of the tier holding them,
+        are in the pool for every KV rank) and with the medium of the tier holding them,
         so a KV-aware router learns that this engine can serve them too. They are then
         tracked like our own: BlockRemoved when the pool drops them, re-announced when
         they change tier. `found`: (group, its hashes, block indices); a Mamba group's

@@ -1,5 +1,7 @@
 """The connector's worker half: pool attachment, KV registration, and submitting and
-reaping the transfers the scheduler planned, in each worker process (one per TP rank).
+reaping the transfers the scheduler planned, in each worker process (one per TP rank, and
+per PCP rank with prefill context parallelism: each keys its objects with its KV rank,
+`keys.kv_rank`).
 
 Transfers never block a step: stores are submitted after the forward and reaped later;
 only synchronous loads are waited for (bounded by `timeout_ms`), because the forward
@@ -33,7 +35,7 @@ import torch
 from ._logging import get_logger
 from .endpoints import embedded_socket_path
 from .keep_attached import KeepAttached
-from .keys import make_keys
+from .keys import kv_rank, make_keys
 from .layout import kv_layout
 from .metadata import UMBPConnectorMetadata, UMBPWorkerMetadata
 
@@ -55,24 +57,52 @@ class Job:
     op_id: int | None = None  # pinned store op (reported in ops_done)
 
 
+def tp_rank_of_this_worker() -> int:
+    """This worker's TP rank (0 where vLLM's TP group is not initialised: one rank)."""
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # noqa: BLE001 - TP group not initialised: single rank
+        return 0
+
+
+def pcp_rank_of_this_worker(pcp_size: int) -> int:
+    """This worker's prefill-context-parallel rank, from vLLM's PCP group (as vLLM's own
+    Mooncake store connector reads it); 0 without PCP."""
+    if pcp_size <= 1:
+        return 0
+    from vllm.distributed.parallel_state import get_pcp_group
+
+    # With PCP > 1 the group must exist (vLLM initialises it before building the
+    # connector's worker half); a missing one is an error, never every rank as rank 0,
+    # which would make the PCP ranks overwrite each other's objects.
+    rank = int(get_pcp_group().rank_in_group)
+    if not 0 <= rank < pcp_size:
+        raise RuntimeError(f"UMBP: PCP rank {rank} outside prefill_context_parallel_size {pcp_size}")
+    return rank
+
+
 class WorkerSide:
     def __init__(self, c: "ConnectorView"):
         self.c = c
         self.cfg = c._cfg
         self.n = c._native
-        try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            self.tp_rank = int(get_tensor_model_parallel_rank())
-        except Exception:  # noqa: BLE001 - TP group not initialised: single rank
-            self.tp_rank = 0
+        self.tp_rank = tp_rank_of_this_worker()
+        pcp_size = int(getattr(c, "_pcp_size", 1) or 1)
+        self.pcp_rank = pcp_rank_of_this_worker(pcp_size)
+        # The rank this worker's keys carry: TP rank and PCP rank in one number.
+        self.rank = kv_rank(self.tp_rank, self.pcp_rank, c._tp_size)
+        num_ranks = int(getattr(c, "_num_ranks", c._tp_size))
+        # Socket and SSD directory names carry the PCP rank only with PCP > 1.
+        pcp_name = self.pcp_rank if pcp_size > 1 else None
         self.pool = None
         if self.cfg.embedded:
             path = embedded_socket_path(
                 self.n.default_socket_path(), c._engine_id, c._dp_rank, self.tp_rank,
-                lookup_dir=self.cfg.lookup_dir, instance=self.cfg.instance,
+                lookup_dir=self.cfg.lookup_dir, instance=self.cfg.instance, pcp_rank=pcp_name,
             )
-            cap = self.cfg.capacity_per_worker(c._tp_size)
+            cap = self.cfg.capacity_per_worker(num_ranks)
             # The pool's default (64 KiB) unless this engine's objects are smaller.
             est = getattr(c, "_object_bytes_estimate", None)
             min_object = min(64 << 10, est) if est else None
@@ -82,7 +112,7 @@ class WorkerSide:
                     socket_path=path,
                     min_object_bytes=min_object,
                     # watermarks, hugepages, NUMA, ..., this rank's SSD directories
-                    **self.cfg.embedded_pool_kwargs(c._dp_rank, self.tp_rank, c._tp_size),
+                    **self.cfg.embedded_pool_kwargs(c._dp_rank, self.tp_rank, num_ranks, pcp_rank=pcp_name),
                 )
             except Exception as e:
                 raise RuntimeError(
@@ -97,8 +127,9 @@ class WorkerSide:
             self.w = self.n.Worker(
                 self.endpoint,
                 c._base_namespace,
-                tp_rank=self.tp_rank,
-                tp_size=c._tp_size,
+                # The pool records (and reports) the KV rank among the engine's workers.
+                tp_rank=self.rank,
+                tp_size=num_ranks,
                 dp_rank=c._dp_rank,
                 timeout_ms=self.cfg.timeout_ms,
                 startup_timeout_ms=self.cfg.startup_timeout_ms,
@@ -178,11 +209,12 @@ class WorkerSide:
         self._registered = True
         logger.info(
             "UMBP: registered %d segment(s), %d allocation(s), bytes per block object by "
-            "group %s (tp_rank %d)",
+            "group %s (tp_rank %d, pcp_rank %d)",
             nsegs,
             len(alloc_of),
             self.group_object_bytes,
             self.tp_rank,
+            self.pcp_rank,
         )
 
     # -- per-step -----------------------------------------------------------------------
@@ -205,12 +237,12 @@ class WorkerSide:
                 self._wait(tid)
         try:
             n = int(self.w.reset_namespace())
-            logger.info("UMBP: reset_cache dropped %d object(s) from the pool (tp_rank %d)", n, self.tp_rank)
+            logger.info("UMBP: reset_cache dropped %d object(s) from the pool (tp_rank %d, pcp_rank %d)", n, self.tp_rank, self.pcp_rank)
         except Exception as e:  # noqa: BLE001 - the namespace switch still hides them
             logger.warning("UMBP: reset_cache could not drop pooled objects: %s", e)
 
     def _keys(self, meta: UMBPConnectorMetadata, group: int, hashes: list[bytes]) -> list[bytes]:
-        return make_keys(self.n, meta.namespace, group, self.tp_rank, hashes)
+        return make_keys(self.n, meta.namespace, group, self.rank, hashes)
 
     def handle_preemptions(self, meta: UMBPConnectorMetadata) -> None:
         """Preempted requests' blocks are reused right after: their stores finish first,
