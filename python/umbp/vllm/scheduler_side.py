@@ -213,15 +213,16 @@ class SchedulerSide:
         return len(self.c._groups) > 1 or self.c._groups[0].kind != FULL
 
     def _pool_prefix(self, hashes: list[bytes], group: int | None = None) -> int:
-        """Leading blocks present in the pool for every KV rank (every TP rank of every PCP
-        rank; 0 when not attached)."""
+        """Leading blocks present in the pool for every key rank (every TP rank of every PCP
+        rank, or one per replica group where replicated KV is stored once; 0 when not
+        attached)."""
         if not hashes:
             return 0
         if not all(i is not None for i in self._indexes) and not self._attach():
             return 0
         n = len(hashes)
         ns, g = self.namespace, (self.c._group if group is None else group)
-        for rank in range(self.c._num_ranks):
+        for rank in range(self.c._key_ranks):
             idx = self._rank_index(rank)
             if idx is None:
                 return 0
@@ -243,8 +244,9 @@ class SchedulerSide:
         return n
 
     def _present(self, group: int, h: bytes) -> bool:
-        """Object `h` of `group` is in the pool for every KV rank (TP × PCP)."""
-        for rank in range(self.c._num_ranks):
+        """Object `h` of `group` is in the pool for every key rank (TP × PCP, or per replica
+        group)."""
+        for rank in range(self.c._key_ranks):
             idx = self._rank_index(rank)
             if idx is None:
                 return False
@@ -724,7 +726,9 @@ class SchedulerSide:
                     continue
                 ev, seen = pending
                 seen += ranks
-                if seen >= self.c._num_ranks:
+                # One store per key rank: with replicated KV stored once, only the rank
+                # that stores a block of its group reports it.
+                if seen >= self.c._key_ranks:
                     del self._event_pending[bk]
                     self._events.append(ev)
                     self._publish(bk, ev)
@@ -842,7 +846,7 @@ class SchedulerSide:
         """Map the keys of `hashes` of group `g` (this namespace, every rank) back to their
         blocks, so that the pool's "removed" events can be named by block; returns the keys
         per block."""
-        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._num_ranks)]
+        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._key_ranks)]
         out = []
         for i, h in enumerate(hashes):
             keys = [rk[i] for rk in rank_keys]

@@ -41,6 +41,7 @@ COUNTERS = (
     "store_stored_blocks",  # newly written into the pool
     "store_present_blocks",  # already there (first writer won), no copy
     "store_not_stored_blocks",  # refused / failed / pool unreachable
+    "store_replica_skipped_blocks",  # replicated KV: another rank of the group stores them
     "store_bytes",
     "store_ns",
     # worker: the cancel contract (docs/protocol.md)
@@ -67,6 +68,7 @@ PROM_COUNTERS = {
     "store_stored_blocks": ("stored_blocks", "KV blocks newly written into the UMBP pool"),
     "store_present_blocks": ("store_present_blocks", "KV blocks already in the pool (no copy)"),
     "store_not_stored_blocks": ("store_not_stored_blocks", "KV blocks the pool refused or failed to store"),
+    "store_replica_skipped_blocks": ("store_replica_skipped_blocks", "KV blocks another TP rank of the replica group stores (replicated KV stored once)"),
     "store_bytes": ("store_bytes", "Bytes stored into the UMBP pool"),
     "store_ns": ("store_seconds", "Summed latency of stores (submit to completion)"),
     "cancelled_transfers": ("cancelled_transfers", "Transfers cancelled past timeout_ms"),
@@ -117,6 +119,7 @@ class UMBPConnectorStats(KVConnectorStats):
             "stored_blocks": d.get("store_stored_blocks", 0),
             "store_present_blocks": d.get("store_present_blocks", 0),
             "store_not_stored_blocks": d.get("store_not_stored_blocks", 0),
+            "store_replica_skipped_blocks": d.get("store_replica_skipped_blocks", 0),
             "stored_bytes": d.get("store_bytes", 0),
             "store_GBps": gbps(d.get("store_bytes", 0), d.get("store_ns", 0)),
             "cancelled_transfers": d.get("cancelled_transfers", 0),
