@@ -238,16 +238,19 @@ class Harness:
         self.finished_returns: dict[str, tuple] = {}  # req id -> request_finished's return
 
     # -- requests ------------------------------------------------------------------------
-    def request(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
+    def request(self, rid: str, tokens: list[int], max_tokens: int = 1, kv_params: dict | None = None) -> Any:
+        """A request as vLLM builds it; `kv_params` is its `kv_transfer_params` (the
+        OpenAI API's field, passed in `SamplingParams.extra_args`)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
         return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp,
                        pooling_params=None, block_hasher=self.block_hasher)
 
-    def add(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
-        req = self.request(rid, tokens, max_tokens)
+    def add(self, rid: str, tokens: list[int], max_tokens: int = 1, kv_params: dict | None = None) -> Any:
+        req = self.request(rid, tokens, max_tokens, kv_params)
         self.sched.add_request(req)
         return req
 
