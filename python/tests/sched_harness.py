@@ -15,6 +15,14 @@ rank through vLLM's `get_pcp_group()` (faked here: one process has no process gr
 driven with the same metadata, and their outputs combined by vLLM's own
 `KVOutputAggregator` as the executor does. The fake forward writes the same bytes on every
 PCP rank: vLLM 0.32 replicates the KV cache over PCP ranks without DCP.
+
+With `tp=N` there is one worker-role connector per TP rank the same way (told its rank
+through vLLM's `get_tensor_model_parallel_rank()`), each holding vLLM's share of the KV
+heads: `max(1, heads // N)` per rank, rank `r` holding heads from `r * heads // N` on (with
+fewer heads than ranks, consecutive ranks hold the same head, as vLLM replicates them). The
+fake forward adds 10 × the rank's first head to every value, so a rank that loads another
+head's bytes is caught. `mla=True` declares the group as MLA (one latent per token, the same
+on every TP rank).
 """
 
 from __future__ import annotations
@@ -105,13 +113,15 @@ class Harness:
         num_blocks: int = 64,
         engine_id: str | None = None,
         pcp: int = 1,
+        tp: int = 1,
+        mla: bool = False,
     ):
         from vllm.config import KVEventsConfig
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
         from vllm.v1.core import kv_cache_utils as kcu
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
         from umbp.vllm import UMBPStoreConnector
 
@@ -131,7 +141,19 @@ class Harness:
             # scheduler does not depend on it (vLLM 0.32 gives its KV cache manager
             # pcp_world_size=1).
             vc.parallel_config.prefill_context_parallel_size = pcp
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+        self.tp, self.mla = tp, mla
+        if tp > 1:
+            # vLLM's CPU build runs TP over processes; one test process plays every rank.
+            vc.parallel_config.tensor_parallel_size = tp
+        self.nranks = tp * pcp
+        # vLLM's share of the KV heads per TP rank (replicated when there are fewer heads).
+        heads = 1 if mla else max(1, HEADS // tp)
+        self.heads_per_rank = heads
+        if mla:
+            # One latent of 2 x HEAD_SIZE per token: the same page size as one head's K and V.
+            spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=2 * HEAD_SIZE, dtype=torch.bfloat16)
+        else:
+            spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.bfloat16)
         self.layers = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
         specs = {n: spec for n in self.layers}
         # What EngineCore._initialize_kv_caches does, with a fixed memory budget.
@@ -150,19 +172,19 @@ class Harness:
         self.num_blocks = kccs[0].num_blocks
 
         # Workers first (each starts the embedded pool the scheduler's index attaches to),
-        # as vLLM does; one per PCP rank.
+        # as vLLM does; one per (PCP, TP) rank, in vLLM's order (pcp_rank * tp + tp_rank).
         (t,) = kccs[0].kv_cache_tensors
         per_layer = t.layer_stride // 2
         self.workers: list[Any] = []
         self.kv_buffers: list[torch.Tensor] = []
         self.kvs: list[dict[str, torch.Tensor]] = []
-        for r in range(pcp):
-            with fake_pcp_group(r, pcp):
+        for r in range(self.nranks):
+            with fake_pcp_group(r // tp, pcp), fake_tp_rank(r % tp, tp):
                 w = UMBPStoreConnector(vc, KVConnectorRole.WORKER, kccs[0])
             buf = torch.zeros(t.size // 2, dtype=torch.bfloat16)
             kv = {
                 name: buf[i * per_layer : (i + 1) * per_layer].view(
-                    self.num_blocks, HEADS, BLOCK, 2 * HEAD_SIZE
+                    self.num_blocks, heads, BLOCK, 2 * HEAD_SIZE
                 )
                 for i, name in enumerate(t.layers)
             }
@@ -172,13 +194,11 @@ class Harness:
             self.kvs.append(kv)
         # PCP rank 0's (the only one without PCP): what the single-worker tests use.
         self.worker, self.kv_buffer, self.kv = self.workers[0], self.kv_buffers[0], self.kvs[0]
-        if pcp > 1:
+        if self.nranks > 1:
             from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
             # What the executor builds: one finished report per worker (TP × PCP).
-            self.aggregator = KVOutputAggregator.from_connector(
-                self.worker, vc.parallel_config.tensor_parallel_size * pcp
-            )
+            self.aggregator = KVOutputAggregator.from_connector(self.worker, self.nranks)
 
         self._start_scheduler(skcc, sbs, hbs)
         self.sched.kv_event_publisher = self.recorder
@@ -218,16 +238,19 @@ class Harness:
         self.finished_returns: dict[str, tuple] = {}  # req id -> request_finished's return
 
     # -- requests ------------------------------------------------------------------------
-    def request(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
+    def request(self, rid: str, tokens: list[int], max_tokens: int = 1, kv_params: dict | None = None) -> Any:
+        """A request as vLLM builds it; `kv_params` is its `kv_transfer_params` (the
+        OpenAI API's field, passed in `SamplingParams.extra_args`)."""
         from vllm import SamplingParams
         from vllm.v1.request import Request
 
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        extra = {"kv_transfer_params": dict(kv_params)} if kv_params is not None else None
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
         return Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp,
                        pooling_params=None, block_hasher=self.block_hasher)
 
-    def add(self, rid: str, tokens: list[int], max_tokens: int = 1) -> Any:
-        req = self.request(rid, tokens, max_tokens)
+    def add(self, rid: str, tokens: list[int], max_tokens: int = 1, kv_params: dict | None = None) -> Any:
+        req = self.request(rid, tokens, max_tokens, kv_params)
         self.sched.add_request(req)
         return req
 
@@ -249,7 +272,7 @@ class Harness:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         mros = []
-        for w, kv in self._ranks():
+        for rank, (w, kv) in enumerate(self._ranks()):
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
@@ -259,7 +282,7 @@ class Harness:
                 if kv is None:
                     self._forward(so)
                 else:
-                    self._forward(so, kv)
+                    self._forward(so, kv, self.shard_offset(rank))
                 for name in self.layers:
                     w.save_kv_layer(name, (self.kv if kv is None else kv)[name], None)
             w.wait_for_save()
@@ -288,13 +311,21 @@ class Harness:
         return so
 
     def _ranks(self) -> list[tuple[Any, Any]]:
-        """(worker connector, its KV for the fake forward, None: the harness's own) per PCP
-        rank; one without PCP (harnesses built by subclasses set only `worker`)."""
-        if getattr(self, "pcp", 1) > 1:
+        """(worker connector, its KV for the fake forward, None: the harness's own) per KV
+        rank; one without TP/PCP (harnesses built by subclasses set only `worker`)."""
+        if getattr(self, "nranks", 1) > 1:
             return list(zip(self.workers, self.kvs))
         return [(self.worker, None)]
 
-    def _forward(self, so: Any, kv: dict[str, torch.Tensor] | None = None) -> None:
+    def shard_offset(self, rank: int) -> int:
+        """What the fake forward adds for KV rank `rank`: 10 x its first KV head (0 for MLA,
+        whose latent every TP rank holds alike)."""
+        tp = getattr(self, "tp", 1)
+        if getattr(self, "mla", False) or tp == 1:
+            return 0
+        return 10 * ((rank % tp) * HEADS // tp)
+
+    def _forward(self, so: Any, kv: dict[str, torch.Tensor] | None = None, offset: int = 0) -> None:
         kv = self.kv if kv is None else kv
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
@@ -304,7 +335,7 @@ class Harness:
             hashes = req.block_hashes
             for j in range(before // BLOCK, min(after // BLOCK, len(hashes))):
                 for li, name in enumerate(self.layers):
-                    kv[name][ids[j]].fill_(block_value(hashes[j]) + li)
+                    kv[name][ids[j]].fill_(block_value(hashes[j]) + li + offset)
 
     def run(self, timeout: float = 20.0) -> int:
         """Steps until no request is left; returns how many steps that took."""
@@ -339,11 +370,11 @@ class Harness:
         self.reset_local_cache()
 
     def holds_blocks_of(self, req: Any, ids: list[int], nblocks: int, rank: int = 0) -> bool:
-        """PCP rank `rank`'s KV holds the first `nblocks` blocks of `req` in `ids`."""
+        """KV rank `rank`'s KV holds the first `nblocks` blocks of `req` in `ids`."""
         kv = self.kvs[rank] if rank else self.kv
         for j in range(nblocks):
             for li, name in enumerate(self.layers):
-                want = block_value(req.block_hashes[j]) + li
+                want = block_value(req.block_hashes[j]) + li + self.shard_offset(rank)
                 if not bool((kv[name][ids[j]] == want).all()):
                     return False
         return True
@@ -393,6 +424,23 @@ def fake_pcp_group(rank: int, size: int):
         yield
     finally:
         ps.get_pcp_group = orig
+
+
+@contextmanager
+def fake_tp_rank(rank: int, size: int):
+    """vLLM's `get_tensor_model_parallel_rank()` answering `rank` (one test process plays
+    every TP rank of an engine)."""
+    from vllm.distributed import parallel_state as ps
+
+    if size <= 1:
+        yield
+        return
+    orig = ps.get_tensor_model_parallel_rank
+    ps.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ps.get_tensor_model_parallel_rank = orig
 
 
 def tokens(seed: int, n: int) -> list[int]:

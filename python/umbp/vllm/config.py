@@ -25,6 +25,7 @@ Keys (all optional):
 | `lookup_async` | bool | false | accepted, no effect (logged once when true): lookups are shared-memory reads that never block the scheduler, so there is nothing to move off its thread |
 | `enable_lookup` | bool | true | false: never report hits (store only) |
 | `save_decode_cache` | bool | false | also store blocks filled by generated tokens |
+| `store_replicas_once` | bool | true | standalone: KV that several TP ranks hold alike (MLA; fewer KV heads than TP ranks) is stored once, by one rank of each replica group, and loaded by all (replicas.py); false: every rank stores its own copy |
 | `key_namespace` | str | derived | override the key namespace (share KV across configs you know are compatible) |
 | `timeout_ms` | int > 0 | 5000 | a transfer pending longer is treated as failed by synchronous waits |
 | `lookup_timeout_ms` | int > 0 | 1000 | scheduler: a pool whose heartbeat is older than this (stopped, swapped out) reads as a miss (at least 200 ms); embedded mode: also how long the first attach of a worker pool's index may wait at startup (later (re)attaches never wait) |
@@ -95,6 +96,7 @@ KNOWN_KEYS = frozenset(
         "lookup_async",
         "enable_lookup",
         "save_decode_cache",
+        "store_replicas_once",
         "key_namespace",
         "timeout_ms",
         "lookup_timeout_ms",
@@ -277,6 +279,7 @@ class UMBPConnectorConfig:
     lookup_async: bool = False
     enable_lookup: bool = True
     save_decode_cache: bool = False
+    store_replicas_once: bool = True  # standalone: replicated KV stored once (replicas.py)
     key_namespace: str | None = None
     timeout_ms: int = 5000
     lookup_timeout_ms: int = 1000
@@ -447,7 +450,7 @@ class UMBPConnectorConfig:
                 li = parse_endpoint(li, "lookup_instance")
             kw["lookup_instance"] = li or endpoint
 
-        for k in ("load_async", "lookup_async", "enable_lookup", "save_decode_cache"):
+        for k in ("load_async", "lookup_async", "enable_lookup", "save_decode_cache", "store_replicas_once"):
             if has(k):
                 kw[k] = parse_bool(extra[k], k)
         for k in ("timeout_ms", "lookup_timeout_ms", "startup_timeout_ms"):

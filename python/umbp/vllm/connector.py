@@ -74,6 +74,7 @@ from .groups import FULL, describe_groups, forces_async_load, scheduler_block_si
 from .keys import canonical_namespace_text, kv_rank_count, make_keys
 from .kv_layout_choice import required_kv_layout
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
+from .replicas import replica_plan
 from .scheduler_side import SchedulerSide
 from .stats import UMBPConnectorStats, UMBPPromMetrics
 from .worker_side import WorkerSide
@@ -164,6 +165,16 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._tp_size = pc.tensor_parallel_size
         # Workers per engine (DP rank) with their own KV bytes: TP ranks × PCP ranks.
         self._num_ranks = kv_rank_count(self._tp_size, self._pcp_size)
+        # KV the TP ranks hold alike (MLA, replicated KV heads) is stored once per replica
+        # group where the ranks share a pool (replicas.py); keys then carry the key rank.
+        self._replicas = replica_plan(
+            vllm_config,
+            kv_cache_config,
+            [g.kind for g in self._groups],
+            enabled=self._cfg.store_replicas_once,
+            standalone=not self._cfg.embedded,
+        )
+        self._key_ranks = self._replicas.key_ranks
         self._dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
         self._engine_id = str(ktc.engine_id)
         self._do_load, self._do_store = transfer_directions(ktc.kv_role)
@@ -180,9 +191,9 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._events_enabled = bool(getattr(kec, "enable_kv_cache_events", False))
 
         # Key namespace: digest of the canonical engine description (or the user's string).
-        self._ns_text = self._cfg.key_namespace or canonical_namespace_text(
-            vllm_config, kv_cache_config
-        )
+        self._ns_text = (
+            self._cfg.key_namespace or canonical_namespace_text(vllm_config, kv_cache_config)
+        ) + self._replicas.namespace_suffix()
         self._base_namespace = bytes(self._native.namespace_digest(self._ns_text))
         self._stats = UMBPConnectorStats()
 
@@ -194,7 +205,7 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(self)
         logger.info(
             "UMBPStoreConnector %s: mode=%s kv_role=%s load_async=%s block_size=%d "
-            "groups=%s lazy_offload=%s namespace=%s (%s)",
+            "groups=%s lazy_offload=%s replicas=%d (%s) namespace=%s (%s)",
             "scheduler" if self._sched else "worker",
             self._cfg.mode,
             ktc.kv_role,
@@ -202,6 +213,8 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._block_size,
             ",".join(f"{g.gid}:{g.kind}/{g.block_size}" for g in self._groups),
             self._offload.lazy_offload,
+            self._replicas.replicas,
+            self._replicas.why,
             self._base_namespace.hex(),
             "key_namespace" if self._cfg.key_namespace else "derived",
         )

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 from .config import OffloadOptions, UMBPConnectorConfig
 from .groups import GroupInfo
+from .replicas import ReplicaPlan
 from .stats import UMBPConnectorStats
 
 
@@ -30,6 +31,8 @@ class ConnectorView(Protocol):
     _tp_size: int
     _pcp_size: int  # prefill context parallel size (1 without PCP)
     _num_ranks: int  # KV ranks per engine: TP size × PCP size (keys.kv_rank_count)
+    _replicas: ReplicaPlan  # which ranks share their KV bytes (replicas.py)
+    _key_ranks: int  # distinct key ranks: one copy per key rank makes a hit
     _dp_rank: int
     _engine_id: str
     _do_load: bool

@@ -21,6 +21,7 @@ from .endpoints import embedded_socket_path
 from .groups import FULL, MAMBA, SLIDING, GroupInfo
 from .keys import kv_block_hashes, make_keys
 from .metadata import BlockOp, UMBPConnectorMetadata, UMBPWorkerMetadata
+from .request_params import NO_CONTROL, Handoff, HandoffWait, RequestControl, request_control
 from .tier_events import last_per_key, restamp, slowest_tier
 
 if TYPE_CHECKING:
@@ -54,6 +55,10 @@ class ReqState:
     load_failures: int = 0
     failed_at_preemptions: int = 0  # request.num_preemptions when the last load failed
     tail_stored: bool = False  # enable_partial_hash_hits: the prompt's partial block planned
+    # kv_transfer_params: per-request control and the P/D handoff (request_params.py).
+    control: RequestControl = NO_CONTROL
+    handoff_wait: "HandoffWait | None" = None  # decode side: waiting for a handoff's blocks
+    handoff_done: bool = False  # decode side: the handoff's blocks arrived or its bound passed
 
 
 def _finished_with_error(request: Any) -> bool:
@@ -213,15 +218,16 @@ class SchedulerSide:
         return len(self.c._groups) > 1 or self.c._groups[0].kind != FULL
 
     def _pool_prefix(self, hashes: list[bytes], group: int | None = None) -> int:
-        """Leading blocks present in the pool for every KV rank (every TP rank of every PCP
-        rank; 0 when not attached)."""
+        """Leading blocks present in the pool for every key rank (every TP rank of every PCP
+        rank, or one per replica group where replicated KV is stored once; 0 when not
+        attached)."""
         if not hashes:
             return 0
         if not all(i is not None for i in self._indexes) and not self._attach():
             return 0
         n = len(hashes)
         ns, g = self.namespace, (self.c._group if group is None else group)
-        for rank in range(self.c._num_ranks):
+        for rank in range(self.c._key_ranks):
             idx = self._rank_index(rank)
             if idx is None:
                 return 0
@@ -243,8 +249,9 @@ class SchedulerSide:
         return n
 
     def _present(self, group: int, h: bytes) -> bool:
-        """Object `h` of `group` is in the pool for every KV rank (TP × PCP)."""
-        for rank in range(self.c._num_ranks):
+        """Object `h` of `group` is in the pool for every key rank (TP × PCP, or per replica
+        group)."""
+        for rank in range(self.c._key_ranks):
             idx = self._rank_index(rank)
             if idx is None:
                 return False
@@ -318,11 +325,17 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         st = self._reqs.get(request.request_id)
         if st is None:
-            st = self._reqs[request.request_id] = ReqState(request)
+            st = self._reqs[request.request_id] = ReqState(request, control=request_control(request))
         st.local_hit_tokens = num_computed_tokens
         st.pool_hit_tokens = 0
         if not (self.c._do_load and self.cfg.enable_lookup) or self._load_blocked(st, request):
             return 0, False
+        ctl = st.control
+        # A hit covering the whole request is trimmed by one token (vLLM computes at least
+        # one); umbp.max_load_tokens caps it further.
+        limit = request.num_tokens - 1
+        if ctl.max_load_tokens is not None:
+            limit = min(limit, ctl.max_load_tokens)
         # Every load is asynchronous when `_load_async` (load_async, or forced: Mamba, sparse
         # indexer, kv_load_failure_policy=recompute), a request that stored before included: it
         # looks up again only after a preemption, whose stores the workers finished or cancelled
@@ -335,7 +348,9 @@ class SchedulerSide:
         if self._hybrid:
             # The hit must be exact (a state or window resumes at exactly its end), and at
             # least one token must be computed to sample the next one.
-            hit_tokens = self._pool_hit_tokens(request, request.num_tokens - 1)
+            hit_tokens = self._pool_hit_tokens(request, limit)
+            if self._handoff_pending(st, request, hit_tokens // self._g0.block_size):
+                return None, False
             st.pool_hit_tokens = hit_tokens
             if self.c._events_enabled and hit_tokens > 0:
                 self._announce_found(request, self._hit_blocks(request, hit_tokens))
@@ -343,17 +358,61 @@ class SchedulerSide:
             bs = self.c._block_size
             hashes = self._hashes(request)
             n = self._pool_prefix(hashes)
+            if self._handoff_pending(st, request, n):
+                return None, False
+            if ctl.max_load_tokens is not None:
+                n = min(n, ctl.max_load_tokens // bs)
             st.pool_hit_tokens = n * bs
             if self.c._events_enabled and n > 0:
                 self._announce_found(request, [(self._g0, hashes, range(n))])
-            # A hit covering the whole request is trimmed by one token (its block is
-            # still loaded in full).
-            hit_tokens = min(n * bs, request.num_tokens - 1)
+            # Trimmed by one token when it covers the whole request (its block is still
+            # loaded in full).
+            hit_tokens = min(n * bs, limit)
         ext = hit_tokens - num_computed_tokens
         if ext <= 0:
             return 0, False
         stats.add("lookup_hit_tokens", ext)
         return ext, is_async
+
+    def _handoff_pending(self, st: ReqState, request: "Request", present_blocks: int) -> bool:
+        """Decode side of a P/D handoff: True while the blocks the prefill engine stored
+        for this request are not all in the pool yet and the handoff's bound has not
+        passed (vLLM then skips the request this step and asks again: the scheduler never
+        blocks). Over for good once the blocks are there or the bound passed (a timeout
+        is a plain lookup: what is there is loaded, the rest recomputed)."""
+        h = st.control.handoff
+        if h is None or st.handoff_done:
+            return False
+        stats = self.c._stats
+        if h.namespace != self.namespace.hex():
+            st.handoff_done = True
+            stats.add("pd_handoff_mismatches", 1)
+            logger.warning(
+                "UMBP: request %s carries a handoff from an engine with another key namespace "
+                "(%s, this engine %s): its KV cannot be shared (different model or config); "
+                "treated as a plain lookup",
+                request.request_id, h.namespace, self.namespace.hex(),
+            )
+            return False
+        want = min(h.blocks, (request.num_tokens - 1) // self._g0.block_size)
+        if present_blocks >= want:
+            st.handoff_done = True
+            stats.add("pd_handoffs_received", 1)
+            return False
+        if st.handoff_wait is None:
+            st.handoff_wait = HandoffWait(h)
+        if st.handoff_wait.expired():
+            st.handoff_done = True
+            stats.add("pd_handoff_timeouts", 1)
+            logger.warning(
+                "UMBP: request %s: %d of the %d handed-off blocks in the pool after %d ms; "
+                "the rest is recomputed",
+                request.request_id, present_blocks, want, h.wait_ms,
+            )
+            return False
+        st.handoff_wait.waits += 1
+        stats.add("pd_handoff_waits", 1)
+        return True
 
     @staticmethod
     def _load_blocked(st: ReqState, request: "Request") -> bool:
@@ -374,7 +433,7 @@ class SchedulerSide:
         rid = request.request_id
         st = self._reqs.get(rid)
         if st is None:  # lookups disabled or a resumed async request
-            st = self._reqs[rid] = ReqState(request)
+            st = self._reqs[rid] = ReqState(request, control=request_control(request))
         st.request = request
         if num_external_tokens <= 0:
             # No load (or the second call of an async load). Blocks already in the pool need
@@ -506,11 +565,15 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None:
                 continue
+            if self._skips_save(st):
+                continue
             req = st.request
             # Tokens whose KV exists after this step (rejected draft tokens excluded).
             upto = req.num_computed_tokens + n_sched - len(spec.get(rid, ()))
             if not self.cfg.save_decode_cache:
                 upto = min(upto, req.num_prompt_tokens)
+            if st.control.max_store_tokens is not None:
+                upto = min(upto, st.control.max_store_tokens)
             if self.c._partial_hits and not st.tail_stored and upto >= req.num_prompt_tokens:
                 self._plan_tail_store(st, block_state, meta)
             upto = min(upto, len(req.block_hashes) * self.c._hash_block_size) // bs * bs
@@ -558,6 +621,12 @@ class SchedulerSide:
             st.stored_upto = upto
         self._plan_state_stores(so, meta)
 
+    @staticmethod
+    def _skips_save(st: ReqState) -> bool:
+        """umbp.skip_save: nothing of this request is stored (a request handed to a decode
+        engine is stored anyway: the store is the handoff)."""
+        return st.control.skip_save and not st.control.remote_decode
+
     def _plan_tail_store(self, st: ReqState, block_state: Any, meta: UMBPConnectorMetadata) -> None:
         """enable_partial_hash_hits: store the prompt's last, partial full-attention block,
         up to its last prefix-match-unit boundary, keyed by the hash of that prefix (a later
@@ -593,6 +662,8 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None or rid in gone:
                 continue  # its blocks may already belong to another request
+            if self._skips_save(st):
+                continue
             req = st.request
             for gid, block_id, boundary in entries:
                 if gid not in ours:
@@ -668,16 +739,25 @@ class SchedulerSide:
         self, request: "Request", block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        ctl = st.control if st is not None else request_control(request)
+        if self.c._offload.lazy_offload and self.c._do_store and ctl.skip_save and not ctl.remote_decode:
+            # umbp.skip_save under lazy offload: its blocks, about to reach the free queue,
+            # are not offered to the pool (a block another request shares is skipped too).
+            for g in self.c._groups:
+                if g.kind != MAMBA:
+                    for h in self._group_hashes(request, g):
+                        self._lazy_remember(g.gid, h)
         if self.c._events_enabled and self.c._offload.lazy_offload and self.c._do_store:
             self._note_lazy_blocks(request)  # its blocks go to the free queue next
+        params = self._handoff_params(request, st, ctl)
         if st is None:
-            return False, None
+            return False, params
         if st.async_load_pending:
             # An async load may still write the blocks; the worker's "finished receiving"
             # report (which vLLM handles for finished requests too) releases them.
             # No store is pending: the request stored nothing since its lookup, and its
             # stores before a preemption ended in handle_preemptions.
-            return True, None
+            return True, params
         if (
             st.load_block_ids
             and not self.c._recompute_failures
@@ -687,13 +767,29 @@ class SchedulerSide:
             # by a pool that did not finish it in time (quarantined on the workers). Its
             # blocks stay until every worker reports the load over ("finished sending").
             self._finish_after_stores.append(request.request_id)
-            return True, None
+            return True, params
         if st.store_ops_done < st.store_ops * self.c._num_ranks:
             # Stores may still read the blocks: keep them until every worker reports the
             # request as "finished sending" (it learns which ones through the metadata).
             self._finish_after_stores.append(request.request_id)
-            return True, None
-        return False, None
+            return True, params
+        return False, params
+
+    def _handoff_params(self, request: "Request", st: ReqState | None, ctl: RequestControl) -> dict[str, Any] | None:
+        """Prefill side of a P/D handoff (`do_remote_decode`): what the decode engine needs,
+        returned through vLLM to the client (the proxy passes it on): this engine's key
+        namespace, the leading blocks stored for the request, and how long the decode
+        engine may wait for them — this engine's `timeout_ms`, past which its stores are
+        cancelled anyway."""
+        if not ctl.remote_decode:
+            return None
+        if not self.c._do_store:
+            logger.warning("UMBP: request %s asks for a remote decode, but this engine stores nothing (kv_role)", request.request_id)
+            return None
+        blocks = (st.stored_upto // self.c._block_size) if st is not None else 0
+        self.c._stats.add("pd_handoffs_sent", 1)
+        h = Handoff(self.namespace.hex(), blocks, self.cfg.timeout_ms)
+        return {"do_remote_prefill": True, "do_remote_decode": False, "umbp.handoff": h.to_params()}
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
         bad = out.invalid_block_ids
@@ -724,7 +820,9 @@ class SchedulerSide:
                     continue
                 ev, seen = pending
                 seen += ranks
-                if seen >= self.c._num_ranks:
+                # One store per key rank: with replicated KV stored once, only the rank
+                # that stores a block of its group reports it.
+                if seen >= self.c._key_ranks:
                     del self._event_pending[bk]
                     self._events.append(ev)
                     self._publish(bk, ev)
@@ -842,7 +940,7 @@ class SchedulerSide:
         """Map the keys of `hashes` of group `g` (this namespace, every rank) back to their
         blocks, so that the pool's "removed" events can be named by block; returns the keys
         per block."""
-        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._num_ranks)]
+        rank_keys = [make_keys(self.n, self.namespace, g.gid, r, hashes) for r in range(self.c._key_ranks)]
         out = []
         for i, h in enumerate(hashes):
             keys = [rk[i] for rk in rank_keys]

@@ -41,12 +41,19 @@ COUNTERS = (
     "store_stored_blocks",  # newly written into the pool
     "store_present_blocks",  # already there (first writer won), no copy
     "store_not_stored_blocks",  # refused / failed / pool unreachable
+    "store_replica_skipped_blocks",  # replicated KV: another rank of the group stores them
     "store_bytes",
     "store_ns",
     # worker: the cancel contract (docs/protocol.md)
     "cancelled_transfers",  # past timeout_ms, cancelled: blocks given back at once
     "cancel_refused",  # a load the pool had started: its blocks were held until it finished
     "quarantined_loads",  # started sync loads past timeout_ms: failed, blocks held until the pool is done
+    # scheduler: prefill/decode handoffs (request_params.py)
+    "pd_handoffs_sent",  # prefill side: handoffs returned for a remote decode
+    "pd_handoffs_received",  # decode side: a handoff's blocks were all in the pool
+    "pd_handoff_waits",  # decode side: lookups deferred a step while the blocks were arriving
+    "pd_handoff_timeouts",  # decode side: the bound passed first (the rest recomputed)
+    "pd_handoff_mismatches",  # decode side: a handoff from another key namespace (ignored)
     # scheduler: KV events
     "events_suppressed",  # BlockStored events not sent: kv_event_max_objects blocks tracked
 )
@@ -67,11 +74,17 @@ PROM_COUNTERS = {
     "store_stored_blocks": ("stored_blocks", "KV blocks newly written into the UMBP pool"),
     "store_present_blocks": ("store_present_blocks", "KV blocks already in the pool (no copy)"),
     "store_not_stored_blocks": ("store_not_stored_blocks", "KV blocks the pool refused or failed to store"),
+    "store_replica_skipped_blocks": ("store_replica_skipped_blocks", "KV blocks another TP rank of the replica group stores (replicated KV stored once)"),
     "store_bytes": ("store_bytes", "Bytes stored into the UMBP pool"),
     "store_ns": ("store_seconds", "Summed latency of stores (submit to completion)"),
     "cancelled_transfers": ("cancelled_transfers", "Transfers cancelled past timeout_ms"),
     "cancel_refused": ("cancel_refused", "Cancels refused: a started load kept its blocks until done"),
     "quarantined_loads": ("quarantined_loads", "Started synchronous loads past timeout_ms, reported failed, blocks held until the pool finished or died"),
+    "pd_handoffs_sent": ("pd_handoffs_sent", "Prefill/decode handoffs returned for a remote decode"),
+    "pd_handoffs_received": ("pd_handoffs_received", "Prefill/decode handoffs whose blocks were all in the pool"),
+    "pd_handoff_waits": ("pd_handoff_waits", "Lookups deferred a step while a handoff's blocks were arriving"),
+    "pd_handoff_timeouts": ("pd_handoff_timeouts", "Handoffs whose blocks did not all arrive within their bound"),
+    "pd_handoff_mismatches": ("pd_handoff_mismatches", "Handoffs from an engine of another key namespace (ignored)"),
     "events_suppressed": ("events_suppressed", "BlockStored events suppressed (kv_event_max_objects reached)"),
 }
 PROM_PREFIX = "vllm:umbp_"
@@ -117,10 +130,12 @@ class UMBPConnectorStats(KVConnectorStats):
             "stored_blocks": d.get("store_stored_blocks", 0),
             "store_present_blocks": d.get("store_present_blocks", 0),
             "store_not_stored_blocks": d.get("store_not_stored_blocks", 0),
+            "store_replica_skipped_blocks": d.get("store_replica_skipped_blocks", 0),
             "stored_bytes": d.get("store_bytes", 0),
             "store_GBps": gbps(d.get("store_bytes", 0), d.get("store_ns", 0)),
             "cancelled_transfers": d.get("cancelled_transfers", 0),
             "cancel_refused": d.get("cancel_refused", 0),
+            **{k: d.get(k, 0) for k in COUNTERS if k.startswith("pd_")},
         }
 
     def take(self) -> "UMBPConnectorStats | None":

@@ -93,6 +93,10 @@ class WorkerSide:
         self.pcp_rank = pcp_rank_of_this_worker(pcp_size)
         # The rank this worker's keys carry: TP rank and PCP rank in one number.
         self.rank = kv_rank(self.tp_rank, self.pcp_rank, c._tp_size)
+        # The rank its keys carry: the KV rank, or its replica group's where the TP ranks
+        # hold the same KV and it is stored once (replicas.py).
+        self.replicas = c._replicas
+        self.key_rank = self.replicas.key_rank(self.tp_rank, self.pcp_rank)
         num_ranks = int(getattr(c, "_num_ranks", c._tp_size))
         # Socket and SSD directory names carry the PCP rank only with PCP > 1.
         pcp_name = self.pcp_rank if pcp_size > 1 else None
@@ -242,7 +246,7 @@ class WorkerSide:
             logger.warning("UMBP: reset_cache could not drop pooled objects: %s", e)
 
     def _keys(self, meta: UMBPConnectorMetadata, group: int, hashes: list[bytes]) -> list[bytes]:
-        return make_keys(self.n, meta.namespace, group, self.rank, hashes)
+        return make_keys(self.n, meta.namespace, group, self.key_rank, hashes)
 
     def handle_preemptions(self, meta: UMBPConnectorMetadata) -> None:
         """Preempted requests' blocks are reused right after: their stores finish first,
@@ -308,21 +312,32 @@ class WorkerSide:
             if not op.block_ids:
                 continue
             group = meta.group if op.group is None else op.group
+            keys = self._keys(meta, group, op.hashes)
+            hashes, block_ids = op.hashes, op.block_ids
+            if self.replicas.replicas > 1:
+                # Replicated KV: this rank stores only the blocks its group gives it; the
+                # group's other ranks store the rest (one copy each), every rank loads all.
+                mine = [i for i, k in enumerate(keys) if self.replicas.stores(self.tp_rank, k)]
+                self.c._stats.add("store_replica_skipped_blocks", len(keys) - len(mine))
+                keys = [keys[i] for i in mine]
+                hashes = [hashes[i] for i in mine]
+                block_ids = [block_ids[i] for i in mine]
             job = Job(
-                "store", op.req_id, op.hashes, op.block_ids, time.perf_counter_ns(), group=group, op_id=op.op_id
+                "store", op.req_id, hashes, block_ids, time.perf_counter_ns(), group=group, op_id=op.op_id
             )
             self.c._stats.add("store_ops", 1)
-            self.c._stats.add("store_blocks", len(op.block_ids))
+            self.c._stats.add("store_blocks", len(block_ids))
+            if not block_ids:
+                self._op_done(job)  # every worker reports every op: the scheduler counts them
+                continue
             try:
                 if not self._registered:
                     raise RuntimeError("KV caches not registered")
                 stream = torch.cuda.current_stream().cuda_stream if self._on_cuda else None
-                tid = int(
-                    self.w.store(group, self._keys(meta, group, op.hashes), op.block_ids, stream=stream)
-                )
+                tid = int(self.w.store(group, keys, block_ids, stream=stream))
             except Exception as e:  # noqa: BLE001 - pool gone / refusing: not stored
                 logger.debug("UMBP: store for %s not submitted: %s", op.req_id, e)
-                self.c._stats.add("store_not_stored_blocks", len(op.block_ids))
+                self.c._stats.add("store_not_stored_blocks", len(block_ids))
                 self._op_done(job)
                 continue
             self._jobs[tid] = job
