@@ -14,7 +14,7 @@
 //!
 //! Files: this one (configuration, the public face, shared state), `node/serve.rs` (the
 //! server side: subscribers), `node/peers.rs` (the client side: peers, and the ticker),
-//! `node/fetch.rs` (a batched fetch).
+//! `node/fetch.rs` (a batched fetch), `node/given_up.rs` (timed-out reads until final).
 //!
 //! The pool's own traffic never enters this module except for a fetch (`node/fetch.rs`),
 //! which is bounded by `read_timeout`.
@@ -38,6 +38,7 @@ use crate::placement::NodeId;
 use crate::transport::{self, Agent, PeerRegion, TransportError};
 
 mod fetch;
+mod given_up;
 mod peers;
 mod serve;
 
@@ -61,6 +62,18 @@ pub trait LocalPool: Send + Sync + 'static {
     /// (see pool_tier.rs): never a reason to reuse that read's destination.
     fn holder_forgotten(&self, agent: &str) {
         let _ = agent;
+    }
+    /// The node gave up waiting for a read (it outlived `read_timeout`) that may still
+    /// write the destinations of `items` (namespace, key): quarantine them under `tag`
+    /// (unique to this read). Called before the fetch returns and before the read can be
+    /// reported final, so [`Self::read_final`] for `tag` always comes after.
+    fn read_given_up(&self, tag: &str, items: &[(u128, ObjectKey)]) {
+        let _ = (tag, items);
+    }
+    /// The given-up read `tag` is final (NIXL reports it completed or failed): it writes
+    /// nothing more, so its destinations may be reused once their loads are done.
+    fn read_final(&self, tag: &str) {
+        let _ = tag;
     }
 }
 
@@ -175,9 +188,10 @@ impl FetchError {
         matches!(self, Self::Transport(e) if e.destination_tainted())
     }
 
-    /// The holder (transport agent name) whose read may still write the destination, when
-    /// [`Self::destination_tainted`] (its DRAM stays quarantined: no transport event says
-    /// the read can no longer land).
+    /// The given-up read (`agent#n`: the holder's transport agent name and the read's
+    /// number) that may still write the destination, when [`Self::destination_tainted`]:
+    /// the node quarantined it under this tag ([`LocalPool::read_given_up`]) and reports
+    /// when the read is final ([`LocalPool::read_final`]).
     pub fn tainting_holder(&self) -> Option<&str> {
         match self {
             Self::Transport(TransportError::Timeout { peer, .. }) => Some(peer),
@@ -276,6 +290,28 @@ pub struct ClusterStats {
     pub export_bytes_used: u64,
     /// Pins answered `PinFailed` because the export area had no room for the copy.
     pub export_full: u64,
+    /// Reads given up (timed out) whose NIXL request is not final yet: their destinations
+    /// stay quarantined.
+    pub given_up_reads: u64,
+    /// Given-up reads that became final since start (their quarantine released).
+    pub given_up_final: u64,
+    /// Where the fetches' time went, summed over every holder read since start (they
+    /// overlap one another, so the sum exceeds the wall time when the pipeline works).
+    pub phases: FetchPhases,
+}
+
+/// Summed per-phase times of the fetches since start, in nanoseconds.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct FetchPhases {
+    /// From a read's first pin sent to its last pin answered (the holder's copy into its
+    /// export area, its queue and the round trip).
+    pub pin_ns: u64,
+    /// From a read's post to its completion (NIXL READ).
+    pub read_ns: u64,
+    /// The digest checks of the bytes read.
+    pub check_ns: u64,
+    /// Holder reads (chunks) settled.
+    pub reads: u64,
 }
 
 /// A subscriber's copy of one pinned object: the export slot its READs address, the pins
@@ -332,6 +368,15 @@ struct Inner {
     local_addr: std::net::SocketAddr,
     reads_in_flight: std::sync::atomic::AtomicUsize,
     forget: Mutex<Vec<String>>,
+    /// Reads given up (timed out) until NIXL reports them final (`node/fetch.rs`); the
+    /// ticker polls them. Each carries the tag its destinations are quarantined under.
+    given_up: Mutex<Vec<(String, transport::GivenUpRead)>>,
+    next_read: AtomicU64,
+    given_up_final: AtomicU64,
+    phase_pin_ns: AtomicU64,
+    phase_read_ns: AtomicU64,
+    phase_check_ns: AtomicU64,
+    phase_reads: AtomicU64,
 }
 
 /// A running cluster node; stops its threads on drop.
@@ -401,6 +446,13 @@ impl Cluster {
             local_addr,
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
             forget: Mutex::new(Vec::new()),
+            given_up: Mutex::new(Vec::new()),
+            next_read: AtomicU64::new(1),
+            given_up_final: AtomicU64::new(0),
+            phase_pin_ns: AtomicU64::new(0),
+            phase_read_ns: AtomicU64::new(0),
+            phase_check_ns: AtomicU64::new(0),
+            phase_reads: AtomicU64::new(0),
         });
         tracing::info!(listen = %local_addr, node = format!("{node:016x}"), "cluster node started");
         let i = inner.clone();
@@ -453,6 +505,14 @@ impl Cluster {
             published_changes: self.inner.published_changes.load(Ordering::Relaxed),
             export_bytes_used: self.inner.export.used(),
             export_full: self.inner.export.full_count(),
+            given_up_reads: self.inner.given_up.lock().expect("given up").len() as u64,
+            given_up_final: self.inner.given_up_final.load(Ordering::Relaxed),
+            phases: FetchPhases {
+                pin_ns: self.inner.phase_pin_ns.load(Ordering::Relaxed),
+                read_ns: self.inner.phase_read_ns.load(Ordering::Relaxed),
+                check_ns: self.inner.phase_check_ns.load(Ordering::Relaxed),
+                reads: self.inner.phase_reads.load(Ordering::Relaxed),
+            },
         }
     }
 

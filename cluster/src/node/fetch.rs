@@ -164,17 +164,21 @@ impl Inner {
             if Instant::now() >= deadline {
                 let mut dropped = HashSet::new();
                 for r in reads.drain(..) {
-                    let e = r.read.timed_out(self.cfg.read_timeout);
-                    self.settle_holder_read(group, items, &r.parts(), &pinned, Err(e), &mut out);
-                    // The read may still land, so its destinations stay quarantined until
-                    // this holder is forgotten (its endpoint closed). A holder that keeps
-                    // answering heartbeats would never be: drop it now (it re-joins at the
-                    // next dial, through a new endpoint), so that DRAM comes back.
+                    // The read may still land: its destinations are quarantined under a
+                    // tag of their own and its request is kept and polled until NIXL says
+                    // it is final (node/given_up.rs); only then is that DRAM reused.
+                    let parts = ReadParts { node: r.node, started: r.started, writer: &r.writer, agent: &r.agent, mine: &r.mine };
+                    let tag = self.give_up(r.read, parts.agent, r.mine.iter().map(|&i| (items[i].namespace, items[i].key)));
+                    let e = TransportError::Timeout { peer: tag, timeout: self.cfg.read_timeout };
+                    self.settle_holder_read(group, items, &parts, &pinned, Err(e), &mut out);
+                    // A holder whose read outlived the budget is dropped (it re-joins at
+                    // the next dial, through a new endpoint): its keys miss meanwhile
+                    // instead of timing out again.
                     if dropped.insert(r.node) {
                         tracing::warn!(
                             node = format!("{:016x}", r.node),
                             agent = %r.agent,
-                            "a remote read outlived its budget: dropping that peer (it re-joins) to reclaim the DRAM the read may still write"
+                            "a remote read outlived its budget: dropping that peer (it re-joins); the read's DRAM stays quarantined until NIXL reports the read final"
                         );
                         self.drop_peer(r.node, &r.writer);
                     }
@@ -354,14 +358,15 @@ impl Inner {
                 }
             }
             Err(e) => {
-                let tainted = e.destination_tainted();
                 let msg = e.to_string();
                 tracing::debug!(node = format!("{:016x}", r.node), agent = %r.agent, "remote read failed: {msg}");
                 for &i in r.mine {
-                    out[i] = Some(Err(if tainted {
-                        FetchError::Transport(TransportError::Timeout { peer: r.agent.to_string(), timeout: self.cfg.read_timeout })
-                    } else {
-                        FetchError::Read(msg.clone())
+                    out[i] = Some(Err(match &e {
+                        // Given up (`give_up`): the tag it is quarantined under.
+                        TransportError::Timeout { peer, timeout } => {
+                            FetchError::Transport(TransportError::Timeout { peer: peer.clone(), timeout: *timeout })
+                        }
+                        _ => FetchError::Read(msg.clone()),
                     }));
                 }
             }

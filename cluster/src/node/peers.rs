@@ -157,7 +157,18 @@ impl Inner {
         if self.reads_in_flight.load(Ordering::Acquire) > 0 {
             return;
         }
-        let names = std::mem::take(&mut *self.forget.lock().expect("forget"));
+        // Not a holder with a given-up read still pending: NIXL answers the status of a
+        // request whose remote agent was invalidated with an error that says nothing of
+        // the transfer ("invalidated or re-registered during transfer"), so that read
+        // could never be seen final and its DRAM never reclaimed (node/given_up.rs). Its
+        // forget waits until the read is final.
+        let pending = self.given_up_agents();
+        let names: Vec<String> = {
+            let mut f = self.forget.lock().expect("forget");
+            let (later, now): (Vec<String>, Vec<String>) = std::mem::take(&mut *f).into_iter().partition(|n| pending.contains(n));
+            *f = later;
+            now
+        };
         for n in names {
             self.agent.forget_peer(&n);
             self.pool.holder_forgotten(&n);
@@ -222,6 +233,7 @@ impl Inner {
                 }
             }
             self.forget_idle_peers();
+            self.reap_given_up();
             self.release_leases(Some(now));
             std::thread::sleep(self.cfg.heartbeat.min(Duration::from_millis(100)).max(Duration::from_millis(10)));
         }
