@@ -312,6 +312,39 @@ pub struct FetchPhases {
     pub check_ns: u64,
     /// Holder reads (chunks) settled.
     pub reads: u64,
+    /// Time during which at least one READ was in flight (the union over all fetches): the
+    /// wall time minus this is where the wire sat idle (pins, copies, checks not overlapped).
+    pub read_busy_ns: u64,
+}
+
+/// The union of the times READs were in flight (`FetchPhases::read_busy_ns`).
+#[derive(Debug, Default)]
+struct BusyClock {
+    in_flight: usize,
+    since: Option<Instant>,
+    busy_ns: u64,
+}
+
+impl BusyClock {
+    fn posted(&mut self) {
+        if self.in_flight == 0 {
+            self.since = Some(Instant::now());
+        }
+        self.in_flight += 1;
+    }
+
+    fn settled(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if self.in_flight == 0 {
+            if let Some(t) = self.since.take() {
+                self.busy_ns += t.elapsed().as_nanos() as u64;
+            }
+        }
+    }
+
+    fn busy_ns(&self) -> u64 {
+        self.busy_ns + self.since.map_or(0, |t| t.elapsed().as_nanos() as u64)
+    }
 }
 
 /// A subscriber's copy of one pinned object: the export slot its READs address, the pins
@@ -377,6 +410,7 @@ struct Inner {
     phase_read_ns: AtomicU64,
     phase_check_ns: AtomicU64,
     phase_reads: AtomicU64,
+    read_busy: Mutex<BusyClock>,
 }
 
 /// A running cluster node; stops its threads on drop.
@@ -453,6 +487,7 @@ impl Cluster {
             phase_read_ns: AtomicU64::new(0),
             phase_check_ns: AtomicU64::new(0),
             phase_reads: AtomicU64::new(0),
+            read_busy: Mutex::new(BusyClock::default()),
         });
         tracing::info!(listen = %local_addr, node = format!("{node:016x}"), "cluster node started");
         let i = inner.clone();
@@ -512,6 +547,7 @@ impl Cluster {
                 read_ns: self.inner.phase_read_ns.load(Ordering::Relaxed),
                 check_ns: self.inner.phase_check_ns.load(Ordering::Relaxed),
                 reads: self.inner.phase_reads.load(Ordering::Relaxed),
+                read_busy_ns: self.inner.read_busy.lock().expect("read busy").busy_ns(),
             },
         }
     }
@@ -612,6 +648,47 @@ impl Cluster {
             }
         }
         r
+    }
+}
+
+impl Cluster {
+    /// [`Self::fetch_batch`] of several stages (a load's batches, in order), pipelined:
+    /// up to `ahead` stages after the current one are fetched at the same time, each on
+    /// its own thread, so the holder copies stage k+1 into its export area and the reader
+    /// checks stage k-1's digests while stage k is READ (the pool overlaps a load's stages
+    /// the same way through its promotion look-ahead). Each stage is a whole
+    /// [`Self::fetch_batch`]: its own budget, pins, digests and quarantine; nothing is
+    /// shared between stages but the connection. `ahead` = 0 runs them one after another.
+    /// Per-stage, per-item results, in order.
+    ///
+    /// # Safety
+    /// As for [`Self::fetch`], for every item of every stage.
+    pub unsafe fn fetch_stages(&self, group: u32, stages: &[&[FetchRequest]], ahead: usize) -> Vec<Vec<Result<u128, FetchError>>> {
+        /// A stage's requests, to move to its thread.
+        struct Stage<'a>(&'a [FetchRequest]);
+        // SAFETY: the raw destinations are reserved for this fetch by the caller
+        // (`fetch_stages`' contract); only the thread the stage moves to writes them.
+        unsafe impl Send for Stage<'_> {}
+        let mut out: Vec<Vec<Result<u128, FetchError>>> = Vec::with_capacity(stages.len());
+        std::thread::scope(|sc| {
+            let mut running = std::collections::VecDeque::new();
+            for &stage in stages {
+                if running.len() > ahead {
+                    let h: std::thread::ScopedJoinHandle<'_, _> = running.pop_front().expect("running");
+                    out.push(h.join().expect("a fetch does not panic"));
+                }
+                let st = Stage(stage);
+                running.push_back(sc.spawn(move || {
+                    let st = st;
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { self.fetch_batch(group, st.0) }
+                }));
+            }
+            for h in running {
+                out.push(h.join().expect("a fetch does not panic"));
+            }
+        });
+        out
     }
 }
 

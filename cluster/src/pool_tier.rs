@@ -278,7 +278,11 @@ impl FetchSide {
                 if let Some(read) = e.tainting_holder() {
                     // The node quarantined it already (`read_given_up`, before the fetch
                     // returned); it is released when the read is final (`read_final`).
-                    tracing::debug!(key = format!("{:032x}", r.key.0), read, "remote read timed out: its DRAM stays quarantined until the read is final");
+                    tracing::debug!(
+                        key = format!("{:032x}", r.key.0),
+                        read,
+                        "remote read timed out: its DRAM stays quarantined until the read is final"
+                    );
                 }
                 false
             }

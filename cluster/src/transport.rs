@@ -290,6 +290,11 @@ impl Agent {
         self.agent.load_remote_md(metadata).map_err(nixl("load remote metadata"))
     }
 
+    /// Whether `agent`'s metadata is loaded here.
+    pub fn has_peer(&self, agent: &str) -> bool {
+        self.agent.check_remote_metadata(agent, None)
+    }
+
     /// Forgets a peer (dead or left): later reads from it fail with `UnknownPeer`.
     pub fn forget_peer(&self, agent: &str) {
         let t = std::time::Instant::now();
@@ -382,6 +387,11 @@ impl PendingRead<'_> {
             }
         }
         Ok(self.done)
+    }
+
+    /// Time since the read was posted.
+    pub fn since_posted(&self) -> Duration {
+        self.posted.elapsed()
     }
 
     /// The error for a read given up after `timeout` (its destination is tainted).

@@ -147,7 +147,12 @@ fn a_given_up_read_is_reclaimed_only_once_nixl_reports_it_final() {
     let fetch = std::thread::spawn(move || {
         let reqs: Vec<FetchRequest> = (0..n)
             // SAFETY: disjoint ranges of our mapping, used by nothing else.
-            .map(|i| FetchRequest { key: ObjectKey(1 + i as u128), namespace: 0, size, dest: unsafe { m2.base().add((i * size) as usize) } })
+            .map(|i| FetchRequest {
+                key: ObjectKey(1 + i as u128),
+                namespace: 0,
+                size,
+                dest: unsafe { m2.base().add((i * size) as usize) },
+            })
             .collect();
         // SAFETY: as above, for every request.
         unsafe { n2.fetch_batch(0, &reqs) }
@@ -171,21 +176,25 @@ fn a_given_up_read_is_reclaimed_only_once_nixl_reports_it_final() {
     // No wrong byte published: whatever the fetch returned Ok is byte-exact.
     for (i, r) in results.iter().enumerate() {
         if r.is_ok() {
-            assert!(mem.read(i as u64 * size, size as usize) == pattern(1 + i as u128, size as usize), "object {i} returned Ok with wrong bytes");
+            assert!(
+                mem.read(i as u64 * size, size as usize) == pattern(1 + i as u128, size as usize),
+                "object {i} returned Ok with wrong bytes"
+            );
         } else {
             // Cut off mid-read (tainted), or its pin was never answered (the holder stopped
             // before copying it, then was dropped as silent).
             let e = r.as_ref().unwrap_err();
-            assert!(
-                e.destination_tainted() || matches!(e, FetchError::PinTimeout { .. } | FetchError::PeerGone(_)),
-                "object {i}: {e}"
-            );
+            assert!(e.destination_tainted() || matches!(e, FetchError::PinTimeout { .. } | FetchError::PeerGone(_)), "object {i}: {e}");
         }
     }
     {
         let ev = pool.ev.lock().unwrap();
         assert!(!ev.given_up.is_empty(), "the timed-out read was quarantined (read_given_up)");
-        assert!(ev.finals.is_empty(), "final reported while the holder is stopped: {:?}", ev.finals.iter().map(|f| &f.0).collect::<Vec<_>>());
+        assert!(
+            ev.finals.is_empty(),
+            "final reported while the holder is stopped: {:?}",
+            ev.finals.iter().map(|f| &f.0).collect::<Vec<_>>()
+        );
     }
     // The holder is dropped (its read outlived the budget; silent past `dead_after`) while
     // it stays stopped, as in the soak. There, its forget handed the DRAM back.
@@ -219,6 +228,15 @@ fn a_given_up_read_is_reclaimed_only_once_nixl_reports_it_final() {
     std::thread::sleep(Duration::from_millis(1000));
     assert!(mem.read(0, total) == at_final, "bytes landed after the read was reported final");
     assert_eq!(node.stats().given_up_reads, 0);
+    // The resumed holder re-joins (its metadata was kept while the read was pending) and
+    // serves again: a fresh fetch into zeroed DRAM is byte-exact.
+    wait_for("the holder to re-join", Duration::from_secs(30), || node.stats().peers == 1 && mem.remote_keys().len() == n as usize);
+    // SAFETY: no transfer writes our mapping any more (the given-up read is final).
+    unsafe { std::ptr::write_bytes(mem.base(), 0, size as usize) };
+    // SAFETY: object 0's range of our mapping, used by nothing else.
+    let again = unsafe { node.fetch(0, 0, ObjectKey(1), size, mem.base()) };
+    assert!(again.is_ok(), "a fetch from the re-joined holder: {again:?}");
+    assert!(mem.read(0, size as usize) == pattern(1, size as usize), "re-fetched bytes differ");
     drop(node);
     drop(holder);
 }

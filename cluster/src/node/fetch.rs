@@ -280,6 +280,11 @@ impl Inner {
         let pieces: Vec<ReadPiece> =
             mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].offset, local: items[i].dest, len: items[i].size }).collect();
         self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
+        self.read_busy.lock().expect("read busy").posted();
+        // Its pins were sent at the batch's start and are all answered now: the holder's
+        // copies into its export area, their queue and the round trip.
+        // Relaxed: a counter for reports; it orders nothing.
+        self.phase_pin_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         // SAFETY: forwarded from this function's contract; the read is polled to its end
         // or given up as tainted (`settle_holder_read`).
         match unsafe { self.agent.post_read(region, &pieces) } {
@@ -306,6 +311,8 @@ impl Inner {
             Ok(true) => Ok(()),
             Err(e) => Err(e),
         };
+        // Relaxed: a counter for reports; it orders nothing.
+        self.phase_read_ns.fetch_add(r.read.since_posted().as_nanos() as u64, Ordering::Relaxed);
         self.settle_holder_read(group, items, &r.parts(), pinned, result, out);
         true
     }
@@ -321,6 +328,7 @@ impl Inner {
         out: &mut [Option<Result<u128, FetchError>>],
     ) {
         self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.read_busy.lock().expect("read busy").settled();
         for &i in r.mine {
             // Best effort: a dead peer released its pins with its connection.
             r.writer.send(&Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
@@ -342,10 +350,14 @@ impl Inner {
         match result {
             Ok(()) => {
                 let ranges: Vec<(usize, usize)> = r.mine.iter().map(|&i| (items[i].dest as usize, items[i].size as usize)).collect();
+                let checking = Instant::now();
                 // SAFETY: the read into every `dest..dest+size` completed; each range is
                 // reserved for this fetch (`Cluster::fetch_batch`'s contract) and nothing
                 // else writes it until this fetch returns.
                 let digests = unsafe { digests_of(&ranges) };
+                // Relaxed: counters for reports; they order nothing.
+                self.phase_check_ns.fetch_add(checking.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                self.phase_reads.fetch_add(1, Ordering::Relaxed);
                 for (&i, digest) in r.mine.iter().zip(digests) {
                     let p = pinned[&i];
                     out[i] = Some(if digest == p.digest {

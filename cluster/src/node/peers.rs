@@ -54,7 +54,13 @@ impl Inner {
             match m {
                 Msg::Heartbeat => {}
                 Msg::Join { agent, metadata, base, len } => {
-                    let loaded = match self.agent.load_peer(&metadata) {
+                    // A holder re-joining while a read given up from it is pending is the
+                    // same process (agent names carry a random node id): its metadata is
+                    // still loaded (its forget waits for that read), and loading it again
+                    // would re-register the agent, after which NIXL answers the pending
+                    // read's status with an error forever (node/given_up.rs).
+                    let keep = self.given_up_agents().contains(&agent) && self.agent.has_peer(&agent);
+                    let loaded = match if keep { Ok(agent.clone()) } else { self.agent.load_peer(&metadata) } {
                         Ok(name) if name == agent => name,
                         Ok(name) => break Err(format!("metadata names agent {name}, Join said {agent}")),
                         Err(e) => break Err(e.to_string()),
