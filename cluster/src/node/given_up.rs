@@ -26,7 +26,7 @@ impl Inner {
         // Quarantined before the read is listed for the ticker, so its final report
         // always comes after (the pool would otherwise miss it and keep the DRAM forever).
         self.pool.read_given_up(&tag, &items);
-        tracing::warn!(read = %tag, objects = items.len(), "remote read given up: its DRAM stays quarantined until NIXL reports the read final");
+        tracing::debug!(read = %tag, objects = items.len(), "remote read given up: kept until NIXL reports it final");
         self.given_up.lock().expect("given up").push((tag.clone(), read.give_up()));
         tag
     }
