@@ -146,11 +146,11 @@ fn a_given_up_read_is_reclaimed_only_once_nixl_reports_it_final() {
     let (n2, m2) = (node.clone(), mem.clone());
     let fetch = std::thread::spawn(move || {
         let reqs: Vec<FetchRequest> = (0..n)
-            // SAFETY: disjoint ranges of our mapping, used by nothing else.
             .map(|i| FetchRequest {
                 key: ObjectKey(1 + i as u128),
                 namespace: 0,
                 size,
+                // SAFETY: disjoint ranges of our mapping, used by nothing else.
                 dest: unsafe { m2.base().add((i * size) as usize) },
             })
             .collect();
