@@ -88,9 +88,9 @@ pub struct ClusterConfig {
     /// Bound on one fetch (pin round trip and read).
     pub read_timeout: Duration,
     /// A closed subscriber's pins are kept `read_timeout + pin_lease_margin` after its
-    /// control connection closes (its one-sided READs may still be in flight); a reader
-    /// takes a READ that completes past its own `read_timeout` as late (not published).
-    /// Members run the same `read_timeout` (docs/cluster.md, "Pin leases").
+    /// control connection closes (its one-sided READs may still be in flight): the lease,
+    /// sent to subscribers in `Join`. A reader takes a READ that completes past the holder's
+    /// lease (or its own `read_timeout`, if shorter) as late (not published; docs/cluster.md).
     pub pin_lease_margin: Duration,
     /// Bound on connect, and the total deadline of a handshake (not per read).
     pub connect_timeout: Duration,
@@ -243,6 +243,9 @@ struct Peer {
     /// Its `Join`'s NIXL metadata, loaded again after a deferred forget of the same agent
     /// (`forget_idle_peers`: a stopped holder that came back re-joins under its old name).
     metadata: Option<Vec<u8>>,
+    /// Its pin lease (from `Join`; None: it sent none): a READ from it completing later than
+    /// this after its batch began is late.
+    lease: Option<Duration>,
     pending: HashMap<u64, PinWaiter>,
 }
 

@@ -36,11 +36,10 @@ impl Inner {
         self.set_timeouts(&s);
         let mut rx = est.opener;
         let writer = Outbox::new(&s, est.sealer, "cluster-peer-tx").map_err(|e| e.to_string())?;
-        self.state
-            .lock()
-            .expect("state")
-            .peers
-            .insert(server, Peer { addr: addr.to_string(), writer: writer.clone(), region: None, metadata: None, pending: HashMap::new() });
+        self.state.lock().expect("state").peers.insert(
+            server,
+            Peer { addr: addr.to_string(), writer: writer.clone(), region: None, metadata: None, lease: None, pending: HashMap::new() },
+        );
         self.liveness.lock().expect("liveness").seen(server, Instant::now());
         tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
         let mut snapshot: Option<Vec<RemoteObject>> = None;
@@ -53,7 +52,7 @@ impl Inner {
             self.liveness.lock().expect("liveness").seen(server, Instant::now());
             match m {
                 Msg::Heartbeat => {}
-                Msg::Join { agent, metadata, base, len } => {
+                Msg::Join { agent, metadata, base, len, lease_ms } => {
                     // A holder re-joining while a read given up from it is pending is the
                     // same process (agent names carry a random node id): its metadata is
                     // still loaded (its forget waits for that read), and loading it again
@@ -68,6 +67,7 @@ impl Inner {
                     if let Some(p) = self.state.lock().expect("state").peers.get_mut(&server) {
                         p.region = Some(PeerRegion { agent: loaded, base, len });
                         p.metadata = Some(metadata);
+                        p.lease = (lease_ms > 0).then(|| Duration::from_millis(lease_ms));
                     }
                 }
                 Msg::Keys { changes, snapshot: first, more } => {
