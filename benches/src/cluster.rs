@@ -149,25 +149,32 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
         }
         Ok(t.elapsed().as_secs_f64())
     };
+    // Batches in flight at once on the cluster path: each holds its copies in the holder's
+    // export area until read, so no more than the area holds.
+    let ahead = a.ahead.min((region.len / (batch * block)).saturating_sub(1) as usize);
     let umbp_pass = || -> Result<f64, String> {
         // Poison the destination so the cluster path must bring every byte again.
         // SAFETY: our own mapping, no transfer in flight.
         unsafe { std::ptr::write_bytes(pool.base(), 0, total as usize) };
         let t = Instant::now();
-        for first in (0..blocks).step_by(batch as usize) {
-            let reqs: Vec<FetchRequest> = (first..(first + batch).min(blocks))
-                .map(|i| FetchRequest {
-                    key: ObjectKey(i as u128 + 1),
-                    namespace: 0,
-                    size: block,
-                    // SAFETY: block i's range is in the registered mapping and used by nothing else.
-                    dest: unsafe { pool.base().add((i * block) as usize) },
-                })
-                .collect();
-            // SAFETY: as above, for every request.
-            for r in unsafe { node.fetch_batch(0, &reqs) } {
-                r.map_err(|e| e.to_string())?;
-            }
+        let stages: Vec<Vec<FetchRequest>> = (0..blocks)
+            .step_by(batch as usize)
+            .map(|first| {
+                (first..(first + batch).min(blocks))
+                    .map(|i| FetchRequest {
+                        key: ObjectKey(i as u128 + 1),
+                        namespace: 0,
+                        size: block,
+                        // SAFETY: block i's range is in the registered mapping and used by nothing else.
+                        dest: unsafe { pool.base().add((i * block) as usize) },
+                    })
+                    .collect()
+            })
+            .collect();
+        let stages: Vec<&[FetchRequest]> = stages.iter().map(Vec::as_slice).collect();
+        // SAFETY: as above, for every request of every stage.
+        for r in unsafe { node.fetch_stages(0, &stages, ahead) }.into_iter().flatten() {
+            r.map_err(|e| e.to_string())?;
         }
         Ok(t.elapsed().as_secs_f64())
     };
@@ -175,6 +182,7 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
     // counted; the order of the two passes alternates between rounds.
     raw_pass()?;
     umbp_pass()?;
+    let warm = node.stats().phases;
     for i in 0..blocks {
         if pool.read(i * block, block as usize) != pattern(i as u128 + 1, block as usize) {
             return Err(format!("block {i} differs after a remote load"));
@@ -189,6 +197,23 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             raw_s.push(raw_pass()?);
         }
     }
+    // Where the cluster path's time went, per pass (sums over its holder reads: they
+    // overlap one another, so they may add up to more than the pass).
+    let ph = node.stats().phases;
+    let passes = a.rounds.max(1) as f64;
+    let per_pass_ms = |after: u64, before: u64| (after - before) as f64 / 1e6 / passes;
+    let wall_ms = umbp_s.iter().sum::<f64>() * 1e3 / passes;
+    let busy_ms = per_pass_ms(ph.read_busy_ns, warm.read_busy_ns);
+    let phases = serde_json::json!({
+        "wall_ms": wall_ms,
+        "wire_busy_ms": busy_ms,
+        "wire_idle_ms": (wall_ms - busy_ms).max(0.0),
+        "holder_prepare_ms": per_pass_ms(ph.pin_ns, warm.pin_ns),
+        "read_ms": per_pass_ms(ph.read_ns, warm.read_ns),
+        "check_ms": per_pass_ms(ph.check_ns, warm.check_ns),
+        "reads": (ph.reads - warm.reads) as f64 / passes,
+        "what": "means per timed cluster pass. wall: the pass; wire_busy: time some READ was in flight; wire_idle = wall - wire_busy (pins, copies, checks not overlapped with a READ). Sums over the pass's holder reads (8 MiB chunks, several in flight at once, so they exceed wall): holder_prepare = batch start (its pins sent) to the chunk's last pin answered (the holder's copy into its export area, queue, round trip); read = READ post to completion; check = digest checks",
+    });
     let median = |v: &mut Vec<f64>| {
         v.sort_by(|a, b| a.total_cmp(b));
         v[v.len() / 2]
@@ -204,6 +229,8 @@ pub fn run(a: &ClusterCli) -> Result<Vec<Case>, String> {
             .extra("token_bytes", a.token_bytes)
             .extra("rounds", a.rounds.max(1))
             .extra("batch_blocks", batch)
+            .extra("ahead_batches", ahead)
+            .extra("phases", phases.clone())
             .extra("ucx_tls", std::env::var("UCX_TLS").unwrap_or_default())
             .extra("verified_bytes", true)
     };

@@ -16,6 +16,12 @@ pub struct ClusterCli {
     /// Blocks per request (a load's stage: 64 MiB of 2 MiB blocks), for both paths.
     #[arg(long, default_value_t = 32)]
     pub batch: u64,
+    /// Batches the cluster path fetches ahead of the one being read (`Cluster::fetch_stages`:
+    /// the holder copies batch k+1 and the reader checks batch k-1 while batch k is READ, as
+    /// the pool's promotion look-ahead overlaps a load's stages); 0 = one batch at a time.
+    /// Lowered where the holder's export area cannot hold that many batches' copies.
+    #[arg(long, default_value_t = 1)]
+    pub ahead: usize,
     /// Timed rounds (each: the whole prefix raw, then through the cluster tier).
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,

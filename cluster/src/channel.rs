@@ -365,7 +365,7 @@ mod tests {
         let (mut c, mut s) = (c.unwrap(), s.unwrap());
         assert_eq!((c.peer, s.peer), (2, 1));
         // A frame larger than one record, both ways.
-        let big = Msg::Join { agent: "a".into(), metadata: vec![7u8; 200_000], base: 1, len: 2 };
+        let big = Msg::Join { agent: "a".into(), metadata: vec![7u8; 200_000], base: 1, len: 2, lease_ms: 3 };
         let mut plain = Vec::new();
         write_msg(&mut plain, &big).unwrap();
         write_msg(&mut plain, &Msg::Heartbeat).unwrap();

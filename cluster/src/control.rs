@@ -64,6 +64,12 @@ pub enum Msg {
         metadata: Vec<u8>,
         base: u64,
         len: u64,
+        /// The server's pin lease in ms (`read_timeout + pin_lease_margin`): how long after
+        /// a closed connection it keeps that subscriber's export slots. A READ completing
+        /// later than this after its batch began is late (not published). 0 (a server
+        /// that does not send it): the client's own `read_timeout` applies.
+        #[serde(default)]
+        lease_ms: u64,
     },
     /// Key changes of the server's pool; `snapshot`: the first batch of a full listing
     /// (replaces what the client knew), `more`: further batches of it follow.

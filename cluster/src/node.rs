@@ -14,7 +14,7 @@
 //!
 //! Files: this one (configuration, the public face, shared state), `node/serve.rs` (the
 //! server side: subscribers), `node/peers.rs` (the client side: peers, and the ticker),
-//! `node/fetch.rs` (a batched fetch).
+//! `node/fetch.rs` (a batched fetch), `node/given_up.rs` (timed-out reads until final).
 //!
 //! The pool's own traffic never enters this module except for a fetch (`node/fetch.rs`),
 //! which is bounded by `read_timeout`.
@@ -38,6 +38,7 @@ use crate::placement::NodeId;
 use crate::transport::{self, Agent, PeerRegion, TransportError};
 
 mod fetch;
+mod given_up;
 mod peers;
 mod serve;
 
@@ -62,6 +63,18 @@ pub trait LocalPool: Send + Sync + 'static {
     fn holder_forgotten(&self, agent: &str) {
         let _ = agent;
     }
+    /// The node gave up waiting for a read (it outlived `read_timeout`) that may still
+    /// write the destinations of `items` (namespace, key): quarantine them under `tag`
+    /// (unique to this read). Called before the fetch returns and before the read can be
+    /// reported final, so [`Self::read_final`] for `tag` always comes after.
+    fn read_given_up(&self, tag: &str, items: &[(u128, ObjectKey)]) {
+        let _ = (tag, items);
+    }
+    /// The given-up read `tag` is final (NIXL reports it completed or failed): it writes
+    /// nothing more, so its destinations may be reused once their loads are done.
+    fn read_final(&self, tag: &str) {
+        let _ = tag;
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -75,9 +88,9 @@ pub struct ClusterConfig {
     /// Bound on one fetch (pin round trip and read).
     pub read_timeout: Duration,
     /// A closed subscriber's pins are kept `read_timeout + pin_lease_margin` after its
-    /// control connection closes (its one-sided READs may still be in flight); a reader
-    /// takes a READ that completes past its own `read_timeout` as late (not published).
-    /// Members run the same `read_timeout` (docs/cluster.md, "Pin leases").
+    /// control connection closes (its one-sided READs may still be in flight): the lease,
+    /// sent to subscribers in `Join`. A reader takes a READ that completes past the holder's
+    /// lease (or its own `read_timeout`, if shorter) as late (not published; docs/cluster.md).
     pub pin_lease_margin: Duration,
     /// Bound on connect, and the total deadline of a handshake (not per read).
     pub connect_timeout: Duration,
@@ -175,9 +188,10 @@ impl FetchError {
         matches!(self, Self::Transport(e) if e.destination_tainted())
     }
 
-    /// The holder (transport agent name) whose read may still write the destination, when
-    /// [`Self::destination_tainted`] (its DRAM stays quarantined: no transport event says
-    /// the read can no longer land).
+    /// The given-up read (`agent#n`: the holder's transport agent name and the read's
+    /// number) that may still write the destination, when [`Self::destination_tainted`]:
+    /// the node quarantined it under this tag ([`LocalPool::read_given_up`]) and reports
+    /// when the read is final ([`LocalPool::read_final`]).
     pub fn tainting_holder(&self) -> Option<&str> {
         match self {
             Self::Transport(TransportError::Timeout { peer, .. }) => Some(peer),
@@ -229,6 +243,9 @@ struct Peer {
     /// Its `Join`'s NIXL metadata, loaded again after a deferred forget of the same agent
     /// (`forget_idle_peers`: a stopped holder that came back re-joins under its old name).
     metadata: Option<Vec<u8>>,
+    /// Its pin lease (from `Join`; None: it sent none): a READ from it completing later than
+    /// this after its batch began is late.
+    lease: Option<Duration>,
     pending: HashMap<u64, PinWaiter>,
 }
 
@@ -276,6 +293,61 @@ pub struct ClusterStats {
     pub export_bytes_used: u64,
     /// Pins answered `PinFailed` because the export area had no room for the copy.
     pub export_full: u64,
+    /// Reads given up (timed out) whose NIXL request is not final yet: their destinations
+    /// stay quarantined.
+    pub given_up_reads: u64,
+    /// Given-up reads that became final since start (their quarantine released).
+    pub given_up_final: u64,
+    /// Where the fetches' time went, summed over every holder read since start (they
+    /// overlap one another, so the sum exceeds the wall time when the pipeline works).
+    pub phases: FetchPhases,
+}
+
+/// Summed per-phase times of the fetches since start, in nanoseconds.
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct FetchPhases {
+    /// From a read's first pin sent to its last pin answered (the holder's copy into its
+    /// export area, its queue and the round trip).
+    pub pin_ns: u64,
+    /// From a read's post to its completion (NIXL READ).
+    pub read_ns: u64,
+    /// The digest checks of the bytes read.
+    pub check_ns: u64,
+    /// Holder reads (chunks) settled.
+    pub reads: u64,
+    /// Time during which at least one READ was in flight (the union over all fetches): the
+    /// wall time minus this is where the wire sat idle (pins, copies, checks not overlapped).
+    pub read_busy_ns: u64,
+}
+
+/// The union of the times READs were in flight (`FetchPhases::read_busy_ns`).
+#[derive(Debug, Default)]
+struct BusyClock {
+    in_flight: usize,
+    since: Option<Instant>,
+    busy_ns: u64,
+}
+
+impl BusyClock {
+    fn posted(&mut self) {
+        if self.in_flight == 0 {
+            self.since = Some(Instant::now());
+        }
+        self.in_flight += 1;
+    }
+
+    fn settled(&mut self) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        if self.in_flight == 0 {
+            if let Some(t) = self.since.take() {
+                self.busy_ns += t.elapsed().as_nanos() as u64;
+            }
+        }
+    }
+
+    fn busy_ns(&self) -> u64 {
+        self.busy_ns + self.since.map_or(0, |t| t.elapsed().as_nanos() as u64)
+    }
 }
 
 /// A subscriber's copy of one pinned object: the export slot its READs address, the pins
@@ -332,6 +404,16 @@ struct Inner {
     local_addr: std::net::SocketAddr,
     reads_in_flight: std::sync::atomic::AtomicUsize,
     forget: Mutex<Vec<String>>,
+    /// Reads given up (timed out) until NIXL reports them final (`node/fetch.rs`); the
+    /// ticker polls them. Each carries the tag its destinations are quarantined under.
+    given_up: Mutex<Vec<(String, transport::GivenUpRead)>>,
+    next_read: AtomicU64,
+    given_up_final: AtomicU64,
+    phase_pin_ns: AtomicU64,
+    phase_read_ns: AtomicU64,
+    phase_check_ns: AtomicU64,
+    phase_reads: AtomicU64,
+    read_busy: Mutex<BusyClock>,
 }
 
 /// A running cluster node; stops its threads on drop.
@@ -401,6 +483,14 @@ impl Cluster {
             local_addr,
             reads_in_flight: std::sync::atomic::AtomicUsize::new(0),
             forget: Mutex::new(Vec::new()),
+            given_up: Mutex::new(Vec::new()),
+            next_read: AtomicU64::new(1),
+            given_up_final: AtomicU64::new(0),
+            phase_pin_ns: AtomicU64::new(0),
+            phase_read_ns: AtomicU64::new(0),
+            phase_check_ns: AtomicU64::new(0),
+            phase_reads: AtomicU64::new(0),
+            read_busy: Mutex::new(BusyClock::default()),
         });
         tracing::info!(listen = %local_addr, node = format!("{node:016x}"), "cluster node started");
         let i = inner.clone();
@@ -453,6 +543,15 @@ impl Cluster {
             published_changes: self.inner.published_changes.load(Ordering::Relaxed),
             export_bytes_used: self.inner.export.used(),
             export_full: self.inner.export.full_count(),
+            given_up_reads: self.inner.given_up.lock().expect("given up").len() as u64,
+            given_up_final: self.inner.given_up_final.load(Ordering::Relaxed),
+            phases: FetchPhases {
+                pin_ns: self.inner.phase_pin_ns.load(Ordering::Relaxed),
+                read_ns: self.inner.phase_read_ns.load(Ordering::Relaxed),
+                check_ns: self.inner.phase_check_ns.load(Ordering::Relaxed),
+                reads: self.inner.phase_reads.load(Ordering::Relaxed),
+                read_busy_ns: self.inner.read_busy.lock().expect("read busy").busy_ns(),
+            },
         }
     }
 
@@ -552,6 +651,47 @@ impl Cluster {
             }
         }
         r
+    }
+}
+
+impl Cluster {
+    /// [`Self::fetch_batch`] of several stages (a load's batches, in order), pipelined:
+    /// up to `ahead` stages after the current one are fetched at the same time, each on
+    /// its own thread, so the holder copies stage k+1 into its export area and the reader
+    /// checks stage k-1's digests while stage k is READ (the pool overlaps a load's stages
+    /// the same way through its promotion look-ahead). Each stage is a whole
+    /// [`Self::fetch_batch`]: its own budget, pins, digests and quarantine; nothing is
+    /// shared between stages but the connection. `ahead` = 0 runs them one after another.
+    /// Per-stage, per-item results, in order.
+    ///
+    /// # Safety
+    /// As for [`Self::fetch`], for every item of every stage.
+    pub unsafe fn fetch_stages(&self, group: u32, stages: &[&[FetchRequest]], ahead: usize) -> Vec<Vec<Result<u128, FetchError>>> {
+        /// A stage's requests, to move to its thread.
+        struct Stage<'a>(&'a [FetchRequest]);
+        // SAFETY: the raw destinations are reserved for this fetch by the caller
+        // (`fetch_stages`' contract); only the thread the stage moves to writes them.
+        unsafe impl Send for Stage<'_> {}
+        let mut out: Vec<Vec<Result<u128, FetchError>>> = Vec::with_capacity(stages.len());
+        std::thread::scope(|sc| {
+            let mut running = std::collections::VecDeque::new();
+            for &stage in stages {
+                if running.len() > ahead {
+                    let h: std::thread::ScopedJoinHandle<'_, _> = running.pop_front().expect("running");
+                    out.push(h.join().expect("a fetch does not panic"));
+                }
+                let st = Stage(stage);
+                running.push_back(sc.spawn(move || {
+                    let st = st;
+                    // SAFETY: forwarded from this function's contract.
+                    unsafe { self.fetch_batch(group, st.0) }
+                }));
+            }
+            for h in running {
+                out.push(h.join().expect("a fetch does not panic"));
+            }
+        });
+        out
     }
 }
 

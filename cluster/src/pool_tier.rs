@@ -184,15 +184,27 @@ impl LocalPool for PoolSide {
         }
     }
 
-    /// The DRAM of this holder's timed-out reads stays quarantined (until the pool
-    /// restarts; bounded by `quarantine_max_bytes`). Forgetting the holder's NIXL metadata
-    /// does not stop a read already posted: the chaos soak (`umbp-bench soak --cluster`,
-    /// 2026-12-05) saw a holder SIGSTOPped mid-read, dropped, forgotten, its reads' DRAM
-    /// reclaimed and given to another object, and on SIGCONT the old read landed there:
-    /// 65,307 wrong bytes returned as `Loaded`. No NIXL event says a given-up read can no
-    /// longer land, so nothing here hands that DRAM back.
+    /// Notice only: forgetting a holder's NIXL metadata does not stop a read already
+    /// posted (the chaos soak, `umbp-bench soak --cluster`, 2026-12-05, saw a forgotten
+    /// holder's read land on SIGCONT: 65,307 wrong bytes returned as `Loaded` when that
+    /// DRAM was reclaimed here). The DRAM of given-up reads comes back through
+    /// [`LocalPool::read_final`] instead.
     fn holder_forgotten(&self, agent: &str) {
-        tracing::debug!(holder = agent, "holder forgotten; the DRAM of its timed-out reads stays quarantined");
+        tracing::debug!(holder = agent, "holder forgotten");
+    }
+
+    /// The promotions the given-up read was filling leave the pool; their DRAM is
+    /// quarantined under `tag` (this read alone) until [`Self::read_final`].
+    fn read_given_up(&self, tag: &str, items: &[(u128, ObjectKey)]) {
+        let leaked: u64 = items.iter().map(|&(ns, key)| self.access.abandon_promotion(ns, key, tag)).sum();
+        tracing::warn!(read = tag, objects = items.len(), leaked, "remote read given up: its DRAM is quarantined until the read is final");
+    }
+
+    /// NIXL reports the given-up read `tag` final: its quarantined DRAM is reclaimed (at
+    /// once for promotions their loads finished, else when they do).
+    fn read_final(&self, tag: &str) {
+        let reclaimed = self.access.holder_forgotten(tag);
+        tracing::info!(read = tag, reclaimed, "given-up remote read is final: its quarantined DRAM is released");
     }
 }
 
@@ -263,13 +275,13 @@ impl FetchSide {
             Err(e) => {
                 // Before the pool drops the promotion (its event comes after this).
                 self.2.failed.lock().expect("failed").insert((g, r.key));
-                if let Some(holder) = e.tainting_holder() {
-                    let leaked = self.1.abandon_promotion(r.namespace, r.key, holder);
-                    tracing::warn!(
+                if let Some(read) = e.tainting_holder() {
+                    // The node quarantined it already (`read_given_up`, before the fetch
+                    // returned); it is released when the read is final (`read_final`).
+                    tracing::debug!(
                         key = format!("{:032x}", r.key.0),
-                        leaked,
-                        holder,
-                        "remote read timed out: its DRAM stays quarantined (until the pool restarts: the read may still land)"
+                        read,
+                        "remote read timed out: its DRAM stays quarantined until the read is final"
                     );
                 }
                 false

@@ -54,8 +54,10 @@ pub enum TransportError {
         #[source]
         source: NixlError,
     },
-    /// The read did not complete in time. Its request was released, but the backend may
-    /// still write the destination later: the caller must never reuse that memory.
+    /// The read did not complete in time. Its request is kept (`PendingRead::give_up`)
+    /// and the backend may still write the destination: the caller must not reuse that
+    /// memory until the kept request is final. `peer` names the holder's agent and, after
+    /// a `#`, the given-up read (the tag its quarantine is filed under).
     #[error("remote read from {peer} did not complete within {timeout:?}")]
     Timeout { peer: String, timeout: Duration },
 }
@@ -288,6 +290,11 @@ impl Agent {
         self.agent.load_remote_md(metadata).map_err(nixl("load remote metadata"))
     }
 
+    /// Whether `agent`'s metadata is loaded here.
+    pub fn has_peer(&self, agent: &str) -> bool {
+        self.agent.check_remote_metadata(agent, None)
+    }
+
     /// Forgets a peer (dead or left): later reads from it fail with `UnknownPeer`.
     pub fn forget_peer(&self, agent: &str) {
         let t = std::time::Instant::now();
@@ -355,7 +362,8 @@ impl Agent {
 }
 
 /// A posted read ([`Agent::post_read`]). Dropping it while in progress releases the
-/// request, but the backend may still write the destination later (see `post_read`).
+/// request, but the backend may still write the destination later (see `post_read`): a
+/// caller that stops waiting keeps it with [`PendingRead::give_up`] instead.
 pub struct PendingRead<'a> {
     agent: &'a Agent,
     req: nixl_sys::XferRequest,
@@ -381,9 +389,92 @@ impl PendingRead<'_> {
         Ok(self.done)
     }
 
+    /// Time since the read was posted.
+    pub fn since_posted(&self) -> Duration {
+        self.posted.elapsed()
+    }
+
     /// The error for a read given up after `timeout` (its destination is tainted).
     pub fn timed_out(&self, timeout: Duration) -> TransportError {
         TransportError::Timeout { peer: self.peer.clone(), timeout }
+    }
+
+    /// Gives the read up without releasing its request: the caller stops waiting for it,
+    /// but keeps the request and polls it ([`Agent::poll_given_up`]) until NIXL reports it
+    /// final. Releasing a posted request does not stop it: NIXL's UCX backend cancels the
+    /// UCX requests on release, and UCX cancels only tag/stream receives (an RMA GET goes
+    /// on; openucx/ucx#9584), then frees the request while the data still arrives. So the
+    /// destination may be reused only once this read is final.
+    pub fn give_up(self) -> GivenUpRead {
+        GivenUpRead { req: self.req, peer: self.peer, done: self.done, given_up: Instant::now() }
+    }
+}
+
+/// A read its caller gave up on (it timed out), kept so that its end can be seen: the
+/// request is released only when it is final (or when this is dropped, which callers do
+/// only once it is final or the destination is never reused; see [`PendingRead::give_up`]).
+pub struct GivenUpRead {
+    req: nixl_sys::XferRequest,
+    peer: String,
+    done: bool,
+    given_up: Instant,
+}
+
+impl std::fmt::Debug for GivenUpRead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GivenUpRead").field("peer", &self.peer).field("given_up", &self.given_up).finish()
+    }
+}
+
+/// How a given-up read ended, once it has.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadEnd {
+    /// Still in progress: its destination may still be written.
+    Pending,
+    /// It completed: every byte landed (after its caller gave up; nothing more lands).
+    Completed,
+    /// NIXL reports an error for it. UCX completes a request with an error only once it
+    /// has finished with it: a failed endpoint purges every outstanding request on it (TCP:
+    /// the socket is closed; RDMA: the QP is in error and flushes), so nothing lands after.
+    Failed(String),
+}
+
+impl GivenUpRead {
+    /// The peer (its agent name) the read was from.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// How long ago its caller gave it up.
+    pub fn given_up_for(&self) -> Duration {
+        self.given_up.elapsed()
+    }
+}
+
+impl Agent {
+    /// Polls a read this agent posted and its caller gave up on (each call also
+    /// progresses UCX). Once it returns anything but [`ReadEnd::Pending`], the read
+    /// writes nothing more and the caller may release it (drop) and reuse its destination.
+    pub fn poll_given_up(&self, r: &mut GivenUpRead) -> ReadEnd {
+        if r.done {
+            return ReadEnd::Completed;
+        }
+        match self.agent.get_xfer_status(&r.req) {
+            Ok(XferStatus::Success) => {
+                r.done = true;
+                ReadEnd::Completed
+            }
+            Ok(XferStatus::InProgress) => ReadEnd::Pending,
+            // The backend's status of the transfer (the C API maps every transfer error,
+            // a disconnect or a cancel included, to this one).
+            Err(e @ NixlError::BackendError) => ReadEnd::Failed(e.to_string()),
+            // An API-level refusal (bad or unknown handle) says nothing of the transfer:
+            // it may still be running, so it is not final.
+            Err(e) => {
+                tracing::debug!(peer = %r.peer, "status of a given-up read: {e} (not final)");
+                ReadEnd::Pending
+            }
+        }
     }
 }
 

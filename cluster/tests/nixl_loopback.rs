@@ -60,9 +60,15 @@ fn spawn_peer(secret: &std::path::Path, listen: &str, objects: u64, object_bytes
 
 /// A peer holding keys `first_key..first_key + objects`.
 fn spawn_peer_from(secret: &std::path::Path, listen: &str, first_key: u128, objects: u64, object_bytes: u64) -> Peer {
+    spawn_peer_with(secret, listen, first_key, objects, object_bytes, &[])
+}
+
+/// As `spawn_peer_from`, with `extra` flags for the peer.
+fn spawn_peer_with(secret: &std::path::Path, listen: &str, first_key: u128, objects: u64, object_bytes: u64, extra: &[&str]) -> Peer {
     let mut child = Command::new(env!("CARGO_BIN_EXE_umbp-cluster-peer"))
         .args(["--listen", listen, "--objects", &objects.to_string(), "--object-bytes", &object_bytes.to_string()])
         .args(["--first-key", &first_key.to_string()])
+        .args(extra)
         .arg("--secret-file")
         .arg(secret)
         .stdout(Stdio::piped())
@@ -145,6 +151,115 @@ fn remote_read_between_two_processes_is_byte_exact() {
     assert!(matches!(e, FetchError::NoHolder(_)), "{e}");
     let st = node.stats();
     assert_eq!((st.fetches, st.fetch_failures, st.fetched_bytes), (n + 2, 2, n * size));
+}
+
+/// `fetch_stages` with stages fetched ahead returns each stage's results in order,
+/// byte-exact, the same as one stage at a time; a failing item fails only itself; the READ
+/// phases are counted (the wire was busy, checks were made).
+#[test]
+fn pipelined_stages_return_in_order_and_byte_exact() {
+    let Some(_g) = setup() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let s = secret_file(d.path(), "secret", b"a-cluster-secret-of-some-length\n");
+    let (n, size) = (24u64, 1u64 << 20);
+    let peer = spawn_peer(&s, "127.0.0.1:0", n, size);
+    let pool = Arc::new(MemPool::new((n * size) as usize));
+    let node = start_node(&s, vec![peer.addr.clone()], &pool, Duration::from_secs(10));
+    wait_for("the peer's keys", Duration::from_secs(20), || pool.remote_keys().len() == n as usize);
+    for ahead in [0usize, 1, 3] {
+        // SAFETY: our own mapping, no transfer in flight.
+        unsafe { std::ptr::write_bytes(pool.base(), 0, pool.len()) };
+        // Stages of 5 objects (the last one shorter); key 999 (held by nobody) in stage 2.
+        let reqs: Vec<FetchRequest> = (0..n)
+            .map(|i| FetchRequest {
+                key: ObjectKey(if i == 11 { 999 } else { i as u128 + 1 }),
+                namespace: 0,
+                size,
+                // SAFETY: disjoint ranges of our mapping, used by nothing else.
+                dest: unsafe { pool.base().add((i * size) as usize) },
+            })
+            .collect();
+        let stages: Vec<&[FetchRequest]> = reqs.chunks(5).collect();
+        // SAFETY: as above, for every request.
+        let out = unsafe { node.fetch_stages(0, &stages, ahead) };
+        assert_eq!(out.iter().map(Vec::len).collect::<Vec<_>>(), vec![5, 5, 5, 5, 4], "ahead {ahead}");
+        for (i, r) in out.into_iter().flatten().enumerate() {
+            if i == 11 {
+                assert!(matches!(r, Err(FetchError::NoHolder(999))), "ahead {ahead}: {r:?}");
+            } else {
+                assert_eq!(r.unwrap(), 0, "ahead {ahead}, item {i}");
+                assert!(pool.read(i as u64 * size, size as usize) == pattern(i as u128 + 1, size as usize), "ahead {ahead}, item {i}");
+            }
+        }
+    }
+    let ph = node.stats().phases;
+    assert!(ph.reads >= 15 && ph.read_busy_ns > 0 && ph.read_ns > 0 && ph.check_ns > 0, "{ph:?}");
+}
+
+/// Issue #35 C1: the reader judges a READ late by the holder's own pin lease (sent in its
+/// `Join`), not by its own budget. The holder keeps a closed subscriber's slots for
+/// `read_timeout + margin` of ITS configuration (here 1.5 s); a reader with a longer budget
+/// (20 s) whose READ completes after that (the holder stopped mid-read for 2.5 s) must not
+/// publish it: the slot may have been reused. Before, the reader compared with its own
+/// 20 s budget and published the bytes.
+#[test]
+fn a_read_completing_past_the_holders_lease_is_late_not_published() {
+    let Some(_g) = setup() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let s = secret_file(d.path(), "secret", b"a-cluster-secret-of-some-length\n");
+    let (n, size) = (4u64, 128u64 << 20);
+    let peer = spawn_peer_with(&s, "127.0.0.1:0", 1, n, size, &["--read-timeout-ms", "1000", "--pin-lease-margin-ms", "500"]);
+    let lease = Duration::from_millis(1500);
+    let pool = Arc::new(MemPool::new((n * size) as usize));
+    let node = Arc::new(start_node(&s, vec![peer.addr.clone()], &pool, Duration::from_secs(20)));
+    wait_for("the peer's keys", Duration::from_secs(30), || pool.remote_keys().len() == n as usize);
+    let (n2, p2) = (node.clone(), pool.clone());
+    let t0 = Instant::now();
+    let fetch = std::thread::spawn(move || {
+        let reqs: Vec<FetchRequest> = (0..n)
+            .map(|i| FetchRequest {
+                key: ObjectKey(1 + i as u128),
+                namespace: 0,
+                size,
+                // SAFETY: disjoint ranges of our mapping, used by nothing else.
+                dest: unsafe { p2.base().add((i * size) as usize) },
+            })
+            .collect();
+        // SAFETY: as above, for every request.
+        unsafe { n2.fetch_batch(0, &reqs) }
+    });
+    // Mid-read: the first bytes landed.
+    while pool.read(0, 1 << 20).iter().all(|&b| b == 0) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no byte of the read landed in 10 s");
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    signal(&peer.child, libc::SIGSTOP);
+    let stopped = t0.elapsed();
+    std::thread::sleep((lease + Duration::from_secs(1)).saturating_sub(stopped));
+    signal(&peer.child, libc::SIGCONT);
+    let results = fetch.join().unwrap();
+    let took = t0.elapsed();
+    println!("holder stopped {stopped:?} into the fetch, continued past its {lease:?} lease; the fetch ended in {took:?}: {results:?}");
+    if stopped >= lease {
+        println!("skipped: the first bytes landed only after the holder's lease (cannot observe a read across it)");
+        return;
+    }
+    let mut late = 0;
+    for (i, r) in results.iter().enumerate() {
+        match r {
+            Err(FetchError::Late { lease: l, .. }) => {
+                assert_eq!(*l, lease, "the holder's lease, not this node's budget");
+                late += 1;
+            }
+            // Objects whose pins the holder had not answered before it stopped (it was
+            // dropped as silent meanwhile): never read.
+            Err(FetchError::PeerGone(_) | FetchError::PinTimeout { .. }) => {}
+            Err(e) => panic!("object {i}: a READ completing past the holder's lease is late, not {e}"),
+            Ok(_) => panic!("object {i}: published although its READ completed after the holder's lease ({took:?})"),
+        }
+    }
+    assert!(late > 0, "the read under way when the holder stopped completed past its lease: late");
+    assert_eq!(node.stats().late_reads, late, "{:?}", node.stats());
 }
 
 #[test]

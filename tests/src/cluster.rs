@@ -100,7 +100,7 @@ impl Member {
         let mut keys = Vec::new();
         loop {
             match read_msg(&mut est.opener, MAX_FRAME).unwrap() {
-                Msg::Join { agent, metadata, base, len } => join = Some((agent, metadata, base, len)),
+                Msg::Join { agent, metadata, base, len, .. } => join = Some((agent, metadata, base, len)),
                 Msg::Keys { changes, more, .. } => {
                     keys.extend(changes.iter().filter(|c| c.stored).map(|c| (c.key, c.size, c.namespace)));
                     if !more {

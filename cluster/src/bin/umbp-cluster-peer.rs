@@ -30,6 +30,12 @@ struct Args {
     /// the node's default]
     #[arg(long)]
     export_bytes: Option<u64>,
+    /// This node's `read_timeout` in ms (with the margin, its pin lease) [default: the node's]
+    #[arg(long)]
+    read_timeout_ms: Option<u64>,
+    /// This node's `pin_lease_margin` in ms [default: the node's]
+    #[arg(long)]
+    pin_lease_margin_ms: Option<u64>,
 }
 
 fn main() {
@@ -47,6 +53,12 @@ fn main() {
     let mut cfg = ClusterConfig::new(a.listen, secret);
     cfg.heartbeat = Duration::from_millis(200);
     cfg.dead_after = Duration::from_millis(1000);
+    if let Some(ms) = a.read_timeout_ms {
+        cfg.read_timeout = Duration::from_millis(ms);
+    }
+    if let Some(ms) = a.pin_lease_margin_ms {
+        cfg.pin_lease_margin = Duration::from_millis(ms);
+    }
     let all = (a.objects * a.object_bytes.next_multiple_of(umbp_cluster::export::SLOT_ALIGN)).max(cfg.export_bytes);
     cfg.export_bytes = a.export_bytes.unwrap_or(all).next_multiple_of(umbp_cluster::export::SLOT_ALIGN);
     // SAFETY: the mapping lives as long as `pool`, which outlives the node (never dropped).

@@ -47,14 +47,16 @@ unsafe fn digests_of(ranges: &[(usize, usize)]) -> Vec<u128> {
     })
 }
 
-/// One holder's part of a batched fetch: its writer, region and (item index, pin id)s.
-type HolderBatch = (Arc<Outbox>, PeerRegion, Vec<(usize, u64)>);
+/// One holder's part of a batched fetch: its writer, region, pin lease (a READ completing
+/// later than this after the batch began is late) and (item index, pin id)s.
+type HolderBatch = (Arc<Outbox>, PeerRegion, Duration, Vec<(usize, u64)>);
 
 /// One holder's read in flight: the items it carries (indexes into the batch).
 struct HolderRead<'a> {
     node: NodeId,
     /// When the batch started (its pins were sent after): the lease is counted from here.
     started: Instant,
+    lease: Duration,
     writer: Arc<Outbox>,
     agent: String,
     mine: Vec<usize>,
@@ -65,6 +67,7 @@ struct HolderRead<'a> {
 struct ReadParts<'a> {
     node: NodeId,
     started: Instant,
+    lease: Duration,
     writer: &'a Arc<Outbox>,
     agent: &'a str,
     mine: &'a [usize],
@@ -72,7 +75,7 @@ struct ReadParts<'a> {
 
 impl HolderRead<'_> {
     fn parts(&self) -> ReadParts<'_> {
-        ReadParts { node: self.node, started: self.started, writer: &self.writer, agent: &self.agent, mine: &self.mine }
+        ReadParts { node: self.node, started: self.started, lease: self.lease, writer: &self.writer, agent: &self.agent, mine: &self.mine }
     }
 }
 
@@ -103,13 +106,15 @@ impl Inner {
                 };
                 let id = self.next_pin.fetch_add(1, Ordering::Relaxed);
                 p.pending.insert(id, PinWaiter { tx: tx.clone(), id });
-                let e = by_node.entry(node).or_insert_with(|| (p.writer.clone(), region, Vec::new()));
-                e.2.push((i, id));
+                // The holder's lease bounds a READ's safe end, and so does this node's budget.
+                let lease = p.lease.map_or(self.cfg.read_timeout, |l| l.min(self.cfg.read_timeout));
+                let e = by_node.entry(node).or_insert_with(|| (p.writer.clone(), region, lease, Vec::new()));
+                e.3.push((i, id));
             }
         }
         drop(tx);
         let mut id_to: HashMap<u64, (NodeId, usize)> = HashMap::new();
-        for (node, (w, _, v)) in &by_node {
+        for (node, (w, _, _, v)) in &by_node {
             for &(i, id) in v {
                 id_to.insert(id, (*node, i));
                 if !w.send(&Msg::Pin { id, group, namespace: items[i].namespace, key: items[i].key.0, size: items[i].size }) {
@@ -142,7 +147,7 @@ impl Inner {
         loop {
             for (&node, batch) in &by_node {
                 let fresh: Vec<usize> = batch
-                    .2
+                    .3
                     .iter()
                     .map(|&(i, _)| i)
                     .filter(|i| pinned.contains_key(i) && out[*i].is_none() && !posted.contains(i))
@@ -164,17 +169,22 @@ impl Inner {
             if Instant::now() >= deadline {
                 let mut dropped = HashSet::new();
                 for r in reads.drain(..) {
-                    let e = r.read.timed_out(self.cfg.read_timeout);
-                    self.settle_holder_read(group, items, &r.parts(), &pinned, Err(e), &mut out);
-                    // The read may still land, so its destinations stay quarantined until
-                    // this holder is forgotten (its endpoint closed). A holder that keeps
-                    // answering heartbeats would never be: drop it now (it re-joins at the
-                    // next dial, through a new endpoint), so that DRAM comes back.
+                    // The read may still land: its destinations are quarantined under a
+                    // tag of their own and its request is kept and polled until NIXL says
+                    // it is final (node/given_up.rs); only then is that DRAM reused.
+                    let parts =
+                        ReadParts { node: r.node, started: r.started, lease: r.lease, writer: &r.writer, agent: &r.agent, mine: &r.mine };
+                    let tag = self.give_up(r.read, parts.agent, r.mine.iter().map(|&i| (items[i].namespace, items[i].key)));
+                    let e = TransportError::Timeout { peer: tag, timeout: self.cfg.read_timeout };
+                    self.settle_holder_read(group, items, &parts, &pinned, Err(e), &mut out);
+                    // A holder whose read outlived the budget is dropped (it re-joins at
+                    // the next dial, through a new endpoint): its keys miss meanwhile
+                    // instead of timing out again.
                     if dropped.insert(r.node) {
                         tracing::warn!(
                             node = format!("{:016x}", r.node),
                             agent = %r.agent,
-                            "a remote read outlived its budget: dropping that peer (it re-joins) to reclaim the DRAM the read may still write"
+                            "a remote read outlived its budget: dropping that peer (it re-joins); the read's DRAM stays quarantined until NIXL reports the read final"
                         );
                         self.drop_peer(r.node, &r.writer);
                     }
@@ -272,16 +282,21 @@ impl Inner {
         pinned: &HashMap<usize, Pin>,
         out: &mut [Option<Result<u128, FetchError>>],
     ) -> Option<HolderRead<'_>> {
-        let (w, region, _) = batch;
+        let &(ref w, ref region, lease, _) = batch;
         let pieces: Vec<ReadPiece> =
             mine.iter().map(|&i| ReadPiece { remote_offset: pinned[&i].offset, local: items[i].dest, len: items[i].size }).collect();
         self.reads_in_flight.fetch_add(1, Ordering::AcqRel);
+        self.read_busy.lock().expect("read busy").posted();
+        // Its pins were sent at the batch's start and are all answered now: the holder's
+        // copies into its export area, their queue and the round trip.
+        // Relaxed: a counter for reports; it orders nothing.
+        self.phase_pin_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         // SAFETY: forwarded from this function's contract; the read is polled to its end
         // or given up as tainted (`settle_holder_read`).
         match unsafe { self.agent.post_read(region, &pieces) } {
-            Ok(read) => Some(HolderRead { node, started, writer: w.clone(), agent: region.agent.clone(), mine, read }),
+            Ok(read) => Some(HolderRead { node, started, lease, writer: w.clone(), agent: region.agent.clone(), mine, read }),
             Err(e) => {
-                let parts = ReadParts { node, started, writer: w, agent: &region.agent, mine: &mine };
+                let parts = ReadParts { node, started, lease, writer: w, agent: &region.agent, mine: &mine };
                 self.settle_holder_read(group, items, &parts, pinned, Err(e), out);
                 None
             }
@@ -302,6 +317,8 @@ impl Inner {
             Ok(true) => Ok(()),
             Err(e) => Err(e),
         };
+        // Relaxed: a counter for reports; it orders nothing.
+        self.phase_read_ns.fetch_add(r.read.since_posted().as_nanos() as u64, Ordering::Relaxed);
         self.settle_holder_read(group, items, &r.parts(), pinned, result, out);
         true
     }
@@ -317,31 +334,37 @@ impl Inner {
         out: &mut [Option<Result<u128, FetchError>>],
     ) {
         self.reads_in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.read_busy.lock().expect("read busy").settled();
         for &i in r.mine {
             // Best effort: a dead peer released its pins with its connection.
             r.writer.send(&Msg::Unpin { group, namespace: items[i].namespace, key: items[i].key.0 });
         }
         // A read is safe only within the holder's pin lease: the holder keeps a closed
-        // subscriber's pins `read_timeout` + a margin after the close, and the close comes
-        // after the pin, which comes after `started`. A read seen complete past
-        // `started + read_timeout` (the poll raced the deadline, or a slow settle) may have
-        // read a range already reused: not published (issue #35 C1).
+        // subscriber's pins for its lease (`read_timeout` + a margin, sent in its `Join`)
+        // after the close, and the close comes after the pin, which comes after `started`.
+        // A read seen complete past `started` + the lease (or this node's `read_timeout`,
+        // if shorter: the poll raced the deadline, or a slow settle) may have read a range
+        // already reused: not published (issue #35 C1).
         let took = r.started.elapsed();
-        if result.is_ok() && took > self.cfg.read_timeout {
+        if result.is_ok() && took > r.lease {
             for &i in r.mine {
                 // Relaxed: a counter for reports; it orders nothing.
                 self.late_reads.fetch_add(1, Ordering::Relaxed);
-                out[i] = Some(Err(FetchError::Late { peer: r.node, key: items[i].key.0, took, lease: self.cfg.read_timeout }));
+                out[i] = Some(Err(FetchError::Late { peer: r.node, key: items[i].key.0, took, lease: r.lease }));
             }
             return;
         }
         match result {
             Ok(()) => {
                 let ranges: Vec<(usize, usize)> = r.mine.iter().map(|&i| (items[i].dest as usize, items[i].size as usize)).collect();
+                let checking = Instant::now();
                 // SAFETY: the read into every `dest..dest+size` completed; each range is
                 // reserved for this fetch (`Cluster::fetch_batch`'s contract) and nothing
                 // else writes it until this fetch returns.
                 let digests = unsafe { digests_of(&ranges) };
+                // Relaxed: counters for reports; they order nothing.
+                self.phase_check_ns.fetch_add(checking.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                self.phase_reads.fetch_add(1, Ordering::Relaxed);
                 for (&i, digest) in r.mine.iter().zip(digests) {
                     let p = pinned[&i];
                     out[i] = Some(if digest == p.digest {
@@ -354,14 +377,15 @@ impl Inner {
                 }
             }
             Err(e) => {
-                let tainted = e.destination_tainted();
                 let msg = e.to_string();
                 tracing::debug!(node = format!("{:016x}", r.node), agent = %r.agent, "remote read failed: {msg}");
                 for &i in r.mine {
-                    out[i] = Some(Err(if tainted {
-                        FetchError::Transport(TransportError::Timeout { peer: r.agent.to_string(), timeout: self.cfg.read_timeout })
-                    } else {
-                        FetchError::Read(msg.clone())
+                    out[i] = Some(Err(match &e {
+                        // Given up (`give_up`): the tag it is quarantined under.
+                        TransportError::Timeout { peer, timeout } => {
+                            FetchError::Transport(TransportError::Timeout { peer: peer.clone(), timeout: *timeout })
+                        }
+                        _ => FetchError::Read(msg.clone()),
                     }));
                 }
             }

@@ -36,11 +36,10 @@ impl Inner {
         self.set_timeouts(&s);
         let mut rx = est.opener;
         let writer = Outbox::new(&s, est.sealer, "cluster-peer-tx").map_err(|e| e.to_string())?;
-        self.state
-            .lock()
-            .expect("state")
-            .peers
-            .insert(server, Peer { addr: addr.to_string(), writer: writer.clone(), region: None, metadata: None, pending: HashMap::new() });
+        self.state.lock().expect("state").peers.insert(
+            server,
+            Peer { addr: addr.to_string(), writer: writer.clone(), region: None, metadata: None, lease: None, pending: HashMap::new() },
+        );
         self.liveness.lock().expect("liveness").seen(server, Instant::now());
         tracing::info!(peer = %addr, node = format!("{server:016x}"), "cluster peer connected");
         let mut snapshot: Option<Vec<RemoteObject>> = None;
@@ -53,8 +52,14 @@ impl Inner {
             self.liveness.lock().expect("liveness").seen(server, Instant::now());
             match m {
                 Msg::Heartbeat => {}
-                Msg::Join { agent, metadata, base, len } => {
-                    let loaded = match self.agent.load_peer(&metadata) {
+                Msg::Join { agent, metadata, base, len, lease_ms } => {
+                    // A holder re-joining while a read given up from it is pending is the
+                    // same process (agent names carry a random node id): its metadata is
+                    // still loaded (its forget waits for that read), and loading it again
+                    // would re-register the agent, after which NIXL answers the pending
+                    // read's status with an error forever (node/given_up.rs).
+                    let keep = self.given_up_agents().contains(&agent) && self.agent.has_peer(&agent);
+                    let loaded = match if keep { Ok(agent.clone()) } else { self.agent.load_peer(&metadata) } {
                         Ok(name) if name == agent => name,
                         Ok(name) => break Err(format!("metadata names agent {name}, Join said {agent}")),
                         Err(e) => break Err(e.to_string()),
@@ -62,6 +67,7 @@ impl Inner {
                     if let Some(p) = self.state.lock().expect("state").peers.get_mut(&server) {
                         p.region = Some(PeerRegion { agent: loaded, base, len });
                         p.metadata = Some(metadata);
+                        p.lease = (lease_ms > 0).then(|| Duration::from_millis(lease_ms));
                     }
                 }
                 Msg::Keys { changes, snapshot: first, more } => {
@@ -157,7 +163,18 @@ impl Inner {
         if self.reads_in_flight.load(Ordering::Acquire) > 0 {
             return;
         }
-        let names = std::mem::take(&mut *self.forget.lock().expect("forget"));
+        // Not a holder with a given-up read still pending: NIXL answers the status of a
+        // request whose remote agent was invalidated with an error that says nothing of
+        // the transfer ("invalidated or re-registered during transfer"), so that read
+        // could never be seen final and its DRAM never reclaimed (node/given_up.rs). Its
+        // forget waits until the read is final.
+        let pending = self.given_up_agents();
+        let names: Vec<String> = {
+            let mut f = self.forget.lock().expect("forget");
+            let (later, now): (Vec<String>, Vec<String>) = std::mem::take(&mut *f).into_iter().partition(|n| pending.contains(n));
+            *f = later;
+            now
+        };
         for n in names {
             self.agent.forget_peer(&n);
             self.pool.holder_forgotten(&n);
@@ -222,6 +239,7 @@ impl Inner {
                 }
             }
             self.forget_idle_peers();
+            self.reap_given_up();
             self.release_leases(Some(now));
             std::thread::sleep(self.cfg.heartbeat.min(Duration::from_millis(100)).max(Duration::from_millis(10)));
         }

@@ -135,7 +135,8 @@ impl Inner {
             // meanwhile is either in the snapshot or queued after it (docs/cluster.md).
             let mut w = writer.batch();
             self.state.lock().expect("state").subscribers.push(Subscriber { node: client, writer: writer.clone() });
-            let join = Msg::Join { agent: region.agent, metadata: md, base: region.base, len: region.len };
+            let lease_ms = (self.cfg.read_timeout + self.cfg.pin_lease_margin).as_millis() as u64;
+            let join = Msg::Join { agent: region.agent, metadata: md, base: region.base, len: region.len, lease_ms };
             let snap = self.pool.snapshot();
             let mut ok = w.push_unbounded(&join);
             let mut chunks = snap.chunks(65536).peekable();

@@ -444,9 +444,9 @@ impl ObjectStore {
         self.quarantine.set_max_bytes(max);
     }
 
-    /// The remote holder `agent` can no longer write this pool's DRAM (the cluster node
-    /// forgot it: its transport endpoint is closed): the ranges its timed-out reads left
-    /// whose promotions have ended are freed. Returns the bytes reclaimed.
+    /// The timed-out read(s) filed under `agent` (the cluster tier's tag of one read) can
+    /// no longer write this pool's DRAM (NIXL reported the kept request final): the ranges
+    /// they left whose promotions have ended are freed. Returns the bytes reclaimed.
     pub fn reclaim_quarantine_of(&mut self, agent: &str) -> u64 {
         let safe = self.quarantine.writer_gone(agent);
         self.free_reclaimed(safe)

@@ -120,17 +120,19 @@ impl ClusterAccess {
         self.inner.store.lock().expect("store lock").remove_remote(group, key)
     }
 
-    /// A promotion from the remote tier whose destination a read from `holder` (its
-    /// transport agent name) may still write (timeout): the object leaves the pool and its
-    /// DRAM is quarantined (until the pool restarts: see `objects/quarantine.rs`).
+    /// A promotion from the remote tier whose destination a timed-out read may still write
+    /// (`holder`: the tag the cluster tier gave that read): the object leaves the pool and
+    /// its DRAM is quarantined until [`Self::holder_forgotten`] for that tag says the read
+    /// is final (see `objects/quarantine.rs`).
     pub fn abandon_promotion(&self, namespace: u128, key: ObjectKey, holder: &str) -> u64 {
         let g = self.inner.tenant_groups.group_of(namespace);
         self.inner.store.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key), Writer::RemoteRead(holder.to_string()))
     }
 
-    /// Reclaims the DRAM `holder`'s timed-out reads left (once their loads finished them),
-    /// for a caller that KNOWS no byte of those reads can land any more. The cluster tier
-    /// has no such event today and does not call it. Returns the bytes reclaimed.
+    /// Reclaims the DRAM the timed-out reads filed under `holder` left (once their loads
+    /// finished them), for a caller that KNOWS no byte of those reads can land any more:
+    /// the cluster tier calls it with a read's tag once NIXL reports that read final.
+    /// Returns the bytes reclaimed.
     pub fn holder_forgotten(&self, holder: &str) -> u64 {
         self.inner.store.lock().expect("store lock").reclaim_quarantine_of(holder)
     }

@@ -8,11 +8,11 @@
 //!   `finish_promotion` (which then matches nothing; until it has, reusing the offset
 //!   would let that late finish end another promotion given the same offset), and
 //! - the transfer can no longer land (`reclaim_quarantine_of`, for a writer that reports
-//!   it). The cluster tier reports none today: forgetting a holder's NIXL metadata does not
-//!   stop a read it already posted (cluster/src/pool_tier.rs `holder_forgotten`), so a
-//!   timed-out remote read's ranges stay until the pool restarts. Nor has a copy-thread
-//!   panic inside the device layer such an event (the device layer drains its streams on
-//!   every path it knows of; a panic inside it is a bug of unknown state).
+//!   it). The cluster tier files each timed-out read under a tag of its own and reports it
+//!   once NIXL says the kept request is final (cluster/src/node/given_up.rs); forgetting the
+//!   holder is no such event (a posted read still lands). A copy-thread panic inside the
+//!   device layer has none (the device layer drains its streams on every path it knows of;
+//!   a panic inside it is a bug of unknown state): its ranges stay until the pool restarts.
 //!
 //! The bound (`PoolConfig::quarantine_max_bytes`): at it, the store refuses what could add
 //! more — a promotion from the remote tier is a miss (the load's engine recomputes, never
@@ -22,7 +22,8 @@
 /// Who may still write a quarantined range.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Writer {
-    /// A read from this remote holder (its transport agent name) that timed out.
+    /// A remote read that timed out, by the tag the cluster tier gave it (the holder's
+    /// transport agent name, `#`, the read's number).
     RemoteRead(String),
     /// A transfer whose end no event reports (a panic inside the device layer, or a
     /// remote fetch that panicked): reclaimed only by a restart.
