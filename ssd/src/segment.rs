@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{Mode, OFlags};
 
 use super::error::SsdError;
-use super::format::BLOCK;
+use super::format::{Salt, BLOCK};
 
 /// A zeroed heap buffer aligned to [`BLOCK`], as O_DIRECT needs.
 pub struct AlignedBuf {
@@ -108,6 +108,8 @@ pub struct Directory {
     fd: OwnedFd,
     /// The pool's effective uid: every file it opens here must be its own.
     uid: u32,
+    /// The key of this directory's record and trailer tags (`salt`).
+    pub salt: Salt,
     /// Holds the flock on `.umbp-ssd.lock` for the directory's lifetime.
     _lock: File,
 }
@@ -143,6 +145,20 @@ pub fn foreign_file(st: &rustix::fs::Stat, uid: u32) -> Option<String> {
         return Some(format!("has {} hard links (a segment has one)", st.st_nlink));
     }
     None
+}
+
+/// Ids of the segment files in the directory open as `fd`, ascending.
+fn segment_ids(fd: &OwnedFd, path: &Path) -> Result<Vec<u64>, SsdError> {
+    let mut rd = rustix::fs::Dir::read_from(fd).map_err(|e| io_err(path, "listing SSD directory", errno(e)))?;
+    let mut ids = Vec::new();
+    while let Some(ent) = rd.read() {
+        let ent = ent.map_err(|e| io_err(path, "listing SSD directory", errno(e)))?;
+        if let Some(id) = ent.file_name().to_str().ok().and_then(parse_segment_name) {
+            ids.push(id);
+        }
+    }
+    ids.sort_unstable();
+    Ok(ids)
 }
 
 impl Directory {
@@ -187,8 +203,10 @@ impl Directory {
         // above; a root-owned process passes permission checks, so probe a real write too.
         rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
             .map_err(|e| SsdError::Locked { path: path.clone(), source: errno(e) })?;
+        let segments = segment_ids(&fd, &path)?.len();
+        let salt = super::salt::load_or_create(&fd, &path, uid, segments)?;
         if !try_direct {
-            return Ok(Self { path, direct: false, fd, uid, _lock: lock });
+            return Ok(Self { path, direct: false, fd, uid, salt, _lock: lock });
         }
         // A name nobody can have planted: O_EXCL never opens an existing file or link.
         static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -224,21 +242,12 @@ impl Directory {
                 "SSD directory does not support O_DIRECT (tmpfs?): using buffered I/O; reads may be served from the page cache and throughput figures are not the drive's"
             );
         }
-        Ok(Self { path, direct, fd, uid, _lock: lock })
+        Ok(Self { path, direct, fd, uid, salt, _lock: lock })
     }
 
     /// Segment ids present, ascending.
     pub fn list_segments(&self) -> Result<Vec<u64>, SsdError> {
-        let mut rd = rustix::fs::Dir::read_from(&self.fd).map_err(|e| io_err(&self.path, "listing SSD directory", errno(e)))?;
-        let mut ids = Vec::new();
-        while let Some(ent) = rd.read() {
-            let ent = ent.map_err(|e| io_err(&self.path, "listing SSD directory", errno(e)))?;
-            if let Some(id) = ent.file_name().to_str().ok().and_then(parse_segment_name) {
-                ids.push(id);
-            }
-        }
-        ids.sort_unstable();
-        Ok(ids)
+        segment_ids(&self.fd, &self.path)
     }
 
     pub fn segment_path(&self, id: u64) -> PathBuf {

@@ -191,7 +191,7 @@ impl Shard {
         let Some(m) = self.segments.get_mut(&id) else { return };
         m.sealed = true;
         m.synced = false;
-        let footer = format::encode_footer(&m.records, m.len);
+        let footer = format::encode_footer(&m.records, m.len, &self.dir.salt);
         let mut buf = AlignedBuf::new(footer.len());
         buf[..footer.len()].copy_from_slice(&footer);
         match m.seg.write_all_at(&buf, footer.len(), m.len) {
@@ -345,7 +345,7 @@ impl Shard {
             m.len += rec;
             self.used += rec;
             m.records.push(FooterEntry { header: *header, offset });
-            pending.push(Pending { item: i, seg: id, offset, header: *header, hdr: header.encode(), data });
+            pending.push(Pending { item: i, seg: id, offset, header: *header, hdr: header.encode(&self.dir.salt), data });
         }
         self.flush(&mut pending, &mut results, counters);
         results
@@ -450,7 +450,7 @@ impl Shard {
                 }
                 Ok(()) => {
                     let crc = crcs[i].finish();
-                    let header_ok = RecordHeader::decode(&hdrs[i]).is_ok_and(|h| h == loc.header);
+                    let header_ok = RecordHeader::decode(&hdrs[i], &self.dir.salt).is_ok_and(|h| h == loc.header);
                     if header_ok && crc == loc.header.payload_crc {
                         ok[i] = true;
                     } else {
