@@ -203,7 +203,15 @@ impl Directory {
         // above; a root-owned process passes permission checks, so probe a real write too.
         rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
             .map_err(|e| SsdError::Locked { path: path.clone(), source: errno(e) })?;
-        let segments = segment_ids(&fd, &path)?.len();
+        // Segment names that are the pool's own files (links and others' files are refused
+        // later, one by one, and do not make this a directory of format 1).
+        let segments = segment_ids(&fd, &path)?
+            .into_iter()
+            .filter(|&id| {
+                rustix::fs::statat(&fd, segment_name(id).as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|st| foreign_file(&st, uid).is_none())
+            })
+            .count();
         let salt = super::salt::load_or_create(&fd, &path, uid, segments)?;
         if !try_direct {
             return Ok(Self { path, direct: false, fd, uid, salt, _lock: lock });

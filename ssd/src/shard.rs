@@ -60,6 +60,8 @@ pub(super) struct Counters {
     pub compacted_bytes: AtomicU64,
     pub evicted_objects: AtomicU64,
     pub rebuild_us: AtomicU64,
+    pub segment_syncs: AtomicU64,
+    pub dir_syncs: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64, n: u64) {

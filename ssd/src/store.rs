@@ -52,6 +52,11 @@ pub struct SsdStats {
     pub evicted_objects: u64,
     /// Time `open` spent reading footers and scanning segments (not opening rings).
     pub rebuild_ms: f64,
+    /// Segment files `flush` (or a clean close) fdatasynced: every one written since its
+    /// last sync, those sealed earlier included (issue #34, S5).
+    pub segment_syncs: u64,
+    /// Directory fsyncs by `flush` (one per directory per call: names created or removed).
+    pub dir_syncs: u64,
 }
 
 /// What the store knows about an object without reading it.
@@ -373,11 +378,14 @@ impl SsdStore {
             let mut r = Ok(());
             for m in s.segments.values_mut().filter(|m| !m.synced) {
                 match m.seg.sync() {
-                    Ok(()) => m.synced = true,
+                    Ok(()) => {
+                        m.synced = true;
+                        bump(&self.counters.segment_syncs, 1);
+                    }
                     Err(e) => r = r.and(Err(e)),
                 }
             }
-            let r = r.and(s.dir.sync());
+            let r = r.and(s.dir.sync().inspect(|()| bump(&self.counters.dir_syncs, 1)));
             first = first.and(r);
         }
         first
@@ -405,6 +413,8 @@ impl SsdStore {
             compacted_bytes: g(&c.compacted_bytes),
             evicted_objects: g(&c.evicted_objects),
             rebuild_ms: g(&c.rebuild_us) as f64 / 1000.0,
+            segment_syncs: g(&c.segment_syncs),
+            dir_syncs: g(&c.dir_syncs),
             direct_io: true,
             io_uring: true,
             ..Default::default()

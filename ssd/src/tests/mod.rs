@@ -10,7 +10,9 @@ use super::format::{self, HEADER_BYTES};
 use super::{segment, SsdConfig, SsdError, SsdStore};
 
 mod faults;
+mod durability;
 mod forgery;
+mod salt;
 
 fn tempdir() -> tempfile::TempDir {
     tempfile::Builder::new().prefix("umbp-ssd-test").tempdir_in("/var/tmp").expect("tempdir in /var/tmp")
