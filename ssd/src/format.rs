@@ -87,6 +87,9 @@ pub fn align_up(n: u64) -> u64 {
     n.div_ceil(BLOCK) * BLOCK
 }
 
+/// Largest segment file: offsets in the in-memory index are block numbers in a u32.
+pub const MAX_SEGMENT_BYTES: u64 = (u32::MAX as u64) * BLOCK;
+
 /// Largest payload a record may claim: anything above is not a record (a segment holds at
 /// most a few GiB; a header or footer entry claiming more was planted or rotted).
 pub const MAX_PAYLOAD: u64 = 1 << 40;

@@ -8,7 +8,7 @@
 //! Files: `config` (`SsdConfig` and its checks), `admission` (the demotion policy), `error`,
 //! `format` (record header, footer; no I/O), `segment` (directories, files, O_DIRECT), `salt`
 //! (the directory's secret for format 2's record tags), `uring`
-//! (one ring per drive), `shard` (one drive: segments, index, record I/O, capacity,
+//! (one ring per drive), `index` (the compact in-memory index entries), `shard` (one drive: segments, index, record I/O, capacity,
 //! compaction), `rebuild` (warm restart of a shard), `store` (keys spread over shards;
 //! put/get/remove in batches), `bench` (the measurements `umbp-bench ssd` reports).
 
@@ -16,6 +16,7 @@ mod admission;
 pub mod bench;
 mod config;
 mod error;
+mod index;
 pub mod format;
 mod rebuild;
 pub mod salt;
