@@ -69,7 +69,10 @@ fn scan(seg: &Segment, len: u64, salt: &Salt) -> Result<(Vec<FooterEntry>, u64),
             continue;
         }
         // Checked: a header's size is whatever is on disk (a huge one used to wrap).
-        let fits = |h: &RecordHeader| format::header_in_range(h) && format::checked_record_len(h.size).and_then(|rl| pos.checked_add(rl)).is_some_and(|end| end <= len);
+        let fits = |h: &RecordHeader| {
+            format::header_in_range(h)
+                && format::checked_record_len(h.size).and_then(|rl| pos.checked_add(rl)).is_some_and(|end| end <= len)
+        };
         let header = match RecordHeader::decode(block, salt) {
             Ok(h) if fits(&h) => h,
             _ => {

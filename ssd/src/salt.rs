@@ -75,7 +75,9 @@ pub fn load_or_create(fd: &OwnedFd, dir: &Path, uid: u32, segments: usize) -> Re
 
 fn create(fd: &OwnedFd, dir: &Path, path: &Path) -> Result<Salt, SsdError> {
     let mut secret = [0u8; 16];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut secret)).map_err(|e| io_err(Path::new("/dev/urandom"), "reading", e))?;
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut secret))
+        .map_err(|e| io_err(Path::new("/dev/urandom"), "reading", e))?;
     let salt = Salt::new(secret);
     let f = rustix::fs::openat(
         fd,

@@ -353,29 +353,30 @@ impl Segment {
     /// directory's salt) that describes sane records: inside the records, sizes and
     /// sequence numbers in range.
     pub fn read_footer(&self, len: u64, salt: &Salt) -> Result<Option<Vec<FooterEntry>>, SsdError> {
-    let seg = self;
-    if len < BLOCK || !len.is_multiple_of(BLOCK) || len > format::MAX_SEGMENT_BYTES {
-        return Ok(None);
+        let seg = self;
+        if len < BLOCK || !len.is_multiple_of(BLOCK) || len > format::MAX_SEGMENT_BYTES {
+            return Ok(None);
+        }
+        let mut last = AlignedBuf::new(BLOCK as usize);
+        if seg.read_at(&mut last, len - BLOCK)? < BLOCK as usize {
+            return Ok(None);
+        }
+        let Ok(t) = format::Trailer::decode(&last, len, salt) else { return Ok(None) };
+        let n = (len - BLOCK - t.entries_offset) as usize;
+        let mut buf = AlignedBuf::new(n);
+        if seg.read_at(&mut buf, t.entries_offset)? < n {
+            return Ok(None);
+        }
+        let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
+        let sane = entries.iter().all(|e| {
+            e.offset.is_multiple_of(BLOCK)
+                && format::header_in_range(&e.header)
+                && format::checked_record_len(e.header.size)
+                    .and_then(|rl| e.offset.checked_add(rl))
+                    .is_some_and(|end| end <= t.entries_offset)
+        });
+        Ok(sane.then_some(entries))
     }
-    let mut last = AlignedBuf::new(BLOCK as usize);
-    if seg.read_at(&mut last, len - BLOCK)? < BLOCK as usize {
-        return Ok(None);
-    }
-    let Ok(t) = format::Trailer::decode(&last, len, salt) else { return Ok(None) };
-    let n = (len - BLOCK - t.entries_offset) as usize;
-    let mut buf = AlignedBuf::new(n);
-    if seg.read_at(&mut buf, t.entries_offset)? < n {
-        return Ok(None);
-    }
-    let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
-    let sane = entries.iter().all(|e| {
-        e.offset.is_multiple_of(BLOCK)
-            && format::header_in_range(&e.header)
-            && format::checked_record_len(e.header.size).and_then(|rl| e.offset.checked_add(rl)).is_some_and(|end| end <= t.entries_offset)
-    });
-    Ok(sane.then_some(entries))
-}
-
 
     pub fn sync(&self) -> Result<(), SsdError> {
         self.file.sync_data().map_err(|e| io_err(&self.path, "fdatasync segment", e))

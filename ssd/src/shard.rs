@@ -243,7 +243,9 @@ impl Shard {
         }
         match m.seg.read_footer(m.len, &self.dir.salt) {
             Ok(Some(entries)) => return entries,
-            Ok(None) => tracing::warn!(path = %m.seg.path.display(), "SSD segment footer no longer valid: its records are found in the index"),
+            Ok(None) => {
+                tracing::warn!(path = %m.seg.path.display(), "SSD segment footer no longer valid: its records are found in the index")
+            }
             Err(e) => tracing::warn!(error = %e, "SSD segment footer unreadable: its records are found in the index"),
         }
         let of = |map: &HashMap<RecKey, Slot>, tomb: bool| -> Vec<FooterEntry> {

@@ -100,7 +100,9 @@ impl SsdStore {
                 c.low_watermark, c.high_watermark
             )));
         }
-        if !c.segment_bytes.is_multiple_of(format::BLOCK) || c.segment_bytes < 4 * format::BLOCK || c.segment_bytes > format::MAX_SEGMENT_BYTES
+        if !c.segment_bytes.is_multiple_of(format::BLOCK)
+            || c.segment_bytes < 4 * format::BLOCK
+            || c.segment_bytes > format::MAX_SEGMENT_BYTES
         {
             return Err(SsdError::Config(format!(
                 "segment size {} must be a multiple of {}, at least 4 blocks and at most {}",

@@ -78,7 +78,7 @@ fn measure(n: u64) -> (f64, f64) {
 
     let store = SsdStore::open(&cfg(d.path())).unwrap();
     let opened = live();
-    let data = vec![0x5au8; 100];
+    let data = [0x5au8; 100];
     let keys: Vec<ObjectKey> = (0..n).map(|i| ObjectKey(0x1234_5678_9abc_def0_u128 << 64 | i as u128)).collect();
     for chunk in keys.chunks(256) {
         let items: Vec<_> = chunk.iter().map(|&k| (k, 7u128, 65536u64, &data[..])).collect();
@@ -106,7 +106,9 @@ fn heap_bytes_per_ssd_object() {
     let mut worst: f64 = 0.0;
     for n in [28_000u64, 17_000] {
         let (stored, restarted) = measure(n);
-        println!("heap per SSD object, {n} objects: {stored:.1} bytes after storing and sealing, {restarted:.1} bytes after a warm restart");
+        println!(
+            "heap per SSD object, {n} objects: {stored:.1} bytes after storing and sealing, {restarted:.1} bytes after a warm restart"
+        );
         worst = worst.max(stored).max(restarted);
     }
     // 72 bytes a bucket, 16/7 buckets per entry at worst, a control byte each: 167; the

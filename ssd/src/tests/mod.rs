@@ -9,8 +9,8 @@ use umbp_protocol::ObjectKey;
 use super::format::{self, HEADER_BYTES};
 use super::{segment, SsdConfig, SsdError, SsdStore};
 
-mod faults;
 mod durability;
+mod faults;
 mod forgery;
 mod salt;
 
