@@ -1,7 +1,8 @@
 //! The directory's secret salt file (`.umbp-ssd.salt`, format 2; issue #34, S4): read at
 //! open, created with the directory's first segment-free open (0600, `O_EXCL`, never
-//! through a symlink), refused with a clear error where it is missing beside segments (a
-//! directory of format 1) or is not the pool's own private file.
+//! through a symlink), refused with a clear error where it is not the pool's own private
+//! file. Segments found without one (a directory of format 1) are removed by the opener
+//! (segment.rs) before the salt is created.
 
 use std::io::{self, Read, Write};
 use std::os::fd::OwnedFd;
@@ -64,12 +65,24 @@ pub fn load_or_create(fd: &OwnedFd, dir: &Path, uid: u32, segments: usize) -> Re
             rustix::fs::unlinkat(fd, SALT_NAME, rustix::fs::AtFlags::empty()).map_err(|e| io_err(&path, "removing", errno(e)))?;
             create(fd, dir, &path)
         }
+        // The opener removed the segments of a directory without a salt (segment.rs); one
+        // still counted here appeared meanwhile: never make up a salt for it.
         Err(rustix::io::Errno::NOENT) if segments > 0 => Err(SsdError::OldFormat { path: dir.to_path_buf(), segments }),
         Err(rustix::io::Errno::NOENT) => create(fd, dir, &path),
         Err(rustix::io::Errno::LOOP) => {
             Err(SsdError::Unsafe { path, message: "is a symbolic link: refusing to follow it (remove it)".into() })
         }
         Err(e) => Err(io_err(&path, "opening", errno(e))),
+    }
+}
+
+/// Whether the directory open as `fd` has no salt file (nothing under the name, not even
+/// a link: a link or another file there is judged by `load_or_create`).
+pub fn missing(fd: &OwnedFd) -> Result<bool, SsdError> {
+    match rustix::fs::statat(fd, SALT_NAME, rustix::fs::AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(_) => Ok(false),
+        Err(rustix::io::Errno::NOENT) => Ok(true),
+        Err(e) => Err(io_err(Path::new(SALT_NAME), "stat", errno(e))),
     }
 }
 

@@ -205,13 +205,32 @@ impl Directory {
             .map_err(|e| SsdError::Locked { path: path.clone(), source: errno(e) })?;
         // Segment names that are the pool's own files (links and others' files are refused
         // later, one by one, and do not make this a directory of format 1).
-        let segments = segment_ids(&fd, &path)?
+        let own: Vec<u64> = segment_ids(&fd, &path)?
             .into_iter()
             .filter(|&id| {
                 rustix::fs::statat(&fd, segment_name(id).as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
                     .is_ok_and(|st| foreign_file(&st, uid).is_none())
             })
-            .count();
+            .collect();
+        let mut segments = own.len();
+        if segments > 0 && super::salt::missing(&fd)? {
+            // Format 1 (an upgrade), or a salt file removed: no record there can be told
+            // from a forged one, so none is served. The tier is a cache: its segments go,
+            // and the pool starts with an empty tier instead of refusing to start.
+            for &id in &own {
+                let name = segment_name(id);
+                rustix::fs::unlinkat(&fd, name.as_str(), rustix::fs::AtFlags::empty())
+                    .map_err(|e| io_err(&path.join(&name), "removing an unauthenticated segment", errno(e)))?;
+            }
+            rustix::fs::fsync(&fd).map_err(|e| io_err(&path, "fsync SSD directory", errno(e)))?;
+            tracing::warn!(
+                dir = %path.display(),
+                segments,
+                "SSD directory held segment files without a salt file (SSD format 1, or the salt was removed): \
+                 their records cannot be authenticated, so they were removed; the SSD tier starts empty and refills"
+            );
+            segments = 0;
+        }
         let salt = super::salt::load_or_create(&fd, &path, uid, segments)?;
         if !try_direct {
             return Ok(Self { path, direct: false, fd, uid, salt, _lock: lock });
