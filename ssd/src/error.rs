@@ -29,6 +29,10 @@ pub enum SsdError {
     Uring { path: PathBuf, source: std::io::Error },
     #[error("SSD configuration: {0}")]
     Config(String),
+    /// Segments without a salt file that appeared while the directory was opened (the
+    /// opener removes those it finds first): refused, never read as format 2.
+    #[error("{}: SSD directory holds {segments} segment file(s) and no .umbp-ssd.salt: they are of SSD format 1 (or their salt file was removed); this pool reads and writes format 2 only (salted record headers, docs/ssd.md); remove the seg-*.umbp files there (their objects are lost: the SSD tier is a cache and refills) or give an empty directory", path.display())]
+    OldFormat { path: PathBuf, segments: usize },
     /// The directory (or one above it) is another user's or writable by others.
     #[error(transparent)]
     UnsafeDir(#[from] umbp_ipc::sockdir::UnsafeDir),

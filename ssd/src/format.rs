@@ -5,6 +5,11 @@
 //! padded to one: a [`HEADER_BYTES`] header, then the payload, then zeros. A sealed
 //! segment ends with a footer: one [`ENTRY_BYTES`] entry per record (padded to a block),
 //! then a one-block trailer that says where the entries are and carries their CRC.
+//!
+//! Format 2 (issue #34, S4): record headers and trailers also carry a 64-bit tag keyed by
+//! the directory's secret [`Salt`] (`.umbp-ssd.salt`, created with the directory, 0600), so
+//! bytes a tenant wrote (a payload) can never form a header or trailer the store accepts:
+//! CRC32C is no MAC, anyone can compute it.
 
 /// Alignment of every record, footer and I/O (O_DIRECT needs the logical block size;
 /// 4 KiB covers every drive we target).
@@ -15,7 +20,65 @@ pub const TRAILER_BYTES: usize = BLOCK as usize;
 
 pub const RECORD_MAGIC: u32 = u32::from_le_bytes(*b"UMBR");
 pub const TRAILER_MAGIC: u32 = u32::from_le_bytes(*b"UMBF");
-pub const FORMAT_VERSION: u16 = 1;
+pub const FORMAT_VERSION: u16 = 2;
+
+/// Bytes of the salt file (`.umbp-ssd.salt`): [`SALT_MAGIC`], 16 secret bytes, 8 zeros.
+pub const SALT_FILE_BYTES: usize = 32;
+pub const SALT_MAGIC: &[u8; 8] = b"UMBPSLT2";
+
+/// A directory's secret: the key of the tags in its record headers and trailers. Only the
+/// pool's uid can read it (the salt file is 0600 in a directory checked like the socket
+/// directory), and a tenant, who only chooses payload bytes, never sees it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Salt([u8; 16]);
+
+impl std::fmt::Debug for Salt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Salt(..)")
+    }
+}
+
+impl Salt {
+    pub fn new(secret: [u8; 16]) -> Self {
+        Self(secret)
+    }
+
+    /// The salt file's contents.
+    pub fn file_bytes(&self) -> [u8; SALT_FILE_BYTES] {
+        let mut b = [0u8; SALT_FILE_BYTES];
+        b[..8].copy_from_slice(SALT_MAGIC);
+        b[8..24].copy_from_slice(&self.0);
+        b
+    }
+
+    /// Parses a salt file's contents (exact length, magic, zero tail).
+    pub fn from_file_bytes(b: &[u8]) -> Option<Self> {
+        if b.len() != SALT_FILE_BYTES || &b[..8] != SALT_MAGIC || b[24..].iter().any(|&x| x != 0) {
+            return None;
+        }
+        Some(Self(b[8..24].try_into().expect("16 bytes")))
+    }
+
+    /// The keyed tag of `bytes` in `domain`: the first 8 bytes of SHA-256(secret, domain,
+    /// bytes). Every tagged message of a domain has one fixed length (116 bytes of header,
+    /// 32 of trailer), so a secret-prefix hash has no length extension to fear; forging a
+    /// tag without the secret is guessing 64 bits.
+    fn tag(&self, domain: &[u8; 4], bytes: &[u8]) -> u64 {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(self.0);
+        h.update(domain);
+        h.update(bytes);
+        u64::from_le_bytes(h.finalize()[..8].try_into().expect("8 bytes"))
+    }
+}
+
+const HEADER_TAG_DOMAIN: &[u8; 4] = b"hdr2";
+const TRAILER_TAG_DOMAIN: &[u8; 4] = b"trl2";
+/// Header bytes the tag covers, and where the tag sits.
+const HEADER_TAGGED: usize = 116;
+/// Trailer bytes the tag covers, and where the tag sits.
+const TRAILER_TAGGED: usize = 32;
 
 /// Record flag: a tombstone (the key was removed; size 0, hides older records of the key).
 pub const FLAG_TOMBSTONE: u16 = 1;
@@ -24,9 +87,30 @@ pub fn align_up(n: u64) -> u64 {
     n.div_ceil(BLOCK) * BLOCK
 }
 
+/// Largest segment file: offsets in the in-memory index are block numbers in a u32.
+pub const MAX_SEGMENT_BYTES: u64 = (u32::MAX as u64) * BLOCK;
+
+/// Largest payload a record may claim: anything above is not a record (a segment holds at
+/// most a few GiB; a header or footer entry claiming more was planted or rotted).
+pub const MAX_PAYLOAD: u64 = 1 << 40;
+
+/// Largest sequence number a record may carry: numbers start at the wall clock in
+/// nanoseconds (2^62 ns is the year 2116), and a planted or rotted huge one must not make
+/// the store's numbering saturate or wrap.
+pub const MAX_SEQ: u64 = 1 << 62;
+
+/// Whether a header's (or footer entry's) fields are in range: size (its record length
+/// computable) and sequence number.
+pub fn header_in_range(h: &RecordHeader) -> bool {
+    checked_record_len(h.size).is_some() && h.seq <= MAX_SEQ
+}
+
 /// Bytes a record with this payload occupies on disk (header + payload, block aligned), or
-/// None where that does not fit in a u64 (a size read from disk may be anything).
+/// None above [`MAX_PAYLOAD`] (a size read from disk may be anything).
 pub fn checked_record_len(payload: u64) -> Option<u64> {
+    if payload > MAX_PAYLOAD {
+        return None;
+    }
     payload.checked_add(HEADER_BYTES as u64)?.div_ceil(BLOCK).checked_mul(BLOCK)
 }
 
@@ -62,6 +146,9 @@ pub enum FormatError {
     BadVersion(u16),
     BadCrc,
     BadLength,
+    /// The keyed tag does not match: bytes the store did not write with this directory's
+    /// salt (a tenant's payload, another directory's segment).
+    BadTag,
 }
 
 impl std::fmt::Display for FormatError {
@@ -71,6 +158,7 @@ impl std::fmt::Display for FormatError {
             Self::BadVersion(v) => write!(f, "unknown format version {v}"),
             Self::BadCrc => f.write_str("CRC32C mismatch"),
             Self::BadLength => f.write_str("length out of range"),
+            Self::BadTag => f.write_str("keyed tag mismatch (not written by this store with this directory's salt)"),
         }
     }
 }
@@ -91,8 +179,9 @@ fn get_u128(b: &[u8], at: usize) -> u128 {
 impl RecordHeader {
     /// Header layout (little endian): magic u32 @0, version u16 @4, flags u16 @6, key u128 @8,
     /// namespace u128 @24, size u64 @40, layout object size u64 @48, seq u64 @56,
-    /// payload CRC32C u32 @64, zeros up to @124, header CRC32C of bytes 0..124 u32 @124.
-    pub fn encode(&self) -> [u8; HEADER_BYTES] {
+    /// payload CRC32C u32 @64, zeros up to @116, keyed tag of bytes 0..116 u64 @116, header
+    /// CRC32C of bytes 0..124 u32 @124.
+    pub fn encode(&self, salt: &Salt) -> [u8; HEADER_BYTES] {
         let mut b = [0u8; HEADER_BYTES];
         b[0..4].copy_from_slice(&RECORD_MAGIC.to_le_bytes());
         b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -103,14 +192,16 @@ impl RecordHeader {
         b[48..56].copy_from_slice(&self.layout_object_size.to_le_bytes());
         b[56..64].copy_from_slice(&self.seq.to_le_bytes());
         b[64..68].copy_from_slice(&self.payload_crc.to_le_bytes());
+        let tag = salt.tag(HEADER_TAG_DOMAIN, &b[..HEADER_TAGGED]);
+        b[HEADER_TAGGED..124].copy_from_slice(&tag.to_le_bytes());
         let crc = crc32c::crc32c(&b[..124]);
         b[124..128].copy_from_slice(&crc.to_le_bytes());
         b
     }
 
-    /// Decodes and checks a header (magic, version, header CRC). The payload CRC is the
-    /// caller's to check against the payload.
-    pub fn decode(b: &[u8]) -> Result<Self, FormatError> {
+    /// Decodes and checks a header (magic, header CRC, version, keyed tag). The payload CRC
+    /// is the caller's to check against the payload.
+    pub fn decode(b: &[u8], salt: &Salt) -> Result<Self, FormatError> {
         if b.len() < HEADER_BYTES {
             return Err(FormatError::BadLength);
         }
@@ -123,6 +214,9 @@ impl RecordHeader {
         let version = get_u16(b, 4);
         if version != FORMAT_VERSION {
             return Err(FormatError::BadVersion(version));
+        }
+        if salt.tag(HEADER_TAG_DOMAIN, &b[..HEADER_TAGGED]) != get_u64(b, HEADER_TAGGED) {
+            return Err(FormatError::BadTag);
         }
         Ok(Self {
             flags: get_u16(b, 6),
@@ -191,8 +285,9 @@ pub struct Trailer {
 
 impl Trailer {
     /// Trailer layout: magic u32 @0, version u16 @4, zero u16 @6, entries offset u64 @8,
-    /// count u64 @16, entries CRC u32 @24, trailer CRC32C of bytes 0..28 u32 @28, zeros.
-    pub fn encode(&self) -> [u8; TRAILER_BYTES] {
+    /// count u64 @16, entries CRC u32 @24, trailer CRC32C of bytes 0..28 u32 @28, keyed tag
+    /// of bytes 0..32 u64 @32, zeros.
+    pub fn encode(&self, salt: &Salt) -> [u8; TRAILER_BYTES] {
         let mut b = [0u8; TRAILER_BYTES];
         b[0..4].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
         b[4..6].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -201,13 +296,15 @@ impl Trailer {
         b[24..28].copy_from_slice(&self.entries_crc.to_le_bytes());
         let crc = crc32c::crc32c(&b[..28]);
         b[28..32].copy_from_slice(&crc.to_le_bytes());
+        let tag = salt.tag(TRAILER_TAG_DOMAIN, &b[..TRAILER_TAGGED]);
+        b[TRAILER_TAGGED..TRAILER_TAGGED + 8].copy_from_slice(&tag.to_le_bytes());
         b
     }
 
     /// Decodes the trailer of a segment `file_len` bytes long and checks that it describes
     /// exactly the bytes before it.
-    pub fn decode(b: &[u8], file_len: u64) -> Result<Self, FormatError> {
-        if b.len() < 32 {
+    pub fn decode(b: &[u8], file_len: u64, salt: &Salt) -> Result<Self, FormatError> {
+        if b.len() < TRAILER_TAGGED + 8 {
             return Err(FormatError::BadLength);
         }
         if get_u32(b, 0) != TRAILER_MAGIC {
@@ -219,6 +316,9 @@ impl Trailer {
         let version = get_u16(b, 4);
         if version != FORMAT_VERSION {
             return Err(FormatError::BadVersion(version));
+        }
+        if salt.tag(TRAILER_TAG_DOMAIN, &b[..TRAILER_TAGGED]) != get_u64(b, TRAILER_TAGGED) {
+            return Err(FormatError::BadTag);
         }
         let t = Self { entries_offset: get_u64(b, 8), count: get_u64(b, 16), entries_crc: get_u32(b, 24) };
         let end = t
@@ -235,14 +335,14 @@ impl Trailer {
 
 /// Encodes a footer (entries padded to a block, then the trailer) for records ending at
 /// `entries_offset`.
-pub fn encode_footer(entries: &[FooterEntry], entries_offset: u64) -> Vec<u8> {
+pub fn encode_footer(entries: &[FooterEntry], entries_offset: u64, salt: &Salt) -> Vec<u8> {
     let n = entries.len() as u64;
     let mut out = vec![0u8; footer_len(n) as usize];
     for (i, e) in entries.iter().enumerate() {
         e.encode_into(&mut out[i * ENTRY_BYTES..(i + 1) * ENTRY_BYTES]);
     }
     let entries_crc = crc32c::crc32c(&out[..entries.len() * ENTRY_BYTES]);
-    let trailer = Trailer { entries_offset, count: n, entries_crc }.encode();
+    let trailer = Trailer { entries_offset, count: n, entries_crc }.encode(salt);
     let t = out.len() - TRAILER_BYTES;
     out[t..].copy_from_slice(&trailer);
     out
@@ -264,6 +364,10 @@ pub fn decode_entries(t: &Trailer, bytes: &[u8]) -> Result<Vec<FooterEntry>, For
 mod tests {
     use super::*;
 
+    fn salt() -> Salt {
+        Salt::new(*b"0123456789abcdef")
+    }
+
     fn header() -> RecordHeader {
         RecordHeader {
             flags: 0,
@@ -279,28 +383,67 @@ mod tests {
     #[test]
     fn header_roundtrips_and_every_flipped_bit_is_detected() {
         let h = header();
-        let b = h.encode();
-        assert_eq!(RecordHeader::decode(&b), Ok(h));
+        let b = h.encode(&salt());
+        assert_eq!(RecordHeader::decode(&b, &salt()), Ok(h));
         for i in 0..HEADER_BYTES * 8 {
             let mut c = b;
             c[i / 8] ^= 1 << (i % 8);
-            assert!(RecordHeader::decode(&c).is_err(), "bit {i} flipped went unnoticed");
+            assert!(RecordHeader::decode(&c, &salt()).is_err(), "bit {i} flipped went unnoticed");
         }
-        assert_eq!(RecordHeader::decode(&[0u8; HEADER_BYTES]), Err(FormatError::BadMagic));
-        assert_eq!(RecordHeader::decode(&b[..64]), Err(FormatError::BadLength));
+        assert_eq!(RecordHeader::decode(&[0u8; HEADER_BYTES], &salt()), Err(FormatError::BadMagic));
+        assert_eq!(RecordHeader::decode(&b[..64], &salt()), Err(FormatError::BadLength));
+    }
+
+    #[test]
+    fn a_header_or_trailer_made_without_the_salt_is_refused() {
+        // What a tenant can write: valid magic, version and CRC32C (no secret in them), a tag
+        // from any other key (here: the all-zero salt, and another directory's).
+        let other = Salt::new([0; 16]);
+        let forged = header().encode(&other);
+        assert_eq!(RecordHeader::decode(&forged, &salt()), Err(FormatError::BadTag));
+        assert_eq!(RecordHeader::decode(&forged, &other), Ok(header()));
+        let mut zero_tag = header().encode(&salt());
+        zero_tag[116..124].fill(0);
+        let crc = crc32c::crc32c(&zero_tag[..124]);
+        zero_tag[124..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(RecordHeader::decode(&zero_tag, &salt()), Err(FormatError::BadTag));
+        let f = encode_footer(&[FooterEntry { header: header(), offset: 0 }], 4 * BLOCK, &other);
+        let len = 4 * BLOCK + f.len() as u64;
+        assert_eq!(Trailer::decode(&f[f.len() - TRAILER_BYTES..], len, &salt()), Err(FormatError::BadTag));
+        // Format 1 (no tag; version 1 under a valid CRC) is refused by its version.
+        let mut v1 = header().encode(&salt());
+        v1[4..6].copy_from_slice(&1u16.to_le_bytes());
+        v1[116..124].fill(0);
+        let crc = crc32c::crc32c(&v1[..124]);
+        v1[124..].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(RecordHeader::decode(&v1, &salt()), Err(FormatError::BadVersion(1)));
+    }
+
+    #[test]
+    fn salt_file_roundtrips_and_refuses_anything_else() {
+        let b = salt().file_bytes();
+        assert_eq!(Salt::from_file_bytes(&b), Some(salt()));
+        assert_eq!(Salt::from_file_bytes(&b[..31]), None);
+        let mut c = b;
+        c[0] ^= 1;
+        assert_eq!(Salt::from_file_bytes(&c), None);
+        let mut c = b;
+        c[31] = 1;
+        assert_eq!(Salt::from_file_bytes(&c), None);
+        assert_eq!(format!("{:?}", salt()), "Salt(..)", "the secret is never logged");
     }
 
     #[test]
     fn footer_roundtrips_and_rejects_a_wrong_length_or_crc() {
         let entries: Vec<_> = (0..100u64).map(|i| FooterEntry { header: RecordHeader { seq: i, ..header() }, offset: i * BLOCK }).collect();
         let off = 100 * BLOCK;
-        let f = encode_footer(&entries, off);
+        let f = encode_footer(&entries, off, &salt());
         assert_eq!(f.len() as u64, footer_len(100));
         let len = off + f.len() as u64;
-        let t = Trailer::decode(&f[f.len() - TRAILER_BYTES..], len).unwrap();
+        let t = Trailer::decode(&f[f.len() - TRAILER_BYTES..], len, &salt()).unwrap();
         assert_eq!(t.count, 100);
         assert_eq!(decode_entries(&t, &f).unwrap(), entries);
-        assert_eq!(Trailer::decode(&f[f.len() - TRAILER_BYTES..], len + BLOCK), Err(FormatError::BadLength));
+        assert_eq!(Trailer::decode(&f[f.len() - TRAILER_BYTES..], len + BLOCK, &salt()), Err(FormatError::BadLength));
         let mut g = f.clone();
         g[5] ^= 1;
         assert_eq!(decode_entries(&t, &g), Err(FormatError::BadCrc));
@@ -309,11 +452,15 @@ mod tests {
     #[test]
     fn a_huge_size_has_no_record_length() {
         // A planted header may say anything: 2^64 - 1 used to wrap to a one-block record.
-        for size in [u64::MAX, u64::MAX - HEADER_BYTES as u64 + 1, u64::MAX - 4000, u64::MAX - 1] {
+        for size in [u64::MAX, u64::MAX - HEADER_BYTES as u64 + 1, u64::MAX - 4000, u64::MAX - 1, u64::MAX / 2, MAX_PAYLOAD + 1] {
             assert_eq!(checked_record_len(size), None, "{size}");
             assert_eq!(record_len(size), u64::MAX, "{size}");
+            assert!(!header_in_range(&RecordHeader { size, ..header() }));
         }
-        assert_eq!(checked_record_len(u64::MAX / 2), Some(align_up(u64::MAX / 2 + HEADER_BYTES as u64)));
+        assert_eq!(checked_record_len(MAX_PAYLOAD), Some(MAX_PAYLOAD + BLOCK));
+        assert!(header_in_range(&RecordHeader { seq: MAX_SEQ, ..header() }));
+        assert!(!header_in_range(&RecordHeader { seq: MAX_SEQ + 1, ..header() }));
+        assert!(!header_in_range(&RecordHeader { seq: u64::MAX, ..header() }));
     }
 
     #[test]

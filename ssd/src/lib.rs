@@ -6,8 +6,9 @@
 //! of the pool: it is a crate of its own so the pool's tier seam is the only way in.
 //!
 //! Files: `config` (`SsdConfig` and its checks), `admission` (the demotion policy), `error`,
-//! `format` (record header, footer; no I/O), `segment` (directories, files, O_DIRECT), `uring`
-//! (one ring per drive), `shard` (one drive: segments, index, record I/O, capacity,
+//! `format` (record header, footer; no I/O), `segment` (directories, files, O_DIRECT), `salt`
+//! (the directory's secret for format 2's record tags), `uring`
+//! (one ring per drive), `index` (the compact in-memory index entries), `shard` (one drive: segments, index, record I/O, capacity,
 //! compaction), `rebuild` (warm restart of a shard), `store` (keys spread over shards;
 //! put/get/remove in batches), `bench` (the measurements `umbp-bench ssd` reports).
 
@@ -16,7 +17,9 @@ pub mod bench;
 mod config;
 mod error;
 pub mod format;
+mod index;
 mod rebuild;
+pub mod salt;
 pub mod segment;
 mod shard;
 mod store;

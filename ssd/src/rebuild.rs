@@ -8,7 +8,7 @@
 use std::sync::atomic::Ordering;
 
 use super::error::SsdError;
-use super::format::{self, FooterEntry, RecordHeader, Trailer, BLOCK, HEADER_BYTES};
+use super::format::{self, FooterEntry, RecordHeader, Salt, BLOCK, HEADER_BYTES};
 use super::segment::{AlignedBuf, Segment};
 use super::shard::{shard_index, Counters, Loc, SegMeta, Shard};
 
@@ -42,29 +42,6 @@ impl<'a> Window<'a> {
     }
 }
 
-/// The footer's entries, if the segment has a valid footer that describes sane records.
-fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdError> {
-    if len < BLOCK || !len.is_multiple_of(BLOCK) {
-        return Ok(None);
-    }
-    let mut last = AlignedBuf::new(BLOCK as usize);
-    if seg.read_at(&mut last, len - BLOCK)? < BLOCK as usize {
-        return Ok(None);
-    }
-    let Ok(t) = Trailer::decode(&last, len) else { return Ok(None) };
-    let n = (len - BLOCK - t.entries_offset) as usize;
-    let mut buf = AlignedBuf::new(n);
-    if seg.read_at(&mut buf, t.entries_offset)? < n {
-        return Ok(None);
-    }
-    let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
-    let sane = entries.iter().all(|e| {
-        e.offset.is_multiple_of(BLOCK)
-            && format::checked_record_len(e.header.size).and_then(|rl| e.offset.checked_add(rl)).is_some_and(|end| end <= t.entries_offset)
-    });
-    Ok(sane.then_some(entries))
-}
-
 /// Scans records from the start; returns the valid ones and the count of torn or corrupt
 /// records skipped.
 ///
@@ -73,8 +50,13 @@ fn read_footer(seg: &Segment, len: u64) -> Result<Option<Vec<FooterEntry>>, SsdE
 /// CRC is skipped by the length it claims (checked to fit in the file); a header that does
 /// not fit (a torn tail) or a block that is neither a header nor zeros ends the scan of
 /// the segment (what follows is lost: misses, never wrong bytes). Zero blocks are space
-/// reserved for a record whose write did not land at all, skipped block by block.
-fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
+/// reserved for a record whose write did not land at all, skipped block by block; a
+/// tenant's block found after them passes as a header only with this directory's secret
+/// salt (format 2's keyed tag), which no tenant has.
+fn scan(seg: &Segment, len: u64, salt: &Salt) -> Result<(Vec<FooterEntry>, u64), SsdError> {
+    // Offsets in the index are u32 block numbers: nothing past MAX_SEGMENT_BYTES is a
+    // record (a segment is never that long; a planted sparse file may claim to be).
+    let len = len.min(format::MAX_SEGMENT_BYTES);
     let mut w = Window::new(seg, 8 << 20);
     let mut out = Vec::new();
     let mut torn = 0u64;
@@ -87,8 +69,11 @@ fn scan(seg: &Segment, len: u64) -> Result<(Vec<FooterEntry>, u64), SsdError> {
             continue;
         }
         // Checked: a header's size is whatever is on disk (a huge one used to wrap).
-        let fits = |h: &RecordHeader| format::checked_record_len(h.size).and_then(|rl| pos.checked_add(rl)).is_some_and(|end| end <= len);
-        let header = match RecordHeader::decode(block) {
+        let fits = |h: &RecordHeader| {
+            format::header_in_range(h)
+                && format::checked_record_len(h.size).and_then(|rl| pos.checked_add(rl)).is_some_and(|end| end <= len)
+        };
+        let header = match RecordHeader::decode(block, salt) {
             Ok(h) if fits(&h) => h,
             _ => {
                 // Not a header where one must be, or one past the end of the file: the
@@ -151,7 +136,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
             let _ = shard.dir.remove_segment(id);
             continue;
         }
-        let footer = match read_footer(&seg, len) {
+        let footer = match seg.read_footer(len, &shard.dir.salt) {
             Ok(f) => f,
             Err(e) => {
                 skip(e);
@@ -165,7 +150,7 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
             }
             None => {
                 c.segments_scanned.fetch_add(1, Ordering::Relaxed);
-                let (entries, torn) = match scan(&seg, len) {
+                let (entries, torn) = match scan(&seg, len, &shard.dir.salt) {
                     Ok(r) => r,
                     Err(e) => {
                         skip(e);
@@ -184,7 +169,9 @@ pub(super) fn rebuild_shard(shard: &mut Shard, shard_idx: usize, nshards: usize,
             all.push(Loc { seg: id, offset: e.offset, header: e.header });
         }
         shard.used += file_len;
-        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed, synced: false });
+        // A footer on disk: its entries are read back from there when needed (issue #34, S7).
+        let records = if sealed { Vec::new() } else { records };
+        shard.segments.insert(id, SegMeta { seg, len: file_len, live_bytes: 0, records, sealed, footer: sealed, synced: false });
     }
     all.sort_by_key(|l| (l.header.seq, l.seg, l.offset));
     let mut max_seq = 0;

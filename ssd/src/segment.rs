@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::{Mode, OFlags};
 
 use super::error::SsdError;
-use super::format::BLOCK;
+use super::format::{self, FooterEntry, Salt, BLOCK};
 
 /// A zeroed heap buffer aligned to [`BLOCK`], as O_DIRECT needs.
 pub struct AlignedBuf {
@@ -108,6 +108,8 @@ pub struct Directory {
     fd: OwnedFd,
     /// The pool's effective uid: every file it opens here must be its own.
     uid: u32,
+    /// The key of this directory's record and trailer tags (`salt`).
+    pub salt: Salt,
     /// Holds the flock on `.umbp-ssd.lock` for the directory's lifetime.
     _lock: File,
 }
@@ -143,6 +145,20 @@ pub fn foreign_file(st: &rustix::fs::Stat, uid: u32) -> Option<String> {
         return Some(format!("has {} hard links (a segment has one)", st.st_nlink));
     }
     None
+}
+
+/// Ids of the segment files in the directory open as `fd`, ascending.
+fn segment_ids(fd: &OwnedFd, path: &Path) -> Result<Vec<u64>, SsdError> {
+    let mut rd = rustix::fs::Dir::read_from(fd).map_err(|e| io_err(path, "listing SSD directory", errno(e)))?;
+    let mut ids = Vec::new();
+    while let Some(ent) = rd.read() {
+        let ent = ent.map_err(|e| io_err(path, "listing SSD directory", errno(e)))?;
+        if let Some(id) = ent.file_name().to_str().ok().and_then(parse_segment_name) {
+            ids.push(id);
+        }
+    }
+    ids.sort_unstable();
+    Ok(ids)
 }
 
 impl Directory {
@@ -187,8 +203,37 @@ impl Directory {
         // above; a root-owned process passes permission checks, so probe a real write too.
         rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
             .map_err(|e| SsdError::Locked { path: path.clone(), source: errno(e) })?;
+        // Segment names that are the pool's own files (links and others' files are refused
+        // later, one by one, and do not make this a directory of format 1).
+        let own: Vec<u64> = segment_ids(&fd, &path)?
+            .into_iter()
+            .filter(|&id| {
+                rustix::fs::statat(&fd, segment_name(id).as_str(), rustix::fs::AtFlags::SYMLINK_NOFOLLOW)
+                    .is_ok_and(|st| foreign_file(&st, uid).is_none())
+            })
+            .collect();
+        let mut segments = own.len();
+        if segments > 0 && super::salt::missing(&fd)? {
+            // Format 1 (an upgrade), or a salt file removed: no record there can be told
+            // from a forged one, so none is served. The tier is a cache: its segments go,
+            // and the pool starts with an empty tier instead of refusing to start.
+            for &id in &own {
+                let name = segment_name(id);
+                rustix::fs::unlinkat(&fd, name.as_str(), rustix::fs::AtFlags::empty())
+                    .map_err(|e| io_err(&path.join(&name), "removing an unauthenticated segment", errno(e)))?;
+            }
+            rustix::fs::fsync(&fd).map_err(|e| io_err(&path, "fsync SSD directory", errno(e)))?;
+            tracing::warn!(
+                dir = %path.display(),
+                segments,
+                "SSD directory held segment files without a salt file (SSD format 1, or the salt was removed): \
+                 their records cannot be authenticated, so they were removed; the SSD tier starts empty and refills"
+            );
+            segments = 0;
+        }
+        let salt = super::salt::load_or_create(&fd, &path, uid, segments)?;
         if !try_direct {
-            return Ok(Self { path, direct: false, fd, uid, _lock: lock });
+            return Ok(Self { path, direct: false, fd, uid, salt, _lock: lock });
         }
         // A name nobody can have planted: O_EXCL never opens an existing file or link.
         static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -224,21 +269,12 @@ impl Directory {
                 "SSD directory does not support O_DIRECT (tmpfs?): using buffered I/O; reads may be served from the page cache and throughput figures are not the drive's"
             );
         }
-        Ok(Self { path, direct, fd, uid, _lock: lock })
+        Ok(Self { path, direct, fd, uid, salt, _lock: lock })
     }
 
     /// Segment ids present, ascending.
     pub fn list_segments(&self) -> Result<Vec<u64>, SsdError> {
-        let mut rd = rustix::fs::Dir::read_from(&self.fd).map_err(|e| io_err(&self.path, "listing SSD directory", errno(e)))?;
-        let mut ids = Vec::new();
-        while let Some(ent) = rd.read() {
-            let ent = ent.map_err(|e| io_err(&self.path, "listing SSD directory", errno(e)))?;
-            if let Some(id) = ent.file_name().to_str().ok().and_then(parse_segment_name) {
-                ids.push(id);
-            }
-        }
-        ids.sort_unstable();
-        Ok(ids)
+        segment_ids(&self.fd, &self.path)
     }
 
     pub fn segment_path(&self, id: u64) -> PathBuf {
@@ -330,6 +366,35 @@ impl Segment {
     /// Writes a block-aligned buffer at a block-aligned offset (footers).
     pub fn write_all_at(&self, buf: &AlignedBuf, len: usize, offset: u64) -> Result<(), SsdError> {
         self.file.write_all_at(&buf[..len], offset).map_err(|e| io_err(&self.path, "writing segment", e))
+    }
+
+    /// The footer's entries, if the segment (`len` bytes) has a valid footer (this
+    /// directory's salt) that describes sane records: inside the records, sizes and
+    /// sequence numbers in range.
+    pub fn read_footer(&self, len: u64, salt: &Salt) -> Result<Option<Vec<FooterEntry>>, SsdError> {
+        let seg = self;
+        if len < BLOCK || !len.is_multiple_of(BLOCK) || len > format::MAX_SEGMENT_BYTES {
+            return Ok(None);
+        }
+        let mut last = AlignedBuf::new(BLOCK as usize);
+        if seg.read_at(&mut last, len - BLOCK)? < BLOCK as usize {
+            return Ok(None);
+        }
+        let Ok(t) = format::Trailer::decode(&last, len, salt) else { return Ok(None) };
+        let n = (len - BLOCK - t.entries_offset) as usize;
+        let mut buf = AlignedBuf::new(n);
+        if seg.read_at(&mut buf, t.entries_offset)? < n {
+            return Ok(None);
+        }
+        let Ok(entries) = format::decode_entries(&t, &buf) else { return Ok(None) };
+        let sane = entries.iter().all(|e| {
+            e.offset.is_multiple_of(BLOCK)
+                && format::header_in_range(&e.header)
+                && format::checked_record_len(e.header.size)
+                    .and_then(|rl| e.offset.checked_add(rl))
+                    .is_some_and(|end| end <= t.entries_offset)
+        });
+        Ok(sane.then_some(entries))
     }
 
     pub fn sync(&self) -> Result<(), SsdError> {

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::config::SsdConfig;
 use super::error::SsdError;
 use super::format::{self, FooterEntry, RecordHeader, HEADER_BYTES};
+pub(super) use super::index::{rec_key, Loc, RecKey, Slot};
 use super::segment::{AlignedBuf, Directory, Segment};
 use super::uring::{ReadJob, Ring, WriteJob};
 
@@ -19,25 +20,16 @@ pub(super) struct SegMeta {
     pub len: u64,
     /// Bytes of records the index still points at.
     pub live_bytes: u64,
+    /// The records' footer entries while the segment has no footer on disk (the active
+    /// one, or one whose footer could not be written); empty once the footer is written:
+    /// compaction and reclaim read a sealed segment's entries back from its footer
+    /// (issue #34, S7: no per-object copy of every header in memory).
     pub records: Vec<FooterEntry>,
     pub sealed: bool,
+    /// Its footer is on disk (written by `seal`, or found valid at start).
+    pub footer: bool,
     /// Nothing written since its last fdatasync (`SsdStore::flush`).
     pub synced: bool,
-}
-
-/// A record's identity: (key, namespace).
-pub(super) type RecKey = (u128, u128);
-
-pub(super) fn rec_key(h: &RecordHeader) -> RecKey {
-    (h.key, h.namespace)
-}
-
-/// Where an indexed record lives.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Loc {
-    pub seg: u64,
-    pub offset: u64,
-    pub header: RecordHeader,
 }
 
 /// Counters, shared by all shards.
@@ -60,6 +52,8 @@ pub(super) struct Counters {
     pub compacted_bytes: AtomicU64,
     pub evicted_objects: AtomicU64,
     pub rebuild_us: AtomicU64,
+    pub segment_syncs: AtomicU64,
+    pub dir_syncs: AtomicU64,
 }
 
 pub(super) fn bump(c: &AtomicU64, n: u64) {
@@ -89,9 +83,9 @@ pub(super) struct Shard {
     pub active: Option<u64>,
     pub next_id: u64,
     /// By (key, namespace): the same key of two namespaces is two objects.
-    pub index: HashMap<RecKey, Loc>,
+    pub index: HashMap<RecKey, Slot>,
     /// The newest tombstone of each removed key, while it may hide an older record.
-    pub tombstones: HashMap<RecKey, Loc>,
+    pub tombstones: HashMap<RecKey, Slot>,
     /// Sum of `len` over segments.
     pub used: u64,
     /// Keys that left `index` without the caller asking (reclaim, a failed compaction or
@@ -142,43 +136,51 @@ impl Shard {
         self.used + footer
     }
 
-    pub(super) fn mark_dead(&mut self, loc: &Loc) {
-        if let Some(m) = self.segments.get_mut(&loc.seg) {
-            m.live_bytes = m.live_bytes.saturating_sub(format::record_len(loc.header.size));
+    /// The record the index holds for (key, namespace).
+    pub(super) fn lookup(&self, key: u128, namespace: u128) -> Option<Loc> {
+        let k = RecKey::new(key, namespace);
+        self.index.get(&k).map(|s| s.loc(&k, false))
+    }
+
+    /// A record of `size` bytes in segment `seg` is no longer live.
+    pub(super) fn mark_dead(&mut self, seg: u64, size: u64) {
+        if let Some(m) = self.segments.get_mut(&seg) {
+            m.live_bytes = m.live_bytes.saturating_sub(format::record_len(size));
         }
     }
 
     /// Applies a record that is now on disk to the index (later sequence numbers win).
     pub(super) fn apply(&mut self, loc: Loc) {
         let key = rec_key(&loc.header);
+        let seq = loc.header.seq;
         if loc.header.is_tombstone() {
             if let Some(old) = self.index.get(&key).copied() {
-                if old.header.seq < loc.header.seq {
+                if old.seq < seq {
                     self.index.remove(&key);
-                    self.mark_dead(&old);
+                    self.mark_dead(old.seg, old.size);
                 }
             }
             // An equal sequence number is the same tombstone moved by compaction.
-            if self.tombstones.get(&key).is_none_or(|t| t.header.seq <= loc.header.seq) {
-                self.tombstones.insert(key, loc);
+            if self.tombstones.get(&key).is_none_or(|t| t.seq <= seq) {
+                self.tombstones.insert(key, Slot::new(&loc));
             }
             return;
         }
-        if self.tombstones.get(&key).is_some_and(|t| t.header.seq > loc.header.seq) {
+        if self.tombstones.get(&key).is_some_and(|t| t.seq > seq) {
             return;
         }
         if let Some(old) = self.index.get(&key).copied() {
             // An equal sequence number is the same record moved by compaction: it moves.
-            if old.header.seq > loc.header.seq {
+            if old.seq > seq {
                 return;
             }
-            self.mark_dead(&old);
+            self.mark_dead(old.seg, old.size);
         }
         self.tombstones.remove(&key);
         if let Some(m) = self.segments.get_mut(&loc.seg) {
             m.live_bytes += format::record_len(loc.header.size);
         }
-        self.index.insert(key, loc);
+        self.index.insert(key, Slot::new(&loc));
     }
 
     /// Writes the active segment's footer and stops appending to it.
@@ -191,13 +193,16 @@ impl Shard {
         let Some(m) = self.segments.get_mut(&id) else { return };
         m.sealed = true;
         m.synced = false;
-        let footer = format::encode_footer(&m.records, m.len);
+        let footer = format::encode_footer(&m.records, m.len, &self.dir.salt);
         let mut buf = AlignedBuf::new(footer.len());
         buf[..footer.len()].copy_from_slice(&footer);
         match m.seg.write_all_at(&buf, footer.len(), m.len) {
             Ok(()) => {
                 m.len += footer.len() as u64;
                 self.used += footer.len() as u64;
+                // On disk now: read back from there when needed (compaction, reclaim).
+                m.footer = true;
+                m.records = Vec::new();
             }
             // The segment stays without a footer; the next start scans its records.
             Err(e) => tracing::warn!(error = %e, "SSD segment footer not written; the next start scans this segment"),
@@ -228,22 +233,53 @@ impl Shard {
         }
     }
 
+    /// The footer entries of segment `id`: from memory while it has no footer on disk,
+    /// else read back from its footer; where that read fails, what the index and the
+    /// tombstones hold in it (every record that still matters, found the slow way).
+    fn segment_entries(&self, id: u64) -> Vec<FooterEntry> {
+        let Some(m) = self.segments.get(&id) else { return Vec::new() };
+        if !m.footer {
+            return m.records.clone();
+        }
+        match m.seg.read_footer(m.len, &self.dir.salt) {
+            Ok(Some(entries)) => return entries,
+            Ok(None) => {
+                tracing::warn!(path = %m.seg.path.display(), "SSD segment footer no longer valid: its records are found in the index")
+            }
+            Err(e) => tracing::warn!(error = %e, "SSD segment footer unreadable: its records are found in the index"),
+        }
+        let of = |map: &HashMap<RecKey, Slot>, tomb: bool| -> Vec<FooterEntry> {
+            map.iter()
+                .filter(|(_, s)| s.seg == id)
+                .map(|(k, s)| {
+                    let l = s.loc(k, tomb);
+                    FooterEntry { header: l.header, offset: l.offset }
+                })
+                .collect()
+        };
+        let mut out = of(&self.index, false);
+        out.extend(of(&self.tombstones, true));
+        out.sort_unstable_by_key(|e| e.offset);
+        out
+    }
+
     /// Removes a segment and its file; the live objects it held (now gone) go to
     /// `evicted`. Returns how many.
     fn drop_segment(&mut self, id: u64, counters: &Counters) -> usize {
         if self.active == Some(id) {
             self.active = None;
         }
+        let records = self.segment_entries(id);
         let Some(m) = self.segments.remove(&id) else { return 0 };
         let mut gone = 0;
-        for e in &m.records {
+        for e in &records {
             let key = rec_key(&e.header);
-            if self.index.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
+            if self.index.get(&key).is_some_and(|l| l.is_at(id, e.offset)) {
                 self.index.remove(&key);
                 self.evicted.push(key);
                 gone += 1;
             }
-            if self.tombstones.get(&key).is_some_and(|l| l.seg == id && l.offset == e.offset) {
+            if self.tombstones.get(&key).is_some_and(|l| l.is_at(id, e.offset)) {
                 self.tombstones.remove(&key);
             }
         }
@@ -258,16 +294,15 @@ impl Shard {
     /// Copies a segment's live records (and tombstones still needed) to the active segment,
     /// then removes it.
     pub(super) fn compact(&mut self, id: u64, counters: &Counters) {
-        let Some(m) = self.segments.get(&id) else { return };
-        let records = m.records.clone();
-        let len = m.len;
+        let Some(len) = self.segments.get(&id).map(|m| m.len) else { return };
+        let records = self.segment_entries(id);
         let older_exists = self.segments.keys().next().is_some_and(|&first| first < id);
         let mut moved = 0u64;
         for e in records {
             let key = rec_key(&e.header);
-            let at = |l: &Loc| l.seg == id && l.offset == e.offset;
+            let at = |l: &Slot| l.is_at(id, e.offset);
             if self.index.get(&key).is_some_and(at) {
-                let loc = self.index[&key];
+                let loc = self.index[&key].loc(&key, false);
                 let mut data = vec![0u8; loc.header.size as usize];
                 if self.read_records(&[loc], &mut [&mut data[..]], counters)[0] {
                     let hdr = loc.header;
@@ -328,7 +363,10 @@ impl Shard {
                 match self.dir.create_segment(id) {
                     Ok(seg) => {
                         self.next_id += 1;
-                        self.segments.insert(id, SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false, synced: false });
+                        self.segments.insert(
+                            id,
+                            SegMeta { seg, len: 0, live_bytes: 0, records: Vec::new(), sealed: false, footer: false, synced: false },
+                        );
                         self.active = Some(id);
                     }
                     Err(e) => {
@@ -345,7 +383,7 @@ impl Shard {
             m.len += rec;
             self.used += rec;
             m.records.push(FooterEntry { header: *header, offset });
-            pending.push(Pending { item: i, seg: id, offset, header: *header, hdr: header.encode(), data });
+            pending.push(Pending { item: i, seg: id, offset, header: *header, hdr: header.encode(&self.dir.salt), data });
         }
         self.flush(&mut pending, &mut results, counters);
         results
@@ -450,7 +488,7 @@ impl Shard {
                 }
                 Ok(()) => {
                     let crc = crcs[i].finish();
-                    let header_ok = RecordHeader::decode(&hdrs[i]).is_ok_and(|h| h == loc.header);
+                    let header_ok = RecordHeader::decode(&hdrs[i], &self.dir.salt).is_ok_and(|h| h == loc.header);
                     if header_ok && crc == loc.header.payload_crc {
                         ok[i] = true;
                     } else {
@@ -459,9 +497,9 @@ impl Shard {
                     }
                 }
             }
-            if !ok[i] && self.index.get(&rec_key(&loc.header)).is_some_and(|l| l.seg == loc.seg && l.offset == loc.offset) {
+            if !ok[i] && self.index.get(&rec_key(&loc.header)).is_some_and(|l| l.is_at(loc.seg, loc.offset)) {
                 self.index.remove(&rec_key(&loc.header));
-                self.mark_dead(&loc);
+                self.mark_dead(loc.seg, loc.header.size);
                 self.evicted.push(rec_key(&loc.header));
             }
         }

@@ -13,7 +13,7 @@ use super::config::SsdConfig;
 use super::error::SsdError;
 use super::format::{self, RecordHeader, FLAG_TOMBSTONE};
 use super::segment::Directory;
-use super::shard::{bump, shard_index, Counters, Out, PutOutcome, Shard};
+use super::shard::{bump, shard_index, Counters, Out, PutOutcome, RecKey, Shard};
 use super::uring::Ring;
 
 /// A snapshot of the store's state and counters.
@@ -52,6 +52,11 @@ pub struct SsdStats {
     pub evicted_objects: u64,
     /// Time `open` spent reading footers and scanning segments (not opening rings).
     pub rebuild_ms: f64,
+    /// Segment files `flush` (or a clean close) fdatasynced: every one written since its
+    /// last sync, those sealed earlier included (issue #34, S5).
+    pub segment_syncs: u64,
+    /// Directory fsyncs by `flush` (one per directory per call: names created or removed).
+    pub dir_syncs: u64,
 }
 
 /// What the store knows about an object without reading it.
@@ -95,11 +100,15 @@ impl SsdStore {
                 c.low_watermark, c.high_watermark
             )));
         }
-        if !c.segment_bytes.is_multiple_of(format::BLOCK) || c.segment_bytes < 4 * format::BLOCK {
+        if !c.segment_bytes.is_multiple_of(format::BLOCK)
+            || c.segment_bytes < 4 * format::BLOCK
+            || c.segment_bytes > format::MAX_SEGMENT_BYTES
+        {
             return Err(SsdError::Config(format!(
-                "segment size {} must be a multiple of {} and at least 4 blocks",
+                "segment size {} must be a multiple of {}, at least 4 blocks and at most {}",
                 c.segment_bytes,
-                format::BLOCK
+                format::BLOCK,
+                format::MAX_SEGMENT_BYTES
             )));
         }
         let per_shard = c.capacity_bytes / c.dirs.len() as u64;
@@ -238,7 +247,7 @@ impl SsdStore {
             let mut locs = Vec::new();
             let mut bufs: Vec<&mut [u8]> = Vec::new();
             for &i in idx {
-                let Some(l) = shard.index.get(&(keys[i].0 .0, keys[i].1)).copied() else {
+                let Some(l) = shard.lookup(keys[i].0 .0, keys[i].1) else {
                     bump(&self.counters.misses, 1);
                     continue;
                 };
@@ -275,7 +284,7 @@ impl SsdStore {
     /// What the index says about a key (no I/O).
     pub fn info(&self, key: ObjectKey, namespace: u128) -> Option<SsdObjectInfo> {
         let shard = self.shard(key);
-        shard.index.get(&(key.0, namespace)).map(|l| SsdObjectInfo {
+        shard.lookup(key.0, namespace).map(|l| SsdObjectInfo {
             namespace: l.header.namespace,
             size: l.header.size,
             layout_object_size: l.header.layout_object_size,
@@ -291,7 +300,7 @@ impl SsdStore {
     /// may reappear after a restart (logged).
     pub fn remove(&self, key: ObjectKey, namespace: u128) -> bool {
         let mut shard = self.shard(key);
-        let Some(loc) = shard.index.get(&(key.0, namespace)).copied() else { return false };
+        let Some(loc) = shard.lookup(key.0, namespace) else { return false };
         let tomb = RecordHeader {
             flags: FLAG_TOMBSTONE,
             key: key.0,
@@ -303,8 +312,8 @@ impl SsdStore {
         };
         if let Err(e) = shard.put_records(&[(tomb, &[][..])], &self.counters, true).pop().expect("one") {
             tracing::warn!(key = format_args!("{:032x}", key.0), error = %e, "SSD tombstone not written: the key may reappear after a restart");
-            shard.index.remove(&(key.0, namespace));
-            shard.mark_dead(&loc);
+            shard.index.remove(&RecKey::new(key.0, namespace));
+            shard.mark_dead(loc.seg, loc.header.size);
         }
         true
     }
@@ -319,7 +328,7 @@ impl SsdStore {
         for s in &self.shards {
             let mut s = s.lock().unwrap_or_else(|p| p.into_inner());
             let gone = std::mem::take(&mut s.evicted);
-            out.extend(gone.into_iter().filter(|k| !s.index.contains_key(k)).map(|k| (ObjectKey(k.0), k.1)));
+            out.extend(gone.into_iter().filter(|k| !s.index.contains_key(k)).map(|k| (ObjectKey(k.key()), k.namespace())));
         }
         out.sort_unstable_by_key(|k| (k.0 .0, k.1));
         out.dedup();
@@ -332,10 +341,7 @@ impl SsdStore {
         for s in &self.shards {
             let s = s.lock().unwrap_or_else(|p| p.into_inner());
             out.extend(s.index.iter().map(|(k, l)| {
-                (
-                    ObjectKey(k.0),
-                    SsdObjectInfo { namespace: l.header.namespace, size: l.header.size, layout_object_size: l.header.layout_object_size },
-                )
+                (ObjectKey(k.key()), SsdObjectInfo { namespace: k.namespace(), size: l.size, layout_object_size: l.layout_object_size })
             }));
         }
         out
@@ -373,11 +379,14 @@ impl SsdStore {
             let mut r = Ok(());
             for m in s.segments.values_mut().filter(|m| !m.synced) {
                 match m.seg.sync() {
-                    Ok(()) => m.synced = true,
+                    Ok(()) => {
+                        m.synced = true;
+                        bump(&self.counters.segment_syncs, 1);
+                    }
                     Err(e) => r = r.and(Err(e)),
                 }
             }
-            let r = r.and(s.dir.sync());
+            let r = r.and(s.dir.sync().inspect(|()| bump(&self.counters.dir_syncs, 1)));
             first = first.and(r);
         }
         first
@@ -405,6 +414,8 @@ impl SsdStore {
             compacted_bytes: g(&c.compacted_bytes),
             evicted_objects: g(&c.evicted_objects),
             rebuild_ms: g(&c.rebuild_us) as f64 / 1000.0,
+            segment_syncs: g(&c.segment_syncs),
+            dir_syncs: g(&c.dir_syncs),
             direct_io: true,
             io_uring: true,
             ..Default::default()

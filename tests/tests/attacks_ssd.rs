@@ -119,12 +119,14 @@ fn ssd_files_are_never_opened_through_symlinks() {
     let _ = std::fs::remove_dir_all(&base);
 }
 
-/// A one-record segment whose header says `size` (with a valid CRC: CRCs are no secret).
-fn planted_record(size: u64) -> Vec<u8> {
+/// A one-record segment whose header says `size` and `seq`, valid in every other respect:
+/// its CRC (no secret) and its keyed tag, made with the directory's salt (as the pool's own
+/// uid could: this is robustness against any bytes on disk, not a tenant's forgery).
+fn planted_record(size: u64, seq: u64, salt: &format::Salt) -> Vec<u8> {
     let payload = [0x5au8; 200];
-    let h = RecordHeader { flags: 0, key: key(9).0, namespace: 7, size, layout_object_size: 65536, seq: 1, payload_crc: crc32c(&payload) };
+    let h = RecordHeader { flags: 0, key: key(9).0, namespace: 7, size, layout_object_size: 65536, seq, payload_crc: crc32c(&payload) };
     let mut seg = vec![0u8; 4 * BLOCK as usize];
-    seg[..HEADER_BYTES].copy_from_slice(&h.encode());
+    seg[..HEADER_BYTES].copy_from_slice(&h.encode(salt));
     seg[HEADER_BYTES..HEADER_BYTES + payload.len()].copy_from_slice(&payload);
     seg
 }
@@ -144,23 +146,37 @@ fn crc32c(data: &[u8]) -> u32 {
 #[test]
 fn a_planted_record_with_a_huge_size_does_not_crash_the_rebuild() {
     let base = scratch("huge");
-    for size in [u64::MAX, u64::MAX - HEADER_BYTES as u64 + 1, u64::MAX - 2 * BLOCK] {
-        // Scanned (no footer): the header's size used to wrap record_len to one block.
-        let d = ssd_dir(&base, &format!("scan-{size:x}"));
-        std::fs::write(d.join(segment::segment_name(0)), planted_record(size)).unwrap();
+    // A directory a store has opened (it made the salt), then the planted segment.
+    let salted = |name: &str| {
+        let d = ssd_dir(&base, name);
+        drop(SsdStore::open(&cfg(&d)).unwrap());
+        let salt = format::Salt::from_file_bytes(&std::fs::read(d.join(umbp_ssd::salt::SALT_NAME)).unwrap()).unwrap();
+        (d, salt)
+    };
+    let cases = [(u64::MAX, 1), (u64::MAX - HEADER_BYTES as u64 + 1, 1), (u64::MAX - 2 * BLOCK, 1), (1 << 50, 1), (200, u64::MAX)];
+    for (size, seq) in cases {
+        // Scanned (no footer): the header's size used to wrap record_len to one block; a
+        // sequence number of 2^64 - 1 would make the store's numbering wrap.
+        let (d, salt) = salted(&format!("scan-{size:x}-{seq:x}"));
+        std::fs::write(d.join(segment::segment_name(0)), planted_record(size, seq, &salt)).unwrap();
         let store = SsdStore::open(&cfg(&d)).unwrap_or_else(|e| panic!("size {size:#x}: {e}"));
         let st = store.stats();
         assert_eq!((st.objects, st.segments_scanned), (0, 1), "size {size:#x}: {st:?}");
         assert!(st.torn_records_skipped >= 1, "size {size:#x}: {st:?}");
         assert!(store.get(key(9), 7).is_none());
+        // The store numbers on from sane numbers: a record written now wins after a restart.
+        store.put(key(9), 7, 65536, &[3; 300]).unwrap();
+        drop(store);
+        let store = SsdStore::open(&cfg(&d)).unwrap_or_else(|e| panic!("restart, size {size:#x}: {e}"));
+        assert_eq!(store.get(key(9), 7).map(|g| g.1), Some(vec![3; 300]), "size {size:#x} seq {seq:#x}");
         drop(store);
 
-        // Sealed: a footer entry saying the same (entries and trailer CRCs valid).
-        let d = ssd_dir(&base, &format!("footer-{size:x}"));
-        let mut seg = planted_record(size);
-        let h = RecordHeader::decode(&seg).unwrap();
+        // Sealed: a footer entry saying the same (entries and trailer CRCs and tag valid).
+        let (d, salt) = salted(&format!("footer-{size:x}-{seq:x}"));
+        let mut seg = planted_record(size, seq, &salt);
+        let h = RecordHeader::decode(&seg, &salt).unwrap();
         let records_end = seg.len() as u64;
-        seg.extend_from_slice(&format::encode_footer(&[FooterEntry { header: h, offset: 0 }], records_end));
+        seg.extend_from_slice(&format::encode_footer(&[FooterEntry { header: h, offset: 0 }], records_end, &salt));
         std::fs::write(d.join(segment::segment_name(0)), &seg).unwrap();
         let store = SsdStore::open(&cfg(&d)).unwrap_or_else(|e| panic!("footer, size {size:#x}: {e}"));
         let st = store.stats();

@@ -116,7 +116,7 @@ fn start_error(args: &[&str]) -> (i32, String) {
     (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
 }
 
-/// (d) A missing directory, a file, and a directory another pool holds stop the pool at
+/// (d) A missing directory, a file and a directory another pool holds stop the pool at
 /// start with an error naming the flag or the directory; it does not start without its tier.
 #[test]
 fn bad_ssd_dirs_stop_the_pool_at_start() {
@@ -138,4 +138,27 @@ fn bad_ssd_dirs_stop_the_pool_at_start() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("SSD tier") && err.contains(d) && err.contains("in use"), "{err}");
     let _ = Path::new(d);
+}
+
+/// A directory of SSD format 1 (segments, no salt file; an upgrade, issue #34 S4): its
+/// records cannot be authenticated, so the pool removes its segment files (the tier is a
+/// cache) and starts with an empty tier and a new salt, instead of refusing to start (an
+/// embedded engine with `ssd_dir` would not start after an upgrade).
+#[test]
+fn a_directory_of_format_1_is_emptied_and_the_pool_starts() {
+    let old = ssd_dir("format1");
+    let seg = old.path().join("seg-0000000000000000.umbp");
+    std::fs::write(&seg, vec![0u8; 8192]).unwrap();
+    let o = old.path().to_str().unwrap();
+    let args = ["--capacity", "8MiB", "--ssd-dir", o, "--ssd-capacity", "256MiB", "--ssd-segment-size", "4MiB"];
+    let _pool = PoolProcess::start(&unique_socket("ssd-format1"), &args);
+    // The tier opens beside the listening socket: wait for the new salt (made after the
+    // old segments are gone).
+    let salt = old.path().join(".umbp-ssd.salt");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !salt.exists() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert!(salt.exists(), "no salt file 10 s after the start");
+    assert!(!seg.exists(), "the unauthenticated format-1 segment is still there");
 }
