@@ -4,7 +4,8 @@ Run as a separate process (one engine per process, so several engines can share 
 
     python python/tests/engine_driver.py --model DIR [--mode embedded|standalone]
         [--endpoint SOCK] [--load-async 0|1] [--key-namespace NS] [--engine-id ID]
-        [--extra JSON] [--no-connector] [--no-module-path] [--mp] [--commands run,reset,run]
+        [--extra JSON] [--no-connector] [--no-module-path] [--mp] [--kv-events ENDPOINT]
+        [--commands run,reset,run]
 
 It starts the engine, prints a `ready` record, then executes commands (from --commands, else
 one per stdin line) and prints one JSON record per command:
@@ -133,6 +134,8 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     ap.add_argument("--commands", default=None, help="comma-separated; default: read stdin")
     ap.add_argument("--prompts", type=int, default=4, help="prompts of the batch command")
+    ap.add_argument("--kv-events", default=None, metavar="ENDPOINT",
+                    help="publish KV cache events through vLLM's zmq publisher bound at ENDPOINT")
     ap.add_argument("--num-gpu-blocks", type=int, default=None,
                     help="KV cache blocks (num_gpu_blocks_override): small to force preemption")
     args = ap.parse_args()
@@ -159,6 +162,9 @@ def main() -> int:
         )
         if args.num_gpu_blocks:
             kw["num_gpu_blocks_override"] = args.num_gpu_blocks
+        if args.kv_events:
+            kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": args.kv_events}
         if not args.no_connector:
             extra: dict = {"mode": args.mode}
             if args.endpoint:

@@ -241,6 +241,15 @@ def test_prefill_context_parallel_accepted():
         C.check_parallelism(2, prefill_context_parallel_size=2)
 
 
+def test_decode_context_parallel_refused():
+    """DCP > 1 is refused with the key named (the connector's per-rank block size is not
+    vLLM's DCP block: test_pcp.py::test_dcp_is_refused_with_the_key_named); DCP 1 passes."""
+    C.check_parallelism(1, 2, decode_context_parallel_size=1)
+    for dcp in (2, 4):
+        with pytest.raises(ValueError, match=f"decode_context_parallel_size.*={dcp}"):
+            C.check_parallelism(1, 1, decode_context_parallel_size=dcp)
+
+
 def test_pcp_rank_in_socket_and_ssd_names(tmp_path):
     """Each (TP, PCP) worker has its own embedded pool socket and SSD directories; with
     PCP 1 the names are the ones they always were."""

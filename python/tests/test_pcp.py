@@ -187,3 +187,27 @@ def json_objects(h, rank: int) -> int:
     pool = h.workers[rank]._worker.pool
     assert pool is not None, "not an embedded pool"
     return json.loads(pool.report())["pool"]["objects"]
+
+
+def test_dcp_is_refused_with_the_key_named(make):
+    """Decode context parallelism (DCP > 1) is refused when the connector starts, in both
+    roles, with a message naming `decode_context_parallel_size`: vLLM's KV cache manager
+    then counts a block as block_size x DCP tokens (`resolve_dcp_kv_block_size`), while the
+    KV cache groups the connector is given carry the per-rank block size, so its hits,
+    offload and events would be off by the factor DCP. (Before, the connector started and
+    planned hits of 128-token blocks against a manager whose blocks were 256 tokens.)"""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.core.kv_cache_utils import resolve_dcp_kv_block_size
+
+    from umbp.vllm import UMBPStoreConnector
+
+    h = make()
+    spec = h.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    # The mismatch the refusal is about, as vLLM computes it.
+    assert (spec.block_size, resolve_dcp_kv_block_size(spec, 2)) == (BLOCK, 2 * BLOCK)
+    h.vllm_config.parallel_config.decode_context_parallel_size = 2
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ValueError, match=r"decode_context_parallel_size.*decode context parallelism") as ei:
+            UMBPStoreConnector(h.vllm_config, role, h.kv_cache_config)
+        assert "block_size x 2" in str(ei.value)
+    h.vllm_config.parallel_config.decode_context_parallel_size = 1

@@ -88,3 +88,51 @@ def test_overflowing_dram_demotes_and_events_carry_the_medium(make, tmp_path):
         h.step()
         time.sleep(0.05)
     assert medium[first] == "CPU"
+
+
+def test_a_block_found_on_ssd_is_announced_with_medium_storage(make, pool_factory, monkeypatch, tmp_path):
+    """Issue #33 item 5: engine B finds in a shared standalone pool a block that engine A
+    stored and the pool has since demoted to its SSD tier. B announces it (it can serve
+    it) with the medium of the tier holding it, read through `Index.tier`: STORAGE, not
+    CPU (a found block in DRAM is announced CPU: test_group_events.py). Read as DRAM, as a
+    binding without `Index.tier` is, the block was announced CPU."""
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    # The standalone pool reads its SSD tier from its environment (umbp-pool --help).
+    monkeypatch.setenv("UMBP_SSD_DIR", str(ssd))
+    monkeypatch.setenv("UMBP_SSD_CAPACITY", "128MiB")
+    monkeypatch.setenv("UMBP_SSD_ADMISSION", "all")
+    pool = pool_factory("ssd-found", capacity="4MiB")
+    extra = {"mode": "standalone", "endpoint": str(pool.socket_path), "key_namespace": "ssd-found"}
+    a = make(extra=extra)
+    b = make(events=True, extra=extra)
+    # 4 MiB of DRAM = 64 objects of 64 KiB; 20 prompts of 4 blocks overflow it, the oldest
+    # (LRU) go to SSD first.
+    reqs = [a.add(f"r{i}", T(200 + i, 4 * BLOCK + 10)) for i in range(20)]
+    a.run(timeout=60)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        report = pool.report()
+        if (report.get("ssd") or {}).get("demotions", 0) >= 4:
+            break
+        time.sleep(0.1)
+    report = pool.report()
+    assert report["ssd"]["demotions"] >= 4 and report["tiers"]["ssd"] >= 4, report.get("ssd")
+    b.step()
+    assert take(b) == [], "B announced something it neither stored nor found"
+
+    def found_media(rid: str, seed: int) -> dict:
+        b.add(rid, T(seed, 4 * BLOCK + 10), max_tokens=1)
+        b.step()  # B's scheduler looks the prompt up and announces what it found
+        ev = take(b)
+        assert all(type(e).__name__ == "BlockStored" for e in ev), ev
+        return {e.block_hashes[0]: e.medium for e in ev}
+
+    first = [maybe_convert_block_hash(bytes(x)) for x in reqs[0].block_hashes[:4]]
+    media = found_media("b-first", 200)
+    assert list(media) == first, "B announces the four blocks of A's first prompt it found"
+    assert set(media.values()) == {"STORAGE"}, media
+    b.run(timeout=30)
+    assert b.external_tokens("b-first") == 4 * BLOCK

@@ -85,6 +85,60 @@ def test_embedded_restore_after_reset(native, engine_factory, reference_tokens, 
     assert eng.close() == 0
 
 
+def test_embedded_engine_publishes_the_connectors_kv_events(native, engine_factory, short_tmp):
+    """Issue #33 item 5 on a real engine: vLLM's own zmq publisher carries the connector's
+    events. After a prompt, its full blocks are announced `BlockStored` with medium CPU (the
+    pool's DRAM; vLLM's own cache announces them with GPU), once each, with their tokens;
+    after a reset that drops the engine's objects from the pool, `BlockRemoved` with medium
+    CPU for each."""
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    endpoint = f"ipc://{short_tmp}/kv-events"
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)  # zmq connects to an ipc endpoint bound later
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    events: list = []
+
+    def collect(until, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not until() and time.monotonic() < deadline:
+            if sub.poll(100):
+                _topic, _seq, payload = sub.recv_multipart()
+                events.extend(decoder.decode(payload).events)
+
+    def ours(kind: str) -> list:
+        return [e for e in events if type(e).__name__ == kind and getattr(e, "medium", None) == "CPU"]
+
+    try:
+        eng = engine_factory("--mode", "embedded", "--kv-events", endpoint, name="events")
+        want = [maybe_convert_block_hash(bytes.fromhex(h)) for h in eng.cmd("hashes")["hashes"]]
+        want = want[: FULL_BLOCK_TOKENS // BLOCK]
+        tokens = prompt_token_ids()
+        eng.run("cold")
+        eng.run("again")  # one-process engine: the stores' confirmations ride on later steps
+        collect(lambda: len(ours("BlockStored")) >= len(want))
+        stored = ours("BlockStored")
+        assert [e.block_hashes for e in stored] == [[h] for h in want], (stored, want)
+        for i, e in enumerate(stored):
+            assert e.token_ids == tokens[i * BLOCK : (i + 1) * BLOCK] and e.block_size == BLOCK
+            assert e.parent_block_hash == (want[i - 1] if i else None)
+        assert any(getattr(e, "medium", None) == "GPU" for e in events), "vLLM's own cache events"
+        eng.cmd("reset_all")
+        eng.run("after-reset")
+        collect(lambda: len(ours("BlockRemoved")) >= len(want))
+        removed = ours("BlockRemoved")
+        assert sorted(h for e in removed for h in e.block_hashes) == sorted(want), removed
+        assert eng.close() == 0
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
 # ---------------------------------------------------------------------------------------
 # Standalone mode (umbp-pool processes)
 # ---------------------------------------------------------------------------------------

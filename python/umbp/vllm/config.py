@@ -552,7 +552,9 @@ def rank_tag(tp_rank: int, pcp_rank: int | None = None) -> str:
     return f"tp{tp_rank}" if pcp_rank is None else f"pcp{pcp_rank}-tp{tp_rank}"
 
 
-def check_parallelism(pipeline_parallel_size: int, prefill_context_parallel_size: int = 1) -> None:
+def check_parallelism(
+    pipeline_parallel_size: int, prefill_context_parallel_size: int = 1, decode_context_parallel_size: int = 1
+) -> None:
     """Refuse topologies the key scheme does not describe.
 
     Keys name (block, KV rank); with pipeline parallelism each stage holds different layers
@@ -561,6 +563,10 @@ def check_parallelism(pipeline_parallel_size: int, prefill_context_parallel_size
     the TP rank (keys.kv_rank), and a hit needs the block from every (TP, PCP) rank, so
     whatever part of a block's KV each PCP rank holds (vLLM 0.32 replicates it without DCP,
     shards its tokens with DCP) is stored and restored by that rank under its own key.
+    Decode context parallelism (DCP) > 1 is refused: vLLM's KV cache manager then counts
+    a block as `block_size * DCP` tokens (`resolve_dcp_kv_block_size`) while the KV cache
+    groups the connector is given carry the per-rank `block_size`, so the connector's
+    block accounting (hits, offload, events) would be off by the factor DCP.
     """
     if pipeline_parallel_size > 1:
         raise ValueError(
@@ -570,6 +576,15 @@ def check_parallelism(pipeline_parallel_size: int, prefill_context_parallel_size
     if prefill_context_parallel_size < 1:
         raise ValueError(
             f"prefill_context_parallel_size: must be at least 1, got {prefill_context_parallel_size}"
+        )
+    if decode_context_parallel_size > 1:
+        raise ValueError(
+            "decode_context_parallel_size: UMBPStoreConnector does not support decode context "
+            f"parallelism (decode_context_parallel_size={decode_context_parallel_size}): vLLM's "
+            f"scheduler then counts a block as block_size x {decode_context_parallel_size} tokens "
+            "while each rank's cache block holds an interleaved share of them, and the "
+            "connector's block accounting uses the per-rank block size; run without DCP "
+            "(docs/vllm.md, Prefill context parallelism)"
         )
 
 

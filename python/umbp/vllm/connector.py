@@ -124,7 +124,11 @@ class UMBPStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # Prefill context parallelism: every (TP, PCP) worker holds its own KV bytes and keys
         # them with its KV rank (keys.kv_rank); a hit needs all of them.
         self._pcp_size = int(getattr(pc, "prefill_context_parallel_size", 1) or 1)
-        check_parallelism(pc.pipeline_parallel_size, self._pcp_size)
+        check_parallelism(
+            pc.pipeline_parallel_size,
+            self._pcp_size,
+            int(getattr(pc, "decode_context_parallel_size", 1) or 1),
+        )
         if kv_cache_config is None:
             raise ValueError("UMBPStoreConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
 

@@ -54,6 +54,11 @@ ENGINE = "engine"
 # 2026-12-01..04; the slower direction) moved 16/32 KiB pages through copy engines at
 # 14-33/29-50 GB/s and 64/128 KiB pages at 47-51/47-52 GB/s; the kernel 47-51 GB/s
 # throughout. From 64 KiB on the engine's own layout moves as fast and is left alone.
+# To re-measure the line on a GPU host: `umbp-bench transfer --backend cuda --layouts
+# kv4k,kv8k,kv16k,gptoss,interference --matmul "python3 scripts/device/matmul_loop.py"
+# --reps 5 --json`, once with `--gather copy-engine` and once with the default `auto`: the
+# smallest page whose copy-engine store/load reaches the kernel's GB/s (and so needs no
+# kernel, whose `<layout>_interference_pct` is the engine's cost) is the line.
 BLOCK_OUTERMOST_BELOW_PAGE_BYTES = 64 << 10
 
 
