@@ -144,13 +144,6 @@ pub(crate) struct PoolInner {
     pub jobs: crossbeam_channel::Sender<job::Job>,
     pub shutdown: AtomicBool,
     pub counters: stats::Counters,
-    /// `config.copy_stage_bytes`, changeable while running ([`Pool::set_copy_stage_bytes`]).
-    pub copy_stage_bytes: AtomicU64,
-    /// `config.copy_stage_growth_percent`, changeable while running.
-    pub copy_stage_growth_percent: AtomicU32,
-    /// `config.idle_poll`, changeable while running ([`Pool::set_idle_poll`]). The lock
-    /// also orders the service thread's window updates against a change of mode.
-    pub idle_poll_mode: Mutex<config::IdlePoll>,
     /// How long idle threads poll now, in ns (idle_poll.rs: fixed, or adapted by the
     /// service thread).
     pub idle_poll_ns: AtomicU64,
@@ -163,8 +156,6 @@ pub(crate) struct PoolInner {
     /// The service thread is asleep (or about to be) in epoll: a completion while the
     /// window is long wakes it, so it polls for the worker's next submission.
     pub service_asleep: AtomicBool,
-    /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
-    pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
@@ -232,7 +223,9 @@ impl Pool {
         })
     }
 
-    fn start_bound(config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
+    fn start_bound(mut config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
+        // The config is fixed for the pool's life; the idle-poll mode is taken in range once.
+        config.idle_poll = config.idle_poll.clamped();
         let dram = dram::Dram::create(&config)?;
         let tenant_groups = groups::TenantGroups::from_acl(&config.namespace_acl);
         if tenant_groups.len() > groups::MAX_GROUPS {
@@ -299,14 +292,10 @@ impl Pool {
             jobs: jobs_tx,
             shutdown: AtomicBool::new(false),
             counters: stats::Counters::default(),
-            copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
-            copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
             copy_poller: AtomicBool::new(false),
-            idle_poll_mode: Mutex::new(config.idle_poll.clamped()),
-            idle_poll_ns: AtomicU64::new(idle_poll::initial_window(config.idle_poll.clamped()).as_nanos() as u64),
+            idle_poll_ns: AtomicU64::new(idle_poll::initial_window(config.idle_poll).as_nanos() as u64),
             last_completion_ns: AtomicU64::new(0),
             service_asleep: AtomicBool::new(false),
-            engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
@@ -362,35 +351,6 @@ impl Pool {
     /// Until done, only the registered part is handed to objects (benchmarks wait for it).
     pub fn dram_registration(&self) -> (u64, bool) {
         self.inner.dram.registration()
-    }
-
-    /// Changes `--copy-stage-size` for submissions copied from now on (0 = one stage).
-    pub fn set_copy_stage_bytes(&self, bytes: u64) {
-        self.inner.copy_stage_bytes.store(bytes, Ordering::Relaxed);
-    }
-
-    /// Changes `--copy-stage-growth` (percent) for submissions copied from now on.
-    pub fn set_copy_stage_growth_percent(&self, percent: u32) {
-        self.inner.copy_stage_growth_percent.store(percent, Ordering::Relaxed);
-    }
-
-    /// Changes `--idle-poll-us`: how long the service and copy threads poll for work after
-    /// their last before they sleep (a fixed window, or `auto`).
-    pub fn set_idle_poll(&self, poll: config::IdlePoll) {
-        let poll = poll.clamped();
-        let mut mode = self.inner.idle_poll_mode.lock().expect("idle poll lock");
-        *mode = poll;
-        self.inner.idle_poll_ns.store(idle_poll::initial_window(poll).as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    /// Changes the GPU copy engine's tuning for submissions copied from now on.
-    pub fn set_engine_config(&self, engine: umbp_gpu::EngineConfig) {
-        *self.inner.engine.lock().expect("engine config lock") = engine;
-    }
-
-    /// The GPU copy engine's tuning in effect.
-    pub fn engine_config(&self) -> umbp_gpu::EngineConfig {
-        *self.inner.engine.lock().expect("engine config lock")
     }
 
     /// Bytes of DRAM handed to objects (published or being written).

@@ -157,10 +157,9 @@ pub fn run(inner: &Arc<PoolInner>) {
 }
 
 /// Work woke the thread `gap` after the pool's last activity: the idle-poll window adapts
-/// (idle_poll.rs). The mode's lock orders this against `Pool::set_idle_poll`.
+/// (idle_poll.rs). Only this thread writes the window.
 fn adapt_idle_poll(inner: &PoolInner, gap: Duration) {
-    let mode = inner.idle_poll_mode.lock().expect("idle poll lock");
-    let window = idle_poll::after_sleep(*mode, inner.idle_poll(), gap);
+    let window = idle_poll::after_sleep(inner.config.idle_poll, inner.idle_poll(), gap);
     if window != inner.idle_poll() {
         tracing::trace!(gap_us = gap.as_micros() as u64, window_us = window.as_micros() as u64, "idle poll window");
     }

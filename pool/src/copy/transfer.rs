@@ -434,7 +434,7 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
         fence,
         fence_timeout: inner.config.store_fence_timeout,
         keep_waiting: &keep_waiting,
-        engine: *inner.engine.lock().expect("engine config lock"),
+        engine: inner.config.engine,
     };
     in_device.set(true);
     // SAFETY: every op's host range is an object reserved (store) or pinned (load) for this
@@ -469,9 +469,9 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
 }
 
 /// The copy stages of a submission of `blocks` objects of `size` bytes in `pages` pages
-/// each, by the pool's settings now (`--copy-stage-size`, `--copy-stage-growth`).
+/// each, by the pool's settings (`--copy-stage-size`, `--copy-stage-growth`).
 fn stage_split(inner: &PoolInner, blocks: usize, size: u64, pages: usize) -> StageSplit {
-    let (bytes, growth) = (inner.copy_stage_bytes.load(Ordering::Relaxed), inner.copy_stage_growth_percent.load(Ordering::Relaxed));
+    let (bytes, growth) = (inner.config.copy_stage_bytes, inner.config.copy_stage_growth_percent);
     let growth = if growth == stage_split::AUTO_GROWTH { stage_split::auto_growth_percent(size / pages.max(1) as u64) } else { growth };
     StageSplit::new(blocks, size, bytes, growth)
 }

@@ -83,7 +83,7 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
         events_written: store.events_written(),
         high_watermark: inner.config.high_watermark,
         low_watermark: inner.config.low_watermark,
-        idle_poll: inner.idle_poll_mode.lock().expect("idle poll lock").to_string(),
+        idle_poll: inner.config.idle_poll.to_string(),
         idle_poll_window_us: inner.idle_poll().as_nanos() as f64 / 1e3,
         dram_registered_bytes,
         dram_registration_done,
