@@ -703,7 +703,11 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             cases.extend(layout_cases(args, &mut a, sl, group, next_key(0) << 8, sl.blocks.len(), 1, name.as_deref(), &pool, &ctx_g)?);
         }
         growth = growth0;
-        retune(args, &mut pool, &mut a, &l, tuning, growth)?;
+        if retune(args, &mut pool, &mut a, &l, tuning, growth)? {
+            // A fresh worker: this layout set up again (as layout_cases did) for the
+            // interference case below.
+            sl.setup(&mut a, group, 40 + group as u64)?;
+        }
         // The same matmul slowdown while this layout's stores stream (its pages may take the
         // page copy kernel, which the main layout's 64 KiB pages do not).
         if let (true, Some(cmd)) = (args.wants("interference"), &args.matmul) {

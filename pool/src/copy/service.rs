@@ -304,12 +304,13 @@ fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
         Counters::add(&inner.counters.hints, hints.len() as u64);
         let acl = inner.config.namespace_acl.get(&att.uid).map_or(&[][..], |v| v.as_slice());
         let now = Instant::now();
-        let mut store = inner.store.lock().expect("store lock");
+        let mut store = inner.store.objects.lock().expect("store lock");
         for (i, batch) in hints.chunks(HINT_BATCH).enumerate() {
             if i > 0 {
                 // The hints of a lookup arrive right before the load of the same prefix:
                 // that load's copy thread goes first.
-                store = inner.store.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
+                store =
+                    inner.store.objects.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
             }
             for h in batch {
                 let key = crate::store::objects::GroupKey::new(att.group, ObjectKey::from_words(h.key));

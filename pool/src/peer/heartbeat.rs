@@ -31,6 +31,7 @@ pub struct Heartbeat<'a> {
 impl<'a> Heartbeat<'a> {
     pub fn new(inner: &'a PoolInner) -> Self {
         let views = inner
+            .store
             .group_mem
             .iter()
             // SAFETY: the pool's own writable index mappings, alive as long as `inner`

@@ -38,8 +38,8 @@ pub fn run(inner: &PoolInner) {
 }
 
 fn arm(inner: &PoolInner) -> Result<(), String> {
-    let mut views = Vec::with_capacity(inner.group_mem.len());
-    for g in &inner.group_mem {
+    let mut views = Vec::with_capacity(inner.store.group_mem.len());
+    for g in &inner.store.group_mem {
         // SAFETY: the pool's own index mapping, alive as long as `inner` (longer than this
         // thread, which `Pool::stop` joins before it drops `inner`).
         views.push(unsafe { IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) }.map_err(|e| e.to_string())?);

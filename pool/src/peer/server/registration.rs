@@ -101,7 +101,7 @@ pub(super) fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8
     // A GPU region goes before the background DRAM registration (pinning.rs), which the
     // driver would otherwise let hold it for minutes (issue #33 item 4).
     let gpu = matches!(kind, umbp_protocol::wire::MemoryKind::Cuda | umbp_protocol::wire::MemoryKind::Hip);
-    let _first = gpu.then(|| inner.dram.gate.enter());
+    let _first = gpu.then(|| inner.store.dram.gate.enter());
     let opened = backend.open_region_for(&reg, fds.into_iter().next(), &peer);
     drop(_first);
     match opened {
