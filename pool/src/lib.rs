@@ -310,8 +310,8 @@ impl Pool {
         threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(tier::TierWork { store: &store, tiers: &tiers }, &stopping)))?);
         let i4 = inner.clone();
         threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
-        let i6 = inner.clone();
-        threads.push(spawn("umbp-liveness", Box::new(move || liveness::run(&i6)))?);
+        let (store, stopping) = (inner.store.clone(), inner.shutdown.clone());
+        threads.push(spawn("umbp-liveness", Box::new(move || liveness::run(&store, &stopping)))?);
         if let Some(l) = metrics_listener {
             let i5 = inner.clone();
             threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);

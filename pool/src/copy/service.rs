@@ -45,7 +45,7 @@ pub fn run(inner: &Arc<PoolInner>) {
     // Last time a worker peer had a transfer in flight (see INFLIGHT_POLL).
     let mut last_inflight = Instant::now().checked_sub(SPIN).unwrap_or_else(Instant::now);
     let mut last_hints = Instant::now();
-    let mut heartbeat = heartbeat::Heartbeat::new(inner);
+    let mut heartbeat = heartbeat::Heartbeat::new(&inner.store);
     while !inner.is_shutting_down() {
         // Every round, busy or idle (the sleep below is at most one heartbeat period while
         // a scheduler is attached): schedulers read an old heartbeat as a stalled pool.
