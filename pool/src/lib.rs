@@ -10,7 +10,9 @@
 //!
 //! Module map: five rooms; imports run one way, down this list (a room imports only rooms
 //! below it and the shared leaves). The crate root above them holds `Pool`, `PoolInner` and
-//! `PoolError`; every room still takes `PoolInner` from it (splitting it into handles is
+//! `PoolError`. `store/` and `tier/` get handles (`store::Store`, `tier::TierWork`, the
+//! registration's `Registrar`, the cluster's `ClusterAccess`); `copy/`, `peer/` and
+//! `observe/` still take `PoolInner` from the crate root (splitting it into handles is
 //! the next step, issue #41).
 //! - `copy/`: the copy path: intake (the service thread), jobs and their blocks, copy
 //!   threads and slots, stages, look-ahead promotion, finish and fences, idle polling.
@@ -68,6 +70,7 @@ pub use config::{parse_fraction, parse_size, ConfigError, ControlLimits, PeerLim
 pub use event_log::EventLogError;
 pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
+pub use store::dram::DramError;
 pub use store::objects::ObjectEvent;
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
@@ -89,12 +92,8 @@ pub enum PoolError {
     Socket { path: PathBuf, message: String },
     #[error("metrics endpoint {addr}: {message}")]
     Metrics { addr: String, message: String },
-    #[error("DRAM tier: {source} (capacity {capacity_bytes} bytes){}", if *.hugepages { HUGEPAGES_HINT } else { "" })]
-    Dram { capacity_bytes: u64, hugepages: bool, source: umbp_ipc::ShmError },
-    #[error("DRAM tier: numa-node {0} is out of range")]
-    NumaNodeRange(u32),
-    #[error("DRAM tier: numa-node {node}: mbind failed: {source} (is there such a node in /sys/devices/system/node?)")]
-    Mbind { node: u32, source: std::io::Error },
+    #[error(transparent)]
+    Dram(#[from] DramError),
     #[error("DRAM tier: index of tenant group {group}: {source}")]
     IndexMemory { group: u32, source: umbp_ipc::ShmError },
     #[error("DRAM tier: index of tenant group {group}: {source}")]
@@ -107,27 +106,10 @@ pub enum PoolError {
     Io(#[from] std::io::Error),
 }
 
-const HUGEPAGES_HINT: &str =
-    "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)";
-
-/// One tenant group's shared regions (groups.rs): its index and its KV event log, both
-/// read-only for peers, written through `store`.
-pub(crate) struct GroupMemory {
-    pub index_mem: Arc<SharedMemory>,
-    pub events_mem: Arc<SharedMemory>,
-}
-
 pub(crate) struct PoolInner {
     pub config: PoolConfig,
-    pub dram: dram::Dram,
-    /// The tenant groups of `config.namespace_acl` (one without an ACL).
-    pub tenant_groups: groups::TenantGroups,
-    /// By group number: the index and event log a peer of that group is handed.
-    pub group_mem: Vec<GroupMemory>,
-    /// Copy threads take it with `lock_urgent`: their stage work is on a transfer's critical path.
-    pub store: priority_lock::PriorityMutex<ObjectStore>,
-    /// Objects of the store below DRAM (promoting included), readable without its lock.
-    pub lower_objects: Arc<std::sync::atomic::AtomicU64>,
+    /// DRAM, the object store, tenant groups and their regions (store/handle.rs).
+    pub store: Arc<store::Store>,
     /// Tiers below DRAM (tier/mod.rs): where loads fetch objects not in DRAM from.
     pub tiers: tier::Tiers,
     pub attachments: Mutex<Vec<Arc<Attachment>>>,
@@ -140,17 +122,10 @@ pub(crate) struct PoolInner {
     pub service_wake: Doorbell,
     /// Wakes the control thread when a handshake finished, and at shutdown.
     pub control_wake: Doorbell,
-    pub evict_wake: (Mutex<bool>, Condvar),
     pub jobs: crossbeam_channel::Sender<job::Job>,
-    pub shutdown: AtomicBool,
+    /// Set once when the pool stops; shared with the DRAM registration thread (pinning.rs).
+    pub shutdown: Arc<AtomicBool>,
     pub counters: stats::Counters,
-    /// `config.copy_stage_bytes`, changeable while running ([`Pool::set_copy_stage_bytes`]).
-    pub copy_stage_bytes: AtomicU64,
-    /// `config.copy_stage_growth_percent`, changeable while running.
-    pub copy_stage_growth_percent: AtomicU32,
-    /// `config.idle_poll`, changeable while running ([`Pool::set_idle_poll`]). The lock
-    /// also orders the service thread's window updates against a change of mode.
-    pub idle_poll_mode: Mutex<config::IdlePoll>,
     /// How long idle threads poll now, in ns (idle_poll.rs: fixed, or adapted by the
     /// service thread).
     pub idle_poll_ns: AtomicU64,
@@ -163,8 +138,6 @@ pub(crate) struct PoolInner {
     /// The service thread is asleep (or about to be) in epoll: a completion while the
     /// window is long wakes it, so it polls for the worker's next submission.
     pub service_asleep: AtomicBool,
-    /// `config.engine`, changeable while running ([`Pool::set_engine_config`]).
-    pub engine: Mutex<umbp_gpu::EngineConfig>,
     pub next_id: AtomicU32,
     pub started: Instant,
     pub uid: u32,
@@ -175,10 +148,14 @@ pub(crate) struct PoolInner {
 }
 
 impl PoolInner {
-    pub fn wake_evictor(&self) {
-        let (lock, cv) = &self.evict_wake;
-        *lock.lock().expect("evictor lock") = true;
-        cv.notify_one();
+    /// What the DRAM registration threads use of the pool (pinning.rs).
+    pub fn registrar(&self) -> pinning::Registrar {
+        pinning::Registrar { store: self.store.clone(), stopping: self.shutdown.clone() }
+    }
+
+    /// What tier work uses of the pool (tier/mod.rs): the store and the lower tiers.
+    pub fn tier_work(&self) -> tier::TierWork<'_> {
+        tier::TierWork { store: &self.store, tiers: &self.tiers }
     }
 
     pub fn is_shutting_down(&self) -> bool {
@@ -232,7 +209,9 @@ impl Pool {
         })
     }
 
-    fn start_bound(config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
+    fn start_bound(mut config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
+        // The config is fixed for the pool's life; the idle-poll mode is taken in range once.
+        config.idle_poll = config.idle_poll.clamped();
         let dram = dram::Dram::create(&config)?;
         let tenant_groups = groups::TenantGroups::from_acl(&config.namespace_acl);
         if tenant_groups.len() > groups::MAX_GROUPS {
@@ -270,7 +249,7 @@ impl Pool {
         store.set_quarantine_max_bytes(config.quarantine_max_bytes.unwrap_or(dram.len() as u64 / 8));
         let mut group_mem = Vec::with_capacity(logs.len());
         for (g, (index_mem, log)) in index_mems.into_iter().zip(logs).enumerate() {
-            group_mem.push(GroupMemory { index_mem, events_mem: log.memory().clone() });
+            group_mem.push(store::GroupMemory { index_mem, events_mem: log.memory().clone() });
             store.set_event_log(g as u32, log);
         }
         if let Some(ssd) = &ssd {
@@ -283,30 +262,29 @@ impl Pool {
         let remote_source = remote::RemoteSlot::default();
         let (promoter, promotions_rx) = promote::Promoter::new(config.promotion_ahead_bytes, dram.len() as u64);
         let lower_objects = store.lower_objects_counter();
-        let inner = Arc::new(PoolInner {
-            store: priority_lock::PriorityMutex::new(store),
+        let store = Arc::new(store::Store {
+            objects: priority_lock::PriorityMutex::new(store),
             lower_objects,
-            tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
             dram,
             tenant_groups,
             group_mem,
+            evict_wake: (Mutex::new(false), Condvar::new()),
+        });
+        let inner = Arc::new(PoolInner {
+            store,
+            tiers: tier::Tiers { ssd, remote: Some(Arc::new(remote_source.clone())) },
             attachments: Mutex::new(Vec::new()),
             attached_uids: std::sync::atomic::AtomicUsize::new(0),
             copy_slots: copy_slots::CopySlots::default(),
             service_wake: Doorbell::new()?,
             control_wake: Doorbell::new()?,
-            evict_wake: (Mutex::new(false), Condvar::new()),
             jobs: jobs_tx,
-            shutdown: AtomicBool::new(false),
+            shutdown: Arc::new(AtomicBool::new(false)),
             counters: stats::Counters::default(),
-            copy_stage_bytes: AtomicU64::new(config.copy_stage_bytes),
-            copy_stage_growth_percent: AtomicU32::new(config.copy_stage_growth_percent),
             copy_poller: AtomicBool::new(false),
-            idle_poll_mode: Mutex::new(config.idle_poll.clamped()),
-            idle_poll_ns: AtomicU64::new(idle_poll::initial_window(config.idle_poll.clamped()).as_nanos() as u64),
+            idle_poll_ns: AtomicU64::new(idle_poll::initial_window(config.idle_poll).as_nanos() as u64),
             last_completion_ns: AtomicU64::new(0),
             service_asleep: AtomicBool::new(false),
-            engine: Mutex::new(config.engine),
             next_id: AtomicU32::new(1),
             started: Instant::now(),
             uid: rustix::process::getuid().as_raw(),
@@ -327,22 +305,23 @@ impl Pool {
         }
         let i2 = inner.clone();
         threads.push(spawn("umbp-service", Box::new(move || service::run(&i2)))?);
-        let i3 = inner.clone();
-        threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(&i3)))?);
+        // The evictor gets the store, the tiers and the stop flag, nothing else.
+        let (store, tiers, stopping) = (inner.store.clone(), inner.tiers.clone(), inner.shutdown.clone());
+        threads.push(spawn("umbp-evictor", Box::new(move || evictor::run(tier::TierWork { store: &store, tiers: &tiers }, &stopping)))?);
         let i4 = inner.clone();
         threads.push(spawn("umbp-control", Box::new(move || server::run_control(&i4, listener)))?);
-        let i6 = inner.clone();
-        threads.push(spawn("umbp-liveness", Box::new(move || liveness::run(&i6)))?);
+        let (store, stopping) = (inner.store.clone(), inner.shutdown.clone());
+        threads.push(spawn("umbp-liveness", Box::new(move || liveness::run(&store, &stopping)))?);
         if let Some(l) = metrics_listener {
             let i5 = inner.clone();
             threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);
         }
-        let registration = pinning::register_with_gpus(&inner);
+        let registration = pinning::register_with_gpus(&inner.registrar());
         tracing::info!(
             socket = %socket_path.display(),
             capacity_bytes = inner.config.capacity_bytes,
             index_slots = slots,
-            tenant_groups = inner.tenant_groups.len(),
+            tenant_groups = inner.store.tenant_groups.len(),
             copy_threads = inner.config.copy_threads,
             "umbp pool listening"
         );
@@ -361,41 +340,12 @@ impl Pool {
     /// Background registration of DRAM with the GPU drivers: `(bytes registered, done)`.
     /// Until done, only the registered part is handed to objects (benchmarks wait for it).
     pub fn dram_registration(&self) -> (u64, bool) {
-        self.inner.dram.registration()
-    }
-
-    /// Changes `--copy-stage-size` for submissions copied from now on (0 = one stage).
-    pub fn set_copy_stage_bytes(&self, bytes: u64) {
-        self.inner.copy_stage_bytes.store(bytes, Ordering::Relaxed);
-    }
-
-    /// Changes `--copy-stage-growth` (percent) for submissions copied from now on.
-    pub fn set_copy_stage_growth_percent(&self, percent: u32) {
-        self.inner.copy_stage_growth_percent.store(percent, Ordering::Relaxed);
-    }
-
-    /// Changes `--idle-poll-us`: how long the service and copy threads poll for work after
-    /// their last before they sleep (a fixed window, or `auto`).
-    pub fn set_idle_poll(&self, poll: config::IdlePoll) {
-        let poll = poll.clamped();
-        let mut mode = self.inner.idle_poll_mode.lock().expect("idle poll lock");
-        *mode = poll;
-        self.inner.idle_poll_ns.store(idle_poll::initial_window(poll).as_nanos() as u64, Ordering::Relaxed);
-    }
-
-    /// Changes the GPU copy engine's tuning for submissions copied from now on.
-    pub fn set_engine_config(&self, engine: umbp_gpu::EngineConfig) {
-        *self.inner.engine.lock().expect("engine config lock") = engine;
-    }
-
-    /// The GPU copy engine's tuning in effect.
-    pub fn engine_config(&self) -> umbp_gpu::EngineConfig {
-        *self.inner.engine.lock().expect("engine config lock")
+        self.inner.store.dram.registration()
     }
 
     /// Bytes of DRAM handed to objects (published or being written).
     pub fn allocated_bytes(&self) -> u64 {
-        self.inner.store.lock().expect("store lock").allocated_bytes()
+        self.inner.store.objects.lock().expect("store lock").allocated_bytes()
     }
 
     pub fn attachment_count(&self) -> usize {
@@ -405,11 +355,11 @@ impl Pool {
     /// Keys stored or removed since the last call (for KV events).
     /// The cluster tier's handle on this pool (remote.rs).
     pub fn cluster_access(&self) -> remote::ClusterAccess {
-        remote::ClusterAccess { inner: self.inner.clone() }
+        remote::ClusterAccess { store: self.inner.store.clone(), remote_source: self.inner.remote_source.clone() }
     }
 
     pub fn take_events(&self) -> Vec<ObjectEvent> {
-        self.inner.store.lock().expect("store lock").take_events()
+        self.inner.store.objects.lock().expect("store lock").take_events()
     }
 
     /// Stops serving: peers see EOF, in-flight copies finish, the socket file goes.
@@ -423,7 +373,7 @@ impl Pool {
         }
         // Schedulers stop trusting the index before anything it names is released
         // (docs/protocol.md, "Pool liveness").
-        for g in &self.inner.group_mem {
+        for g in &self.inner.store.group_mem {
             // SAFETY: the pool's own writable mapping of the index, alive as long as `inner`.
             if let Ok(view) = unsafe { umbp_protocol::index::IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) } {
                 // SAFETY: that mapping is writable (the pool is the index's writer).
@@ -432,14 +382,14 @@ impl Pool {
         }
         self.inner.service_wake.ring();
         self.inner.control_wake.ring();
-        self.inner.wake_evictor();
+        self.inner.store.wake_evictor();
         for t in self.threads.drain(..) {
             t.thread().unpark();
             let _ = t.join();
         }
         // Every pool thread is gone: keep the cache warm for the next start.
         if let Some(ssd) = &self.inner.tiers.ssd {
-            tier::flush_on_stop(&self.inner, ssd, ssd.config.flush_on_stop);
+            tier::flush_on_stop(self.inner.tier_work(), ssd, ssd.config.flush_on_stop);
         }
         if let Some(reg) = self.registration.take() {
             for (backend, base) in reg.join().unwrap_or_default() {

@@ -7,7 +7,7 @@ use umbp_pool::PoolConfig;
 
 use super::command::{Command, CopyDir, Op, Xfer};
 use super::interference::interference;
-use super::parent::{phase_means, push_out_of_dram, start_pool, xfer, xfer_with, PoolHandle, WorkerProc};
+use super::parent::{phase_means, push_out_of_dram, start_pool, xfer, xfer_with, CopyTuning, PoolHandle, WorkerProc};
 use super::{gbps, gpt_oss, median, small_page_layouts, u64_of, BackendArg, Layout, TransferArgs, MIB, NS};
 use crate::report::{Better, Case};
 
@@ -472,8 +472,26 @@ struct Tune {
     stage_mib: u64,
 }
 
+/// Restarts the in-process pool with the copy tuning `t` and stage growth `growth` (a
+/// pool's config is fixed for its life) when they differ from its own; then worker A
+/// again, on the new pool, with the gpt-oss layout set up as before (group 0, seed 1).
+fn retune(args: &TransferArgs, pool: &mut PoolHandle, a: &mut WorkerProc, l: &Layout, t: Tune, growth: u32) -> Result<bool, String> {
+    let mut engine = args.engine;
+    engine.streams = t.streams;
+    engine.batch = t.batch;
+    engine.parallel_submit = t.parallel;
+    engine.batch_max = t.batch_max;
+    let tuning = CopyTuning { engine, stage_bytes: t.stage_mib * MIB, growth_percent: growth };
+    if !pool.restart_with(args, tuning)? {
+        return Ok(false);
+    }
+    *a = WorkerProc::spawn("A", &pool.socket, BackendArg::Cuda, NS)?;
+    l.setup(a, 0, 1)?;
+    Ok(true)
+}
+
 pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
-    let pool = start_pool(args)?;
+    let mut pool = start_pool(args)?;
     let mut a = WorkerProc::spawn("A", &pool.socket, BackendArg::Cuda, NS)?;
     let info = a.call(&Command::Info)?;
     eprintln!("worker A: {info}");
@@ -502,18 +520,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     let e = args.engine;
     let stage0 = args.stage_mib.unwrap_or(umbp_pool::config::DEFAULT_COPY_STAGE_BYTES / MIB);
     let mut tuning = Tune { streams: e.streams, batch: e.batch, parallel: e.parallel_submit, batch_max: e.batch_max, stage_mib: stage0 };
-    let apply = |t: Tune| {
-        if let Some(p) = &pool.pool {
-            let mut engine = p.engine_config();
-            engine.streams = t.streams;
-            engine.batch = t.batch;
-            engine.parallel_submit = t.parallel;
-            engine.batch_max = t.batch_max;
-            p.set_engine_config(engine);
-            p.set_copy_stage_bytes(t.stage_mib * MIB);
-        }
-    };
-
+    let mut growth = args.first_stage_growth();
     // --- gpt-oss-20b-like layout, 10k-token prefix
     let l = gpt_oss();
     let bytes = l.bytes();
@@ -561,7 +568,10 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             variants.push(Tune { streams: 4, batch: false, parallel: false, batch_max: 512, stage_mib: stage0 });
             let mut best = (0.0, tuning);
             for t in variants {
-                apply(t);
+                // A restarted pool and worker are warmed up as the first were.
+                if retune(args, &mut pool, &mut a, &l, t, growth)? {
+                    measure(&mut a, next_key(0), 2)?;
+                }
                 let e0 = engine_totals();
                 let p0 = pool.phases();
                 let (s, d) = measure(&mut a, next_key(0), reps.min(5))?;
@@ -587,7 +597,9 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
             tuning = best.1;
             eprintln!("tuning: using {tuning:?}");
         }
-        apply(tuning);
+        if retune(args, &mut pool, &mut a, &l, tuning, growth)? {
+            measure(&mut a, next_key(0), 2)?;
+        }
         let e0 = engine_totals();
         let p0 = pool.phases();
         let (s, d) = measure(&mut a, next_key(0), reps)?;
@@ -670,7 +682,7 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
                 .extra("note", "load_before_stream; time until the worker's stream passed its wait"),
         );
     }
-    apply(tuning);
+    retune(args, &mut pool, &mut a, &l, tuning, growth)?;
     if args.layout_only {
         return Ok(cases);
     }
@@ -684,15 +696,17 @@ pub(crate) fn bench_cuda(args: &TransferArgs) -> Result<Vec<Case>, String> {
     for (i, sl) in small_page_layouts(args).iter().enumerate() {
         let group = 20 + i as u16;
         for &percent in &growths {
-            if let Some(p) = &pool.pool {
-                p.set_copy_stage_growth_percent(percent);
-            }
+            growth = percent;
+            retune(args, &mut pool, &mut a, &l, tuning, growth)?;
             let name = named.then(|| format!("{}_g{percent}", sl.name));
             let ctx_g = |c: Case| ctx_t(c).extra("copy_stage_growth_percent", percent);
             cases.extend(layout_cases(args, &mut a, sl, group, next_key(0) << 8, sl.blocks.len(), 1, name.as_deref(), &pool, &ctx_g)?);
         }
-        if let Some(p) = &pool.pool {
-            p.set_copy_stage_growth_percent(growth0);
+        growth = growth0;
+        if retune(args, &mut pool, &mut a, &l, tuning, growth)? {
+            // A fresh worker: this layout set up again (as layout_cases did) for the
+            // interference case below.
+            sl.setup(&mut a, group, 40 + group as u64)?;
         }
         // The same matmul slowdown while this layout's stores stream (its pages may take the
         // page copy kernel, which the main layout's 64 KiB pages do not).

@@ -33,7 +33,8 @@ pub struct TransferCli {
     /// Matmul loop for interference_pct (cuda), e.g. "python3 scripts/device/matmul_loop.py".
     #[arg(long)]
     matmul: Option<String>,
-    /// Sweep copy streams, stage sizes and batching on the main layout, then use the best.
+    /// Sweep copy streams, stage sizes and batching on the main layout, then use the best
+    /// (the in-process pool and worker A restart for each setting: a pool's config is fixed).
     #[arg(long)]
     sweep: bool,
     /// cuda: measure only the gpt-oss layout (store, load, restore, fenced), not the object
@@ -92,7 +93,8 @@ pub struct TransferCli {
     stage_mib: Option<u64>,
     /// cuda, in-process pool: copy stage growth in percent of the stage before
     /// (`umbp-pool --copy-stage-growth`; 0: auto, by page size); several (comma separated)
-    /// measure the small-page layouts once per value in this one process, cases then named
+    /// measure the small-page layouts once per value in this one process (the in-process
+    /// pool and worker A restart for each), cases then named
     /// `<layout>_g<percent>_...` [default: the pool's, auto].
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u32).range(0..=1000))]
     stage_growth: Vec<u32>,

@@ -108,10 +108,33 @@ impl Drop for WorkerProc {
 pub(crate) struct PoolHandle {
     pub(crate) pool: Option<Pool>,
     pub(crate) socket: PathBuf,
+    /// The in-process pool's config (a pool's config is fixed for its life: a case that
+    /// tunes it restarts the pool, [`Self::restart_with`]).
+    config: Option<PoolConfig>,
     _dir: Option<tempfile::TempDir>,
 }
 
 impl PoolHandle {
+    /// Restarts the in-process pool, on the same socket, with its copy tuning set to
+    /// `tuning` when that differs from the running pool's. Returns whether it restarted:
+    /// then every worker attached to the old pool must be spawned again. An external pool
+    /// (`--pool-socket`) keeps its own tuning (false).
+    pub(crate) fn restart_with(&mut self, args: &TransferArgs, tuning: CopyTuning) -> Result<bool, String> {
+        let Some(config) = &self.config else { return Ok(false) };
+        if CopyTuning::of(config) == tuning {
+            return Ok(false);
+        }
+        let mut config = config.clone();
+        tuning.apply(&mut config);
+        // The old pool goes first: the new one binds the same socket path.
+        if let Some(old) = self.pool.take() {
+            old.shutdown();
+        }
+        self.pool = Some(start_registered(args, config.clone())?);
+        self.config = Some(config);
+        Ok(true)
+    }
+
     /// The in-process pool's per-phase time counters and its service thread's wake-ups
     /// (none for an external pool).
     pub(crate) fn phases(&self) -> Option<Value> {
@@ -155,7 +178,7 @@ pub(crate) fn phase_means(before: &Option<Value>, after: &Option<Value>) -> Valu
 
 pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
     if let Some(s) = &args.pool_socket {
-        return Ok(PoolHandle { pool: None, socket: s.clone(), _dir: None });
+        return Ok(PoolHandle { pool: None, socket: s.clone(), config: None, _dir: None });
     }
     let dir = tempfile::Builder::new()
         .prefix("umbp-bench-transfer-")
@@ -182,6 +205,32 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         }),
         ..PoolConfig::default()
     };
+    let pool = start_registered(args, config.clone())?;
+    Ok(PoolHandle { pool: Some(pool), socket, config: Some(config), _dir: Some(dir) })
+}
+
+/// The pool's copy settings that the cuda cases tune (`--sweep`, `--stage-growth`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct CopyTuning {
+    pub(crate) engine: umbp_gpu::EngineConfig,
+    pub(crate) stage_bytes: u64,
+    pub(crate) growth_percent: u32,
+}
+
+impl CopyTuning {
+    pub(crate) fn of(config: &PoolConfig) -> Self {
+        CopyTuning { engine: config.engine, stage_bytes: config.copy_stage_bytes, growth_percent: config.copy_stage_growth_percent }
+    }
+
+    fn apply(self, config: &mut PoolConfig) {
+        config.engine = self.engine;
+        config.copy_stage_bytes = self.stage_bytes;
+        config.copy_stage_growth_percent = self.growth_percent;
+    }
+}
+
+/// Starts an in-process pool and waits until its DRAM is registered with the GPU driver.
+fn start_registered(args: &TransferArgs, config: PoolConfig) -> Result<Pool, String> {
     let started = Instant::now();
     let pool = Pool::start(config).map_err(|e| format!("starting the pool: {e}"))?;
     // Measure on pinned DRAM only: wait for the background registration.
@@ -198,7 +247,7 @@ pub(crate) fn start_pool(args: &TransferArgs) -> Result<PoolHandle, String> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Ok(PoolHandle { pool: Some(pool), socket, _dir: Some(dir) })
+    Ok(pool)
 }
 
 /// One round of `blocks` (keys `key_base + i`) in transfers of `per` blocks, `inflight`

@@ -19,7 +19,7 @@ use crate::PoolInner;
 /// are unpinned. A store lock poisoned by that panic cannot be trusted: the pool stops
 /// (as `contain_panic` does).
 pub(crate) fn fail_landed(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuses: &mut [BlockStatus]) {
-    let Ok(mut store) = inner.store.lock_urgent() else {
+    let Ok(mut store) = inner.store.objects.lock_urgent() else {
         tracing::error!("the object store's lock is poisoned by a panic while settling a stage: stopping the pool");
         std::process::abort();
     };
@@ -43,7 +43,7 @@ pub(crate) fn settle(inner: &PoolInner, op: Opcode, blocks: &[JobBlock], statuse
     if blocks.is_empty() {
         return;
     }
-    let mut store = inner.store.lock_urgent().expect("store lock");
+    let mut store = inner.store.objects.lock_urgent().expect("store lock");
     for b in blocks {
         let ok = failed.binary_search(&b.index).is_err();
         statuses[b.index] = match op {

@@ -131,8 +131,7 @@ mod tests {
     }
 
     #[test]
-    fn a_mode_change_is_taken_at_the_next_sleep() {
-        // The window was set under another mode (Pool::set_idle_poll): clamped to this one.
+    fn a_window_outside_the_mode_is_clamped_at_the_next_sleep() {
         assert_eq!(after_sleep(AUTO, Duration::from_secs(1), 10 * US), Duration::from_millis(1));
         assert_eq!(after_sleep(IdlePoll::Fixed(80 * US), Duration::from_millis(1), 10 * US), 80 * US);
     }

@@ -130,7 +130,7 @@ impl Ticket {
         if !results.iter().any(|ok| *ok) {
             return;
         }
-        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        let mut store = inner.store.objects.lock().unwrap_or_else(|p| p.into_inner());
         for (item, ok) in self.items.iter().zip(results) {
             if *ok {
                 store.finish_load(self.key(item));
@@ -254,7 +254,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
     if closed || from >= to || inner.is_shutting_down() || (!forced && !inner.promoter.enabled()) {
         return from;
     }
-    if inner.lower_objects.load(Ordering::Acquire) == 0 {
+    if inner.store.lower_objects.load(Ordering::Acquire) == 0 {
         // Nothing of the pool below DRAM: the load needs no look-ahead at all, and none of
         // its stages is looked at again, without taking the store lock (a look-ahead per
         // stage cost 60-170 us before a kv4k load's first byte). An object demoted
@@ -266,7 +266,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
     let mut items = Vec::new();
     let mut reached = from;
     {
-        let mut store = inner.store.lock_urgent().expect("store lock");
+        let mut store = inner.store.objects.lock_urgent().expect("store lock");
         for (pos, c) in candidates.iter().enumerate().take(to).skip(from) {
             let key = GroupKey::new(att.group, c.key);
             let lower =
@@ -290,7 +290,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
         }
     }
     if !items.is_empty() {
-        inner.wake_evictor();
+        inner.store.wake_evictor();
     }
     let ticket = (!items.is_empty()).then(|| {
         let counted = !forced;
@@ -325,7 +325,7 @@ pub fn launch(inner: &PoolInner, att: &Attachment, size: u64, candidates: &[Cand
 /// Finishes a ticket's promotions as failed without fetching.
 fn fail_all(inner: &PoolInner, t: &Ticket) {
     {
-        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        let mut store = inner.store.objects.lock().unwrap_or_else(|p| p.into_inner());
         for i in &t.items {
             store.finish_promotion(t.key(i), i.offset, false);
         }
@@ -415,7 +415,7 @@ pub fn take(
             }
         }
         if !duplicates.is_empty() {
-            let mut store = inner.store.lock_urgent().expect("store lock");
+            let mut store = inner.store.objects.lock_urgent().expect("store lock");
             for k in duplicates {
                 store.finish_load(k);
             }
@@ -453,13 +453,13 @@ pub fn run_promotion_thread(inner: &PoolInner, rx: crossbeam_channel::Receiver<A
 fn fetch(inner: &PoolInner, t: &Ticket) -> Vec<bool> {
     // Finished as failed if the fetch panics.
     let promotions = Promotions::new(
-        inner,
+        inner.tier_work(),
         t.items.iter().map(|i| Promotion { key: t.key(i), offset: i.offset, size: t.size, tier: i.tier, namespace: i.namespace }).collect(),
     );
     let mut fetched = promotions.fetch();
     for (ok, i) in fetched.iter_mut().zip(&t.items) {
         *ok = *ok && !crate::fault::fetch_fails(i.cand.key);
     }
-    let mut store = inner.store.lock().expect("store lock");
+    let mut store = inner.store.objects.lock().expect("store lock");
     promotions.finish(&mut store, &fetched)
 }

@@ -45,7 +45,7 @@ pub fn run(inner: &Arc<PoolInner>) {
     // Last time a worker peer had a transfer in flight (see INFLIGHT_POLL).
     let mut last_inflight = Instant::now().checked_sub(SPIN).unwrap_or_else(Instant::now);
     let mut last_hints = Instant::now();
-    let mut heartbeat = heartbeat::Heartbeat::new(inner);
+    let mut heartbeat = heartbeat::Heartbeat::new(&inner.store);
     while !inner.is_shutting_down() {
         // Every round, busy or idle (the sleep below is at most one heartbeat period while
         // a scheduler is attached): schedulers read an old heartbeat as a stalled pool.
@@ -157,10 +157,9 @@ pub fn run(inner: &Arc<PoolInner>) {
 }
 
 /// Work woke the thread `gap` after the pool's last activity: the idle-poll window adapts
-/// (idle_poll.rs). The mode's lock orders this against `Pool::set_idle_poll`.
+/// (idle_poll.rs). Only this thread writes the window.
 fn adapt_idle_poll(inner: &PoolInner, gap: Duration) {
-    let mode = inner.idle_poll_mode.lock().expect("idle poll lock");
-    let window = idle_poll::after_sleep(*mode, inner.idle_poll(), gap);
+    let window = idle_poll::after_sleep(inner.config.idle_poll, inner.idle_poll(), gap);
     if window != inner.idle_poll() {
         tracing::trace!(gap_us = gap.as_micros() as u64, window_us = window.as_micros() as u64, "idle poll window");
     }
@@ -305,12 +304,13 @@ fn drain_hints(inner: &PoolInner, current: &[Arc<Attachment>]) {
         Counters::add(&inner.counters.hints, hints.len() as u64);
         let acl = inner.config.namespace_acl.get(&att.uid).map_or(&[][..], |v| v.as_slice());
         let now = Instant::now();
-        let mut store = inner.store.lock().expect("store lock");
+        let mut store = inner.store.objects.lock().expect("store lock");
         for (i, batch) in hints.chunks(HINT_BATCH).enumerate() {
             if i > 0 {
                 // The hints of a lookup arrive right before the load of the same prefix:
                 // that load's copy thread goes first.
-                store = inner.store.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
+                store =
+                    inner.store.objects.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
             }
             for h in batch {
                 let key = crate::store::objects::GroupKey::new(att.group, ObjectKey::from_words(h.key));

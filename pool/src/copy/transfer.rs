@@ -149,7 +149,7 @@ fn release_poller(inner: &PoolInner, poller: &mut bool) {
 fn contain_panic(inner: &PoolInner, job: &mut Job, panic: &(dyn std::any::Any + Send), in_device: bool) -> Copied {
     let what = panic.downcast_ref::<&str>().copied().or_else(|| panic.downcast_ref::<String>().map(String::as_str)).unwrap_or("?");
     tracing::error!(attachment = job.att.id, op = ?job.op, "copy thread panicked: {what}; the submission fails, the pool keeps serving");
-    let Ok(mut store) = inner.store.lock() else {
+    let Ok(mut store) = inner.store.objects.lock() else {
         tracing::error!("the object store's lock is poisoned by that panic: stopping the pool");
         std::process::abort();
     };
@@ -324,7 +324,7 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
                 p.abandoned = true;
                 let undone: Vec<JobBlock> = p.blocks.drain(from..).collect();
                 if !undone.is_empty() {
-                    let mut store = inner.store.lock_urgent().expect("store lock");
+                    let mut store = inner.store.objects.lock_urgent().expect("store lock");
                     for b in &undone {
                         store.finish_load(b.object());
                     }
@@ -400,7 +400,7 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
                 if op == Opcode::Store {
                     // SAFETY: these objects are reserved for this job, their copies
                     // landed, and only the settle below publishes them.
-                    unsafe { crate::fault::stored(inner.dram.base(), blocks.iter().map(|b| (b.key, b.offset)), size) };
+                    unsafe { crate::fault::stored(inner.store.dram.base(), blocks.iter().map(|b| (b.key, b.offset)), size) };
                 }
                 settle(inner, op, blocks, statuses, &dropped);
             }));
@@ -430,11 +430,11 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
     let copy_started = Instant::now();
     let args = umbp_gpu::TransferArgs {
         dir,
-        host_base: inner.dram.base(),
+        host_base: inner.store.dram.base(),
         fence,
         fence_timeout: inner.config.store_fence_timeout,
         keep_waiting: &keep_waiting,
-        engine: *inner.engine.lock().expect("engine config lock"),
+        engine: inner.config.engine,
     };
     in_device.set(true);
     // SAFETY: every op's host range is an object reserved (store) or pinned (load) for this
@@ -469,9 +469,9 @@ fn copy(inner: &PoolInner, job: &mut Job, in_device: &Cell<bool>) -> Copied {
 }
 
 /// The copy stages of a submission of `blocks` objects of `size` bytes in `pages` pages
-/// each, by the pool's settings now (`--copy-stage-size`, `--copy-stage-growth`).
+/// each, by the pool's settings (`--copy-stage-size`, `--copy-stage-growth`).
 fn stage_split(inner: &PoolInner, blocks: usize, size: u64, pages: usize) -> StageSplit {
-    let (bytes, growth) = (inner.copy_stage_bytes.load(Ordering::Relaxed), inner.copy_stage_growth_percent.load(Ordering::Relaxed));
+    let (bytes, growth) = (inner.config.copy_stage_bytes, inner.config.copy_stage_growth_percent);
     let growth = if growth == stage_split::AUTO_GROWTH { stage_split::auto_growth_percent(size / pages.max(1) as u64) } else { growth };
     StageSplit::new(blocks, size, bytes, growth)
 }
@@ -492,7 +492,7 @@ fn reserve(
     keep_waiting: &dyn Fn() -> bool,
 ) {
     let strict = !inner.config.namespace_acl.is_empty();
-    let mut store = inner.store.lock_urgent().expect("store lock");
+    let mut store = inner.store.objects.lock_urgent().expect("store lock");
     let mut no_room = false;
     // Loads of objects on a lower tier: promoted (fetched into DRAM) below, outside the lock.
     let mut lower: Vec<Candidate> = Vec::new();
@@ -528,7 +528,7 @@ fn reserve(
         }
     }
     if op == Opcode::Store && (store.needs_eviction() || no_room) {
-        inner.wake_evictor();
+        inner.store.wake_evictor();
     }
     drop(store);
     if !lower.is_empty() {
@@ -611,7 +611,7 @@ fn promote(
         let mut still = Vec::new();
         let mut no_room = false;
         {
-            let mut store = inner.store.lock_urgent().expect("store lock");
+            let mut store = inner.store.objects.lock_urgent().expect("store lock");
             for c in waiting.drain(..) {
                 let key = GroupKey::new(att.group, c.key);
                 match store.reserve_load(key, size) {
@@ -633,7 +633,7 @@ fn promote(
             }
         }
         if no_room || !mine.is_empty() {
-            inner.wake_evictor();
+            inner.store.wake_evictor();
         }
         waiting = still;
         if mine.is_empty() {
@@ -641,13 +641,13 @@ fn promote(
         }
         // Finished as failed if this thread panics before they end.
         let promotions = Promotions::new(
-            inner,
+            inner.tier_work(),
             mine.iter()
                 .map(|&(c, offset, tier, namespace)| Promotion { key: GroupKey::new(att.group, c.key), offset, size, tier, namespace })
                 .collect(),
         );
         let fetched = promotions.fetch();
-        let mut store = inner.store.lock_urgent().expect("store lock");
+        let mut store = inner.store.objects.lock_urgent().expect("store lock");
         for ((c, offset, _, _), published) in mine.into_iter().zip(promotions.finish(&mut store, &fetched)) {
             if published {
                 blocks.push(JobBlock { index: c.index, key: c.key, group: att.group, block_id: c.block_id, offset });

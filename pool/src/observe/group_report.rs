@@ -10,7 +10,7 @@ use crate::PoolInner;
 /// Group `group`'s index header and (with `histogram`) its probe-length histogram, which
 /// walks the table.
 fn index(inner: &PoolInner, group: usize, histogram: bool) -> Option<IndexReport> {
-    let m = &inner.group_mem[group].index_mem;
+    let m = &inner.store.group_mem[group].index_mem;
     // SAFETY: the pool's own index mapping, alive as long as `inner`.
     let v = unsafe { IndexView::attach(m.as_ptr(), m.len()) }.ok()?;
     let probe_histogram = if histogram { v.probe_histogram(8) } else { Vec::new() };
@@ -42,7 +42,7 @@ fn sum(per: &[Option<IndexReport>]) -> Option<IndexReport> {
 /// The summed index header without the histogram, for the metrics endpoint (a scrape
 /// never walks the tables).
 pub fn index_totals(inner: &PoolInner) -> Option<IndexReport> {
-    let per: Vec<_> = (0..inner.group_mem.len()).map(|g| index(inner, g, false)).collect();
+    let per: Vec<_> = (0..inner.store.group_mem.len()).map(|g| index(inner, g, false)).collect();
     sum(&per)
 }
 
@@ -50,9 +50,10 @@ pub fn index_totals(inner: &PoolInner) -> Option<IndexReport> {
 /// (its uids, namespaces, index and event log), and the bytes of all event logs.
 /// `events_written[g]` is group g's count (read under the store lock by the caller).
 pub fn build(inner: &PoolInner, events_written: &[u64]) -> (Option<IndexReport>, Vec<GroupReport>, u64) {
-    let per: Vec<Option<IndexReport>> = (0..inner.group_mem.len()).map(|g| index(inner, g, true)).collect();
+    let per: Vec<Option<IndexReport>> = (0..inner.store.group_mem.len()).map(|g| index(inner, g, true)).collect();
     let total = sum(&per);
     let groups = inner
+        .store
         .tenant_groups
         .specs()
         .iter()
@@ -64,10 +65,10 @@ pub fn build(inner: &PoolInner, events_written: &[u64]) -> (Option<IndexReport>,
             index: per[g].clone(),
             events: GroupEvents {
                 written: events_written.get(g).copied().unwrap_or(0),
-                region_bytes: inner.group_mem[g].events_mem.len() as u64,
+                region_bytes: inner.store.group_mem[g].events_mem.len() as u64,
             },
         })
         .collect();
-    let log_bytes = inner.group_mem.iter().map(|g| g.events_mem.len() as u64).sum();
+    let log_bytes = inner.store.group_mem.iter().map(|g| g.events_mem.len() as u64).sum();
     (total, groups, log_bytes)
 }

@@ -439,7 +439,7 @@ impl Collector for PoolCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let inner = &self.inner;
         let (p, namespaces, tier_stats) = {
-            let s = inner.store.lock().expect("store lock");
+            let s = inner.store.objects.lock().expect("store lock");
             (crate::observe::report::pool_section(inner, &s), s.namespaces().len() as u64, s.tier_stats())
         };
         // The SSD store's own counters, never under the store lock (as report.rs).

@@ -38,7 +38,7 @@ pub fn tenant(inner: &PoolInner, uid: u32) -> TenantReport {
     mine.sort_unstable();
     mine.dedup();
     let (pool, namespaces) = {
-        let store = inner.store.lock().expect("store lock");
+        let store = inner.store.objects.lock().expect("store lock");
         let namespaces: Vec<_> = mine.iter().map(|ns| namespace(*ns, store.namespaces().get(ns).copied().unwrap_or_default())).collect();
         let pool = TenantPool {
             capacity_bytes: store.capacity_bytes(),
@@ -60,7 +60,7 @@ pub fn tenant(inner: &PoolInner, uid: u32) -> TenantReport {
 
 /// The pool section: size, use, policy. Also read by the metrics endpoint.
 pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
-    let (dram_registered_bytes, dram_registration_done) = inner.dram.registration();
+    let (dram_registered_bytes, dram_registration_done) = inner.store.dram.registration();
     let quarantine = store.quarantine_stats();
     PoolSection {
         capacity_bytes: store.capacity_bytes(),
@@ -83,7 +83,7 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
         events_written: store.events_written(),
         high_watermark: inner.config.high_watermark,
         low_watermark: inner.config.low_watermark,
-        idle_poll: inner.idle_poll_mode.lock().expect("idle poll lock").to_string(),
+        idle_poll: inner.config.idle_poll.to_string(),
         idle_poll_window_us: inner.idle_poll().as_nanos() as f64 / 1e3,
         dram_registered_bytes,
         dram_registration_done,
@@ -92,7 +92,7 @@ pub fn pool_section(inner: &PoolInner, store: &ObjectStore) -> PoolSection {
 
 pub fn build(inner: &PoolInner) -> PoolReport {
     let (pool, namespaces, group_events, tier_stats) = {
-        let store = inner.store.lock().expect("store lock");
+        let store = inner.store.objects.lock().expect("store lock");
         let namespaces: Vec<_> = store.namespaces().iter().map(|(ns, u)| namespace(*ns, *u)).collect();
         let group_events: Vec<u64> = (0..store.group_count() as u32).map(|g| store.group_events_written(g)).collect();
         (pool_section(inner, &store), namespaces, group_events, store.tier_stats())

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::index::{IndexView, HEARTBEAT_PERIOD_MS};
 
-use crate::PoolInner;
+use crate::store::Store;
 
 /// Least time between two stores (a busy service thread goes round in microseconds).
 const BEAT_EVERY: Duration = Duration::from_millis(1);
@@ -29,11 +29,11 @@ pub struct Heartbeat<'a> {
 }
 
 impl<'a> Heartbeat<'a> {
-    pub fn new(inner: &'a PoolInner) -> Self {
-        let views = inner
+    pub fn new(store: &'a Store) -> Self {
+        let views = store
             .group_mem
             .iter()
-            // SAFETY: the pool's own writable index mappings, alive as long as `inner`
+            // SAFETY: the pool's own writable index mappings, alive as long as `store`
             // (which the service thread borrows for its whole run).
             .filter_map(|g| unsafe { IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) }.ok())
             .collect();

@@ -9,12 +9,12 @@
 //! entry per index header (all at the same offset from their futex word), so every
 //! group's schedulers see the death word set.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use umbp_protocol::index::IndexView;
 
-use crate::PoolInner;
+use crate::store::Store;
 
 /// `struct robust_list_head` (linux/futex.h): the list (its first entry, circular back to
 /// the head), the offset from an entry to its futex word, and the entry being changed.
@@ -26,22 +26,24 @@ struct RobustListHead {
 }
 const _: () = assert!(std::mem::size_of::<RobustListHead>() == 24);
 
-pub fn run(inner: &PoolInner) {
-    if let Err(e) = arm(inner) {
+/// The liveness thread: the store (for its groups' index headers) until `stopping`.
+pub fn run(store: &Store, stopping: &AtomicBool) {
+    if let Err(e) = arm(store) {
         tracing::warn!("pool death word not armed ({e}); schedulers notice a dead pool by its socket only (within 1 ms)");
     }
-    while !inner.is_shutting_down() {
+    // Acquire pairs with `Pool::stop`'s swap, which unparks this thread after it.
+    while !stopping.load(Ordering::Acquire) {
         std::thread::park_timeout(Duration::from_millis(200));
     }
     // Returning ends the thread: the kernel marks the word OWNER_DIED (after `Pool::stop`
     // set `closed`, so a graceful stop is seen through both).
 }
 
-fn arm(inner: &PoolInner) -> Result<(), String> {
-    let mut views = Vec::with_capacity(inner.group_mem.len());
-    for g in &inner.group_mem {
-        // SAFETY: the pool's own index mapping, alive as long as `inner` (longer than this
-        // thread, which `Pool::stop` joins before it drops `inner`).
+fn arm(store: &Store) -> Result<(), String> {
+    let mut views = Vec::with_capacity(store.group_mem.len());
+    for g in &store.group_mem {
+        // SAFETY: the pool's own index mapping, alive as long as `store` (longer than this
+        // thread, which holds an `Arc` of it until `Pool::stop` joins it).
         views.push(unsafe { IndexView::attach(g.index_mem.as_ptr(), g.index_mem.len()) }.map_err(|e| e.to_string())?);
     }
     let infos: Vec<&umbp_protocol::index::IndexInfo> = views.iter().map(|v| &*v.header().info).collect();

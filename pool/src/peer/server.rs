@@ -456,8 +456,8 @@ impl<'a> Control<'a> {
         let id = inner.next_id.fetch_add(1, Ordering::Relaxed);
         // The peer gets the index and event log of its namespace's tenant group only
         // (check_hello made sure the namespace is one its uid may use).
-        let group = inner.tenant_groups.group_of(hello.namespace());
-        let gm = &inner.group_mem[group as usize];
+        let group = inner.store.tenant_groups.group_of(hello.namespace());
+        let gm = &inner.store.group_mem[group as usize];
         let att = match Attachment::create(id, role, process, &hello, group, layout, sock2) {
             Ok(a) => Arc::new(a),
             Err(e) => return self.refuse(token, ReplyStatus::Internal, fd_hint(format!("cannot create rings: {e}"))),
@@ -513,7 +513,7 @@ impl<'a> Control<'a> {
             }
             MessageKind::RegisterLayout => (registration::register_layout(inner, &att, &req.payload), Vec::new()),
             MessageKind::ResetNamespace => {
-                let n = inner.store.lock().expect("store lock").reset_namespace(att.namespace);
+                let n = inner.store.objects.lock().expect("store lock").reset_namespace(att.namespace);
                 tracing::info!(attachment = att.id, dropped = n, "namespace reset");
                 (Reply::ok(n), Vec::new())
             }

@@ -4,7 +4,20 @@
 use umbp_ipc::SharedMemory;
 
 use crate::config::PoolConfig;
-use crate::PoolError;
+
+/// Why the DRAM tier could not be made (the pool's start fails with it).
+#[derive(Debug, thiserror::Error)]
+pub enum DramError {
+    #[error("DRAM tier: {source} (capacity {capacity_bytes} bytes){}", if *.hugepages { HUGEPAGES_HINT } else { "" })]
+    Memory { capacity_bytes: u64, hugepages: bool, source: umbp_ipc::ShmError },
+    #[error("DRAM tier: numa-node {0} is out of range")]
+    NumaNodeRange(u32),
+    #[error("DRAM tier: numa-node {node}: mbind failed: {source} (is there such a node in /sys/devices/system/node?)")]
+    Mbind { node: u32, source: std::io::Error },
+}
+
+const HUGEPAGES_HINT: &str =
+    "; --hugepages needs that many 2 MiB pages reserved first (sysctl vm.nr_hugepages, see /proc/meminfo HugePages_Free)";
 
 pub struct Dram {
     mem: SharedMemory,
@@ -60,9 +73,9 @@ const MPOL_BIND: libc::c_ulong = 2;
 const MPOL_MF_STRICT: libc::c_ulong = 1;
 
 impl Dram {
-    pub fn create(config: &PoolConfig) -> Result<Self, PoolError> {
+    pub fn create(config: &PoolConfig) -> Result<Self, DramError> {
         let mem = SharedMemory::create("umbp-dram", config.capacity_bytes as usize, config.hugepages)
-            .map_err(|source| PoolError::Dram { capacity_bytes: config.capacity_bytes, hugepages: config.hugepages, source })?;
+            .map_err(|source| DramError::Memory { capacity_bytes: config.capacity_bytes, hugepages: config.hugepages, source })?;
         let dram = Self {
             mem,
             registered: std::sync::atomic::AtomicU64::new(0),
@@ -89,9 +102,9 @@ impl Dram {
         }
     }
 
-    fn bind_numa(&self, node: u32) -> Result<(), PoolError> {
+    fn bind_numa(&self, node: u32) -> Result<(), DramError> {
         if node >= 1024 {
-            return Err(PoolError::NumaNodeRange(node));
+            return Err(DramError::NumaNodeRange(node));
         }
         let mut mask = [0u64; 16];
         mask[(node / 64) as usize] |= 1 << (node % 64);
@@ -100,7 +113,7 @@ impl Dram {
             libc::syscall(libc::SYS_mbind, self.mem.as_ptr(), self.mem.len(), MPOL_BIND, mask.as_ptr(), 1025usize, MPOL_MF_STRICT)
         };
         if rc != 0 {
-            return Err(PoolError::Mbind { node, source: std::io::Error::last_os_error() });
+            return Err(DramError::Mbind { node, source: std::io::Error::last_os_error() });
         }
         tracing::info!(node, "DRAM bound to NUMA node");
         Ok(())

@@ -12,7 +12,23 @@ use std::time::{Duration, Instant};
 
 use umbp_protocol::wire::MemoryKind;
 
-use crate::PoolInner;
+use super::Store;
+
+/// What the registration threads use of the pool: the store (its DRAM, and the object
+/// store whose page limit follows the registered prefix) and the pool's stop flag.
+#[derive(Clone)]
+pub(crate) struct Registrar {
+    pub store: Arc<Store>,
+    pub stopping: Arc<AtomicBool>,
+}
+
+impl Registrar {
+    fn is_shutting_down(&self) -> bool {
+        // Acquire pairs with `Pool::stop`'s AcqRel swap: a thread that sees the flag sees
+        // what was written before the stop began.
+        self.stopping.load(Ordering::Acquire)
+    }
+}
 
 /// What to unregister at stop: each backend with the base of every chunk it pinned.
 pub type Registrations = Vec<(Arc<dyn umbp_gpu::Backend>, usize)>;
@@ -40,7 +56,7 @@ const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 /// Starts the registration: the first chunk now, the rest on background threads. Returns
 /// the thread that joins them (its result: what to unregister at stop), or None when no
 /// GPU driver sees a device (nothing to register) or the thread could not start.
-pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHandle<Registrations>> {
+pub fn register_with_gpus(reg: &Registrar) -> Option<std::thread::JoinHandle<Registrations>> {
     // A backend whose library loads but sees no device (a CUDA driver on a GPU-less
     // machine) cannot register anything: skip it instead of failing every chunk.
     let backends: Vec<_> = [MemoryKind::Cuda, MemoryKind::Hip]
@@ -53,11 +69,11 @@ pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHan
         .collect();
     if backends.is_empty() {
         tracing::debug!("no GPU driver found: DRAM stays unregistered (host backends only)");
-        inner.dram.set_registration_done();
+        reg.store.dram.set_registration_done();
         return None;
     }
-    inner.store.lock().expect("store lock").set_page_limit(0);
-    let len = inner.dram.len();
+    reg.store.objects.lock().expect("store lock").set_page_limit(0);
+    let len = reg.store.dram.len();
     tracing::info!(
         total_bytes = len,
         backends = backends.len(),
@@ -68,21 +84,21 @@ pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHan
     let first = FIRST_CHUNK.min(len);
     let progress = Progress::new(len);
     let mut done = Registrations::new();
-    inner.dram.populate(0, first);
-    register_range(inner, &backends, 0, first, &mut done);
-    progress.finished(inner, 0, first);
-    let outer = inner.clone();
-    let inner = inner.clone();
+    reg.store.dram.populate(0, first);
+    register_range(reg, &backends, 0, first, &mut done);
+    progress.finished(reg, 0, first);
+    let outer = reg.clone();
+    let reg = reg.clone();
     let t = std::thread::Builder::new().name("umbp-register".into()).spawn(move || {
         let mut mine = Registrations::new();
-        pin_in_background(&inner, first, len, CHUNK, &progress, |off, n| register_range(&inner, &backends, off, n, &mut mine));
+        pin_in_background(&reg, first, len, CHUNK, &progress, |off, n| register_range(&reg, &backends, off, n, &mut mine));
         done.extend(mine);
-        if inner.is_shutting_down() && progress.prefix() < len {
+        if reg.is_shutting_down() && progress.prefix() < len {
             tracing::info!(bytes = progress.prefix(), total_bytes = len, "DRAM registration stopped: the pool is stopping");
             return done;
         }
-        inner.store.lock().expect("store lock").set_page_limit(u32::MAX);
-        inner.dram.set_registration_done();
+        reg.store.objects.lock().expect("store lock").set_page_limit(u32::MAX);
+        reg.store.dram.set_registration_done();
         tracing::info!(
             bytes = progress.prefix(),
             elapsed_s = progress.started.elapsed().as_secs_f64(),
@@ -97,8 +113,8 @@ pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHan
             // Serve unregistered (staged copies) rather than never hand out a page. The
             // first chunk stays registered until the process exits.
             tracing::warn!("cannot start the DRAM registration thread: {e}; DRAM past the first chunk stays unregistered");
-            outer.store.lock().expect("store lock").set_page_limit(u32::MAX);
-            outer.dram.set_registration_done();
+            outer.store.objects.lock().expect("store lock").set_page_limit(u32::MAX);
+            outer.store.dram.set_registration_done();
             None
         }
     }
@@ -108,14 +124,7 @@ pub fn register_with_gpus(inner: &Arc<PoolInner>) -> Option<std::thread::JoinHan
 /// each chunk in ahead of the one registering thread, so the driver only pins pages
 /// already there, and its lock (which every GPU call of every process on the node waits
 /// for) is held for a fraction of the time. Stops early when the pool shuts down.
-fn pin_in_background(
-    inner: &PoolInner,
-    first: usize,
-    len: usize,
-    chunk: usize,
-    progress: &Progress,
-    mut register: impl FnMut(usize, usize),
-) {
+fn pin_in_background(reg: &Registrar, first: usize, len: usize, chunk: usize, progress: &Progress, mut register: impl FnMut(usize, usize)) {
     let chunks = (len - first).div_ceil(chunk);
     let range = |i: usize| (first + i * chunk, chunk.min(len - first - i * chunk));
     let next_populate = AtomicUsize::new(0);
@@ -125,42 +134,42 @@ fn pin_in_background(
             let (next_populate, populated) = (&next_populate, &populated);
             scope.spawn(move || loop {
                 let i = next_populate.fetch_add(1, Ordering::Relaxed);
-                if i >= chunks || inner.is_shutting_down() {
+                if i >= chunks || reg.is_shutting_down() {
                     return;
                 }
                 let (off, n) = range(i);
                 // Beyond the registered prefix: the allocator hands out none of it yet.
-                inner.dram.populate(off, n);
+                reg.store.dram.populate(off, n);
                 // Release: pairs with the registering thread's Acquire (the pages are in).
                 populated[i].store(true, Ordering::Release);
             });
         }
         for (i, ready) in populated.iter().enumerate() {
-            while !ready.load(Ordering::Acquire) && !inner.is_shutting_down() {
+            while !ready.load(Ordering::Acquire) && !reg.is_shutting_down() {
                 std::thread::sleep(Duration::from_millis(1));
             }
-            yield_to_foreground(inner);
-            if inner.is_shutting_down() {
+            yield_to_foreground(reg);
+            if reg.is_shutting_down() {
                 break;
             }
             let (off, n) = range(i);
             register(off, n);
-            progress.finished(inner, off, n);
+            progress.finished(reg, off, n);
         }
     });
 }
 
 /// Waits (bounded) while a worker's GPU registration is in progress.
-fn yield_to_foreground(inner: &PoolInner) {
+fn yield_to_foreground(reg: &Registrar) {
     let until = Instant::now() + MAX_YIELD;
-    while inner.dram.gate.busy(QUIET) && Instant::now() < until && !inner.is_shutting_down() {
+    while reg.store.dram.gate.busy(QUIET) && Instant::now() < until && !reg.is_shutting_down() {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
 
 /// Registers `[off, off + n)` of DRAM with every backend.
-fn register_range(inner: &PoolInner, backends: &[Arc<dyn umbp_gpu::Backend>], off: usize, n: usize, done: &mut Registrations) {
-    let base = inner.dram.base() as usize;
+fn register_range(reg: &Registrar, backends: &[Arc<dyn umbp_gpu::Backend>], off: usize, n: usize, done: &mut Registrations) {
+    let base = reg.store.dram.base() as usize;
     for b in backends {
         // SAFETY: a chunk of the DRAM mapping, which outlives the pool's threads;
         // unregistered in `Pool::stop` after every copy thread has exited.
@@ -204,10 +213,10 @@ impl Progress {
 
     /// `[off, off + n)` is registered: extends the prefix over every chunk now adjoining
     /// it and lets the allocator hand out pages up to its end.
-    fn finished(&self, inner: &PoolInner, off: usize, n: usize) {
+    fn finished(&self, reg: &Registrar, off: usize, n: usize) {
         self.advance(off, n, |prefix| {
-            inner.store.lock().expect("store lock").set_page_limit((prefix as u64 / crate::config::PAGE_BYTES) as u32);
-            inner.dram.set_registered(prefix as u64);
+            reg.store.objects.lock().expect("store lock").set_page_limit((prefix as u64 / crate::config::PAGE_BYTES) as u32);
+            reg.store.dram.set_registered(prefix as u64);
         });
     }
 
@@ -269,12 +278,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let cfg = crate::PoolConfig { socket_path: dir.path().join("s"), capacity_bytes: 64 << 20, ..crate::PoolConfig::default() };
         let pool = crate::Pool::start(cfg).expect("pool starts");
-        let inner = pool.cluster_access().inner.clone();
+        let access = pool.cluster_access();
+        let reg = Registrar { store: access.store.clone(), stopping: Arc::new(AtomicBool::new(false)) };
         let (first, len, chunk) = (4 << 20, 64 << 20, 4 << 20);
-        inner.store.lock().unwrap().set_page_limit((first as u64 / crate::PAGE_BYTES) as u32);
+        reg.store.objects.lock().unwrap().set_page_limit((first as u64 / crate::PAGE_BYTES) as u32);
         let progress = Progress::new(len);
         progress.advance(0, first, |_| {});
-        let held = inner.dram.gate.enter();
+        let held = reg.store.dram.gate.enter();
         let released = std::sync::Mutex::new(None::<Instant>);
         let calls = std::sync::Mutex::new(Vec::new());
         std::thread::scope(|s| {
@@ -283,7 +293,7 @@ mod tests {
                 *released.lock().unwrap() = Some(Instant::now());
                 drop(held);
             });
-            pin_in_background(&inner, first, len, chunk, &progress, |off, n| {
+            pin_in_background(&reg, first, len, chunk, &progress, |off, n| {
                 calls.lock().unwrap().push((off, n, Instant::now()));
             });
         });
@@ -297,7 +307,7 @@ mod tests {
             calls[0].2 - released
         );
         assert_eq!(progress.prefix(), len);
-        assert_eq!(inner.dram.registration().0, len as u64);
+        assert_eq!(reg.store.dram.registration().0, len as u64);
     }
 
     #[test]

@@ -7,15 +7,19 @@
 
 use std::time::{Duration, Instant};
 
-use crate::PoolInner;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::TierWork;
 
 /// Objects evicted per hold of the store lock (about 1.7 µs each on the 2-core VM): a copy
 /// thread waits at most one step for its stage's reservations.
 const EVICTION_STEP: usize = 64;
 
-pub fn run(inner: &PoolInner) {
-    let (lock, cv) = &inner.evict_wake;
-    while !inner.is_shutting_down() {
+/// The evictor thread: the store and the tiers (`pool`), until `stopping`.
+pub fn run(pool: TierWork<'_>, stopping: &AtomicBool) {
+    let (lock, cv) = &pool.store.evict_wake;
+    // Acquire pairs with `Pool::stop`'s swap: seen at the latest after its wake.
+    while !stopping.load(Ordering::Acquire) {
         {
             let mut woken = lock.lock().expect("evictor lock");
             if !*woken {
@@ -24,7 +28,7 @@ pub fn run(inner: &PoolInner) {
             *woken = false;
         }
         let demotions = {
-            let mut store = inner.store.lock().expect("store lock");
+            let mut store = pool.store.objects.lock().expect("store lock");
             if store.needs_eviction() {
                 let (bytes, entries) = (store.allocated_bytes(), store.published_count());
                 let mut pass = store.eviction_pass();
@@ -35,7 +39,11 @@ pub fn run(inner: &PoolInner) {
                         break;
                     }
                     // Transfers of the whole node wait while this thread holds the lock.
-                    store = inner.store.yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE).expect("store lock");
+                    store = pool
+                        .store
+                        .objects
+                        .yield_to_urgent(store, crate::store::priority_lock::BACKGROUND_YIELD_PATIENCE)
+                        .expect("store lock");
                 }
                 tracing::debug!(
                     evicted = n,
@@ -49,13 +57,13 @@ pub fn run(inner: &PoolInner) {
             store.take_demotions()
         };
         // Demotion I/O runs here, without the store lock (tier/mod.rs).
-        if let Some(ssd) = &inner.tiers.ssd {
-            crate::tier::run_demotions(inner, ssd, demotions);
+        if let Some(ssd) = &pool.tiers.ssd {
+            crate::tier::run_demotions(pool, ssd, demotions);
             // Then SSD objects that touch hints found, into the DRAM left below the high
             // watermark (best effort, tier::prefetch).
-            let hinted = inner.store.lock().expect("store lock").take_prefetch();
+            let hinted = pool.store.objects.lock().expect("store lock").take_prefetch();
             if !hinted.is_empty() {
-                crate::tier::prefetch(inner, hinted);
+                crate::tier::prefetch(pool, hinted);
             }
         }
     }

@@ -20,7 +20,7 @@ use umbp_protocol::location::Tier;
 use umbp_protocol::ObjectKey;
 
 use crate::store::objects::{Demotion, GroupKey, ObjectStore};
-use crate::PoolInner;
+use crate::store::Store;
 use umbp_ssd::{SsdConfig, SsdError, SsdStore};
 
 /// One object to fetch from a lower tier into its new DRAM allocation.
@@ -44,8 +44,16 @@ pub trait TierSource: Send + Sync {
     }
 }
 
+/// What tier work (promotion, demotion, prefetch, the stop flush) uses of the pool: the
+/// store and the tiers below it; nothing of peers or the copy path.
+#[derive(Clone, Copy)]
+pub(crate) struct TierWork<'a> {
+    pub store: &'a Store,
+    pub tiers: &'a Tiers,
+}
+
 /// The lower tiers this pool has, by tier.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Tiers {
     pub ssd: Option<Arc<SsdTier>>,
     /// Another node's pool (issue #17): plugs in here.
@@ -151,15 +159,15 @@ pub struct Promotion {
 /// wait and miss, block storing it again and hold its DRAM. Objects on the remote tier are
 /// abandoned first (a transfer may still write their DRAM, so it is never reused).
 pub struct Promotions<'a> {
-    inner: &'a PoolInner,
+    pool: TierWork<'a>,
     /// Still open: emptied by `finish`.
     open: Vec<Promotion>,
 }
 
 impl<'a> Promotions<'a> {
     /// Takes over promotions just begun (each `begin_promotion` returned its offset).
-    pub fn new(inner: &'a PoolInner, open: Vec<Promotion>) -> Self {
-        Self { inner, open }
+    pub fn new(pool: TierWork<'a>, open: Vec<Promotion>) -> Self {
+        Self { pool, open }
     }
 
     pub fn list(&self) -> &[Promotion] {
@@ -170,9 +178,9 @@ impl<'a> Promotions<'a> {
     /// `result[i]`: promotion `i` has its exact bytes. Runs without the store lock.
     pub fn fetch(&self) -> Vec<bool> {
         let mut fetched = vec![false; self.open.len()];
-        let base = self.inner.dram.base();
+        let base = self.pool.store.dram.base();
         for tier in Tier::ALL {
-            let Some(source) = self.inner.tiers.source(tier) else { continue };
+            let Some(source) = self.pool.tiers.source(tier) else { continue };
             let idx: Vec<usize> = (0..self.open.len()).filter(|&i| self.open[i].tier == tier).collect();
             if idx.is_empty() {
                 continue;
@@ -219,7 +227,7 @@ impl Drop for Promotions<'_> {
         tracing::error!(objects = self.open.len(), "promotion interrupted (its thread panicked): finishing it as failed");
         // Not poisoned by this panic (the fetch runs without the lock); if another thread
         // poisoned it, contain_panic stops the pool anyway.
-        let mut store = self.inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        let mut store = self.pool.store.objects.lock().unwrap_or_else(|p| p.into_inner());
         for p in self.open.drain(..) {
             if p.tier == Tier::Remote {
                 store.abandon_promotion(p.key, crate::store::objects::Writer::Unknown);
@@ -233,10 +241,10 @@ impl Drop for Promotions<'_> {
 /// each to the SSD tier (or drops it on failure) under the store lock. Also removes the
 /// SSD records of objects that left the index. Called by the evictor thread, without
 /// the store lock.
-pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) {
+pub fn run_demotions(pool: TierWork<'_>, ssd: &SsdTier, mut work: Vec<Demotion>) {
     // Removals first: a key dropped and then stored and chosen again must not lose its
     // new record to the old object's removal.
-    drop_records(inner, ssd);
+    drop_records(pool, ssd);
     while !work.is_empty() {
         let mut take = 0;
         let mut bytes = 0u64;
@@ -245,7 +253,7 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
             take += 1;
         }
         let batch: Vec<Demotion> = work.drain(..take).collect();
-        let base = inner.dram.base();
+        let base = pool.store.dram.base();
         let items: Vec<(ObjectKey, u128, u64, &[u8])> = batch
             .iter()
             .map(|d| {
@@ -277,7 +285,7 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
             }
         }
         let now = Instant::now();
-        let mut store = inner.store.lock().expect("store lock");
+        let mut store = pool.store.objects.lock().expect("store lock");
         // Records dropped for room first: an object demoted in this very batch may be
         // among them (then it is dropped below rather than listed on SSD).
         for (d, w) in batch.iter().zip(written) {
@@ -288,9 +296,9 @@ pub fn run_demotions(inner: &PoolInner, ssd: &SsdTier, mut work: Vec<Demotion>) 
             store.finish_demotion(d.key, w, now);
         }
         let gone: Vec<_> = gone.into_iter().collect();
-        store.ssd_records_gone(&gone, &inner.tenant_groups);
+        store.ssd_records_gone(&gone, &pool.store.tenant_groups);
     }
-    drop_records(inner, ssd);
+    drop_records(pool, ssd);
 }
 
 /// Most objects one prefetch pass promotes (one fetch batch).
@@ -303,13 +311,13 @@ const PREFETCH_BATCH: usize = 256;
 /// `finish_promotion`), then unpinned: the object is a plain DRAM object, most recently
 /// used. A load that arrives meanwhile waits for it (`Promoting`) instead of reading again.
 /// Returns how many were promoted.
-pub fn prefetch(inner: &PoolInner, keys: Vec<GroupKey>) -> usize {
+pub fn prefetch(pool: TierWork<'_>, keys: Vec<GroupKey>) -> usize {
     let mut keys = keys;
     let mut promoted = 0;
     while !keys.is_empty() {
         let mut mine: Vec<Promotion> = Vec::new();
         {
-            let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+            let mut store = pool.store.objects.lock().unwrap_or_else(|p| p.into_inner());
             let take = keys.len().min(PREFETCH_BATCH);
             let batch: Vec<GroupKey> = keys.drain(..take).collect();
             for key in batch {
@@ -327,9 +335,9 @@ pub fn prefetch(inner: &PoolInner, keys: Vec<GroupKey>) -> usize {
         if mine.is_empty() {
             continue;
         }
-        let promotions = Promotions::new(inner, mine);
+        let promotions = Promotions::new(pool, mine);
         let fetched = promotions.fetch();
-        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        let mut store = pool.store.objects.lock().unwrap_or_else(|p| p.into_inner());
         let promoted_keys: Vec<GroupKey> = promotions.list().iter().map(|p| p.key).collect();
         for (key, published) in promoted_keys.into_iter().zip(promotions.finish(&mut store, &fetched)) {
             if published {
@@ -349,14 +357,14 @@ pub fn prefetch(inner: &PoolInner, keys: Vec<GroupKey>) -> usize {
 /// then seals and syncs the segments. A restart on the same directories lists them again.
 /// Called by `Pool::stop` after every pool thread has exited (nothing else touches the
 /// store). Logs what it wrote and what it left for lack of time.
-pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duration) {
+pub fn flush_on_stop(pool: TierWork<'_>, ssd: &SsdTier, limit: std::time::Duration) {
     if limit.is_zero() {
         return;
     }
     let started = Instant::now();
     let deadline = started + limit;
     let mut work = {
-        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        let mut store = pool.store.objects.lock().unwrap_or_else(|p| p.into_inner());
         // Demotions the evictor chose but did not start before it stopped come first.
         let mut w = store.take_demotions();
         w.extend(store.take_flush(started));
@@ -377,7 +385,7 @@ pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duratio
             take += 1;
         }
         let batch: Vec<Demotion> = work.drain(..take).collect();
-        run_demotions(inner, ssd, batch);
+        run_demotions(pool, ssd, batch);
         written += take;
         written_bytes += batch_bytes;
         if last_log.elapsed() >= std::time::Duration::from_secs(1) {
@@ -393,7 +401,7 @@ pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duratio
             limit_s = limit.as_secs_f64(),
             "clean stop: SSD flush time limit reached; these DRAM objects are not kept (raise --ssd-flush-on-stop)"
         );
-        let mut store = inner.store.lock().unwrap_or_else(|p| p.into_inner());
+        let mut store = pool.store.objects.lock().unwrap_or_else(|p| p.into_inner());
         for d in &work {
             store.cancel_demotion(d.key);
         }
@@ -416,8 +424,8 @@ pub fn flush_on_stop(inner: &PoolInner, ssd: &SsdTier, limit: std::time::Duratio
 
 /// Removes from SSD the records of objects that left the index (reset, index pressure,
 /// failed promotions), outside the store lock.
-pub fn drop_records(inner: &PoolInner, ssd: &SsdTier) {
-    let drops = inner.store.lock().expect("store lock").take_ssd_drops();
+pub fn drop_records(pool: TierWork<'_>, ssd: &SsdTier) {
+    let drops = pool.store.objects.lock().expect("store lock").take_ssd_drops();
     for (key, ns) in drops {
         // A miss later is the worst a race here can do (the key stored and demoted again
         // before this remove): never wrong bytes.
@@ -426,7 +434,7 @@ pub fn drop_records(inner: &PoolInner, ssd: &SsdTier) {
     // A tombstone's reclaim drops other records for room: their objects leave the index.
     let gone = ssd.store.take_evicted();
     if !gone.is_empty() {
-        inner.store.lock().expect("store lock").ssd_records_gone(&gone, &inner.tenant_groups);
+        pool.store.objects.lock().expect("store lock").ssd_records_gone(&gone, &pool.store.tenant_groups);
     }
 }
 

@@ -15,8 +15,8 @@ use umbp_protocol::ObjectKey;
 
 pub use crate::store::objects::HeldObject;
 use crate::store::objects::{GroupKey, LoadReservation, Writer};
+use crate::store::Store;
 pub use crate::tier::{FetchItem, TierSource};
-use crate::PoolInner;
 
 /// `Tiers::remote` of every pool: empty (every fetch misses) until a cluster installs its
 /// source.
@@ -39,19 +39,20 @@ impl TierSource for RemoteSlot {
 /// What the cluster tier may do to a running pool.
 #[derive(Clone)]
 pub struct ClusterAccess {
-    pub(crate) inner: Arc<PoolInner>,
+    pub(crate) store: Arc<Store>,
+    pub(crate) remote_source: RemoteSlot,
 }
 
 impl ClusterAccess {
     /// The DRAM tier's mapping (registered with NIXL as the destination of this pool's
     /// remote reads; peers read copies from the cluster's export area, never this).
     pub fn dram(&self) -> (*mut u8, usize) {
-        (self.inner.dram.base(), self.inner.dram.len())
+        (self.store.dram.base(), self.store.dram.len())
     }
 
     /// This pool's tenant groups (from `--namespace-acl`; one group without it).
     pub fn tenant_groups(&self) -> &crate::store::groups::TenantGroups {
-        &self.inner.tenant_groups
+        &self.store.tenant_groups
     }
 
     /// Pins a published DRAM object of `size` bytes for a peer's read, found by its
@@ -59,8 +60,8 @@ impl ClusterAccess {
     /// under `namespace` (anything else is a miss). Returns its DRAM offset and namespace.
     /// Objects on a lower tier are not served (a peer would have to wait for a promotion).
     pub fn pin(&self, namespace: u128, key: ObjectKey, size: u64) -> Result<(u64, u128), String> {
-        let gk = GroupKey::new(self.inner.tenant_groups.group_of(namespace), key);
-        let mut store = self.inner.store.lock().expect("store lock");
+        let gk = GroupKey::new(self.store.tenant_groups.group_of(namespace), key);
+        let mut store = self.store.objects.lock().expect("store lock");
         match store.namespace_of(gk) {
             Some(ns) if ns == namespace => {}
             Some(_) => return Err(format!("key {:032x} is not held under namespace {namespace:032x} here", key.0)),
@@ -75,24 +76,24 @@ impl ClusterAccess {
 
     /// Releases a pin taken by [`Self::pin`] (same namespace and key).
     pub fn unpin(&self, namespace: u128, key: ObjectKey) {
-        let gk = GroupKey::new(self.inner.tenant_groups.group_of(namespace), key);
-        self.inner.store.lock().expect("store lock").finish_load(gk);
+        let gk = GroupKey::new(self.store.tenant_groups.group_of(namespace), key);
+        self.store.objects.lock().expect("store lock").finish_load(gk);
     }
 
     /// Every group's objects published in DRAM, with their group.
     pub fn dram_objects(&self) -> Vec<(u32, HeldObject)> {
-        let store = self.inner.store.lock().expect("store lock");
-        (0..self.inner.tenant_groups.len() as u32).flat_map(|g| store.dram_objects(g).into_iter().map(move |o| (g, o))).collect()
+        let store = self.store.objects.lock().expect("store lock");
+        (0..self.store.tenant_groups.len() as u32).flat_map(|g| store.dram_objects(g).into_iter().map(move |o| (g, o))).collect()
     }
 
     /// Size and namespace of `key` of `group` if it is published in DRAM here.
     pub fn dram_object(&self, group: u32, key: ObjectKey) -> Option<HeldObject> {
-        self.inner.store.lock().expect("store lock").dram_object(group, key)
+        self.store.objects.lock().expect("store lock").dram_object(group, key)
     }
 
     /// `group`'s KV event log (the change streams the cluster follows, one per group).
     pub fn events_memory(&self, group: u32) -> Arc<SharedMemory> {
-        self.inner.group_mem[group as usize].events_mem.clone()
+        self.store.group_mem[group as usize].events_mem.clone()
     }
 
     /// Mirrors a peer's key as a `Lower { Remote }` object (index entry marked remote, KV
@@ -101,23 +102,23 @@ impl ClusterAccess {
     /// room, or `max_entries` remote objects are listed already (checked under the store
     /// lock). Returns the group too.
     pub fn insert_remote(&self, o: HeldObject, max_entries: u64) -> (u32, bool) {
-        let g = self.inner.tenant_groups.group_of(o.namespace);
-        (g, self.inner.store.lock().expect("store lock").insert_remote(g, o, max_entries))
+        let g = self.store.tenant_groups.group_of(o.namespace);
+        (g, self.store.objects.lock().expect("store lock").insert_remote(g, o, max_entries))
     }
 
     /// Remote objects listed now (all groups).
     pub fn remote_entries(&self) -> u64 {
-        self.inner.store.lock().expect("store lock").remote_entries()
+        self.store.objects.lock().expect("store lock").remote_entries()
     }
 
     /// Most live entries the indexes take (local and remote together, all groups).
     pub fn index_capacity(&self) -> u64 {
-        self.inner.store.lock().expect("store lock").index_capacity()
+        self.store.objects.lock().expect("store lock").index_capacity()
     }
 
     /// Drops `key` of tenant group `group` if it is (still) a remote-only object.
     pub fn remove_remote(&self, group: u32, key: ObjectKey) -> bool {
-        self.inner.store.lock().expect("store lock").remove_remote(group, key)
+        self.store.objects.lock().expect("store lock").remove_remote(group, key)
     }
 
     /// A promotion from the remote tier whose destination a timed-out read may still write
@@ -125,8 +126,8 @@ impl ClusterAccess {
     /// its DRAM is quarantined until [`Self::holder_forgotten`] for that tag says the read
     /// is final (see `objects/quarantine.rs`).
     pub fn abandon_promotion(&self, namespace: u128, key: ObjectKey, holder: &str) -> u64 {
-        let g = self.inner.tenant_groups.group_of(namespace);
-        self.inner.store.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key), Writer::RemoteRead(holder.to_string()))
+        let g = self.store.tenant_groups.group_of(namespace);
+        self.store.objects.lock().expect("store lock").abandon_promotion(GroupKey::new(g, key), Writer::RemoteRead(holder.to_string()))
     }
 
     /// Reclaims the DRAM the timed-out reads filed under `holder` left (once their loads
@@ -134,12 +135,12 @@ impl ClusterAccess {
     /// the cluster tier calls it with a read's tag once NIXL reports that read final.
     /// Returns the bytes reclaimed.
     pub fn holder_forgotten(&self, holder: &str) -> u64 {
-        self.inner.store.lock().expect("store lock").reclaim_quarantine_of(holder)
+        self.store.objects.lock().expect("store lock").reclaim_quarantine_of(holder)
     }
 
     /// Installs the source loads of remote objects promote through (once).
     pub fn set_remote_source(&self, source: Arc<dyn TierSource>) -> bool {
-        self.inner.remote_source.0.set(source).is_ok()
+        self.remote_source.0.set(source).is_ok()
     }
 }
 
@@ -170,7 +171,7 @@ mod tests {
         assert!(ga != gb && ga != 0 && gb != 0);
         let k = ObjectKey(42);
         {
-            let mut store = access.inner.store.lock().unwrap();
+            let mut store = access.store.objects.lock().unwrap();
             let r = store.reserve_store(0xa11ce, GroupKey::new(ga, k), 4096, 1);
             assert!(matches!(r, StoreReservation::Reserved { .. }), "{r:?}");
             assert!(store.finish_store(GroupKey::new(ga, k), true));
@@ -188,7 +189,7 @@ mod tests {
         let gd = groups.group_of(0xd1);
         assert_eq!(gd, groups.group_of(0xd2));
         {
-            let mut store = access.inner.store.lock().unwrap();
+            let mut store = access.store.objects.lock().unwrap();
             assert!(matches!(store.reserve_store(0xd1, GroupKey::new(gd, k), 4096, 1), StoreReservation::Reserved { .. }));
             assert!(store.finish_store(GroupKey::new(gd, k), true));
         }
@@ -199,7 +200,7 @@ mod tests {
         // A peer's key in namespace B is listed in B's group only.
         let held = super::HeldObject { key: ObjectKey(43), size: 4096, namespace: 0xb0b };
         assert_eq!(access.insert_remote(held, u64::MAX), (gb, true));
-        let store = access.inner.store.lock().unwrap();
+        let store = access.store.objects.lock().unwrap();
         assert_eq!(store.namespace_of(GroupKey::new(gb, ObjectKey(43))), Some(0xb0b));
         assert_eq!(store.namespace_of(GroupKey::new(ga, ObjectKey(43))), None);
         assert_eq!(store.namespace_of(GroupKey::new(0, ObjectKey(43))), None);

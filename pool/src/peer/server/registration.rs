@@ -96,12 +96,12 @@ pub(super) fn register_memory(inner: &PoolInner, att: &Attachment, payload: &[u8
     // The pid comes from SO_PEERCRED, never from the message, and is checked to still be
     // the process that connected, running as the peer's uid (HostProcess; item 1 of #13).
     let verify = || att.process.verify();
-    let engine = *inner.engine.lock().expect("engine config lock");
+    let engine = inner.config.engine;
     let peer = umbp_gpu::Peer { attachment: att.id, pid: att.pid, pidfd: att.process.pidfd(), verify: &verify, engine };
     // A GPU region goes before the background DRAM registration (pinning.rs), which the
     // driver would otherwise let hold it for minutes (issue #33 item 4).
     let gpu = matches!(kind, umbp_protocol::wire::MemoryKind::Cuda | umbp_protocol::wire::MemoryKind::Hip);
-    let _first = gpu.then(|| inner.dram.gate.enter());
+    let _first = gpu.then(|| inner.store.dram.gate.enter());
     let opened = backend.open_region_for(&reg, fds.into_iter().next(), &peer);
     drop(_first);
     match opened {
