@@ -11,6 +11,9 @@ use umbp_cluster::pool_tier::{ClusterTier, TierOptions, DEFAULT_REMOTE_SHARE};
 use umbp_cluster::ClusterConfig;
 use umbp_pool::config::settings::{CLUSTER_EXPORT_BYTES, CLUSTER_MAX_PINNED_BYTES_PER_PEER};
 
+/// `--cluster-etcd-prefix` when not given (its settings row says so in its help).
+pub const DEFAULT_ETCD_PREFIX: &str = "/umbp/default";
+
 /// Defaults, variables, help and section come from the settings table (settings_args.rs).
 #[derive(clap::Args, Debug, Clone)]
 pub struct ClusterArgs {
@@ -45,7 +48,7 @@ pub struct ClusterArgs {
     #[arg(long = "cluster-etcd", value_delimiter = ',')]
     pub etcd: Vec<String>,
     #[arg(long = "cluster-etcd-prefix")]
-    pub etcd_prefix: String,
+    pub etcd_prefix: Option<String>,
     #[arg(long = "cluster-etcd-ttl-s")]
     pub etcd_ttl_s: u64,
 }
@@ -134,9 +137,10 @@ impl ClusterArgs {
         if self.etcd_ttl_s == 0 {
             anyhow::bail!("--cluster-etcd-ttl-s must be at least 1");
         }
-        let prefix = self.etcd_prefix.trim_end_matches('/');
+        let given = self.etcd_prefix.as_deref().unwrap_or(DEFAULT_ETCD_PREFIX);
+        let prefix = given.trim_end_matches('/');
         if !prefix.starts_with('/') {
-            anyhow::bail!("--cluster-etcd-prefix {:?} must start with '/'", self.etcd_prefix);
+            anyhow::bail!("--cluster-etcd-prefix {given:?} must start with '/'");
         }
         let mut e = EtcdConfig::new(urls, prefix.to_string(), Duration::from_secs(self.etcd_ttl_s));
         e.static_peers = self.peers.clone();
