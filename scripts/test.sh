@@ -46,6 +46,15 @@ if ! command -v ip >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null \
     || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 >/dev/null; }
 fi
+# tests/tests/cluster_etcd.rs starts a real etcd (Debian's etcd-server) for membership.
+if ! command -v etcd >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null \
+    || { apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+fi
+[ -n "${UMBP_ETCD_BIN:-}" ] || command -v etcd >/dev/null || {
+  echo "etcd not found: the etcd membership test (tests/tests/cluster_etcd.rs) needs it: apt-get install etcd-server etcd-client (or set UMBP_ETCD_BIN)" >&2
+  exit 1
+}
 
 step "format and lints (cargo fmt --check, clippy -D warnings on every target)"
 command -v rustfmt >/dev/null && command -v cargo-clippy >/dev/null \

@@ -5,7 +5,7 @@
 //! object at its holder and pulls it over NIXL (READ) into local DRAM.
 //!
 //! One concern per file: `transport` (NIXL, dlopened only when a node starts),
-//! `membership` (discovery seam + heartbeat liveness), `channel` (the Noise channel:
+//! `membership` (discovery seam + heartbeat liveness), `discovery` (etcd), `channel` (the Noise channel:
 //! handshake keyed by the secret, sealed records), `control` (framing, messages),
 //! `export` (the export area: the only memory peers can reach; copy-on-pin slots),
 //! `catalog` (who holds what → index changes), `placement` (which holder a load pulls
@@ -15,6 +15,7 @@
 pub mod catalog;
 pub mod channel;
 pub mod control;
+pub mod discovery;
 pub mod export;
 #[cfg(feature = "test-util")]
 pub mod mem_pool;

@@ -4,6 +4,7 @@
 //! memfd KV ([`worker_on_memfd`]) and [`eventually`]. The crate's binaries are the test worker and the attacker.
 
 pub mod cluster;
+pub mod etcd;
 pub mod metrics;
 pub mod pattern;
 pub mod process;

@@ -230,6 +230,13 @@ impl Inner {
                 let addrs = self.discovery.lock().expect("discovery").peers();
                 let mut st = self.state.lock().expect("state");
                 let connected: HashSet<String> = st.peers.values().map(|p| p.addr.clone()).collect();
+                // A member that left discovery (its etcd lease ended) is dropped now, not at
+                // dead-after; a static list never shrinks, so this is etcd's leave.
+                let wanted: HashSet<&String> = addrs.iter().collect();
+                for p in st.peers.values().filter(|p| !wanted.contains(&p.addr)) {
+                    tracing::info!(addr = %p.addr, "cluster member left discovery: dropped");
+                    p.writer.close();
+                }
                 for a in addrs {
                     if connected.contains(&a) || !st.connecting.insert(a.clone()) {
                         continue;

@@ -200,6 +200,12 @@ settings! {
         help: "Unauthenticated connections (handshake not done) held at once on the cluster port; past it a new one is closed at once (counted, `refused_connections`)" }
     CLUSTER_MAX_UNAUTHENTICATED_PER_SOURCE { name: "cluster_max_unauthenticated_per_source", kind: "N", default: Some("16"), env: Some("UMBP_CLUSTER_MAX_UNAUTHENTICATED_PER_SOURCE"), flag: "cluster-max-unauthenticated-per-source", heading: CLUSTER,
         help: "As --cluster-max-unauthenticated, per source address" }
+    CLUSTER_ETCD { name: "cluster_etcd", kind: "URL[,URL]", default: None, env: Some("UMBP_CLUSTER_ETCD"), flag: "cluster-etcd", heading: CLUSTER,
+        help: "Membership on etcd (http://HOST:PORT of each etcd member, comma-separated): this pool registers its --cluster-listen address under --cluster-etcd-prefix with a lease and dials every other member found there, beside any --cluster-peer. etcd only says whom to dial: the cluster secret still decides who is a member. etcd unreachable: the current members are kept (logged) and the pool registers again when it answers [default: off, the --cluster-peer list only]" }
+    CLUSTER_ETCD_PREFIX { name: "cluster_etcd_prefix", kind: "PREFIX", default: None, env: Some("UMBP_CLUSTER_ETCD_PREFIX"), flag: "cluster-etcd-prefix", heading: CLUSTER,
+        help: "etcd key prefix of this cluster: members are PREFIX/members/HOST:PORT; pools of one cluster use the same prefix [default: /umbp/default]" }
+    CLUSTER_ETCD_TTL_S { name: "cluster_etcd_ttl_s", kind: "SECONDS", default: Some("10"), env: Some("UMBP_CLUSTER_ETCD_TTL_S"), flag: "cluster-etcd-ttl-s", heading: CLUSTER,
+        help: "Lease of this pool's etcd registration (kept alive every third of it): a pool that stops (hung, killed, partitioned from etcd) leaves the others' view about this long after; a clean stop leaves at once" }
 }
 
 /// The row whose flag is `flag` (without dashes).
