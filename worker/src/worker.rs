@@ -658,7 +658,8 @@ impl Worker {
         self.check_alive();
         let checked = Instant::now();
         if self.conn.is_none() {
-            self.try_reconnect();
+            // The whole call, checks included, stays within one timeout (the soak's bound).
+            self.try_reconnect(began + self.cfg.timeout);
         }
         let done = Instant::now();
         // The engine thread is ours for this long: past the timeout an operator must learn
