@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from engine_driver import prompt_token_ids as _prompt
+
 pytestmark = pytest.mark.timeout(900)
 
 BLOCK = 128
@@ -34,13 +36,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _prompt(seed: int, n: int = 300) -> list[int]:
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(2, 1000) for _ in range(n)]
 
 
 class Server:

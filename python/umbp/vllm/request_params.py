@@ -135,7 +135,6 @@ class HandoffWait:
     def __init__(self, handoff: Handoff, now: float | None = None):
         self.handoff = handoff
         self.started = time.monotonic() if now is None else now
-        self.waits = 0
 
     def expired(self, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now

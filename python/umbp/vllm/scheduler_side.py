@@ -410,7 +410,6 @@ class SchedulerSide:
                 request.request_id, present_blocks, want, h.wait_ms,
             )
             return False
-        st.handoff_wait.waits += 1
         stats.add("pd_handoff_waits", 1)
         return True
 
