@@ -15,6 +15,7 @@
 mod admission;
 pub mod bench;
 mod config;
+mod dir_files;
 mod error;
 pub mod format;
 mod index;

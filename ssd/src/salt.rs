@@ -4,26 +4,18 @@
 //! file. Segments found without one (a directory of format 1) are removed by the opener
 //! (segment.rs) before the salt is created.
 
-use std::io::{self, Read, Write};
+use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::path::Path;
 
 use rustix::fs::{Mode, OFlags};
 
+use super::dir_files::{errno, foreign_file, io_err};
 use super::error::SsdError;
 use super::format::{Salt, SALT_FILE_BYTES};
-use super::segment::foreign_file;
 
 /// Name of the salt file in an SSD directory.
 pub const SALT_NAME: &str = ".umbp-ssd.salt";
-
-fn io_err(path: &Path, what: &str, e: io::Error) -> SsdError {
-    SsdError::Io { path: path.to_path_buf(), what: what.to_string(), source: e }
-}
-
-fn errno(e: rustix::io::Errno) -> io::Error {
-    io::Error::from_raw_os_error(e.raw_os_error())
-}
 
 /// The salt of the directory open as `fd` (at `dir`, locked by the caller), which holds
 /// `segments` segment files. Creates one where there is none and no segment either (or

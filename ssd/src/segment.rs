@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
 
+use super::dir_files::{errno, foreign_file, io_err};
 use super::error::SsdError;
 use super::format::{self, FooterEntry, Salt, BLOCK};
 
@@ -114,37 +115,12 @@ pub struct Directory {
     _lock: File,
 }
 
-fn io_err(path: &Path, what: &str, e: io::Error) -> SsdError {
-    SsdError::Io { path: path.to_path_buf(), what: what.to_string(), source: e }
-}
-
-fn errno(e: rustix::io::Errno) -> io::Error {
-    io::Error::from_raw_os_error(e.raw_os_error())
-}
-
 /// Name of the lock file in an SSD directory.
 pub const LOCK_NAME: &str = ".umbp-ssd.lock";
 
 /// The private subdirectory a pool of uid `uid` uses inside a shared (sticky) directory.
 pub fn private_subdir_name(uid: u32) -> String {
     format!("umbp-ssd-{uid}")
-}
-
-/// Why a file in an SSD directory is not one the pool may use, or None when it may: a
-/// regular file, owned by `uid`, with one link (a hard link another user planted could name
-/// a file elsewhere that the pool would then write).
-pub fn foreign_file(st: &rustix::fs::Stat, uid: u32) -> Option<String> {
-    let kind = rustix::fs::FileType::from_raw_mode(st.st_mode);
-    if kind != rustix::fs::FileType::RegularFile {
-        return Some(format!("is not a regular file ({kind:?})"));
-    }
-    if st.st_uid != uid {
-        return Some(format!("is owned by uid {}, not the pool's uid {uid}", st.st_uid));
-    }
-    if st.st_nlink != 1 {
-        return Some(format!("has {} hard links (a segment has one)", st.st_nlink));
-    }
-    None
 }
 
 /// Ids of the segment files in the directory open as `fd`, ascending.
