@@ -72,6 +72,7 @@ pub use pool_report::{PoolReport, Report, TenantReport};
 pub use stop_signals::StopSignals;
 pub use store::dram::DramError;
 pub use store::objects::ObjectEvent;
+pub use store::pinning::{gpu_pinners, DramPinner, GpuPinner};
 
 /// Whether this build can arm test faults (`umbp_pool::fault`, feature `fault-injection`); the
 /// daemon warns at start when it can.
@@ -200,16 +201,27 @@ pub struct Pool {
 impl Pool {
     /// Validates the config, creates DRAM and index, binds the socket and starts serving.
     pub fn start(config: PoolConfig) -> Result<Pool, PoolError> {
+        Self::start_with_pinners(config, pinning::gpu_pinners())
+    }
+
+    /// `start`, pinning the DRAM tier with `pinners` instead of the GPU drivers found on
+    /// the machine (an empty list: never pinned). For tests of the background pinning on
+    /// machines without a GPU; a production pool uses `start`.
+    pub fn start_with_pinners(config: PoolConfig, pinners: Vec<Arc<dyn DramPinner>>) -> Result<Pool, PoolError> {
         config.validate()?;
         let listener = server::bind(&config.socket_path, config.socket_group)?;
         // A failed start must not leave a socket file behind.
         let path = config.socket_path.clone();
-        Self::start_bound(config, listener).inspect_err(|_| {
+        Self::start_bound(config, listener, pinners).inspect_err(|_| {
             let _ = std::fs::remove_file(&path);
         })
     }
 
-    fn start_bound(mut config: PoolConfig, listener: std::os::unix::net::UnixListener) -> Result<Pool, PoolError> {
+    fn start_bound(
+        mut config: PoolConfig,
+        listener: std::os::unix::net::UnixListener,
+        pinners: Vec<Arc<dyn DramPinner>>,
+    ) -> Result<Pool, PoolError> {
         // The config is fixed for the pool's life; the idle-poll mode is taken in range once.
         config.idle_poll = config.idle_poll.clamped();
         let dram = dram::Dram::create(&config)?;
@@ -316,7 +328,7 @@ impl Pool {
             let i5 = inner.clone();
             threads.push(spawn("umbp-metrics", Box::new(move || metrics::serve(&i5, l)))?);
         }
-        let registration = pinning::register_with_gpus(&inner.registrar());
+        let registration = pinning::register_dram(&inner.registrar(), pinners);
         tracing::info!(
             socket = %socket_path.display(),
             capacity_bytes = inner.config.capacity_bytes,
@@ -392,9 +404,11 @@ impl Pool {
             tier::flush_on_stop(self.inner.tier_work(), ssd, ssd.config.flush_on_stop);
         }
         if let Some(reg) = self.registration.take() {
-            for (backend, base) in reg.join().unwrap_or_default() {
-                // SAFETY: registered by `register_with_gpus`; every copy thread has exited.
-                let _ = unsafe { backend.unregister_host_memory(base as *mut u8) };
+            for (pinner, base) in reg.join().unwrap_or_default() {
+                // SAFETY: pinned by `register_dram`; every copy thread has exited.
+                if let Err(e) = unsafe { pinner.unpin(base as *mut u8) } {
+                    tracing::warn!(base, "unpinning DRAM with {} failed: {e}", pinner.name());
+                }
             }
         }
         // Taken out first: dropping the last reference to an attachment closes its GPU

@@ -4,6 +4,10 @@
 //! hundreds of GiB takes minutes. Meanwhile the allocator hands out only the registered
 //! prefix (`page_limit`), a worker's own GPU registration goes first (`ForegroundGate`),
 //! and progress is logged and reported (`dram_registered_bytes`).
+//!
+//! What pins is a `DramPinner`: the GPU drivers in production (`gpu_pinners`); the pool
+//! takes them as an argument (`Pool::start_with_pinners`), so a test on a GPU-less machine
+//! can run the whole background pass against a slow stand-in and watch workers meanwhile.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -30,8 +34,60 @@ impl Registrar {
     }
 }
 
-/// What to unregister at stop: each backend with the base of every chunk it pinned.
-pub type Registrations = Vec<(Arc<dyn umbp_gpu::Backend>, usize)>;
+/// Pins (page-locks and maps for DMA) a range of the pool's DRAM, and releases it.
+pub trait DramPinner: Send + Sync {
+    /// For logs: which driver this is.
+    fn name(&self) -> String;
+
+    /// Pins `[base, base + len)`.
+    ///
+    /// # Safety
+    /// The range is mapped and stays mapped until `unpin(base)` returns.
+    unsafe fn pin(&self, base: *mut u8, len: usize) -> Result<(), String>;
+
+    /// Releases the range pinned at `base`.
+    ///
+    /// # Safety
+    /// `base` was pinned by this pinner and no copy uses the range any more.
+    unsafe fn unpin(&self, base: *mut u8) -> Result<(), String>;
+}
+
+/// A GPU driver's host-memory registration (`cuMemHostRegister`, `hipHostRegister`).
+pub struct GpuPinner(Arc<dyn umbp_gpu::Backend>);
+
+impl DramPinner for GpuPinner {
+    fn name(&self) -> String {
+        format!("{:?}", self.0.kind())
+    }
+
+    unsafe fn pin(&self, base: *mut u8, len: usize) -> Result<(), String> {
+        // SAFETY: the caller keeps the range mapped until `unpin` (this fn's contract).
+        unsafe { self.0.register_host_memory(base, len) }.map_err(|e| e.to_string())
+    }
+
+    unsafe fn unpin(&self, base: *mut u8) -> Result<(), String> {
+        // SAFETY: pinned by `pin` of this driver and no longer used (this fn's contract).
+        unsafe { self.0.unregister_host_memory(base) }.map_err(|e| e.to_string())
+    }
+}
+
+/// The GPU drivers present that see a device: what a production pool pins with. A
+/// driver whose library loads but sees no device (a CUDA driver on a GPU-less machine)
+/// cannot register anything, so it is left out instead of failing every chunk.
+pub fn gpu_pinners() -> Vec<Arc<dyn DramPinner>> {
+    [MemoryKind::Cuda, MemoryKind::Hip]
+        .into_iter()
+        .filter(|k| match k {
+            MemoryKind::Cuda => umbp_gpu::cuda::device_count().is_ok_and(|n| n > 0),
+            _ => umbp_gpu::hip::device_count().is_ok_and(|n| n > 0),
+        })
+        .filter_map(|k| umbp_gpu::backend_for(k).ok())
+        .map(|b| Arc::new(GpuPinner(b)) as Arc<dyn DramPinner>)
+        .collect()
+}
+
+/// What to unpin at stop: each pinner with the base of every chunk it pinned.
+pub type Registrations = Vec<(Arc<dyn DramPinner>, usize)>;
 
 /// Registered before the pool listens.
 const FIRST_CHUNK: usize = 256 << 20;
@@ -53,20 +109,11 @@ const MAX_YIELD: Duration = Duration::from_secs(10);
 /// Progress lines at most this often (a 512 GiB pool has 2,048 chunks).
 const PROGRESS_EVERY: Duration = Duration::from_secs(2);
 
-/// Starts the registration: the first chunk now, the rest on background threads. Returns
-/// the thread that joins them (its result: what to unregister at stop), or None when no
-/// GPU driver sees a device (nothing to register) or the thread could not start.
-pub fn register_with_gpus(reg: &Registrar) -> Option<std::thread::JoinHandle<Registrations>> {
-    // A backend whose library loads but sees no device (a CUDA driver on a GPU-less
-    // machine) cannot register anything: skip it instead of failing every chunk.
-    let backends: Vec<_> = [MemoryKind::Cuda, MemoryKind::Hip]
-        .into_iter()
-        .filter(|k| match k {
-            MemoryKind::Cuda => umbp_gpu::cuda::device_count().is_ok_and(|n| n > 0),
-            _ => umbp_gpu::hip::device_count().is_ok_and(|n| n > 0),
-        })
-        .filter_map(|k| umbp_gpu::backend_for(k).ok())
-        .collect();
+/// Starts the registration with `backends`: the first chunk now, the rest on background
+/// threads. Returns the thread that joins them (its result: what to unpin at stop), or
+/// None when there is nothing to pin with (host backends only) or the thread could not
+/// start.
+pub fn register_dram(reg: &Registrar, backends: Vec<Arc<dyn DramPinner>>) -> Option<std::thread::JoinHandle<Registrations>> {
     if backends.is_empty() {
         tracing::debug!("no GPU driver found: DRAM stays unregistered (host backends only)");
         reg.store.dram.set_registration_done();
@@ -168,14 +215,14 @@ fn yield_to_foreground(reg: &Registrar) {
 }
 
 /// Registers `[off, off + n)` of DRAM with every backend.
-fn register_range(reg: &Registrar, backends: &[Arc<dyn umbp_gpu::Backend>], off: usize, n: usize, done: &mut Registrations) {
+fn register_range(reg: &Registrar, backends: &[Arc<dyn DramPinner>], off: usize, n: usize, done: &mut Registrations) {
     let base = reg.store.dram.base() as usize;
     for b in backends {
         // SAFETY: a chunk of the DRAM mapping, which outlives the pool's threads;
-        // unregistered in `Pool::stop` after every copy thread has exited.
-        match unsafe { b.register_host_memory((base + off) as *mut u8, n) } {
+        // unpinned in `Pool::stop` after every copy thread has exited.
+        match unsafe { b.pin((base + off) as *mut u8, n) } {
             Ok(()) => done.push((b.clone(), base + off)),
-            Err(e) => tracing::warn!(offset = off, "registering DRAM with {:?} failed: {e}; copies there will be staged", b.kind()),
+            Err(e) => tracing::warn!(offset = off, "registering DRAM with {} failed: {e}; copies there will be staged", b.name()),
         }
     }
 }
