@@ -53,6 +53,9 @@ struct PoolSide {
     /// reused while a read was still going) fail the reader's check. Keyed by (group,
     /// key); the namespace and size guard against a re-store the follower has not seen yet.
     digests: Mutex<std::collections::HashMap<(u32, ObjectKey), StoredDigest>>,
+    /// etcd membership's health for the report (`ClusterTier::report_etcd`); unset: the
+    /// `--cluster-peer` list only.
+    etcd: std::sync::OnceLock<crate::discovery::etcd::EtcdHandle>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -259,6 +262,18 @@ impl TierSource for FetchSide {
             published_changes: s.published_changes,
             export_bytes_used: s.export_bytes_used,
             export_full: s.export_full,
+            etcd: self.2.etcd.get().map(|h| {
+                let e = h.health();
+                umbp_pool::pool_report::EtcdReport {
+                    reachable: e.reachable,
+                    seconds_since_success: e.since_success.as_secs_f64(),
+                    failed_requests: e.failed_requests,
+                    outages: e.outages,
+                    registrations: e.registrations,
+                    members: e.members as u64,
+                    registered: e.registered,
+                }
+            }),
         })
     }
 }
@@ -335,6 +350,7 @@ impl ClusterTier {
             waiting: Mutex::new(HashSet::new()),
             failed: Mutex::new(HashSet::new()),
             digests: Mutex::new(Default::default()),
+            etcd: std::sync::OnceLock::new(),
         });
         // SAFETY: the pool's DRAM mapping lives as long as the pool, and the pool outlives
         // this tier (the daemon drops the tier first); peers read only objects they pinned.
@@ -365,6 +381,12 @@ impl ClusterTier {
     /// Remote keys not listed because of the cap.
     pub fn remote_refused(&self) -> u64 {
         self.side.refused.load(Ordering::Relaxed)
+    }
+
+    /// Shows this etcd membership's health in the pool report and metrics (`cluster.etcd`);
+    /// the first call wins.
+    pub fn report_etcd(&self, handle: crate::discovery::etcd::EtcdHandle) {
+        let _ = self.side.etcd.set(handle);
     }
 }
 

@@ -175,6 +175,7 @@ pub fn start(pool: &umbp_pool::Pool, cfg: ClusterConfig, members: Members, opts:
             );
         }
         m.advertise(bound.to_string());
+        tier.report_etcd(m.handle());
     }
     tracing::info!(
         listen = %listen,

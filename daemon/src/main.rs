@@ -140,6 +140,8 @@ struct Args {
     ssd_queue_depth: u32,
     #[arg(long = "ssd-flush-on-stop")]
     ssd_flush_on_stop: String,
+    #[arg(long = "ssd-sync-interval")]
+    ssd_sync_interval: String,
     #[command(flatten)]
     cluster: cluster_flags::ClusterArgs,
 }
@@ -172,6 +174,7 @@ fn ssd_config(args: &Args) -> anyhow::Result<Option<umbp_ssd::SsdConfig>> {
         segment_bytes: args.ssd_segment_size.as_deref().map(|v| parse_size(&label(&SSD_SEGMENT_SIZE), v)).transpose()?,
         queue_depth: Some(args.ssd_queue_depth),
         flush_on_stop: Some(config::parse_seconds(&label(&SSD_FLUSH_ON_STOP), &args.ssd_flush_on_stop)?),
+        sync_interval: Some(config::parse_seconds(&label(&SSD_SYNC_INTERVAL), &args.ssd_sync_interval)?),
     };
     Ok(settings.resolve()?)
 }
@@ -466,7 +469,7 @@ mod tests {
             parse(&[
                 "--ssd-dir", pa, "--ssd-dir", pb, "--ssd-capacity", "2GiB", "--ssd-high-watermark", "0.9", "--ssd-low-watermark", "0.5",
                 "--ssd-direct-io", "false", "--ssd-admission", "hit-or-young:5", "--ssd-segment-size", "64MiB", "--ssd-queue-depth", "32",
-                "--ssd-flush-on-stop", "2.5",
+                "--ssd-flush-on-stop", "2.5", "--ssd-sync-interval", "30",
             ])
             .unwrap(),
         )
@@ -477,11 +480,13 @@ mod tests {
         assert_eq!((c.capacity_bytes, c.high_watermark, c.low_watermark, c.direct_io), (2 << 30, 0.9, 0.5, false));
         assert_eq!((c.segment_bytes, c.queue_depth, c.flush_on_stop), (64 << 20, 32, std::time::Duration::from_millis(2500)));
         assert_eq!(c.admission, umbp_ssd::SsdAdmission::HitOrYoung { young: std::time::Duration::from_secs(5) });
+        assert_eq!(c.sync_interval, std::time::Duration::from_secs(30));
         // Defaults: capacity from the free space, admission hit-or-young.
         let c = config_from(parse(&["--ssd-dir", pa]).unwrap()).unwrap().ssd.unwrap();
         assert!(c.capacity_bytes >= 256 << 20 && c.direct_io);
         assert_eq!(c.admission, umbp_ssd::SsdAdmission::default());
         assert_eq!(c.flush_on_stop, umbp_ssd::DEFAULT_FLUSH_ON_STOP);
+        assert_eq!(c.sync_interval, std::time::Duration::ZERO, "off unless asked for");
         let err = |extra: &[&str]| config_from(parse(extra).unwrap()).unwrap_err().to_string();
         for bad in ["-1", "soon", "1e9"] {
             let e = err(&["--ssd-dir", pa, &format!("--ssd-flush-on-stop={bad}")]);

@@ -64,7 +64,7 @@ pub struct PoolReport {
 }
 
 /// The cluster tier's counters since start (docs/cluster.md, "Counters").
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct ClusterReport {
     /// Peers connected and joined (this pool reads from them).
     pub peers: u64,
@@ -102,6 +102,32 @@ pub struct ClusterReport {
     /// Peers' pins refused because the export area had no room for the copy.
     #[serde(default)]
     pub export_full: u64,
+    /// Membership on etcd (`--cluster-etcd`, issue #35); None: the peers come from the
+    /// `--cluster-peer` list only.
+    #[serde(default)]
+    pub etcd: Option<EtcdReport>,
+}
+
+/// etcd membership as an operator needs it: is etcd answering, is this pool findable.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct EtcdReport {
+    /// The last poll of etcd succeeded.
+    pub reachable: bool,
+    /// Seconds since the last successful poll (since the membership started while none
+    /// has): grows while etcd is down.
+    pub seconds_since_success: f64,
+    /// Requests to etcd that failed (no endpoint answered in time, or an error status).
+    pub failed_requests: u64,
+    /// Times etcd went from reachable to unreachable.
+    pub outages: u64,
+    /// Times this pool's key was written under a new lease (the first registration, and
+    /// again after the lease expired).
+    pub registrations: u64,
+    /// Members under the prefix in the last successful read, this pool included (the view
+    /// kept while etcd is down).
+    pub members: u64,
+    /// This pool's key was in that read and etcd confirmed its lease less than a TTL ago.
+    pub registered: bool,
 }
 
 /// Objects the indexes list, by tier.
@@ -156,6 +182,39 @@ pub struct SsdReport {
     #[serde(default)]
     pub segments_refused: u64,
     pub rebuild_ms: f64,
+    /// Records the store wrote (demotions, the clean stop's writes, records compaction moved).
+    #[serde(default)]
+    pub puts: u64,
+    #[serde(default)]
+    pub put_bytes: u64,
+    /// Store reads that found a readable record (promotions, prefetches).
+    #[serde(default)]
+    pub hits: u64,
+    /// Store reads that found none (absent, size mismatch, I/O error, bad CRC).
+    #[serde(default)]
+    pub misses: u64,
+    /// Bytes of live records compaction moved.
+    #[serde(default)]
+    pub compacted_bytes: u64,
+    /// Segment files fdatasynced by flushes (`--ssd-sync-interval`, the clean stop): every
+    /// one written since its last sync (issue #34). Zero while nothing flushed: records
+    /// written since survive the process dying, not a power loss (docs/ssd.md).
+    #[serde(default)]
+    pub segment_syncs: u64,
+    /// Directory fsyncs by flushes (one per directory per flush).
+    #[serde(default)]
+    pub dir_syncs: u64,
+    /// At start: segments read from their footer, segments whose records were scanned,
+    /// segments skipped as unreadable (their objects are misses), records found in a
+    /// directory their key does not map to (the directory list changed).
+    #[serde(default)]
+    pub segments_from_footer: u64,
+    #[serde(default)]
+    pub segments_scanned: u64,
+    #[serde(default)]
+    pub segments_unreadable: u64,
+    #[serde(default)]
+    pub misplaced_records: u64,
 }
 
 /// Objects moved between DRAM and SSD and the moves that failed: counted by the object
@@ -211,6 +270,17 @@ impl SsdReport {
             torn_records_skipped: 11,
             segments_refused: 13,
             rebuild_ms: 12.5,
+            puts: 14,
+            put_bytes: 14 << 20,
+            hits: 15,
+            misses: 16,
+            compacted_bytes: 17 << 20,
+            segment_syncs: 18,
+            dir_syncs: 19,
+            segments_from_footer: 20,
+            segments_scanned: 21,
+            segments_unreadable: 22,
+            misplaced_records: 23,
         }
     }
 }
@@ -566,7 +636,7 @@ macro_rules! display_as_json {
 }
 display_as_json!(
     Report, PoolReport, PoolSection, Defences, NamespaceReport, IndexReport, GroupReport, AttachmentReport, CountersReport, Phases,
-    SsdReport, TenantReport
+    SsdReport, TenantReport, ClusterReport
 );
 
 #[cfg(test)]
@@ -604,7 +674,8 @@ mod tests {
             "dirs", "objects", "bytes", "live_bytes", "segments", "capacity_bytes", "high_watermark", "low_watermark", "admission",
             "direct_io", "io_uring", "demotions", "demoted_bytes", "not_admitted", "demotion_failures", "promotions", "promoted_bytes",
             "promotion_failures", "crc_misses", "read_errors", "write_errors", "evicted_objects", "compactions", "restored_objects",
-            "torn_records_skipped", "segments_refused", "rebuild_ms",
+            "torn_records_skipped", "segments_refused", "rebuild_ms", "puts", "put_bytes", "hits", "misses", "compacted_bytes",
+            "segment_syncs", "dir_syncs", "segments_from_footer", "segments_scanned", "segments_unreadable", "misplaced_records",
         ];
         want.sort_unstable();
         assert_eq!(keys(&v), want);

@@ -239,6 +239,7 @@ fn ssd_config(a: SsdArgs) -> PyResult<Option<umbp_ssd::SsdConfig>> {
         segment_bytes: a.segment_bytes,
         queue_depth: None,
         flush_on_stop,
+        sync_interval: None,
     };
     settings.resolve().map_err(|e| bad(e.naming_keyword()))
 }

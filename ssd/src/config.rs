@@ -38,6 +38,11 @@ pub struct SsdConfig {
     /// this tier for at most this long, so a restart on the same directories finds them
     /// (docs/ssd.md, "Clean stop"). Zero: off.
     pub flush_on_stop: std::time::Duration,
+    /// While running, the pool flushes the tier (`SsdStore::flush`: footers, fdatasync of
+    /// the segments written since their last sync, directory fsyncs) this often when
+    /// something was written since the last flush, so that what it stored survives a power
+    /// loss after at most about this long (docs/ssd.md). Zero: off (only a clean stop syncs).
+    pub sync_interval: std::time::Duration,
 }
 
 /// Default bound of the flush on a clean stop: inside Kubernetes' default 30 s grace
@@ -93,6 +98,7 @@ impl Default for SsdConfig {
             io_uring: true,
             admission: SsdAdmission::default(),
             flush_on_stop: DEFAULT_FLUSH_ON_STOP,
+            sync_interval: std::time::Duration::ZERO,
         }
     }
 }

@@ -8,7 +8,11 @@
 //!   only etcd can drop it) leaves every other pool's index within the lease TTL + 1 s;
 //! - etcd SIGKILLed: the pools keep their view (blocks stay listed and load byte-exact,
 //!   nothing hangs); etcd restarted on its data: every live pool is registered again, the
-//!   stopped one, continued, registers anew and its blocks are listed and load again.
+//!   stopped one, continued, registers anew and its blocks are listed and load again;
+//! - what operators see of it (pool 1's report, `ringtool dump` and `/metrics`): etcd
+//!   reachable with its members and this pool registered; unreachable within a few
+//!   seconds of the kill, failed requests counted, the view kept; reachable and registered
+//!   again after the restart.
 //!
 //! Skips, printing why, without libnixl_capi.so or the etcd binary (fails instead under
 //! UMBP_REQUIRE_NIXL, as CI runs it).
@@ -19,6 +23,8 @@ use common::*;
 use std::time::{Duration, Instant};
 
 use umbp_integration_tests::etcd::{etcd_or_skip, EtcdProcess};
+use umbp_integration_tests::metrics::{free_port, http_get, sample};
+use umbp_pool::pool_report::EtcdReport;
 use umbp_protocol::ObjectKey;
 use umbp_scheduler::IndexClient;
 
@@ -37,6 +43,34 @@ fn listed(idx: &mut IndexClient, keys: &[ObjectKey]) -> usize {
 fn store(pool: &PoolProcess, first: u128, count: u64) {
     let a = run_worker(&pool.socket, 1, "per-layer", &["store", "--first-key", &first.to_string(), "--count", &count.to_string()]);
     assert_eq!((n(&a, "stored"), n(&a, "failed")), (count, 0), "{a}");
+}
+
+/// etcd's health in `pool`'s report (`cluster.etcd`).
+fn etcd_health(pool: &PoolProcess) -> EtcdReport {
+    let r = pool.report();
+    r.cluster.and_then(|c| c.etcd).unwrap_or_else(|| panic!("no cluster.etcd in the report: {:?}", r.cluster))
+}
+
+/// The `umbp_cluster_etcd_*` series on `port`: (reachable, failed requests, members, registered).
+fn etcd_metrics(port: u16) -> (f64, f64, f64, f64) {
+    let m = http_get(port, "/metrics").1;
+    assert_eq!(sample(&m, "umbp_cluster_membership_etcd"), 1.0);
+    (
+        sample(&m, "umbp_cluster_etcd_reachable"),
+        sample(&m, "umbp_cluster_etcd_failed_requests_total"),
+        sample(&m, "umbp_cluster_etcd_members"),
+        sample(&m, "umbp_cluster_etcd_registered"),
+    )
+}
+
+/// `ringtool dump` of `pool`: the text.
+fn ringtool_dump(pool: &PoolProcess) -> String {
+    let out = std::process::Command::new(workspace_binary("ringtool"))
+        .args(["dump", "--socket", pool.socket.to_str().unwrap()])
+        .output()
+        .expect("run ringtool");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// Loads `count` blocks from `first` through `pool`: all load, byte-exact.
@@ -59,9 +93,15 @@ fn pools_join_leave_and_outlive_etcd_without_any_peer_list() {
     let secret = cluster::secret_file(dir.path(), b"etcd-members-share-a-secret-0123456789");
     let timing = cluster::Timing { heartbeat_ms: 200, dead_after_ms: DEAD_AFTER_MS, read_timeout_ms: 1600 };
     let (url, ttl) = (etcd.url(), TTL_S.to_string());
+    // Pool 1 serves /metrics.
+    let port = free_port();
+    let metrics = format!("127.0.0.1:{port}");
     let start = |i: usize| {
         let me = cluster::loopback_addr();
-        let extra = ["--cluster-etcd", &url, "--cluster-etcd-prefix", &prefix, "--cluster-etcd-ttl-s", &ttl];
+        let mut extra = vec!["--cluster-etcd", &url, "--cluster-etcd-prefix", &prefix, "--cluster-etcd-ttl-s", &ttl];
+        if i == 1 {
+            extra.extend(["--metrics-addr", metrics.as_str()]);
+        }
         let a = cluster::pool_args(&me, &[], &secret, timing, &extra);
         let p = PoolProcess::start(&unique_socket(&format!("etcd-{i}")), &a.iter().map(String::as_str).collect::<Vec<_>>());
         let idx = IndexClient::connect(&p.socket, 1, Duration::from_secs(5)).unwrap();
@@ -75,6 +115,18 @@ fn pools_join_leave_and_outlive_etcd_without_any_peer_list() {
     let mut want = vec![a1.clone(), a2.clone(), a3.clone()];
     want.sort();
     wait_until("the three pools to register in etcd", Duration::from_secs(10), || etcd.members(&prefix) == want);
+    // What an operator sees: etcd reachable, three members, this pool registered.
+    wait_until("pool 1's report to show etcd reachable with 3 members", Duration::from_secs(5), || {
+        let e = etcd_health(&pool1);
+        e.reachable && e.members == 3 && e.registered
+    });
+    let e = etcd_health(&pool1);
+    assert!(e.registrations >= 1 && e.seconds_since_success < 3.0, "{e:?}");
+    let (reachable, _, members, registered) = etcd_metrics(port);
+    assert_eq!((reachable, members, registered), (1.0, 3.0, 1.0));
+    let text = ringtool_dump(&pool1);
+    assert!(text.contains("membership: etcd reachable") && text.contains("etcd members 3  this pool registered"), "{text}");
+    let failed_before = e.failed_requests;
     let (k1, k2) = (keys(0, 64), keys(1000, 64));
     store(&pool1, 0, 64);
     store(&pool2, 1000, 64);
@@ -108,9 +160,19 @@ fn pools_join_leave_and_outlive_etcd_without_any_peer_list() {
     assert!(left <= Duration::from_secs(TTL_S + 1), "pool 2 left after {left:?}, past TTL + 1 s");
     assert!(!etcd.members(&prefix).contains(&a2), "its key left etcd");
 
-    // 4. etcd dies: every pool keeps its view; loads neither fail nor hang.
+    // 4. etcd dies: every pool keeps its view; loads neither fail nor hang; the report
+    // and the metrics say etcd is unreachable within a few seconds.
     etcd.kill();
     let killed = Instant::now();
+    let seen = wait_until("pool 1's report to show etcd unreachable", Duration::from_secs(5), || !etcd_health(&pool1).reachable);
+    println!("etcd SIGKILLed: pool 1 reports it unreachable {seen:?} later");
+    let down = etcd_health(&pool1);
+    assert!(down.failed_requests > failed_before && down.outages >= 1, "{down:?}");
+    assert_eq!(down.members, 3, "the view is kept (pools 1, 3, 4): {down:?}");
+    let (reachable, failed, _, _) = etcd_metrics(port);
+    assert_eq!(reachable, 0.0);
+    assert!(failed >= down.failed_requests as f64, "failed requests {failed}, report {down:?}");
+    assert!(ringtool_dump(&pool1).contains("membership: etcd UNREACHABLE (view kept)"));
     store(&pool3, 3000, 32);
     let k3 = keys(3000, 32);
     wait_until("pools 1 and 4 to list pool 3's blocks stored while etcd is down", Duration::from_secs(10), || {
@@ -124,6 +186,11 @@ fn pools_join_leave_and_outlive_etcd_without_any_peer_list() {
     );
     load_all(&pool3, 4000, 64, "etcd down: pool 3 loads pool 4's blocks");
     load_all(&pool4, 3000, 32, "etcd down: pool 4 loads pool 3's blocks");
+    // Past the TTL without etcd: still unreachable, the failures go on, the time since the
+    // last good poll grows, and the lease is no longer known to be live.
+    let later = etcd_health(&pool1);
+    assert!(!later.reachable && !later.registered && later.failed_requests > down.failed_requests, "{later:?}");
+    assert!(later.seconds_since_success >= TTL_S as f64, "{later:?}");
 
     // 5. etcd back on its data: the live pools are registered (renewed or registered anew),
     // the views go on; pool 2 continued registers anew and its blocks come back.
@@ -132,6 +199,14 @@ fn pools_join_leave_and_outlive_etcd_without_any_peer_list() {
     live.sort();
     let back = wait_until("pools 1, 3 and 4 to be registered again", Duration::from_secs(TTL_S + 5), || etcd.members(&prefix) == live);
     println!("etcd restarted: live pools registered {back:?} later");
+    wait_until("pool 1's report to show etcd reachable and itself registered again", Duration::from_secs(5), || {
+        let e = etcd_health(&pool1);
+        e.reachable && e.registered && e.members == 3
+    });
+    let up = etcd_health(&pool1);
+    assert!(up.outages >= later.outages && up.seconds_since_success < 3.0, "{up:?}");
+    let (reachable, _, members, registered) = etcd_metrics(port);
+    assert_eq!((reachable, members, registered), (1.0, 3.0, 1.0));
     pool2.signal(libc::SIGCONT);
     let t = Instant::now();
     wait_until("pool 2 to re-register and its blocks to be listed again", Duration::from_secs(TTL_S + 10), || {

@@ -2,8 +2,9 @@
 //! DRAM and an SSD directory: `ringtool dump` (objects by tier, the SSD section), `ringtool
 //! inspect` (per-tier counts decoded from the index's location words, keys with their
 //! tier, events with their tier), the Prometheus tier and SSD series, all checked against
-//! the pool's own report and the traffic; then SIGKILL and a warm restart on the same
-//! directory.
+//! the pool's own report and the traffic; the flush syncs (`--ssd-sync-interval`: 0
+//! before any write, counted once a periodic flush ran, issue #34); then SIGKILL and a warm
+//! restart on the same directory.
 //!
 //! Needs the workspace binaries (`cargo build --workspace --bins`).
 
@@ -101,10 +102,15 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
         &unique_socket("ssdobs"),
         &[
             "--capacity", "4MiB", "--min-object-size", "16KiB", "--metrics-addr", &addr, "--ssd-dir", &dir, "--ssd-capacity", "64MiB",
-            "--ssd-segment-size", "4MiB", "--ssd-admission", "all",
+            "--ssd-segment-size", "4MiB", "--ssd-admission", "all", "--ssd-sync-interval", "0.5",
         ],
     );
     let sock = pool.socket.to_str().unwrap().to_string();
+    // Nothing written yet: nothing synced (an idle pool is never flushed).
+    let s = pool.report().ssd.unwrap();
+    assert_eq!((s.segment_syncs, s.dir_syncs, s.puts), (0, 0, 0), "{s:?}");
+    let m = http_get(port, "/metrics").1;
+    assert_eq!((sample(&m, "umbp_ssd_segment_syncs_total"), sample(&m, "umbp_ssd_dir_syncs_total")), (0.0, 0.0));
     let mut w = TestWorker::connect(&pool.socket, 11);
     let keys: Vec<u128> = (1..=1024u128).map(|i| i * 0x1_0000_0001).collect();
     for chunk in keys.chunks(BATCH as usize) {
@@ -128,6 +134,21 @@ fn tiers_and_the_ssd_section_in_ringtool_metrics_and_after_a_warm_restart() {
     assert!(r.tiers.ssd >= 1024 - 256, "most objects are on SSD: {:?}", r.tiers);
     assert!(s.objects >= r.tiers.ssd && s.crc_misses == 0 && s.demotion_failures == 0, "{s:?}");
     assert_eq!(s.dirs, vec![dir.clone()]);
+    assert!(s.puts >= s.demotions && s.put_bytes >= s.demoted_bytes, "every demotion is a put: {s:?}");
+
+    // The demotions were flushed within the sync interval: segments fdatasynced, the
+    // directory fsynced; the report, ringtool and the metrics say so.
+    let synced = eventually(Duration::from_secs(10), || pool.report().ssd.is_some_and(|s| s.segment_syncs > 0 && s.dir_syncs > 0));
+    let s = pool.report().ssd.unwrap();
+    assert!(synced, "no periodic flush within 10 s: {s:?}");
+    assert!(s.segment_syncs <= s.puts && s.segment_syncs >= 1, "{s:?}");
+    let m = http_get(port, "/metrics").1;
+    assert!(sample(&m, "umbp_ssd_segment_syncs_total") >= s.segment_syncs as f64, "{m}");
+    assert!(sample(&m, "umbp_ssd_dir_syncs_total") >= s.dir_syncs as f64, "{m}");
+    assert_eq!(sample(&m, "umbp_ssd_puts_total"), s.puts as f64);
+    let (ok, text, err) = ringtool(&["dump", "--socket", &sock]);
+    assert!(ok, "{err}");
+    assert!(text.contains("  syncs: segments ") && !text.contains("none yet"), "{text}");
 
     // dump: the tier line and the SSD section, with the report's numbers.
     let (ok, text, err) = ringtool(&["dump", "--socket", &sock]);

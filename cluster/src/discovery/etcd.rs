@@ -10,6 +10,10 @@
 //!
 //! The prefix is read with a range every `poll` (not a watch stream): one small request
 //! per pool per poll, and an outage or an etcd restart needs no resume logic.
+//!
+//! [`EtcdHandle::health`] is what operators see of it (the pool report's `cluster.etcd`,
+//! the `umbp_cluster_etcd_*` metrics): reachable now, time since the last good poll,
+//! failed requests, members seen, this pool's registration live.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -69,13 +73,66 @@ pub struct EtcdStatus {
     /// Members' control addresses in the view (this pool's own included).
     pub members: Vec<String>,
     pub last_error: Option<String>,
+    /// Requests to etcd that failed (no endpoint answered in time, or an error status);
+    /// each ends its poll, so this is also the count of failed polls.
+    pub failed_requests: u64,
+    /// When the last poll succeeded (None: none has yet).
+    pub last_ok: Option<Instant>,
+    /// When etcd last confirmed this pool's lease (granted or kept alive).
+    pub lease_confirmed: Option<Instant>,
 }
 
-#[derive(Default)]
 struct Shared {
     me: Mutex<Option<String>>,
     status: Mutex<EtcdStatus>,
     stop: AtomicBool,
+    /// When the membership started (the age of "no good poll yet").
+    started: Instant,
+    ttl: Duration,
+}
+
+impl Shared {
+    fn new(ttl: Duration) -> Self {
+        Self { me: Mutex::default(), status: Mutex::default(), stop: AtomicBool::new(false), started: Instant::now(), ttl }
+    }
+}
+
+/// What an operator sees of etcd membership (the report's `cluster.etcd`, the metrics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EtcdHealth {
+    /// The last poll succeeded.
+    pub reachable: bool,
+    /// Since the last successful poll, or since the start while none has succeeded.
+    pub since_success: Duration,
+    pub failed_requests: u64,
+    pub outages: u64,
+    /// Times this pool's key was written under a new lease (the first registration included).
+    pub registrations: u64,
+    /// Members in the view: the last successful read of the prefix (kept while etcd is down).
+    pub members: usize,
+    /// This pool's key was in the last read and etcd confirmed its lease less than a TTL
+    /// ago: the others can find it through etcd.
+    pub registered: bool,
+}
+
+/// A reader of the membership's health; cloned into the cluster tier's report.
+#[derive(Clone)]
+pub struct EtcdHandle(Arc<Shared>);
+
+impl EtcdHandle {
+    pub fn health(&self) -> EtcdHealth {
+        let me = self.0.me.lock().expect("me").clone();
+        let st = self.0.status.lock().expect("status");
+        EtcdHealth {
+            reachable: st.up,
+            since_success: st.last_ok.unwrap_or(self.0.started).elapsed(),
+            failed_requests: st.failed_requests,
+            outages: st.outages,
+            registrations: st.regrants,
+            members: st.members.len(),
+            registered: me.is_some_and(|me| st.members.contains(&me)) && st.lease_confirmed.is_some_and(|t| t.elapsed() < self.0.ttl),
+        }
+    }
 }
 
 /// The `Discovery` the node asks: etcd's view (less this pool) plus the static list.
@@ -107,7 +164,7 @@ impl EtcdMembership {
     /// once [`advertise`](Self::advertise) gave the address).
     pub fn start(cfg: EtcdConfig) -> Result<(Self, EtcdDiscovery), GatewayError> {
         let gw = Gateway::new(&cfg.endpoints, cfg.request_timeout)?;
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::new(cfg.ttl));
         let d = EtcdDiscovery { shared: shared.clone(), static_peers: cfg.static_peers.clone() };
         let s = shared.clone();
         let thread = std::thread::Builder::new()
@@ -124,6 +181,11 @@ impl EtcdMembership {
 
     pub fn status(&self) -> EtcdStatus {
         self.shared.status.lock().expect("status").clone()
+    }
+
+    /// A reader of the health this membership shows operators.
+    pub fn handle(&self) -> EtcdHandle {
+        EtcdHandle(self.shared.clone())
     }
 }
 
@@ -160,6 +222,7 @@ impl Worker {
                     st.up = true;
                     st.last_error = None;
                     st.members = members;
+                    st.last_ok = Some(Instant::now());
                 }
                 Err(e) => {
                     if st.up || (st.outages == 0 && st.last_error.is_none()) {
@@ -169,6 +232,7 @@ impl Worker {
                     }
                     st.up = false;
                     st.last_error = Some(e.to_string());
+                    st.failed_requests += 1;
                 }
             }
             drop(st);
@@ -207,7 +271,9 @@ impl Worker {
             let r = self.gw.call("/v3/lease/keepalive", &json!({ "ID": id.to_string() }))?;
             let ttl = r.get("result").and_then(|x| x.get("TTL")).and_then(int).unwrap_or(0);
             if ttl > 0 {
-                self.last_keepalive = Some(Instant::now());
+                let now = Instant::now();
+                self.last_keepalive = Some(now);
+                self.shared.status.lock().expect("status").lease_confirmed = Some(now);
                 return Ok(());
             }
             tracing::warn!(lease = id, "cluster etcd lease expired: registering again");
@@ -233,7 +299,9 @@ impl Worker {
         }
         st.regrants += 1;
         self.lease = Some(id);
-        self.last_keepalive = Some(Instant::now());
+        let now = Instant::now();
+        self.last_keepalive = Some(now);
+        st.lease_confirmed = Some(now);
         Ok(())
     }
 }
@@ -295,10 +363,36 @@ mod tests {
 
     #[test]
     fn discovery_leaves_out_this_pool_and_adds_the_static_list() {
-        let shared = Arc::new(Shared::default());
+        let shared = Arc::new(Shared::new(Duration::from_secs(2)));
         *shared.me.lock().unwrap() = Some("h:1".into());
         shared.status.lock().unwrap().members = vec!["h:1".into(), "h:2".into()];
         let mut d = EtcdDiscovery { shared, static_peers: vec!["h:3".into(), "h:2".into()] };
         assert_eq!(d.peers(), vec!["h:2".to_string(), "h:3".to_string()]);
+    }
+
+    /// Registered only while this pool's key is in the view and etcd confirmed its lease
+    /// less than a TTL ago; the time since success counts from the start until one.
+    #[test]
+    fn health_says_registered_only_with_the_key_listed_and_the_lease_fresh() {
+        let shared = Arc::new(Shared::new(Duration::from_millis(300)));
+        let h = EtcdHandle(shared.clone());
+        std::thread::sleep(Duration::from_millis(20));
+        let first = h.health();
+        assert!(!first.reachable && !first.registered && first.since_success >= Duration::from_millis(20), "{first:?}");
+        *shared.me.lock().unwrap() = Some("h:1".into());
+        {
+            let mut st = shared.status.lock().unwrap();
+            st.up = true;
+            st.members = vec!["h:1".into(), "h:2".into()];
+            st.last_ok = Some(Instant::now());
+            st.lease_confirmed = Some(Instant::now());
+        }
+        let ok = h.health();
+        assert!(ok.reachable && ok.registered && ok.members == 2 && ok.since_success < Duration::from_millis(20), "{ok:?}");
+        shared.status.lock().unwrap().members = vec!["h:2".into()];
+        assert!(!h.health().registered, "key not in the view");
+        shared.status.lock().unwrap().members = vec!["h:1".into(), "h:2".into()];
+        std::thread::sleep(Duration::from_millis(310));
+        assert!(!h.health().registered, "lease not confirmed for a TTL");
     }
 }

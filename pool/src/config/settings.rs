@@ -172,6 +172,8 @@ settings! {
         help: "io_uring entries (and registered buffers) per SSD directory: the I/O queue depth" }
     SSD_FLUSH_ON_STOP { name: "ssd_flush_on_stop", kind: "SECONDS", default: Some("20"), env: Some("UMBP_SSD_FLUSH_ON_STOP"), flag: "ssd-flush-on-stop", heading: SSD,
         help: "On SIGTERM/SIGINT, write the DRAM objects the admission policy admits to SSD before exiting, for at most this many seconds, so a restart on the same directories finds them (0: off, exit at once)" }
+    SSD_SYNC_INTERVAL { name: "ssd_sync_interval", kind: "SECONDS", default: Some("0"), env: Some("UMBP_SSD_SYNC_INTERVAL"), flag: "ssd-sync-interval", heading: SSD,
+        help: "While running, flush the SSD tier this often when something was written since the last flush (footers, fdatasync of the segments, directory fsync; counted in segment_syncs and dir_syncs), so stored objects survive a power loss after at most about this long. 0: off, only a clean stop syncs (objects survive the process dying, not a power loss)" }
     CLUSTER_LISTEN { name: "cluster_listen", kind: "HOST:PORT", default: None, env: Some("UMBP_CLUSTER_LISTEN"), flag: "cluster-listen", heading: CLUSTER,
         help: "Join a cluster of pools: this pool's control address. Needs the NIXL library at run time (`pip install nixl-cu12`; set UMBP_NIXL_LIB to libnixl_capi.so or its directory) and --cluster-secret-file. With --namespace-acl every member must run the same ACL (a peer with another is refused); peers' objects are then listed only for the uids allowed their namespace [default: no cluster]" }
     CLUSTER_PEER { name: "cluster_peer", kind: "HOST:PORT", default: None, env: None, flag: "cluster-peer", heading: CLUSTER,

@@ -25,6 +25,7 @@ pub struct SsdSettings {
     pub segment_bytes: Option<u64>,
     pub queue_depth: Option<u32>,
     pub flush_on_stop: Option<Duration>,
+    pub sync_interval: Option<Duration>,
 }
 
 impl SsdSettings {
@@ -62,6 +63,7 @@ impl SsdSettings {
             segment_bytes,
             queue_depth: self.queue_depth.unwrap_or_else(|| table_default(&SSD_QUEUE_DEPTH, super::parse_number)),
             flush_on_stop: self.flush_on_stop.unwrap_or_else(|| table_default(&SSD_FLUSH_ON_STOP, super::parse_seconds)),
+            sync_interval: self.sync_interval.unwrap_or_else(|| table_default(&SSD_SYNC_INTERVAL, super::parse_seconds)),
             ..SsdConfig::default()
         }))
     }
@@ -86,6 +88,9 @@ pub(super) fn validate(ssd: &SsdConfig) -> Result<(), ConfigError> {
     ssd.validate()?;
     if ssd.flush_on_stop > Duration::from_secs(86_400) {
         return Err(ConfigError::setting(&settings::SSD_FLUSH_ON_STOP, format!("{:?} is more than a day", ssd.flush_on_stop)));
+    }
+    if ssd.sync_interval > Duration::from_secs(86_400) {
+        return Err(ConfigError::setting(&settings::SSD_SYNC_INTERVAL, format!("{:?} is more than a day", ssd.sync_interval)));
     }
     ssd.dirs.iter().try_for_each(|d| check_dir(d))
 }

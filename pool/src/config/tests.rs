@@ -128,6 +128,8 @@ fn defaults_come_from_the_settings_table() {
     assert_eq!((s.queue_depth as u64, own.queue_depth as u64), (number(&SSD_QUEUE_DEPTH), number(&SSD_QUEUE_DEPTH)));
     let flush = parse_seconds(SSD_FLUSH_ON_STOP.flag, SSD_FLUSH_ON_STOP.default_str()).unwrap();
     assert_eq!((s.flush_on_stop, own.flush_on_stop), (flush, flush));
+    let sync = parse_seconds(SSD_SYNC_INTERVAL.flag, SSD_SYNC_INTERVAL.default_str()).unwrap();
+    assert_eq!((s.sync_interval, own.sync_interval), (sync, sync));
     assert_eq!((s.segment_bytes, own.segment_bytes), (ssd::MAX_DEFAULT_SEGMENT_BYTES, ssd::MAX_DEFAULT_SEGMENT_BYTES));
 }
 

@@ -633,6 +633,46 @@ pub fn encode_cluster(enc: &mut DescriptorEncoder, c: &crate::pool_report::Clust
     ] {
         counter(enc, name, help, v)?;
     }
+    let flag = |b: bool| f64::from(u8::from(b));
+    gauge(
+        enc,
+        "umbp_cluster_membership_etcd",
+        "1 when peers are found through etcd (--cluster-etcd), 0 with the --cluster-peer list only",
+        flag(c.etcd.is_some()),
+    )?;
+    let Some(e) = &c.etcd else { return Ok(()) };
+    gauge(enc, "umbp_cluster_etcd_reachable", "1 when the last poll of etcd succeeded, 0 while etcd is unreachable", flag(e.reachable))?;
+    gauge(
+        enc,
+        "umbp_cluster_etcd_seconds_since_success",
+        "Seconds since the last successful etcd poll (since the start while none has): grows while etcd is down",
+        e.seconds_since_success,
+    )?;
+    counter(
+        enc,
+        "umbp_cluster_etcd_failed_requests",
+        "Requests to etcd that failed (no endpoint answered in time, or an error status)",
+        e.failed_requests,
+    )?;
+    counter(enc, "umbp_cluster_etcd_outages", "Times etcd went from reachable to unreachable", e.outages)?;
+    counter(
+        enc,
+        "umbp_cluster_etcd_registrations",
+        "Times this pool's key was written under a new etcd lease (the first one included)",
+        e.registrations,
+    )?;
+    gauge(
+        enc,
+        "umbp_cluster_etcd_members",
+        "Members under the etcd prefix in the last successful read, this pool included (kept while etcd is down)",
+        e.members as f64,
+    )?;
+    gauge(
+        enc,
+        "umbp_cluster_etcd_registered",
+        "1 when this pool's key was in the last read and etcd confirmed its lease less than a TTL ago",
+        flag(e.registered),
+    )?;
     Ok(())
 }
 
@@ -711,6 +751,36 @@ pub fn encode_tiers(
         s.segments_refused as f64,
     )?;
     gauge(enc, "umbp_ssd_rebuild_seconds", "Time the SSD index rebuild took at start", s.rebuild_ms / 1e3)?;
+    counter(enc, "umbp_ssd_puts", "Records the SSD store wrote (demotions, the clean stop's writes, compaction moves)", s.puts)?;
+    counter(enc, "umbp_ssd_put_bytes", "Bytes of records the SSD store wrote", s.put_bytes)?;
+    labelled_counter(
+        enc,
+        "umbp_ssd_reads",
+        "SSD store reads by result (hit: a readable record; miss: absent, I/O error or bad CRC)",
+        "result",
+        &[("hit", s.hits), ("miss", s.misses)],
+    )?;
+    counter(enc, "umbp_ssd_compacted_bytes", "Bytes of live SSD records moved by compaction", s.compacted_bytes)?;
+    counter(
+        enc,
+        "umbp_ssd_segment_syncs",
+        "SSD segment files fdatasynced by flushes (--ssd-sync-interval, clean stop); records written since the last one do not survive a power loss",
+        s.segment_syncs,
+    )?;
+    counter(enc, "umbp_ssd_dir_syncs", "SSD directory fsyncs by flushes (one per directory per flush)", s.dir_syncs)?;
+    labelled_gauge(
+        enc,
+        "umbp_ssd_start_segments",
+        "SSD segments at start, by how they were read (footer, scanned) or skipped (unreadable: their objects are misses)",
+        "how",
+        &[("footer", s.segments_from_footer as f64), ("scanned", s.segments_scanned as f64), ("unreadable", s.segments_unreadable as f64)],
+    )?;
+    gauge(
+        enc,
+        "umbp_ssd_misplaced_records",
+        "SSD records found at start in a directory their key does not map to (the directory list changed)",
+        s.misplaced_records as f64,
+    )?;
     Ok(())
 }
 
@@ -754,6 +824,58 @@ mod tests {
         assert_eq!(unix_path("127.0.0.1:9464"), None);
     }
 
+    #[derive(Debug)]
+    struct FixedCluster(crate::pool_report::ClusterReport);
+
+    impl Collector for FixedCluster {
+        fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+            encode_cluster(&mut enc, &self.0)
+        }
+    }
+
+    /// etcd's health comes out under its names with the report's values; a pool on the
+    /// --cluster-peer list shows `umbp_cluster_membership_etcd 0` and no etcd series.
+    #[test]
+    fn etcd_membership_series_carry_the_report() {
+        let text = |c| {
+            let mut registry = Registry::default();
+            registry.register_collector(Box::new(FixedCluster(c)));
+            let mut t = String::new();
+            prometheus_client::encoding::prometheus_text::encode(&mut t, &registry).unwrap();
+            t
+        };
+        let etcd = crate::pool_report::EtcdReport {
+            reachable: false,
+            seconds_since_success: 2.5,
+            failed_requests: 7,
+            outages: 1,
+            registrations: 3,
+            members: 4,
+            registered: false,
+        };
+        let t = text(crate::pool_report::ClusterReport { etcd: Some(etcd), ..Default::default() });
+        for (series, want) in [
+            ("umbp_cluster_membership_etcd", 1.0),
+            ("umbp_cluster_etcd_reachable", 0.0),
+            ("umbp_cluster_etcd_seconds_since_success", 2.5),
+            ("umbp_cluster_etcd_failed_requests_total", 7.0),
+            ("umbp_cluster_etcd_outages_total", 1.0),
+            ("umbp_cluster_etcd_registrations_total", 3.0),
+            ("umbp_cluster_etcd_members", 4.0),
+            ("umbp_cluster_etcd_registered", 0.0),
+        ] {
+            assert_eq!(sample(&t, series), want, "{series}");
+        }
+        let t = text(crate::pool_report::ClusterReport {
+            etcd: Some(crate::pool_report::EtcdReport { reachable: true, registered: true, ..etcd }),
+            ..Default::default()
+        });
+        assert_eq!((sample(&t, "umbp_cluster_etcd_reachable"), sample(&t, "umbp_cluster_etcd_registered")), (1.0, 1.0));
+        let t = text(crate::pool_report::ClusterReport::default());
+        assert_eq!(sample(&t, "umbp_cluster_membership_etcd"), 0.0);
+        assert!(!t.contains("umbp_cluster_etcd_"), "no etcd series without etcd:\n{t}");
+    }
+
     #[test]
     fn tier_gauges_and_ssd_counters_carry_the_report() {
         let t = scrape(Fixed(TierCounts { dram: 7, ssd: 30, remote: 2 }, 1 << 20, Some(SsdReport::example())));
@@ -786,6 +908,17 @@ mod tests {
             ("umbp_ssd_torn_records_skipped", 11.0),
             ("umbp_ssd_segments_refused", 13.0),
             ("umbp_ssd_rebuild_seconds", 0.0125),
+            ("umbp_ssd_puts_total", 14.0),
+            ("umbp_ssd_put_bytes_total", (14 << 20) as f64),
+            ("umbp_ssd_reads_total{result=\"hit\"}", 15.0),
+            ("umbp_ssd_reads_total{result=\"miss\"}", 16.0),
+            ("umbp_ssd_compacted_bytes_total", (17 << 20) as f64),
+            ("umbp_ssd_segment_syncs_total", 18.0),
+            ("umbp_ssd_dir_syncs_total", 19.0),
+            ("umbp_ssd_start_segments{how=\"footer\"}", 20.0),
+            ("umbp_ssd_start_segments{how=\"scanned\"}", 21.0),
+            ("umbp_ssd_start_segments{how=\"unreadable\"}", 22.0),
+            ("umbp_ssd_misplaced_records", 23.0),
         ] {
             assert_eq!(sample(&t, series), want, "{series}");
         }

@@ -149,6 +149,17 @@ pub fn ssd_report(t: &crate::tier::SsdTier, ts: &crate::store::objects::TierStat
         torn_records_skipped: st.torn_records_skipped,
         segments_refused: st.segments_refused,
         rebuild_ms: st.rebuild_ms,
+        puts: st.puts,
+        put_bytes: st.put_bytes,
+        hits: st.hits,
+        misses: st.misses,
+        compacted_bytes: st.compacted_bytes,
+        segment_syncs: st.segment_syncs,
+        dir_syncs: st.dir_syncs,
+        segments_from_footer: st.segments_from_footer,
+        segments_scanned: st.segments_scanned,
+        segments_unreadable: st.segments_unreadable,
+        misplaced_records: st.misplaced_records,
     }
 }
 

@@ -18,6 +18,7 @@ const EVICTION_STEP: usize = 64;
 /// The evictor thread: the store and the tiers (`pool`), until `stopping`.
 pub fn run(pool: TierWork<'_>, stopping: &AtomicBool) {
     let (lock, cv) = &pool.store.evict_wake;
+    let mut sync = pool.tiers.ssd.as_deref().map(|_| PeriodicSync { last: Instant::now(), written: 0 });
     // Acquire pairs with `Pool::stop`'s swap: seen at the latest after its wake.
     while !stopping.load(Ordering::Acquire) {
         {
@@ -64,6 +65,41 @@ pub fn run(pool: TierWork<'_>, stopping: &AtomicBool) {
             let hinted = pool.store.objects.lock().expect("store lock").take_prefetch();
             if !hinted.is_empty() {
                 crate::tier::prefetch(pool, hinted);
+            }
+            if let Some(s) = &mut sync {
+                s.tick(ssd);
+            }
+        }
+    }
+}
+
+/// `--ssd-sync-interval`: the tier flushed (footers, fdatasyncs, directory fsyncs) once
+/// the interval passed and records were written since the last flush. A flush seals each
+/// drive's active segment, so an idle pool is never flushed (no segment churn).
+struct PeriodicSync {
+    last: Instant,
+    /// Records written (puts, compactions, drops) as of the last flush.
+    written: u64,
+}
+
+impl PeriodicSync {
+    fn tick(&mut self, ssd: &crate::tier::SsdTier) {
+        let every = ssd.config.sync_interval;
+        if every.is_zero() || self.last.elapsed() < every {
+            return;
+        }
+        self.last = Instant::now();
+        let st = ssd.store.stats();
+        let written = st.puts + st.compactions + st.evicted_objects;
+        if written == self.written {
+            return;
+        }
+        self.written = written;
+        let t = Instant::now();
+        match ssd.store.flush() {
+            Ok(()) => tracing::debug!(ms = t.elapsed().as_secs_f64() * 1e3, "SSD tier flushed (--ssd-sync-interval)"),
+            Err(e) => {
+                tracing::warn!(error = %e, "SSD periodic flush failed: records written since the last sync may not survive a power loss")
             }
         }
     }

@@ -2,7 +2,9 @@
 
 use std::time::Duration;
 
-use umbp_pool::pool_report::{AttachmentReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, SsdReport, TenantReport};
+use umbp_pool::pool_report::{
+    AttachmentReport, ClusterReport, NamespaceReport, PeerRole, PoolReport, Report, RingReport, SsdReport, TenantReport,
+};
 
 pub fn bytes(n: f64) -> String {
     const UNITS: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
@@ -198,6 +200,9 @@ pub fn dump(r: &PoolReport) -> String {
     if let Some(ssd) = &r.ssd {
         ssd_section(&mut out, ssd);
     }
+    if let Some(c) = &r.cluster {
+        cluster_section(&mut out, c);
+    }
     namespaces_table(&mut out, &r.namespaces);
     attachments_table(&mut out, &r.attachments);
     if let Some(ix) = &r.index {
@@ -291,7 +296,7 @@ pub fn ssd_section(out: &mut String, s: &SsdReport) {
         s.promotion_failures
     ));
     out.push_str(&format!(
-        "  CRC misses {}  read errors {}  write errors {}  evicted {}  compactions {}\n  warm restart: restored {} objects in {:.1} ms, torn records skipped {}, segments refused {}\n\n",
+        "  CRC misses {}  read errors {}  write errors {}  evicted {}  compactions {}\n  warm restart: restored {} objects in {:.1} ms, torn records skipped {}, segments refused {}\n",
         s.crc_misses,
         s.read_errors,
         s.write_errors,
@@ -302,6 +307,49 @@ pub fn ssd_section(out: &mut String, s: &SsdReport) {
         s.torn_records_skipped,
         s.segments_refused
     ));
+    out.push_str(&format!(
+        "  store: puts {} ({})  reads hit {} / miss {}  compacted {}\n  syncs: segments {}  directories {}{}\n  at start: segments from footer {}  scanned {}  unreadable {}  misplaced records {}\n\n",
+        s.puts,
+        bytes(s.put_bytes as f64),
+        s.hits,
+        s.misses,
+        bytes(s.compacted_bytes as f64),
+        s.segment_syncs,
+        s.dir_syncs,
+        if s.segment_syncs + s.dir_syncs == 0 { " (none yet: records written so far do not survive a power loss)" } else { "" },
+        s.segments_from_footer,
+        s.segments_scanned,
+        s.segments_unreadable,
+        s.misplaced_records
+    ));
+}
+
+/// The cluster tier: peers, remote reads, and how peers are found (docs/cluster.md).
+pub fn cluster_section(out: &mut String, c: &ClusterReport) {
+    out.push_str(&format!(
+        "CLUSTER\n  peers {}  subscribers {}  remote keys {}\n  fetches {} ({})  failed {}  digest mismatches {}  late reads {}\n",
+        c.peers,
+        c.subscribers,
+        c.remote_keys,
+        c.fetches,
+        bytes(c.fetched_bytes as f64),
+        c.fetch_failures,
+        c.digest_mismatches,
+        c.late_reads
+    ));
+    match &c.etcd {
+        None => out.push_str("  membership: --cluster-peer list\n\n"),
+        Some(e) => out.push_str(&format!(
+            "  membership: etcd {}, last good poll {:.1} s ago, failed requests {}, outages {}\n  etcd members {}  this pool {} (registrations {})\n\n",
+            if e.reachable { "reachable" } else { "UNREACHABLE (view kept)" },
+            e.seconds_since_success,
+            e.failed_requests,
+            e.outages,
+            e.members,
+            if e.registered { "registered" } else { "NOT registered" },
+            e.registrations
+        )),
+    }
 }
 
 /// Per-second rates between two reports.
@@ -378,8 +426,36 @@ mod tests {
             "promotions 9 (9.0 MiB)  failed 1",
             "CRC misses 3  read errors 4  write errors 6  evicted 8  compactions 10",
             "restored 1000 objects in 12.5 ms, torn records skipped 11",
+            "store: puts 14 (14.0 MiB)  reads hit 15 / miss 16  compacted 17.0 MiB",
+            "syncs: segments 18  directories 19\n",
+            "at start: segments from footer 20  scanned 21  unreadable 22  misplaced records 23",
         ] {
             assert!(out.contains(want), "{want:?} not in:\n{out}");
         }
+    }
+
+    #[test]
+    fn cluster_section_shows_etcd_health() {
+        let etcd = umbp_pool::pool_report::EtcdReport {
+            reachable: false,
+            seconds_since_success: 3.4,
+            failed_requests: 9,
+            outages: 1,
+            registrations: 2,
+            members: 3,
+            registered: false,
+        };
+        let mut out = String::new();
+        cluster_section(&mut out, &ClusterReport { peers: 2, etcd: Some(etcd), ..Default::default() });
+        for want in [
+            "peers 2",
+            "membership: etcd UNREACHABLE (view kept), last good poll 3.4 s ago, failed requests 9, outages 1",
+            "etcd members 3  this pool NOT registered (registrations 2)",
+        ] {
+            assert!(out.contains(want), "{want:?} not in:\n{out}");
+        }
+        let mut out = String::new();
+        cluster_section(&mut out, &ClusterReport::default());
+        assert!(out.contains("membership: --cluster-peer list"), "{out}");
     }
 }
