@@ -130,7 +130,7 @@ impl Dial {
         let sock = UnixStream::from(fd);
         let pool = crate::peer::check_pool_peer(std::os::fd::AsFd::as_fd(&sock), pool_uid)
             .map_err(|reason| DialError::Refused(Refusal::UntrustedPeer { path: path.to_path_buf(), reason }))?;
-        // Messages are read with SO_RCVTIMEO deadlines, which need a blocking socket.
+        // Unbounded messages (no timeout) block in the call itself: a blocking socket.
         sock.set_nonblocking(false).map_err(|e| DialError::Broken(HandshakeError::Socket(e)))?;
         let sent = send_message(&sock, MessageKind::Hello, bytemuck::bytes_of(hello), &[], Some(reply_timeout));
         let mut d = Self { sock, pool, deadline: Instant::now() + reply_timeout, reply_timeout };

@@ -12,9 +12,11 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
+use rustix::event::{poll, PollFd, PollFlags};
 use rustix::net::{
     recvmsg, sendmsg, RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
+use rustix::time::Timespec;
 use umbp_protocol::wire::{MessageHeader, MessageKind};
 use umbp_protocol::ProtocolError;
 
@@ -46,8 +48,13 @@ pub struct Message {
 /// Most fds one message carries.
 pub const MAX_FDS: usize = 8;
 
-/// A deadline for one whole message. Before each read or write the socket's timeout is set
-/// to what is left of it, so many slow reads cannot add up past it.
+/// A deadline for one whole message. A bounded read or write first waits in `poll` for
+/// what is left of it and then runs without blocking (`MSG_DONTWAIT`), so many slow reads
+/// cannot add up past it. The wait is `poll`'s, not a socket timeout's: the kernel counts
+/// SO_RCVTIMEO on its timer wheel, which fires a long wait late by up to an eighth of it
+/// (on the 2-core VM a 990 ms SO_RCVTIMEO took 1,020 ms and 2.2 s ones 146-204 ms more;
+/// the soak's worker calls ended 20-23 ms past their 1,000 ms bound), while `poll` sleeps
+/// on a high-resolution timer.
 struct Deadline(Option<Instant>);
 
 impl Deadline {
@@ -55,22 +62,53 @@ impl Deadline {
         Self(timeout.map(|t| Instant::now() + t))
     }
 
-    /// Sets SO_RCVTIMEO/SO_SNDTIMEO to the time left; Timeout when none is.
+    /// Unbounded: clears the socket's timeouts, so the calls block until done (a timeout
+    /// left on the socket by an earlier use must not cut them short). Bounded: nothing to
+    /// arm; the calls wait in `ready` and never block.
     fn arm(&self, sock: &UnixStream) -> Result<(), MessageError> {
-        let left = match self.0 {
-            None => None,
-            Some(d) => {
-                let left = d.saturating_duration_since(Instant::now());
-                // A zero socket timeout means "block forever": never set one.
-                if left < Duration::from_micros(1) {
-                    return Err(MessageError::Timeout);
-                }
-                Some(left)
-            }
-        };
-        sock.set_read_timeout(left)?;
-        sock.set_write_timeout(left)?;
+        if self.0.is_none() {
+            sock.set_read_timeout(None)?;
+            sock.set_write_timeout(None)?;
+        }
         Ok(())
+    }
+
+    /// What keeps a bounded receive from blocking (it waited in `ready` first).
+    fn recv_flags(&self) -> RecvFlags {
+        if self.0.is_some() {
+            RecvFlags::DONTWAIT
+        } else {
+            RecvFlags::empty()
+        }
+    }
+
+    /// What keeps a bounded send from blocking.
+    fn send_flags(&self) -> SendFlags {
+        if self.0.is_some() {
+            SendFlags::DONTWAIT
+        } else {
+            SendFlags::empty()
+        }
+    }
+
+    /// Waits until `sock` is ready for `events` (or has an error or a hang-up, which the
+    /// call that follows reports), or the deadline passes: Timeout. Unbounded: at once.
+    fn ready(&self, sock: &UnixStream, events: PollFlags) -> Result<(), MessageError> {
+        let Some(deadline) = self.0 else { return Ok(()) };
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(MessageError::Timeout);
+            }
+            let left = Timespec { tv_sec: left.as_secs() as i64, tv_nsec: left.subsec_nanos() as i64 };
+            let mut fds = [PollFd::new(sock, events)];
+            match poll(&mut fds, Some(&left)) {
+                // Nothing yet, or a signal: look at the clock again.
+                Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+                Ok(_) => return Ok(()),
+                Err(e) => return Err(map_io(e.into())),
+            }
+        }
     }
 }
 
@@ -87,18 +125,22 @@ fn restarting<T>(mut call: impl FnMut() -> rustix::io::Result<T>) -> rustix::io:
     }
 }
 
-/// [`restarting`] for a call bounded by `deadline`: the socket timeout starts over with
-/// each system call, so every retry after a signal is re-armed with what is left (else a
-/// signal storm, e.g. an engine's SIGUSR2s, kept a receive from a stopped pool blocked
-/// past its deadline: 1,561 ms for a 1,000 ms bound in `umbp-bench soak`).
+/// [`restarting`] for a call bounded by `deadline`: each try (the first, and every one
+/// after a signal or after a readiness that came to nothing) waits in `poll` for what is
+/// left, then `call` runs without blocking. So a signal storm, e.g. an engine's SIGUSR2s,
+/// cannot keep a receive from a stopped pool past its deadline (it did: 1,561 ms for a
+/// 1,000 ms bound in `umbp-bench soak`, when each retry had the whole timeout again).
 fn restarting_within<T>(
     deadline: &Deadline,
     sock: &UnixStream,
+    events: PollFlags,
     mut call: impl FnMut() -> rustix::io::Result<T>,
 ) -> Result<T, MessageError> {
     loop {
+        deadline.ready(sock, events)?;
         match call() {
-            Err(rustix::io::Errno::INTR) => deadline.arm(sock)?,
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(rustix::io::Errno::AGAIN) if deadline.0.is_some() => continue,
             r => return r.map_err(|e| map_io(e.into())),
         }
     }
@@ -132,11 +174,12 @@ pub fn send_message(
         assert!(fds.len() <= MAX_FDS, "at most {MAX_FDS} fds per message");
         control.push(SendAncillaryMessage::ScmRights(fds));
     }
-    let mut sent = restarting_within(&deadline, sock, || sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, SendFlags::NOSIGNAL))?;
+    let flags = SendFlags::NOSIGNAL | deadline.send_flags();
+    let mut sent =
+        restarting_within(&deadline, sock, PollFlags::OUT, || sendmsg(sock.as_fd(), &[IoSlice::new(&buf)], &mut control, flags))?;
     while sent < buf.len() {
-        deadline.arm(sock)?;
-        let n = restarting_within(&deadline, sock, || {
-            sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), SendFlags::NOSIGNAL)
+        let n = restarting_within(&deadline, sock, PollFlags::OUT, || {
+            sendmsg(sock.as_fd(), &[IoSlice::new(&buf[sent..])], &mut SendAncillaryBuffer::default(), flags)
         })?;
         sent += n;
     }
@@ -150,9 +193,9 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
     let mut head = [0u8; 16];
     let mut fds = Vec::new();
     let mut got = 0;
+    deadline.arm(sock)?;
     while got < head.len() {
-        deadline.arm(sock)?;
-        let chunk = recv_chunk_within(sock, &mut head[got..], RecvFlags::empty(), Some(&deadline))?;
+        let chunk = recv_chunk_within(sock, &mut head[got..], deadline.recv_flags(), Some(&deadline))?;
         fds.extend(chunk.fds);
         if chunk.truncated {
             return Err(MessageError::FdsTruncated);
@@ -170,8 +213,9 @@ pub fn recv_message(sock: &UnixStream, timeout: Option<Duration>) -> Result<Mess
     let mut payload = vec![0u8; header.len as usize];
     let mut off = 0;
     while off < payload.len() {
-        deadline.arm(sock)?;
-        let n = restarting_within(&deadline, sock, || rustix::io::read(sock.as_fd(), &mut payload[off..]))?;
+        let n = restarting_within(&deadline, sock, PollFlags::IN, || {
+            rustix::net::recv(sock.as_fd(), &mut payload[off..], deadline.recv_flags()).map(|(n, _)| n)
+        })?;
         if n == 0 {
             return Err(MessageError::Closed);
         }
@@ -200,7 +244,7 @@ fn recv_chunk_within(sock: &UnixStream, buf: &mut [u8], flags: RecvFlags, deadli
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let mut call = || recvmsg(sock.as_fd(), &mut [IoSliceMut::new(buf)], &mut control, RecvFlags::CMSG_CLOEXEC | flags);
     let r = match deadline {
-        Some(d) => restarting_within(d, sock, call)?,
+        Some(d) => restarting_within(d, sock, PollFlags::IN, call)?,
         None => restarting(&mut call).map_err(|e| map_io(e.into()))?,
     };
     let mut fds = Vec::new();
@@ -232,7 +276,6 @@ pub fn send_chunk(sock: &UnixStream, bytes: &[u8], fds: &[OwnedFd]) -> Result<us
 /// and the poll is made again; any other error of the poll itself (ENOMEM) is not a
 /// verdict on the peer either, so it reads as "not gone" (the next check decides).
 pub fn peer_gone(sock: &UnixStream) -> bool {
-    use rustix::event::{poll, PollFd, PollFlags};
     let mut fds = [PollFd::new(sock, PollFlags::IN)];
     let polled = restarting(|| poll(&mut fds, Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })));
     match polled {
@@ -345,6 +388,33 @@ mod tests {
         assert!(sent > 100, "the storm sent only {sent} signals: nothing was tested");
         assert!(matches!(r, Err(MessageError::Timeout)), "{:?}", r.map(|m| m.kind));
         assert!(took < Duration::from_millis(800), "a 300 ms receive took {took:?} under {sent} signals");
+    }
+
+    /// The soak's `max_blocked_ms` (issue #31): a bounded receive ends at its deadline, not
+    /// when the kernel's timer wheel gets round to it. Waiting with SO_RCVTIMEO, a 2.2 s
+    /// receive ended 146-204 ms late on the 2-core VM (the wheel rounds a wait that long up
+    /// to 64 ticks) and the soak's calls 20-23 ms past a 1 s bound. Eight receives started
+    /// 32 ms apart meet every alignment of a 64 ms or coarser granularity, so on the old
+    /// code at least one ends 32 ms or more late at any HZ.
+    #[test]
+    fn a_bounded_receive_ends_at_its_deadline_not_a_timer_tick_later() {
+        let timeout = Duration::from_millis(2200);
+        let receivers: Vec<_> = (0..8u64)
+            .map(|i| {
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(32 * i));
+                    let (_a, b) = UnixStream::pair().unwrap();
+                    let t = Instant::now();
+                    let r = recv_message(&b, Some(timeout));
+                    let took = t.elapsed();
+                    assert!(matches!(r, Err(MessageError::Timeout)), "{:?}", r.map(|m| m.kind));
+                    assert!(took >= timeout, "ended {:?} early", timeout - took);
+                    took - timeout
+                })
+            })
+            .collect();
+        let late: Vec<Duration> = receivers.into_iter().map(|h| h.join().unwrap()).collect();
+        assert!(late.iter().all(|l| *l < Duration::from_millis(25)), "bounded receives ended {late:?} past their deadline");
     }
 
     /// Issue #31 item 1: a zero-timeout poll interrupted by a signal returned EINTR, which

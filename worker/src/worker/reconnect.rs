@@ -93,10 +93,10 @@ impl Worker {
     /// blocked 2.1 s with timeout_ms 1000, 3.6 s under valgrind; tests/tests/reconnect_stall.rs).
     /// A pool too slow to finish the replay by `deadline` is retried with backoff.
     ///
-    /// The replay's receives wait with SO_RCVTIMEO, which the kernel counts in scheduler
-    /// ticks (rounded up: 4-10 ms per wait), so they aim `TIMER_SLACK` early: a call of the
-    /// 7-minute `soak --cluster` on a 16-core host ended 23 ms past its 1000 ms bound when
-    /// the replay had its own full timeout after the dial and checks.
+    /// The replay aims `TIMER_SLACK` early, for what follows its last wait (dropping a
+    /// half-made attachment, the log line). Its waits are `poll`'s (umbp_ipc::message): with
+    /// SO_RCVTIMEO, which the kernel fires late by up to an eighth of the wait, calls of the
+    /// `soak --cluster` runs ended 20-23 ms past their 1,000 ms bound.
     pub(super) fn finish_reconnect(&mut self, attached: Attached, deadline: Instant) -> Result<(), WorkerError> {
         const TIMER_SLACK: Duration = Duration::from_millis(10);
         let began = Instant::now();
